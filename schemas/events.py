@@ -1,0 +1,228 @@
+"""Wire messages of the loop: what the gateway publishes to Kafka and the labeler consumes.
+
+Every message is a frozen pydantic model with a ``schema_version`` literal; a consumer that sees a
+version it does not know dead-letters the record instead of guessing. Validation is strict: sizes
+are bounded (a hostile client cannot make the labeler allocate gigabytes), numbers are finite and
+token ids and logprobs line up. ``rtrl schemas export DIR`` writes these as JSON Schema.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Bounds on untrusted input. Large enough for real coding traffic, small enough that one record
+# cannot exhaust the labeler.
+MAX_TEXT_CHARS = 1_000_000
+MAX_TOKENS = 131_072
+MAX_ID_CHARS = 200
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+
+INTERACTION_SCHEMA = "rtrl.interaction.v1"
+FEEDBACK_SCHEMA = "rtrl.feedback.v1"
+DEAD_LETTER_SCHEMA = "rtrl.dead_letter.v1"
+
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=r"^[A-Za-z0-9_.:@/+=-]+$")]
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=MAX_TOKENS)]
+Logprobs = Annotated[list[float], Field(max_length=MAX_TOKENS)]
+
+
+def new_id() -> str:
+    """A fresh random event / request id (uuid4 hex)."""
+    return uuid.uuid4().hex
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", str_strip_whitespace=False)
+
+    @field_validator("created_at", check_fields=False)
+    @classmethod
+    def _aware(cls, value: datetime) -> datetime:
+        if value.tzinfo is None:
+            raise ValueError("created_at must carry a timezone (use UTC)")
+        return value
+
+
+class Role(StrEnum):
+    """What a segment of an episode is (DESIGN.md, multi-segment episodes)."""
+
+    policy = "policy"  # an ordinary model call of the policy being trained
+    summary = "summary"  # Cursor self-summarization: trained like any policy tokens
+    orchestrator = "orchestrator"  # Kimi PARL orchestrator: trainable
+    subagent = "subagent"  # Kimi PARL sub-agent: frozen observation, masked from the loss
+
+
+class SamplingParams(_Message):
+    """The sampling parameters the segment was generated with (needed to judge on-policyness)."""
+
+    temperature: float = Field(1.0, ge=0, le=100, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Top-k cutoff, -1 for none.")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="Completion token limit.")
+    seed: int | None = Field(None, description="Sampling seed, if the client pinned one.")
+    stop: list[Annotated[str, Field(max_length=1000)]] = Field(
+        default_factory=list, max_length=16, description="Stop strings."
+    )
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class InteractionEvent(_Message):
+    """One served model call: the exact tokens, behaviour logprobs and weight version behind it."""
+
+    schema_version: Literal["rtrl.interaction.v1"] = Field(INTERACTION_SCHEMA, description="Wire schema tag.")
+    event_id: Id = Field(default_factory=new_id, description="Idempotency key of this event.")
+    request_id: Id = Field(description="Id the gateway gave the request; feedback refers to it.")
+    session_id: Id | None = Field(None, description="Client session, if the app sends one.")
+    tenant: Id = Field("default", description="Tenant / application the request belongs to.")
+    created_at: datetime = Field(default_factory=utcnow, description="When the response was served (UTC).")
+    model: Id = Field(description="Served model name.")
+    policy_version: Id = Field(description="Weight version of the server that generated the completion.")
+    prompt: Text = Field(description="Prompt text as sent to the model (chat templates applied).")
+    prompt_token_ids: TokenIds = Field(description="Prompt token ids as the server tokenized them.")
+    completion: Text = Field(description="Completion text.")
+    completion_token_ids: TokenIds = Field(description="Sampled completion token ids.")
+    completion_logprobs: Logprobs = Field(description="Behaviour logprob of each sampled completion token.")
+    finish_reason: Annotated[str, Field(max_length=32)] | None = Field(None, description="stop, length, ...")
+    sampling: SamplingParams = Field(default_factory=SamplingParams, description="Sampling parameters.")
+    episode_id: Id = Field(description="Episode this segment belongs to (= request_id for single calls).")
+    segment_index: int = Field(0, ge=0, le=10_000, description="Position of the segment in its episode.")
+    role: Role = Field(Role.policy, description="What the segment is; subagent segments are not trained.")
+    trainable: bool = Field(True, description="Whether the completion tokens enter the loss.")
+
+    @field_validator("completion_logprobs")
+    @classmethod
+    def _finite_logprobs(cls, value: list[float]) -> list[float]:
+        for lp in value:
+            if not math.isfinite(lp) or lp > 1e-4:
+                raise ValueError(f"logprobs must be finite and <= 0, got {lp!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _aligned(self) -> InteractionEvent:
+        if len(self.completion_logprobs) != len(self.completion_token_ids):
+            raise ValueError(
+                f"{len(self.completion_logprobs)} logprobs for {len(self.completion_token_ids)} completion tokens"
+            )
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        if self.role == Role.subagent and self.trainable:
+            raise ValueError("subagent segments are frozen observations: trainable must be false")
+        return self
+
+
+class FeedbackKind(StrEnum):
+    """The closed set of feedback signals rtrl understands."""
+
+    accepted = "accepted"
+    rejected = "rejected"
+    edited = "edited"
+    edit_persisted = "edit_persisted"
+    edit_reverted = "edit_reverted"
+    thumbs_up = "thumbs_up"
+    thumbs_down = "thumbs_down"
+    followup_dissatisfied = "followup_dissatisfied"
+    tool_call_error = "tool_call_error"
+    task_outcome = "task_outcome"
+    judge_score = "judge_score"
+
+
+# Kinds whose value is a score the sender chooses; the others are events and ignore value.
+SCORED_KINDS = frozenset({FeedbackKind.task_outcome, FeedbackKind.judge_score})
+
+
+class FeedbackEvent(_Message):
+    """A signal about a served request or a whole episode, from the app, the user or a judge."""
+
+    schema_version: Literal["rtrl.feedback.v1"] = Field(FEEDBACK_SCHEMA, description="Wire schema tag.")
+    event_id: Id = Field(default_factory=new_id, description="Idempotency key of this event.")
+    request_id: Id = Field(description="The request the feedback is about (x-rtrl-request-id).")
+    episode_id: Id | None = Field(None, description="Episode, when the feedback is about the whole episode.")
+    tenant: Id = Field("default", description="Tenant / application.")
+    kind: FeedbackKind = Field(description="What happened.")
+    value: float = Field(1.0, ge=-1e6, le=1e6, description="Score for task_outcome / judge_score; 1 otherwise.")
+    created_at: datetime = Field(default_factory=utcnow, description="When it happened (UTC).")
+
+    @field_validator("value")
+    @classmethod
+    def _finite_value(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("value must be finite")
+        return value
+
+
+class DeadLetterRecord(_Message):
+    """A record rtrl could not use, kept with the reason instead of being dropped."""
+
+    schema_version: Literal["rtrl.dead_letter.v1"] = Field(DEAD_LETTER_SCHEMA, description="Wire schema tag.")
+    event_id: Id = Field(default_factory=new_id, description="Id of this dead-letter record.")
+    source: Annotated[str, Field(max_length=200)] = Field(description="Where it came from: topic:partition:offset or a component.")
+    original_event_id: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = Field(
+        None, description="event_id of the rejected record, if it had a readable one."
+    )
+    reason: Annotated[str, Field(max_length=10_000)] = Field(description="Why it was rejected.")
+    payload: Annotated[str, Field(max_length=MAX_EVENT_BYTES)] = Field(
+        description="The original bytes, decoded as UTF-8 with replacement."
+    )
+    created_at: datetime = Field(default_factory=utcnow, description="When it was dead-lettered (UTC).")
+
+
+WIRE_MODELS: dict[str, type[_Message]] = {
+    INTERACTION_SCHEMA: InteractionEvent,
+    FEEDBACK_SCHEMA: FeedbackEvent,
+    DEAD_LETTER_SCHEMA: DeadLetterRecord,
+}
+
+
+class SchemaError(ValueError):
+    """A wire record that is not a valid, known rtrl message."""
+
+
+def parse_event(raw: bytes, expected: type[_Message] | None = None) -> Any:
+    """Decode one Kafka record value into its model, or raise SchemaError with the reason."""
+    import json
+
+    if len(raw) > MAX_EVENT_BYTES:
+        raise SchemaError(f"record of {len(raw)} bytes exceeds {MAX_EVENT_BYTES}")
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SchemaError(f"not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SchemaError(f"expected a JSON object, got {type(data).__name__}")
+    version = data.get("schema_version")
+    model = WIRE_MODELS.get(version) if isinstance(version, str) else None
+    if model is None:
+        raise SchemaError(f"unknown schema_version {version!r}")
+    if expected is not None and model is not expected:
+        raise SchemaError(f"{version} on a topic for {expected.__name__}")
+    try:
+        return model.model_validate(data)
+    except ValueError as exc:
+        raise SchemaError(str(exc)) from exc
+
+
+class FeedbackSignal(_Message):
+    """What a preference function returns for one completion: a feedback kind and its value.
+
+    The simulator turns each signal into a FeedbackEvent for the request it sent; the eval gate
+    scores a completion by passing the signals through the reward spec.
+    """
+
+    kind: FeedbackKind = Field(description="What the simulated user did.")
+    value: float = Field(1.0, ge=-1e6, le=1e6, description="Score for task_outcome / judge_score.")

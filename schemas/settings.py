@@ -1,0 +1,199 @@
+"""rtrl settings: one pydantic-settings model, read from the environment once at start-up.
+
+Every variable is prefixed ``RTRL_`` and nested with ``__``; for example
+``RTRL_KAFKA__BOOTSTRAP_SERVERS=broker:9092`` or ``RTRL_TRAINER__MIN_SAMPLES=256``.
+A ``.env`` file in the working directory is read too. The defaults are the embedded, one-machine
+deployment that ``rtrl services up`` starts on loopback under ``.rtrl/``.
+
+Nothing else in rtrl reads the environment: processes build ``Settings()`` at start-up and pass
+it (or the section they need) down.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ServicesSettings(_Section):
+    """Where `rtrl services` keeps its data and logs, and the loopback ports it starts on."""
+
+    run_dir: Path = Field(Path(".rtrl/run"), description="Data, logs and pid files of the local services.")
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "rtrl",
+        description="Downloads shared between checkouts (Kafka jars from Maven Central).",
+    )
+    host: str = Field("127.0.0.1", description="Interface the local services bind to.")
+    kafka_port: int = Field(19092, description="Kafka broker (PLAINTEXT listener).")
+    kafka_controller_port: int = Field(19093, description="Kafka KRaft controller listener.")
+    kafka_version: str = Field("4.4.0", description="org.apache.kafka:kafka_2.13 version from Maven Central.")
+    postgres_port: int = Field(15432, description="PostgreSQL server.")
+    redis_port: int = Field(16379, description="Redis server (Celery broker and result backend).")
+    mlflow_port: int = Field(15000, description="MLflow tracking server.")
+    vllm_port: int = Field(18000, description="vLLM OpenAI-compatible server (the serving fleet of one).")
+    vllm_staging_port: int | None = Field(
+        18001, description="Second vLLM server the eval gate and swap verification use; None to not start it."
+    )
+    start_timeout_s: float = Field(240.0, description="How long `services up` waits for a service to be healthy.")
+    enabled: tuple[str, ...] = Field(
+        ("kafka", "postgres", "redis", "mlflow", "vllm"),
+        description="Services `rtrl services up` starts.",
+    )
+
+
+class KafkaSettings(_Section):
+    """The event stream."""
+
+    bootstrap_servers: str = Field("127.0.0.1:19092", description="Comma-separated host:port list.")
+    interactions_topic: str = Field("rtrl.interactions.v1", description="InteractionEvent topic.")
+    feedback_topic: str = Field("rtrl.feedback.v1", description="FeedbackEvent topic.")
+    dlq_topic: str = Field("rtrl.dlq.v1", description="Dead-letter topic (DeadLetterRecord).")
+    partitions: int = Field(3, ge=1, description="Partitions per topic when rtrl creates them.")
+    labeler_group: str = Field("rtrl-labeler", description="Consumer group of the feedback labeler.")
+
+
+class StoreSettings(_Section):
+    """The SQL store of events and labelled episodes."""
+
+    url: str = Field(
+        "sqlite:///.rtrl/run/rtrl.db",
+        description="SQLAlchemy URL: sqlite:///path or postgresql+psycopg://user@host:port/db.",
+    )
+
+
+class PostgresSettings(_Section):
+    """The local PostgreSQL server that `rtrl services` runs (scale-out store)."""
+
+    user: str = Field("rtrl", description="Role created for rtrl.")
+    database: str = Field("rtrl", description="Database created for rtrl.")
+
+
+class CelerySettings(_Section):
+    """The trainer's task queue."""
+
+    broker_url: str = Field("redis://127.0.0.1:16379/0", description="Celery broker URL.")
+    result_backend: str = Field("redis://127.0.0.1:16379/1", description="Celery result backend URL.")
+
+
+class MlflowSettings(_Section):
+    """Experiment tracking and the model registry."""
+
+    tracking_uri: str = Field("http://127.0.0.1:15000", description="MLflow tracking server URI.")
+    backend_store_uri: str = Field(
+        "sqlite:///.rtrl/run/mlflow/mlflow.db", description="Database of the local MLflow server."
+    )
+    artifact_root: Path = Field(Path(".rtrl/run/mlflow/artifacts"), description="Artifact root of the local server.")
+    experiment: str = Field("rtrl", description="Experiment that training cycles log to.")
+    model_name: str = Field("rtrl-policy", description="Registered model name.")
+
+
+class VllmSettings(_Section):
+    """The vLLM fleet rtrl serves from and hot-swaps."""
+
+    servers: tuple[str, ...] = Field(
+        ("http://127.0.0.1:18000",), description="Base URLs of the vLLM OpenAI servers (the fleet)."
+    )
+    model_dir: Path = Field(Path(".rtrl/models/tiny"), description="HF-format checkpoint the local server starts on.")
+    staging_server: str | None = Field(
+        "http://127.0.0.1:18001",
+        description="vLLM server for eval-gate generation and for recording a checkpoint's digests; never serves users.",
+    )
+    served_model_name: str = Field("rtrl-tiny", description="Model name clients send.")
+    kv_cache_gib: int = Field(1, description="VLLM_CPU_KVCACHE_SPACE for the local CPU server.")
+    max_model_len: int = Field(512, description="Context length of the local server.")
+    enable_lora: bool = Field(True, description="Start the local server with runtime LoRA updating.")
+    max_lora_rank: int = Field(8, description="--max-lora-rank of the local server.")
+    request_timeout_s: float = Field(120.0, description="Timeout of one request to a vLLM server.")
+
+
+class GatewaySettings(_Section):
+    """The OpenAI-compatible capture gateway in front of the vLLM fleet."""
+
+    host: str = Field("127.0.0.1", description="Bind address of `rtrl gateway`.")
+    port: int = Field(18080, description="Bind port of `rtrl gateway`.")
+    spool_dir: Path = Field(Path(".rtrl/run/spool"), description="On-disk spool for events Kafka did not take.")
+    spool_max_bytes: int = Field(256 * 1024 * 1024, description="Spool bound; past it the oldest file is dead-lettered to disk.")
+    publish_timeout_s: float = Field(5.0, description="How long a publish may wait for the broker before spooling.")
+
+
+class LabelerSettings(_Section):
+    """The feedback labeler: consume, store, join, settle, reward."""
+
+    settle_window_s: float = Field(30.0, description="An episode with no terminal feedback settles this long after its last event.")
+    poll_timeout_ms: int = Field(500, description="Kafka poll timeout.")
+    max_poll_records: int = Field(500, description="Records per poll (one DB transaction).")
+    reward_spec: str = Field("tab-v1", description="Name of the reward spec (feedback/rewards.py).")
+
+
+class LossSettings(_Section):
+    """Policy-gradient loss. `type` picks the function in trainer/losses.py."""
+
+    type: Literal["cispo", "grpo", "ppo"] = Field("cispo", description="Loss function.")
+    eps_low: float = Field(1.0, description="Lower clip of the importance ratio (CISPO: 1.0 = no lower bound).")
+    eps_high: float = Field(0.28, description="Upper clip of the importance ratio.")
+    is_cap: float = Field(2.0, description="Truncation C of the behaviour importance weight min(pi_old/mu, C).")
+
+
+class TrainerSettings(_Section):
+    """The Celery-scheduled training cycle."""
+
+    interval_s: float = Field(60.0, description="Beat checks for a cycle this often.")
+    min_samples: int = Field(32, ge=1, description="Settled episodes of the champion needed to start a cycle.")
+    max_episodes: int = Field(512, ge=1, description="At most this many episodes per cycle (newest first).")
+    max_policy_lag: int = Field(0, ge=0, description="Use episodes at most this many versions behind the champion.")
+    steps: int = Field(4, ge=1, description="Optimizer steps per cycle.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    micro_batch: int = Field(32, ge=1, description="Sequences per forward pass.")
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    loss: LossSettings = LossSettings()
+    checkpoint_dir: Path = Field(Path(".rtrl/run/checkpoints"), description="Where cycle checkpoints are written.")
+    lease_ttl_s: float = Field(1800.0, description="A cycle lease older than this is considered abandoned.")
+    seed: int = Field(0, description="Seed of the training cycle.")
+
+
+class GateSettings(_Section):
+    """The eval gate between @challenger and @champion."""
+
+    tolerance: float = Field(0.05, ge=0, description="Fail when challenger < champion - tolerance (mean reward).")
+    eval_prompts: int = Field(48, ge=1, description="Held-out prompts scored per model.")
+    samples_per_prompt: int = Field(2, ge=1, description="Completions per held-out prompt.")
+
+
+class DeployerSettings(_Section):
+    """The rolling hot-swap of the vLLM fleet."""
+
+    probe_tolerance: float = Field(0.05, gt=0, description="Max |logprob| difference vLLM vs transformers on the probe.")
+    pause_mode: Literal["wait", "abort", "keep"] = Field("wait", description="vLLM /pause mode during a swap.")
+
+
+class Settings(BaseSettings):
+    """All of rtrl's configuration. See the module docstring for how to set it."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="RTRL_",
+        env_nested_delimiter="__",
+        env_file=".env",
+        extra="ignore",
+        frozen=True,
+    )
+
+    env: Literal["dev", "ci", "prod"] = Field("dev", description="Deployment flavour (logging, safety checks).")
+    services: ServicesSettings = ServicesSettings()
+    kafka: KafkaSettings = KafkaSettings()
+    store: StoreSettings = StoreSettings()
+    postgres: PostgresSettings = PostgresSettings()
+    celery: CelerySettings = CelerySettings()
+    mlflow: MlflowSettings = MlflowSettings()
+    vllm: VllmSettings = VllmSettings()
+    gateway: GatewaySettings = GatewaySettings()
+    labeler: LabelerSettings = LabelerSettings()
+    trainer: TrainerSettings = TrainerSettings()
+    gate: GateSettings = GateSettings()
+    deployer: DeployerSettings = DeployerSettings()
