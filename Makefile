@@ -22,7 +22,6 @@ demo: install
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check schemas
 	$(VENV)/bin/mypy schemas
 
 test: install lint

@@ -12,7 +12,7 @@ import math
 import uuid
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -23,9 +23,9 @@ MAX_TOKENS = 131_072
 MAX_ID_CHARS = 200
 MAX_EVENT_BYTES = 16 * 1024 * 1024
 
-INTERACTION_SCHEMA = "rtrl.interaction.v1"
-FEEDBACK_SCHEMA = "rtrl.feedback.v1"
-DEAD_LETTER_SCHEMA = "rtrl.dead_letter.v1"
+INTERACTION_SCHEMA: Final = "rtrl.interaction.v1"
+FEEDBACK_SCHEMA: Final = "rtrl.feedback.v1"
+DEAD_LETTER_SCHEMA: Final = "rtrl.dead_letter.v1"
 
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=r"^[A-Za-z0-9_.:@/+=-]+$")]
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
@@ -155,7 +155,9 @@ class FeedbackEvent(_Message):
     episode_id: Id | None = Field(None, description="Episode, when the feedback is about the whole episode.")
     tenant: Id = Field("default", description="Tenant / application.")
     kind: FeedbackKind = Field(description="What happened.")
-    value: float = Field(1.0, ge=-1e6, le=1e6, description="Score for task_outcome / judge_score; 1 otherwise.")
+    value: float = Field(
+        1.0, ge=-1e6, le=1e6, description="Score for task_outcome / judge_score; 1 otherwise."
+    )
     created_at: datetime = Field(default_factory=utcnow, description="When it happened (UTC).")
 
     @field_validator("value")
@@ -171,7 +173,9 @@ class DeadLetterRecord(_Message):
 
     schema_version: Literal["rtrl.dead_letter.v1"] = Field(DEAD_LETTER_SCHEMA, description="Wire schema tag.")
     event_id: Id = Field(default_factory=new_id, description="Id of this dead-letter record.")
-    source: Annotated[str, Field(max_length=200)] = Field(description="Where it came from: topic:partition:offset or a component.")
+    source: Annotated[str, Field(max_length=200)] = Field(
+        description="Where it came from: topic:partition:offset or a component."
+    )
     original_event_id: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = Field(
         None, description="event_id of the rejected record, if it had a readable one."
     )

@@ -41,7 +41,9 @@ class ServicesSettings(_Section):
     vllm_staging_port: int | None = Field(
         18001, description="Second vLLM server the eval gate and swap verification use; None to not start it."
     )
-    start_timeout_s: float = Field(240.0, description="How long `services up` waits for a service to be healthy.")
+    start_timeout_s: float = Field(
+        240.0, description="How long `services up` waits for a service to be healthy."
+    )
     enabled: tuple[str, ...] = Field(
         ("kafka", "postgres", "redis", "mlflow", "vllm"),
         description="Services `rtrl services up` starts.",
@@ -89,7 +91,9 @@ class MlflowSettings(_Section):
     backend_store_uri: str = Field(
         "sqlite:///.rtrl/run/mlflow/mlflow.db", description="Database of the local MLflow server."
     )
-    artifact_root: Path = Field(Path(".rtrl/run/mlflow/artifacts"), description="Artifact root of the local server.")
+    artifact_root: Path = Field(
+        Path(".rtrl/run/mlflow/artifacts"), description="Artifact root of the local server."
+    )
     experiment: str = Field("rtrl", description="Experiment that training cycles log to.")
     model_name: str = Field("rtrl-policy", description="Registered model name.")
 
@@ -100,7 +104,9 @@ class VllmSettings(_Section):
     servers: tuple[str, ...] = Field(
         ("http://127.0.0.1:18000",), description="Base URLs of the vLLM OpenAI servers (the fleet)."
     )
-    model_dir: Path = Field(Path(".rtrl/models/tiny"), description="HF-format checkpoint the local server starts on.")
+    model_dir: Path = Field(
+        Path(".rtrl/models/tiny"), description="HF-format checkpoint the local server starts on."
+    )
     staging_server: str | None = Field(
         "http://127.0.0.1:18001",
         description="vLLM server for eval-gate generation and for recording a checkpoint's digests; never serves users.",
@@ -118,15 +124,23 @@ class GatewaySettings(_Section):
 
     host: str = Field("127.0.0.1", description="Bind address of `rtrl gateway`.")
     port: int = Field(18080, description="Bind port of `rtrl gateway`.")
-    spool_dir: Path = Field(Path(".rtrl/run/spool"), description="On-disk spool for events Kafka did not take.")
-    spool_max_bytes: int = Field(256 * 1024 * 1024, description="Spool bound; past it the oldest file is dead-lettered to disk.")
-    publish_timeout_s: float = Field(5.0, description="How long a publish may wait for the broker before spooling.")
+    spool_dir: Path = Field(
+        Path(".rtrl/run/spool"), description="On-disk spool for events Kafka did not take."
+    )
+    spool_max_bytes: int = Field(
+        256 * 1024 * 1024, description="Spool bound; past it the oldest file is dead-lettered to disk."
+    )
+    publish_timeout_s: float = Field(
+        5.0, description="How long a publish may wait for the broker before spooling."
+    )
 
 
 class LabelerSettings(_Section):
     """The feedback labeler: consume, store, join, settle, reward."""
 
-    settle_window_s: float = Field(30.0, description="An episode with no terminal feedback settles this long after its last event.")
+    settle_window_s: float = Field(
+        30.0, description="An episode with no terminal feedback settles this long after its last event."
+    )
     poll_timeout_ms: int = Field(500, description="Kafka poll timeout.")
     max_poll_records: int = Field(500, description="Records per poll (one DB transaction).")
     reward_spec: str = Field("tab-v1", description="Name of the reward spec (feedback/rewards.py).")
@@ -136,24 +150,34 @@ class LossSettings(_Section):
     """Policy-gradient loss. `type` picks the function in trainer/losses.py."""
 
     type: Literal["cispo", "grpo", "ppo"] = Field("cispo", description="Loss function.")
-    eps_low: float = Field(1.0, description="Lower clip of the importance ratio (CISPO: 1.0 = no lower bound).")
+    eps_low: float = Field(
+        1.0, description="Lower clip of the importance ratio (CISPO: 1.0 = no lower bound)."
+    )
     eps_high: float = Field(0.28, description="Upper clip of the importance ratio.")
-    is_cap: float = Field(2.0, description="Truncation C of the behaviour importance weight min(pi_old/mu, C).")
+    is_cap: float = Field(
+        2.0, description="Truncation C of the behaviour importance weight min(pi_old/mu, C)."
+    )
 
 
 class TrainerSettings(_Section):
     """The Celery-scheduled training cycle."""
 
     interval_s: float = Field(60.0, description="Beat checks for a cycle this often.")
-    min_samples: int = Field(32, ge=1, description="Settled episodes of the champion needed to start a cycle.")
+    min_samples: int = Field(
+        32, ge=1, description="Settled episodes of the champion needed to start a cycle."
+    )
     max_episodes: int = Field(512, ge=1, description="At most this many episodes per cycle (newest first).")
-    max_policy_lag: int = Field(0, ge=0, description="Use episodes at most this many versions behind the champion.")
+    max_policy_lag: int = Field(
+        0, ge=0, description="Use episodes at most this many versions behind the champion."
+    )
     steps: int = Field(4, ge=1, description="Optimizer steps per cycle.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
     micro_batch: int = Field(32, ge=1, description="Sequences per forward pass.")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     loss: LossSettings = LossSettings()
-    checkpoint_dir: Path = Field(Path(".rtrl/run/checkpoints"), description="Where cycle checkpoints are written.")
+    checkpoint_dir: Path = Field(
+        Path(".rtrl/run/checkpoints"), description="Where cycle checkpoints are written."
+    )
     lease_ttl_s: float = Field(1800.0, description="A cycle lease older than this is considered abandoned.")
     seed: int = Field(0, description="Seed of the training cycle.")
 
@@ -161,7 +185,9 @@ class TrainerSettings(_Section):
 class GateSettings(_Section):
     """The eval gate between @challenger and @champion."""
 
-    tolerance: float = Field(0.05, ge=0, description="Fail when challenger < champion - tolerance (mean reward).")
+    tolerance: float = Field(
+        0.05, ge=0, description="Fail when challenger < champion - tolerance (mean reward)."
+    )
     eval_prompts: int = Field(48, ge=1, description="Held-out prompts scored per model.")
     samples_per_prompt: int = Field(2, ge=1, description="Completions per held-out prompt.")
 
@@ -169,8 +195,12 @@ class GateSettings(_Section):
 class DeployerSettings(_Section):
     """The rolling hot-swap of the vLLM fleet."""
 
-    probe_tolerance: float = Field(0.05, gt=0, description="Max |logprob| difference vLLM vs transformers on the probe.")
-    pause_mode: Literal["wait", "abort", "keep"] = Field("wait", description="vLLM /pause mode during a swap.")
+    probe_tolerance: float = Field(
+        0.05, gt=0, description="Max |logprob| difference vLLM vs transformers on the probe."
+    )
+    pause_mode: Literal["wait", "abort", "keep"] = Field(
+        "wait", description="vLLM /pause mode during a swap."
+    )
 
 
 class Settings(BaseSettings):
@@ -184,7 +214,9 @@ class Settings(BaseSettings):
         frozen=True,
     )
 
-    env: Literal["dev", "ci", "prod"] = Field("dev", description="Deployment flavour (logging, safety checks).")
+    env: Literal["dev", "ci", "prod"] = Field(
+        "dev", description="Deployment flavour (logging, safety checks)."
+    )
     services: ServicesSettings = ServicesSettings()
     kafka: KafkaSettings = KafkaSettings()
     store: StoreSettings = StoreSettings()
