@@ -46,7 +46,7 @@ def config_show() -> None:
     typer.echo(Settings().model_dump_json(indent=2))
 
 
-for _name in ("services", "model", "gateway", "labeler", "trainer", "simulate", "demo"):
+for _name in ("services", "model", "gateway", "labeler", "trainer", "deploy", "simulate", "demo", "daemon"):
     importlib.import_module(f"rtrl.commands.{_name}").register(app)
 
 

@@ -1,7 +1,44 @@
-"""`rtrl` commands of this area (filled in by its owner)."""
+"""``rtrl demo``: N full cycles of the loop on embedded defaults and the tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the root app."""
+    """Add ``rtrl demo``."""
+
+    @app.command("demo")
+    def demo(
+        cycles: int = typer.Option(3, min=1, help="Full cycles to run."),
+        requests: int = typer.Option(96, min=1, help="Simulated requests per cycle."),
+        concurrency: int = typer.Option(4, min=1, help="Simulated users sending at once."),
+        task: str = typer.Option("exclaim", help="Synthetic task the simulated users bring."),
+        preference: str | None = typer.Option(
+            None, help="module:function preference(prompt, completion) -> list[FeedbackSignal]."
+        ),
+        json_path: Path | None = typer.Option(None, "--json", help="Write the per-cycle figures here."),
+        plot: Path | None = typer.Option(None, help="PNG plot of reward per cycle (default: next to --json)."),
+        keep_services: bool = typer.Option(False, help="Leave the services up that the demo started."),
+    ) -> None:
+        """Run the whole loop N times: users → gateway → Kafka → labeler → trainer → gate → hot-swap."""
+        from rtrl.demo import DemoOptions, run
+        from rtrl.logs import setup_logging
+        from schemas.settings import Settings
+
+        setup_logging()
+        run(
+            Settings(),
+            DemoOptions(
+                cycles=cycles,
+                requests_per_cycle=requests,
+                concurrency=concurrency,
+                task=task,
+                preference=preference,
+                json_path=json_path,
+                plot_path=plot,
+                keep_services=keep_services,
+            ),
+        )

@@ -1,0 +1,31 @@
+"""``rtrl run``: the loop as one supervised background daemon."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``rtrl run``."""
+
+    @app.command("run")
+    def run(
+        processes: str = typer.Option(
+            "gateway,labeler,worker,beat", help="Comma-separated processes to supervise."
+        ),
+    ) -> None:
+        """Run gateway, labeler, trainer worker and beat; restart any that exits; stop on SIGTERM.
+
+        The services (Kafka, Redis, MLflow, vLLM, ...) are not started here: run `rtrl services up`
+        first, or point the RTRL_* settings at your own.
+        """
+        from rtrl.logs import setup_logging
+        from rtrl.supervisor import PROCESSES, Supervisor
+        from schemas.settings import Settings
+
+        setup_logging()
+        names = [p.strip() for p in processes.split(",") if p.strip()]
+        unknown = sorted(set(names) - set(PROCESSES))
+        if unknown:
+            raise typer.BadParameter(f"unknown process(es) {unknown}; choose from {sorted(PROCESSES)}")
+        Supervisor(Settings(), names).run_forever()

@@ -1,0 +1,216 @@
+"""``rtrl demo``: the whole loop, N cycles, on one machine with the tiny model.
+
+What it does, in order:
+1. starts the local services it needs (Kafka, Redis, MLflow, vLLM serving + staging) unless they
+   are already up, building the tiny model on first use;
+2. migrates the store, creates the topics, registers the base model as v1 @champion;
+3. starts the loop's processes under the supervisor: gateway, labeler, Celery worker;
+4. per cycle: simulated users send requests through the gateway and give feedback; once the
+   labeler has settled them, a training cycle runs on the worker (lease → select → CISPO on
+   DeepSpeed → MLflow @challenger → eval gate → hot-swap → @champion);
+5. prints a table per cycle, writes the figures as JSON and a PNG plot of reward per cycle.
+
+It stops the processes it started, and the services too when it was the one that started them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from schemas.settings import Settings
+
+log = logging.getLogger("rtrl.demo")
+
+JSON_KEYS = ("cycle", "version_before", "version_after", "episodes", "mean_reward", "gate", "swap_ms",
+             "data_to_deploy_s")
+
+
+class DemoError(RuntimeError):
+    """The demo could not complete a cycle."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    cycles: int = 3
+    requests_per_cycle: int = 96
+    concurrency: int = 4
+    task: str = "exclaim"
+    preference: str | None = None
+    json_path: Path | None = None
+    plot_path: Path | None = None
+    cycle_timeout_s: float = 600.0
+    keep_services: bool = False
+
+
+def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
+    from rtrl import services
+    from rtrl.supervisor import Supervisor
+
+    needed = ["kafka", "redis", "mlflow", "vllm"]
+    already_up = {s.name for s in services.status(settings) if s.healthy}
+    started_services = [name for name in needed if name not in already_up]
+    t0 = time.monotonic()
+    services.up(settings, only=needed)
+    log.info("services ready in %.1fs", time.monotonic() - t0)
+    supervisor = Supervisor(settings, names=("gateway", "labeler", "worker"))
+    rows: list[dict[str, Any]] = []
+    try:
+        _prepare(settings)
+        supervisor.start()
+        _wait_for_loop(settings, supervisor)
+        for cycle in range(1, options.cycles + 1):
+            rows.append(_one_cycle(settings, options, cycle, supervisor))
+            _print_row(rows[-1])
+    finally:
+        supervisor.stop()
+        if started_services and not options.keep_services:
+            services.down(settings, only=started_services)
+    _print_table(rows)
+    if options.json_path is not None:
+        options.json_path.parent.mkdir(parents=True, exist_ok=True)
+        options.json_path.write_text(json.dumps([{k: r[k] for k in JSON_KEYS} for r in rows], indent=2) + "\n")
+        print(f"wrote {options.json_path}")
+    plot_path = options.plot_path or (options.json_path.with_suffix(".png") if options.json_path else None)
+    if plot_path is not None:
+        _plot(rows, plot_path)
+        print(f"wrote {plot_path}")
+    return rows
+
+
+def _prepare(settings: Settings) -> None:
+    from deployer import registry
+    from feedback.store import Store
+    from rtrl.services.kafka import ensure_topics
+
+    Store(settings.store.url).migrate()
+    ensure_topics(settings)
+    version = registry.bootstrap(settings, Path(settings.vllm.model_dir))
+    log.info("champion is v%d", version)
+
+
+def _wait_for_loop(settings: Settings, supervisor: Any, timeout_s: float = 180.0) -> None:
+    """Wait until the gateway answers and a Celery worker replies to ping."""
+    import httpx
+
+    from trainer.celery_app import make_app
+
+    gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
+    app = make_app(settings)
+    deadline = time.monotonic() + timeout_s
+    gateway_ok = worker_ok = False
+    while time.monotonic() < deadline:
+        supervisor.check()
+        if supervisor.failed():
+            raise DemoError(f"processes keep crashing: {supervisor.failed()}; see {settings.services.run_dir}/logs")
+        if not gateway_ok:
+            try:
+                gateway_ok = httpx.get(f"{gateway}/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                pass
+        if not worker_ok:
+            worker_ok = bool(app.control.ping(timeout=1.0))
+        if gateway_ok and worker_ok:
+            return
+        time.sleep(1.0)
+    raise DemoError(f"loop not ready after {timeout_s:.0f}s (gateway={gateway_ok}, worker={worker_ok}); "
+                    f"see {settings.services.run_dir}/logs")
+
+
+def _one_cycle(settings: Settings, options: DemoOptions, cycle: int, supervisor: Any) -> dict[str, Any]:
+    from deployer import registry
+    from feedback.store import Store
+    from rtrl.simulate import simulate
+    from rtrl.tasks import get_task, load_preference
+    from schemas.versions import format_version
+    from trainer.celery_app import make_app
+
+    store = Store(settings.store.url)
+    champion = registry.champion(settings)
+    task = get_task(options.task)
+    preference = load_preference(options.preference) if options.preference else None
+    gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
+
+    # Users: requests through the gateway, feedback by the preference function.
+    before = store.count_trainable(champion, settings.trainer.max_policy_lag)
+    report = simulate(settings, gateway, options.requests_per_cycle, task, preference=preference,
+                      concurrency=options.concurrency, seed=cycle)
+    # The labeler settles each episode when its terminal feedback arrives.
+    target = before + report.requests_ok
+    deadline = time.monotonic() + options.cycle_timeout_s
+    while (settled := store.count_trainable(champion, settings.trainer.max_policy_lag)) < target:
+        supervisor.check()
+        if time.monotonic() > deadline:
+            raise DemoError(f"cycle {cycle}: only {settled}/{target} episodes settled; see the labeler log")
+        time.sleep(0.5)
+
+    # Train → gate → deploy, on the worker.
+    app = make_app(settings)
+    result: dict[str, Any] = app.send_task("rtrl.train_cycle").get(timeout=options.cycle_timeout_s)
+    if result.get("status") not in ("promoted", "rejected"):
+        raise DemoError(f"cycle {cycle} ended with status {result.get('status')!r}: {result}")
+    return {
+        "cycle": cycle,
+        "version_before": format_version(champion),
+        "version_after": result["version_after"],
+        "episodes": result["episodes"],
+        "mean_reward": round(float(result["mean_reward"]), 4),
+        "gate": result["gate"],
+        "swap_ms": None if result.get("swap_ms") is None else round(float(result["swap_ms"]), 1),
+        "data_to_deploy_s": None if result.get("data_to_deploy_s") is None
+        else round(float(result["data_to_deploy_s"]), 1),
+        "acceptance": report.acceptance_rate,
+        "challenger_score": result.get("challenger_score"),
+        "champion_score": result.get("champion_score"),
+    }
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    print(f"cycle {row['cycle']}: {row['version_before']} -> {row['version_after']}, "
+          f"{row['episodes']} episodes, mean reward {row['mean_reward']:+.3f}, gate {row['gate']}, "
+          f"swap {row['swap_ms']} ms, data-to-deploy {row['data_to_deploy_s']} s", flush=True)
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="rtrl demo: one row per cycle")
+    for header in ("cycle", "served before", "served after", "episodes", "mean reward", "acceptance",
+                   "eval gate", "swap ms", "data-to-deploy s"):
+        table.add_column(header, justify="right")
+    for r in rows:
+        table.add_row(str(r["cycle"]), r["version_before"], r["version_after"], str(r["episodes"]),
+                      f"{r['mean_reward']:+.3f}", f"{r['acceptance']:.2f}", r["gate"],
+                      "-" if r["swap_ms"] is None else f"{r['swap_ms']:.0f}",
+                      "-" if r["data_to_deploy_s"] is None else f"{r['data_to_deploy_s']:.1f}")
+    Console().print(table)
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cycles = [r["cycle"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(cycles, [r["mean_reward"] for r in rows], marker="o", label="mean reward of the batch")
+    ax.plot(cycles, [r["acceptance"] for r in rows], marker="s", label="acceptance (simulated users)")
+    for r in rows:
+        ax.annotate(f"{r['version_after']} ({r['gate']})", (r["cycle"], r["mean_reward"]),
+                    textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+    ax.set_xlabel("cycle")
+    ax.set_ylabel("reward / rate")
+    ax.set_xticks(cycles)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("rtrl: reward per cycle")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
