@@ -11,6 +11,7 @@ it (or the section they need) down.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -190,6 +191,9 @@ class GateSettings(_Section):
     )
     eval_prompts: int = Field(48, ge=1, description="Held-out prompts scored per model.")
     samples_per_prompt: int = Field(2, ge=1, description="Completions per held-out prompt.")
+    task: str = Field(
+        "exclaim", description="Task (rtrl.tasks) whose held-out prompts and preference score the gate."
+    )
 
 
 class DeployerSettings(_Section):
@@ -229,3 +233,15 @@ class Settings(BaseSettings):
     trainer: TrainerSettings = TrainerSettings()
     gate: GateSettings = GateSettings()
     deployer: DeployerSettings = DeployerSettings()
+
+
+def to_env(settings: Settings) -> dict[str, str]:
+    """The ``RTRL_*`` environment that makes ``Settings()`` in a child process equal ``settings``.
+
+    One JSON document per section (``RTRL_KAFKA={...}``), which pydantic-settings reads like the
+    nested ``RTRL_KAFKA__...`` form. Used to hand a configuration to the processes rtrl starts.
+    """
+    env = {}
+    for name, value in settings.model_dump(mode="json").items():
+        env[f"RTRL_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    return env

@@ -165,3 +165,15 @@ def test_schema_export_writes_json_schema(tmp_path: Path) -> None:
     assert written == ["rtrl.dead_letter.v1.json", "rtrl.feedback.v1.json", "rtrl.interaction.v1.json"]
     interaction_schema = json.loads((tmp_path / "rtrl.interaction.v1.json").read_text())
     assert "completion_logprobs" in interaction_schema["required"]
+
+
+def test_to_env_hands_settings_to_a_child_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    from schemas.settings import ServicesSettings, VllmSettings, to_env
+
+    settings = Settings(
+        vllm=VllmSettings(servers=("http://a:1", "http://b:2"), staging_server=None),
+        services=ServicesSettings(vllm_staging_port=None, kafka_port=1234),
+    )
+    for key, value in to_env(settings).items():
+        monkeypatch.setenv(key, value)
+    assert Settings() == settings
