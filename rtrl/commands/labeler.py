@@ -1,7 +1,80 @@
-"""`rtrl` commands of this area (filled in by its owner)."""
+"""`rtrl labeler`: run the feedback labeler, show store stats, reconcile Kafka with the store."""
+
+from __future__ import annotations
 
 import typer
 
+labeler_app = typer.Typer(
+    invoke_without_command=True,
+    help="The feedback labeler: Kafka -> SQL store, join/settle, rewards. Without a subcommand: run it.",
+)
+
+
+@labeler_app.callback()
+def labeler(ctx: typer.Context) -> None:
+    """Consume interactions and feedback until SIGTERM/SIGINT (see feedback/labeler.py)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    import logging
+
+    from feedback.labeler import run
+    from schemas.settings import Settings
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(Settings())
+
+
+@labeler_app.command("migrate")
+def migrate() -> None:
+    """Create or upgrade the store's tables (the labeler also does this at start-up)."""
+    from feedback.store import Store
+    from schemas.settings import Settings
+
+    Store(Settings().store.url).migrate()
+    typer.echo("store is at the newest migration")
+
+
+@labeler_app.command("stats")
+def stats() -> None:
+    """Row counts per table and status (orphaned = feedback unjoined after the settle window)."""
+    from feedback.store import Store, dumps
+    from schemas.settings import Settings
+
+    settings = Settings()
+    store = Store(settings.store.url)
+    store.migrate()
+    typer.echo(dumps(store.stats(orphan_after_s=settings.labeler.settle_window_s)))
+
+
+@labeler_app.command("reconcile")
+def reconcile() -> None:
+    """Check produced = stored + dead-lettered over the event topics; exit 1 if it does not hold."""
+    from feedback.reconcile import reconcile as reconcile_
+    from feedback.store import Store
+    from schemas.settings import Settings
+
+    settings = Settings()
+    store = Store(settings.store.url)
+    store.migrate()
+    result = reconcile_(settings, store)
+    for p in result.partitions:
+        typer.echo(
+            f"{p.topic}[{p.partition}]  produced {p.produced}  stored {p.stored}  "
+            f"dead-lettered {p.dead_lettered}  pending {p.pending}"
+        )
+    verdict = "balanced" if result.balanced else "NOT balanced"
+    typer.echo(
+        f"total  produced {result.produced}  stored {result.stored}  dead-lettered {result.dead_lettered}  "
+        f"pending {result.pending}  -> {verdict}"
+    )
+    if not result.balanced:
+        if result.pending:
+            typer.echo(
+                "the labeler group has uncommitted records: wait for the lag to drain and re-run", err=True
+            )
+        raise typer.Exit(1)
+
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the root app."""
+    """Add `rtrl labeler` to the root app."""
+    app.add_typer(labeler_app, name="labeler")

@@ -1,0 +1,262 @@
+"""The feedback labeler: consume interactions and feedback from Kafka, store them, label episodes.
+
+Started with ``rtrl labeler`` (``run(settings)``); scale out by starting more replicas in the same
+consumer group (at most one per partition). The loop is ``Labeler.step``:
+
+    poll -> parse/validate -> write events (idempotent on event_id) -> dead-letter the rejects
+    (DLQ topic, flushed, and the dead_letters table) -> join/settle -> commit the DB transaction
+    -> commit the offsets
+
+Error policy:
+
+* a record that fails validation or is a duplicate -> dead letter with a reason (``feedback.ingest``);
+* the database or the DLQ producer fails -> nothing of the batch is committed, the consumer seeks
+  back to the batch's first offsets, backs off (0.5 s doubling to 30 s) and processes it again;
+* the offset commit fails (group rebalance) -> the batch is already in the DB; whoever reads the
+  partition next re-reads it and every record is a no-op replay;
+* broker connection errors -> kafka-python reconnects inside ``poll``;
+* anything else (a bug) -> propagates and the process exits; the uncommitted batch is re-read on
+  restart.
+
+A crash between the DB commit and the offset commit re-delivers the batch: interactions and
+feedback are recognised as replays by event_id + source offset, dead letters by their id
+(``dlq:topic:partition:offset``); only the DLQ *topic* can receive a record twice, so its
+consumers dedupe on event_id.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError
+
+from feedback.ingest import Event, Rejected, SourceRecord, parse_record, write_batch
+from feedback.rewards import RewardSpec, get_spec
+from feedback.settle import SettleReport, join_and_settle, settle_expired
+from feedback.store import Store
+from schemas.events import DEAD_LETTER_SCHEMA, FeedbackEvent, InteractionEvent
+from schemas.settings import Settings
+
+log = logging.getLogger("rtrl.labeler")
+
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 30.0
+WINDOW_CHECK_S = 1.0  # how often open episodes are checked against the settle window
+DLQ_FLUSH_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one step of the loop did (for logs and tests)."""
+
+    records: int
+    interactions: int
+    feedback: int
+    dead_lettered: int
+    replayed: int
+    settle: SettleReport
+    settled_window: int
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Labeler:
+    """One consumer of the labeler group. Not thread-safe: one thread calls ``step`` / ``run``."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        consumer: Any,
+        producer: Any,
+        *,
+        spec: RewardSpec | None = None,
+        clock: Callable[[], datetime] = utcnow,
+        after_db_commit: Callable[[int], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.consumer = consumer
+        self.producer = producer
+        self.spec = spec or get_spec(settings.labeler.reward_spec)
+        self.clock = clock
+        # Test hook, called with the batch's record count after the DB commit and before the offset
+        # commit: the crash window.
+        self.after_db_commit = after_db_commit
+        self.expected: dict[str, type[Event]] = {
+            settings.kafka.interactions_topic: InteractionEvent,
+            settings.kafka.feedback_topic: FeedbackEvent,
+        }
+        self._backoff_s = BACKOFF_START_S
+        self._last_window_check = 0.0
+
+    def run(self, stop: threading.Event) -> None:
+        """Step until ``stop`` is set."""
+        log.info("labeler consuming %s with spec %s", sorted(self.expected), self.spec.spec_id)
+        while not stop.is_set():
+            self.step()
+
+    def step(self) -> StepReport | None:
+        """One poll -> store -> commit round; None when nothing was done (idle, or backing off)."""
+        from kafka.errors import CommitFailedError, KafkaError  # type: ignore[import-untyped]
+        from kafka.structs import OffsetAndMetadata  # type: ignore[import-untyped]
+
+        labeler = self.settings.labeler
+        batch = self.consumer.poll(timeout_ms=labeler.poll_timeout_ms, max_records=labeler.max_poll_records)
+        records = [SourceRecord(r.topic, r.partition, r.offset, r.value) for rs in batch.values() for r in rs]
+        window_due = time.monotonic() - self._last_window_check >= WINDOW_CHECK_S
+        if not records and not window_due:
+            return None
+        now = self.clock()
+
+        # ---- parse and validate: no I/O ----------------------------------------------------------
+        parsed = [(r, parse_record(r, self.expected[r.topic])) for r in records]
+
+        try:
+            with self.store.transaction() as session:
+                # ---- write events idempotently; collect dead letters (invalid + duplicates) -------
+                written = write_batch(session, self.store.dialect, parsed, now)
+                # ---- dead letters reach the DLQ topic before the DB commits: never lost ---------------
+                self._produce_dead_letters(written.rejected, now)
+                # ---- join feedback, settle on terminal feedback and on the window --------------------
+                settled = join_and_settle(session, self.spec, now, written.interactions, written.feedback)
+                settled_window = 0
+                if window_due:
+                    settled_window = settle_expired(session, self.spec, now, labeler.settle_window_s)
+            # ---- the DB transaction committed when the block above exited ----------------------------
+        except (DBAPIError, KafkaError) as exc:
+            # Nothing of this batch is committed: read it again after a pause.
+            log.warning(
+                "batch of %d records not stored (%s); retrying in %.1fs", len(records), exc, self._backoff_s
+            )
+            for tp, rs in batch.items():
+                self.consumer.seek(tp, rs[0].offset)
+            time.sleep(self._backoff_s)
+            self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
+            return None
+        self._backoff_s = BACKOFF_START_S
+        if window_due:
+            self._last_window_check = time.monotonic()
+        if self.after_db_commit is not None:
+            self.after_db_commit(len(records))
+
+        # ---- commit offsets only now that the DB has the batch ---------------------------------------
+        if batch:
+            offsets = {tp: OffsetAndMetadata(rs[-1].offset + 1, "", -1) for tp, rs in batch.items()}
+            try:
+                self.consumer.commit(offsets)
+            except CommitFailedError as exc:
+                # The group rebalanced; the batch is stored and its re-delivery will be no-op replays.
+                log.warning("offset commit failed after the DB commit (%s); re-delivery is idempotent", exc)
+
+        report = StepReport(
+            records=len(records),
+            interactions=len(written.interactions),
+            feedback=len(written.feedback),
+            dead_lettered=len(written.rejected),
+            replayed=written.replayed,
+            settle=settled,
+            settled_window=settled_window,
+        )
+        if records or settled_window:
+            log.debug("%s", report)
+        return report
+
+    def _produce_dead_letters(self, rejected: list[Rejected], now: datetime) -> None:
+        if not rejected:
+            return
+        futures = []
+        for item in rejected:
+            record = item.to_wire(now)
+            log.info("dead-letter %s: %s", record.source, record.reason[:200])
+            futures.append(
+                self.producer.send(
+                    self.settings.kafka.dlq_topic,
+                    key=record.source.encode(),
+                    value=record.model_dump_json().encode(),
+                    headers=[("schema", DEAD_LETTER_SCHEMA.encode())],
+                )
+            )
+        self.producer.flush(timeout=DLQ_FLUSH_TIMEOUT_S)
+        for future in futures:
+            future.get(timeout=DLQ_FLUSH_TIMEOUT_S)  # raises the KafkaError if the broker refused it
+
+
+def make_consumer(settings: Settings, **overrides: Any) -> Any:
+    """The labeler group's consumer, subscribed to the interactions and feedback topics."""
+    from kafka import KafkaConsumer  # type: ignore[import-untyped]
+
+    config: dict[str, Any] = {
+        "bootstrap_servers": settings.kafka.bootstrap_servers.split(","),
+        "group_id": settings.kafka.labeler_group,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "max_poll_records": settings.labeler.max_poll_records,
+        "client_id": "rtrl-labeler",
+        **overrides,
+    }
+    consumer = KafkaConsumer(**config)
+    consumer.subscribe([settings.kafka.interactions_topic, settings.kafka.feedback_topic])
+    return consumer
+
+
+def make_producer(settings: Settings) -> Any:
+    """The DLQ producer: acks from all in-sync replicas, idempotent retries."""
+    from kafka import KafkaProducer
+
+    return KafkaProducer(
+        bootstrap_servers=settings.kafka.bootstrap_servers.split(","),
+        acks="all",
+        enable_idempotence=True,
+        client_id="rtrl-labeler-dlq",
+    )
+
+
+def ensure_topics(settings: Settings) -> None:
+    """Create the interactions, feedback and DLQ topics if they do not exist."""
+    from kafka.admin import KafkaAdminClient, NewTopic  # type: ignore[import-untyped]
+    from kafka.errors import TopicAlreadyExistsError
+
+    kafka = settings.kafka
+    admin = KafkaAdminClient(
+        bootstrap_servers=kafka.bootstrap_servers.split(","), client_id="rtrl-labeler-admin"
+    )
+    try:
+        existing = set(admin.list_topics())
+        for topic in (kafka.interactions_topic, kafka.feedback_topic, kafka.dlq_topic):
+            if topic in existing:
+                continue
+            try:
+                admin.create_topics([NewTopic(topic, num_partitions=kafka.partitions, replication_factor=1)])
+            except TopicAlreadyExistsError:
+                pass  # another process created it meanwhile
+    finally:
+        admin.close()
+
+
+def run(settings: Settings, stop: threading.Event | None = None) -> None:
+    """Run the labeler until SIGTERM/SIGINT (or ``stop``): migrate, create topics, consume."""
+    stop = stop or threading.Event()
+    store = Store(settings.store.url)
+    store.migrate()
+    ensure_topics(settings)
+    consumer = make_consumer(settings)
+    producer = make_producer(settings)
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+    try:
+        Labeler(settings, store, consumer, producer).run(stop)
+    finally:
+        consumer.close(autocommit=False)  # offsets are only ever committed after a DB commit
+        producer.close()
+        store.close()

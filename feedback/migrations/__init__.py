@@ -1,0 +1,1 @@
+"""Alembic migrations of the rtrl store, shipped inside the package (``Store.migrate()`` runs them)."""
