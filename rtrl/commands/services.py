@@ -1,7 +1,85 @@
-"""`rtrl` commands of this area (filled in by its owner)."""
+"""`rtrl services up|status|down`: the real local services (Kafka, PostgreSQL, Redis, MLflow, vLLM)."""
+
+from __future__ import annotations
 
 import typer
 
+services_app = typer.Typer(no_args_is_help=True, help="Start, check and stop the local services on loopback.")
+
+_ONLY = typer.Option(
+    None, "--only", help="Comma-separated subset: kafka,postgres,redis,mlflow,vllm,vllm-staging (default: all enabled)."
+)
+
+
+def _split(only: str | None) -> list[str] | None:
+    return None if only is None else [name.strip() for name in only.split(",") if name.strip()]
+
+
+def _print_table(rows: list) -> None:  # type: ignore[type-arg]
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("service", "healthy", "pid", "address", "detail")
+    for row in rows:
+        table.add_row(row.name, "[green]yes[/]" if row.healthy else "[red]no[/]", str(row.pid or "-"),
+                      row.address, row.detail)
+    Console().print(table)
+
+
+@services_app.command("up")
+def up(only: str | None = _ONLY) -> None:
+    """Install what is missing, start the services that are not running and wait until all are healthy."""
+    import logging
+
+    from rtrl.services import ServiceError
+    from rtrl.services import up as services_up
+    from schemas.settings import Settings
+
+    # Progress of rtrl.services only; the Kafka and HTTP clients' INFO chatter stays off.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    logger = logging.getLogger("rtrl.services")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        rows = services_up(Settings(), _split(only))
+    except ServiceError as exc:
+        typer.echo(f"rtrl services up: {exc}", err=True)
+        raise typer.Exit(1) from None
+    _print_table(rows)
+
+
+@services_app.command("status")
+def status(
+    only: str | None = _ONLY,
+    json_output: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table."),
+) -> None:
+    """Show each enabled service's health; exits 1 when one of them is not healthy."""
+    import dataclasses
+    import json
+
+    from rtrl.services import status as services_status
+    from schemas.settings import Settings
+
+    rows = services_status(Settings(), _split(only))
+    if json_output:
+        typer.echo(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+    else:
+        _print_table(rows)
+    if not all(r.healthy for r in rows):
+        raise typer.Exit(1)
+
+
+@services_app.command("down")
+def down(only: str | None = typer.Option(None, "--only", help="Comma-separated subset (default: all).")) -> None:
+    """Stop the services and every process they started."""
+    from rtrl.services import down as services_down
+    from schemas.settings import Settings
+
+    stopped = services_down(Settings(), _split(only))
+    typer.echo(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
+
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the root app."""
+    """Add `rtrl services ...` to the root app."""
+    app.add_typer(services_app, name="services")

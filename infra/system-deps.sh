@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs the Debian packages behind the local services (`rtrl services up`): PostgreSQL and
+# Redis. Java 17 and Maven (for the Kafka broker from Maven Central) are checked, not installed.
+# Idempotent: nothing is installed when everything is present. As root it installs what is
+# missing (one `apt-get update`, one `apt-get install`); otherwise it names what to install.
+# `make test` runs it before pytest; CI runs it through `make test` too.
+set -euo pipefail
+
+missing=()
+# postgresql: the server binaries live in /usr/lib/postgresql/<ver>/bin (not on PATH).
+if ! compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null; then
+  missing+=(postgresql)
+fi
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
+command -v mvn >/dev/null || missing+=(maven)
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "system-deps: missing ${missing[*]}; install them with:" >&2
+  echo "  sudo apt-get update && sudo apt-get install -y ${missing[*]}" >&2
+  exit 1
+fi
+
+echo "system-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -q
+apt-get install -y -q --no-install-recommends "${missing[@]}"
+# Debian starts the packaged services on their default ports; rtrl runs its own instances on its own
+# ports and data dirs, so stop the packaged ones where a service manager started them.
+if command -v service >/dev/null; then
+  for svc in postgresql redis-server; do
+    service "$svc" stop >/dev/null 2>&1 || true
+  done
+fi

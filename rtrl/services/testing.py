@@ -1,0 +1,117 @@
+"""Helpers for running the local services in tests and scripts: free ports, run dirs, Settings.
+
+Used by tests/conftest.py (the session-wide `services` fixture) and by anyone who needs a private
+deployment on ports that do not collide with the dev instance or another test run:
+
+    settings = services_settings(make_run_dir("rtrl-x-"), model_dir, enabled=("kafka",))
+    rtrl.services.up(settings); ...; rtrl.services.down(settings)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from schemas.settings import (
+    CelerySettings,
+    GatewaySettings,
+    KafkaSettings,
+    MlflowSettings,
+    ServicesSettings,
+    Settings,
+    StoreSettings,
+    TrainerSettings,
+    VllmSettings,
+)
+
+from .base import run_dir
+
+HOST = "127.0.0.1"
+
+
+def free_ports(n: int, host: str = HOST) -> list[int]:
+    """`n` distinct ports that are free right now (all held open at once, so no duplicates)."""
+    with ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
+def make_run_dir(prefix: str) -> Path:
+    """A fresh run dir that the `postgres` system user can reach (pytest's basetemp is mode 0700)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    path.chmod(0o755)
+    return path
+
+
+def services_settings(run_dir: Path, model_dir: Path, enabled: tuple[str, ...] | None = None) -> Settings:
+    """Settings for services under `run_dir` on free ports, every client section pointing at them."""
+    kafka, controller, pg, redis, mlflow, vllm, staging = free_ports(7)
+    services = ServicesSettings(
+        run_dir=run_dir, host=HOST, kafka_port=kafka, kafka_controller_port=controller, postgres_port=pg,
+        redis_port=redis, mlflow_port=mlflow, vllm_port=vllm, vllm_staging_port=staging,
+        start_timeout_s=600.0,  # a loaded 2-core CI machine starts two vLLM servers slowly
+        **({} if enabled is None else {"enabled": enabled}),
+    )
+    return Settings(
+        env="ci",
+        services=services,
+        kafka=KafkaSettings(bootstrap_servers=f"{HOST}:{kafka}", partitions=3),
+        store=StoreSettings(url=f"sqlite:///{run_dir / 'rtrl.db'}"),
+        celery=CelerySettings(broker_url=f"redis://{HOST}:{redis}/0", result_backend=f"redis://{HOST}:{redis}/1"),
+        mlflow=MlflowSettings(
+            tracking_uri=f"http://{HOST}:{mlflow}",
+            backend_store_uri=f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}",
+            artifact_root=run_dir / "mlflow" / "artifacts",
+        ),
+        vllm=VllmSettings(
+            servers=(f"http://{HOST}:{vllm}",), staging_server=f"http://{HOST}:{staging}", model_dir=model_dir,
+        ),
+        gateway=GatewaySettings(port=free_ports(1)[0], spool_dir=run_dir / "spool"),
+        trainer=TrainerSettings(checkpoint_dir=run_dir / "checkpoints"),
+    )
+
+
+def start_reaper(settings: Settings, owner_pid: int) -> subprocess.Popen[bytes]:
+    """Start a watchdog that stops `settings`' services once `owner_pid` exits.
+
+    A test session that is killed (SIGKILL, a CI timeout) never reaches its teardown; without this
+    its Kafka, PostgreSQL, MLflow and vLLM servers would keep running. The watchdog runs in its own
+    session so that a signal to the test's process group does not take it down first.
+    """
+    path = run_dir(settings) / "settings.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(settings.model_dump_json())
+    log = (run_dir(settings) / "reaper.log").open("ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "rtrl.services.testing", "reap", str(owner_pid), str(path)],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+
+
+def _reap(owner_pid: int, settings_path: Path) -> None:
+    from rtrl.services import down
+
+    while True:
+        try:
+            os.kill(owner_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(1.0)
+    if not settings_path.exists():  # the owner's teardown ran and removed the run dir
+        return
+    settings = Settings.model_validate_json(settings_path.read_text())
+    print(f"owner {owner_pid} exited without teardown; stopped: {down(settings)}", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] != "reap":
+        sys.exit("usage: python -m rtrl.services.testing reap OWNER_PID SETTINGS_JSON")
+    _reap(int(sys.argv[2]), Path(sys.argv[3]))

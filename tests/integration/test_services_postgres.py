@@ -1,0 +1,32 @@
+"""The local PostgreSQL server is real: a SQLAlchemy round trip through psycopg 3."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import sqlalchemy as sa
+
+pytestmark = pytest.mark.integration
+
+
+def test_sqlalchemy_round_trip(postgres_url: str) -> None:
+    assert postgres_url.startswith("postgresql+psycopg://")
+    engine = sa.create_engine(postgres_url)
+    table = f"roundtrip_{uuid.uuid4().hex[:8]}"
+    meta = sa.MetaData()
+    rows = sa.Table(table, meta, sa.Column("id", sa.Integer, primary_key=True), sa.Column("body", sa.JSON))
+    try:
+        meta.create_all(engine)
+        with engine.begin() as conn:
+            conn.execute(rows.insert(), [{"id": 1, "body": {"a": [1, 2]}}, {"id": 2, "body": {"b": None}}])
+        with engine.connect() as conn:
+            got = conn.execute(sa.select(rows.c.id, rows.c.body).order_by(rows.c.id)).all()
+            version = conn.execute(sa.text("SELECT current_setting('server_version_num')::int")).scalar_one()
+            user = conn.execute(sa.text("SELECT current_user")).scalar_one()
+        assert [tuple(r) for r in got] == [(1, {"a": [1, 2]}), (2, {"b": None})]
+        assert version >= 150000
+        assert user == "rtrl"
+    finally:
+        meta.drop_all(engine)
+        engine.dispose()
