@@ -83,9 +83,8 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
 
 
 def _prepare(settings: Settings) -> None:
-    from feedback.store import Store
-
     from deployer import registry
+    from feedback.store import Store
     from rtrl.services.kafka import ensure_topics
 
     Store(settings.store.url).migrate()
@@ -97,6 +96,7 @@ def _prepare(settings: Settings) -> None:
 def _wait_for_loop(settings: Settings, supervisor: Any, timeout_s: float = 180.0) -> None:
     """Wait until the gateway answers and a Celery worker replies to ping."""
     import httpx
+
     from trainer.celery_app import make_app
 
     gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
@@ -122,13 +122,12 @@ def _wait_for_loop(settings: Settings, supervisor: Any, timeout_s: float = 180.0
 
 
 def _one_cycle(settings: Settings, options: DemoOptions, cycle: int, supervisor: Any) -> dict[str, Any]:
-    from feedback.store import Store
-    from trainer.celery_app import make_app
-
     from deployer import registry
+    from feedback.store import Store
     from rtrl.simulate import simulate
     from rtrl.tasks import get_task, load_preference
     from schemas.versions import format_version
+    from trainer.celery_app import make_app
 
     store = Store(settings.store.url)
     champion = registry.champion(settings)

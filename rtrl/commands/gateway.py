@@ -1,7 +1,24 @@
-"""`rtrl` commands of this area (filled in by its owner)."""
+"""`rtrl gateway`: the OpenAI-compatible capture gateway in front of the vLLM fleet (ingest/)."""
+
+from __future__ import annotations
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the root app."""
+    """Add `rtrl gateway` to the root app."""
+
+    @app.command("gateway")
+    def gateway(
+        host: str = typer.Option(None, help="Bind address (default: settings.gateway.host)."),
+        port: int = typer.Option(None, help="Bind port (default: settings.gateway.port)."),
+    ) -> None:
+        """Serve /v1/completions, /v1/chat/completions and /v1/feedback; publish every call to Kafka."""
+        from ingest.app import run
+        from schemas.settings import Settings
+
+        settings = Settings()
+        overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+        if overrides:
+            settings = settings.model_copy(update={"gateway": settings.gateway.model_copy(update=overrides)})
+        run(settings)

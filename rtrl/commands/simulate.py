@@ -1,7 +1,56 @@
-"""`rtrl` commands of this area (filled in by its owner)."""
+"""`rtrl simulate`: simulated users sending a task's prompts and feedback through the gateway."""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the root app."""
+    """Add `rtrl simulate` to the root app."""
+
+    @app.command("simulate")
+    def simulate(
+        requests: int = typer.Option(100, "--requests", "-n", min=1, help="Requests to send."),
+        concurrency: int = typer.Option(4, "--concurrency", "-c", min=1, help="Requests in flight at once."),
+        task: str = typer.Option("exclaim", help="Task whose training prompts are sent (rtrl/tasks.py)."),
+        preference: str = typer.Option(
+            None, help="Preference function 'module:function' (default: the task's own)."
+        ),
+        gateway: str = typer.Option(None, help="Gateway base URL (default: settings.gateway host:port)."),
+        seed: int = typer.Option(0, help="Seed of the prompt draw and of per-request sampling."),
+        json_out: Path = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
+    ) -> None:
+        """Send N requests through the gateway, give feedback on each, print acceptance per policy version."""
+        from rtrl.simulate import simulate as run_simulation
+        from rtrl.tasks import load_preference
+        from schemas.settings import Settings
+
+        settings = Settings()
+        url = gateway or f"http://{settings.gateway.host}:{settings.gateway.port}"
+        report = run_simulation(
+            settings,
+            url,
+            requests,
+            task,
+            preference=load_preference(preference) if preference else None,
+            concurrency=concurrency,
+            seed=seed,
+        )
+        if json_out is not None:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(report.to_json() + "\n")
+        reward = "n/a" if report.mean_reward is None else f"{report.mean_reward:.3f}"
+        typer.echo(
+            f"requests {report.requests}: ok {report.ok}, failed {report.failed}; "
+            f"feedback sent {report.feedback_sent} (failed {report.feedback_failed}); "
+            f"acceptance {report.acceptance_rate:.3f}; mean reward {reward}; {report.elapsed_s:.1f}s"
+        )
+        for version, count in report.per_version.items():
+            accepted = report.accepted_per_version.get(version, 0)
+            typer.echo(f"  {version}: {count} requests, {accepted} accepted ({accepted / count:.3f})")
+        for error in report.errors[:5]:
+            typer.echo(f"  error: {error}", err=True)
+        if report.failed:
+            raise typer.Exit(1)

@@ -1,7 +1,102 @@
-"""`rtrl` commands of this area (filled in by its owner)."""
+"""`rtrl worker`, `rtrl beat`, `rtrl train now|status`: the Celery-scheduled training cycle (trainer/)."""
+
+from __future__ import annotations
+
+import socket
 
 import typer
+
+train_app = typer.Typer(no_args_is_help=True, help="Training cycles: enqueue one, or list recent ones.")
+
+
+def _logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def worker(
+    loglevel: str = typer.Option("INFO", help="Celery log level."),
+    hostname: str = typer.Option(f"rtrl-trainer@{socket.gethostname()}", help="Celery node name."),
+) -> None:
+    """Run the trainer's Celery worker: one process, one cycle at a time (solo pool), until SIGTERM."""
+    from schemas.settings import Settings
+    from trainer.celery_app import QUEUE, configure
+
+    _logging()
+    app = configure(Settings())
+    # Solo pool: the cycle runs in this process, which keeps DeepSpeed's process group across cycles.
+    app.worker_main(["worker", "--pool=solo", "--concurrency=1", f"--loglevel={loglevel}", "-Q", QUEUE, "-n", hostname])
+
+
+def beat(loglevel: str = typer.Option("INFO", help="Celery log level.")) -> None:
+    """Run Celery beat: every trainer.interval_s it checks whether a cycle should be enqueued."""
+    from schemas.settings import Settings
+    from trainer.celery_app import configure
+
+    _logging()
+    settings = Settings()
+    settings.services.run_dir.mkdir(parents=True, exist_ok=True)
+    schedule = settings.services.run_dir / "celerybeat-schedule"
+    configure(settings).start(["beat", f"--loglevel={loglevel}", f"--schedule={schedule}"])
+
+
+@train_app.command("now")
+def now(
+    wait: bool = typer.Option(False, "--wait", help="Wait for the cycle and print its result JSON."),
+    timeout: float = typer.Option(3600.0, "--timeout", help="Seconds --wait waits."),
+    inline: bool = typer.Option(False, "--inline", help="Run the cycle chain in this process (no worker)."),
+) -> None:
+    """Enqueue one training cycle (train → gate → deploy) for `rtrl worker`."""
+    import json
+
+    from schemas.settings import Settings
+
+    settings = Settings()
+    if inline:
+        from trainer.tasks import run_chain
+
+        _logging()
+        typer.echo(json.dumps(run_chain(settings, owner=f"{socket.gethostname()}:cli"), indent=2))
+        return
+    from trainer.celery_app import configure
+    from trainer.tasks import train_cycle
+
+    configure(settings)
+    task = train_cycle.apply_async()
+    typer.echo(f"enqueued cycle task {task.id}", err=wait)
+    if wait:
+        typer.echo(json.dumps(task.get(timeout=timeout), indent=2))
+
+
+@train_app.command("status")
+def status(limit: int = typer.Option(10, min=1, help="How many recent cycles.")) -> None:
+    """Recent training cycles from the store (newest first), as JSON lines."""
+    import json
+
+    from sqlalchemy import select
+
+    from feedback.models import Cycle
+    from feedback.store import Store
+    from schemas.settings import Settings
+
+    store = Store(Settings().store.url)
+    store.migrate()
+    with store.transaction() as session:
+        cycles = session.scalars(select(Cycle).order_by(Cycle.id.desc()).limit(limit)).all()
+        for c in cycles:
+            metrics = c.metrics or {}
+            typer.echo(json.dumps({
+                "id": c.id, "status": c.status, "champion": c.champion_version, "challenger": c.challenger_version,
+                "episodes": len(c.episode_ids or []), "started_at": c.started_at.isoformat(),
+                "finished_at": c.finished_at.isoformat() if c.finished_at else None,
+                "train_s": metrics.get("train_s"), "mean_reward": metrics.get("mean_reward"),
+                "data_to_deploy_s": metrics.get("data_to_deploy_s"), "error": c.error,
+            }))
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the root app."""
+    app.command("worker")(worker)
+    app.command("beat")(beat)
+    app.add_typer(train_app, name="train")
