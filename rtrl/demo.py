@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from schemas.settings import Settings
+from schemas.settings import Settings, to_env
 
 log = logging.getLogger("rtrl.demo")
 
@@ -45,9 +46,15 @@ class DemoOptions:
     plot_path: Path | None = None
     cycle_timeout_s: float = 600.0
     keep_services: bool = False
+    # The exclaim users only accept or reject; "accepted" is not terminal under tab-v1 (an
+    # edit_persisted / edit_reverted may follow), so accepted episodes settle after this window.
+    settle_window_s: float = 5.0
 
 
 def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
+    settings = settings.model_copy(
+        update={"labeler": settings.labeler.model_copy(update={"settle_window_s": options.settle_window_s})}
+    )
     from rtrl import services
     from rtrl.supervisor import Supervisor
 
@@ -56,6 +63,8 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     started_services = [name for name in needed if name not in already_up]
     t0 = time.monotonic()
     services.up(settings, only=needed)
+    # Children (gateway, labeler, worker) read their Settings from the environment.
+    os.environ.update(to_env(settings))
     log.info("services ready in %.1fs", time.monotonic() - t0)
     supervisor = Supervisor(settings, names=("gateway", "labeler", "worker"))
     rows: list[dict[str, Any]] = []
@@ -88,7 +97,7 @@ def _prepare(settings: Settings) -> None:
     from rtrl.services.kafka import ensure_topics
 
     Store(settings.store.url).migrate()
-    ensure_topics(settings)
+    ensure_topics(settings.kafka)
     version = registry.bootstrap(settings, Path(settings.vllm.model_dir))
     log.info("champion is v%d", version)
 
@@ -140,7 +149,7 @@ def _one_cycle(settings: Settings, options: DemoOptions, cycle: int, supervisor:
     report = simulate(settings, gateway, options.requests_per_cycle, task, preference=preference,
                       concurrency=options.concurrency, seed=cycle)
     # The labeler settles each episode when its terminal feedback arrives.
-    target = before + report.requests_ok
+    target = before + report.ok
     deadline = time.monotonic() + options.cycle_timeout_s
     while (settled := store.count_trainable(champion, settings.trainer.max_policy_lag)) < target:
         supervisor.check()

@@ -43,7 +43,7 @@ class ServicesSettings(_Section):
         18001, description="Second vLLM server the eval gate and swap verification use; None to not start it."
     )
     start_timeout_s: float = Field(
-        240.0, description="How long `services up` waits for a service to be healthy."
+        600.0, description="How long `services up` waits for a service to be healthy."
     )
     enabled: tuple[str, ...] = Field(
         ("kafka", "postgres", "redis", "mlflow", "vllm"),

@@ -22,6 +22,9 @@ def register(app: typer.Typer) -> None:
         json_path: Path | None = typer.Option(None, "--json", help="Write the per-cycle figures here."),
         plot: Path | None = typer.Option(None, help="PNG plot of reward per cycle (default: next to --json)."),
         keep_services: bool = typer.Option(False, help="Leave the services up that the demo started."),
+        settle_window: float = typer.Option(
+            5.0, help="Labeler settle window (s) for episodes without terminal feedback (accepted ones)."
+        ),
     ) -> None:
         """Run the whole loop N times: users → gateway → Kafka → labeler → trainer → gate → hot-swap."""
         from rtrl.demo import DemoOptions, run
@@ -40,5 +43,6 @@ def register(app: typer.Typer) -> None:
                 json_path=json_path,
                 plot_path=plot,
                 keep_services=keep_services,
+                settle_window_s=settle_window,
             ),
         )
