@@ -1,0 +1,47 @@
+"""Prometheus metrics of one gateway instance (served at ``/metrics``).
+
+Each gateway gets its own `CollectorRegistry`, so several instances can live in one process
+(tests) without colliding in the global registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class GatewayMetrics:
+    """Counters an operator alarms on: see docs/runbooks/gateway.md."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "rtrl_gateway_requests_total",
+            "Requests answered by the gateway, by endpoint and HTTP status.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.upstream_latency = Histogram(
+            "rtrl_gateway_upstream_latency_seconds",
+            "Latency of the vLLM call behind a request.",
+            ["endpoint"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=self.registry,
+        )
+        self.publish = Counter(
+            "rtrl_gateway_publish_total",
+            "Events by publish outcome: ok (acked by Kafka), spooled, replayed (acked from the spool), "
+            "overflow (spool full, written to overflow.jsonl), dead_letter (not a valid event).",
+            ["topic", "outcome"],
+            registry=self.registry,
+        )
+        self.spool_bytes = Gauge(
+            "rtrl_gateway_spool_bytes", "Bytes of events waiting in the on-disk spool.", registry=self.registry
+        )
+        self.straddled = Counter(
+            "rtrl_gateway_straddled_total",
+            "Requests whose generation straddled a weight swap (published with trainable=false).",
+            registry=self.registry,
+        )
+        self.kafka_connected = Gauge(
+            "rtrl_gateway_kafka_connected", "1 when the gateway has a Kafka producer.", registry=self.registry
+        )

@@ -1,0 +1,222 @@
+"""Bounded on-disk spool for events the broker did not take.
+
+When Kafka is down or slow the gateway still answers users; their events wait here and
+`ingest.publisher` replays them, oldest first, once the broker is back. Layout of
+``settings.gateway.spool_dir``:
+
+- ``segment-<12-digit seq>.jsonl``: append-only segments, one `SpoolRecord` (topic, key, value,
+  schema tag) per line. Only one segment is open for appends; the replayer seals it (the next
+  append opens a new one) before sending it, and deletes a segment only after the broker
+  acknowledged every record in it. A restarted gateway never appends to an old segment, so a line
+  half-written by a crash stays the last line of its segment, where the replayer finds it.
+- ``overflow.jsonl``: dead letters (`schemas.DeadLetterRecord` JSON, one per line) for records the
+  spool refused because it was full (``spool_max_bytes``) and for lines the replayer could not
+  read (a crash mid-write). Nothing is dropped silently; the runbook (docs/runbooks/gateway.md)
+  says how to requeue them.
+
+fsync policy: every append is written, flushed and fsynced before `append` returns. Appends run
+only on the publisher's background threads, never on the request path, and they only happen while
+the broker is failing, so the cost of durability is paid when it matters and never by a user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO
+
+from schemas.events import DeadLetterRecord
+
+SEGMENT_PREFIX = "segment-"
+SEGMENT_SUFFIX = ".jsonl"
+OVERFLOW_FILE = "overflow.jsonl"
+MIN_SEGMENT_BYTES = 64 * 1024
+MAX_SEGMENT_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SpoolRecord:
+    """One Kafka record waiting to be produced: the exact topic, key, value and schema header."""
+
+    topic: str
+    key: str
+    value: str
+    schema: str
+    event_id: str | None = None
+
+    def to_line(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode() + b"\n"
+
+    @classmethod
+    def from_line(cls, line: bytes) -> SpoolRecord:
+        """Parse one spool line; ValueError (with the reason) when it is not a whole record."""
+        data = json.loads(line)
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"not a spool record: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Segment:
+    """What the replayer read from one segment: the records, and lines it could not use."""
+
+    path: Path
+    records: list[SpoolRecord]
+    bad_lines: list[tuple[bytes, str]]  # (raw line, reason)
+
+
+class Spool:
+    """Thread-safe bounded spool in `directory`. Past `max_bytes`, appends go to the overflow file."""
+
+    def __init__(self, directory: Path, max_bytes: int, segment_bytes: int | None = None) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.segment_bytes = segment_bytes or min(MAX_SEGMENT_BYTES, max(MIN_SEGMENT_BYTES, max_bytes // 8))
+        directory.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        existing = self._segment_paths()
+        self._next_seq = (self._seq(existing[-1]) + 1) if existing else 1
+        self._bytes = sum(p.stat().st_size for p in existing)
+        self._active: IO[bytes] | None = None
+        self._active_path: Path | None = None
+        self._active_size = 0
+
+    # -- layout --
+
+    @staticmethod
+    def _seq(path: Path) -> int:
+        return int(path.name[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)])
+
+    def _segment_paths(self) -> list[Path]:
+        paths = [
+            p
+            for p in self.directory.glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}")
+            if p.name[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)].isdigit()
+        ]
+        return sorted(paths, key=self._seq)
+
+    @property
+    def overflow_path(self) -> Path:
+        return self.directory / OVERFLOW_FILE
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of records waiting in segments (what `max_bytes` bounds)."""
+        with self._lock:
+            return self._bytes
+
+    def empty(self) -> bool:
+        with self._lock:
+            return not self._segment_paths()
+
+    # -- writing --
+
+    def append(self, record: SpoolRecord) -> bool:
+        """Durably spool `record`; False when the spool is full and it went to the overflow file."""
+        line = record.to_line()
+        with self._lock:
+            if self._bytes + len(line) > self.max_bytes:
+                self._dead_letter_locked(
+                    line, f"spool full: {self._bytes} + {len(line)} bytes > spool_max_bytes {self.max_bytes}",
+                    record.event_id,
+                )
+                return False
+            if self._active is None or self._active_size + len(line) > self.segment_bytes:
+                self._open_next_locked()
+            assert self._active is not None
+            self._active.write(line)
+            self._active.flush()
+            os.fsync(self._active.fileno())
+            self._active_size += len(line)
+            self._bytes += len(line)
+            return True
+
+    def _open_next_locked(self) -> None:
+        self._close_active_locked()
+        path = self.directory / f"{SEGMENT_PREFIX}{self._next_seq:012d}{SEGMENT_SUFFIX}"
+        self._next_seq += 1
+        self._active = open(path, "ab")  # kept open across appends; closed on seal
+        self._active_path = path
+        self._active_size = 0
+        _fsync_dir(self.directory)
+
+    def _close_active_locked(self) -> None:
+        if self._active is not None:
+            self._active.close()
+        self._active = None
+        self._active_path = None
+        self._active_size = 0
+
+    def dead_letter(self, payload: bytes, reason: str, event_id: str | None = None) -> None:
+        """Append a dead-letter record to the overflow file (fsynced)."""
+        with self._lock:
+            self._dead_letter_locked(payload, reason, event_id)
+
+    def _dead_letter_locked(self, payload: bytes, reason: str, event_id: str | None) -> None:
+        record = DeadLetterRecord(
+            source="gateway.spool",
+            original_event_id=event_id,
+            reason=reason,
+            payload=payload.decode("utf-8", errors="replace").rstrip("\n"),
+        )
+        with open(self.overflow_path, "ab") as out:
+            out.write(record.model_dump_json().encode() + b"\n")
+            out.flush()
+            os.fsync(out.fileno())
+
+    # -- replaying --
+
+    def sealed_segments(self) -> list[Path]:
+        """Every segment with records, oldest first; seals the open one so it can be replayed."""
+        with self._lock:
+            if self._active is not None and self._active_size > 0:
+                self._close_active_locked()
+            active = self._active_path
+            return [p for p in self._segment_paths() if p != active]
+
+    def read(self, path: Path) -> Segment:
+        """Read a sealed segment. Unreadable lines (e.g. a crash mid-write) are returned with a reason."""
+        records: list[SpoolRecord] = []
+        bad: list[tuple[bytes, str]] = []
+        data = path.read_bytes()
+        lines = data.split(b"\n")
+        tail = lines.pop()  # b"" when the file ends with a newline, as every complete append does
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(SpoolRecord.from_line(line))
+            except ValueError as exc:
+                bad.append((line, f"{path.name} line {number}: unreadable spool record: {exc}"))
+        if tail:
+            bad.append((tail, f"{path.name}: truncated last line ({len(tail)} bytes, no newline; a crash mid-write)"))
+        return Segment(path=path, records=records, bad_lines=bad)
+
+    def remove(self, segment: Segment) -> None:
+        """Delete a fully replayed segment, dead-lettering the lines that could not be replayed."""
+        with self._lock:
+            for line, reason in segment.bad_lines:
+                self._dead_letter_locked(line, reason, None)
+            size = segment.path.stat().st_size
+            segment.path.unlink()
+            _fsync_dir(self.directory)
+            self._bytes = max(0, self._bytes - size)
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_active_locked()
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Make a segment's creation or deletion itself durable, not just its contents.
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,177 @@
+"""Simulated users: send a task's prompts through the gateway and give feedback like a user would.
+
+Started by ``rtrl simulate`` or called as `simulate(...)` (the demo does). Each request goes through
+the gateway with the official ``openai`` client, exactly like an application would, from one of a
+small population of users (``x-rtrl-session-id: sim-user-<k>``, tenant ``sim``); the completion is
+judged by the task's preference function (``rtrl.tasks``) and every returned signal is sent to
+``/v1/feedback`` as a `FeedbackEvent` for the gateway's request id. The report counts what was
+sent and what the users thought of it, per serving policy version.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from rtrl.tasks import Preference, Task, get_task
+from schemas.events import FeedbackEvent, FeedbackKind, FeedbackSignal
+from schemas.settings import Settings
+
+USERS = 8  # size of the simulated population (sessions)
+TENANT = "sim"
+MAX_ERRORS_KEPT = 20
+
+
+@dataclass
+class SimulationReport:
+    """What one simulation run sent and how the simulated users judged the completions."""
+
+    requests: int = 0
+    ok: int = 0
+    failed: int = 0
+    feedback_sent: int = 0
+    feedback_failed: int = 0
+    accepted: int = 0
+    acceptance_rate: float = 0.0  # accepted / ok
+    mean_reward: float | None = None  # under settings.labeler.reward_spec, when feedback.rewards is present
+    per_version: dict[str, int] = field(default_factory=dict)  # ok requests by serving policy version
+    accepted_per_version: dict[str, int] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+    errors: list[str] = field(default_factory=list)  # the first few failures, for the operator
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    ok: bool
+    version: str | None = None
+    accepted: bool = False
+    reward: float | None = None
+    feedback_sent: int = 0
+    feedback_failed: int = 0
+    error: str | None = None
+
+
+def _oracle(settings: Settings) -> Any:
+    """`signals -> reward` under the labeler's reward spec, or None while feedback.rewards is absent."""
+    try:
+        from feedback.rewards import get_spec, score
+    except ImportError:
+        return None
+    spec = get_spec(settings.labeler.reward_spec)
+    return lambda signals: score(spec, signals).reward
+
+
+def simulate(
+    settings: Settings,
+    gateway_url: str,
+    n_requests: int,
+    task: Task | str,
+    preference: Preference | None = None,
+    concurrency: int = 4,
+    seed: int = 0,
+) -> SimulationReport:
+    """Send `n_requests` of `task`'s training prompts through the gateway and feedback on each.
+
+    `preference` defaults to the task's. Requests are sampled with temperature 1.0 and a
+    per-request seed derived from `seed`, so a run is reproducible for fixed weights.
+    """
+    from openai import OpenAI, OpenAIError
+
+    task = get_task(task) if isinstance(task, str) else task
+    preference = preference or task.preference
+    oracle = _oracle(settings)
+    base = gateway_url.rstrip("/")
+    timeout = settings.vllm.request_timeout_s + 10
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=timeout)
+    http = httpx.Client(timeout=timeout)
+    prompts = task.train_prompts(n_requests, seed)
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def one(index: int, prompt: str) -> _Outcome:
+        user = f"sim-user-{index % USERS}"
+        try:
+            raw = client.completions.with_raw_response.create(
+                model=settings.vllm.served_model_name,
+                prompt=prompt,
+                max_tokens=task.max_tokens,
+                stop=list(task.stop),
+                temperature=1.0,
+                seed=seed * 1_000_003 + index,
+                extra_headers={"x-rtrl-session-id": user, "x-rtrl-tenant": TENANT},
+            )
+            completion = raw.parse()
+        except OpenAIError as exc:  # a failed user request is counted and reported, not fatal
+            return _Outcome(ok=False, error=f"request {index}: {exc!r}")
+        request_id = raw.headers.get("x-rtrl-request-id")
+        rtrl = (completion.model_extra or {}).get("rtrl") or {}
+        version = rtrl.get("policy_version")
+        if not request_id:
+            return _Outcome(ok=False, error=f"request {index}: no x-rtrl-request-id header (not an rtrl gateway?)")
+        text = completion.choices[0].text
+        signals: list[FeedbackSignal] = preference(prompt, text)
+        events = [
+            FeedbackEvent(request_id=request_id, tenant=TENANT, kind=s.kind, value=s.value) for s in signals
+        ]
+        sent = failed = 0
+        if events:
+            body = "[" + ",".join(e.model_dump_json() for e in events) + "]"
+            try:
+                response = http.post(f"{base}/v1/feedback", content=body, headers={"content-type": "application/json"})
+                response.raise_for_status()
+                sent = len(events)
+            except httpx.HTTPError as exc:
+                failed = len(events)
+                with lock:
+                    errors.append(f"feedback for {request_id}: {exc!r}")
+        return _Outcome(
+            ok=True,
+            version=version,
+            accepted=any(s.kind == FeedbackKind.accepted for s in signals),
+            reward=oracle(signals) if oracle else None,
+            feedback_sent=sent,
+            feedback_failed=failed,
+        )
+
+    started = time.monotonic()
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="rtrl-sim") as pool:
+            outcomes = list(pool.map(one, range(n_requests), prompts))
+    finally:
+        client.close()
+        http.close()
+
+    report = SimulationReport(requests=n_requests, elapsed_s=round(time.monotonic() - started, 3))
+    versions: Counter[str] = Counter()
+    accepted_versions: Counter[str] = Counter()
+    rewards: list[float] = []
+    for outcome in outcomes:
+        report.feedback_sent += outcome.feedback_sent
+        report.feedback_failed += outcome.feedback_failed
+        if not outcome.ok:
+            report.failed += 1
+            errors.append(outcome.error or "unknown error")
+            continue
+        report.ok += 1
+        versions[outcome.version or "unknown"] += 1
+        if outcome.accepted:
+            report.accepted += 1
+            accepted_versions[outcome.version or "unknown"] += 1
+        if outcome.reward is not None:
+            rewards.append(outcome.reward)
+    report.acceptance_rate = report.accepted / report.ok if report.ok else 0.0
+    report.mean_reward = sum(rewards) / len(rewards) if rewards else None
+    report.per_version = dict(sorted(versions.items()))
+    report.accepted_per_version = dict(sorted(accepted_versions.items()))
+    report.errors = errors[:MAX_ERRORS_KEPT]
+    return report
