@@ -19,27 +19,17 @@ from pathlib import Path
 import httpx
 
 from ingest import IngestError
-from schemas.settings import Settings
+from schemas.settings import Settings, to_env
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
-
-
-def settings_env(settings: Settings) -> dict[str, str]:
-    """``RTRL_*`` variables that make a child process build exactly `settings`."""
-    env: dict[str, str] = {"RTRL_ENV": settings.env}
-    for name in type(settings).model_fields:
-        value = getattr(settings, name)
-        if hasattr(value, "model_dump_json"):
-            env[f"RTRL_{name.upper()}"] = value.model_dump_json()
-    return env
 
 
 @contextmanager
 def gateway_process(settings: Settings, log_path: Path) -> Iterator[str]:
     """Start ``rtrl gateway`` for `settings`, yield its base URL, stop it (SIGTERM) on exit."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
-    env.update(settings_env(settings), PYTHONUNBUFFERED="1")
+    env.update(to_env(settings), PYTHONUNBUFFERED="1")
     url = f"http://{settings.gateway.host}:{settings.gateway.port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:

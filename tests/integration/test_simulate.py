@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 
-from ingest.launch import gateway_process, settings_env
+from ingest.launch import gateway_process
 from schemas.events import FeedbackEvent, InteractionEvent, parse_event
-from schemas.settings import Settings
+from schemas.settings import Settings, to_env
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +56,7 @@ def test_rtrl_simulate_sends_interactions_and_feedback(services: Settings, tmp_p
 
     report_path = tmp_path / "report.json"
     with gateway_process(settings, tmp_path / "gateway.log") as gateway:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | settings_env(settings)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | to_env(settings)
         result = subprocess.run(
             [sys.executable, "-m", "rtrl.cli", "simulate", "--requests", str(N), "--concurrency", "3",
              "--task", "exclaim", "--preference", "rtrl.tasks:exclaim_preference", "--gateway", gateway,
