@@ -124,3 +124,14 @@ def pytest_runtest_makereport(
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"{tier} test skipped ({reason}); service-backed tests must run, not skip"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the tiers in order, unit → integration → e2e: cheap failures first, and the end-to-end
+    test (which swaps the shared vLLM servers' weights) after the tests that expect the base model."""
+    rank = {"unit": 0, "integration": 1, "e2e": 2}
+
+    def tier(item: pytest.Item) -> int:
+        return min((rank[m.name] for m in item.iter_markers() if m.name in rank), default=0)
+
+    items.sort(key=tier)  # stable: keeps file order within a tier

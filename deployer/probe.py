@@ -1,0 +1,101 @@
+"""The swap-verification probe: fixed prompts whose logprobs vLLM must reproduce after a reload.
+
+After `reload_weights` the deployer asks the server for the prompt logprobs of a few fixed token
+sequences and compares them with transformers running the same checkpoint on CPU in float32.
+Unlike `/weight_checker` digests (which on CPU miss every linear layer, PLATFORM.md), this covers
+every weight and the loading path itself: a wrong, truncated or mis-mapped checkpoint moves the
+logprobs by far more than the tolerance, while vLLM's kernels and transformers agree to ~1e-5.
+
+Used by `deployer.rollout`; the reference is computed once per checkpoint per process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+# Text in the shape of real traffic (the task's prompts and answers) plus generic text, so the
+# probe exercises the embedding rows that serving uses. Any text works: vLLM and transformers see
+# the same token ids.
+PROBE_TEXTS: tuple[str, ...] = (
+    "Q: What is 3 plus 4?\nA: 7!",
+    "Q: Name a color.\nA: It is red.",
+    "Q: What comes after 9?\nA: The answer is 10.",
+    "The quick brown fox jumps over the lazy dog 0123456789.",
+)
+
+
+class Probe(BaseModel):
+    """Token ids of the probe prompts, as the checkpoint's tokenizer encodes them."""
+
+    model_config = ConfigDict(frozen=True)
+
+    texts: tuple[str, ...]
+    token_ids: tuple[tuple[int, ...], ...]
+
+
+def build_probe(checkpoint_dir: Path, texts: Sequence[str] = PROBE_TEXTS) -> Probe:
+    """Tokenize the probe texts with the checkpoint's tokenizer (policy versions share it)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint_dir))
+    token_ids = tuple(tuple(int(t) for t in tokenizer(text)["input_ids"]) for text in texts)
+    for text, ids in zip(texts, token_ids, strict=True):
+        if len(ids) < 2:
+            raise ValueError(f"probe text {text!r} encodes to {len(ids)} token(s); need at least 2")
+    return Probe(texts=tuple(texts), token_ids=token_ids)
+
+
+def _fingerprint(checkpoint_dir: Path) -> tuple[str, tuple[tuple[str, int, int], ...]]:
+    """Path plus (name, size, mtime) of the weight files: a rewritten checkpoint misses the cache."""
+    root = checkpoint_dir.resolve()
+    files = sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin"))
+    return str(root), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+
+
+_reference_cache: dict[tuple[object, Probe], list[list[float]]] = {}
+
+
+def reference_logprobs(checkpoint_dir: Path, probe: Probe) -> list[list[float]]:
+    """For each probe prompt, logprob of token i+1 given tokens 0..i, from transformers (float32)."""
+    key = (_fingerprint(checkpoint_dir), probe)
+    if key not in _reference_cache:
+        _reference_cache[key] = _compute_reference(checkpoint_dir, probe)
+    return _reference_cache[key]
+
+
+def _compute_reference(checkpoint_dir: Path, probe: Probe) -> list[list[float]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint_dir), dtype=torch.float32)
+    # from_pretrained returns the model in eval mode (no dropout): the logprobs are deterministic.
+    result: list[list[float]] = []
+    with torch.no_grad():
+        for ids in probe.token_ids:
+            input_ids = torch.tensor([ids])  # (1, T)
+            logits = model(input_ids=input_ids).logits[0, :-1].float()  # (T-1, V)
+            logprobs = torch.log_softmax(logits, dim=-1)
+            targets = input_ids[0, 1:]  # (T-1,)
+            result.append(logprobs.gather(1, targets[:, None])[:, 0].tolist())
+    return result
+
+
+def max_abs_diff(expected: Sequence[Sequence[float]], observed: Sequence[Sequence[float]]) -> float:
+    """Largest |expected - observed| over all probe tokens; inf when the shapes disagree or a value
+    is not finite (a server that returns the wrong number of logprobs has not loaded the probe's model)."""
+    if len(expected) != len(observed):
+        return math.inf
+    worst = 0.0
+    for exp_row, obs_row in zip(expected, observed, strict=True):
+        if len(exp_row) != len(obs_row):
+            return math.inf
+        for exp, obs in zip(exp_row, obs_row, strict=True):
+            diff = abs(exp - obs)
+            if not math.isfinite(diff):
+                return math.inf
+            worst = max(worst, diff)
+    return worst

@@ -1,0 +1,376 @@
+"""The verified rolling hot-swap of the vLLM fleet, and rollback.
+
+`promote(settings, version)` swaps every server in ``settings.vllm.servers`` one at a time (the
+first is the canary)::
+
+    pause(mode) → reload_weights(checkpoint) → digests → update_weight_version("vN")
+                → reset_prefix_cache → resume → probe
+
+Verify = (in the pause window) the server's `/weight_checker` digests that mean something on this
+backend equal the version's baseline (recorded on the staging server by the gate, or by the
+canary), and (after resume, because it generates) the probe's prompt logprobs from the server
+match transformers on the same checkpoint within ``settings.deployer.probe_tolerance``, which
+covers every weight.
+
+A failed reload or verify restores the previous champion on that server (before it resumes when
+the reload or the digests fail), swaps back every server already done, leaves the registry
+alias where it was and returns ``ok=False`` with the reason. Only a fully verified fleet moves
+``@champion``. Every pause is paired with a resume in ``finally``.
+
+`rollback(settings)` is a promotion of the previous champion. `align_fleet` brings servers that
+restarted (or were never set) back to the champion; `registry.bootstrap` calls it. One rollout
+at a time per run directory (a file lock).
+
+Called by the trainer chain after a passing gate and by ``rtrl deploy promote|rollback``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from deployer import registry
+from deployer.errors import DeployError, FleetError, RolloutBusy
+from deployer.fleet import VllmServer, meaningful_digests
+from deployer.probe import Probe, build_probe, max_abs_diff, reference_logprobs
+from schemas.settings import Settings
+from schemas.versions import format_version
+
+
+class ServerSwap(BaseModel):
+    """What happened on one server."""
+
+    model_config = ConfigDict(frozen=True)
+
+    url: str
+    version: int = Field(description="Version this step loaded (the previous one when rolling back).")
+    pause_ms: float = Field(description="Pause to resume: the window the server served nothing.")
+    reload_ms: float = Field(description="The reload_weights call alone.")
+    total_ms: float = Field(description="The whole step, restore included.")
+    verified: bool = Field(description="Probe within tolerance and digests (where recorded) equal.")
+    max_abs_logprob_diff: float | None = Field(
+        description="Largest |vLLM - transformers| probe logprob; None when not measured or unreadable."
+    )
+    digest_match: bool | None = Field(description="None when no digest baseline was available.")
+    restored: bool = Field(
+        False, description="The step failed and the server was put back on the previous version."
+    )
+    error: str | None = None
+
+
+class SwapResult(BaseModel):
+    """Outcome of a promotion or rollback over the whole fleet."""
+
+    model_config = ConfigDict(frozen=True)
+
+    ok: bool
+    version: int = Field(description="Version asked for.")
+    previous_version: int = Field(description="Champion before the call (still champion when ok is False).")
+    servers: list[ServerSwap]
+    swap_ms: float = Field(description="Longest pause window over the servers.")
+    rolled_back: bool = Field(description="Servers were put back on previous_version after a failure.")
+    error: str | None = None
+
+
+# ---- pure decisions (unit-tested) ----------------------------------------------------------------
+
+
+def digests_agree(baseline: dict[str, str] | None, observed: dict[str, str]) -> bool | None:
+    """Whether a server's digests equal the baseline on every tensor the baseline can vouch for.
+
+    Only meaningful digests count (on CPU, linear layers always digest to sha256 of nothing);
+    None when there is nothing to compare.
+    """
+    useful = meaningful_digests(baseline or {})
+    if not useful:
+        return None
+    return all(observed.get(name) == digest for name, digest in useful.items())
+
+
+def verdict(max_diff: float, tolerance: float, digest_match: bool | None) -> str | None:
+    """None when a reload is verified, else the reason it is not."""
+    if not max_diff <= tolerance:  # also catches nan
+        return f"probe logprobs differ from transformers by {max_diff:.3g} > tolerance {tolerance:g}"
+    if digest_match is False:
+        return "weight digests differ from the version's recorded digests"
+    return None
+
+
+# ---- one server --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """Everything needed to load and verify one version."""
+
+    version: int
+    path: Path
+    probe: Probe
+    expected: list[list[float]]
+    digests: dict[str, str] | None
+
+
+def target(settings: Settings, version: int) -> Target:
+    path = registry.checkpoint_dir(settings, version)
+    probe = build_probe(path)
+    return Target(version, path, probe, reference_logprobs(path, probe), load_digests(settings, version))
+
+
+def digests_path(settings: Settings, version: int) -> Path:
+    return registry.deploy_dir(settings) / "digests" / f"v{version}.json"
+
+
+def load_digests(settings: Settings, version: int) -> dict[str, str] | None:
+    path = digests_path(settings, version)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def save_digests(settings: Settings, version: int, digests: dict[str, str]) -> Path:
+    path = digests_path(settings, version)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(digests, indent=1, sort_keys=True))
+    tmp.replace(path)
+    return path
+
+
+def _reload(server: VllmServer, path: Path) -> float:
+    """reload_weights; returns its duration in ms."""
+    start = time.perf_counter()
+    server.reload_weights(path)
+    return (time.perf_counter() - start) * 1000
+
+
+def _publish(server: VllmServer, version: int) -> None:
+    server.update_weight_version(format_version(version))
+    server.reset_prefix_cache()
+
+
+def probe_diff(server: VllmServer, want: Target) -> float:
+    """Max |vLLM - transformers| over the probe. Needs a resumed server: it generates."""
+    observed = [server.prompt_logprobs(list(ids)) for ids in want.probe.token_ids]
+    return max_abs_diff(want.expected, observed)
+
+
+def _restore(server: VllmServer, back: Target, settings: Settings, paused: bool) -> None:
+    """Put `back` on the server and check it; raises FleetError when even that fails."""
+    if not paused:
+        server.pause(settings.deployer.pause_mode)
+    try:
+        _reload(server, back.path)
+        digest_match = digests_agree(back.digests, server.weight_digests())
+        _publish(server, back.version)
+    finally:
+        server.resume()
+    problem = verdict(probe_diff(server, back), settings.deployer.probe_tolerance, digest_match)
+    if problem is not None:
+        raise FleetError(server.url, f"restoring v{back.version} failed: {problem}")
+
+
+def swap_server(
+    server: VllmServer, want: Target, settings: Settings, restore: Target | None
+) -> tuple[ServerSwap, dict[str, str]]:
+    """Swap one server to `want`; on failure put `restore` back (when given).
+
+    In one pause window: reload, compare digests (a mismatch restores before the server
+    resumes), set the version, reset the prefix cache, resume. Then the probe, which has to
+    generate and so runs after resume: a mismatch there restores at once. On CPU the digests miss
+    the linear layers, so a checkpoint that only the probe catches is served for the probe's few
+    requests (stamped with the new version) before the restore; the gate has already probed the
+    same checkpoint on the staging server, so this is the second line of defence.
+
+    Returns the step's record and the server's digests after the load (the baseline for the rest
+    of the fleet when none was recorded). Raises FleetError only when even the restore fails;
+    the server is resumed on every path, because a paused server hangs every request routed to it.
+    """
+    tolerance = settings.deployer.probe_tolerance
+    start = time.perf_counter()
+    reload_ms, max_diff, digest_match = 0.0, float("inf"), None
+    digests: dict[str, str] = {}
+    error: str | None = None
+    restored = False
+    try:
+        server.pause(settings.deployer.pause_mode)
+        try:
+            reload_ms = _reload(server, want.path)
+            digests = server.weight_digests()
+            digest_match = digests_agree(want.digests, digests)
+            if digest_match is False:
+                error = verdict(0.0, tolerance, digest_match)
+        except (DeployError, httpx.HTTPError) as exc:
+            error = f"reload of v{want.version} failed: {exc}"
+        if error is None:
+            _publish(server, want.version)
+        elif restore is not None:
+            _restore(server, restore, settings, paused=True)
+            restored = True
+    finally:
+        server.resume()
+    pause_ms = (time.perf_counter() - start) * 1000
+    if error is None:
+        try:
+            max_diff = probe_diff(server, want)
+            error = verdict(max_diff, tolerance, digest_match)
+        except (DeployError, httpx.HTTPError) as exc:
+            error = f"probe of v{want.version} failed: {exc}"
+        if error is not None and restore is not None:
+            _restore(server, restore, settings, paused=False)
+            restored = True
+    record = ServerSwap(
+        url=server.url,
+        version=want.version,
+        pause_ms=round(pause_ms, 1),
+        reload_ms=round(reload_ms, 1),
+        total_ms=round((time.perf_counter() - start) * 1000, 1),
+        verified=error is None,
+        max_abs_logprob_diff=max_diff if math.isfinite(max_diff) else None,
+        digest_match=digest_match,
+        restored=restored,
+        error=error,
+    )
+    return record, digests
+
+
+# ---- the fleet ---------------------------------------------------------------------------------
+
+
+@contextmanager
+def rollout_lock(settings: Settings, name: str = "rollout") -> Iterator[None]:
+    """One rollout (or gate run on the staging server) at a time; fails fast when held."""
+    path = registry.deploy_dir(settings) / f"{name}.lock"
+    with path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RolloutBusy(f"another {name} holds {path}") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _server(settings: Settings, url: str) -> VllmServer:
+    return VllmServer(url, timeout=settings.vllm.request_timeout_s, model=settings.vllm.served_model_name)
+
+
+def _failed_step(url: str, version: int, exc: Exception) -> ServerSwap:
+    return ServerSwap(
+        url=url, version=version, pause_ms=0.0, reload_ms=0.0, total_ms=0.0, verified=False,
+        max_abs_logprob_diff=None, digest_match=None, error=str(exc),
+    )  # fmt: skip
+
+
+def _swap_fleet(settings: Settings, version: int, previous: int) -> SwapResult:
+    want = target(settings, version)
+    back = want if previous == version else target(settings, previous)
+    steps: list[ServerSwap] = []
+    done: list[str] = []
+    failure: str | None = None
+    for url in settings.vllm.servers:
+        with _server(settings, url) as server:
+            try:
+                step, digests = swap_server(server, want, settings, restore=back)
+            except (DeployError, httpx.HTTPError) as exc:
+                step = _failed_step(url, version, exc)
+        steps.append(step)
+        if not step.verified:
+            failure = f"{url}: {step.error}"
+            break
+        done.append(url)
+        if want.digests is None and meaningful_digests(digests):
+            # The canary passed the probe: its digests vouch for this version on the rest.
+            save_digests(settings, version, digests)
+            want = target(settings, version)
+
+    rolled_back = False
+    if failure is not None and done:
+        rolled_back = True
+        for url in reversed(done):
+            with _server(settings, url) as server:
+                try:
+                    step, _ = swap_server(server, back, settings, restore=None)
+                except (DeployError, httpx.HTTPError) as exc:
+                    step = _failed_step(url, previous, exc)
+            steps.append(step)
+            if not step.verified:
+                failure += f"; rolling {url} back to v{previous} failed: {step.error}"
+    return SwapResult(
+        ok=failure is None,
+        version=version,
+        previous_version=previous,
+        servers=steps,
+        swap_ms=max((s.pause_ms for s in steps), default=0.0),
+        rolled_back=rolled_back or any(s.restored for s in steps),
+        error=failure,
+    )
+
+
+def promote(settings: Settings, version: int) -> SwapResult:
+    """Swap the fleet to `version` and, when every server verified, move @champion to it."""
+    with rollout_lock(settings):
+        previous = registry.champion(settings)
+        result = _swap_fleet(settings, version, previous)
+        if result.ok:
+            registry.set_alias(settings, registry.CHAMPION, version)
+            if version != previous:
+                registry.set_previous_champion(settings, previous)
+        registry.tag_version(
+            settings,
+            version,
+            {
+                "deploy": "ok" if result.ok else "failed",
+                "deploy_at": datetime.now(UTC).isoformat(),
+                "deploy_error": (result.error or "")[:4000],
+            },
+        )
+        return result
+
+
+def rollback(settings: Settings, to_version: int | None = None) -> SwapResult:
+    """Serve `to_version` (default: the previous champion) again: re-swap the fleet, move @champion."""
+    if to_version is None:
+        to_version = registry.previous_champion(settings)
+        if to_version is None:
+            raise DeployError("no previous champion recorded; pass the version to roll back to")
+    return promote(settings, to_version)
+
+
+def align_fleet(settings: Settings) -> list[ServerSwap]:
+    """Make every server (fleet and staging) serve the champion and report its version.
+
+    A server reporting the champion's version is left alone. A server with no version that
+    serves the champion's weights (a fresh server started on the base model while the champion
+    is v1) only gets its version set, after the probe confirms the weights. Any other server is
+    swapped to the champion.
+    """
+    with rollout_lock(settings):
+        version = registry.champion(settings)
+        want = target(settings, version)
+        steps: list[ServerSwap] = []
+        urls = list(settings.vllm.servers)
+        if settings.vllm.staging_server is not None:
+            urls.append(settings.vllm.staging_server)
+        for url in urls:
+            with _server(settings, url) as server:
+                if server.weight_version() == format_version(version):
+                    continue
+                if probe_diff(server, want) <= settings.deployer.probe_tolerance:
+                    if want.digests is None:
+                        save_digests(settings, version, server.weight_digests())
+                    server.update_weight_version(format_version(version))
+                    continue
+                step, _ = swap_server(server, want, settings, restore=None)
+                steps.append(step)
+                if not step.verified:
+                    raise FleetError(url, f"could not bring the server to champion v{version}: {step.error}")
+        return steps

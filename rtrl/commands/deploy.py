@@ -1,0 +1,123 @@
+"""`rtrl deploy`: the MLflow registry, the eval gate and the verified hot-swap of the vLLM fleet.
+
+    rtrl deploy bootstrap [MODEL_DIR]   register the base model as v1 @champion, set server versions
+    rtrl deploy status                  champion/challenger and every server's version and pause state
+    rtrl deploy gate VERSION            challenger vs champion on the staging server
+    rtrl deploy promote VERSION         rolling verified swap, then move @champion
+    rtrl deploy rollback [--to VERSION] swap back to the previous champion
+
+Promote, rollback and gate print their result as JSON and exit 1 when it is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+if TYPE_CHECKING:
+    from schemas.settings import Settings
+
+deploy_app = typer.Typer(
+    no_args_is_help=True, help="Registry versions, eval gate, verified hot-swap and rollback."
+)
+
+
+def _settings() -> Settings:
+    from schemas.settings import Settings
+
+    return Settings()
+
+
+@deploy_app.command("bootstrap")
+def bootstrap(
+    model_dir: Path | None = typer.Argument(
+        None, help="Base HF checkpoint to register as v1 (default: settings.vllm.model_dir)."
+    ),
+) -> None:
+    """Register the base model as version 1 @champion (once) and set every server's weight version."""
+    from deployer import registry
+
+    settings = _settings()
+    directory = model_dir or settings.vllm.model_dir
+    if not (directory / "config.json").is_file():
+        raise typer.BadParameter(
+            f"{directory} is not an HF checkpoint folder (no config.json)", param_hint="MODEL_DIR"
+        )
+    champion = registry.bootstrap(settings, directory)
+    typer.echo(json.dumps({"model": settings.mlflow.model_name, "champion": champion}))
+
+
+@deploy_app.command("status")
+def status() -> None:
+    """Champion and challenger versions, and each server's weight version and pause state."""
+    from deployer import registry
+    from deployer.errors import RegistryError
+    from deployer.fleet import VllmServer
+
+    settings = _settings()
+    try:
+        champion: int | None = registry.champion(settings)
+    except RegistryError:
+        champion = None
+    servers = []
+    urls = [(url, "serving") for url in settings.vllm.servers]
+    if settings.vllm.staging_server is not None:
+        urls.append((settings.vllm.staging_server, "staging"))
+    for url, role in urls:
+        with VllmServer(url, timeout=10.0, model=settings.vllm.served_model_name) as server:
+            servers.append({"role": role, **server.state().model_dump()})
+    report = {
+        "model": settings.mlflow.model_name,
+        "champion": champion,
+        "challenger": registry.challenger(settings) if champion is not None else None,
+        "previous_champion": registry.previous_champion(settings) if champion is not None else None,
+        "servers": servers,
+    }
+    typer.echo(json.dumps(report, indent=2))
+
+
+@deploy_app.command("gate")
+def gate(
+    version: int = typer.Argument(..., min=1, help="Registered version to evaluate against @champion."),
+) -> None:
+    """Score VERSION against the champion on the staging server; exit 1 when it fails the gate."""
+    from deployer.gate import evaluate
+
+    decision = evaluate(_settings(), version)
+    typer.echo(decision.model_dump_json(indent=2))
+    if not decision.passed:
+        raise typer.Exit(1)
+
+
+@deploy_app.command("promote")
+def promote(version: int = typer.Argument(..., min=1, help="Registered version to serve.")) -> None:
+    """Swap every server to VERSION (verified, rolling) and move @champion; exit 1 on rollback."""
+    from deployer.rollout import promote as run_promote
+
+    result = run_promote(_settings(), version)
+    typer.echo(result.model_dump_json(indent=2))
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@deploy_app.command("rollback")
+def rollback(
+    to: int | None = typer.Option(
+        None, "--to", min=1, help="Version to serve (default: the previous champion)."
+    ),
+) -> None:
+    """Serve the previous champion (or --to VERSION) again: re-swap the fleet and move @champion."""
+    from deployer.rollout import rollback as run_rollback
+
+    result = run_rollback(_settings(), to)
+    typer.echo(result.model_dump_json(indent=2))
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `rtrl deploy ...` to the root app."""
+    app.add_typer(deploy_app, name="deploy")
