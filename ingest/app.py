@@ -309,7 +309,6 @@ def run(settings: Settings) -> None:
     """Serve the gateway on ``settings.gateway.host:port`` until interrupted."""
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info(
         "rtrl gateway on %s:%d -> %s; kafka %s; spool %s",
         settings.gateway.host, settings.gateway.port, ", ".join(settings.vllm.servers),

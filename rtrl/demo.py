@@ -197,7 +197,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
                       f"{r['mean_reward']:+.3f}", f"{r['acceptance']:.2f}", r["gate"],
                       "-" if r["swap_ms"] is None else f"{r['swap_ms']:.0f}",
                       "-" if r["data_to_deploy_s"] is None else f"{r['data_to_deploy_s']:.1f}")
-    Console().print(table)
+    Console(width=max(120, Console().width)).print(table)
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:

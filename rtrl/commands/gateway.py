@@ -15,8 +15,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Serve /v1/completions, /v1/chat/completions and /v1/feedback; publish every call to Kafka."""
         from ingest.app import run
+        from rtrl.logs import setup_logging
         from schemas.settings import Settings
 
+        setup_logging()
         settings = Settings()
         overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
         if overrides:

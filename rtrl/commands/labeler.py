@@ -15,12 +15,11 @@ def labeler(ctx: typer.Context) -> None:
     """Consume interactions and feedback until SIGTERM/SIGINT (see feedback/labeler.py)."""
     if ctx.invoked_subcommand is not None:
         return
-    import logging
-
     from feedback.labeler import run
+    from rtrl.logs import setup_logging
     from schemas.settings import Settings
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     run(Settings())
 
 

@@ -10,9 +10,9 @@ train_app = typer.Typer(no_args_is_help=True, help="Training cycles: enqueue one
 
 
 def _logging() -> None:
-    import logging
+    from rtrl.logs import setup_logging
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
 
 
 def worker(

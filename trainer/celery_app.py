@@ -1,0 +1,65 @@
+"""The trainer's Celery app: broker and result backend from ``settings.celery``, and the beat schedule.
+
+Started by ``rtrl worker`` (one solo-pool worker: one cycle at a time, in one long-lived process
+that keeps the DeepSpeed process group between cycles) and ``rtrl beat``. Both call `configure`
+with the `Settings` they built once at start-up, before the app connects anywhere.
+
+Queue ``rtrl.trainer`` carries the two tasks defined in trainer/tasks.py:
+``rtrl.train_cycle`` (one cycle + gate + deploy) and ``rtrl.maybe_train`` (beat's check).
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from schemas.settings import Settings
+
+QUEUE = "rtrl.trainer"
+BEAT_TASK = "rtrl.maybe_train"
+CYCLE_TASK = "rtrl.train_cycle"
+
+app = Celery("rtrl", include=["trainer.tasks"])
+_settings: Settings | None = None
+
+
+def configure(settings: Settings) -> Celery:
+    """Point the app at the settings' broker/backend and install the beat schedule; returns the app."""
+    global _settings
+    _settings = settings
+    app.conf.update(
+        broker_url=settings.celery.broker_url,
+        result_backend=settings.celery.result_backend,
+        task_default_queue=QUEUE,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_extended=True,
+        result_expires=7 * 24 * 3600,
+        task_track_started=True,
+        # A cycle runs minutes to hours: take one message at a time, acknowledge it after the cycle
+        # (acks_late on the task), and let the broker redeliver if the worker dies mid-cycle.
+        worker_prefetch_multiplier=1,
+        worker_concurrency=1,
+        # Redis redelivers unacknowledged messages after this; it must exceed the longest cycle.
+        broker_transport_options={"visibility_timeout": int(settings.trainer.lease_ttl_s) + 600},
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        timezone="UTC",
+        beat_schedule={
+            "maybe-train": {"task": BEAT_TASK, "schedule": settings.trainer.interval_s, "options": {"queue": QUEUE}},
+        },
+    )
+    return app
+
+
+def make_app(settings: Settings) -> Celery:
+    """The app configured for `settings` (clients such as the demo use it to send tasks)."""
+    return configure(settings)
+
+
+def current_settings() -> Settings:
+    """The settings the process was configured with (built once from the environment otherwise)."""
+    if _settings is None:
+        configure(Settings())
+    assert _settings is not None
+    return _settings

@@ -1,0 +1,252 @@
+"""One training cycle, top to bottom: lease → select → advantages → DeepSpeed steps → save → register.
+
+Called by the Celery task ``rtrl.train_cycle`` (trainer/tasks.py) in the worker process, or
+in-process by ``rtrl train now --inline``. The policy trained is exactly the champion's weights
+that served the selected samples; the result is a new registered version of
+``settings.mlflow.model_name`` with alias ``challenger``, which the task then sends through the
+eval gate and the deployer.
+
+Guarantees (DESIGN.md, "One cycle at a time"):
+* the store's cycle lease admits one active cycle; the episodes are claimed for the cycle right
+  after selection (``mark_used``), so two cycles never learn from the same sample;
+* registration is the last step: on any exception the cycle is finished as ``failed`` (which
+  releases its episodes for the next cycle), a version registered by this cycle is deleted, the
+  MLflow run is marked FAILED, and the exception propagates;
+* the running reward baselines are persisted only once the cycle is registered.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, Field
+
+from feedback.store import Store, TrainingEpisode
+from schemas.settings import Settings
+from schemas.versions import format_version
+from trainer import checkpoint, tracking
+from trainer.advantages import compute_advantages, prompt_key
+from trainer.engine import (
+    Row,
+    close_engine,
+    grad_norm_after_step,
+    grad_norm_before_step,
+    micro_batches,
+    start_engine,
+    state_dict,
+    token_logprobs,
+)
+from trainer.errors import InsufficientData
+from trainer.losses import LOSSES, Normaliser, TokenBatch
+
+
+class StepMetrics(BaseModel):
+    """What one optimizer step saw, averaged over its trainable tokens."""
+
+    step: int
+    loss: float
+    mean_ratio: float = Field(description="Mean π_θ/π_old over tokens (1.0 on the first step).")
+    clip_fraction: float = Field(description="Fraction of tokens whose ratio is outside the clip range.")
+    kl_k1: float = Field(description="k1 estimate of KL(π_old ‖ π_θ): mean of −log(π_θ/π_old).")
+    is_weight: float = Field(description="Mean truncated behaviour weight min(π_old/μ, C).")
+    grad_norm: float | None = Field(description="Global gradient norm before clipping.")
+    mean_advantage: float
+    tokens: int
+
+
+class CycleResult(BaseModel):
+    """The outcome of `run_cycle`, JSON-serialisable (it is the Celery task's return value)."""
+
+    cycle_id: int | None = Field(description="Store id of the cycle; None when no cycle was started.")
+    status: Literal["busy", "not_enough_data", "registered"] = Field(
+        description="busy: another cycle holds the lease; not_enough_data: fewer than min_samples episodes."
+    )
+    champion_version: int | None = Field(description="Registered version the cycle trained from.")
+    challenger_version: int | None = Field(None, description="Registered version it produced.")
+    episodes: int = Field(0, description="Episodes learnt from.")
+    trainable_rows: int = Field(0, description="Trainable segments (rows) across those episodes.")
+    tokens: int = Field(0, description="Trainable completion tokens.")
+    mean_reward: float | None = Field(None, description="Mean reward of the batch.")
+    first_interaction_at: datetime | None = Field(None, description="Earliest episode start (data-to-deploy time).")
+    train_s: float | None = Field(None, description="Load champion + optimizer steps, seconds.")
+    cycle_s: float | None = Field(None, description="Whole cycle, lease to registration, seconds.")
+    steps: list[StepMetrics] = Field(default_factory=list)
+    mlflow_run_id: str | None = None
+    checkpoint_dir: str | None = None
+
+
+def rows_of(episodes: list[TrainingEpisode], advantages: list[float]) -> list[Row]:
+    """Every trainable segment with a completion becomes a row carrying its episode's advantage."""
+    rows = []
+    for episode, advantage in zip(episodes, advantages, strict=True):
+        for seg in episode.segments:
+            if seg.trainable and seg.completion_token_ids:
+                rows.append(
+                    Row(
+                        input_ids=[*seg.prompt_token_ids, *seg.completion_token_ids],
+                        prompt_len=len(seg.prompt_token_ids),
+                        behaviour_logprobs=list(seg.completion_logprobs),
+                        advantage=advantage,
+                    )
+                )
+    return rows
+
+
+def episode_prompt_key(episode: TrainingEpisode) -> str:
+    """Episodes are grouped by the prompt of their first segment (what the user asked)."""
+    if not episode.segments:
+        raise ValueError(f"episode {episode.episode_id} has no segments")
+    return prompt_key(episode.segments[0].prompt_token_ids)
+
+
+def run_cycle(settings: Settings, *, owner: str) -> CycleResult:
+    from deployer import registry
+
+    cfg = settings.trainer
+    store = Store(settings.store.url)
+    started = time.monotonic()
+
+    # ---- lease --------------------------------------------------------------------------------
+    champion = registry.champion(settings)
+    available = store.count_trainable(champion, cfg.max_policy_lag)
+    if available < cfg.min_samples:
+        return CycleResult(cycle_id=None, status="not_enough_data", champion_version=champion, episodes=available)
+    cycle_id = store.acquire_cycle(owner, cfg.lease_ttl_s, format_version(champion))
+    if cycle_id is None:
+        return CycleResult(cycle_id=None, status="busy", champion_version=champion)
+
+    run_id: str | None = None
+    version: int | None = None
+    try:
+        # ---- select and claim -------------------------------------------------------------------
+        episodes = store.select_episodes(champion, cfg.max_policy_lag, cfg.max_episodes)
+        if len(episodes) < cfg.min_samples:  # another reader got there between count and select
+            raise InsufficientData(f"{len(episodes)} trainable episodes < min_samples {cfg.min_samples}")
+        episode_ids = [e.episode_id for e in episodes]
+        store.mark_used(cycle_id, episode_ids)
+        rewards = [e.reward for e in episodes]
+
+        # ---- advantages ---------------------------------------------------------------------------
+        baselines = checkpoint.load_baselines(cfg.checkpoint_dir)
+        adv, next_baselines = compute_advantages([episode_prompt_key(e) for e in episodes], rewards, baselines)
+        rows = rows_of(episodes, adv.values)
+        if not rows:
+            raise InsufficientData(f"{len(episodes)} episodes have no trainable completion tokens")
+
+        # ---- champion weights into DeepSpeed -------------------------------------------------------
+        champion_dir = registry.checkpoint_dir(settings, champion)
+        checkpoint.check_source(champion_dir)
+        run_id = tracking.start_run(settings, cycle_id, champion)
+        train_started = time.monotonic()
+        pad_id = 0  # padded positions are masked out of attention and loss; any id works
+        batches = micro_batches(rows, cfg.micro_batch, pad_id)
+        norm = Normaliser(tokens=sum(b.tokens for b in batches), sequences=len(rows))
+        loss_fn = LOSSES[cfg.loss.type]
+        engine = start_engine(champion_dir, cfg, accumulation=len(batches))
+        steps: list[StepMetrics] = []
+        try:
+            # π_old: the champion's own logprobs, taken from the first step's forward passes
+            # (the weights only change at the end of that step).
+            old_logprobs: list[torch.Tensor | None] = [None] * len(batches)
+            norm_before: float | None = None
+            for step in range(cfg.steps):
+                totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl_k1": 0.0, "is_weight": 0.0, "tokens": 0.0}
+                for k, mb in enumerate(batches):
+                    logprobs = token_logprobs(engine, mb)  # (B, L−1)
+                    old = old_logprobs[k]
+                    if old is None:
+                        old = old_logprobs[k] = logprobs.detach()
+                    out = loss_fn(
+                        TokenBatch(logprobs, old, mb.behaviour_logprobs, mb.advantages, mb.mask),
+                        cfg.loss,
+                        norm,
+                    )
+                    # The loss is already normalised over the whole step: no extra 1/accumulation.
+                    engine.backward(out.loss, scale_wrt_gas=False)
+                    if k == len(batches) - 1:
+                        norm_before = grad_norm_before_step(engine)
+                    engine.step()  # the optimizer steps on the last micro-batch only
+                    totals["loss"] += float(out.loss.detach())
+                    for key, value in out.sums.items():
+                        totals[key] += value
+                tokens = max(totals["tokens"], 1.0)
+                metrics = StepMetrics(
+                    step=step,
+                    loss=totals["loss"],
+                    mean_ratio=totals["ratio"] / tokens,
+                    clip_fraction=totals["clipped"] / tokens,
+                    kl_k1=totals["kl_k1"] / tokens,
+                    is_weight=totals["is_weight"] / tokens,
+                    grad_norm=norm_before if norm_before is not None else grad_norm_after_step(engine),
+                    mean_advantage=sum(adv.values) / len(adv.values),
+                    tokens=int(totals["tokens"]),
+                )
+                steps.append(metrics)
+                tracking.log_metrics(settings, run_id, step, metrics.model_dump(exclude={"step"}, exclude_none=True))
+                store.heartbeat_cycle(cycle_id, cfg.lease_ttl_s)
+            weights = state_dict(engine)
+        finally:
+            close_engine(engine)
+        train_s = time.monotonic() - train_started
+
+        # ---- save ---------------------------------------------------------------------------------
+        out_dir = checkpoint.save(
+            weights,
+            cfg.checkpoint_dir / f"cycle-{cycle_id}",
+            champion_dir,
+            lineage={"cycle_id": cycle_id, "parent_version": champion, "mlflow_run_id": run_id,
+                     "episodes": len(episodes), "loss": cfg.loss.type},
+        )
+        result = CycleResult(
+            cycle_id=cycle_id,
+            status="registered",
+            champion_version=champion,
+            episodes=len(episodes),
+            trainable_rows=len(rows),
+            tokens=norm.tokens,
+            mean_reward=sum(rewards) / len(rewards),
+            first_interaction_at=min(e.created_at for e in episodes),
+            train_s=round(train_s, 3),
+            steps=steps,
+            mlflow_run_id=run_id,
+            checkpoint_dir=str(out_dir),
+        )
+        tracking.log_episodes(settings, run_id, episode_ids, result.model_dump(mode="json", exclude={"steps"}))
+
+        # ---- register (last) ------------------------------------------------------------------------
+        version = registry.register_checkpoint(
+            settings,
+            out_dir,
+            run_id=run_id,
+            tags={"rtrl.cycle_id": str(cycle_id), "rtrl.parent_version": str(champion),
+                  "rtrl.episodes": str(len(episodes)), "rtrl.loss": cfg.loss.type},
+        )
+        registry.set_alias(settings, registry.CHALLENGER, version)
+        result.challenger_version = version
+        result.cycle_s = round(time.monotonic() - started, 3)
+        store.finish_cycle(
+            cycle_id,
+            "registered",
+            challenger_version=format_version(version),
+            metrics=result.model_dump(mode="json", exclude={"steps"}) | {"steps": [s.model_dump() for s in steps]},
+        )
+        checkpoint.save_baselines(cfg.checkpoint_dir, next_baselines)
+        tracking.end_run(settings, run_id, "FINISHED")
+        return result
+    except BaseException as exc:
+        # A half-finished cycle never leaves a version behind; its episodes go back to the pool.
+        try:
+            store.finish_cycle(cycle_id, "failed", error=f"{type(exc).__name__}: {exc}"[:10_000])
+        finally:
+            try:
+                if version is not None:
+                    tracking.delete_version(settings, version)
+            finally:
+                if run_id is not None:
+                    tracking.end_run(settings, run_id, "FAILED")
+        raise
+    finally:
+        store.close()

@@ -1,0 +1,208 @@
+"""The DeepSpeed side of a training cycle: batches of token rows, the engine, log π_θ of sampled tokens.
+
+Used by trainer/cycle.py inside the long-lived Celery worker process (one process, no launcher):
+DeepSpeed reads its rank and rendezvous from the environment, so `_single_process_env` sets
+DS_ACCELERATOR / RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT before deepspeed is
+imported or initialised (PLATFORM.md). The process group is created once per process; each cycle
+builds a fresh engine on the champion's weights and `close_engine` frees it, so the next cycle's
+`deepspeed.initialize` in the same worker starts clean.
+
+A *row* is one trainable segment: prompt + completion token ids, the behaviour logprobs of the
+completion tokens and the advantage of its episode. Non-trainable segments (PARL sub-agents) never
+become rows, so their tokens carry no gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from schemas.settings import TrainerSettings
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _single_process_env() -> None:
+    """Make this process rank 0 of a world of 1 on the CPU accelerator (unless told otherwise)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    # A free port per process: two workers (or a test and a worker) on one host must not collide.
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+# Before torch/transformers: transformers imports deepspeed when it is installed.
+_single_process_env()
+
+import torch  # noqa: E402
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+
+@dataclass(frozen=True)
+class Row:
+    """One trainable segment as the trainer feeds it to the model."""
+
+    input_ids: list[int]  # prompt + completion
+    prompt_len: int
+    behaviour_logprobs: list[float]  # one per completion token
+    advantage: float
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Padded tensors of a few rows, aligned to next-token targets (position t predicts t + 1)."""
+
+    input_ids: torch.Tensor  # (B, L) right-padded
+    attention_mask: torch.Tensor  # (B, L)
+    targets: torch.Tensor  # (B, L−1) input_ids[:, 1:]
+    mask: torch.Tensor  # (B, L−1) 1.0 on completion-token targets
+    behaviour_logprobs: torch.Tensor  # (B, L−1) log μ at completion targets, 0 elsewhere
+    advantages: torch.Tensor  # (B,)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.mask.sum())
+
+
+def collate(rows: list[Row], pad_id: int) -> MicroBatch:
+    """Right-pad rows into one micro-batch."""
+    width = max(len(r.input_ids) for r in rows)
+    n = len(rows)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width - 1))
+    behaviour = torch.zeros((n, width - 1))
+    for i, row in enumerate(rows):
+        length = len(row.input_ids)
+        completion = length - row.prompt_len
+        if row.prompt_len < 1 or completion != len(row.behaviour_logprobs):
+            raise ValueError(f"row {i}: prompt {row.prompt_len}, completion {completion}, "
+                             f"{len(row.behaviour_logprobs)} behaviour logprobs")
+        input_ids[i, :length] = torch.tensor(row.input_ids)
+        attention[i, :length] = 1
+        # Completion token k sits at position prompt_len + k and is predicted from position − 1.
+        start = row.prompt_len - 1
+        mask[i, start : start + completion] = 1.0
+        behaviour[i, start : start + completion] = torch.tensor(row.behaviour_logprobs)
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        targets=input_ids[:, 1:],
+        mask=mask,
+        behaviour_logprobs=behaviour,
+        advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
+    )
+
+
+def micro_batches(rows: list[Row], size: int, pad_id: int) -> list[MicroBatch]:
+    """Rows sorted by length (less padding) and cut into micro-batches of at most ``size``."""
+    ordered = sorted(rows, key=lambda r: len(r.input_ids))
+    return [collate(ordered[i : i + size], pad_id) for i in range(0, len(ordered), size)]
+
+
+def token_logprobs(model: Any, batch: MicroBatch) -> torch.Tensor:
+    """log π_θ(target_t | tokens ≤ t) for every position; (B, L−1). Carries the gradient."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, L, V)
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, L−1, V)
+    return logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)  # (B, L−1)
+
+
+def ds_config(cfg: TrainerSettings, micro_batch: int, accumulation: int) -> dict[str, Any]:
+    """DeepSpeed config: fp32, AdamW (torch implementation on CPU), ZeRO stage from the settings."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": micro_batch * accumulation,
+        "gradient_clipping": 1.0,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": cfg.lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True},
+        },
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+def start_engine(model_dir: Path, cfg: TrainerSettings, accumulation: int) -> DeepSpeedEngine:
+    """Load the HF checkpoint in fp32 and wrap it in a DeepSpeed engine for one cycle."""
+    _single_process_env()
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=ds_config(cfg, cfg.micro_batch, accumulation),
+    )
+    return engine
+
+
+def close_engine(engine: DeepSpeedEngine) -> None:
+    """Free the engine's model and optimizer state; the process group stays for the next cycle."""
+    engine.destroy()
+    del engine
+    gc.collect()
+
+
+def state_dict(engine: DeepSpeedEngine) -> dict[str, torch.Tensor]:
+    """Full fp32 weights on CPU, gathered from ZeRO-3 partitions when needed. Owned copies."""
+    import deepspeed
+
+    model = engine.module
+    params = list(model.parameters())
+    gather = (
+        deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        if engine.zero_optimization_stage() == 3
+        else contextlib.nullcontext()
+    )
+    with gather:
+        return {name: t.detach().to("cpu", torch.float32).contiguous().clone() for name, t in model.state_dict().items()}
+
+
+def grad_norm_before_step(engine: DeepSpeedEngine) -> float | None:
+    """Global gradient norm of the accumulated gradients, before clipping, at stage 0.
+
+    Call after the last backward of a step and before `engine.step()`. DeepSpeed's own
+    `get_global_grad_norm` answers only where ZeRO computes the norm (stages 1-3); stage 0 keeps
+    plain `.grad` tensors, so the norm is taken here. None at stages 1-3.
+    """
+    if engine.zero_optimization_stage() != 0:
+        return None
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else None
+
+
+def grad_norm_after_step(engine: DeepSpeedEngine) -> float | None:
+    """DeepSpeed's global gradient norm of the last optimizer step (ZeRO stages 1-3)."""
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
+
+
+def prebuild_ops() -> None:
+    """Compile DeepSpeed's CPU shared-memory comm op into the torch extensions cache.
+
+    `deepspeed.initialize` builds it on first use in a process tree (minutes on a loaded 2-core
+    machine); calling this at install time keeps that out of the first training cycle.
+    """
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()

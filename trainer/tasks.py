@@ -1,0 +1,154 @@
+"""Celery tasks of the trainer: the cycle chain (train → gate → deploy) and beat's periodic check.
+
+Registered on the app in trainer/celery_app.py; run by ``rtrl worker``. Retries are declared here:
+a transient failure (broker, store, MLflow or vLLM unreachable) fails the cycle cleanly (its
+episodes are released) and the task is retried with exponential backoff and jitter; anything else
+fails the task for an operator to read (`rtrl train status`, docs/runbooks/trainer.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import UTC, datetime
+from typing import Any
+
+import requests
+import sqlalchemy.exc
+from celery import Task
+
+from trainer.celery_app import BEAT_TASK, CYCLE_TASK, QUEUE, app, current_settings
+
+log = logging.getLogger(__name__)
+
+# Failures worth a retry: the service will most likely be back. Bugs and bad data are not here.
+TRANSIENT = (
+    ConnectionError,
+    TimeoutError,
+    requests.exceptions.ConnectionError,
+    requests.exceptions.Timeout,
+    sqlalchemy.exc.OperationalError,
+)
+# Beat sets this key when it enqueues a cycle and the cycle clears it when it starts, so a slow
+# queue never piles up duplicate cycles. It expires on its own if the message is lost.
+PENDING_KEY = "rtrl:trainer:cycle-pending"
+
+
+def _redis(url: str) -> Any:
+    import redis
+
+    return redis.Redis.from_url(url)
+
+
+@app.task(  # type: ignore[untyped-decorator]
+    name=CYCLE_TASK,
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    autoretry_for=TRANSIENT,
+    retry_backoff=10,
+    retry_backoff_max=300,
+    retry_jitter=True,
+    max_retries=3,
+)
+def train_cycle(self: Task) -> dict[str, Any]:
+    """One cycle, then the eval gate and, on pass, the rolling swap; returns the outcome as JSON."""
+    settings = current_settings()
+    _redis(settings.celery.broker_url).delete(PENDING_KEY)
+    owner = f"{socket.gethostname()}:{os.getpid()}:{self.request.id}"
+    return run_chain(settings, owner=owner)
+
+
+def run_chain(settings: Any, *, owner: str) -> dict[str, Any]:
+    """train → gate → promote. Shared by the task and ``rtrl train now --inline``.
+
+    Returns the CycleResult as JSON plus: ``status`` (the cycle's final status: promoted,
+    rejected or failed; busy / not_enough_data when no cycle ran), ``gate`` (pass/fail),
+    ``challenger_score`` / ``champion_score``, ``version_after`` (the served version, "vN"),
+    ``swap_ms``, ``deployed_at`` and ``data_to_deploy_s`` (deployed_at − first interaction).
+    """
+    from deployer import gate, rollout
+    from feedback.store import Store
+    from schemas.versions import format_version
+    from trainer.cycle import run_cycle
+
+    result = run_cycle(settings, owner=owner)
+    out: dict[str, Any] = result.model_dump(mode="json")
+    champion = result.champion_version
+    out.update(gate=None, challenger_score=None, champion_score=None, swap_ms=None, deployed_at=None,
+               data_to_deploy_s=None, version_after=None if champion is None else format_version(champion))
+    if result.status != "registered":
+        return out
+    assert result.cycle_id is not None and result.challenger_version is not None
+    store = Store(settings.store.url)
+    try:
+        decision = gate.evaluate(settings, result.challenger_version)
+        out.update(gate="pass" if decision.passed else "fail", gate_reason=decision.reason,
+                   challenger_score=decision.challenger_score, champion_score=decision.champion_score)
+        gate_metrics = {"gate": out["gate"], "gate_reason": decision.reason,
+                        "challenger_score": decision.challenger_score, "champion_score": decision.champion_score}
+        if not decision.passed:
+            store.finish_cycle(result.cycle_id, "rejected", metrics=gate_metrics)
+            out["status"] = "rejected"
+            return out
+        swap = rollout.promote(settings, result.challenger_version)
+        out["swap"] = swap.model_dump(mode="json")
+        if not swap.ok:
+            # Not deployed (the fleet is back on the champion): the data was not learnt from in
+            # production, so the cycle fails and its episodes go back to the pool.
+            store.finish_cycle(result.cycle_id, "failed", metrics=gate_metrics, error=f"swap failed: {swap.error}")
+            out["status"] = "failed"
+            return out
+        deployed_at = datetime.now(UTC)
+        out.update(status="promoted", version_after=format_version(result.challenger_version),
+                   swap_ms=swap.swap_ms, deployed_at=deployed_at.isoformat())
+        if result.first_interaction_at is not None:
+            out["data_to_deploy_s"] = round((deployed_at - result.first_interaction_at).total_seconds(), 3)
+        store.finish_cycle(result.cycle_id, "promoted", metrics=gate_metrics | {
+            "swap_ms": swap.swap_ms, "deployed_at": out["deployed_at"], "data_to_deploy_s": out["data_to_deploy_s"]})
+        return out
+    except BaseException as exc:
+        # The registered version stays (@challenger, never @champion); the cycle must not stay
+        # active until its lease expires.
+        store.finish_cycle(result.cycle_id, "failed", error=f"after registration: {type(exc).__name__}: {exc}"[:10_000])
+        raise
+    finally:
+        store.close()
+
+
+@app.task(name=BEAT_TASK)  # type: ignore[untyped-decorator]
+def maybe_train() -> str:
+    """Enqueue a cycle when the champion has ≥ min_samples trainable episodes and none is active."""
+    from deployer import registry
+    from feedback.store import Store
+
+    settings = current_settings()
+    store = Store(settings.store.url)
+    try:
+        champion = registry.champion(settings)
+        available = store.count_trainable(champion, settings.trainer.max_policy_lag)
+        if available < settings.trainer.min_samples:
+            return f"waiting: {available} < {settings.trainer.min_samples} trainable episodes of v{champion}"
+        if active_cycles(store):
+            return "busy: a cycle is active"
+    finally:
+        store.close()
+    ttl = int(settings.trainer.lease_ttl_s)
+    if not _redis(settings.celery.broker_url).set(PENDING_KEY, "1", nx=True, ex=ttl):
+        return "busy: a cycle is already queued"
+    task = train_cycle.apply_async(queue=QUEUE)
+    log.info("enqueued cycle %s (%d trainable episodes of v%d)", task.id, available, champion)
+    return f"enqueued {task.id}"
+
+
+def active_cycles(store: Any) -> list[Any]:
+    """Cycles holding the lease (running, or registered and waiting for gate/deploy)."""
+    from sqlalchemy import select
+
+    from feedback.models import ACTIVE_CYCLE_STATUSES, Cycle
+
+    now = datetime.now(UTC)
+    with store.transaction() as session:
+        rows = session.scalars(select(Cycle).where(Cycle.status.in_(ACTIVE_CYCLE_STATUSES))).all()
+        return [c for c in rows if c.lease_expires_at > now]
