@@ -56,7 +56,7 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
         update={"labeler": settings.labeler.model_copy(update={"settle_window_s": options.settle_window_s})}
     )
     from rtrl import services
-    from rtrl.supervisor import Supervisor
+    from rtrl.supervisor import Supervisor, prepare
 
     needed = ["kafka", "redis", "mlflow", "vllm"]
     already_up = {s.name for s in services.status(settings) if s.healthy}
@@ -69,7 +69,7 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     supervisor = Supervisor(settings, names=("gateway", "labeler", "worker"))
     rows: list[dict[str, Any]] = []
     try:
-        _prepare(settings)
+        prepare(settings)
         supervisor.start()
         _wait_for_loop(settings, supervisor)
         for cycle in range(1, options.cycles + 1):
@@ -89,17 +89,6 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
         _plot(rows, plot_path)
         print(f"wrote {plot_path}")
     return rows
-
-
-def _prepare(settings: Settings) -> None:
-    from deployer import registry
-    from feedback.store import Store
-    from rtrl.services.kafka import ensure_topics
-
-    Store(settings.store.url).migrate()
-    ensure_topics(settings.kafka)
-    version = registry.bootstrap(settings, Path(settings.vllm.model_dir))
-    log.info("champion is v%d", version)
 
 
 def _wait_for_loop(settings: Settings, supervisor: Any, timeout_s: float = 180.0) -> None:

@@ -36,6 +36,24 @@ MAX_RESTARTS = 5  # within RESTART_WINDOW_S; past that a process is left down an
 RESTART_WINDOW_S = 300.0
 
 
+def prepare(settings: Settings) -> int:
+    """What the loop needs before its processes start: the store's tables, the topics, and a
+    champion in the registry that every vLLM server serves. Idempotent; returns the champion."""
+    from deployer import registry
+    from feedback.store import Store
+    from rtrl.services.kafka import ensure_topics
+
+    store = Store(settings.store.url)
+    try:
+        store.migrate()
+    finally:
+        store.close()
+    ensure_topics(settings.kafka)
+    champion = registry.bootstrap(settings, Path(settings.vllm.model_dir))
+    log.info("champion is v%d", champion)
+    return champion
+
+
 class SupervisorError(RuntimeError):
     """A supervised process could not be kept running."""
 

@@ -16,11 +16,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run gateway, labeler, trainer worker and beat; restart any that exits; stop on SIGTERM.
 
-        The services (Kafka, Redis, MLflow, vLLM, ...) are not started here: run `rtrl services up`
-        first, or point the RTRL_* settings at your own.
+        Before starting them it migrates the store, creates the topics and registers the base model
+        as v1 @champion if the registry is empty (idempotent). The services (Kafka, Redis, MLflow,
+        vLLM, ...) are not started here: run `rtrl services up` first, or point RTRL_* at your own.
         """
         from rtrl.logs import setup_logging
-        from rtrl.supervisor import PROCESSES, Supervisor
+        from rtrl.supervisor import PROCESSES, Supervisor, prepare
         from schemas.settings import Settings
 
         setup_logging()
@@ -28,4 +29,6 @@ def register(app: typer.Typer) -> None:
         unknown = sorted(set(names) - set(PROCESSES))
         if unknown:
             raise typer.BadParameter(f"unknown process(es) {unknown}; choose from {sorted(PROCESSES)}")
-        Supervisor(Settings(), names).run_forever()
+        settings = Settings()
+        prepare(settings)
+        Supervisor(settings, names).run_forever()
