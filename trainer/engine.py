@@ -145,6 +145,11 @@ def start_engine(model_dir: Path, cfg: TrainerSettings, accumulation: int) -> De
     import deepspeed
     from transformers import AutoModelForCausalLM
 
+    if not torch.distributed.is_initialized():
+        # A world of one: the rendezvous port is private to this process, so take one that is free
+        # now. An inherited MASTER_PORT may be the parent's own process group (a test run that
+        # trains in-process and then starts a worker), which fails with EADDRINUSE.
+        os.environ["MASTER_PORT"] = str(_free_port())
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
