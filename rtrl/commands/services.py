@@ -23,7 +23,7 @@ def _print_table(rows: list) -> None:  # type: ignore[type-arg]
     for row in rows:
         table.add_row(row.name, "[green]yes[/]" if row.healthy else "[red]no[/]", str(row.pid or "-"),
                       row.address, row.detail)
-    Console().print(table)
+    Console(width=max(120, Console().width)).print(table)
 
 
 @services_app.command("up")
