@@ -91,7 +91,10 @@ def status(limit: int = typer.Option(10, min=1, help="How many recent cycles."))
                 "episodes": len(c.episode_ids or []), "started_at": c.started_at.isoformat(),
                 "finished_at": c.finished_at.isoformat() if c.finished_at else None,
                 "train_s": metrics.get("train_s"), "mean_reward": metrics.get("mean_reward"),
-                "data_to_deploy_s": metrics.get("data_to_deploy_s"), "error": c.error,
+                "gate": metrics.get("gate"), "challenger_score": metrics.get("challenger_score"),
+                "champion_score": metrics.get("champion_score"), "gate_reason": metrics.get("gate_reason"),
+                "swap_ms": metrics.get("swap_ms"), "data_to_deploy_s": metrics.get("data_to_deploy_s"),
+                "error": c.error,
             }))
 
 
