@@ -161,6 +161,8 @@ def _one_cycle(settings: Settings, options: DemoOptions, cycle: int, supervisor:
         "swap_ms": None if result.get("swap_ms") is None else round(float(result["swap_ms"]), 1),
         "data_to_deploy_s": None if result.get("data_to_deploy_s") is None
         else round(float(result["data_to_deploy_s"]), 1),
+        "challenger": None if result.get("challenger_version") is None
+        else format_version(int(result["challenger_version"])),
         "acceptance": report.acceptance_rate,
         "challenger_score": result.get("challenger_score"),
         "champion_score": result.get("champion_score"),
@@ -201,7 +203,8 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.plot(cycles, [r["mean_reward"] for r in rows], marker="o", label="mean reward of the batch")
     ax.plot(cycles, [r["acceptance"] for r in rows], marker="s", label="acceptance (simulated users)")
     for r in rows:
-        ax.annotate(f"{r['version_after']} ({r['gate']})", (r["cycle"], r["mean_reward"]),
+        outcome = "deployed" if r["gate"] == "pass" else "rejected by the gate"
+        ax.annotate(f"{r['challenger']} {outcome}", (r["cycle"], r["mean_reward"]),
                     textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
     ax.set_xlabel("cycle")
     ax.set_ylabel("reward / rate")
