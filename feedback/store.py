@@ -162,6 +162,22 @@ class Store:
             # Another worker inserted its active cycle between our read and our insert.
             return None
 
+    def reclaim_cycle(self, owner_suffix: str, reason: str) -> int | None:
+        """Fail the active cycle whose owner ends with ``:owner_suffix`` and release its episodes.
+
+        For a job delivered again after its worker died (the suffix is the Celery task id, which
+        acks_late redelivers unchanged): the old cycle's lease is still valid but nobody runs it,
+        so it ends now and the cycle re-runs instead of waiting for the lease to expire.
+        Returns the failed cycle's id, or None when there was none.
+        """
+        with self.transaction() as session:
+            active = session.scalars(select(Cycle).where(Cycle.status.in_(ACTIVE_CYCLE_STATUSES))).all()
+            for cycle in active:
+                if cycle.owner.endswith(f":{owner_suffix}"):
+                    self._end_cycle(session, cycle.id, "failed", utcnow(), error=reason)
+                    return cycle.id
+        return None
+
     def heartbeat_cycle(self, cycle_id: int, ttl_s: float) -> None:
         """Extend the lease; raises LeaseLost if the cycle is no longer active."""
         with self.transaction() as session:

@@ -17,6 +17,7 @@ Guarantees (DESIGN.md, "One cycle at a time"):
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import datetime
 from typing import Literal
@@ -41,6 +42,8 @@ from trainer.engine import (
 )
 from trainer.errors import InsufficientData
 from trainer.losses import LOSSES, Normaliser, TokenBatch
+
+log = logging.getLogger(__name__)
 
 
 class StepMetrics(BaseModel):
@@ -102,7 +105,7 @@ def episode_prompt_key(episode: TrainingEpisode) -> str:
     return prompt_key(episode.segments[0].prompt_token_ids)
 
 
-def run_cycle(settings: Settings, *, owner: str) -> CycleResult:
+def run_cycle(settings: Settings, *, owner: str, takeover_suffix: str | None = None) -> CycleResult:
     from deployer import registry
 
     cfg = settings.trainer
@@ -110,6 +113,12 @@ def run_cycle(settings: Settings, *, owner: str) -> CycleResult:
     started = time.monotonic()
 
     # ---- lease --------------------------------------------------------------------------------
+    if takeover_suffix is not None:
+        # This job was delivered again: its previous worker died mid-cycle. Fail that cycle (its
+        # episodes go back to the pool) and run it again now.
+        reclaimed = store.reclaim_cycle(takeover_suffix, reason=f"worker lost; re-run by {owner}")
+        if reclaimed is not None:
+            log.warning("cycle %d was abandoned by a lost worker; re-running it", reclaimed)
     champion = registry.champion(settings)
     available = store.count_trainable(champion, cfg.max_policy_lag)
     if available < cfg.min_samples:

@@ -57,10 +57,11 @@ def train_cycle(self: Task) -> dict[str, Any]:
     settings = current_settings()
     _redis(settings.celery.broker_url).delete(PENDING_KEY)
     owner = f"{socket.gethostname()}:{os.getpid()}:{self.request.id}"
-    return run_chain(settings, owner=owner)
+    # A redelivered message (the previous worker died mid-cycle) takes over that cycle's lease.
+    return run_chain(settings, owner=owner, takeover_suffix=self.request.id)
 
 
-def run_chain(settings: Any, *, owner: str) -> dict[str, Any]:
+def run_chain(settings: Any, *, owner: str, takeover_suffix: str | None = None) -> dict[str, Any]:
     """train → gate → promote. Shared by the task and ``rtrl train now --inline``.
 
     Returns the CycleResult as JSON plus: ``status`` (the cycle's final status: promoted,
@@ -73,7 +74,7 @@ def run_chain(settings: Any, *, owner: str) -> dict[str, Any]:
     from schemas.versions import format_version
     from trainer.cycle import run_cycle
 
-    result = run_cycle(settings, owner=owner)
+    result = run_cycle(settings, owner=owner, takeover_suffix=takeover_suffix)
     out: dict[str, Any] = result.model_dump(mode="json")
     champion = result.champion_version
     out.update(gate=None, challenger_score=None, champion_score=None, swap_ms=None, deployed_at=None,

@@ -138,6 +138,21 @@ def test_an_expired_lease_is_failed_and_replaced(store: Store) -> None:
     store.heartbeat_cycle(fresh, 60)
 
 
+def test_a_redelivered_job_reclaims_its_lost_cycle_at_once(store: Store) -> None:
+    feeder = Feeder(store)
+    feeder.send(interaction(), feedback("r-e1-0", "edit_persisted"))
+    lost = store.acquire_cycle("host:111:task-7", ttl_s=3600, champion_version="v1")  # worker then died
+    assert lost is not None
+    store.mark_used(lost, ["e1"])
+    assert store.reclaim_cycle("task-8", reason="x") is None  # another job's cycle is left alone
+    assert store.acquire_cycle("host:222:task-8", ttl_s=60, champion_version="v1") is None
+    assert store.reclaim_cycle("task-7", reason="worker lost") == lost
+    cycle = store.get_cycle(lost)
+    assert cycle is not None and (cycle.status, cycle.error) == ("failed", "worker lost")
+    assert store.count_trainable(1, 0) == 1  # its episode is back in the pool
+    assert store.acquire_cycle("host:333:task-7", ttl_s=60, champion_version="v1") is not None
+
+
 def test_finish_rules(store: Store) -> None:
     cycle = store.acquire_cycle("w", 60, "v1")
     assert cycle is not None
