@@ -41,6 +41,7 @@ from feedback.ingest import Event, Rejected, SourceRecord, parse_record, write_b
 from feedback.rewards import RewardSpec, get_spec
 from feedback.settle import SettleReport, join_and_settle, settle_expired
 from feedback.store import Store
+from feedback.topics import ensure_topics
 from schemas.events import DEAD_LETTER_SCHEMA, FeedbackEvent, InteractionEvent
 from schemas.settings import Settings
 
@@ -221,34 +222,12 @@ def make_producer(settings: Settings) -> Any:
     )
 
 
-def ensure_topics(settings: Settings) -> None:
-    """Create the interactions, feedback and DLQ topics if they do not exist."""
-    from kafka.admin import KafkaAdminClient, NewTopic  # type: ignore[import-untyped]
-    from kafka.errors import TopicAlreadyExistsError
-
-    kafka = settings.kafka
-    admin = KafkaAdminClient(
-        bootstrap_servers=kafka.bootstrap_servers.split(","), client_id="rtrl-labeler-admin"
-    )
-    try:
-        existing = set(admin.list_topics())
-        for topic in (kafka.interactions_topic, kafka.feedback_topic, kafka.dlq_topic):
-            if topic in existing:
-                continue
-            try:
-                admin.create_topics([NewTopic(topic, num_partitions=kafka.partitions, replication_factor=1)])
-            except TopicAlreadyExistsError:
-                pass  # another process created it meanwhile
-    finally:
-        admin.close()
-
-
 def run(settings: Settings, stop: threading.Event | None = None) -> None:
     """Run the labeler until SIGTERM/SIGINT (or ``stop``): migrate, create topics, consume."""
     stop = stop or threading.Event()
     store = Store(settings.store.url)
     store.migrate()
-    ensure_topics(settings)
+    ensure_topics(settings.kafka)
     consumer = make_consumer(settings)
     producer = make_producer(settings)
     if threading.current_thread() is threading.main_thread():

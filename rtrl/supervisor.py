@@ -41,7 +41,7 @@ def prepare(settings: Settings) -> int:
     champion in the registry that every vLLM server serves. Idempotent; returns the champion."""
     from deployer import registry
     from feedback.store import Store
-    from rtrl.services.kafka import ensure_topics
+    from feedback.topics import ensure_topics
 
     store = Store(settings.store.url)
     try:

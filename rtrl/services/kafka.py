@@ -14,7 +14,8 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from schemas.settings import KafkaSettings, Settings
+from feedback.topics import ensure_topics
+from schemas.settings import Settings
 
 from .base import Service, ServiceError
 
@@ -163,19 +164,3 @@ class Kafka(Service):
     def after_start(self) -> None:
         # The broker this run dir started, whatever kafka.bootstrap_servers points at.
         ensure_topics(self.settings.kafka.model_copy(update={"bootstrap_servers": self.address}))
-
-
-def ensure_topics(kafka: KafkaSettings, replication_factor: int = 1) -> list[str]:
-    """Create the interactions, feedback and dead-letter topics that do not exist yet; returns those created."""
-    from kafka.admin import KafkaAdminClient, NewTopic
-
-    wanted = [kafka.interactions_topic, kafka.feedback_topic, kafka.dlq_topic]
-    admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers, client_id="rtrl-ensure-topics")
-    try:
-        existing = set(admin.list_topics())
-        missing = [t for t in wanted if t not in existing]
-        if missing:
-            admin.create_topics([NewTopic(t, kafka.partitions, replication_factor) for t in missing])
-    finally:
-        admin.close()
-    return missing

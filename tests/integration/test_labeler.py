@@ -132,7 +132,7 @@ def dlq_records(settings: Settings, timeout_s: float = 60.0) -> list[dict[str, o
 @pytest.fixture
 def sqlite_settings(services: Settings, tmp_path: Path) -> Iterator[Settings]:
     settings = isolated(services, f"sqlite:///{tmp_path}/rtrl.db")
-    ensure_topics(settings)
+    ensure_topics(settings.kafka)
     yield settings
 
 
@@ -148,7 +148,7 @@ def postgres_settings(services: Settings) -> Iterator[Settings]:
     ) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     settings = isolated(services, f"postgresql+psycopg://{user}@{host}:{port}/{name}")
-    ensure_topics(settings)
+    ensure_topics(settings.kafka)
     yield settings
     with psycopg.connect(
         host=host, port=port, user=user, dbname=services.postgres.database, autocommit=True
@@ -290,7 +290,7 @@ def test_crash_between_db_commit_and_offset_commit(sqlite_settings: Settings) ->
 def test_db_unavailable_commits_no_offsets_and_retries(services: Settings, tmp_path: Path) -> None:
     path = tmp_path / "rtrl.db"
     settings = isolated(services, f"sqlite:///{path}")
-    ensure_topics(settings)
+    ensure_topics(settings.kafka)
     store = Store(settings.store.url, busy_timeout_s=0.2)
     store.migrate()
     produce(settings, [(settings.kafka.interactions_topic, wire(interaction(f"ep-{i}"))) for i in range(5)])
