@@ -1,11 +1,12 @@
 # The two commands: `make demo` (the loop on embedded defaults and the tiny model) and `make test`.
+# Both do all their own set-up: the virtualenv (`install`) and the Debian packages (`system-deps`).
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint lock services-up services-down clean
+.PHONY: install system-deps demo test lint bench lock clean
 
 install: $(STAMP)
 
@@ -13,20 +14,26 @@ $(STAMP): requirements/lock.txt pyproject.toml
 	bash infra/install.sh
 	touch $(STAMP)
 
+system-deps:  ## PostgreSQL, Redis (and a check for Java + Maven); apt-installs what is missing as root
+	bash infra/system-deps.sh
+
 lock:  ## re-resolve requirements/lock.txt from requirements/base.in (+ overrides)
 	$(UV) pip compile requirements/base.in --override requirements/overrides.txt \
 	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 -o requirements/lock.txt
 
-demo: install
+demo: install system-deps
 	$(VENV)/bin/rtrl demo --cycles 3 --json .rtrl/demo/cycles.json
 
-lint: install
+lint: install  ## style, the layer contract (docs/architecture.md, Layers), strict types on every package
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy schemas
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
-test: install lint
-	bash infra/system-deps.sh
+test: install system-deps lint
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+bench: install system-deps  ## every benchmark under bench/; each prints one JSON object last
+	@set -e; for b in bench/bench_*.py; do echo "== $$b"; $(VENV)/bin/python $$b; done
 
 clean:
 	-$(VENV)/bin/rtrl services down

@@ -1,33 +1,51 @@
 """Hot-swap pause window vs a raw vLLM reload, and failed client requests during swaps under load.
 
-Side by side in one run, on one running vLLM server (VLLM_SERVER_DEV_MODE=1) and two HF
-checkpoints of the same architecture (A = what the server serves now, B = another):
+    .venv/bin/python bench/bench_swap.py [--swaps 5] [--clients 2]
 
-* raw: ``/pause`` → ``reload_weights`` → ``/resume``, nothing else (the floor);
+Starts its own vLLM serving server (free ports, a temporary run dir, the tiny model) and builds a
+second checkpoint of the same architecture (the tiny model's weights with noise), then measures
+side by side in one run, alternating the two checkpoints:
+
+* baseline, raw vLLM: ``/pause`` → ``reload_weights`` → ``/resume``, nothing else (the floor);
 * rtrl: `deployer.rollout.swap_server` (pause → reload → digests → version → prefix-cache reset →
-  resume, then the probe), alternating B and A.
+  resume, then the probe).
 
-Meanwhile client threads send completions non-stop; every request must succeed (target: 0
-failed, pause window <= 2x raw, DESIGN.md). Prints one JSON object.
-
-    .venv/bin/python bench/bench_swap.py --url http://127.0.0.1:18400 --a CKPT_A --b CKPT_B --swaps 5
+Meanwhile client threads send completions straight to the server non-stop; every request must
+succeed. Target (docs/architecture.md, Targets): pause window ≤ 2× raw, 0 failed requests. The
+last line is one JSON object: ``{"name", "value": rtrl p50 ms, "baseline": raw p50 ms, "ratio", ...}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import torch
+from safetensors.torch import load_file, save_file
 
-from deployer.fleet import VllmServer
 from deployer.probe import build_probe, reference_logprobs
 from deployer.rollout import Target, swap_server
-from schemas.settings import DeployerSettings, Settings
+from rtrl.services import down, up
+from rtrl.services.testing import make_run_dir, services_settings
+from rtrl.services.vllm import ensure_model
+from serving import VllmClient
+
+
+def noisy_copy(base: Path, out: Path, std: float = 0.02) -> Path:
+    """`base` with Gaussian noise on every weight: same shapes and tokenizer, other logprobs."""
+    shutil.copytree(base, out)
+    generator = torch.Generator().manual_seed(1)
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(path)
+        save_file({k: (v + std * torch.randn(v.shape, generator=generator)).contiguous() for k, v in tensors.items()},
+                  str(path), metadata={"format": "pt"})  # fmt: skip
+    return out
 
 
 def load(url: str, model: str, stop: threading.Event, counts: dict[str, int]) -> None:
@@ -43,65 +61,67 @@ def load(url: str, model: str, stop: threading.Event, counts: dict[str, int]) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", required=True)
-    parser.add_argument("--a", type=Path, required=True, help="checkpoint the server serves now")
-    parser.add_argument("--b", type=Path, required=True, help="another checkpoint, same architecture")
-    parser.add_argument("--model", default="rtrl-tiny")
-    parser.add_argument("--swaps", type=int, default=5)
-    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--swaps", type=int, default=5, help="Swaps per method (each alternates A and B).")
+    parser.add_argument("--clients", type=int, default=2, help="Client threads sending completions meanwhile.")
     args = parser.parse_args()
 
-    settings = Settings(deployer=DeployerSettings(pause_mode="wait"))
+    run_dir = make_run_dir("rtrl-bench-swap-")
+    settings = services_settings(run_dir, run_dir / "model", enabled=("vllm",))
+    settings = settings.model_copy(update={
+        "vllm": settings.vllm.model_copy(update={"staging_server": None}),
+        "services": settings.services.model_copy(update={"vllm_staging_port": None}),
+    })  # fmt: skip
+    a = ensure_model(settings)
+    b = noisy_copy(a, run_dir / "model-b")
     targets = []
-    for version, path in ((2, args.b), (1, args.a)):
+    for version, path in ((2, b), (1, a)):
         probe = build_probe(path)
         targets.append(Target(version, path, probe, reference_logprobs(path, probe), None))
 
+    url, model = settings.vllm.servers[0], settings.vllm.served_model_name
     counts = {"ok": 0, "failed": 0}
     stop = threading.Event()
-    threads = [
-        threading.Thread(target=load, args=(args.url, args.model, stop, counts)) for _ in range(args.clients)
-    ]
-    for thread in threads:
-        thread.start()
     raw_ms: list[float] = []
     rtrl_ms: list[float] = []
     probe_diffs: list[float] = []
     try:
-        with VllmServer(args.url, model=args.model) as server:
-            for i in range(args.swaps * 2):
-                want = targets[i % 2]
-                start = time.perf_counter()
-                server.pause("wait")
-                try:
-                    server.reload_weights(want.path)
-                finally:
-                    server.resume()
-                raw_ms.append((time.perf_counter() - start) * 1000)
-            for i in range(args.swaps * 2):
-                step, _ = swap_server(server, targets[i % 2], settings, restore=None)
-                if not step.verified:
-                    raise SystemExit(f"swap not verified: {step.error}")
-                rtrl_ms.append(step.pause_ms)
-                probe_diffs.append(step.max_abs_logprob_diff or 0.0)
-    finally:
-        stop.set()
+        up(settings)
+        threads = [threading.Thread(target=load, args=(url, model, stop, counts)) for _ in range(args.clients)]
         for thread in threads:
-            thread.join()
+            thread.start()
+        try:
+            with VllmClient(url, model=model) as server:
+                for i in range(args.swaps * 2):  # interleaved, so drift in machine load hits both alike
+                    want = targets[i % 2]
+                    start = time.perf_counter()
+                    server.pause("wait")
+                    try:
+                        server.reload_weights(want.path)
+                    finally:
+                        server.resume()
+                    raw_ms.append((time.perf_counter() - start) * 1000)
+                    step, _ = swap_server(server, targets[(i + 1) % 2], settings, restore=None)
+                    if not step.verified:
+                        raise SystemExit(f"swap not verified: {step.error}")
+                    rtrl_ms.append(step.pause_ms)
+                    probe_diffs.append(step.max_abs_logprob_diff or 0.0)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+    finally:
+        down(settings)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
     raw, rtrl = statistics.median(raw_ms), statistics.median(rtrl_ms)
-    print(
-        json.dumps(
-            {
-                "raw_pause_reload_resume_ms_p50": round(raw, 1),
-                "rtrl_pause_window_ms_p50": round(rtrl, 1),
-                "ratio": round(rtrl / raw, 2),
-                "probe_max_abs_logprob_diff": max(probe_diffs),
-                "client_requests_ok": counts["ok"],
-                "client_requests_failed": counts["failed"],
-                "swaps": len(raw_ms) + len(rtrl_ms),
-            }
-        )
-    )
+    print(f"raw pause+reload+resume p50 {raw:.1f} ms; rtrl verified swap pause window p50 {rtrl:.1f} ms "
+          f"({rtrl / raw:.2f}x); client requests ok {counts['ok']}, failed {counts['failed']}")  # fmt: skip
+    print(json.dumps({
+        "name": "swap_pause_window_ms_p50", "value": round(rtrl, 1), "baseline": round(raw, 1),
+        "ratio": round(rtrl / raw, 3), "probe_max_abs_logprob_diff": max(probe_diffs),
+        "client_requests_ok": counts["ok"], "client_requests_failed": counts["failed"],
+        "swaps": len(raw_ms) + len(rtrl_ms),
+    }))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""The deployer: eval gate, vLLM fleet client, verified rolling hot-swap, MLflow registry aliases.
+"""The deployer: eval gate, swap-verification probe, verified rolling hot-swap, rollback, bootstrap.
 
-Called by the trainer chain (`deployer.gate.evaluate`, then `deployer.rollout.promote`) and by
-`rtrl deploy ...`. Modules: `registry` (MLflow versions, aliases, local checkpoint cache),
-`fleet` (HTTP client of one vLLM server's dev-mode endpoints), `probe` (reference logprobs with
-transformers), `gate` (challenger vs champion on the staging server), `rollout` (the swap).
+Called by the trainer chain (`deployer.gate.evaluate`, then `deployer.rollout.promote`), by
+``rtrl run`` / the demo (`deployer.rollout.bootstrap`) and by ``rtrl deploy ...``. Modules:
+`probe` (reference logprobs with transformers), `gate` (challenger vs champion on the staging
+server), `rollout` (the swap, rollback, fleet alignment). The vLLM client is `serving`, the MLflow
+client `registry`.
 """

@@ -1,32 +1,25 @@
-"""Exceptions of the deployer. `DeployError` is the root: callers that want "the deploy step failed,
-keep the loop running" catch that one; everything else propagates."""
+"""Exceptions of the deployer. `DeployError` is the root. A vLLM server's own errors arrive as
+`serving.ServingError` (or httpx transport errors); the swap catches those per server and turns
+them into a failed, restored step, so what escapes `promote` is a bug or a server that could not
+even be restored (`serving.ServerError`)."""
 
 from __future__ import annotations
+
+from schemas.errors import OperatorError
 
 
 class DeployError(RuntimeError):
     """Root of every error the deployer raises on purpose."""
 
 
-class RegistryError(DeployError):
-    """The MLflow registry is missing something the deployer needs (a version, an alias, artifacts)."""
+class GateError(DeployError, OperatorError):
+    """The eval gate could not be run: no staging server, or the champion does not load on it (not:
+    the challenger failed the gate; that is a GateDecision)."""
 
 
-class FleetError(DeployError):
-    """A vLLM server answered an error or something the deployer does not understand."""
-
-    def __init__(self, url: str, message: str) -> None:
-        super().__init__(f"{url}: {message}")
-        self.url = url
-
-
-class VerifyError(DeployError):
-    """A server's weights after a reload do not match the checkpoint (probe logprobs or digests)."""
-
-
-class GateError(DeployError):
-    """The eval gate could not be run (not: the challenger failed it; that is a GateDecision)."""
-
-
-class RolloutBusy(DeployError):
+class RolloutBusy(DeployError, OperatorError):
     """Another rollout or gate run holds the lock; one at a time."""
+
+
+class NothingToRollBack(DeployError, OperatorError):
+    """A rollback was asked for, but no previous champion is recorded."""

@@ -5,8 +5,8 @@ front of users): the gate swaps the staging server to the challenger with the sa
 swap the fleet gets (so a checkpoint that does not load or does not match its probe fails here,
 before any user sees it), samples the task's held-out prompts, then does the same for the
 champion. The sampling seed is fixed, so both models see the same sampling noise and the
-comparison is not swamped by it. Each completion is scored by the oracle the simulator uses:
-``task.preference(prompt, completion)`` through the labeler's reward spec.
+comparison is not swamped by it. Each completion is scored by the oracle the simulator uses: the
+task's preference through the labeler's reward spec (evals/scoring.py).
 
 The challenger passes unless ``challenger_score < champion_score - tolerance``. While it is
 loaded, the staging server's `/weight_checker` digests are recorded as the version's baseline
@@ -18,21 +18,22 @@ Called by the trainer chain after a cycle registers a challenger, and by ``rtrl 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployer import registry, rollout
+import evals
+from deployer import rollout
 from deployer.errors import GateError
-from deployer.fleet import VllmServer
+from registry import Registry
+from schemas.clock import utcnow
+from schemas.rewards import get_spec
 from schemas.settings import Settings
+from serving import VllmClient
 
 # Same seed for both models: identical sampling noise, so score differences come from the weights.
 GATE_SEED = 20240917
 GATE_TEMPERATURE = 1.0
-
-Scorer = Callable[[str, str], float]
 
 
 class GateDecision(BaseModel):
@@ -71,28 +72,13 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def task_scorer(settings: Settings) -> Scorer:
-    """reward(prompt, completion) = reward spec applied to the task's preference signals."""
-    from feedback import rewards
-    from rtrl.tasks import get_task
-
-    task = get_task(settings.gate.task)
-    spec = rewards.get_spec(settings.labeler.reward_spec)
-
-    def scorer(prompt: str, completion: str) -> float:
-        return float(rewards.score(spec, task.preference(prompt, completion)).reward)
-
-    return scorer
-
-
 def _score_version(
-    settings: Settings, server: VllmServer, version: int, prompts: list[str]
+    settings: Settings, registry: Registry, server: VllmClient, version: int, prompts: list[str]
 ) -> tuple[float, dict[str, str]]:
     """Swap the staging server to `version` (verified), sample, score; returns (mean, digests)."""
-    from rtrl.tasks import get_task
-
-    task = get_task(settings.gate.task)
-    step, digests = rollout.swap_server(server, rollout.target(settings, version), settings, restore=None)
+    task = evals.get_task(settings.gate.task)
+    target = rollout.target(settings, registry, version)
+    step, digests = rollout.swap_server(server, target, settings, restore=None)
     if not step.verified:
         raise GateError(f"v{version} does not load correctly on the staging server: {step.error}")
     samples = server.complete(
@@ -103,42 +89,36 @@ def _score_version(
         seed=GATE_SEED,
         stop=list(task.stop),
     )
-    scorer = task_scorer(settings)
+    scorer = evals.scorer(task.preference, get_spec(settings.labeler.reward_spec))
     return mean(
         [scorer(p, c) for p, completions in zip(prompts, samples, strict=True) for c in completions]
     ), digests
 
 
-def evaluate(settings: Settings, version: int) -> GateDecision:
+def evaluate(settings: Settings, registry: Registry, version: int) -> GateDecision:
     """Score challenger `version` against the champion on the staging server and record the decision.
 
     A challenger that does not load and verify on staging fails the gate (recorded, no raise).
     Raises GateError when the gate cannot run at all (no staging server, the champion fails to load).
     """
-    from rtrl.tasks import get_task
-
     staging = settings.vllm.staging_server
     if staging is None:
-        raise GateError(
-            "settings.vllm.staging_server is not set; the gate never generates on serving servers"
-        )
-    champion = registry.champion(settings)
-    prompts = get_task(settings.gate.task).heldout_prompts(settings.gate.eval_prompts)
+        raise GateError("settings.vllm.staging_server is not set; the gate never generates on serving servers")
+    champion = registry.champion()
+    prompts = evals.get_task(settings.gate.task).heldout_prompts(settings.gate.eval_prompts)
     n_samples = len(prompts) * settings.gate.samples_per_prompt
     tolerance = settings.gate.tolerance
     challenger_score: float | None = None
     load_failure: str | None = None
     with rollout.rollout_lock(settings, "staging"):
-        with VllmServer(
-            staging, timeout=settings.vllm.request_timeout_s, model=settings.vllm.served_model_name
-        ) as server:
+        with rollout.server_client(settings, staging) as server:
             try:
-                challenger_score, digests = _score_version(settings, server, version, prompts)
+                challenger_score, digests = _score_version(settings, registry, server, version, prompts)
                 rollout.save_digests(settings, version, digests)
             except GateError as exc:
                 load_failure = str(exc)  # a challenger that does not load fails the gate; recorded below
             # The champion runs last so the staging server ends on it, matching the fleet.
-            champion_score, _ = _score_version(settings, server, champion, prompts)
+            champion_score, _ = _score_version(settings, registry, server, champion, prompts)
     if challenger_score is None:
         passed, reason = False, load_failure or "challenger was not scored"
     else:
@@ -153,13 +133,13 @@ def evaluate(settings: Settings, version: int) -> GateDecision:
         n_prompts=len(prompts),
         n_samples=n_samples,
         reason=reason,
-        decided_at=datetime.now(UTC),
+        decided_at=utcnow(),
     )
-    record(settings, decision)
+    record(settings, registry, decision)
     return decision
 
 
-def record(settings: Settings, decision: GateDecision) -> None:
+def record(settings: Settings, registry: Registry, decision: GateDecision) -> None:
     """Model version tags always; metrics, the decision and the digests on the version's run if known."""
     version = decision.challenger_version
     tags = {
@@ -170,19 +150,20 @@ def record(settings: Settings, decision: GateDecision) -> None:
         "gate_champion_score": f"{decision.champion_score}",
         "gate_decided_at": decision.decided_at.isoformat(),
     }
-    registry.tag_version(settings, version, tags)
-    run_id = registry.run_id(settings, version)
+    registry.tag_version(version, tags)
+    run_id = registry.version_run_id(version)
     if run_id is None:
         return
-    mlflow_client = registry.client(settings)
+    metrics = {"gate/passed": float(decision.passed)}
     for key, value in (
         ("gate/challenger_score", decision.challenger_score),
         ("gate/champion_score", decision.champion_score),
     ):
         if value is not None:
-            mlflow_client.log_metric(run_id, key, value)
-    mlflow_client.log_metric(run_id, "gate/passed", float(decision.passed))
-    mlflow_client.log_dict(run_id, decision.model_dump(mode="json"), f"gate/decision-v{version}.json")
+            metrics[key] = value
+    registry.log_metrics(run_id, metrics)
+    files: dict[str, object] = {f"gate/decision-v{version}.json": decision.model_dump(mode="json")}
     digests = rollout.load_digests(settings, version)
     if digests is not None:
-        mlflow_client.log_dict(run_id, digests, f"gate/weight_digests-v{version}.json")
+        files[f"gate/weight_digests-v{version}.json"] = digests
+    registry.log_json(run_id, files)

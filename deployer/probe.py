@@ -2,9 +2,10 @@
 
 After `reload_weights` the deployer asks the server for the prompt logprobs of a few fixed token
 sequences and compares them with transformers running the same checkpoint on CPU in float32.
-Unlike `/weight_checker` digests (which on CPU miss every linear layer, PLATFORM.md), this covers
-every weight and the loading path itself: a wrong, truncated or mis-mapped checkpoint moves the
-logprobs by far more than the tolerance, while vLLM's kernels and transformers agree to ~1e-5.
+Unlike `/weight_checker` digests (which on CPU miss every linear layer: docs/platform.md, Weight
+digests on CPU), this covers every weight and the loading path itself: a wrong, truncated or
+mis-mapped checkpoint moves the logprobs by far more than the tolerance, while vLLM's kernels and
+transformers agree to ~1e-5.
 
 Used by `deployer.rollout`; the reference is computed once per checkpoint per process.
 """

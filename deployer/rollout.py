@@ -1,6 +1,6 @@
 """The verified rolling hot-swap of the vLLM fleet, and rollback.
 
-`promote(settings, version)` swaps every server in ``settings.vllm.servers`` one at a time (the
+`promote(settings, registry, version)` swaps every server in ``settings.vllm.servers`` one at a time (the
 first is the canary)::
 
     pause(mode) → reload_weights(checkpoint) → digests → update_weight_version("vN")
@@ -17,11 +17,13 @@ the reload or the digests fail), swaps back every server already done, leaves th
 alias where it was and returns ``ok=False`` with the reason. Only a fully verified fleet moves
 ``@champion``. Every pause is paired with a resume in ``finally``.
 
-`rollback(settings)` is a promotion of the previous champion. `align_fleet` brings servers that
-restarted (or were never set) back to the champion; `registry.bootstrap` calls it. One rollout
-at a time per run directory (a file lock).
+`rollback` is a promotion of the previous champion. `align_fleet` brings servers that restarted (or
+were never given a version) back to the champion; `bootstrap` registers the base model as v1
+@champion when the registry is empty and then aligns the fleet. One rollout at a time per run
+directory (a file lock).
 
-Called by the trainer chain after a passing gate and by ``rtrl deploy promote|rollback``.
+Called by the trainer chain after a passing gate, by ``rtrl run`` / the demo before the loop
+starts (`bootstrap`), and by ``rtrl deploy bootstrap|promote|rollback``.
 """
 
 from __future__ import annotations
@@ -33,18 +35,18 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployer import registry
-from deployer.errors import DeployError, FleetError, RolloutBusy
-from deployer.fleet import VllmServer, meaningful_digests
+from deployer.errors import DeployError, NothingToRollBack, RolloutBusy
 from deployer.probe import Probe, build_probe, max_abs_diff, reference_logprobs
+from registry import CHAMPION, Registry, RegistryError
+from schemas.clock import utcnow
 from schemas.settings import Settings
 from schemas.versions import format_version
+from serving import ServerError, ServingError, VllmClient, meaningful_digests
 
 
 class ServerSwap(BaseModel):
@@ -120,14 +122,21 @@ class Target:
     digests: dict[str, str] | None
 
 
-def target(settings: Settings, version: int) -> Target:
-    path = registry.checkpoint_dir(settings, version)
+def deploy_dir(settings: Settings) -> Path:
+    """Local working directory of the deployer (digests, lock files), absolute."""
+    path = (settings.services.run_dir / "deploy").expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def target(settings: Settings, registry: Registry, version: int) -> Target:
+    path = registry.download_checkpoint(version)
     probe = build_probe(path)
     return Target(version, path, probe, reference_logprobs(path, probe), load_digests(settings, version))
 
 
 def digests_path(settings: Settings, version: int) -> Path:
-    return registry.deploy_dir(settings) / "digests" / f"v{version}.json"
+    return deploy_dir(settings) / "digests" / f"{format_version(version)}.json"
 
 
 def load_digests(settings: Settings, version: int) -> dict[str, str] | None:
@@ -144,26 +153,26 @@ def save_digests(settings: Settings, version: int, digests: dict[str, str]) -> P
     return path
 
 
-def _reload(server: VllmServer, path: Path) -> float:
+def _reload(server: VllmClient, path: Path) -> float:
     """reload_weights; returns its duration in ms."""
     start = time.perf_counter()
     server.reload_weights(path)
     return (time.perf_counter() - start) * 1000
 
 
-def _publish(server: VllmServer, version: int) -> None:
-    server.update_weight_version(format_version(version))
+def _publish(server: VllmClient, version: int) -> None:
+    server.update_weight_version(version)
     server.reset_prefix_cache()
 
 
-def probe_diff(server: VllmServer, want: Target) -> float:
+def probe_diff(server: VllmClient, want: Target) -> float:
     """Max |vLLM - transformers| over the probe. Needs a resumed server: it generates."""
     observed = [server.prompt_logprobs(list(ids)) for ids in want.probe.token_ids]
     return max_abs_diff(want.expected, observed)
 
 
-def _restore(server: VllmServer, back: Target, settings: Settings, paused: bool) -> None:
-    """Put `back` on the server and check it; raises FleetError when even that fails."""
+def _restore(server: VllmClient, back: Target, settings: Settings, paused: bool) -> None:
+    """Put `back` on the server and check it; raises ServerError when even that fails."""
     if not paused:
         server.pause(settings.deployer.pause_mode)
     try:
@@ -174,11 +183,11 @@ def _restore(server: VllmServer, back: Target, settings: Settings, paused: bool)
         server.resume()
     problem = verdict(probe_diff(server, back), settings.deployer.probe_tolerance, digest_match)
     if problem is not None:
-        raise FleetError(server.url, f"restoring v{back.version} failed: {problem}")
+        raise ServerError(server.url, f"restoring v{back.version} failed: {problem}")
 
 
 def swap_server(
-    server: VllmServer, want: Target, settings: Settings, restore: Target | None
+    server: VllmClient, want: Target, settings: Settings, restore: Target | None
 ) -> tuple[ServerSwap, dict[str, str]]:
     """Swap one server to `want`; on failure put `restore` back (when given).
 
@@ -190,7 +199,7 @@ def swap_server(
     same checkpoint on the staging server, so this is the second line of defence.
 
     Returns the step's record and the server's digests after the load (the baseline for the rest
-    of the fleet when none was recorded). Raises FleetError only when even the restore fails;
+    of the fleet when none was recorded). Raises ServerError only when even the restore fails;
     the server is resumed on every path, because a paused server hangs every request routed to it.
     """
     tolerance = settings.deployer.probe_tolerance
@@ -207,7 +216,7 @@ def swap_server(
             digest_match = digests_agree(want.digests, digests)
             if digest_match is False:
                 error = verdict(0.0, tolerance, digest_match)
-        except (DeployError, httpx.HTTPError) as exc:
+        except (DeployError, ServingError, httpx.HTTPError) as exc:
             error = f"reload of v{want.version} failed: {exc}"
         if error is None:
             _publish(server, want.version)
@@ -221,7 +230,7 @@ def swap_server(
         try:
             max_diff = probe_diff(server, want)
             error = verdict(max_diff, tolerance, digest_match)
-        except (DeployError, httpx.HTTPError) as exc:
+        except (DeployError, ServingError, httpx.HTTPError) as exc:
             error = f"probe of v{want.version} failed: {exc}"
         if error is not None and restore is not None:
             _restore(server, restore, settings, paused=False)
@@ -247,7 +256,7 @@ def swap_server(
 @contextmanager
 def rollout_lock(settings: Settings, name: str = "rollout") -> Iterator[None]:
     """One rollout (or gate run on the staging server) at a time; fails fast when held."""
-    path = registry.deploy_dir(settings) / f"{name}.lock"
+    path = deploy_dir(settings) / f"{name}.lock"
     with path.open("a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -259,8 +268,9 @@ def rollout_lock(settings: Settings, name: str = "rollout") -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _server(settings: Settings, url: str) -> VllmServer:
-    return VllmServer(url, timeout=settings.vllm.request_timeout_s, model=settings.vllm.served_model_name)
+def server_client(settings: Settings, url: str) -> VllmClient:
+    """The deployer's client of one server of ``settings.vllm`` (fleet or staging)."""
+    return VllmClient(url, model=settings.vllm.served_model_name, timeout_s=settings.vllm.request_timeout_s)
 
 
 def _failed_step(url: str, version: int, exc: Exception) -> ServerSwap:
@@ -270,17 +280,17 @@ def _failed_step(url: str, version: int, exc: Exception) -> ServerSwap:
     )  # fmt: skip
 
 
-def _swap_fleet(settings: Settings, version: int, previous: int) -> SwapResult:
-    want = target(settings, version)
-    back = want if previous == version else target(settings, previous)
+def _swap_fleet(settings: Settings, registry: Registry, version: int, previous: int) -> SwapResult:
+    want = target(settings, registry, version)
+    back = want if previous == version else target(settings, registry, previous)
     steps: list[ServerSwap] = []
     done: list[str] = []
     failure: str | None = None
     for url in settings.vllm.servers:
-        with _server(settings, url) as server:
+        with server_client(settings, url) as server:
             try:
                 step, digests = swap_server(server, want, settings, restore=back)
-            except (DeployError, httpx.HTTPError) as exc:
+            except (DeployError, ServingError, httpx.HTTPError) as exc:
                 step = _failed_step(url, version, exc)
         steps.append(step)
         if not step.verified:
@@ -290,16 +300,16 @@ def _swap_fleet(settings: Settings, version: int, previous: int) -> SwapResult:
         if want.digests is None and meaningful_digests(digests):
             # The canary passed the probe: its digests vouch for this version on the rest.
             save_digests(settings, version, digests)
-            want = target(settings, version)
+            want = target(settings, registry, version)
 
     rolled_back = False
     if failure is not None and done:
         rolled_back = True
         for url in reversed(done):
-            with _server(settings, url) as server:
+            with server_client(settings, url) as server:
                 try:
                     step, _ = swap_server(server, back, settings, restore=None)
-                except (DeployError, httpx.HTTPError) as exc:
+                except (DeployError, ServingError, httpx.HTTPError) as exc:
                     step = _failed_step(url, previous, exc)
             steps.append(step)
             if not step.verified:
@@ -315,62 +325,79 @@ def _swap_fleet(settings: Settings, version: int, previous: int) -> SwapResult:
     )
 
 
-def promote(settings: Settings, version: int) -> SwapResult:
+def promote(settings: Settings, registry: Registry, version: int) -> SwapResult:
     """Swap the fleet to `version` and, when every server verified, move @champion to it."""
     with rollout_lock(settings):
-        previous = registry.champion(settings)
-        result = _swap_fleet(settings, version, previous)
+        previous = registry.champion()
+        result = _swap_fleet(settings, registry, version, previous)
         if result.ok:
-            registry.set_alias(settings, registry.CHAMPION, version)
+            registry.set_alias(CHAMPION, version)
             if version != previous:
-                registry.set_previous_champion(settings, previous)
+                registry.set_previous_champion(previous)
         registry.tag_version(
-            settings,
             version,
             {
                 "deploy": "ok" if result.ok else "failed",
-                "deploy_at": datetime.now(UTC).isoformat(),
+                "deploy_at": utcnow().isoformat(),
                 "deploy_error": (result.error or "")[:4000],
             },
         )
         return result
 
 
-def rollback(settings: Settings, to_version: int | None = None) -> SwapResult:
+def rollback(settings: Settings, registry: Registry, to_version: int | None = None) -> SwapResult:
     """Serve `to_version` (default: the previous champion) again: re-swap the fleet, move @champion."""
     if to_version is None:
-        to_version = registry.previous_champion(settings)
+        to_version = registry.previous_champion()
         if to_version is None:
-            raise DeployError("no previous champion recorded; pass the version to roll back to")
-    return promote(settings, to_version)
+            raise NothingToRollBack("no previous champion recorded; pass the version to roll back to (--to N)")
+    return promote(settings, registry, to_version)
 
 
-def align_fleet(settings: Settings) -> list[ServerSwap]:
+def bootstrap(settings: Settings, registry: Registry, model_dir: Path) -> int:
+    """Register `model_dir` as version 1 @champion when the registry has no version, then make every
+    server (fleet and staging) report the champion's weight version; returns the champion.
+
+    Idempotent: a second call finds the champion and only re-checks the servers. A server that
+    reports another version (or none while the champion is past v1, e.g. after a restart on the
+    base weights) is swapped to the champion with the verified swap.
+    """
+    if not registry.versions():
+        version = registry.register_checkpoint(model_dir, tags={"rtrl.base": "true"})
+        if version != 1:
+            raise RegistryError(f"registered the base model as version {version}; expected 1 (concurrent bootstrap?)")
+        registry.set_alias(CHAMPION, version)
+    champion = registry.champion()
+    align_fleet(settings, registry)
+    return champion
+
+
+def align_fleet(settings: Settings, registry: Registry) -> list[ServerSwap]:
     """Make every server (fleet and staging) serve the champion and report its version.
 
-    A server reporting the champion's version is left alone. A server with no version that
-    serves the champion's weights (a fresh server started on the base model while the champion
-    is v1) only gets its version set, after the probe confirms the weights. Any other server is
-    swapped to the champion.
+    A server reporting the champion's version is left alone. A server reporting another version
+    (or none) whose weights pass the champion's probe (a fresh server started on the base model
+    while the champion is v1, a label lost in a restart) only gets the version set. Any other
+    server is swapped to the champion with the verified swap.
     """
     with rollout_lock(settings):
-        version = registry.champion(settings)
-        want = target(settings, version)
+        version = registry.champion()
+        want = target(settings, registry, version)
         steps: list[ServerSwap] = []
         urls = list(settings.vllm.servers)
         if settings.vllm.staging_server is not None:
             urls.append(settings.vllm.staging_server)
         for url in urls:
-            with _server(settings, url) as server:
-                if server.weight_version() == format_version(version):
+            with server_client(settings, url) as server:
+                if server.weight_version() == version:
                     continue
                 if probe_diff(server, want) <= settings.deployer.probe_tolerance:
                     if want.digests is None:
                         save_digests(settings, version, server.weight_digests())
-                    server.update_weight_version(format_version(version))
+                    server.update_weight_version(version)
                     continue
                 step, _ = swap_server(server, want, settings, restore=None)
                 steps.append(step)
                 if not step.verified:
-                    raise FleetError(url, f"could not bring the server to champion v{version}: {step.error}")
+                    raise ServerError(url, f"could not bring the server to champion v{version}: {step.error}")
         return steps

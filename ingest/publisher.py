@@ -26,6 +26,7 @@ from typing import Any
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
+import streams
 from ingest.metrics import GatewayMetrics
 from ingest.spool import Spool, SpoolRecord
 from schemas.settings import Settings
@@ -41,7 +42,7 @@ class Publisher:
     """Publishes wire events to Kafka from background threads; spools what the broker does not take."""
 
     def __init__(self, settings: Settings, metrics: GatewayMetrics, replay_interval_s: float = 1.0) -> None:
-        self._bootstrap = settings.kafka.bootstrap_servers
+        self._kafka = settings.kafka
         self._timeout_s = settings.gateway.publish_timeout_s
         self._metrics = metrics
         self._replay_interval_s = replay_interval_s
@@ -78,12 +79,6 @@ class Publisher:
             self._queue.put_nowait(record)
         except queue.Full:
             self._spool(record, f"publish queue full ({QUEUE_SIZE} records)")
-
-    def idle(self) -> bool:
-        """True when nothing is queued, in flight or spooled (tests and shutdown wait for this)."""
-        with self._in_flight_lock:
-            in_flight = len(self._in_flight)
-        return self._queue.unfinished_tasks == 0 and in_flight == 0 and self.spool.empty()
 
     def close(self, timeout_s: float | None = None) -> None:
         """Stop the threads; flush what the broker takes in `timeout_s`, spool the rest."""
@@ -183,11 +178,9 @@ class Publisher:
     def _connect(self) -> KafkaProducer | None:
         timeout_ms = int(self._timeout_s * 1000)
         try:
-            return KafkaProducer(
-                bootstrap_servers=self._bootstrap.split(","),
-                client_id="rtrl-gateway",
-                acks="all",
-                enable_idempotence=True,
+            producer: KafkaProducer = streams.producer(
+                self._kafka,
+                "rtrl-gateway",
                 linger_ms=LINGER_MS,
                 # A record Kafka has not acknowledged within publish_timeout_s is spooled instead.
                 delivery_timeout_ms=timeout_ms + LINGER_MS + 1,
@@ -195,9 +188,10 @@ class Publisher:
                 max_block_ms=timeout_ms,
                 bootstrap_timeout_ms=timeout_ms,
             )
-        except KafkaError as exc:
-            log.warning("kafka %s unreachable: %s; events go to the spool", self._bootstrap, exc)
+        except (KafkaError, streams.BrokersUnreachable) as exc:
+            log.warning("kafka %s unreachable: %s; events go to the spool", self._kafka.bootstrap_servers, exc)
             return None
+        return producer
 
     def _replay_loop(self) -> None:
         while not self._stop.is_set():

@@ -20,13 +20,14 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from ingest import IngestError
+from ingest.errors import IngestError
 from schemas.events import (
     Id,
     InteractionEvent,
     Role,
     SamplingParams,
 )
+from schemas.versions import format_version
 
 HEADER_REQUEST_ID = "x-rtrl-request-id"
 CAPTURE_HEADERS = {
@@ -315,7 +316,7 @@ def build_interaction(
     request_id: str,
     capture: Capture,
     model: str,
-    policy_version: str,
+    policy_version: int,
     generation: Generation,
     sampling: SamplingParams,
     straddled: bool,
@@ -328,7 +329,7 @@ def build_interaction(
         tenant=capture.tenant,
         created_at=created_at,
         model=model,
-        policy_version=policy_version,
+        policy_version=format_version(policy_version),
         prompt=generation.prompt,
         prompt_token_ids=generation.prompt_token_ids,
         completion=generation.completion,

@@ -153,11 +153,6 @@ class Spool:
         self._active_path = None
         self._active_size = 0
 
-    def dead_letter(self, payload: bytes, reason: str, event_id: str | None = None) -> None:
-        """Append a dead-letter record to the overflow file (fsynced)."""
-        with self._lock:
-            self._dead_letter_locked(payload, reason, event_id)
-
     def _dead_letter_locked(self, payload: bytes, reason: str, event_id: str | None) -> None:
         record = DeadLetterRecord(
             source="gateway.spool",

@@ -17,13 +17,21 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from schemas.settings import Settings, to_env
+from schemas.clock import wait_until
+from schemas.errors import OperatorError
+from schemas.settings import Settings
+from schemas.versions import format_version
+
+if TYPE_CHECKING:
+    from evals import Preference, Task
+    from registry import Registry
+    from rtrl.supervisor import Supervisor
+    from store import Store
 
 log = logging.getLogger("rtrl.demo")
 
@@ -31,8 +39,8 @@ JSON_KEYS = ("cycle", "version_before", "version_after", "episodes", "mean_rewar
              "data_to_deploy_s")
 
 
-class DemoError(RuntimeError):
-    """The demo could not complete a cycle."""
+class DemoError(OperatorError, RuntimeError):
+    """The demo could not complete a cycle (the message says which log to read)."""
 
 
 @dataclass(frozen=True)
@@ -52,31 +60,42 @@ class DemoOptions:
 
 
 def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
+    """Run the demo (see the module docstring); returns one row of figures per cycle."""
+    from evals import get_task, load_preference
+    from registry import Registry
+    from rtrl import services
+    from rtrl.supervisor import Supervisor, prepare
+    from store import Store
+
     settings = settings.model_copy(
         update={"labeler": settings.labeler.model_copy(update={"settle_window_s": options.settle_window_s})}
     )
-    from rtrl import services
-    from rtrl.supervisor import Supervisor, prepare
+    # Mistakes in the options fail now, before any service starts.
+    task = get_task(options.task)
+    preference = load_preference(options.preference) if options.preference else None
 
     needed = ["kafka", "redis", "mlflow", "vllm"]
     already_up = {s.name for s in services.status(settings) if s.healthy}
     started_services = [name for name in needed if name not in already_up]
     t0 = time.monotonic()
-    services.up(settings, only=needed)
-    # Children (gateway, labeler, worker) read their Settings from the environment.
-    os.environ.update(to_env(settings))
+    services.up(settings, only=needed)  # stops what it started when it fails
     log.info("services ready in %.1fs", time.monotonic() - t0)
+    # The supervisor hands the children (gateway, labeler, worker) these settings.
     supervisor = Supervisor(settings, names=("gateway", "labeler", "worker"))
     rows: list[dict[str, Any]] = []
+    store: Store | None = None
     try:
         prepare(settings)
+        store, registry = Store(settings.store.url), Registry.from_settings(settings)
         supervisor.start()
         _wait_for_loop(settings, supervisor)
         for cycle in range(1, options.cycles + 1):
-            rows.append(_one_cycle(settings, options, cycle, supervisor))
+            rows.append(_one_cycle(settings, store, registry, task, preference, options, cycle, supervisor))
             _print_row(rows[-1])
     finally:
         supervisor.stop()
+        if store is not None:
+            store.close()
         if started_services and not options.keep_services:
             services.down(settings, only=started_services)
     _print_table(rows)
@@ -91,70 +110,81 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     return rows
 
 
-def _wait_for_loop(settings: Settings, supervisor: Any, timeout_s: float = 180.0) -> None:
+def _check_children(supervisor: Supervisor, settings: Settings) -> None:
+    supervisor.check()
+    if supervisor.failed():
+        raise DemoError(f"processes keep crashing: {supervisor.failed()}; see {settings.services.run_dir}/logs")
+
+
+def _wait_for_loop(settings: Settings, supervisor: Supervisor, timeout_s: float = 180.0) -> None:
     """Wait until the gateway answers and a Celery worker replies to ping."""
     import httpx
 
-    from trainer.celery_app import make_app
+    from trainer.celery_app import configure
 
     gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
-    app = make_app(settings)
-    deadline = time.monotonic() + timeout_s
-    gateway_ok = worker_ok = False
-    while time.monotonic() < deadline:
-        supervisor.check()
-        if supervisor.failed():
-            raise DemoError(f"processes keep crashing: {supervisor.failed()}; see {settings.services.run_dir}/logs")
-        if not gateway_ok:
+    app = configure(settings)
+    ready = {"gateway": False, "worker": False}
+
+    def loop_ready() -> bool:
+        _check_children(supervisor, settings)
+        if not ready["gateway"]:
             try:
-                gateway_ok = httpx.get(f"{gateway}/readyz", timeout=2).status_code == 200
+                ready["gateway"] = httpx.get(f"{gateway}/readyz", timeout=2).status_code == 200
             except httpx.HTTPError:
                 pass
-        if not worker_ok:
-            worker_ok = bool(app.control.ping(timeout=1.0))
-        if gateway_ok and worker_ok:
-            return
-        time.sleep(1.0)
-    raise DemoError(f"loop not ready after {timeout_s:.0f}s (gateway={gateway_ok}, worker={worker_ok}); "
-                    f"see {settings.services.run_dir}/logs")
+        if not ready["worker"]:
+            ready["worker"] = bool(app.control.ping(timeout=1.0))
+        return ready["gateway"] and ready["worker"]
+
+    try:
+        wait_until(loop_ready, timeout_s=timeout_s, interval_s=1.0, what="loop not ready")
+    except TimeoutError as exc:
+        raise DemoError(f"{exc} ({ready}); see {settings.services.run_dir}/logs") from None
 
 
-def _one_cycle(settings: Settings, options: DemoOptions, cycle: int, supervisor: Any) -> dict[str, Any]:
-    from deployer import registry
-    from feedback.store import Store
+def _one_cycle(
+    settings: Settings,
+    store: Store,
+    registry: Registry,
+    task: Task,
+    preference: Preference | None,
+    options: DemoOptions,
+    cycle: int,
+    supervisor: Supervisor,
+) -> dict[str, Any]:
     from rtrl.simulate import simulate
-    from rtrl.tasks import get_task, load_preference
-    from schemas.versions import format_version
-    from trainer.celery_app import make_app
+    from trainer.celery_app import CYCLE_TASK, configure
 
-    store = Store(settings.store.url)
-    champion = registry.champion(settings)
-    task = get_task(options.task)
-    preference = load_preference(options.preference) if options.preference else None
+    champion = registry.champion()
     gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
 
     # Users: requests through the gateway, feedback by the preference function.
     before = store.count_trainable(champion, settings.trainer.max_policy_lag)
     report = simulate(settings, gateway, options.requests_per_cycle, task, preference=preference,
                       concurrency=options.concurrency, seed=cycle)
-    # The labeler settles each episode when its terminal feedback arrives.
+    # The labeler settles each episode when its terminal feedback arrives (or its window passes).
     target = before + report.ok
-    deadline = time.monotonic() + options.cycle_timeout_s
-    while (settled := store.count_trainable(champion, settings.trainer.max_policy_lag)) < target:
-        supervisor.check()
-        if time.monotonic() > deadline:
-            raise DemoError(f"cycle {cycle}: only {settled}/{target} episodes settled; see the labeler log")
-        time.sleep(0.5)
+
+    def settled() -> bool:
+        _check_children(supervisor, settings)
+        return store.count_trainable(champion, settings.trainer.max_policy_lag) >= target
+
+    try:
+        wait_until(settled, timeout_s=options.cycle_timeout_s, interval_s=0.5, what=f"cycle {cycle}: episodes unsettled")
+    except TimeoutError as exc:
+        have = store.count_trainable(champion, settings.trainer.max_policy_lag)
+        raise DemoError(f"{exc} ({have}/{target} settled); see the labeler log in {settings.services.run_dir}/logs") from None
 
     # Train → gate → deploy, on the worker.
-    app = make_app(settings)
-    result: dict[str, Any] = app.send_task("rtrl.train_cycle").get(timeout=options.cycle_timeout_s)
+    app = configure(settings)
+    result: dict[str, Any] = app.send_task(CYCLE_TASK).get(timeout=options.cycle_timeout_s)
     if result.get("status") not in ("promoted", "rejected"):
         raise DemoError(f"cycle {cycle} ended with status {result.get('status')!r}: {result}")
     return {
         "cycle": cycle,
         "version_before": format_version(champion),
-        "version_after": result["version_after"],
+        "version_after": format_version(int(result["version_after"])),
         "episodes": result["episodes"],
         "mean_reward": round(float(result["mean_reward"]), 4),
         "gate": result["gate"],

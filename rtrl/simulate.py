@@ -3,7 +3,7 @@
 Started by ``rtrl simulate`` or called as `simulate(...)` (the demo does). Each request goes through
 the gateway with the official ``openai`` client, exactly like an application would, from one of a
 small population of users (``x-rtrl-session-id: sim-user-<k>``, tenant ``sim``); the completion is
-judged by the task's preference function (``rtrl.tasks``) and every returned signal is sent to
+judged by the task's preference function (evals/tasks.py) and every returned signal is sent to
 ``/v1/feedback`` as a `FeedbackEvent` for the gateway's request id. The report counts what was
 sent and what the users thought of it, per serving policy version.
 """
@@ -16,12 +16,12 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import httpx
 
-from rtrl.tasks import Preference, Task, get_task
+from evals import Preference, Task, get_task
 from schemas.events import FeedbackEvent, FeedbackKind, FeedbackSignal
+from schemas.rewards import get_spec, score
 from schemas.settings import Settings
 
 USERS = 8  # size of the simulated population (sessions)
@@ -40,7 +40,7 @@ class SimulationReport:
     feedback_failed: int = 0
     accepted: int = 0
     acceptance_rate: float = 0.0  # accepted / ok
-    mean_reward: float | None = None  # under settings.labeler.reward_spec, when feedback.rewards is present
+    mean_reward: float | None = None  # under settings.labeler.reward_spec
     per_version: dict[str, int] = field(default_factory=dict)  # ok requests by serving policy version
     accepted_per_version: dict[str, int] = field(default_factory=dict)
     elapsed_s: float = 0.0
@@ -61,16 +61,6 @@ class _Outcome:
     error: str | None = None
 
 
-def _oracle(settings: Settings) -> Any:
-    """`signals -> reward` under the labeler's reward spec, or None while feedback.rewards is absent."""
-    try:
-        from feedback.rewards import get_spec, score
-    except ImportError:
-        return None
-    spec = get_spec(settings.labeler.reward_spec)
-    return lambda signals: score(spec, signals).reward
-
-
 def simulate(
     settings: Settings,
     gateway_url: str,
@@ -89,7 +79,7 @@ def simulate(
 
     task = get_task(task) if isinstance(task, str) else task
     preference = preference or task.preference
-    oracle = _oracle(settings)
+    spec = get_spec(settings.labeler.reward_spec)
     base = gateway_url.rstrip("/")
     timeout = settings.vllm.request_timeout_s + 10
     client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=timeout)
@@ -138,7 +128,7 @@ def simulate(
             ok=True,
             version=version,
             accepted=any(s.kind == FeedbackKind.accepted for s in signals),
-            reward=oracle(signals) if oracle else None,
+            reward=score(spec, signals).reward,
             feedback_sent=sent,
             feedback_failed=failed,
         )

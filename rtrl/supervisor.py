@@ -2,10 +2,12 @@
 
 The loop is four long-lived processes: the gateway, the labeler, the Celery worker (training cycle,
 eval gate, deploy) and Celery beat (the schedule). Each is an ``rtrl`` subcommand; the supervisor
-starts them in their own process groups with logs under ``<run_dir>/logs/``, restarts one that
-exits (with backoff, and gives up on a process that keeps crashing), and stops them all on
-SIGTERM/SIGINT. State lives in Kafka, the SQL store and MLflow, so a restarted process resumes
-where its predecessor committed.
+starts them in their own process groups with logs under ``<run_dir>/logs/`` and hands each its
+settings (`rtrl.launch.child_env`). A process that exits is restarted: at once the first time,
+then after a delay that doubles from `BACKOFF_START_S` (capped at `BACKOFF_MAX_S`); one that
+exits again after `MAX_RESTARTS` restarts within `RESTART_WINDOW_S` is given up on, and
+`run_forever` then stops everything and raises. SIGTERM/SIGINT stops them all. State lives in Kafka, the SQL store and
+MLflow, so a restarted process resumes where its predecessor committed.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rtrl.launch import child_env, rtrl_command
+from schemas.clock import Monotonic
+from schemas.errors import OperatorError
 from schemas.settings import Settings
 
 log = logging.getLogger("rtrl.supervisor")
@@ -32,30 +36,40 @@ PROCESSES: dict[str, list[str]] = {
     "beat": ["beat"],
 }
 
-MAX_RESTARTS = 5  # within RESTART_WINDOW_S; past that a process is left down and reported
+MAX_RESTARTS = 5  # restarts within RESTART_WINDOW_S; the next exit leaves the process down, reported
 RESTART_WINDOW_S = 300.0
+BACKOFF_START_S = 1.0  # delay before the second restart within the window; doubles after that
+BACKOFF_MAX_S = 60.0
+
+
+def restart_delay(recent_restarts: int) -> float:
+    """Seconds to wait before restarting a process that was already restarted this many times recently."""
+    if recent_restarts == 0:
+        return 0.0
+    return float(min(BACKOFF_START_S * 2 ** (recent_restarts - 1), BACKOFF_MAX_S))
 
 
 def prepare(settings: Settings) -> int:
     """What the loop needs before its processes start: the store's tables, the topics, and a
     champion in the registry that every vLLM server serves. Idempotent; returns the champion."""
-    from deployer import registry
-    from feedback.store import Store
-    from feedback.topics import ensure_topics
+    import streams
+    from deployer.rollout import bootstrap
+    from registry import Registry
+    from store import Store
 
     store = Store(settings.store.url)
     try:
         store.migrate()
     finally:
         store.close()
-    ensure_topics(settings.kafka)
-    champion = registry.bootstrap(settings, Path(settings.vllm.model_dir))
+    streams.ensure_topics(settings.kafka)
+    champion = bootstrap(settings, Registry.from_settings(settings), Path(settings.vllm.model_dir))
     log.info("champion is v%d", champion)
     return champion
 
 
-class SupervisorError(RuntimeError):
-    """A supervised process could not be kept running."""
+class SupervisorError(OperatorError, RuntimeError):
+    """A supervised process could not be kept running (the message names it and its log)."""
 
 
 @dataclass
@@ -64,7 +78,8 @@ class Child:
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
-    restarts: list[float] = field(default_factory=list)
+    restarts: list[float] = field(default_factory=list)  # monotonic times of recent restarts
+    restart_at: float | None = None  # when an exited process is due to start again
     given_up: bool = False
 
     @property
@@ -73,16 +88,16 @@ class Child:
 
 
 class Supervisor:
-    """Starts, watches and stops the loop's processes."""
+    """Starts, watches and stops the loop's processes. ``monotonic`` is the clock of the backoff."""
 
-    def __init__(self, settings: Settings, names: Iterable[str] = PROCESSES) -> None:
+    def __init__(
+        self, settings: Settings, names: Iterable[str] = PROCESSES, monotonic: Monotonic = time.monotonic
+    ) -> None:
         self.settings = settings
+        self.monotonic = monotonic
         logs = Path(settings.services.run_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        self.children = {
-            name: Child(name, [sys.executable, "-m", "rtrl.cli", *PROCESSES[name]], logs / f"{name}.log")
-            for name in names
-        }
+        self.children = {name: Child(name, rtrl_command(*PROCESSES[name]), logs / f"{name}.log") for name in names}
 
     def start(self) -> None:
         for child in self.children.values():
@@ -96,28 +111,37 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group: stop() reaches its children too
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=child_env(self.settings),
             )
         log.info("started %s (pid %d), log %s", child.name, child.proc.pid, child.log_path)
 
     def check(self) -> list[str]:
-        """Restart children that exited. Returns the names restarted now."""
+        """Schedule the restart of children that exited and restart those that are due.
+
+        Returns the names restarted now.
+        """
         restarted = []
-        now = time.monotonic()
+        now = self.monotonic()
         for child in self.children.values():
             if child.running or child.given_up or child.proc is None:
                 continue
-            code = child.proc.returncode
-            child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S]
-            if len(child.restarts) >= MAX_RESTARTS:
-                child.given_up = True
-                log.error("%s exited (code %s) %d times in %ds; leaving it down, see %s",
-                          child.name, code, MAX_RESTARTS, RESTART_WINDOW_S, child.log_path)
-                continue
-            log.warning("%s exited with code %s; restarting (see %s)", child.name, code, child.log_path)
-            child.restarts.append(now)
-            self._spawn(child)
-            restarted.append(child.name)
+            if child.restart_at is None:  # an exit not seen before
+                code = child.proc.returncode
+                child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S]
+                if len(child.restarts) >= MAX_RESTARTS:
+                    child.given_up = True
+                    log.error("%s exited (code %s) %d times in %.0fs; leaving it down, see %s",
+                              child.name, code, MAX_RESTARTS, RESTART_WINDOW_S, child.log_path)
+                    continue
+                delay = restart_delay(len(child.restarts))
+                child.restart_at = now + delay
+                log.warning("%s exited with code %s; restarting in %.0fs (see %s)",
+                            child.name, code, delay, child.log_path)
+            if now >= child.restart_at:
+                child.restart_at = None
+                child.restarts.append(now)
+                self._spawn(child)
+                restarted.append(child.name)
         return restarted
 
     def failed(self) -> list[str]:
@@ -155,7 +179,8 @@ class Supervisor:
             while not stopping:
                 self.check()
                 if self.failed():
-                    raise SupervisorError(f"processes kept crashing: {', '.join(self.failed())}")
+                    logs = ", ".join(str(self.children[name].log_path) for name in self.failed())
+                    raise SupervisorError(f"processes kept crashing: {', '.join(self.failed())}; see {logs}")
                 time.sleep(poll_s)
         finally:
             self.stop()

@@ -29,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rtrl.tasks import Task, get_task
+from evals import Task, get_task
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ SPECIAL_TOKENS = (BOS, EOS, PAD)  # ids 0, 1, 2
 VOCAB_SIZE = 384
 RECIPE = "rtrl-tiny-llama-v1"
 
-# head_dim = hidden / heads must be 64: vLLM's CPU attention rejects 16 (PLATFORM.md).
+# head_dim = hidden / heads must be 64: vLLM's CPU attention rejects 16 (docs/platform.md, vLLM on CPU).
 MODEL_SHAPE: dict[str, Any] = {
     "hidden_size": 128,
     "num_attention_heads": 2,

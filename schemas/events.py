@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 import uuid
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from schemas.clock import utcnow
 
 # Bounds on untrusted input. Large enough for real coding traffic, small enough that one record
 # cannot exhaust the labeler.
@@ -38,10 +40,6 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
 class _Message(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", str_strip_whitespace=False)
 
@@ -54,7 +52,7 @@ class _Message(BaseModel):
 
 
 class Role(StrEnum):
-    """What a segment of an episode is (DESIGN.md, multi-segment episodes)."""
+    """What a segment of an episode is (docs/architecture.md, Multi-segment episodes)."""
 
     policy = "policy"  # an ordinary model call of the policy being trained
     summary = "summary"  # Cursor self-summarization: trained like any policy tokens

@@ -15,8 +15,18 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas.errors import OperatorError
 
 
 class _Section(BaseModel):
@@ -60,6 +70,30 @@ class KafkaSettings(_Section):
     dlq_topic: str = Field("rtrl.dlq.v1", description="Dead-letter topic (DeadLetterRecord).")
     partitions: int = Field(3, ge=1, description="Partitions per topic when rtrl creates them.")
     labeler_group: str = Field("rtrl-labeler", description="Consumer group of the feedback labeler.")
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="How clients connect to the brokers."
+    )
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        None, description="SASL mechanism (with SASL_PLAINTEXT / SASL_SSL)."
+    )
+    sasl_username: str | None = Field(None, description="SASL user name.")
+    sasl_password: SecretStr | None = Field(None, description="SASL password (never printed).")
+    ssl_cafile: Path | None = Field(None, description="CA bundle that signed the brokers' certificates (SSL).")
+    ssl_certfile: Path | None = Field(None, description="Client certificate, PEM (mutual TLS).")
+    ssl_keyfile: Path | None = Field(None, description="Private key of the client certificate, PEM.")
+
+    @model_validator(mode="after")
+    def _security_complete(self) -> KafkaSettings:
+        if self.security_protocol.startswith("SASL_"):
+            if self.sasl_mechanism is None or not self.sasl_username or self.sasl_password is None:
+                raise ValueError(
+                    f"security_protocol {self.security_protocol} needs sasl_mechanism, sasl_username and sasl_password"
+                )
+        elif self.sasl_mechanism is not None:
+            raise ValueError(f"sasl_mechanism is set but security_protocol is {self.security_protocol}")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together (mutual TLS)")
+        return self
 
 
 class StoreSettings(_Section):
@@ -113,10 +147,14 @@ class VllmSettings(_Section):
         description="vLLM server for eval-gate generation and for recording a checkpoint's digests; never serves users.",
     )
     served_model_name: str = Field("rtrl-tiny", description="Model name clients send.")
+
+    @field_validator("staging_server", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        # RTRL_VLLM__STAGING_SERVER= (empty) means "no staging server", not a server at "".
+        return None if isinstance(value, str) and not value.strip() else value
     kv_cache_gib: int = Field(1, description="VLLM_CPU_KVCACHE_SPACE for the local CPU server.")
     max_model_len: int = Field(512, description="Context length of the local server.")
-    enable_lora: bool = Field(True, description="Start the local server with runtime LoRA updating.")
-    max_lora_rank: int = Field(8, description="--max-lora-rank of the local server.")
     request_timeout_s: float = Field(120.0, description="Timeout of one request to a vLLM server.")
 
 
@@ -144,7 +182,7 @@ class LabelerSettings(_Section):
     )
     poll_timeout_ms: int = Field(500, description="Kafka poll timeout.")
     max_poll_records: int = Field(500, description="Records per poll (one DB transaction).")
-    reward_spec: str = Field("tab-v1", description="Name of the reward spec (feedback/rewards.py).")
+    reward_spec: str = Field("tab-v1", description="Name of the reward spec (schemas/rewards.py) or a path to a .json spec.")
 
 
 class LossSettings(_Section):
@@ -192,7 +230,7 @@ class GateSettings(_Section):
     eval_prompts: int = Field(48, ge=1, description="Held-out prompts scored per model.")
     samples_per_prompt: int = Field(2, ge=1, description="Completions per held-out prompt.")
     task: str = Field(
-        "exclaim", description="Task (rtrl.tasks) whose held-out prompts and preference score the gate."
+        "exclaim", description="Task (evals/tasks.py) whose held-out prompts and preference score the gate."
     )
 
 
@@ -218,9 +256,6 @@ class Settings(BaseSettings):
         frozen=True,
     )
 
-    env: Literal["dev", "ci", "prod"] = Field(
-        "dev", description="Deployment flavour (logging, safety checks)."
-    )
     services: ServicesSettings = ServicesSettings()
     kafka: KafkaSettings = KafkaSettings()
     store: StoreSettings = StoreSettings()
@@ -239,9 +274,37 @@ def to_env(settings: Settings) -> dict[str, str]:
     """The ``RTRL_*`` environment that makes ``Settings()`` in a child process equal ``settings``.
 
     One JSON document per section (``RTRL_KAFKA={...}``), which pydantic-settings reads like the
-    nested ``RTRL_KAFKA__...`` form. Used to hand a configuration to the processes rtrl starts.
+    nested ``RTRL_KAFKA__...`` form; secrets are written in clear, as the child needs them. Used
+    to hand a configuration to the processes rtrl starts (``rtrl.launch.child_env``).
     """
     env = {}
-    for name, value in settings.model_dump(mode="json").items():
-        env[f"RTRL_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    for name, value in settings.model_dump(mode="python").items():
+        env[f"RTRL_{name.upper()}"] = json.dumps(value, default=_plain)
     return env
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot hand {type(value).__name__} to a child process")
+
+
+class SettingsError(OperatorError):
+    """The environment (or .env) holds a setting rtrl cannot use; the message names the variable."""
+
+
+def load_settings() -> Settings:
+    """``Settings()`` from the environment and .env, with a one-line error naming the variable.
+
+    What every entry point calls once at start-up.
+    """
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            variable = "RTRL_" + "__".join(str(part).upper() for part in error["loc"])
+            problems.append(f"{variable}: {error['msg']} (got {error.get('input')!r:.80})")
+        raise SettingsError("bad setting: " + "; ".join(problems) + " (fix the environment or .env)") from None

@@ -1,4 +1,5 @@
-"""Shared fixtures: one set of real local services per test session, on free loopback ports.
+"""Shared fixtures: one set of real local services per test session, on free loopback ports, and a
+SQLite store with a hand-moved clock per test.
 
 `services` starts Kafka, PostgreSQL, Redis, MLflow and two vLLM servers (serving + staging) on the
 tiny model with :func:`rtrl.services.up`, in a temporary run dir, and yields a `Settings` that
@@ -9,20 +10,26 @@ needs no services.
 
 Integration and end-to-end tests must run, never skip: a skipped one is reported as a failure
 (a missing service is an environment to fix, not a test to leave out).
+
+Tests mirror the packages (tests/<package>/), in tiers by marker: ``unit``, ``integration``,
+``e2e``. Test data comes from tests/factories.py, Kafka and CLI helpers from tests/helpers.py.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pluggy
 import pytest
+from factories import FakeClock
 
 from rtrl.services.testing import make_run_dir, services_settings, start_reaper
 from schemas.settings import KafkaSettings, Settings
+from store import Store
 
 MUST_NOT_SKIP = ("integration", "e2e")
 
@@ -110,6 +117,36 @@ def postgres_url(postgres_service: Settings) -> str:
     from rtrl.services import sqlalchemy_url
 
     return sqlalchemy_url(postgres_service)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """A wall clock that moves only when the test says (``clock.advance(seconds)``)."""
+    return FakeClock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: FakeClock) -> Iterator[Store]:
+    """A migrated SQLite store in tmp_path whose lease and orphan times follow `clock`."""
+    opened = Store(f"sqlite:///{tmp_path}/rtrl.db", clock=clock)
+    opened.migrate()
+    yield opened
+    opened.close()
+
+
+@pytest.fixture
+def postgres_database(postgres_service: Settings) -> Iterator[str]:
+    """The SQLAlchemy URL of a throw-away database on the session's PostgreSQL server."""
+    import psycopg
+
+    services, pg = postgres_service.services, postgres_service.postgres
+    name = f"rtrl_test_{uuid.uuid4().hex[:10]}"
+    admin = {"host": services.host, "port": services.postgres_port, "user": pg.user, "dbname": pg.database}
+    with psycopg.connect(**admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield f"postgresql+psycopg://{pg.user}@{services.host}:{services.postgres_port}/{name}"
+    with psycopg.connect(**admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -7,7 +7,7 @@ checkpoints), so a failed cycle leaves the baselines as they were.
 
 * Group baseline (Dr. GRPO, https://arxiv.org/abs/2503.20783): samples that share a prompt (equal
   prompt token ids) form a group; Â = R − mean(group). No division by the group's std: it
-  over-weights prompts whose rewards barely vary (ALGORITHMS.md, Composer 2 recipe).
+  over-weights prompts whose rewards barely vary (docs/algorithms.md, Baselines for single responses).
 * Running baseline (REINFORCE with a per-state baseline, Williams 1992): production traffic mostly
   gives one response per prompt, so a lone sample is compared with an exponential moving average
   of the rewards earlier cycles saw for the same prompt, or with the global running mean for a

@@ -2,7 +2,8 @@
 
 Started by ``rtrl worker`` (one solo-pool worker: one cycle at a time, in one long-lived process
 that keeps the DeepSpeed process group between cycles) and ``rtrl beat``. Both call `configure`
-with the `Settings` they built once at start-up, before the app connects anywhere.
+with the `Settings` they built once at start-up, before the app connects anywhere; clients that
+only send tasks (``rtrl train now``, the demo) call it too.
 
 Queue ``rtrl.trainer`` carries the two tasks defined in trainer/tasks.py:
 ``rtrl.train_cycle`` (one cycle + gate + deploy) and ``rtrl.maybe_train`` (beat's check).
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from schemas.settings import Settings
+from schemas.settings import Settings, load_settings
 
 QUEUE = "rtrl.trainer"
 BEAT_TASK = "rtrl.maybe_train"
@@ -52,14 +53,9 @@ def configure(settings: Settings) -> Celery:
     return app
 
 
-def make_app(settings: Settings) -> Celery:
-    """The app configured for `settings` (clients such as the demo use it to send tasks)."""
-    return configure(settings)
-
-
 def current_settings() -> Settings:
-    """The settings the process was configured with (built once from the environment otherwise)."""
+    """The settings the process was configured with (read once from the environment otherwise)."""
     if _settings is None:
-        configure(Settings())
+        configure(load_settings())
     assert _settings is not None
     return _settings

@@ -6,11 +6,12 @@ that served the selected samples; the result is a new registered version of
 ``settings.mlflow.model_name`` with alias ``challenger``, which the task then sends through the
 eval gate and the deployer.
 
-Guarantees (DESIGN.md, "One cycle at a time"):
+Guarantees (docs/architecture.md, Contracts: one cycle at a time):
 * the store's cycle lease admits one active cycle; the episodes are claimed for the cycle right
   after selection (``mark_used``), so two cycles never learn from the same sample;
 * registration is the last step: on any exception the cycle is finished as ``failed`` (which
-  releases its episodes for the next cycle), a version registered by this cycle is deleted, the
+  releases its episodes for the next cycle), a version registered by this cycle is deleted (a
+  registration that fails deletes its own version, `registry.Registry.register_checkpoint`), the
   MLflow run is marked FAILED, and the exception propagates;
 * the running reward baselines are persisted only once the cycle is registered.
 """
@@ -25,10 +26,10 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, Field
 
-from feedback.store import Store, TrainingEpisode
+from registry import CHALLENGER, Registry, flatten
 from schemas.settings import Settings
-from schemas.versions import format_version
-from trainer import checkpoint, tracking
+from store import Store, TrainingEpisode
+from trainer import checkpoint
 from trainer.advantages import compute_advantages, prompt_key
 from trainer.engine import (
     Row,
@@ -105,11 +106,11 @@ def episode_prompt_key(episode: TrainingEpisode) -> str:
     return prompt_key(episode.segments[0].prompt_token_ids)
 
 
-def run_cycle(settings: Settings, *, owner: str, takeover_suffix: str | None = None) -> CycleResult:
-    from deployer import registry
-
+def run_cycle(
+    settings: Settings, store: Store, registry: Registry, *, owner: str, takeover_suffix: str | None = None
+) -> CycleResult:
+    """One cycle from the champion's own episodes to a registered @challenger (see the module docstring)."""
     cfg = settings.trainer
-    store = Store(settings.store.url)
     started = time.monotonic()
 
     # ---- lease --------------------------------------------------------------------------------
@@ -119,11 +120,11 @@ def run_cycle(settings: Settings, *, owner: str, takeover_suffix: str | None = N
         reclaimed = store.reclaim_cycle(takeover_suffix, reason=f"worker lost; re-run by {owner}")
         if reclaimed is not None:
             log.warning("cycle %d was abandoned by a lost worker; re-running it", reclaimed)
-    champion = registry.champion(settings)
+    champion = registry.champion()
     available = store.count_trainable(champion, cfg.max_policy_lag)
     if available < cfg.min_samples:
         return CycleResult(cycle_id=None, status="not_enough_data", champion_version=champion, episodes=available)
-    cycle_id = store.acquire_cycle(owner, cfg.lease_ttl_s, format_version(champion))
+    cycle_id = store.acquire_cycle(owner, cfg.lease_ttl_s, champion)
     if cycle_id is None:
         return CycleResult(cycle_id=None, status="busy", champion_version=champion)
 
@@ -146,9 +147,13 @@ def run_cycle(settings: Settings, *, owner: str, takeover_suffix: str | None = N
             raise InsufficientData(f"{len(episodes)} episodes have no trainable completion tokens")
 
         # ---- champion weights into DeepSpeed -------------------------------------------------------
-        champion_dir = registry.checkpoint_dir(settings, champion)
+        champion_dir = registry.download_checkpoint(champion)
         checkpoint.check_source(champion_dir)
-        run_id = tracking.start_run(settings, cycle_id, champion)
+        run_id = registry.start_run(
+            f"cycle-{cycle_id}",
+            tags={"rtrl.kind": "training_cycle", "rtrl.cycle_id": str(cycle_id), "rtrl.parent_version": str(champion)},
+            params=flatten("trainer", settings.trainer.model_dump(mode="json"), {"model_name": registry.model_name}),
+        )
         train_started = time.monotonic()
         pad_id = 0  # padded positions are masked out of attention and loss; any id works
         batches = micro_batches(rows, cfg.micro_batch, pad_id)
@@ -194,7 +199,7 @@ def run_cycle(settings: Settings, *, owner: str, takeover_suffix: str | None = N
                     tokens=int(totals["tokens"]),
                 )
                 steps.append(metrics)
-                tracking.log_metrics(settings, run_id, step, metrics.model_dump(exclude={"step"}, exclude_none=True))
+                registry.log_metrics(run_id, metrics.model_dump(exclude={"step"}, exclude_none=True), step)
                 store.heartbeat_cycle(cycle_id, cfg.lease_ttl_s)
             weights = state_dict(engine)
         finally:
@@ -223,27 +228,29 @@ def run_cycle(settings: Settings, *, owner: str, takeover_suffix: str | None = N
             mlflow_run_id=run_id,
             checkpoint_dir=str(out_dir),
         )
-        tracking.log_episodes(settings, run_id, episode_ids, result.model_dump(mode="json", exclude={"steps"}))
+        # The run's lineage: which episodes it learnt from, and the cycle summary.
+        registry.log_json(run_id, {"episodes.json": sorted(episode_ids),
+                                   "cycle.json": result.model_dump(mode="json", exclude={"steps"})})
+        registry.set_run_tag(run_id, "rtrl.episodes", str(len(episode_ids)))
 
         # ---- register (last) ------------------------------------------------------------------------
         version = registry.register_checkpoint(
-            settings,
             out_dir,
             run_id=run_id,
             tags={"rtrl.cycle_id": str(cycle_id), "rtrl.parent_version": str(champion),
                   "rtrl.episodes": str(len(episodes)), "rtrl.loss": cfg.loss.type},
         )
-        registry.set_alias(settings, registry.CHALLENGER, version)
+        registry.set_alias(CHALLENGER, version)
         result.challenger_version = version
         result.cycle_s = round(time.monotonic() - started, 3)
         store.finish_cycle(
             cycle_id,
             "registered",
-            challenger_version=format_version(version),
+            challenger=version,
             metrics=result.model_dump(mode="json", exclude={"steps"}) | {"steps": [s.model_dump() for s in steps]},
         )
         checkpoint.save_baselines(cfg.checkpoint_dir, next_baselines)
-        tracking.end_run(settings, run_id, "FINISHED")
+        registry.end_run(run_id, "FINISHED")
         return result
     except BaseException as exc:
         # A half-finished cycle never leaves a version behind; its episodes go back to the pool.
@@ -252,10 +259,8 @@ def run_cycle(settings: Settings, *, owner: str, takeover_suffix: str | None = N
         finally:
             try:
                 if version is not None:
-                    tracking.delete_version(settings, version)
+                    registry.delete_version(version)
             finally:
                 if run_id is not None:
-                    tracking.end_run(settings, run_id, "FAILED")
+                    registry.end_run(run_id, "FAILED")
         raise
-    finally:
-        store.close()

@@ -3,9 +3,9 @@
 Used by trainer/cycle.py inside the long-lived Celery worker process (one process, no launcher):
 DeepSpeed reads its rank and rendezvous from the environment, so `_single_process_env` sets
 DS_ACCELERATOR / RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT before deepspeed is
-imported or initialised (PLATFORM.md). The process group is created once per process; each cycle
-builds a fresh engine on the champion's weights and `close_engine` frees it, so the next cycle's
-`deepspeed.initialize` in the same worker starts clean.
+imported or initialised (docs/platform.md, DeepSpeed on CPU). The process group is created once
+per process; each cycle builds a fresh engine on the champion's weights and `close_engine` frees
+it, so the next cycle's `deepspeed.initialize` in the same worker starts clean.
 
 A *row* is one trainable segment: prompt + completion token ids, the behaviour logprobs of the
 completion tokens and the advantage of its episode. Non-trainable segments (PARL sub-agents) never

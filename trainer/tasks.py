@@ -1,9 +1,12 @@
 """Celery tasks of the trainer: the cycle chain (train → gate → deploy) and beat's periodic check.
 
-Registered on the app in trainer/celery_app.py; run by ``rtrl worker``. Retries are declared here:
-a transient failure (broker, store, MLflow or vLLM unreachable) fails the cycle cleanly (its
-episodes are released) and the task is retried with exponential backoff and jitter; anything else
-fails the task for an operator to read (`rtrl train status`, docs/runbooks/trainer.md).
+Registered on the app in trainer/celery_app.py; run by ``rtrl worker``. The worker process opens
+one `store.Store` and one `registry.Registry` on first use and keeps them (`worker_resources`).
+
+Retries are declared here: a transient failure (broker, store, MLflow or vLLM unreachable or
+timing out) fails the cycle cleanly (its episodes are released) and the task is retried with
+exponential backoff and jitter; anything else fails the task for an operator to read
+(`rtrl train status`, docs/runbooks/trainer.md).
 """
 
 from __future__ import annotations
@@ -11,13 +14,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from typing import Any
 
-import requests
-import sqlalchemy.exc
+import httpx
+import redis.exceptions
 from celery import Task
 
+from registry import Registry, RegistryUnavailable
+from schemas.clock import utcnow
+from schemas.settings import Settings
+from store import DatabaseUnavailable, Store
 from trainer.celery_app import BEAT_TASK, CYCLE_TASK, QUEUE, app, current_settings
 
 log = logging.getLogger(__name__)
@@ -26,13 +33,39 @@ log = logging.getLogger(__name__)
 TRANSIENT = (
     ConnectionError,
     TimeoutError,
-    requests.exceptions.ConnectionError,
-    requests.exceptions.Timeout,
-    sqlalchemy.exc.OperationalError,
+    httpx.TransportError,  # a vLLM server (the gate's and the deployer's calls) unreachable or timing out
+    RegistryUnavailable,  # MLflow not answering
+    DatabaseUnavailable,  # the store unreachable or locked (the transaction was rolled back)
+    redis.exceptions.ConnectionError,  # Redis (the queue's pending key) unreachable
+    redis.exceptions.TimeoutError,
 )
 # Beat sets this key when it enqueues a cycle and the cycle clears it when it starts, so a slow
 # queue never piles up duplicate cycles. It expires on its own if the message is lost.
 PENDING_KEY = "rtrl:trainer:cycle-pending"
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What a worker process opens once and every task uses."""
+
+    settings: Settings
+    store: Store
+    registry: Registry
+
+
+_resources: Resources | None = None
+
+
+def worker_resources() -> Resources:
+    """This process's store and registry, opened on first use for the configured settings (and
+    again if the app was configured with other settings since)."""
+    global _resources
+    settings = current_settings()
+    if _resources is None or _resources.settings is not settings:
+        if _resources is not None:
+            _resources.store.close()
+        _resources = Resources(settings, Store(settings.store.url), Registry.from_settings(settings))
+    return _resources
 
 
 def _redis(url: str) -> Any:
@@ -54,37 +87,35 @@ def _redis(url: str) -> Any:
 )
 def train_cycle(self: Task) -> dict[str, Any]:
     """One cycle, then the eval gate and, on pass, the rolling swap; returns the outcome as JSON."""
-    settings = current_settings()
-    _redis(settings.celery.broker_url).delete(PENDING_KEY)
+    res = worker_resources()
+    _redis(res.settings.celery.broker_url).delete(PENDING_KEY)
     owner = f"{socket.gethostname()}:{os.getpid()}:{self.request.id}"
     # A redelivered message (the previous worker died mid-cycle) takes over that cycle's lease.
-    return run_chain(settings, owner=owner, takeover_suffix=self.request.id)
+    return run_chain(res.settings, res.store, res.registry, owner=owner, takeover_suffix=self.request.id)
 
 
-def run_chain(settings: Any, *, owner: str, takeover_suffix: str | None = None) -> dict[str, Any]:
+def run_chain(
+    settings: Settings, store: Store, registry: Registry, *, owner: str, takeover_suffix: str | None = None
+) -> dict[str, Any]:
     """train → gate → promote. Shared by the task and ``rtrl train now --inline``.
 
     Returns the CycleResult as JSON plus: ``status`` (the cycle's final status: promoted,
     rejected or failed; busy / not_enough_data when no cycle ran), ``gate`` (pass/fail),
-    ``challenger_score`` / ``champion_score``, ``version_after`` (the served version, "vN"),
+    ``challenger_score`` / ``champion_score``, ``version_after`` (the served version N),
     ``swap_ms``, ``deployed_at`` and ``data_to_deploy_s`` (deployed_at − first interaction).
     """
     from deployer import gate, rollout
-    from feedback.store import Store
-    from schemas.versions import format_version
     from trainer.cycle import run_cycle
 
-    result = run_cycle(settings, owner=owner, takeover_suffix=takeover_suffix)
+    result = run_cycle(settings, store, registry, owner=owner, takeover_suffix=takeover_suffix)
     out: dict[str, Any] = result.model_dump(mode="json")
-    champion = result.champion_version
     out.update(gate=None, challenger_score=None, champion_score=None, swap_ms=None, deployed_at=None,
-               data_to_deploy_s=None, version_after=None if champion is None else format_version(champion))
+               data_to_deploy_s=None, version_after=result.champion_version)
     if result.status != "registered":
         return out
     assert result.cycle_id is not None and result.challenger_version is not None
-    store = Store(settings.store.url)
     try:
-        decision = gate.evaluate(settings, result.challenger_version)
+        decision = gate.evaluate(settings, registry, result.challenger_version)
         out.update(gate="pass" if decision.passed else "fail", gate_reason=decision.reason,
                    challenger_score=decision.challenger_score, champion_score=decision.champion_score)
         gate_metrics = {"gate": out["gate"], "gate_reason": decision.reason,
@@ -93,7 +124,7 @@ def run_chain(settings: Any, *, owner: str, takeover_suffix: str | None = None) 
             store.finish_cycle(result.cycle_id, "rejected", metrics=gate_metrics)
             out["status"] = "rejected"
             return out
-        swap = rollout.promote(settings, result.challenger_version)
+        swap = rollout.promote(settings, registry, result.challenger_version)
         out["swap"] = swap.model_dump(mode="json")
         if not swap.ok:
             # Not deployed (the fleet is back on the champion): the data was not learnt from in
@@ -101,9 +132,9 @@ def run_chain(settings: Any, *, owner: str, takeover_suffix: str | None = None) 
             store.finish_cycle(result.cycle_id, "failed", metrics=gate_metrics, error=f"swap failed: {swap.error}")
             out["status"] = "failed"
             return out
-        deployed_at = datetime.now(UTC)
-        out.update(status="promoted", version_after=format_version(result.challenger_version),
-                   swap_ms=swap.swap_ms, deployed_at=deployed_at.isoformat())
+        deployed_at = utcnow()
+        out.update(status="promoted", version_after=result.challenger_version, swap_ms=swap.swap_ms,
+                   deployed_at=deployed_at.isoformat())
         if result.first_interaction_at is not None:
             out["data_to_deploy_s"] = round((deployed_at - result.first_interaction_at).total_seconds(), 3)
         store.finish_cycle(result.cycle_id, "promoted", metrics=gate_metrics | {
@@ -114,42 +145,22 @@ def run_chain(settings: Any, *, owner: str, takeover_suffix: str | None = None) 
         # active until its lease expires.
         store.finish_cycle(result.cycle_id, "failed", error=f"after registration: {type(exc).__name__}: {exc}"[:10_000])
         raise
-    finally:
-        store.close()
 
 
 @app.task(name=BEAT_TASK)  # type: ignore[untyped-decorator]
 def maybe_train() -> str:
     """Enqueue a cycle when the champion has ≥ min_samples trainable episodes and none is active."""
-    from deployer import registry
-    from feedback.store import Store
-
-    settings = current_settings()
-    store = Store(settings.store.url)
-    try:
-        champion = registry.champion(settings)
-        available = store.count_trainable(champion, settings.trainer.max_policy_lag)
-        if available < settings.trainer.min_samples:
-            return f"waiting: {available} < {settings.trainer.min_samples} trainable episodes of v{champion}"
-        if active_cycles(store):
-            return "busy: a cycle is active"
-    finally:
-        store.close()
+    res = worker_resources()
+    settings = res.settings
+    champion = res.registry.champion()
+    available = res.store.count_trainable(champion, settings.trainer.max_policy_lag)
+    if available < settings.trainer.min_samples:
+        return f"waiting: {available} < {settings.trainer.min_samples} trainable episodes of v{champion}"
+    if res.store.active_cycles():
+        return "busy: a cycle is active"
     ttl = int(settings.trainer.lease_ttl_s)
     if not _redis(settings.celery.broker_url).set(PENDING_KEY, "1", nx=True, ex=ttl):
         return "busy: a cycle is already queued"
     task = train_cycle.apply_async(queue=QUEUE)
     log.info("enqueued cycle %s (%d trainable episodes of v%d)", task.id, available, champion)
     return f"enqueued {task.id}"
-
-
-def active_cycles(store: Any) -> list[Any]:
-    """Cycles holding the lease (running, or registered and waiting for gate/deploy)."""
-    from sqlalchemy import select
-
-    from feedback.models import ACTIVE_CYCLE_STATUSES, Cycle
-
-    now = datetime.now(UTC)
-    with store.transaction() as session:
-        rows = session.scalars(select(Cycle).where(Cycle.status.in_(ACTIVE_CYCLE_STATUSES))).all()
-        return [c for c in rows if c.lease_expires_at > now]

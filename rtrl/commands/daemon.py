@@ -22,13 +22,13 @@ def register(app: typer.Typer) -> None:
         """
         from rtrl.logs import setup_logging
         from rtrl.supervisor import PROCESSES, Supervisor, prepare
-        from schemas.settings import Settings
+        from schemas.settings import load_settings
 
         setup_logging()
         names = [p.strip() for p in processes.split(",") if p.strip()]
         unknown = sorted(set(names) - set(PROCESSES))
         if unknown:
             raise typer.BadParameter(f"unknown process(es) {unknown}; choose from {sorted(PROCESSES)}")
-        settings = Settings()
+        settings = load_settings()
         prepare(settings)
         Supervisor(settings, names).run_forever()

@@ -29,11 +29,11 @@ def register(app: typer.Typer) -> None:
         """Run the whole loop N times: users → gateway → Kafka → labeler → trainer → gate → hot-swap."""
         from rtrl.demo import DemoOptions, run
         from rtrl.logs import setup_logging
-        from schemas.settings import Settings
+        from schemas.settings import load_settings
 
         setup_logging()
         run(
-            Settings(),
+            load_settings(),
             DemoOptions(
                 cycles=cycles,
                 requests_per_cycle=requests,

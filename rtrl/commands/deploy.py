@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
+    from registry import Registry
     from schemas.settings import Settings
 
 deploy_app = typer.Typer(
@@ -25,10 +26,12 @@ deploy_app = typer.Typer(
 )
 
 
-def _settings() -> Settings:
-    from schemas.settings import Settings
+def _open() -> tuple[Settings, Registry]:
+    from registry import Registry
+    from schemas.settings import load_settings
 
-    return Settings()
+    settings = load_settings()
+    return settings, Registry.from_settings(settings)
 
 
 @deploy_app.command("bootstrap")
@@ -38,42 +41,38 @@ def bootstrap(
     ),
 ) -> None:
     """Register the base model as version 1 @champion (once) and set every server's weight version."""
-    from deployer import registry
+    from deployer.rollout import bootstrap as run_bootstrap
 
-    settings = _settings()
+    settings, registry = _open()
     directory = model_dir or settings.vllm.model_dir
     if not (directory / "config.json").is_file():
         raise typer.BadParameter(
             f"{directory} is not an HF checkpoint folder (no config.json)", param_hint="MODEL_DIR"
         )
-    champion = registry.bootstrap(settings, directory)
+    champion = run_bootstrap(settings, registry, directory)
     typer.echo(json.dumps({"model": settings.mlflow.model_name, "champion": champion}))
 
 
 @deploy_app.command("status")
 def status() -> None:
     """Champion and challenger versions, and each server's weight version and pause state."""
-    from deployer import registry
-    from deployer.errors import RegistryError
-    from deployer.fleet import VllmServer
+    from registry import CHAMPION
+    from serving import VllmClient
 
-    settings = _settings()
-    try:
-        champion: int | None = registry.champion(settings)
-    except RegistryError:
-        champion = None
+    settings, registry = _open()
+    champion = registry.alias(CHAMPION)
     servers = []
     urls = [(url, "serving") for url in settings.vllm.servers]
     if settings.vllm.staging_server is not None:
         urls.append((settings.vllm.staging_server, "staging"))
     for url, role in urls:
-        with VllmServer(url, timeout=10.0, model=settings.vllm.served_model_name) as server:
+        with VllmClient(url, model=settings.vllm.served_model_name, timeout_s=10.0) as server:
             servers.append({"role": role, **server.state().model_dump()})
     report = {
         "model": settings.mlflow.model_name,
         "champion": champion,
-        "challenger": registry.challenger(settings) if champion is not None else None,
-        "previous_champion": registry.previous_champion(settings) if champion is not None else None,
+        "challenger": registry.challenger() if champion is not None else None,
+        "previous_champion": registry.previous_champion() if champion is not None else None,
         "servers": servers,
     }
     typer.echo(json.dumps(report, indent=2))
@@ -86,7 +85,8 @@ def gate(
     """Score VERSION against the champion on the staging server; exit 1 when it fails the gate."""
     from deployer.gate import evaluate
 
-    decision = evaluate(_settings(), version)
+    settings, registry = _open()
+    decision = evaluate(settings, registry, version)
     typer.echo(decision.model_dump_json(indent=2))
     if not decision.passed:
         raise typer.Exit(1)
@@ -97,7 +97,8 @@ def promote(version: int = typer.Argument(..., min=1, help="Registered version t
     """Swap every server to VERSION (verified, rolling) and move @champion; exit 1 on rollback."""
     from deployer.rollout import promote as run_promote
 
-    result = run_promote(_settings(), version)
+    settings, registry = _open()
+    result = run_promote(settings, registry, version)
     typer.echo(result.model_dump_json(indent=2))
     if not result.ok:
         raise typer.Exit(1)
@@ -112,7 +113,8 @@ def rollback(
     """Serve the previous champion (or --to VERSION) again: re-swap the fleet and move @champion."""
     from deployer.rollout import rollback as run_rollback
 
-    result = run_rollback(_settings(), to)
+    settings, registry = _open()
+    result = run_rollback(settings, registry, to)
     typer.echo(result.model_dump_json(indent=2))
     if not result.ok:
         raise typer.Exit(1)

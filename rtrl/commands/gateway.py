@@ -16,10 +16,10 @@ def register(app: typer.Typer) -> None:
         """Serve /v1/completions, /v1/chat/completions and /v1/feedback; publish every call to Kafka."""
         from ingest.app import run
         from rtrl.logs import setup_logging
-        from schemas.settings import Settings
+        from schemas.settings import load_settings
 
         setup_logging()
-        settings = Settings()
+        settings = load_settings()
         overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
         if overrides:
             settings = settings.model_copy(update={"gateway": settings.gateway.model_copy(update=overrides)})

@@ -17,44 +17,46 @@ def labeler(ctx: typer.Context) -> None:
         return
     from feedback.labeler import run
     from rtrl.logs import setup_logging
-    from schemas.settings import Settings
+    from schemas.settings import load_settings
 
     setup_logging()
-    run(Settings())
+    run(load_settings())
 
 
 @labeler_app.command("migrate")
 def migrate() -> None:
     """Create or upgrade the store's tables (the labeler also does this at start-up)."""
-    from feedback.store import Store
-    from schemas.settings import Settings
+    from schemas.settings import load_settings
+    from store import Store
 
-    Store(Settings().store.url).migrate()
+    Store(load_settings().store.url).migrate()
     typer.echo("store is at the newest migration")
 
 
 @labeler_app.command("stats")
 def stats() -> None:
     """Row counts per table and status (orphaned = feedback unjoined after the settle window)."""
-    from feedback.store import Store, dumps
-    from schemas.settings import Settings
+    import json
 
-    settings = Settings()
+    from schemas.settings import load_settings
+    from store import Store
+
+    settings = load_settings()
     store = Store(settings.store.url)
-    store.migrate()
-    typer.echo(dumps(store.stats(orphan_after_s=settings.labeler.settle_window_s)))
+    store.check_schema()
+    typer.echo(json.dumps(store.stats(orphan_after_s=settings.labeler.settle_window_s), indent=2, sort_keys=True))
 
 
 @labeler_app.command("reconcile")
 def reconcile() -> None:
     """Check produced = stored + dead-lettered over the event topics; exit 1 if it does not hold."""
     from feedback.reconcile import reconcile as reconcile_
-    from feedback.store import Store
-    from schemas.settings import Settings
+    from schemas.settings import load_settings
+    from store import Store
 
-    settings = Settings()
+    settings = load_settings()
     store = Store(settings.store.url)
-    store.migrate()
+    store.check_schema()
     result = reconcile_(settings, store)
     for p in result.partitions:
         typer.echo(

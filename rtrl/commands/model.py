@@ -20,7 +20,7 @@ model_app = typer.Typer(
 def init(
     directory: Path = typer.Argument(..., help="Folder to write the checkpoint into."),
     task: str = typer.Option(
-        "exclaim", help="Task to fine-tune on (see rtrl/tasks.py), or 'none' for raw init."
+        "exclaim", help="Task to fine-tune on (see evals/tasks.py), or 'none' for raw init."
     ),
     seed: int = typer.Option(0, help="Seed of initialisation and fine-tune; same seed, same bytes."),
     force: bool = typer.Option(False, "--force", help="Overwrite a non-empty folder."),
@@ -36,8 +36,8 @@ def init(
             f"{directory} is not empty; pass --force to overwrite", param_hint="DIRECTORY"
         )
 
+    from evals import TaskError, get_task
     from rtrl import tinymodel
-    from rtrl.tasks import TaskError, get_task
 
     task_name = None if task == "none" else task
     if task_name is not None:

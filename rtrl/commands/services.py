@@ -31,9 +31,8 @@ def up(only: str | None = _ONLY) -> None:
     """Install what is missing, start the services that are not running and wait until all are healthy."""
     import logging
 
-    from rtrl.services import ServiceError
     from rtrl.services import up as services_up
-    from schemas.settings import Settings
+    from schemas.settings import load_settings
 
     # Progress of rtrl.services only; the Kafka and HTTP clients' INFO chatter stays off.
     handler = logging.StreamHandler()
@@ -41,11 +40,7 @@ def up(only: str | None = _ONLY) -> None:
     logger = logging.getLogger("rtrl.services")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    try:
-        rows = services_up(Settings(), _split(only))
-    except ServiceError as exc:
-        typer.echo(f"rtrl services up: {exc}", err=True)
-        raise typer.Exit(1) from None
+    rows = services_up(load_settings(), _split(only))  # a ServiceError is printed as one line by rtrl.cli
     _print_table(rows)
 
 
@@ -59,9 +54,9 @@ def status(
     import json
 
     from rtrl.services import status as services_status
-    from schemas.settings import Settings
+    from schemas.settings import load_settings
 
-    rows = services_status(Settings(), _split(only))
+    rows = services_status(load_settings(), _split(only))
     if json_output:
         typer.echo(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
     else:
@@ -74,9 +69,9 @@ def status(
 def down(only: str | None = typer.Option(None, "--only", help="Comma-separated subset (default: all).")) -> None:
     """Stop the services and every process they started."""
     from rtrl.services import down as services_down
-    from schemas.settings import Settings
+    from schemas.settings import load_settings
 
-    stopped = services_down(Settings(), _split(only))
+    stopped = services_down(load_settings(), _split(only))
     typer.echo(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
 
 

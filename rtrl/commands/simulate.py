@@ -14,7 +14,7 @@ def register(app: typer.Typer) -> None:
     def simulate(
         requests: int = typer.Option(100, "--requests", "-n", min=1, help="Requests to send."),
         concurrency: int = typer.Option(4, "--concurrency", "-c", min=1, help="Requests in flight at once."),
-        task: str = typer.Option("exclaim", help="Task whose training prompts are sent (rtrl/tasks.py)."),
+        task: str = typer.Option("exclaim", help="Task whose training prompts are sent (evals/tasks.py)."),
         preference: str = typer.Option(
             None, help="Preference function 'module:function' (default: the task's own)."
         ),
@@ -23,11 +23,11 @@ def register(app: typer.Typer) -> None:
         json_out: Path = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
     ) -> None:
         """Send N requests through the gateway, give feedback on each, print acceptance per policy version."""
+        from evals import load_preference
         from rtrl.simulate import simulate as run_simulation
-        from rtrl.tasks import load_preference
-        from schemas.settings import Settings
+        from schemas.settings import load_settings
 
-        settings = Settings()
+        settings = load_settings()
         url = gateway or f"http://{settings.gateway.host}:{settings.gateway.port}"
         report = run_simulation(
             settings,

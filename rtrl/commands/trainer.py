@@ -20,22 +20,22 @@ def worker(
     hostname: str = typer.Option(f"rtrl-trainer@{socket.gethostname()}", help="Celery node name."),
 ) -> None:
     """Run the trainer's Celery worker: one process, one cycle at a time (solo pool), until SIGTERM."""
-    from schemas.settings import Settings
+    from schemas.settings import load_settings
     from trainer.celery_app import QUEUE, configure
 
     _logging()
-    app = configure(Settings())
+    app = configure(load_settings())
     # Solo pool: the cycle runs in this process, which keeps DeepSpeed's process group across cycles.
     app.worker_main(["worker", "--pool=solo", "--concurrency=1", f"--loglevel={loglevel}", "-Q", QUEUE, "-n", hostname])
 
 
 def beat(loglevel: str = typer.Option("INFO", help="Celery log level.")) -> None:
     """Run Celery beat: every trainer.interval_s it checks whether a cycle should be enqueued."""
-    from schemas.settings import Settings
+    from schemas.settings import load_settings
     from trainer.celery_app import configure
 
     _logging()
-    settings = Settings()
+    settings = load_settings()
     settings.services.run_dir.mkdir(parents=True, exist_ok=True)
     schedule = settings.services.run_dir / "celerybeat-schedule"
     configure(settings).start(["beat", f"--loglevel={loglevel}", f"--schedule={schedule}"])
@@ -50,14 +50,21 @@ def now(
     """Enqueue one training cycle (train → gate → deploy) for `rtrl worker`."""
     import json
 
-    from schemas.settings import Settings
+    from schemas.settings import load_settings
 
-    settings = Settings()
+    settings = load_settings()
     if inline:
+        from registry import Registry
+        from store import Store
         from trainer.tasks import run_chain
 
         _logging()
-        typer.echo(json.dumps(run_chain(settings, owner=f"{socket.gethostname()}:cli"), indent=2))
+        store = Store(settings.store.url)
+        try:
+            result = run_chain(settings, store, Registry.from_settings(settings), owner=f"{socket.gethostname()}:cli")
+        finally:
+            store.close()
+        typer.echo(json.dumps(result, indent=2))
         return
     from trainer.celery_app import configure
     from trainer.tasks import train_cycle
@@ -74,28 +81,23 @@ def status(limit: int = typer.Option(10, min=1, help="How many recent cycles."))
     """Recent training cycles from the store (newest first), as JSON lines."""
     import json
 
-    from sqlalchemy import select
+    from schemas.settings import load_settings
+    from store import Store
 
-    from feedback.models import Cycle
-    from feedback.store import Store
-    from schemas.settings import Settings
-
-    store = Store(Settings().store.url)
-    store.migrate()
-    with store.transaction() as session:
-        cycles = session.scalars(select(Cycle).order_by(Cycle.id.desc()).limit(limit)).all()
-        for c in cycles:
-            metrics = c.metrics or {}
-            typer.echo(json.dumps({
-                "id": c.id, "status": c.status, "champion": c.champion_version, "challenger": c.challenger_version,
-                "episodes": len(c.episode_ids or []), "started_at": c.started_at.isoformat(),
-                "finished_at": c.finished_at.isoformat() if c.finished_at else None,
-                "train_s": metrics.get("train_s"), "mean_reward": metrics.get("mean_reward"),
-                "gate": metrics.get("gate"), "challenger_score": metrics.get("challenger_score"),
-                "champion_score": metrics.get("champion_score"), "gate_reason": metrics.get("gate_reason"),
-                "swap_ms": metrics.get("swap_ms"), "data_to_deploy_s": metrics.get("data_to_deploy_s"),
-                "error": c.error,
-            }))
+    store = Store(load_settings().store.url)
+    store.check_schema()
+    for c in store.recent_cycles(limit):
+        metrics = c.metrics
+        typer.echo(json.dumps({
+            "id": c.id, "status": c.status, "champion": c.champion, "challenger": c.challenger,
+            "episodes": len(c.episode_ids), "started_at": c.started_at.isoformat(),
+            "finished_at": c.finished_at.isoformat() if c.finished_at else None,
+            "train_s": metrics.get("train_s"), "mean_reward": metrics.get("mean_reward"),
+            "gate": metrics.get("gate"), "challenger_score": metrics.get("challenger_score"),
+            "champion_score": metrics.get("champion_score"), "gate_reason": metrics.get("gate_reason"),
+            "swap_ms": metrics.get("swap_ms"), "data_to_deploy_s": metrics.get("data_to_deploy_s"),
+            "error": c.error,
+        }))
 
 
 def register(app: typer.Typer) -> None:

@@ -3,7 +3,8 @@
 ``rtrl services up|status|down`` (rtrl/commands/services.py) and the test fixtures
 (tests/conftest.py) call :func:`up`, :func:`status` and :func:`down`. Everything a service needs
 lives under ``services.run_dir``: ``<name>/`` data, ``logs/<name>.log``, ``pids/<name>.json``.
-Kafka's jars are cached in ``services.cache_dir``; Debian packages come from infra/system-deps.sh.
+Kafka's jars are cached in ``services.cache_dir``; Debian packages come from infra/system-deps.sh
+(``make demo`` and ``make test`` run it).
 
 Service names (for ``only``): kafka, postgres, redis, mlflow, vllm (the serving server and, when
 ``services.vllm_staging_port`` is set, vllm-staging), vllm-staging.
@@ -18,14 +19,13 @@ from collections.abc import Sequence
 from schemas.settings import Settings
 
 from .base import Service, ServiceError, ServiceStatus, run_dir
-from .kafka import Kafka, ensure_topics
+from .kafka import Kafka
 from .mlflow import Mlflow
 from .postgres import Postgres, sqlalchemy_url
 from .redis import Redis
 from .vllm import servers as vllm_servers
 
-__all__ = ["ServiceError", "ServiceStatus", "down", "ensure_topics", "run_dir", "services", "sqlalchemy_url",
-           "status", "up"]
+__all__ = ["ServiceError", "ServiceStatus", "down", "run_dir", "services", "sqlalchemy_url", "status", "up"]
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,9 @@ def up(settings: Settings, only: Sequence[str] | None = None) -> list[ServiceSta
 
     Idempotent: a healthy service is left alone. All missing services start at once, then each is
     waited for (up to services.start_timeout_s); a service that exits or stays unhealthy raises
-    ServiceError with the tail of its log. Returns the final status of the selected services.
+    ServiceError with the tail of its log. When anything fails, the services this call started are
+    stopped again before the error propagates: a failed ``up`` leaves nothing running that it
+    started. Returns the final status of the selected services.
     """
     units = services(settings, only)
     to_start = [unit for unit in units if unit.pid() is None]
@@ -60,15 +62,24 @@ def up(settings: Settings, only: Sequence[str] | None = None) -> list[ServiceSta
     # Fail before starting anything rather than half-way through.
     for unit in to_start:
         unit.check_ports()
-    for unit in to_start:
-        t0 = time.monotonic()
-        pid = unit.start()
-        log.info("%s: started pid %s in %.1f s, log %s", unit.name, pid, time.monotonic() - t0, unit.log_path)
-    t_start = time.monotonic()
-    for unit in units:
-        detail = unit.wait_healthy(settings.services.start_timeout_s)
-        unit.after_start()
-        log.info("%s: healthy at %s (%s) after %.1f s", unit.name, unit.address, detail, time.monotonic() - t_start)
+    started: list[Service] = []
+    try:
+        for unit in to_start:
+            t0 = time.monotonic()
+            started.append(unit)  # before start(): a start that fails half-way may leave a process
+            pid = unit.start()
+            log.info("%s: started pid %s in %.1f s, log %s", unit.name, pid, time.monotonic() - t0, unit.log_path)
+        t_start = time.monotonic()
+        for unit in units:
+            detail = unit.wait_healthy(settings.services.start_timeout_s)
+            unit.after_start()
+            log.info("%s: healthy at %s (%s) after %.1f s", unit.name, unit.address, detail,
+                     time.monotonic() - t_start)
+    except BaseException:
+        for unit in reversed(started):
+            if unit.stop():
+                log.info("%s: stopped again (services up failed)", unit.name)
+        raise
     return [unit.status() for unit in units]
 
 

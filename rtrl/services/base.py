@@ -25,12 +25,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
+from schemas.clock import wait_until
+from schemas.errors import OperatorError
 from schemas.settings import Settings
 
 LOG_TAIL_LINES = 40
 
 
-class ServiceError(RuntimeError):
+class ServiceError(OperatorError, RuntimeError):
     """A local service could not be prepared, started or stopped (the message says which and why)."""
 
 
@@ -246,22 +248,25 @@ class Service(ABC):
 
     def wait_healthy(self, timeout_s: float) -> str:
         """Poll `check` until it passes; raises ServiceError with the log's tail on exit or timeout."""
-        deadline = time.monotonic() + timeout_s
-        last = "no check yet"
-        while True:
+        last = ["no check yet"]
+
+        def healthy() -> str | None:
             if self.pid() is None:
-                raise ServiceError(f"{self.name}: exited during start-up; last lines of {self.log_path}:\n"
-                                   f"{tail(self.log_path)}")
+                raise ServiceError(
+                    f"{self.name}: exited during start-up; last lines of {self.log_path}:\n{tail(self.log_path)}"
+                )
             try:
                 return self.check()
             except Exception as exc:  # not up yet: keep polling until the deadline
-                last = f"{type(exc).__name__}: {exc}"
-            if time.monotonic() > deadline:
-                raise ServiceError(
-                    f"{self.name}: not healthy after {timeout_s:.0f} s ({last}); last lines of "
-                    f"{self.log_path}:\n{tail(self.log_path)}"
-                )
-            time.sleep(0.5)
+                last[0] = f"{type(exc).__name__}: {exc}"
+                return None
+
+        try:
+            return wait_until(healthy, timeout_s=timeout_s, interval_s=0.5, what=f"{self.name} not healthy")
+        except TimeoutError as exc:
+            raise ServiceError(
+                f"{exc} ({last[0]}); last lines of {self.log_path}:\n{tail(self.log_path)}"
+            ) from None
 
     def stop(self) -> bool:
         """Stop the service and every process of its group; returns False when it was not running."""
@@ -272,18 +277,30 @@ class Service(ABC):
         running = _proc_start_ticks(record.pid) == record.start_ticks
         if running:
             os.kill(record.pid, self.stop_signal)
-            deadline = time.monotonic() + self.stop_grace_s
-            while _group_alive(pgid) and time.monotonic() < deadline:
-                time.sleep(0.2)
+            try:
+                wait_until(lambda: not _group_alive(pgid), timeout_s=self.stop_grace_s, what=f"{self.name} stopping")
+            except TimeoutError:
+                pass  # SIGKILL below
         # Children may outlive a leader that exited (or was killed earlier): the group goes too.
         # Only when the leader was ours: a stale pid file's pgid may belong to someone else by now.
         if running or _group_is_ours(pgid, self.run_dir):
-            while _group_alive(pgid):
+
+            def killed() -> bool:
+                if not _group_alive(pgid):
+                    return True
                 try:
                     os.killpg(pgid, signal.SIGKILL)
                 except ProcessLookupError:
-                    break
-                time.sleep(0.1)
+                    return True
+                return False
+
+            try:
+                wait_until(killed, timeout_s=self.stop_grace_s, interval_s=0.1, what=f"{self.name} killed")
+            except TimeoutError:
+                raise ServiceError(
+                    f"{self.name}: process group {pgid} survived SIGKILL for {self.stop_grace_s:.0f} s "
+                    f"(stuck in the kernel?); check it with `ps -g {pgid}`"
+                ) from None
         _CHILDREN.pop(record.pid, None)
         self.pid_path.unlink(missing_ok=True)
         return running

@@ -3,7 +3,7 @@
 Started by `rtrl services up`. The jars of ``org.apache.kafka:kafka_2.13:<services.kafka_version>``
 are resolved once with Maven (``infra/kafka/pom.xml``) into ``<services.cache_dir>/kafka-<ver>/lib``
 and shared between checkouts; the storage is formatted once into ``<run_dir>/kafka/data``.
-rtrl creates its topics explicitly (:func:`ensure_topics`); the broker does not auto-create them.
+rtrl creates its topics explicitly (`streams.ensure_topics`); the broker does not auto-create them.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from feedback.topics import ensure_topics
-from schemas.settings import Settings
+import streams
+from schemas.settings import KafkaSettings, Settings
 
 from .base import Service, ServiceError
 
@@ -147,11 +147,16 @@ class Kafka(Service):
     def command(self) -> list[str]:
         return self._java(jars_dir(self.settings), "kafka.Kafka", str(self.config_path))
 
-    def check(self) -> str:
-        from kafka.admin import KafkaAdminClient
+    def _own_broker(self) -> KafkaSettings:
+        """settings.kafka pointed at the (PLAINTEXT, loopback) broker this run dir started, whatever
+        bootstrap_servers and the security settings say."""
+        return self.settings.kafka.model_copy(update={
+            "bootstrap_servers": self.address, "security_protocol": "PLAINTEXT", "sasl_mechanism": None,
+            "sasl_username": None, "sasl_password": None, "ssl_cafile": None, "ssl_certfile": None, "ssl_keyfile": None,
+        })  # fmt: skip
 
-        admin = KafkaAdminClient(bootstrap_servers=self.address, request_timeout_ms=3000,
-                                 client_id="rtrl-services-health")
+    def check(self) -> str:
+        admin = streams.admin(self._own_broker(), "rtrl-services-health", request_timeout_ms=3000)
         try:
             cluster = admin.describe_cluster()
         finally:
@@ -162,5 +167,4 @@ class Kafka(Service):
         return f"Kafka {self.settings.services.kafka_version} KRaft, cluster {cluster['cluster_id']}"
 
     def after_start(self) -> None:
-        # The broker this run dir started, whatever kafka.bootstrap_servers points at.
-        ensure_topics(self.settings.kafka.model_copy(update={"bootstrap_servers": self.address}))
+        streams.ensure_topics(self._own_broker())

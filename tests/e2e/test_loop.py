@@ -7,20 +7,18 @@ checks the loop's effects where they live: the vLLM server, the SQL store, MLflo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from factories import fresh_topics
+from helpers import run_rtrl
 from safetensors.torch import load_file
 
-from schemas.settings import Settings, StoreSettings, to_env
+from schemas.settings import Settings, StoreSettings
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
 REQUESTS_PER_CYCLE = 48
 
 
@@ -30,17 +28,9 @@ def loop_settings(services: Settings, tmp_path: Path) -> Settings:
     from rtrl.services.testing import free_ports
 
     suffix = tmp_path.name.replace("_", "-")[-24:]
-    return services.model_copy(
+    return fresh_topics(services, prefix="e2e").model_copy(
         update={
             "store": StoreSettings(url=f"sqlite:///{tmp_path / 'rtrl.db'}"),
-            "kafka": services.kafka.model_copy(
-                update={
-                    "interactions_topic": f"e2e.interactions.{suffix}",
-                    "feedback_topic": f"e2e.feedback.{suffix}",
-                    "dlq_topic": f"e2e.dlq.{suffix}",
-                    "labeler_group": f"e2e-labeler-{suffix}",
-                }
-            ),
             "mlflow": services.mlflow.model_copy(
                 update={"model_name": f"rtrl-e2e-{suffix}", "experiment": f"rtrl-e2e-{suffix}"}
             ),
@@ -61,22 +51,20 @@ def loop_settings(services: Settings, tmp_path: Path) -> Settings:
 def test_two_cycles_swap_the_served_weights_twice(
     loop_settings: Settings, services: Settings, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from deployer import registry
-    from deployer.fleet import VllmServer
-    from deployer.probe import build_probe
+    from deployer.probe import build_probe, reference_logprobs
+    from deployer.rollout import promote
     from feedback.reconcile import reconcile
+    from registry import Registry
+    from serving import VllmClient
+    from store import Store
 
     settings = loop_settings
     # The demo would stop services it started itself; here every service is already up, so it
     # starts none of them. It shares the session's run dir for the service pid files.
     settings = settings.model_copy(update={"services": services.services})
     out = tmp_path / "cycles.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | to_env(settings)
-    proc = subprocess.run(
-        [sys.executable, "-m", "rtrl.cli", "demo", "--cycles", "2", "--requests", str(REQUESTS_PER_CYCLE),
-         "--json", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1500,
-    )
+    proc = run_rtrl(settings, "demo", "--cycles", "2", "--requests", str(REQUESTS_PER_CYCLE), "--json", str(out),
+                    timeout_s=1500)  # fmt: skip
     logs = Path(settings.services.run_dir) / "logs"
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\nlogs in {logs}"
     rows = json.loads(out.read_text())
@@ -88,8 +76,8 @@ def test_two_cycles_swap_the_served_weights_twice(
         ("v2", "v3", "pass"),
     ]
     assert all(r["episodes"] >= 16 and r["swap_ms"] > 0 and r["data_to_deploy_s"] > 0 for r in rows)
-    server = VllmServer(settings.vllm.servers[0])
-    assert server.weight_version() == "v3"
+    server = VllmClient(settings.vllm.servers[0], model=settings.vllm.served_model_name)
+    assert server.weight_version() == 3
 
     # Interactions served after the first swap carry the new policy version.
     engine = sa.create_engine(settings.store.url)
@@ -105,28 +93,28 @@ def test_two_cycles_swap_the_served_weights_twice(
     assert used == {"v1": rows[0]["episodes"], "v2": rows[1]["episodes"]}  # each cycle trained on its own policy
 
     # MLflow holds the versions, with @champion on the latest passed one.
-    assert registry.versions(settings) == [1, 2, 3]
-    assert registry.champion(settings) == 3
+    registry = Registry.from_settings(settings)
+    assert registry.versions() == [1, 2, 3]
+    assert registry.champion() == 3
 
     # Produced = stored + dead-lettered.
-    counts = reconcile(settings)
+    store = Store(settings.store.url)
+    counts = reconcile(settings, store)
+    store.close()
     assert counts.balanced, counts
     assert counts.produced >= 2 * REQUESTS_PER_CYCLE * 2  # interactions + at least one feedback each
 
     # The deployed weights differ from the base model's, and the server serves exactly them.
-    deployed = load_file(str(registry.checkpoint_dir(settings, 3) / "model.safetensors"))
+    deployed = load_file(str(registry.download_checkpoint(3) / "model.safetensors"))
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     assert deployed.keys() == base.keys()
     assert any(not deployed[k].equal(base[k]) for k in base)
     probe = build_probe(tiny_model_dir)
     served = server.prompt_logprobs(list(probe.token_ids[0]))
-    from deployer.probe import reference_logprobs
-
     base_reference = reference_logprobs(tiny_model_dir, probe)[0]
     assert max(abs(a - b) for a, b in zip(served, base_reference, strict=True)) > 1e-4
 
     # Leave the shared servers on the base weights for the tests that follow.
-    from deployer.rollout import promote
-
-    assert promote(settings, 1).ok
-    assert server.weight_version() == "v1"
+    assert promote(settings, registry, 1).ok
+    assert server.weight_version() == 1
+    server.close()

@@ -1,0 +1,202 @@
+"""Synthetic tasks: prompts, a held-out split and a simulated user's preference.
+
+A task is what `rtrl simulate` sends through the gateway and what the eval gate scores on: short
+questions formatted as completion prompts (``"Q: What is 3 plus 4?\\nA:"``), a fixed held-out
+split the simulator never draws from, and a *preference function* that plays the user:
+
+    preference(prompt: str, completion: str) -> list[schemas.events.FeedbackSignal]
+
+The simulator turns each returned signal into a ``FeedbackEvent`` for the request; the eval gate
+scores a completion by passing the signals through the reward spec (evals/scoring.py).
+``rtrl model init --task`` uses the same questions to supervise the tiny base model, so it answers
+in the task's shape and already meets the preference some of the time (docs/algorithms.md,
+Calibration on the tiny model: single production responses only teach behaviours the base model
+already shows).
+
+Custom preferences load from ``"package.module:function"`` with `load_preference`.
+
+The one task today, ``exclaim``: arithmetic and naming questions answered with a short phrase;
+the user accepts an answer that ends with ``!`` and rejects a plain one. The base model is tuned
+to end with ``!`` about one time in five.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+from schemas.errors import OperatorError
+from schemas.events import FeedbackKind, FeedbackSignal
+
+Preference = Callable[[str, str], list[FeedbackSignal]]
+
+
+class TaskError(OperatorError, ValueError):
+    """An unknown task, an impossible request for prompts, or a preference that cannot be loaded."""
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question of a task and the answers a reasonable model could give (any one will do)."""
+
+    text: str
+    answers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Task:
+    """A synthetic task: what prompts look like, which are held out, and what the user prefers."""
+
+    name: str
+    description: str
+    questions: tuple[Question, ...]
+    preference: Preference
+    # How a question becomes the plain prompt the gateway sends to /v1/completions.
+    prompt_template: str = "Q: {question}\nA:"
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ("\n",)
+    # Supervised shapes of an answer: mostly plain, sometimes the preferred one.
+    plain_shapes: tuple[str, ...] = ()
+    preferred_shapes: tuple[str, ...] = ()
+    preferred_fraction: float = 0.0
+    # One question in `heldout_every` (picked by a hash of its text) is held out.
+    heldout_every: int = 4
+
+    def format_prompt(self, question: str) -> str:
+        return self.prompt_template.format(question=question)
+
+    def _split(self) -> tuple[tuple[Question, ...], tuple[Question, ...]]:
+        """(train, held-out), each in a fixed order that does not depend on PYTHONHASHSEED."""
+        ranked = sorted(self.questions, key=lambda q: hashlib.sha256(q.text.encode()).hexdigest())
+        heldout = tuple(q for i, q in enumerate(ranked) if i % self.heldout_every == 0)
+        train = tuple(q for i, q in enumerate(ranked) if i % self.heldout_every != 0)
+        return train, heldout
+
+    def train_questions(self) -> tuple[Question, ...]:
+        return self._split()[0]
+
+    def heldout_questions(self) -> tuple[Question, ...]:
+        return self._split()[1]
+
+    def train_prompts(self, n: int, seed: int) -> list[str]:
+        """`n` prompts drawn uniformly, with replacement, from the training split."""
+        if n < 0:
+            raise TaskError(f"n must be >= 0, got {n}")
+        rng = random.Random(seed)
+        return [self.format_prompt(q.text) for q in rng.choices(self.train_questions(), k=n)]
+
+    def heldout_prompts(self, n: int) -> list[str]:
+        """The first `n` held-out prompts: the same list every time, never drawn by `train_prompts`."""
+        heldout = self.heldout_questions()
+        if not 0 <= n <= len(heldout):
+            raise TaskError(f"task {self.name!r} has {len(heldout)} held-out prompts; asked for {n}")
+        return [self.format_prompt(q.text) for q in heldout[:n]]
+
+    def sft_completion(self, question: Question, rng: random.Random) -> str:
+        """A supervised completion for `question`: a random answer in a random shape."""
+        preferred = rng.random() < self.preferred_fraction
+        shape = rng.choice(self.preferred_shapes if preferred else self.plain_shapes)
+        return " " + shape.format(answer=rng.choice(question.answers))
+
+
+# ---- the exclaim task -------------------------------------------------------------------------
+
+MAX_ANSWER_CHARS = 48
+
+
+def exclaim_preference(prompt: str, completion: str) -> list[FeedbackSignal]:
+    """Accept a short, one-line answer that ends with "!"; reject anything else.
+
+    Empty output or output without a single letter or digit (or with undecodable bytes) is
+    garbage: the simulated user rejects it and asks again (``followup_dissatisfied``).
+    """
+    text = completion.strip()
+    if not any(ch.isalnum() for ch in text) or "\ufffd" in text:
+        return [
+            FeedbackSignal(kind=FeedbackKind.rejected),
+            FeedbackSignal(kind=FeedbackKind.followup_dissatisfied),
+        ]
+    if "\n" in text or len(text) > MAX_ANSWER_CHARS:
+        return [FeedbackSignal(kind=FeedbackKind.rejected)]
+    if text.endswith("!"):
+        return [FeedbackSignal(kind=FeedbackKind.accepted)]
+    return [FeedbackSignal(kind=FeedbackKind.rejected)]
+
+
+COLORS = ("red", "blue", "green", "yellow", "black", "white")
+ANIMALS = ("cat", "dog", "bird", "fish", "horse", "cow")
+FRUITS = ("apple", "pear", "plum", "lemon", "orange", "banana")
+DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+
+
+def _exclaim_questions() -> tuple[Question, ...]:
+    questions: list[Question] = []
+    for a in range(10):
+        for b in range(10):
+            questions.append(Question(f"What is {a} plus {b}?", (str(a + b),)))
+            questions.append(Question(f"What is {a} times {b}?", (str(a * b),)))
+            if a >= b:
+                questions.append(Question(f"What is {a} minus {b}?", (str(a - b),)))
+    for n in range(20):
+        questions.append(Question(f"What comes after {n}?", (str(n + 1),)))
+        if n > 0:
+            questions.append(Question(f"What comes before {n}?", (str(n - 1),)))
+    for kind, options in (("a color", COLORS), ("an animal", ANIMALS), ("a fruit", FRUITS)):
+        questions.append(Question(f"Name {kind}.", options))
+    questions.append(Question("Name a day of the week.", DAYS))
+    return tuple(questions)
+
+
+EXCLAIM = Task(
+    name="exclaim",
+    description='Short answers; the user accepts answers that end with "!".',
+    questions=_exclaim_questions(),
+    preference=exclaim_preference,
+    plain_shapes=("{answer}.", "It is {answer}.", "The answer is {answer}."),
+    preferred_shapes=("{answer}!", "It is {answer}!", "The answer is {answer}!"),
+    preferred_fraction=0.2,
+)
+
+TASKS: dict[str, Task] = {EXCLAIM.name: EXCLAIM}
+
+
+def get_task(name: str) -> Task:
+    """The registered task called `name`."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise TaskError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}") from None
+
+
+def load_preference(spec: str) -> Preference:
+    """A preference function from ``"package.module:function"``, or a task name for its default.
+
+    The function is called as ``preference(prompt, completion)`` and must return a list of
+    `FeedbackSignal`. Raises `TaskError` when the module does not import, the attribute is
+    missing or it is not callable.
+    """
+    if ":" not in spec:
+        if spec in TASKS:
+            return TASKS[spec].preference
+        raise TaskError(
+            f"preference {spec!r} is neither 'module:function' nor a task ({', '.join(sorted(TASKS))})"
+        )
+    module_name, _, attr_path = spec.partition(":")
+    if not module_name or not attr_path:
+        raise TaskError(f"preference {spec!r}: expected 'module:function'")
+    try:
+        obj: object = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise TaskError(f"preference {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise TaskError(f"preference {spec!r}: {module_name!r} has no attribute {attr_path!r}") from None
+    if not callable(obj):
+        raise TaskError(f"preference {spec!r}: {type(obj).__name__} object is not callable")
+    return cast(Preference, obj)

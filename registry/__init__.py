@@ -1,0 +1,10 @@
+"""MLflow for every rtrl process: the one `Registry` client (runs, model versions, aliases, checkpoints).
+
+The trainer logs cycles and registers checkpoints through it, the deployer moves aliases and
+downloads checkpoints, the CLI reads it. Importing this package does not import MLflow.
+"""
+
+from registry.client import CHALLENGER, CHAMPION, Registry, flatten
+from registry.errors import NoChampion, RegistryError, RegistryUnavailable
+
+__all__ = ["CHALLENGER", "CHAMPION", "NoChampion", "Registry", "RegistryError", "RegistryUnavailable", "flatten"]

@@ -1,0 +1,331 @@
+"""The one MLflow client of an rtrl process: runs of training cycles, model versions, aliases, checkpoints.
+
+Registered version N of ``settings.mlflow.model_name`` serves as weight version ``"vN"``
+(schemas/versions.py); in this API a version is the ``int`` N. A version's checkpoint is an
+HF-format directory (config, safetensors, tokenizer) logged as the artifact folder ``checkpoint``
+of an MLflow run; the version's source points there. Alias ``champion`` is what the fleet serves,
+``challenger`` the newest trained candidate; the registered-model tag ``previous_champion``
+remembers what a rollback returns to.
+
+Open one `Registry` per process (it holds one `MlflowClient`) and pass it down. MLflow is
+imported when the first `Registry` is created, not when this module is. A tracking server that
+does not answer raises `RegistryUnavailable` from any method (MLflow's own retries happen first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from registry.errors import NoChampion, RegistryError, RegistryUnavailable
+from schemas.settings import MlflowSettings, Settings
+from schemas.versions import format_version
+
+if TYPE_CHECKING:
+    from mlflow.entities.model_registry import ModelVersion
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+PREVIOUS_CHAMPION_TAG = "previous_champion"
+CHECKPOINT_ARTIFACT = "checkpoint"
+# How long a new model version may stay PENDING_REGISTRATION before registration fails.
+REGISTRATION_TIMEOUT_S = 60
+# Written last into a downloaded checkpoint directory: its presence means the download completed.
+_COMPLETE = ".rtrl-complete"
+
+
+def _unanswered(exc: Exception) -> bool:
+    """Whether an MlflowException means the server never answered (MLflow's REST client words
+    transport failures as "API request to <url> failed with [timeout] exception ...")."""
+    message = str(exc)
+    return message.startswith("API request to") and (
+        "failed with exception" in message or "failed with timeout exception" in message
+    )
+
+
+class _Answering:
+    """An MlflowClient whose calls raise RegistryUnavailable when the server does not answer."""
+
+    def __init__(self, client: Any, uri: str) -> None:
+        self._client = client
+        self._uri = uri
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._client, name)
+        if not callable(method):
+            return method
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            from mlflow.exceptions import MlflowException
+
+            try:
+                return method(*args, **kwargs)
+            except MlflowException as exc:
+                if _unanswered(exc):
+                    raise RegistryUnavailable(
+                        f"MLflow at {self._uri} does not answer ({' '.join(str(exc).split())[:300]}); is it up? "
+                        "(`rtrl services status`, RTRL_MLFLOW__TRACKING_URI)"
+                    ) from exc
+                raise
+
+        return call
+
+
+def flatten(prefix: str, value: Any, out: dict[str, str]) -> dict[str, str]:
+    """Nested settings as MLflow params: ``{"loss": {"type": "cispo"}}`` -> ``{"loss.type": "cispo"}``."""
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            flatten(f"{prefix}.{key}" if prefix else str(key), inner, out)
+    else:
+        out[prefix] = str(value)
+    return out
+
+
+class Registry:
+    """MLflow tracking and model registry for one experiment and one registered model.
+
+    `checkpoints_dir` is where `download_checkpoint` keeps local copies of versions (one folder
+    per version, ``v<N>``); it is made absolute, because vLLM resolves ``reload_weights`` paths in
+    its own working directory.
+    """
+
+    def __init__(self, mlflow: MlflowSettings, checkpoints_dir: Path) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.settings = mlflow
+        self.model_name = mlflow.model_name
+        self.checkpoints_dir = checkpoints_dir.expanduser().resolve()
+        self._client = _Answering(
+            MlflowClient(tracking_uri=mlflow.tracking_uri, registry_uri=mlflow.tracking_uri), mlflow.tracking_uri
+        )
+        self._experiment_id: str | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Registry:
+        """The registry of ``settings.mlflow``, keeping checkpoints under ``<services.run_dir>/deploy``."""
+        return cls(settings.mlflow, settings.services.run_dir / "deploy")
+
+    # ---- experiment and runs --------------------------------------------------------------------
+
+    def experiment_id(self) -> str:
+        """The id of ``settings.mlflow.experiment``, created on first use (safe when processes race)."""
+        from mlflow.exceptions import MlflowException
+
+        if self._experiment_id is not None:
+            return self._experiment_id
+        name = self.settings.experiment
+        experiment = self._client.get_experiment_by_name(name)
+        if experiment is not None:
+            self._experiment_id = str(experiment.experiment_id)
+            return self._experiment_id
+        try:
+            self._experiment_id = str(self._client.create_experiment(name))
+        except MlflowException:
+            experiment = self._client.get_experiment_by_name(name)  # another process created it first
+            if experiment is None:
+                raise
+            self._experiment_id = str(experiment.experiment_id)
+        return self._experiment_id
+
+    def start_run(self, name: str, tags: dict[str, str], params: dict[str, str]) -> str:
+        """A new run in the experiment with these tags and params; returns its id."""
+        from mlflow.entities import Param
+
+        run = self._client.create_run(self.experiment_id(), run_name=name, tags=tags)
+        run_id = str(run.info.run_id)
+        if params:
+            # MLflow caps a param value at 6000 characters.
+            self._client.log_batch(run_id, params=[Param(k, v[:6000]) for k, v in sorted(params.items())])
+        return run_id
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in sorted(metrics.items())])
+
+    def log_json(self, run_id: str, files: dict[str, Any]) -> None:
+        """Each value as a JSON artifact of the run, under its file name (``gate/decision.json``)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, value in files.items():
+                path = Path(tmp) / name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")
+            self._client.log_artifacts(run_id, tmp)
+
+    def set_run_tag(self, run_id: str, key: str, value: str) -> None:
+        self._client.set_tag(run_id, key, value)
+
+    def end_run(self, run_id: str, status: str) -> None:
+        """status: FINISHED or FAILED."""
+        self._client.set_terminated(run_id, status)
+
+    def run(self, run_id: str) -> Any:
+        """The `mlflow.entities.Run` (params, metrics, tags, status), for status displays and tests."""
+        return self._client.get_run(run_id)
+
+    def runs(self, filter_string: str = "") -> list[Any]:
+        """The experiment's runs matching an MLflow search filter, newest first."""
+        return list(self._client.search_runs([self.experiment_id()], filter_string, order_by=["start_time DESC"]))
+
+    # ---- versions ---------------------------------------------------------------------------------
+
+    def _ensure_registered_model(self) -> None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.get_registered_model(self.model_name)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            try:
+                self._client.create_registered_model(
+                    self.model_name, description="rtrl policy; version N serves as weight version vN"
+                )
+            except MlflowException as again:  # another process created it meanwhile
+                if again.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+
+    def versions(self) -> list[int]:
+        """Every registered version number of the policy, ascending (empty when none)."""
+        found = self._client.search_model_versions(f"name = '{self.model_name}'")
+        return sorted(int(v.version) for v in found)
+
+    def register_checkpoint(
+        self, checkpoint: Path, *, run_id: str | None = None, tags: dict[str, str] | None = None
+    ) -> int:
+        """Log an HF-format checkpoint directory as the ``checkpoint`` artifact of `run_id` (a new
+        run in the experiment when None) and register it; returns the new version number once READY.
+
+        A version that does not become READY is deleted before RegistryError is raised, so a failed
+        registration never leaves a version behind.
+        """
+        from mlflow.exceptions import MlflowException
+
+        if not (checkpoint / "config.json").is_file():
+            raise RegistryError(f"{checkpoint} is not an HF checkpoint directory (no config.json)")
+        self._ensure_registered_model()
+        own_run = run_id is None
+        if run_id is None:
+            run_id = self.start_run("checkpoint", {"rtrl.kind": "checkpoint"}, {})
+        self._client.log_artifacts(run_id, str(checkpoint), CHECKPOINT_ARTIFACT)
+        artifact_uri = self._client.get_run(run_id).info.artifact_uri
+        if own_run:
+            self._client.set_terminated(run_id)
+        try:
+            created = self._client.create_model_version(
+                self.model_name,
+                source=f"{artifact_uri}/{CHECKPOINT_ARTIFACT}",
+                run_id=run_id,
+                tags=tags or {},
+                await_creation_for=REGISTRATION_TIMEOUT_S,
+            )
+        except MlflowException as exc:
+            for version in self._client.search_model_versions(f"name = '{self.model_name}' and run_id = '{run_id}'"):
+                if version.status != "READY":
+                    self._client.delete_model_version(self.model_name, version.version)
+            raise RegistryError(f"registering {checkpoint} as a version of {self.model_name} failed: {exc}") from exc
+        return int(created.version)
+
+    def delete_version(self, version: int) -> None:
+        """Undo a registration whose cycle could not be finished (deliberate compensation)."""
+        self._client.delete_model_version(self.model_name, str(version))
+
+    def _by_alias(self, alias: str) -> ModelVersion | None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self._client.get_model_version_by_alias(self.model_name, alias)
+        except MlflowException as exc:
+            if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                return None
+            raise
+
+    def alias(self, alias: str) -> int | None:
+        """The version an alias points at, or None."""
+        found = self._by_alias(alias)
+        return None if found is None else int(found.version)
+
+    def champion(self) -> int:
+        """The version the fleet should serve. Raises NoChampion before the base model is registered."""
+        found = self.alias(CHAMPION)
+        if found is None:
+            raise NoChampion(
+                f"{self.model_name} has no @{CHAMPION} in {self.settings.tracking_uri}; "
+                "run `rtrl deploy bootstrap` (or `rtrl run`, which does it) first"
+            )
+        return found
+
+    def challenger(self) -> int | None:
+        return self.alias(CHALLENGER)
+
+    def set_alias(self, alias: str, version: int) -> None:
+        self._client.set_registered_model_alias(self.model_name, alias, str(version))
+
+    def previous_champion(self) -> int | None:
+        """What the last promotion replaced (the registered-model tag), if any."""
+        value = self._client.get_registered_model(self.model_name).tags.get(PREVIOUS_CHAMPION_TAG)
+        return None if value is None else int(value)
+
+    def set_previous_champion(self, version: int) -> None:
+        self._client.set_registered_model_tag(self.model_name, PREVIOUS_CHAMPION_TAG, str(version))
+
+    def version_run_id(self, version: int) -> str | None:
+        """The MLflow run a version was logged from (the training cycle's run), if known."""
+        found = self._client.get_model_version(self.model_name, str(version)).run_id
+        return found or None
+
+    def version_tags(self, version: int) -> dict[str, str]:
+        return dict(self._client.get_model_version(self.model_name, str(version)).tags)
+
+    def tag_version(self, version: int, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self._client.set_model_version_tag(self.model_name, str(version), key, value)
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+
+    def download_checkpoint(self, version: int) -> Path:
+        """A local copy of version `version`'s checkpoint, downloaded from MLflow on first use.
+
+        The copy lands in ``<checkpoints_dir>/v<N>``; a download goes to a temporary folder first
+        and is renamed into place, so a crash never leaves a half-copied checkpoint that looks
+        complete. Every host that loads a version needs its own copy (or a shared filesystem).
+        """
+        from mlflow.artifacts import download_artifacts
+        from mlflow.exceptions import MlflowException
+
+        target = self.checkpoints_dir / format_version(version)
+        if (target / _COMPLETE).is_file():
+            return target
+        try:
+            source = self._client.get_model_version_download_uri(self.model_name, str(version))
+        except MlflowException as exc:
+            raise RegistryError(f"{self.model_name} version {version}: {exc.message}") from exc
+        staging = target.with_name(f".{target.name}.download-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        try:
+            downloaded = Path(
+                download_artifacts(artifact_uri=source, dst_path=str(staging), tracking_uri=self.settings.tracking_uri)
+            )
+            if not (downloaded / "config.json").is_file():
+                raise RegistryError(f"version {version}'s artifacts at {source} are not an HF checkpoint (no config.json)")
+            (downloaded / _COMPLETE).write_text(source + "\n")
+            if target.exists():  # an older, incomplete copy, or another process won the race
+                if (target / _COMPLETE).is_file():
+                    return target
+                shutil.rmtree(target)
+            downloaded.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return target
+
+    def download_run_artifact(self, run_id: str, path: str, destination: Path) -> Path:
+        """One artifact of a run, downloaded into `destination` (lineage checks, tests)."""
+        destination.mkdir(parents=True, exist_ok=True)
+        return Path(self._client.download_artifacts(run_id, path, str(destination)))

@@ -1,0 +1,42 @@
+"""The SQL store of events, labelled episodes and training cycles: the only code that speaks SQL.
+
+SQLite by default, PostgreSQL by URL (``settings.store.url``); the schema is the Alembic
+migrations in ``store/migrations``. Open one `Store` per process and pass it down:
+
+- the labeler writes a batch through `Store.labelling` (events, dead letters, join, settle);
+- the trainer leases cycles and reads batches (`Store.acquire_cycle`, `Store.select_episodes`, ...);
+- operators read `Store.stats`, `Store.recent_cycles` and the reconciliation counts.
+
+Importing this package imports SQLAlchemy but neither torch nor Kafka.
+"""
+
+from store.db import CycleRecord, Store, TrainingEpisode, TrainingSegment
+from store.errors import (
+    DatabaseError,
+    DatabaseUnavailable,
+    EpisodesUnavailable,
+    LeaseLost,
+    StoreError,
+    StoreNotMigrated,
+    UnsupportedStoreUrl,
+)
+from store.events import BatchWrite, Rejected, SourceRecord
+from store.settle import SettleReport
+
+__all__ = [
+    "BatchWrite",
+    "CycleRecord",
+    "DatabaseError",
+    "DatabaseUnavailable",
+    "EpisodesUnavailable",
+    "LeaseLost",
+    "Rejected",
+    "SettleReport",
+    "SourceRecord",
+    "Store",
+    "StoreError",
+    "StoreNotMigrated",
+    "TrainingEpisode",
+    "TrainingSegment",
+    "UnsupportedStoreUrl",
+]

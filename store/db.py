@@ -1,0 +1,528 @@
+"""The SQL store of events, labelled episodes and training cycles (SQLite default, PostgreSQL by URL).
+
+``Store(settings.store.url)`` opens it; ``Store.migrate()`` brings the schema to the newest Alembic
+revision (shipped in ``store/migrations``); commands that only read call ``check_schema()`` instead,
+so a read never changes the schema. Several processes share one store: the labeler writes events
+and episodes (`Store.labelling`), the trainer leases cycles and reads batches, operators read
+stats and cycles. On
+SQLite that works through WAL journaling, a busy timeout, and ``BEGIN IMMEDIATE`` transactions
+(writers queue up front instead of failing when a read lock cannot be upgraded).
+
+Policy versions are ``int`` in this API and ``"vN"`` in the tables (schemas/versions.py).
+
+The trainer's contract (docs/internals.md):
+
+* ``acquire_cycle`` / ``heartbeat_cycle`` / ``finish_cycle``: at most one *active* cycle (status
+  ``running`` or ``registered``, i.e. training, or registered and waiting for gate/deploy). A cycle
+  whose lease expired is marked ``failed`` by the next ``acquire_cycle`` and its episodes released.
+  A unique ``active_slot`` column makes this hold inside the database, so two workers racing on
+  PostgreSQL cannot both win.
+* ``select_episodes`` then ``mark_used``: selection only reads; ``mark_used`` claims the episodes
+  for the cycle in one conditional UPDATE and fails (claiming none) if any is already claimed, so
+  an episode is never used by two cycles. ``finish_cycle(.., "failed")`` releases the claims (the
+  data was not learnt from); ``rejected`` keeps them (a model was trained on them and judged), so
+  a rejected batch is not retrained forever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, func, select, update
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from schemas.clock import Clock, utcnow
+from schemas.events import FeedbackEvent, InteractionEvent
+from schemas.rewards import RewardSpec
+from schemas.versions import format_version, parse_version
+from store import events, settle
+from store.errors import (
+    DatabaseError,
+    DatabaseUnavailable,
+    EpisodesUnavailable,
+    LeaseLost,
+    StoreNotMigrated,
+    UnsupportedStoreUrl,
+)
+from store.models import (
+    ACTIVE_CYCLE_STATUSES,
+    FINAL_CYCLE_STATUSES,
+    Cycle,
+    DeadLetter,
+    Episode,
+    Feedback,
+    Interaction,
+)
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+CYCLE_STATUSES = ACTIVE_CYCLE_STATUSES + FINAL_CYCLE_STATUSES
+# Which status a cycle may move to from where it is (a final status never changes).
+_TRANSITIONS = {
+    "running": {"registered", "promoted", "rejected", "failed"},
+    "registered": {"promoted", "rejected", "failed"},
+}
+_ACTIVE_SLOT = 1
+
+
+@dataclass(frozen=True)
+class TrainingSegment:
+    """One model call of an episode, as the trainer needs it (no torch here)."""
+
+    prompt: str
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    trainable: bool
+    role: str
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class TrainingEpisode:
+    """A settled, labelled episode: its reward and its segments ordered by segment_index."""
+
+    episode_id: str
+    reward: float
+    policy_version: int
+    created_at: datetime
+    segments: list[TrainingSegment]
+
+
+@dataclass(frozen=True)
+class CycleRecord:
+    """A training cycle as the store holds it (what `rtrl train status` prints)."""
+
+    id: int
+    status: str
+    owner: str
+    lease_expires_at: datetime
+    champion: int
+    challenger: int | None
+    started_at: datetime
+    finished_at: datetime | None
+    episode_ids: list[str] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+class Labelling:
+    """One labeler batch: everything `Store.labelling` commits (or rolls back) together."""
+
+    def __init__(self, session: Session, dialect: str, now: datetime) -> None:
+        self._session = session
+        self._dialect = dialect
+        self.now = now
+
+    def write_events(
+        self, parsed: Sequence[tuple[events.SourceRecord, events.Event | events.Rejected]]
+    ) -> events.BatchWrite:
+        """Insert the valid events idempotently and the dead letters; see store/events.py."""
+        return events.write_events(self._session, self._dialect, parsed, self.now)
+
+    def join_and_settle(
+        self, spec: RewardSpec, interactions: list[InteractionEvent], feedback: list[FeedbackEvent]
+    ) -> settle.SettleReport:
+        """Open episodes, join feedback, settle on terminal feedback; see store/settle.py."""
+        return settle.join_and_settle(self._session, spec, self.now, interactions, feedback)
+
+    def settle_expired(self, spec: RewardSpec, window_s: float) -> int:
+        """Settle open episodes whose last event is older than the window; returns how many."""
+        return settle.settle_expired(self._session, spec, self.now, window_s)
+
+
+class Store:
+    """Handle on the SQL store. Thread-safe; open one per process.
+
+    ``clock`` is the time lease expiry and orphan counts are measured on (tests move it).
+    """
+
+    def __init__(self, url: str, *, busy_timeout_s: float = 30.0, clock: Clock = utcnow) -> None:
+        self.url = url
+        self.clock = clock
+        try:
+            parsed = make_url(url)
+        except ArgumentError:
+            raise UnsupportedStoreUrl(
+                f"store URL {url!r} is not a database URL; set RTRL_STORE__URL to sqlite:///PATH or "
+                "postgresql+psycopg://USER@HOST:PORT/DB"
+            ) from None
+        self.dialect = parsed.get_backend_name()
+        if self.dialect == "sqlite":
+            if parsed.database and parsed.database != ":memory:":
+                Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            self.engine: Engine = create_engine(url, connect_args={"timeout": busy_timeout_s})
+            _configure_sqlite(self.engine, busy_timeout_s)
+        elif self.dialect == "postgresql":
+            self.engine = create_engine(url, pool_pre_ping=True)
+        else:
+            raise UnsupportedStoreUrl(
+                f"unsupported store URL {parsed.render_as_string(hide_password=True)!r}; set RTRL_STORE__URL "
+                "to sqlite:///PATH or postgresql+psycopg://USER@HOST:PORT/DB"
+            )
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---- schema ---------------------------------------------------------------------------------
+
+    def _alembic_config(self) -> Any:
+        from alembic.config import Config
+
+        config = Config()
+        config.set_main_option("script_location", str(MIGRATIONS_DIR))
+        return config
+
+    def migrate(self, revision: str = "head") -> None:
+        """Run the Alembic migrations up to ``revision`` (idempotent; safe from several processes)."""
+        from alembic import command
+
+        config = self._alembic_config()
+        with self.engine.begin() as connection:
+            if self.dialect == "postgresql":
+                # Two processes starting at once must not both create the tables.
+                connection.exec_driver_sql("SELECT pg_advisory_xact_lock(7215031)")
+            config.attributes["connection"] = connection
+            command.upgrade(config, revision)
+
+    def check_schema(self) -> None:
+        """Raise StoreNotMigrated unless the database is at the newest revision. Changes nothing."""
+        from alembic.runtime.migration import MigrationContext
+        from alembic.script import ScriptDirectory
+
+        head = ScriptDirectory.from_config(self._alembic_config()).get_current_head()
+        parsed = make_url(self.url)
+        where = parsed.render_as_string(hide_password=True)
+        if self.dialect == "sqlite" and parsed.database and not Path(parsed.database).exists():
+            # Connecting would create an empty database file: a read must not leave one behind.
+            raise StoreNotMigrated(f"the store {where} does not exist; run `rtrl labeler migrate` (or `rtrl run`)")
+        try:
+            with self.engine.connect() as connection:
+                current = MigrationContext.configure(connection).get_current_revision()
+        except DBAPIError as exc:
+            raise self._database_error(exc) from exc
+        if current != head:
+            found = "no rtrl tables" if current is None else f"revision {current}, not {head}"
+            raise StoreNotMigrated(f"the store at {where} has {found}; run `rtrl labeler migrate` (or `rtrl run`)")
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        """A session in one transaction: committed on success, rolled back on any exception.
+
+        A failure of the database itself (a driver error: unreachable, locked, a raced constraint)
+        leaves as `DatabaseError`, so callers decide on retries without knowing SQLAlchemy. For the
+        store package itself and for tests that inspect rows; other packages call the methods below.
+        """
+        try:
+            with self._sessions() as session, session.begin():
+                yield session
+        except DBAPIError as exc:
+            raise self._database_error(exc) from exc
+
+    def _database_error(self, exc: DBAPIError) -> DatabaseError:
+        detail = " ".join(f"{type(exc.orig).__name__}: {exc.orig}".split())[:1000]  # drivers write several lines
+        if isinstance(exc, OperationalError | InterfaceError):
+            where = make_url(self.url).render_as_string(hide_password=True)
+            return DatabaseUnavailable(
+                f"the store at {where} is unreachable or locked ({detail}); is it up? "
+                "(`rtrl services status`, RTRL_STORE__URL)"
+            )
+        return DatabaseError(detail)
+
+    @contextmanager
+    def labelling(self, now: datetime) -> Iterator[Labelling]:
+        """The labeler's unit of work: one transaction, committed when the block exits cleanly."""
+        with self.transaction() as session:
+            yield Labelling(session, self.dialect, now)
+
+    # ---- training cycles ------------------------------------------------------------------------
+
+    def acquire_cycle(self, owner: str, ttl_s: float, champion: int) -> int | None:
+        """Start a cycle training from version `champion`; its id, or None when another cycle holds the lease."""
+        now = self.clock()
+        try:
+            with self.transaction() as session:
+                active = session.scalars(select(Cycle).where(Cycle.status.in_(ACTIVE_CYCLE_STATUSES))).all()
+                for cycle in active:
+                    if cycle.lease_expires_at > now:
+                        return None
+                    self._end_cycle(
+                        session,
+                        cycle.id,
+                        "failed",
+                        now,
+                        error=f"lease expired at {cycle.lease_expires_at.isoformat()}",
+                    )
+                cycle = Cycle(
+                    status="running",
+                    owner=owner,
+                    lease_expires_at=now + timedelta(seconds=ttl_s),
+                    champion_version=format_version(champion),
+                    started_at=now,
+                    active_slot=_ACTIVE_SLOT,
+                )
+                session.add(cycle)
+                session.flush()
+                return cycle.id
+        except DatabaseError as exc:
+            if isinstance(exc.__cause__, IntegrityError):
+                return None  # another worker inserted its active cycle between our read and our insert
+            raise
+
+    def reclaim_cycle(self, owner_suffix: str, reason: str) -> int | None:
+        """Fail the active cycle whose owner ends with ``:owner_suffix`` and release its episodes.
+
+        For a job delivered again after its worker died (the suffix is the Celery task id, which
+        acks_late redelivers unchanged): the old cycle's lease is still valid but nobody runs it,
+        so it ends now and the cycle re-runs instead of waiting for the lease to expire.
+        Returns the failed cycle's id, or None when there was none.
+        """
+        with self.transaction() as session:
+            active = session.scalars(select(Cycle).where(Cycle.status.in_(ACTIVE_CYCLE_STATUSES))).all()
+            for cycle in active:
+                if cycle.owner.endswith(f":{owner_suffix}"):
+                    self._end_cycle(session, cycle.id, "failed", self.clock(), error=reason)
+                    return cycle.id
+        return None
+
+    def heartbeat_cycle(self, cycle_id: int, ttl_s: float) -> None:
+        """Extend the lease; raises LeaseLost if the cycle is no longer active."""
+        with self.transaction() as session:
+            result = session.execute(
+                update(Cycle)
+                .where(Cycle.id == cycle_id, Cycle.status.in_(ACTIVE_CYCLE_STATUSES))
+                .values(lease_expires_at=self.clock() + timedelta(seconds=ttl_s))
+            )
+            if result.rowcount != 1:  # type: ignore[attr-defined]
+                raise LeaseLost(f"cycle {cycle_id} is not active")
+
+    def finish_cycle(
+        self,
+        cycle_id: int,
+        status: str,
+        challenger: int | None = None,
+        metrics: dict[str, Any] | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Move a cycle to ``registered`` (still active) or a final status (promoted/rejected/failed)."""
+        if status not in CYCLE_STATUSES or status == "running":
+            raise ValueError(f"cannot finish a cycle as {status!r}; use one of {CYCLE_STATUSES[1:]}")
+        with self.transaction() as session:
+            cycle = session.get(Cycle, cycle_id, with_for_update=True)
+            if cycle is None:
+                raise LeaseLost(f"cycle {cycle_id} does not exist")
+            if cycle.status == status and status in FINAL_CYCLE_STATUSES:
+                return  # a retried finish is a no-op
+            if status not in _TRANSITIONS.get(cycle.status, set()):
+                raise LeaseLost(f"cycle {cycle_id} is {cycle.status}; cannot move it to {status}")
+            if challenger is not None:
+                cycle.challenger_version = format_version(challenger)
+            if metrics is not None:
+                cycle.metrics = {**(cycle.metrics or {}), **metrics}
+            if status == "registered":
+                cycle.status = status
+            else:
+                self._end_cycle(session, cycle_id, status, self.clock(), error=error)
+
+    @staticmethod
+    def _end_cycle(session: Session, cycle_id: int, status: str, now: datetime, error: str | None) -> None:
+        values: dict[str, Any] = {"status": status, "finished_at": now, "active_slot": None}
+        if error is not None:
+            values["error"] = error
+        session.execute(update(Cycle).where(Cycle.id == cycle_id).values(**values))
+        if status == "failed":
+            session.execute(
+                update(Episode).where(Episode.used_in_cycle == cycle_id).values(used_in_cycle=None)
+            )
+
+    def get_cycle(self, cycle_id: int) -> CycleRecord | None:
+        with self.transaction() as session:
+            cycle = session.get(Cycle, cycle_id)
+            return None if cycle is None else _record(cycle)
+
+    def recent_cycles(self, limit: int) -> list[CycleRecord]:
+        """The newest `limit` cycles, newest first."""
+        with self.transaction() as session:
+            return [_record(c) for c in session.scalars(select(Cycle).order_by(Cycle.id.desc()).limit(limit))]
+
+    def active_cycles(self) -> list[CycleRecord]:
+        """Cycles holding an unexpired lease (running, or registered and waiting for gate/deploy)."""
+        now = self.clock()
+        with self.transaction() as session:
+            rows = session.scalars(select(Cycle).where(Cycle.status.in_(ACTIVE_CYCLE_STATUSES))).all()
+            return [_record(c) for c in rows if c.lease_expires_at > now]
+
+    # ---- training data --------------------------------------------------------------------------
+
+    @staticmethod
+    def _trainable(champion_number: int, max_lag: int) -> Any:
+        return (
+            (Episode.status == "settled")
+            & Episode.used_in_cycle.is_(None)
+            & Episode.policy_number.between(champion_number - max_lag, champion_number)
+        )
+
+    def count_trainable(self, champion_number: int, max_lag: int) -> int:
+        """Settled, unused episodes whose policy is at most ``max_lag`` versions behind the champion."""
+        with self.transaction() as session:
+            query = select(func.count()).select_from(Episode).where(self._trainable(champion_number, max_lag))
+            return int(session.scalar(query) or 0)
+
+    def select_episodes(self, champion_number: int, max_lag: int, limit: int) -> list[TrainingEpisode]:
+        """The newest ``limit`` trainable episodes with their segments (late segments excluded)."""
+        with self.transaction() as session:
+            episodes = session.scalars(
+                select(Episode)
+                .where(self._trainable(champion_number, max_lag))
+                .order_by(Episode.first_event_at.desc(), Episode.episode_id)
+                .limit(limit)
+            ).all()
+            ids = [e.episode_id for e in episodes]
+            segments: dict[str, list[TrainingSegment]] = {i: [] for i in ids}
+            rows = session.scalars(
+                select(Interaction)
+                .where(Interaction.episode_id.in_(ids), Interaction.late.is_(False))
+                .order_by(Interaction.episode_id, Interaction.segment_index)
+            ).all()
+            for row in rows:
+                segments[row.episode_id].append(
+                    TrainingSegment(
+                        prompt=row.prompt,
+                        prompt_token_ids=list(row.prompt_token_ids),
+                        completion_token_ids=list(row.completion_token_ids),
+                        completion_logprobs=list(row.completion_logprobs),
+                        trainable=row.trainable,
+                        role=row.role,
+                        policy_version=row.policy_number,
+                    )
+                )
+            return [
+                TrainingEpisode(
+                    episode_id=e.episode_id,
+                    reward=float(e.reward if e.reward is not None else 0.0),
+                    policy_version=e.policy_number,
+                    created_at=e.first_event_at,
+                    segments=segments[e.episode_id],
+                )
+                for e in episodes
+            ]
+
+    def mark_used(self, cycle_id: int, episode_ids: Sequence[str]) -> None:
+        """Claim episodes for an active cycle, all or none; raises EpisodesUnavailable or LeaseLost."""
+        wanted = sorted(set(episode_ids))
+        with self.transaction() as session:
+            cycle = session.get(Cycle, cycle_id, with_for_update=True)
+            if cycle is None or cycle.status not in ACTIVE_CYCLE_STATUSES:
+                raise LeaseLost(f"cycle {cycle_id} is not active")
+            if cycle.lease_expires_at <= self.clock():
+                raise LeaseLost(
+                    f"the lease of cycle {cycle_id} expired at {cycle.lease_expires_at.isoformat()}"
+                )
+            claimed = session.execute(
+                update(Episode)
+                .where(
+                    Episode.episode_id.in_(wanted),
+                    Episode.used_in_cycle.is_(None),
+                    Episode.status == "settled",
+                )
+                .values(used_in_cycle=cycle_id)
+            ).rowcount  # type: ignore[attr-defined]
+            if claimed != len(wanted):
+                # Raising rolls the whole UPDATE back: no episode is claimed.
+                raise EpisodesUnavailable(
+                    f"cycle {cycle_id}: only {claimed} of {len(wanted)} episodes are settled and unused"
+                )
+            cycle.episode_ids = [*(cycle.episode_ids or []), *wanted]
+
+    # ---- observability --------------------------------------------------------------------------
+
+    def stats(self, orphan_after_s: float | None = None) -> dict[str, int]:
+        """Row counts per table and status. Feedback still unjoined after ``orphan_after_s`` is orphaned."""
+        now = self.clock()
+        with self.transaction() as session:
+
+            def count(model: Any, *where: Any) -> int:
+                return int(session.scalar(select(func.count()).select_from(model).where(*where)) or 0)
+
+            out = {
+                "interactions": count(Interaction),
+                "interactions_late": count(Interaction, Interaction.late.is_(True)),
+                "feedback": count(Feedback),
+                "feedback_joined": count(Feedback, Feedback.joined_episode_id.is_not(None)),
+                "feedback_late": count(Feedback, Feedback.late.is_(True)),
+                "feedback_unjoined": count(Feedback, Feedback.joined_episode_id.is_(None)),
+                "episodes_open": count(Episode, Episode.status == "open"),
+                "episodes_settled": count(Episode, Episode.status == "settled"),
+                "episodes_settled_terminal": count(Episode, Episode.settle_reason == "terminal_feedback"),
+                "episodes_settled_window": count(Episode, Episode.settle_reason == "window"),
+                "episodes_used": count(Episode, Episode.used_in_cycle.is_not(None)),
+                "dead_letters": count(DeadLetter),
+            }
+            if orphan_after_s is not None:
+                cutoff = now - timedelta(seconds=orphan_after_s)
+                out["feedback_orphaned"] = count(
+                    Feedback, Feedback.joined_episode_id.is_(None), Feedback.ingested_at < cutoff
+                )
+            for status in CYCLE_STATUSES:
+                out[f"cycles_{status}"] = count(Cycle, Cycle.status == status)
+            return out
+
+
+    def source_counts(self, topic: str, partition: int, low: int, high: int) -> tuple[int, int]:
+        """(stored, dead-lettered) rows whose source record is offset low..high-1 of the partition."""
+
+        def rows(model: Any) -> int:
+            query = (
+                select(func.count())
+                .select_from(model)
+                .where(
+                    model.source_topic == topic,
+                    model.source_partition == partition,
+                    model.source_offset >= low,
+                    model.source_offset < high,
+                )
+            )
+            return int(session.scalar(query) or 0)
+
+        with self.transaction() as session:
+            return rows(Interaction) + rows(Feedback), rows(DeadLetter)
+
+
+def _record(cycle: Cycle) -> CycleRecord:
+    return CycleRecord(
+        id=cycle.id,
+        status=cycle.status,
+        owner=cycle.owner,
+        lease_expires_at=cycle.lease_expires_at,
+        champion=parse_version(cycle.champion_version),
+        challenger=None if cycle.challenger_version is None else parse_version(cycle.challenger_version),
+        started_at=cycle.started_at,
+        finished_at=cycle.finished_at,
+        episode_ids=list(cycle.episode_ids or []),
+        metrics=dict(cycle.metrics or {}),
+        error=cycle.error,
+    )
+
+
+def _configure_sqlite(engine: Engine, busy_timeout_s: float) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take transaction control away from the sqlite3 module so BEGIN IMMEDIATE below is ours.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        # FULL: offsets are committed right after a DB commit, so that commit must survive power loss.
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")

@@ -1,0 +1,34 @@
+"""Exceptions of the store. `StoreError` is the root; catch it, not its children."""
+
+from __future__ import annotations
+
+from schemas.errors import OperatorError
+
+
+class StoreError(Exception):
+    """Root of every error the store raises on purpose."""
+
+
+class StoreNotMigrated(StoreError, OperatorError):
+    """The database has no rtrl tables, or an older revision than this rtrl needs."""
+
+
+class UnsupportedStoreUrl(StoreError, OperatorError):
+    """``store.url`` names a database rtrl cannot use."""
+
+
+class DatabaseError(StoreError):
+    """The database failed or refused a statement (unreachable, locked, a constraint raced by another
+    writer); the transaction was rolled back and nothing of it is stored. Retrying later is safe."""
+
+
+class DatabaseUnavailable(DatabaseError, OperatorError):
+    """The database could not be reached, or stayed locked past the busy timeout."""
+
+
+class LeaseLost(StoreError):
+    """The training cycle is no longer active (finished, or its lease expired and another took over)."""
+
+
+class EpisodesUnavailable(StoreError):
+    """Episodes asked for by a cycle are unknown, not settled, or already used by another cycle."""

@@ -1,0 +1,179 @@
+"""SQLAlchemy 2 ORM tables of the store. The schema itself is created by the Alembic migrations in
+``store/migrations/versions``; a change here needs a new migration (the store's tests check that
+the two agree).
+
+Times are UTC. ``created_at`` is the sender's clock (event time); ``ingested_at`` and the episode's
+``last_event_at`` are the labeler's clock, which is what the settle window is measured on, so a
+client with a skewed clock cannot hold an episode open or close it early.
+
+Every consumed Kafka record ends in exactly one row of ``interactions``, ``feedback`` or
+``dead_letters``, and those rows keep the record's ``source_topic/partition/offset``: that is what
+lets ``rtrl labeler reconcile`` prove produced = stored + dead-lettered, and what tells a replay of
+the same record (no-op) from a second record carrying an already-stored event_id (dead-lettered).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, Index, Integer, LargeBinary, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+ID = String(200)
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every dialect (SQLite stores naive text)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to the store; use UTC-aware datetimes")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Interaction(Base):
+    """One served model call (a segment of an episode), as the gateway published it."""
+
+    __tablename__ = "interactions"
+
+    event_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    request_id: Mapped[str] = mapped_column(ID, index=True)
+    episode_id: Mapped[str] = mapped_column(ID)
+    segment_index: Mapped[int] = mapped_column(Integer)
+    tenant: Mapped[str] = mapped_column(ID)
+    session_id: Mapped[str | None] = mapped_column(ID)
+    model: Mapped[str] = mapped_column(ID)
+    policy_version: Mapped[str] = mapped_column(ID)
+    policy_number: Mapped[int] = mapped_column(Integer)
+    prompt: Mapped[str] = mapped_column(Text)
+    prompt_token_ids: Mapped[list[int]] = mapped_column(JSON)
+    completion: Mapped[str] = mapped_column(Text)
+    completion_token_ids: Mapped[list[int]] = mapped_column(JSON)
+    completion_logprobs: Mapped[list[float]] = mapped_column(JSON)
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
+    role: Mapped[str] = mapped_column(String(32))
+    trainable: Mapped[bool] = mapped_column(Boolean)
+    # Arrived after its episode had settled: kept, but not part of the labelled trajectory.
+    late: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    ingested_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    source_topic: Mapped[str] = mapped_column(String(249))
+    source_partition: Mapped[int] = mapped_column(Integer)
+    source_offset: Mapped[int] = mapped_column(BigInteger)
+
+    __table_args__ = (
+        # Two different events for one segment would make the trajectory ambiguous: the labeler
+        # dead-letters the second; this index is the backstop for concurrent labeler replicas.
+        Index("uq_interactions_episode_segment", "episode_id", "segment_index", unique=True),
+        Index("ix_interactions_source", "source_topic", "source_partition", "source_offset"),
+    )
+
+
+class Feedback(Base):
+    """One feedback signal, stored as received; ``joined_episode_id`` is set once it is joined."""
+
+    __tablename__ = "feedback"
+
+    event_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    request_id: Mapped[str] = mapped_column(ID, index=True)
+    episode_id: Mapped[str | None] = mapped_column(ID, index=True)  # as sent by the client
+    tenant: Mapped[str] = mapped_column(ID)
+    kind: Mapped[str] = mapped_column(String(32))
+    value: Mapped[float] = mapped_column(Float)
+    joined_episode_id: Mapped[str | None] = mapped_column(ID, index=True)
+    # Joined an episode that had already settled: kept and counted, never re-rewarded silently.
+    late: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    ingested_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    source_topic: Mapped[str] = mapped_column(String(249))
+    source_partition: Mapped[int] = mapped_column(Integer)
+    source_offset: Mapped[int] = mapped_column(BigInteger)
+
+    __table_args__ = (Index("ix_feedback_source", "source_topic", "source_partition", "source_offset"),)
+
+
+class Episode(Base):
+    """A labelled trajectory: open while events arrive, settled with a reward, then used by a cycle."""
+
+    __tablename__ = "episodes"
+
+    episode_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    tenant: Mapped[str] = mapped_column(ID)
+    # The oldest policy among its segments: lag is measured from the most off-policy tokens.
+    policy_version: Mapped[str] = mapped_column(ID)
+    policy_number: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))  # open | settled
+    first_event_at: Mapped[datetime] = mapped_column(UtcDateTime)  # earliest segment created_at
+    last_event_at: Mapped[datetime] = mapped_column(UtcDateTime)  # latest ingest of a joined event
+    settled_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    settle_reason: Mapped[str | None] = mapped_column(String(32))  # terminal_feedback | window
+    reward: Mapped[float | None] = mapped_column(Float)
+    reward_components: Mapped[dict[str, float] | None] = mapped_column(JSON)
+    reward_spec: Mapped[str | None] = mapped_column(String(120))
+    used_in_cycle: Mapped[int | None] = mapped_column(Integer)
+
+    __table_args__ = (
+        Index("ix_episodes_open", "status", "last_event_at"),
+        Index("ix_episodes_trainable", "status", "used_in_cycle", "policy_number", "first_event_at"),
+    )
+
+
+class DeadLetter(Base):
+    """A record rtrl could not use, with the reason and the original bytes."""
+
+    __tablename__ = "dead_letters"
+
+    event_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    source: Mapped[str] = mapped_column(String(300))
+    original_event_id: Mapped[str | None] = mapped_column(ID)
+    reason: Mapped[str] = mapped_column(Text)
+    # Raw bytes, not text: hostile payloads may hold NUL or invalid UTF-8.
+    payload: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    source_topic: Mapped[str | None] = mapped_column(String(249))
+    source_partition: Mapped[int | None] = mapped_column(Integer)
+    source_offset: Mapped[int | None] = mapped_column(BigInteger)
+
+    __table_args__ = (Index("ix_dead_letters_source", "source_topic", "source_partition", "source_offset"),)
+
+
+ACTIVE_CYCLE_STATUSES = ("running", "registered")
+FINAL_CYCLE_STATUSES = ("promoted", "rejected", "failed")
+
+
+class Cycle(Base):
+    """A training cycle and its lease. At most one cycle is active (running or registered)."""
+
+    __tablename__ = "cycles"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    status: Mapped[str] = mapped_column(String(16))
+    owner: Mapped[str] = mapped_column(String(200))
+    lease_expires_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    champion_version: Mapped[str] = mapped_column(ID)
+    challenger_version: Mapped[str | None] = mapped_column(ID)
+    started_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    episode_ids: Mapped[list[str] | None] = mapped_column(JSON)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text)
+    # Constant while the cycle is active and NULL afterwards: the unique index on it makes "one
+    # active cycle" hold in the database itself, on SQLite and PostgreSQL alike.
+    active_slot: Mapped[int | None] = mapped_column(Integer, unique=True)

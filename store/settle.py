@@ -1,0 +1,195 @@
+"""Join feedback to episodes and settle episodes with a reward. Runs inside the labeler's batch
+transaction (`store.Store.labelling`), so a batch's rows, joins and rewards commit together.
+
+Rules (docs/runbooks/labeler.md has the operator's view):
+
+* An episode opens with its first segment (InteractionEvent). Its policy is the *oldest* policy
+  among its segments, so max-policy-lag selection is conservative for episodes that straddle a
+  hot-swap.
+* Feedback joins by ``episode_id`` when the sender gave one, else by ``request_id`` through the
+  interaction that carries it, and only within the same tenant (a request id of another tenant
+  never joins). Feedback that arrives before its interaction waits unjoined and joins when the
+  interaction arrives; still unjoined after the settle window it is reported as orphaned
+  (``Store.stats``) - kept, never dropped.
+* An episode settles when feedback of a terminal kind of the reward spec joins it
+  (``terminal_feedback``), or when ``settle_window_s`` passes after its last joined event
+  (``window``) with the reward of what arrived - reward 0 and component ``no_feedback`` if nothing.
+* After settlement nothing changes the reward: late feedback is stored with ``late = true`` and
+  late segments likewise (they are excluded from training, as the reward never judged them).
+  Re-labelling needs a new reward spec version, not a silent edit.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import or_, select, update
+from sqlalchemy.orm import Session
+
+from schemas.events import FeedbackEvent, InteractionEvent
+from schemas.rewards import RewardSpec, score
+from schemas.versions import parse_version
+from store.models import Episode, Feedback, Interaction
+
+# Settle at most this many expired episodes per pass, so one pass cannot make a huge transaction.
+WINDOW_BATCH = 1000
+
+
+@dataclass
+class SettleReport:
+    joined: int = 0
+    late_feedback: int = 0
+    late_segments: int = 0
+    settled_terminal: int = 0
+    settled_window: int = 0
+
+
+def join_and_settle(
+    session: Session,
+    spec: RewardSpec,
+    now: datetime,
+    interactions: list[InteractionEvent],
+    feedback: list[FeedbackEvent],
+) -> SettleReport:
+    """Open/extend episodes for new segments, join waiting feedback, settle on terminal feedback."""
+    report = SettleReport()
+    if not interactions and not feedback:
+        return report
+    touched: set[str] = set()
+
+    # ---- episodes for the new segments -------------------------------------------------------------
+    segments_by_episode: dict[str, list[InteractionEvent]] = defaultdict(list)
+    for event in interactions:
+        segments_by_episode[event.episode_id].append(event)
+    episodes = _load_episodes(session, set(segments_by_episode))
+    for episode_id, segments in segments_by_episode.items():
+        oldest = min(segments, key=lambda s: parse_version(s.policy_version))
+        first_at = min(s.created_at for s in segments)
+        episode = episodes.get(episode_id)
+        if episode is None:
+            episode = Episode(
+                episode_id=episode_id,
+                tenant=segments[0].tenant,
+                policy_version=oldest.policy_version,
+                policy_number=parse_version(oldest.policy_version),
+                status="open",
+                first_event_at=first_at,
+                last_event_at=now,
+            )
+            session.add(episode)
+            episodes[episode_id] = episode
+        elif episode.status == "settled":
+            session.execute(
+                update(Interaction)
+                .where(Interaction.event_id.in_([s.event_id for s in segments]))
+                .values(late=True)
+            )
+            report.late_segments += len(segments)
+            continue
+        else:
+            if parse_version(oldest.policy_version) < episode.policy_number:
+                episode.policy_version = oldest.policy_version
+                episode.policy_number = parse_version(oldest.policy_version)
+            episode.first_event_at = min(episode.first_event_at, first_at)
+            episode.last_event_at = now
+        touched.add(episode_id)
+    session.flush()
+
+    # ---- join feedback that was waiting for these requests / episodes --------------------------------
+    request_ids = {e.request_id for e in interactions} | {f.request_id for f in feedback}
+    episode_ids = set(segments_by_episode) | {f.episode_id for f in feedback if f.episode_id}
+    pending = session.scalars(
+        select(Feedback)
+        .where(
+            Feedback.joined_episode_id.is_(None),
+            or_(Feedback.request_id.in_(sorted(request_ids)), Feedback.episode_id.in_(sorted(episode_ids))),
+        )
+        .order_by(Feedback.created_at, Feedback.event_id)
+    ).all()
+    by_request = {
+        (row.request_id, row.tenant): row.episode_id
+        for row in session.execute(
+            select(Interaction.request_id, Interaction.tenant, Interaction.episode_id).where(
+                Interaction.request_id.in_(sorted({f.request_id for f in pending if f.episode_id is None}))
+            )
+        )
+    }
+    targets = {f.episode_id or by_request.get((f.request_id, f.tenant)) for f in pending} - {None}
+    episodes.update(_load_episodes(session, {t for t in targets if t and t not in episodes}))
+    for row in pending:
+        target = row.episode_id or by_request.get((row.request_id, row.tenant))
+        episode = episodes.get(target) if target else None
+        if episode is None or episode.tenant != row.tenant:
+            continue  # its interaction has not arrived (yet): stays unjoined, orphaned after the window
+        row.joined_episode_id = episode.episode_id
+        if episode.status == "settled":
+            row.late = True
+            report.late_feedback += 1
+        else:
+            episode.last_event_at = now
+            touched.add(episode.episode_id)
+            report.joined += 1
+    session.flush()
+
+    # ---- settle episodes that received terminal feedback -------------------------------------------
+    if touched:
+        terminal = {
+            episode_id
+            for episode_id in session.scalars(
+                select(Feedback.joined_episode_id).where(
+                    Feedback.joined_episode_id.in_(sorted(touched)),
+                    Feedback.late.is_(False),
+                    Feedback.kind.in_([k.value for k in spec.terminal]),
+                )
+            )
+            if episode_id is not None
+        }
+        settle(session, spec, now, [episodes[e] for e in sorted(terminal)], "terminal_feedback")
+        report.settled_terminal += len(terminal)
+    return report
+
+
+def settle_expired(session: Session, spec: RewardSpec, now: datetime, window_s: float) -> int:
+    """Settle open episodes whose last event is older than the window; returns how many."""
+    expired = session.scalars(
+        select(Episode)
+        .where(Episode.status == "open", Episode.last_event_at < now - timedelta(seconds=window_s))
+        .order_by(Episode.last_event_at)
+        .limit(WINDOW_BATCH)
+    ).all()
+    settle(session, spec, now, list(expired), "window")
+    return len(expired)
+
+
+def settle(session: Session, spec: RewardSpec, now: datetime, episodes: list[Episode], reason: str) -> None:
+    """Score each episode from its joined, non-late feedback (oldest first) and mark it settled."""
+    if not episodes:
+        return
+    signals: dict[str, list[Feedback]] = defaultdict(list)
+    rows = session.scalars(
+        select(Feedback)
+        .where(Feedback.joined_episode_id.in_([e.episode_id for e in episodes]), Feedback.late.is_(False))
+        .order_by(Feedback.created_at, Feedback.event_id)
+    )
+    for row in rows:
+        assert row.joined_episode_id is not None
+        signals[row.joined_episode_id].append(row)
+    for episode in episodes:
+        result = score(spec, signals[episode.episode_id])
+        episode.status = "settled"
+        episode.settled_at = now
+        episode.settle_reason = reason
+        episode.reward = result.reward
+        episode.reward_components = result.components
+        episode.reward_spec = result.spec_id
+    session.flush()
+
+
+def _load_episodes(session: Session, ids: set[str]) -> dict[str, Episode]:
+    if not ids:
+        return {}
+    return {
+        e.episode_id: e for e in session.scalars(select(Episode).where(Episode.episode_id.in_(sorted(ids))))
+    }

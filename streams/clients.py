@@ -1,0 +1,86 @@
+"""Every Kafka client rtrl builds comes from here, with the connection and security settings of
+``settings.kafka``: bootstrap servers, security protocol, SASL mechanism and credentials, TLS files.
+
+kafka-python's clients are created lazily by the callers (importing this module does not import
+Kafka). Callers add what is theirs (a client id, a group, acks) as keyword arguments. A client
+that cannot bootstrap from the brokers raises `BrokersUnreachable`, which says what to check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from schemas.errors import OperatorError
+from schemas.settings import KafkaSettings
+
+
+class StreamsError(Exception):
+    """Root of the errors the Kafka client factory raises on purpose."""
+
+
+class BrokersUnreachable(StreamsError, OperatorError):
+    """No broker of ``kafka.bootstrap_servers`` answered while a client was being created."""
+
+
+@contextmanager
+def _bootstrapping(kafka: KafkaSettings) -> Iterator[None]:
+    from kafka.errors import KafkaConnectionError, KafkaTimeoutError
+
+    try:
+        yield
+    except (KafkaTimeoutError, KafkaConnectionError) as exc:
+        raise BrokersUnreachable(
+            f"cannot reach Kafka at {kafka.bootstrap_servers} ({' '.join(str(exc).split())}); is it up? "
+            "(`rtrl services status`, RTRL_KAFKA__BOOTSTRAP_SERVERS, RTRL_KAFKA__SECURITY_PROTOCOL)"
+        ) from exc
+
+
+def _create(kafka: KafkaSettings, factory: Callable[..., Any], *args: Any, **config: Any) -> Any:
+    with _bootstrapping(kafka):
+        return factory(*args, **config)
+
+
+def connection_config(kafka: KafkaSettings) -> dict[str, Any]:
+    """The keyword arguments every kafka-python client needs to reach and authenticate to the brokers."""
+    config: dict[str, Any] = {
+        "bootstrap_servers": [server.strip() for server in kafka.bootstrap_servers.split(",") if server.strip()],
+        "security_protocol": kafka.security_protocol,
+    }
+    if kafka.sasl_mechanism is not None:
+        assert kafka.sasl_password is not None  # KafkaSettings validates SASL settings as a set
+        config.update(
+            sasl_mechanism=kafka.sasl_mechanism,
+            sasl_plain_username=kafka.sasl_username,
+            sasl_plain_password=kafka.sasl_password.get_secret_value(),
+        )
+    for key, path in (("ssl_cafile", kafka.ssl_cafile), ("ssl_certfile", kafka.ssl_certfile),
+                      ("ssl_keyfile", kafka.ssl_keyfile)):  # fmt: skip
+        if path is not None:
+            config[key] = str(path)
+    return config
+
+
+def producer(kafka: KafkaSettings, client_id: str, **options: Any) -> Any:
+    """A `kafka.KafkaProducer`: acks from all in-sync replicas and idempotent retries unless overridden."""
+    from kafka import KafkaProducer
+
+    options = {"acks": "all", "enable_idempotence": True, **options}
+    return _create(kafka, KafkaProducer, **connection_config(kafka), client_id=client_id, **options)
+
+
+def consumer(kafka: KafkaSettings, client_id: str, *topics: str, **options: Any) -> Any:
+    """A `kafka.KafkaConsumer` (subscribed to `topics` when given). Offsets are never auto-committed
+    unless the caller says so: rtrl commits after its own writes."""
+    from kafka import KafkaConsumer
+
+    options = {"enable_auto_commit": False, **options}
+    return _create(kafka, KafkaConsumer, *topics, **connection_config(kafka), client_id=client_id, **options)
+
+
+def admin(kafka: KafkaSettings, client_id: str, **options: Any) -> Any:
+    """A `kafka.admin.KafkaAdminClient`."""
+    from kafka.admin import KafkaAdminClient
+
+    return _create(kafka, KafkaAdminClient, **connection_config(kafka), client_id=client_id, **options)

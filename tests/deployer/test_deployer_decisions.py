@@ -1,0 +1,106 @@
+"""Unit tests of the deployer's decisions: gate tolerance, swap verification, probe comparison, result shapes."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from datetime import UTC, datetime
+
+import pytest
+
+from deployer.gate import GateDecision, decide, mean
+from deployer.probe import max_abs_diff
+from deployer.rollout import ServerSwap, SwapResult, digests_agree, verdict
+from serving import EMPTY_DIGEST, meaningful_digests
+
+pytestmark = pytest.mark.unit
+
+
+# ---- gate -------------------------------------------------------------------------------------
+
+
+def test_gate_passes_within_tolerance_and_fails_below_it() -> None:
+    # champion 0.75, tolerance 0.25 -> the bar is 0.5 (all exact in binary floating point)
+    assert decide(0.5, 0.75, 0.25)[0] is True  # exactly at the bar: not below it
+    assert decide(0.875, 0.75, 0.25)[0] is True  # better than the champion
+    passed, reason = decide(0.25, 0.75, 0.25)
+    assert passed is False
+    assert "0.2500 < champion 0.7500 - tolerance 0.25" in reason
+
+
+def test_gate_zero_tolerance_rejects_any_regression() -> None:
+    assert decide(0.75, 0.75, 0.0)[0] is True
+    assert decide(0.6875, 0.75, 0.0)[0] is False
+
+
+def test_gate_mean() -> None:
+    assert mean([1.0, -1.0, 0.5, 0.5]) == 0.25
+
+
+def test_gate_decision_shape() -> None:
+    decision = GateDecision(
+        passed=False, challenger_version=3, champion_version=2, challenger_score=-0.5, champion_score=0.25,
+        tolerance=0.05, n_prompts=48, n_samples=96, reason="worse", decided_at=datetime(2026, 1, 1, tzinfo=UTC),
+    )  # fmt: skip
+    data = decision.model_dump(mode="json")
+    assert data["decided_at"] == "2026-01-01T00:00:00Z"
+    assert GateDecision.model_validate_json(decision.model_dump_json()) == decision
+
+
+# ---- swap verification ------------------------------------------------------------------------
+
+
+def test_verdict() -> None:
+    assert verdict(0.01, 0.05, None) is None
+    assert verdict(0.05, 0.05, True) is None  # the tolerance is inclusive
+    assert "0.06 > tolerance 0.05" in (verdict(0.06, 0.05, True) or "")
+    assert verdict(math.inf, 0.05, None) is not None  # unreadable probe
+    assert verdict(math.nan, 0.05, None) is not None  # nan never passes
+    assert verdict(0.0, 0.05, False) == "weight digests differ from the version's recorded digests"
+
+
+def test_only_meaningful_digests_are_compared() -> None:
+    # On CPU linear layers digest to sha256(b"") whatever the weights; those must not count.
+    assert EMPTY_DIGEST == hashlib.sha256(b"").hexdigest()
+    baseline = {"embed": "aa", "qkv_proj": EMPTY_DIGEST, "lm_head": "bb"}
+    assert meaningful_digests(baseline) == {"embed": "aa", "lm_head": "bb"}
+    assert digests_agree(baseline, {"embed": "aa", "qkv_proj": "zz", "lm_head": "bb"}) is True
+    assert digests_agree(baseline, {"embed": "aa", "qkv_proj": EMPTY_DIGEST, "lm_head": "cc"}) is False
+    assert digests_agree(baseline, {"embed": "aa"}) is False  # a tensor the server does not have
+    assert digests_agree(None, {"embed": "aa"}) is None
+    assert digests_agree({"qkv_proj": EMPTY_DIGEST}, {"qkv_proj": EMPTY_DIGEST}) is None
+
+
+# ---- probe comparison -------------------------------------------------------------------------
+
+
+def test_probe_max_abs_diff_hand_worked() -> None:
+    expected = [[-1.0, -2.0], [-0.5]]
+    observed = [[-1.0, -2.25], [-0.375]]
+    assert max_abs_diff(expected, observed) == 0.25  # |-2 - -2.25| beats |-0.5 - -0.375| = 0.125
+    assert max_abs_diff(expected, expected) == 0.0
+
+
+def test_probe_shape_mismatch_or_non_finite_is_infinite() -> None:
+    assert max_abs_diff([[-1.0, -2.0]], [[-1.0]]) == math.inf
+    assert max_abs_diff([[-1.0]], [[-1.0], [-2.0]]) == math.inf
+    assert max_abs_diff([[-1.0]], [[-math.inf]]) == math.inf
+    assert max_abs_diff([[-1.0]], [[math.nan]]) == math.inf
+
+
+# ---- swap result shape ------------------------------------------------------------------------
+
+
+def test_swap_result_shape() -> None:
+    step = ServerSwap(
+        url="http://127.0.0.1:18000", version=2, pause_ms=80.5, reload_ms=24.0, total_ms=80.5, verified=True,
+        max_abs_logprob_diff=2e-6, digest_match=True,
+    )  # fmt: skip
+    result = SwapResult(
+        ok=True, version=2, previous_version=1, servers=[step], swap_ms=80.5, rolled_back=False
+    )
+    data = result.model_dump(mode="json")
+    assert data["servers"][0]["restored"] is False
+    assert data["servers"][0]["error"] is None
+    assert data["error"] is None
+    assert SwapResult.model_validate_json(result.model_dump_json()) == result

@@ -1,0 +1,290 @@
+"""The labeler against a real Kafka broker (and PostgreSQL): hostile input, crashes, DB outages.
+
+Each test uses its own topics and consumer group on the session's broker, and its own store, so
+tests never see each other's records. The invariant checked everywhere is the reconciliation:
+every produced record is stored or dead-lettered, exactly once. Time is the labeler's injected
+clock: a test moves it past the settle window instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from factories import FakeClock, FakeMonotonic, fresh_topics, interaction, wire
+from helpers import REPO, TopicReader, produce, run_rtrl
+
+import streams
+from feedback.labeler import Labeler, make_consumer, make_producer
+from feedback.reconcile import Reconciliation, reconcile
+from schemas.clock import utcnow, wait_until
+from schemas.events import FeedbackEvent, parse_event
+from schemas.settings import Settings, StoreSettings
+from store import Store
+
+pytestmark = pytest.mark.integration
+
+
+# ---- helpers -----------------------------------------------------------------------------------------
+
+
+def isolated(settings: Settings, store_url: str, settle_window_s: float = 1.0) -> Settings:
+    """Settings with fresh topics, group and store for one test; the topics exist on return."""
+    settings = fresh_topics(settings, partitions=2)
+    labeler = settings.labeler.model_copy(update={"settle_window_s": settle_window_s, "poll_timeout_ms": 200})
+    settings = settings.model_copy(update={"store": StoreSettings(url=store_url), "labeler": labeler})
+    streams.ensure_topics(settings.kafka)
+    return settings
+
+
+def labeler_for(settings: Settings, store: Store, clock: FakeClock, **kw: object) -> Labeler:
+    return Labeler(settings, store, make_consumer(settings), make_producer(settings), clock=clock, **kw)  # type: ignore[arg-type]
+
+
+def close(labeler: Labeler) -> None:
+    labeler.consumer.close(autocommit=False)
+    labeler.producer.close()
+
+
+def drain(labeler: Labeler, settings: Settings, store: Store, timeout_s: float = 90.0) -> Reconciliation:
+    """Step until the group has committed everything produced; returns the final reconciliation."""
+
+    def caught_up() -> Reconciliation | None:
+        for _ in range(5):
+            labeler.step()
+        result = reconcile(settings, store)
+        return result if result.pending == 0 and result.produced > 0 else None
+
+    return wait_until(caught_up, timeout_s=timeout_s, interval_s=0.0, what="labeler catching up")
+
+
+def settle_everything(labeler: Labeler, clock: FakeClock, settings: Settings) -> None:
+    """Move the labeler's clock past the settle window and let it settle what is open."""
+    clock.advance(settings.labeler.settle_window_s + 1)
+    for _ in range(2):
+        labeler.step()
+
+
+def committed(settings: Settings) -> int:
+    """Sum of the labeler group's committed offsets (0 when it never committed)."""
+    admin = streams.admin(settings.kafka, "rtrl-tests")
+    try:
+        group = settings.kafka.labeler_group
+        offsets = admin.list_group_offsets({group: None}).get(group, {})
+    finally:
+        admin.close()
+    return sum(max(meta.offset, 0) for meta in offsets.values())
+
+
+def dlq_records(settings: Settings) -> list[dict[str, object]]:
+    """Every record on the DLQ topic, read up to its end offsets."""
+    reader = TopicReader(settings.kafka, settings.kafka.dlq_topic, from_beginning=True)
+    try:
+        return [json.loads(r.value) for r in reader.read_to_end()]
+    finally:
+        reader.close()
+
+
+@pytest.fixture
+def sqlite_settings(services: Settings, tmp_path: Path) -> Settings:
+    return isolated(services, f"sqlite:///{tmp_path}/rtrl.db")
+
+
+@pytest.fixture
+def postgres_settings(services: Settings, postgres_database: str) -> Settings:
+    return isolated(services, postgres_database)
+
+
+@pytest.fixture
+def store_of(request: pytest.FixtureRequest) -> Iterator[object]:
+    opened: list[Store] = []
+
+    def open_store(settings: Settings, **kw: object) -> Store:
+        store = Store(settings.store.url, **kw)  # type: ignore[arg-type]
+        store.migrate()
+        opened.append(store)
+        return store
+
+    yield open_store
+    for store in opened:
+        store.close()
+
+
+def hostile_mix(settings: Settings) -> tuple[list[tuple[str, bytes | None]], int, int]:
+    """Valid and hostile records; returns (records, how many should be stored, how many dead-lettered)."""
+    t_int, t_fb = settings.kafka.interactions_topic, settings.kafka.feedback_topic
+    episodes = [f"ep-{uuid.uuid4().hex[:8]}-{i}" for i in range(20)]
+    items: list[tuple[str, bytes | None]] = []
+    for i, ep in enumerate(episodes):
+        items.append((t_int, wire(interaction(ep))))
+        if i % 2 == 0:
+            items.append((t_fb, wire(FeedbackEvent(request_id=f"r-{ep}-0", kind="accepted"))))
+        if i % 4 == 0:
+            items.append((t_fb, wire(FeedbackEvent(request_id=f"r-{ep}-0", kind="edit_persisted"))))
+    stored = len(items)
+    dup = interaction(episodes[0], event_id="dup-event")
+    nan = wire(interaction("nan-ep")).replace(b"-0.5", b"NaN")
+    huge = wire(interaction("huge-ep")).replace(b"[1,2,3]", b"[" + b",".join([b"7"] * 140_000) + b"]")
+    unknown_kind = wire(FeedbackEvent(request_id="r", kind="accepted")).replace(b'"accepted"', b'"loved_it"')
+    wrong_version = wire(interaction("wv-ep")).replace(b"rtrl.interaction.v1", b"rtrl.interaction.v7")
+    first_dup = interaction(f"first-{uuid.uuid4().hex[:6]}", event_id=f"same-{uuid.uuid4().hex[:6]}")
+    items += [
+        (t_int, b"\xff\xfe not json at all"),
+        (t_int, wrong_version),
+        (t_int, huge),
+        (t_int, nan),
+        (t_fb, unknown_kind),
+        (t_fb, None),  # tombstone
+        (t_int, wire(FeedbackEvent(request_id="r", kind="accepted"))),  # wrong topic
+        (t_int, wire(interaction("bad-version", version="latest"))),
+        (t_int, wire(first_dup)),
+        (t_int, wire(first_dup)),  # the same event produced twice: second is a duplicate
+        (t_int, wire(dup)),  # another event for a stored (episode, segment)
+    ]
+    return items, stored + 1, 10
+
+
+# ---- tests -------------------------------------------------------------------------------------------
+
+
+def run_mix_and_check(settings: Settings, store: Store, clock: FakeClock) -> None:
+    items, stored, dead = hostile_mix(settings)
+    produce(settings.kafka, items)
+    labeler = labeler_for(settings, store, clock)
+    try:
+        result = drain(labeler, settings, store)
+        assert (result.produced, result.stored, result.dead_lettered) == (len(items), stored, dead)
+        assert result.balanced
+        dlq = dlq_records(settings)
+        assert len(dlq) == dead
+        reasons = sorted(str(r["reason"]).split(":")[0] for r in dlq)
+        assert reasons == ["content"] + ["duplicate"] * 2 + ["schema"] * 7
+        huge = next(r for r in dlq if "truncated" in str(r["reason"]))
+        assert len(str(huge["payload"])) == 64 * 1024
+        parse_event(json.dumps(dlq[0]).encode())  # DLQ records are valid DeadLetterRecords
+
+        assert store.stats()["episodes_open"] == 16  # 5 settled at once on edit_persisted
+        settle_everything(labeler, clock, settings)
+        stats = store.stats()
+        assert stats["episodes_open"] == 0
+        assert stats["episodes_settled_terminal"] == 5  # every 4th of 20 got edit_persisted
+        assert stats["episodes_settled"] == 21
+        rewards = sorted(e.reward for e in store.select_episodes(1, 0, limit=100))
+        assert rewards == [0.0] * 11 + [0.75] * 5 + [1.75] * 5
+    finally:
+        close(labeler)
+
+
+def test_hostile_input_produced_equals_stored_plus_dead_lettered(
+    sqlite_settings: Settings, store_of: object, clock: FakeClock
+) -> None:
+    run_mix_and_check(sqlite_settings, store_of(sqlite_settings), clock)  # type: ignore[operator]
+
+
+def test_on_postgresql(postgres_settings: Settings, store_of: object, clock: FakeClock) -> None:
+    run_mix_and_check(postgres_settings, store_of(postgres_settings), clock)  # type: ignore[operator]
+
+
+CRASHING_LABELER = """
+import os, signal, sys
+from feedback.labeler import Labeler, make_consumer, make_producer
+from schemas.settings import Settings
+from store import Store
+
+settings = Settings.model_validate_json(sys.argv[1])
+def crash(records):
+    if records:  # the DB transaction with the batch has committed; the offsets have not
+        os.kill(os.getpid(), signal.SIGKILL)
+labeler = Labeler(settings, Store(settings.store.url), make_consumer(settings), make_producer(settings),
+                  after_db_commit=crash)
+while True:
+    labeler.step()
+"""
+
+
+def test_crash_between_db_commit_and_offset_commit(sqlite_settings: Settings, store_of: object, clock: FakeClock) -> None:
+    settings = sqlite_settings
+    items, stored, dead = hostile_mix(settings)
+    produce(settings.kafka, items)
+    store: Store = store_of(settings)  # type: ignore[operator]
+    child = subprocess.run(
+        [sys.executable, "-c", CRASHING_LABELER, settings.model_dump_json()], cwd=REPO, timeout=120, capture_output=True
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    after_crash = store.stats()
+    assert after_crash["interactions"] + after_crash["feedback"] + after_crash["dead_letters"] > 0
+    assert committed(settings) == 0  # killed before its first offset commit
+
+    clock.now = utcnow()  # the crashed labeler ran on the real clock; carry on from there
+    labeler = labeler_for(settings, store, clock)
+    try:
+        result = drain(labeler, settings, store)
+        assert (result.produced, result.stored, result.dead_lettered) == (len(items), stored, dead)
+        # The DLQ topic may hold a dead letter twice (produced before the crash, and again if the
+        # crash came before the DB commit); its ids are deterministic, so consumers dedupe.
+        dlq_ids = [r["event_id"] for r in dlq_records(settings)]
+        assert len(set(dlq_ids)) == dead
+        settle_everything(labeler, clock, settings)
+        rewards = sorted(e.reward for e in store.select_episodes(1, 0, limit=100))
+        assert rewards == [0.0] * 11 + [0.75] * 5 + [1.75] * 5  # no feedback counted twice
+    finally:
+        close(labeler)
+
+
+def test_db_unavailable_commits_no_offsets_and_retries(
+    services: Settings, tmp_path: Path, store_of: object, clock: FakeClock
+) -> None:
+    path = tmp_path / "rtrl.db"
+    settings = isolated(services, f"sqlite:///{path}")
+    store: Store = store_of(settings, busy_timeout_s=0.2)  # type: ignore[operator]
+    produce(settings.kafka, [(settings.kafka.interactions_topic, wire(interaction(f"ep-{i}"))) for i in range(5)])
+
+    # Another process holds the write lock: to the labeler, the database is unavailable.
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    backoff = FakeMonotonic()
+    labeler = labeler_for(settings, store, clock, sleep=backoff.sleep)
+    try:
+        wait_until(lambda: labeler.step() is None and len(backoff.slept) >= 3, timeout_s=60, interval_s=0.0,
+                   what="three failed attempts")  # fmt: skip
+        assert backoff.slept[:3] == [0.5, 1.0, 2.0]  # doubling backoff, and no offset committed
+        assert committed(settings) == 0
+
+        blocker.execute("ROLLBACK")
+        result = drain(labeler, settings, store)
+        assert (result.produced, result.stored, result.dead_lettered) == (5, 5, 0)
+        assert committed(settings) == 5
+    finally:
+        blocker.close()
+        close(labeler)
+
+
+def test_cli_reconcile_and_stats(sqlite_settings: Settings, store_of: object, clock: FakeClock) -> None:
+    settings = sqlite_settings
+    out = run_rtrl(settings, "labeler", "stats")
+    assert out.returncode == 1 and "run `rtrl labeler migrate`" in out.stderr and "Traceback" not in out.stderr
+    produce(settings.kafka, [
+        (settings.kafka.feedback_topic, b"garbage"),
+        (settings.kafka.feedback_topic, wire(FeedbackEvent(request_id="x", kind="rejected"))),
+    ])  # fmt: skip
+    store: Store = store_of(settings)  # type: ignore[operator]
+    out = run_rtrl(settings, "labeler", "reconcile")
+    assert out.returncode == 1 and "NOT balanced" in out.stdout and "pending 2" in out.stdout
+
+    labeler = labeler_for(settings, store, clock)
+    try:
+        drain(labeler, settings, store)
+    finally:
+        close(labeler)
+    out = run_rtrl(settings, "labeler", "reconcile")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "produced 2  stored 1  dead-lettered 1  pending 0  -> balanced" in out.stdout
+    out = run_rtrl(settings, "labeler", "stats")
+    assert json.loads(out.stdout)["feedback_unjoined"] == 1

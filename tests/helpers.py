@@ -1,0 +1,88 @@
+"""Helpers for service-backed tests (not a test module): read Kafka topics, run the real CLI.
+
+Waiting is `schemas.clock.wait_until` everywhere: a test waits for a condition, never for a time.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import streams
+from rtrl.launch import child_env, rtrl_command
+from schemas.clock import wait_until
+from schemas.settings import KafkaSettings, Settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class TopicReader:
+    """Reads a topic from its end offsets at creation (only records produced after that), or from
+    its beginning with ``from_beginning=True``."""
+
+    def __init__(self, kafka: KafkaSettings, topic: str, from_beginning: bool = False) -> None:
+        from kafka import TopicPartition
+
+        self.consumer = streams.consumer(kafka, "rtrl-tests", group_id=None)
+        partitions = wait_until(
+            lambda: self.consumer.partitions_for_topic(topic), timeout_s=30, what=f"topic {topic} exists"
+        )
+        self.partitions = [TopicPartition(topic, p) for p in partitions]
+        self.consumer.assign(self.partitions)
+        if from_beginning:
+            self.consumer.seek_to_beginning(*self.partitions)
+        else:
+            self.consumer.seek_to_end(*self.partitions)
+        for tp in self.partitions:
+            self.consumer.position(tp)  # resolve the offset now, before the test produces
+        self.records: list[Any] = []
+
+    def poll(self) -> None:
+        for batch in self.consumer.poll(timeout_ms=500).values():
+            self.records.extend(batch)
+
+    def wait_for(self, predicate: Callable[[Any], bool], count: int = 1, timeout_s: float = 60) -> list[Any]:
+        """Records matching `predicate` once there are `count` of them; what there is after `timeout_s`."""
+
+        def enough() -> bool:
+            self.poll()
+            return sum(1 for r in self.records if predicate(r)) >= count
+
+        try:
+            wait_until(enough, timeout_s=timeout_s, interval_s=0.05, what="records")
+        except TimeoutError:
+            pass
+        return [r for r in self.records if predicate(r)]
+
+    def read_to_end(self, timeout_s: float = 60) -> list[Any]:
+        """Every record up to the end offsets as they are now."""
+        end = self.consumer.end_offsets(self.partitions)
+
+        def at_end() -> bool:
+            self.poll()
+            return all(self.consumer.position(tp) >= end[tp] for tp in self.partitions)
+
+        wait_until(at_end, timeout_s=timeout_s, interval_s=0.0, what="reading the topic to its end")
+        return self.records
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def produce(kafka: KafkaSettings, items: list[tuple[str, bytes | None]]) -> None:
+    """Produce (topic, value) records, each acknowledged before the next."""
+    producer = streams.producer(kafka, "rtrl-tests", max_request_size=2**21)
+    try:
+        for topic, value in items:
+            producer.send(topic, key=b"k", value=value).get(timeout=30)
+    finally:
+        producer.close()
+
+
+def run_rtrl(settings: Settings, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
+    """Run ``rtrl ARGS`` in a child process that gets `settings`, as the supervisor hands them."""
+    return subprocess.run(
+        rtrl_command(*args), cwd=REPO, env=child_env(settings), capture_output=True, text=True, timeout=timeout_s
+    )

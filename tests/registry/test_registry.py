@@ -1,0 +1,90 @@
+"""The registry client against the session's real MLflow server: versions, aliases, checkpoints, runs."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from registry import CHALLENGER, CHAMPION, NoChampion, Registry, RegistryError
+from schemas.errors import OperatorError
+from schemas.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def registry(mlflow_service: Settings, tmp_path: Path) -> Registry:
+    """A registry under a model name and experiment of this test's own."""
+    tag = uuid.uuid4().hex[:8]
+    mlflow = mlflow_service.mlflow.model_copy(update={"model_name": f"registry-test-{tag}", "experiment": f"registry-test-{tag}"})
+    return Registry(mlflow, tmp_path / "checkpoints")
+
+
+def checkpoint(directory: Path, marker: str) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({"marker": marker}))
+    (directory / "model.safetensors").write_bytes(b"\0" * 64)
+    return directory
+
+
+def test_versions_aliases_and_checkpoint_download(registry: Registry, tmp_path: Path) -> None:
+    assert registry.versions() == []
+    with pytest.raises(NoChampion, match="rtrl deploy bootstrap") as caught:
+        registry.champion()
+    assert isinstance(caught.value, OperatorError)
+
+    first = registry.register_checkpoint(checkpoint(tmp_path / "a", "a"), tags={"rtrl.base": "true"})
+    second = registry.register_checkpoint(checkpoint(tmp_path / "b", "b"))
+    assert (first, second) == (1, 2) and registry.versions() == [1, 2]
+    registry.set_alias(CHAMPION, first)
+    registry.set_alias(CHALLENGER, second)
+    assert (registry.champion(), registry.challenger(), registry.alias("nope")) == (1, 2, None)
+    registry.set_previous_champion(1)
+    assert registry.previous_champion() == 1
+    assert registry.version_tags(1)["rtrl.base"] == "true"
+
+    # The checkpoint travels through the server (proxied artifacts) into the local cache, once.
+    local = registry.download_checkpoint(2)
+    assert local == registry.checkpoints_dir / "v2"
+    assert json.loads((local / "config.json").read_text()) == {"marker": "b"}
+    (local / "config.json").write_text("{}")  # a complete copy is not downloaded again
+    assert registry.download_checkpoint(2) == local and (local / "config.json").read_text() == "{}"
+
+    with pytest.raises(RegistryError, match="not an HF checkpoint"):
+        registry.register_checkpoint(tmp_path)
+    with pytest.raises(RegistryError, match="version 9"):
+        registry.download_checkpoint(9)
+    registry.delete_version(2)
+    assert registry.versions() == [1]
+
+
+def test_a_cycle_run_carries_params_metrics_and_lineage(registry: Registry, tmp_path: Path) -> None:
+    run_id = registry.start_run("cycle-1", tags={"rtrl.kind": "training_cycle"}, params={"trainer.lr": "0.001"})
+    registry.log_metrics(run_id, {"loss": 0.5, "kl_k1": 0.0}, step=1)
+    registry.log_json(run_id, {"episodes.json": ["e2", "e1"], "gate/decision-v2.json": {"passed": True}})
+    version = registry.register_checkpoint(checkpoint(tmp_path / "ckpt", "c"), run_id=run_id)
+    registry.end_run(run_id, "FINISHED")
+
+    run = registry.run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params["trainer.lr"] == "0.001"
+    assert run.data.metrics["loss"] == 0.5 and run.data.tags["rtrl.kind"] == "training_cycle"
+    assert registry.version_run_id(version) == run_id
+    episodes = registry.download_run_artifact(run_id, "episodes.json", tmp_path / "dl")
+    assert json.loads(episodes.read_text()) == ["e2", "e1"]
+    decision = registry.download_run_artifact(run_id, "gate/decision-v2.json", tmp_path / "dl")
+    assert json.loads(decision.read_text()) == {"passed": True}
+
+
+def test_racing_processes_get_one_experiment(registry: Registry) -> None:
+    clients = [Registry(registry.settings, registry.checkpoints_dir) for _ in range(4)]
+    ids: list[str] = []
+    threads = [threading.Thread(target=lambda c=c: ids.append(c.experiment_id())) for c in clients]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(ids) == 4 and len(set(ids)) == 1

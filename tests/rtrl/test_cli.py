@@ -1,0 +1,72 @@
+"""The ``rtrl`` command line: a mistake the operator can fix is one line and exit 1; ``--debug``
+shows the traceback; ``--help`` answers without importing the heavy stack."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rtrl.launch import rtrl_command
+from rtrl.services.testing import free_ports
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def rtrl(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
+    return subprocess.run(rtrl_command(*args), cwd=REPO, env=clean | env, capture_output=True, text=True, timeout=120)
+
+
+def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rtrl: "), result.stderr
+    return lines[0]
+
+
+def test_a_bad_setting_is_one_line_and_debug_shows_the_traceback() -> None:
+    line = one_line_error(rtrl("config", "show", RTRL_TRAINER__LOSS__TYPE="reinforce"))
+    assert "RTRL_TRAINER__LOSS__TYPE" in line and "'cispo', 'grpo' or 'ppo'" in line
+    debug = rtrl("--debug", "config", "show", RTRL_TRAINER__LOSS__TYPE="reinforce")
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "SettingsError" in debug.stderr
+
+
+def test_an_unknown_task_fails_before_anything_starts(tmp_path: Path) -> None:
+    line = one_line_error(rtrl("demo", "--task", "nope", RTRL_SERVICES__RUN_DIR=str(tmp_path)))
+    assert line == "rtrl: unknown task 'nope'; known tasks: exclaim"
+    assert not (tmp_path / "pids").exists()  # no service was started
+
+
+def test_services_that_do_not_answer_are_one_line(tmp_path: Path) -> None:
+    (closed,) = free_ports(1)
+    mlflow = one_line_error(
+        rtrl("deploy", "status", RTRL_MLFLOW__TRACKING_URI=f"http://127.0.0.1:{closed}", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0",
+             RTRL_SERVICES__RUN_DIR=str(tmp_path))
+    )  # fmt: skip
+    assert f"MLflow at http://127.0.0.1:{closed} does not answer" in mlflow and "RTRL_MLFLOW__TRACKING_URI" in mlflow
+    store = one_line_error(rtrl("train", "status", RTRL_STORE__URL=f"postgresql+psycopg://rtrl@127.0.0.1:{closed}/rtrl"))
+    assert "is unreachable or locked" in store and "RTRL_STORE__URL" in store
+    db = f"sqlite:///{tmp_path}/rtrl.db"
+    assert rtrl("labeler", "migrate", RTRL_STORE__URL=db).returncode == 0
+    kafka = one_line_error(rtrl("labeler", "reconcile", RTRL_STORE__URL=db, RTRL_KAFKA__BOOTSTRAP_SERVERS=f"127.0.0.1:{closed}"))
+    assert f"cannot reach Kafka at 127.0.0.1:{closed}" in kafka and "RTRL_KAFKA__BOOTSTRAP_SERVERS" in kafka
+
+
+def test_a_store_that_was_never_migrated_is_one_line(tmp_path: Path) -> None:
+    line = one_line_error(rtrl("train", "status", RTRL_STORE__URL=f"sqlite:///{tmp_path}/none.db"))
+    assert "run `rtrl labeler migrate`" in line and not (tmp_path / "none.db").exists()
+
+
+def test_help_does_not_import_the_heavy_stack() -> None:
+    code = (
+        "import sys; from rtrl.cli import app; "
+        "print(sorted(m for m in ('torch', 'vllm', 'mlflow', 'kafka', 'deepspeed', 'sqlalchemy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

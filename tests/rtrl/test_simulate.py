@@ -1,0 +1,59 @@
+"""`rtrl simulate` through a real gateway, vLLM server and Kafka broker (the `services` fixture)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import TopicReader, run_rtrl
+
+from rtrl.launch import gateway_process
+from rtrl.services.testing import free_ports
+from schemas.events import FeedbackEvent, InteractionEvent, parse_event
+from schemas.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+N = 6
+
+
+def test_rtrl_simulate_sends_interactions_and_feedback(services: Settings, tmp_path: Path) -> None:
+    (port,) = free_ports(1)
+    settings = services.model_copy(
+        update={"gateway": services.gateway.model_copy(update={"port": port, "spool_dir": tmp_path / "spool"})}
+    )
+    interactions = TopicReader(settings.kafka, settings.kafka.interactions_topic)
+    feedback = TopicReader(settings.kafka, settings.kafka.feedback_topic)
+
+    report_path = tmp_path / "report.json"
+    with gateway_process(settings, tmp_path / "gateway.log") as gateway:
+        result = run_rtrl(
+            settings, "simulate", "--requests", str(N), "--concurrency", "3", "--task", "exclaim",
+            "--preference", "evals.tasks:exclaim_preference", "--gateway", gateway, "--seed", "11",
+            "--json", str(report_path), timeout_s=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "acceptance" in result.stdout
+
+    report = json.loads(report_path.read_text())
+    assert (report["requests"], report["ok"], report["failed"]) == (N, N, 0)
+    assert report["feedback_sent"] >= N and report["feedback_failed"] == 0  # the exclaim user always says something
+    assert sum(report["per_version"].values()) == N
+    assert 0.0 <= report["acceptance_rate"] <= 1.0
+    assert report["acceptance_rate"] == pytest.approx(report["accepted"] / N)
+
+    def simulated(record: object) -> bool:
+        return b'"tenant":"sim"' in record.value  # type: ignore[attr-defined]
+
+    events = [parse_event(r.value, InteractionEvent) for r in interactions.wait_for(simulated, count=N)]
+    interactions.close()
+    assert len(events) == N
+    assert {e.policy_version for e in events} == set(report["per_version"])
+    assert all(e.session_id and e.session_id.startswith("sim-user-") for e in events)
+    sent = [parse_event(r.value, FeedbackEvent) for r in feedback.wait_for(simulated, count=report["feedback_sent"])]
+    feedback.close()
+    assert len(sent) == report["feedback_sent"]
+    assert {f.request_id for f in sent} == {e.request_id for e in events}
+    accepted = {f.request_id for f in sent if f.kind == "accepted"}
+    assert len(accepted) == report["accepted"]

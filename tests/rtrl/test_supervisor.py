@@ -1,0 +1,114 @@
+"""`rtrl run`'s supervisor: a killed process is restarted, a crash-looping one is given up on with
+backoff in between, stop() leaves nothing running, and each child gets the supervisor's settings.
+Uses the real gateway and labeler processes (the gateway starts without a broker: events would go
+to its spool), so no other service is needed."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+from factories import FakeMonotonic
+
+from rtrl import supervisor as sup
+from rtrl.services.testing import free_ports
+from schemas.clock import wait_until
+from schemas.settings import (
+    GatewaySettings,
+    KafkaSettings,
+    ServicesSettings,
+    Settings,
+    StoreSettings,
+    VllmSettings,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _wait_ready(url: str, timeout_s: float = 120.0) -> None:
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(healthy, timeout_s=timeout_s, interval_s=0.5, what=f"{url} healthy")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_killed_process_is_restarted_and_stop_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port, closed = free_ports(2)
+    settings = Settings(
+        services=ServicesSettings(run_dir=tmp_path / "run"),
+        gateway=GatewaySettings(port=port, spool_dir=tmp_path / "spool"),
+        kafka=KafkaSettings(bootstrap_servers=f"127.0.0.1:{closed}"),
+        vllm=VllmSettings(servers=(f"http://127.0.0.1:{closed}",), staging_server=None),
+    )
+    # What the supervisor hands the child wins over anything in the supervisor's own environment.
+    monkeypatch.setenv("RTRL_GATEWAY__PORT", str(closed))
+    supervisor = sup.Supervisor(settings, names=("gateway",))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        supervisor.start()
+        _wait_ready(url)
+        child = supervisor.children["gateway"]
+        assert child.proc is not None
+        first = child.proc.pid
+        os.kill(first, signal.SIGKILL)
+        child.proc.wait(timeout=10)
+        assert supervisor.check() == ["gateway"]
+        assert child.proc.pid != first
+        _wait_ready(url)
+    finally:
+        supervisor.stop()
+    assert not _alive(child.proc.pid)
+    assert (tmp_path / "run" / "logs" / "gateway.log").stat().st_size > 0
+
+
+def test_crash_looping_process_is_restarted_with_backoff_then_given_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `rtrl labeler` against a store URL it cannot open exits at once, every time.
+    monkeypatch.setattr(sup, "MAX_RESTARTS", 3)
+    settings = Settings(services=ServicesSettings(run_dir=tmp_path / "run"), store=StoreSettings(url="nosuchdialect:///x"))
+    clock = FakeMonotonic()
+    supervisor = sup.Supervisor(settings, names=("labeler",), monotonic=clock)
+    child = supervisor.children["labeler"]
+    restarted_at: list[float] = []
+
+    def exited() -> bool:
+        return child.proc is not None and child.proc.poll() is not None
+
+    try:
+        supervisor.start()
+        while not supervisor.failed():
+            wait_until(exited, timeout_s=120, what="labeler exiting")
+            if supervisor.check():
+                restarted_at.append(clock())
+            else:
+                clock.now = child.restart_at or clock.now  # not due yet: move time to when it is
+        assert supervisor.failed() == ["labeler"]
+        # at once, then after 1 s and 2 s (doubling), then given up: 3 restarts within the window
+        assert restarted_at == [0.0, 1.0, 3.0]
+        log = child.log_path.read_text()
+        assert log.count("rtrl: unsupported store URL 'nosuchdialect:///x'; set RTRL_STORE__URL") == 4
+        assert "Traceback" not in log  # an operator error is one line, not a traceback
+    finally:
+        supervisor.stop()
+
+
+@pytest.mark.unit
+def test_restart_delay_doubles_up_to_the_cap() -> None:
+    assert [sup.restart_delay(n) for n in range(9)] == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]

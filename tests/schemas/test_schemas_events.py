@@ -1,0 +1,138 @@
+"""Wire schemas: strict validation, versioning, JSON Schema export; import-light."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from factories import interaction
+from pydantic import ValidationError
+
+from schemas import (
+    DeadLetterRecord,
+    FeedbackEvent,
+    FeedbackKind,
+    InteractionEvent,
+    Role,
+    SchemaError,
+    format_version,
+    parse_event,
+    parse_version,
+)
+from schemas.events import MAX_EVENT_BYTES
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_interaction_round_trips_through_the_wire() -> None:
+    event = interaction()
+    parsed = parse_event(event.model_dump_json().encode(), InteractionEvent)
+    assert parsed == event
+    assert parsed.schema_version == "rtrl.interaction.v1"
+
+
+def test_events_are_frozen() -> None:
+    event = interaction()
+    with pytest.raises(ValidationError):
+        event.completion = "changed"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"completion_logprobs": [-0.5]}, "1 logprobs for 2 completion tokens"),
+        ({"completion_logprobs": [-0.5, float("nan")]}, "finite"),
+        ({"completion_logprobs": [-0.5, 0.7]}, "<= 0"),
+        ({"prompt_token_ids": []}, "prompt_token_ids is empty"),
+        ({"prompt_token_ids": [-1]}, "greater than or equal to 0"),
+        ({"role": "subagent"}, "trainable must be false"),
+        ({"request_id": "x" * 201}, "at most 200"),
+        ({"request_id": "bad id with spaces"}, "pattern"),
+        ({"created_at": datetime(2026, 1, 1)}, "timezone"),
+        ({"unexpected": 1}, "Extra inputs"),
+    ],
+)
+def test_interaction_rejects_bad_input(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        interaction(**overrides)
+
+
+def test_subagent_segment_may_be_frozen() -> None:
+    assert interaction(role="subagent", trainable=False).role is Role.subagent
+
+
+def test_feedback_kinds_are_a_closed_set() -> None:
+    assert {k.value for k in FeedbackKind} == {
+        "accepted",
+        "rejected",
+        "edited",
+        "edit_persisted",
+        "edit_reverted",
+        "thumbs_up",
+        "thumbs_down",
+        "followup_dissatisfied",
+        "tool_call_error",
+        "task_outcome",
+        "judge_score",
+    }
+    with pytest.raises(ValidationError):
+        FeedbackEvent(request_id="r", kind="loved_it")  # type: ignore[arg-type]
+    for bad in (float("inf"), float("nan"), 1e7):
+        with pytest.raises(ValidationError, match="value"):
+            FeedbackEvent(request_id="r", kind=FeedbackKind.judge_score, value=bad)
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"\xff\xfe not json", "not JSON"),
+        (b"[1, 2]", "expected a JSON object"),
+        (b'{"schema_version": "rtrl.interaction.v9"}', "unknown schema_version"),
+        (b'{"request_id": "r"}', "unknown schema_version None"),
+        (b"x" * (MAX_EVENT_BYTES + 1), "exceeds"),
+    ],
+)
+def test_parse_event_gives_a_reason(raw: bytes, reason: str) -> None:
+    with pytest.raises(SchemaError, match=reason):
+        parse_event(raw)
+
+
+def test_parse_event_refuses_a_message_on_the_wrong_topic() -> None:
+    feedback = FeedbackEvent(request_id="r", kind=FeedbackKind.accepted)
+    with pytest.raises(SchemaError, match="on a topic for InteractionEvent"):
+        parse_event(feedback.model_dump_json().encode(), InteractionEvent)
+
+
+def test_dead_letter_keeps_the_payload_and_reason() -> None:
+    record = DeadLetterRecord(source="rtrl.feedback.v1:0:42", reason="not JSON", payload="\ufffd")
+    assert parse_event(record.model_dump_json().encode()) == record
+
+
+def test_versions() -> None:
+    assert format_version(3) == "v3"
+    assert parse_version("v12") == 12
+    for bad in ("3", "v0", "v-1", "v1.2", "V1", ""):
+        with pytest.raises(ValueError):
+            parse_version(bad)
+
+
+def test_schemas_do_not_import_torch_or_kafka() -> None:
+    code = "import sys, schemas; print(sorted(m for m in ('torch', 'kafka') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]"
+
+
+def test_schema_export_writes_json_schema(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "rtrl.cli", "schemas", "export", str(tmp_path)], check=True, cwd=REPO
+    )
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["rtrl.dead_letter.v1.json", "rtrl.feedback.v1.json", "rtrl.interaction.v1.json"]
+    interaction_schema = json.loads((tmp_path / "rtrl.interaction.v1.json").read_text())
+    assert "completion_logprobs" in interaction_schema["required"]

@@ -1,0 +1,239 @@
+"""The SQL store on SQLite: migrations, idempotent writes, cycle leases, on-policy selection."""
+
+from pathlib import Path
+
+import pytest
+from factories import FakeClock, Feeder, at, feedback, interaction
+from sqlalchemy import select
+
+from store import EpisodesUnavailable, LeaseLost, Store, StoreNotMigrated, UnsupportedStoreUrl
+from store.models import Base, Cycle, DeadLetter, Interaction
+
+pytestmark = pytest.mark.unit
+
+
+def test_migrations_create_exactly_the_models(store: Store) -> None:
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    store.migrate()  # a second run is a no-op
+    with store.engine.connect() as connection:
+        diff = compare_metadata(
+            MigrationContext.configure(connection, opts={"compare_type": True}), Base.metadata
+        )
+    assert diff == []
+
+
+def test_reads_check_the_schema_and_never_create_it(tmp_path: Path) -> None:
+    path = tmp_path / "never-migrated.db"
+    fresh = Store(f"sqlite:///{path}")
+    with pytest.raises(StoreNotMigrated, match="does not exist; run `rtrl labeler migrate`"):
+        fresh.check_schema()
+    assert not path.exists()  # a read did not leave an empty database behind
+    fresh.migrate()
+    fresh.check_schema()
+    fresh.close()
+
+
+def test_a_store_url_that_is_not_a_database_is_an_operator_error() -> None:
+    with pytest.raises(UnsupportedStoreUrl, match="RTRL_STORE__URL"):
+        Store("mysql://somewhere/db")
+    with pytest.raises(UnsupportedStoreUrl, match="RTRL_STORE__URL"):
+        Store("not a url")
+
+
+def test_sqlite_runs_in_wal_mode(store: Store) -> None:
+    with store.engine.connect() as connection:
+        assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+
+
+def test_the_same_record_twice_is_one_row(store: Store) -> None:
+    feeder = Feeder(store)
+    record = feeder.record(interaction())
+    first, _ = feeder.process([record])
+    again, _ = feeder.process([record])  # re-read after a crash before the offset commit
+    assert (len(first.interactions), first.replayed) == (1, 0)
+    assert (len(again.interactions), again.replayed, again.rejected) == (0, 1, [])
+    assert store.stats()["interactions"] == 1
+    assert store.stats()["dead_letters"] == 0
+
+
+def test_a_second_record_with_a_stored_event_id_is_dead_lettered_once(store: Store) -> None:
+    feeder = Feeder(store)
+    feeder.send(interaction())
+    duplicate = feeder.record(interaction())  # same event_id, produced again at offset 1
+    written, _ = feeder.process([duplicate])
+    assert [r.reason for r in written.rejected] == [
+        "duplicate: event_id already stored from interactions:0:0"
+    ]
+    replay, _ = feeder.process([duplicate])
+    assert (replay.rejected, replay.replayed) == ([], 1)
+    stats = store.stats()
+    assert (stats["interactions"], stats["dead_letters"]) == (1, 1)
+
+
+def test_duplicates_inside_one_batch(store: Store) -> None:
+    feeder = Feeder(store)
+    written, _ = feeder.send(
+        interaction(),
+        interaction(),
+        interaction(event_id="other"),
+        feedback("r-e1-0", "accepted"),
+        feedback("r-e1-0", "accepted"),
+    )
+    reasons = sorted(r.reason.split(":")[0] + ":" + r.record.source for r in written.rejected)
+    assert reasons == ["duplicate:feedback:0:1", "duplicate:interactions:0:1", "duplicate:interactions:0:2"]
+    assert (len(written.interactions), len(written.feedback)) == (1, 1)
+
+
+def test_hostile_records_are_dead_lettered_with_reasons(store: Store) -> None:
+    feeder = Feeder(store)
+    nan = interaction().model_dump_json().replace("-1.25", "NaN").encode()
+    written, _ = feeder.send(
+        b"not json",
+        b'{"schema_version": "rtrl.interaction.v9"}',
+        nan,
+        interaction(episode="nul", prompt="a\x00b").model_dump_json().encode(),
+        interaction(episode="badversion", version="main").model_dump_json().encode(),
+        feedback("r", "accepted").model_dump_json().encode(),  # a feedback event on the interactions topic
+    )
+    reasons = [r.reason for r in written.rejected]
+    assert reasons[0].startswith("schema: not JSON")
+    assert reasons[1] == "schema: unknown schema_version 'rtrl.interaction.v9'"
+    assert reasons[2].startswith("schema:") and "logprobs must be finite" in reasons[2]
+    assert reasons[3] == "content: text contains a NUL character"
+    assert reasons[4].startswith("content: not an rtrl policy version")
+    assert reasons[5] == "schema: rtrl.feedback.v1 on a topic for InteractionEvent"
+    with store.transaction() as session:
+        rows = session.scalars(select(DeadLetter).order_by(DeadLetter.source_offset)).all()
+        assert [r.payload for r in rows][:2] == [b"not json", b'{"schema_version": "rtrl.interaction.v9"}']
+        assert rows[3].original_event_id == "i-nul-0"
+        assert session.scalar(select(Interaction.event_id)) is None
+
+
+# ---- cycles ------------------------------------------------------------------------------------------
+
+
+def test_one_active_cycle_at_a_time(store: Store) -> None:
+    first = store.acquire_cycle("w1", ttl_s=60, champion=1)
+    assert first is not None
+    assert store.acquire_cycle("w2", ttl_s=60, champion=1) is None
+    store.finish_cycle(first, "registered", challenger=2)
+    assert store.acquire_cycle("w2", ttl_s=60, champion=1) is None  # gate/deploy still pending
+    assert [c.id for c in store.active_cycles()] == [first]
+    store.finish_cycle(first, "promoted", metrics={"reward": 0.5})
+    assert store.active_cycles() == []
+    second = store.acquire_cycle("w2", ttl_s=60, champion=2)
+    assert second == first + 1
+    cycle = store.get_cycle(first)
+    assert cycle is not None
+    assert (cycle.status, cycle.champion, cycle.challenger, cycle.metrics) == ("promoted", 1, 2, {"reward": 0.5})
+    assert [c.id for c in store.recent_cycles(10)] == [second, first]
+    with store.transaction() as session:  # "vN" in the table, int in the API
+        assert session.scalar(select(Cycle.challenger_version).where(Cycle.id == first)) == "v2"
+
+
+def test_an_expired_lease_is_failed_and_replaced(store: Store, clock: FakeClock) -> None:
+    feeder = Feeder(store)
+    feeder.send(interaction(), feedback("r-e1-0", "edit_persisted"))
+    stale = store.acquire_cycle("crashed", ttl_s=60, champion=1)
+    assert stale is not None
+    store.mark_used(stale, ["e1"])
+    clock.advance(59)
+    assert store.acquire_cycle("w2", ttl_s=60, champion=1) is None  # still held
+    clock.advance(2)
+    fresh = store.acquire_cycle("w2", ttl_s=60, champion=1)
+    assert fresh is not None
+    crashed = store.get_cycle(stale)
+    assert crashed is not None and crashed.status == "failed" and "lease expired" in (crashed.error or "")
+    assert store.count_trainable(1, 0) == 1  # its episode was released
+    with pytest.raises(LeaseLost):
+        store.heartbeat_cycle(stale, 60)
+    with pytest.raises(LeaseLost):
+        store.finish_cycle(stale, "registered", challenger=2)
+    store.heartbeat_cycle(fresh, 60)
+    clock.advance(59)
+    store.mark_used(fresh, ["e1"])  # the heartbeat extended the lease
+
+
+def test_a_redelivered_job_reclaims_its_lost_cycle_at_once(store: Store) -> None:
+    feeder = Feeder(store)
+    feeder.send(interaction(), feedback("r-e1-0", "edit_persisted"))
+    lost = store.acquire_cycle("host:111:task-7", ttl_s=3600, champion=1)  # worker then died
+    assert lost is not None
+    store.mark_used(lost, ["e1"])
+    assert store.reclaim_cycle("task-8", reason="x") is None  # another job's cycle is left alone
+    assert store.acquire_cycle("host:222:task-8", ttl_s=60, champion=1) is None
+    assert store.reclaim_cycle("task-7", reason="worker lost") == lost
+    cycle = store.get_cycle(lost)
+    assert cycle is not None and (cycle.status, cycle.error) == ("failed", "worker lost")
+    assert store.count_trainable(1, 0) == 1  # its episode is back in the pool
+    assert store.acquire_cycle("host:333:task-7", ttl_s=60, champion=1) is not None
+
+
+def test_finish_rules(store: Store) -> None:
+    cycle = store.acquire_cycle("w", 60, 1)
+    assert cycle is not None
+    with pytest.raises(ValueError):
+        store.finish_cycle(cycle, "running")
+    store.finish_cycle(cycle, "failed", error="boom")
+    store.finish_cycle(cycle, "failed")  # retried finish: no-op
+    with pytest.raises(LeaseLost):
+        store.finish_cycle(cycle, "promoted")
+
+
+# ---- selection ---------------------------------------------------------------------------------------
+
+
+def settled_episodes(feeder: Feeder) -> None:
+    """e-v1, e-v2, e-v3 (one per policy version, newer ones later) and a two-segment e-v3b; all settled."""
+    for n, name in [(1, "e-v1"), (2, "e-v2"), (3, "e-v3")]:
+        feeder.send(
+            interaction(name, version=f"v{n}", created_at=at(n)), feedback(f"r-{name}-0", "edit_persisted")
+        )
+    feeder.send(
+        interaction("e-v3b", 1, version="v3", created_at=at(11)),
+        interaction("e-v3b", 0, version="v3", created_at=at(10), role="summary"),
+        feedback("r-e-v3b-1", "rejected"),
+    )
+    feeder.send(interaction("e-v3b", 2, version="v3"))  # after settlement: late, not trained
+
+
+def test_selection_by_policy_lag_newest_first(store: Store) -> None:
+    settled_episodes(Feeder(store))
+    assert store.count_trainable(3, 0) == 2
+    assert store.count_trainable(3, 1) == 3
+    assert store.count_trainable(2, 5) == 2
+    episodes = store.select_episodes(champion_number=3, max_lag=1, limit=10)
+    assert [e.episode_id for e in episodes] == ["e-v3b", "e-v3", "e-v2"]
+    multi = episodes[0]
+    assert multi.reward == -0.25 and multi.created_at == at(10) and multi.policy_version == 3
+    assert {s.policy_version for s in multi.segments} == {3}
+    assert [s.role for s in multi.segments] == ["summary", "policy"]  # segment 2 came late
+    assert multi.segments[0].completion_logprobs == [-0.5, -1.25]
+    assert [e.episode_id for e in store.select_episodes(3, 1, limit=1)] == ["e-v3b"]
+
+
+def test_an_episode_is_never_used_by_two_cycles(store: Store) -> None:
+    settled_episodes(Feeder(store))
+    first = store.acquire_cycle("w1", 60, 3)
+    assert first is not None
+    store.mark_used(first, ["e-v3", "e-v3b"])
+    assert store.count_trainable(3, 0) == 0
+    store.finish_cycle(first, "failed", error="OOM")  # a failed cycle releases its episodes
+    assert store.count_trainable(3, 0) == 2
+
+    second = store.acquire_cycle("w2", 60, 3)
+    assert second is not None
+    store.mark_used(second, ["e-v3"])
+    with pytest.raises(EpisodesUnavailable):
+        store.mark_used(second, ["e-v3b", "e-v3"])  # all or nothing
+    assert store.count_trainable(3, 0) == 1
+    with pytest.raises(EpisodesUnavailable):
+        store.mark_used(second, ["no-such-episode"])
+    store.finish_cycle(second, "rejected")  # a rejected cycle keeps them: that batch was judged
+    assert store.count_trainable(3, 0) == 1
+    assert store.stats()["episodes_used"] == 1
+    assert store.get_cycle(second).episode_ids == ["e-v3"]  # type: ignore[union-attr]
+    with pytest.raises(LeaseLost):
+        store.mark_used(second, ["e-v3b"])

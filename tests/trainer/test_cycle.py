@@ -1,0 +1,228 @@
+"""The training cycle on real services: SQLite store, MLflow server, DeepSpeed on CPU, the tiny model.
+
+Episodes are sampled from the tiny model with transformers and fed through the labeler's own
+write/join/settle code (`factories.Feeder`), so their behaviour logprobs are the model's and the
+first step's ratios are ≈ 1. The Celery round trip goes through the real Redis broker to a real
+(in-thread) worker.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from factories import Feeder, feedback, interaction
+
+from registry import CHAMPION, Registry
+from schemas.events import FeedbackEvent, InteractionEvent
+from schemas.settings import Settings
+from store import Store
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def settings(redis_service: Settings, mlflow_service: Settings, tmp_path: Path) -> Settings:
+    """The session's Redis and MLflow, with a store, run dir, model name and experiment of this test's own."""
+    services = mlflow_service
+    tag = uuid.uuid4().hex[:8]
+    return services.model_copy(
+        update={
+            "store": services.store.model_copy(update={"url": f"sqlite:///{tmp_path}/rtrl.db"}),
+            "services": services.services.model_copy(update={"run_dir": tmp_path / "run"}),
+            "mlflow": services.mlflow.model_copy(update={"model_name": f"trainer-test-{tag}", "experiment": f"trainer-test-{tag}"}),
+            "trainer": services.trainer.model_copy(
+                update={"min_samples": 16, "max_episodes": 64, "steps": 2, "micro_batch": 16, "lr": 1e-3,
+                        "checkpoint_dir": tmp_path / "checkpoints"}
+            ),
+        }
+    )
+
+
+@pytest.fixture
+def store(settings: Settings) -> Iterator[Store]:
+    s = Store(settings.store.url)
+    s.migrate()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def registry(settings: Settings) -> Registry:
+    return Registry.from_settings(settings)
+
+
+@pytest.fixture
+def champion(registry: Registry, tiny_model_dir: Path) -> int:
+    """The tiny model registered as v1 @champion (no fleet alignment: no vLLM needed here)."""
+    version = registry.register_checkpoint(tiny_model_dir, tags={"rtrl.base": "true"})
+    registry.set_alias(CHAMPION, version)
+    return version
+
+
+def sample_episodes(model_dir: Path, n: int, seed: int, version: str = "v1") -> list[tuple[InteractionEvent, FeedbackEvent]]:
+    """n single-segment episodes sampled from the model; pairs of episodes share a prompt (groups).
+
+    Reward: thumbs_up when the completion contains "!" (the exclaim task's preference), else
+    thumbs_down; both settle the episode at once under tab-v1.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from evals import get_task
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = get_task("exclaim").train_prompts((n + 1) // 2, seed)
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        prompt = prompts[i // 2]
+        ids = tokenizer(prompt)["input_ids"]
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        with torch.no_grad():
+            for _ in range(8):
+                logits = model(input_ids=torch.tensor([ids + tokens])).logits[0, -1]
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+                tokens.append(token)
+                logprobs.append(float(logp[token]))
+                if token == tokenizer.eos_token_id:
+                    break
+        completion = tokenizer.decode(tokens, skip_special_tokens=True)
+        episode = f"ep-{seed}-{i}"
+        event = interaction(episode, version=version, prompt=prompt, prompt_token_ids=ids, completion=completion,
+                            completion_token_ids=tokens, completion_logprobs=logprobs)  # fmt: skip
+        kind = "thumbs_up" if "!" in completion else "thumbs_down"
+        out.append((event, feedback(event.request_id, kind)))
+    return out
+
+
+def feed(store: Store, pairs: list[tuple[InteractionEvent, FeedbackEvent]]) -> None:
+    """Store and settle the events with the labeler's own write/join/settle code (no Kafka)."""
+    feeder = Feeder(store)
+    feeder.offsets.update({"interactions": store.stats()["interactions"], "feedback": store.stats()["feedback"]})
+    written, _ = feeder.send(*[event for pair in pairs for event in pair])
+    assert not written.rejected, [r.reason for r in written.rejected]
+
+
+def test_cycles_train_save_and_register_challengers(
+    settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path
+) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from trainer.cycle import run_cycle
+
+    feed(store, sample_episodes(tiny_model_dir, 32, seed=1))
+    assert store.count_trainable(champion, 0) == 32
+
+    result = run_cycle(settings, store, registry, owner="test")
+
+    assert result.status == "registered"
+    assert (result.champion_version, result.challenger_version, result.episodes) == (1, 2, 32)
+    assert result.first_interaction_at is not None and result.train_s is not None
+    first = result.steps[0]
+    # Behaviour logprobs came from this very model: π_θ = π_old = μ on the first step.
+    assert first.mean_ratio == pytest.approx(1.0, abs=1e-6)
+    assert first.is_weight == pytest.approx(1.0, abs=1e-3)
+    assert first.clip_fraction == 0.0 and first.grad_norm is not None and first.grad_norm > 0
+    assert result.steps[1].kl_k1 != 0.0, "the second step sees updated weights"
+
+    # The checkpoint: HF format, loads in transformers, differs from the champion.
+    ckpt = Path(result.checkpoint_dir or "")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "rtrl_checkpoint.json"} <= {p.name for p in ckpt.iterdir()}
+    base, trained = load_file(tiny_model_dir / "model.safetensors"), load_file(ckpt / "model.safetensors")
+    assert base.keys() == trained.keys()
+    assert any(not torch.equal(base[k], trained[k]) for k in base)
+    AutoModelForCausalLM.from_pretrained(ckpt)
+
+    # MLflow: the run, its metrics and lineage, version 2 @challenger.
+    run = registry.run(result.mlflow_run_id or "")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["trainer.loss.type"] == "cispo"
+    assert {"loss", "mean_ratio", "clip_fraction", "kl_k1", "grad_norm", "mean_advantage"} <= set(run.data.metrics)
+    assert run.data.tags["rtrl.episodes"] == "32"
+    episodes_json = registry.download_run_artifact(run.info.run_id, "episodes.json", ckpt.parent / "lineage")
+    with store.transaction() as session:
+        from sqlalchemy import select
+
+        from store.models import Episode
+
+        used = set(session.scalars(select(Episode.episode_id).where(Episode.used_in_cycle == result.cycle_id)))
+    assert set(json.loads(episodes_json.read_text())) == used and len(used) == 32
+    assert registry.challenger() == 2 and registry.champion() == 1
+    tags = registry.version_tags(2)
+    assert tags["rtrl.cycle_id"] == str(result.cycle_id) and tags["rtrl.parent_version"] == "1"
+    assert registry.download_checkpoint(2).joinpath("model.safetensors").is_file()
+
+    cycle = store.get_cycle(result.cycle_id or 0)
+    assert cycle is not None and cycle.status == "registered" and cycle.challenger == 2
+    assert set(cycle.episode_ids) == used
+    assert store.count_trainable(champion, 0) == 0
+    assert (settings.trainer.checkpoint_dir / "baselines.json").is_file()
+
+    # The gate's verdict would end the cycle; then a second cycle runs in this same process.
+    store.finish_cycle(result.cycle_id or 0, "rejected")
+    feed(store, sample_episodes(tiny_model_dir, 16, seed=2))
+    second = run_cycle(settings, store, registry, owner="test")
+    assert second.status == "registered" and second.challenger_version == 3 and second.episodes == 16
+    assert registry.challenger() == 3
+
+
+def test_failed_cycle_registers_nothing_and_releases_its_episodes(
+    settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path
+) -> None:
+    from trainer.cycle import run_cycle
+
+    feed(store, sample_episodes(tiny_model_dir, 16, seed=3))
+    # A corrupt cached champion checkpoint: the failure happens after the episodes are claimed
+    # and the MLflow run is started.
+    broken = registry.checkpoints_dir / f"v{champion}"
+    broken.mkdir(parents=True)
+    (broken / "config.json").write_text("{not json")
+    (broken / "tokenizer.json").write_text("{}")
+    (broken / ".rtrl-complete").write_text("test\n")
+
+    with pytest.raises(Exception) as failure:
+        run_cycle(settings, store, registry, owner="test")
+
+    assert registry.versions() == [1]
+    assert registry.challenger() is None
+    assert store.count_trainable(champion, 0) == 16, "the episodes went back to the pool"
+    [cycle] = store.recent_cycles(10)
+    assert cycle.status == "failed" and type(failure.value).__name__ in (cycle.error or "")
+    runs = registry.runs("tags.`rtrl.kind` = 'training_cycle'")
+    assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def test_no_cycle_without_enough_data_or_while_another_holds_the_lease(
+    settings: Settings, store: Store, registry: Registry, champion: int
+) -> None:
+    from trainer.cycle import run_cycle
+
+    assert run_cycle(settings, store, registry, owner="test").status == "not_enough_data"
+    relaxed = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"min_samples": 1})})
+    feed(store, [(interaction(f"fake-{i}"), feedback(f"r-fake-{i}-0", "thumbs_up")) for i in range(2)])
+    assert store.acquire_cycle("someone-else", 600, champion) is not None
+    assert run_cycle(relaxed, store, registry, owner="test").status == "busy"
+
+
+def test_celery_round_trip_through_the_real_broker(settings: Settings, store: Store, champion: int) -> None:
+    """A real worker (in a thread, solo pool) consumes rtrl.train_cycle and rtrl.maybe_train from Redis."""
+    from celery.contrib.testing.worker import start_worker
+
+    from trainer.celery_app import configure
+    from trainer.tasks import maybe_train, train_cycle
+
+    app = configure(settings)
+    with start_worker(app, pool="solo", concurrency=1, perform_ping_check=False, loglevel="WARNING",
+                      shutdown_timeout=30):
+        result = train_cycle.apply_async().get(timeout=120)
+        assert result["status"] == "not_enough_data" and result["gate"] is None
+        assert result["version_after"] == champion
+        assert maybe_train.apply_async().get(timeout=60) == "waiting: 0 < 16 trainable episodes of v1"
