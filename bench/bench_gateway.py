@@ -25,6 +25,7 @@ from rtrl.launch import gateway_process
 from rtrl.services import down, up
 from rtrl.services.testing import make_run_dir, services_settings
 from rtrl.services.vllm import ensure_model
+from serving import VllmClient
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -48,6 +49,10 @@ def main() -> None:
     prompts = get_task("exclaim").heldout_prompts(50)
     try:
         up(settings)
+        # What `rtrl run` does first (deployer.rollout.bootstrap): the server serves a known version.
+        # A server without one has every call dead-lettered at the gateway, which is not the path to time.
+        with VllmClient(settings.vllm.servers[0], model=settings.vllm.served_model_name) as server:
+            server.update_weight_version(1)
         with gateway_process(settings, run_dir / "gateway.log") as gateway, httpx.Client(timeout=60) as client:
             direct_url = f"{settings.vllm.servers[0]}/v1/completions"
             gateway_url = f"{gateway}/v1/completions"

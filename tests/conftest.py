@@ -65,7 +65,7 @@ def _up(settings: Settings, *only: str) -> Settings:
 @pytest.fixture(scope="session")
 def services(services_config: Settings) -> Settings:
     """All local services (Kafka, PostgreSQL, Redis, MLflow, vLLM serving + staging), up for the session."""
-    return _up(services_config, *services_config.services.enabled)
+    return _base_version(_up(services_config, *services_config.services.enabled))
 
 
 @pytest.fixture(scope="session")
@@ -102,8 +102,21 @@ def mlflow_service(services_config: Settings) -> Settings:
 
 @pytest.fixture(scope="session")
 def vllm_service(services_config: Settings, tiny_model_dir: Path) -> Settings:
-    """The serving and the staging vLLM server on the tiny model."""
-    return _up(services_config, "vllm")
+    """The serving and the staging vLLM server on the tiny model, reporting weight version 1 (the
+    base model is v1 in every test's registry; tests that swap weights put v1 back)."""
+    return _base_version(_up(services_config, "vllm"))
+
+
+def _base_version(settings: Settings) -> Settings:
+    """Give a vLLM server that has no weight version v1, as `rtrl run`'s bootstrap would."""
+    from serving import VllmClient
+
+    for url in (*settings.vllm.servers, settings.vllm.staging_server):
+        if url is not None:
+            with VllmClient(url, model=settings.vllm.served_model_name) as server:
+                if server.weight_version() is None:
+                    server.update_weight_version(1)
+    return settings
 
 
 @pytest.fixture(scope="session")
