@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,21 @@ def _unanswered(exc: Exception) -> bool:
     )
 
 
+def _answered(uri: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, raising RegistryUnavailable when the server at `uri` does not answer."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return call(*args, **kwargs)
+    except MlflowException as exc:
+        if _unanswered(exc):
+            raise RegistryUnavailable(
+                f"MLflow at {uri} does not answer ({' '.join(str(exc).split())[:300]}); is it up? "
+                "(`rtrl services status`, RTRL_MLFLOW__TRACKING_URI)"
+            ) from exc
+        raise
+
+
 class _Answering:
     """An MlflowClient whose calls raise RegistryUnavailable when the server does not answer."""
 
@@ -59,21 +75,7 @@ class _Answering:
         method = getattr(self._client, name)
         if not callable(method):
             return method
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            from mlflow.exceptions import MlflowException
-
-            try:
-                return method(*args, **kwargs)
-            except MlflowException as exc:
-                if _unanswered(exc):
-                    raise RegistryUnavailable(
-                        f"MLflow at {self._uri} does not answer ({' '.join(str(exc).split())[:300]}); is it up? "
-                        "(`rtrl services status`, RTRL_MLFLOW__TRACKING_URI)"
-                    ) from exc
-                raise
-
-        return call
+        return lambda *args, **kwargs: _answered(self._uri, method, *args, **kwargs)
 
 
 def flatten(prefix: str, value: Any, out: dict[str, str]) -> dict[str, str]:
@@ -240,11 +242,12 @@ class Registry:
         from mlflow.exceptions import MlflowException
 
         try:
-            return self._client.get_model_version_by_alias(self.model_name, alias)
+            found: ModelVersion = self._client.get_model_version_by_alias(self.model_name, alias)
         except MlflowException as exc:
             if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
                 return None
             raise
+        return found
 
     def alias(self, alias: str) -> int | None:
         """The version an alias points at, or None."""
@@ -310,8 +313,9 @@ class Registry:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         try:
+            uri = self.settings.tracking_uri
             downloaded = Path(
-                download_artifacts(artifact_uri=source, dst_path=str(staging), tracking_uri=self.settings.tracking_uri)
+                _answered(uri, download_artifacts, artifact_uri=source, dst_path=str(staging), tracking_uri=uri)
             )
             if not (downloaded / "config.json").is_file():
                 raise RegistryError(f"version {version}'s artifacts at {source} are not an HF checkpoint (no config.json)")

@@ -83,10 +83,9 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     # The supervisor hands the children (gateway, labeler, worker) these settings.
     supervisor = Supervisor(settings, names=("gateway", "labeler", "worker"))
     rows: list[dict[str, Any]] = []
-    store: Store | None = None
+    store, registry = Store(settings.store.url), Registry.from_settings(settings)
     try:
-        prepare(settings)
-        store, registry = Store(settings.store.url), Registry.from_settings(settings)
+        prepare(settings, store, registry)
         supervisor.start()
         _wait_for_loop(settings, supervisor)
         for cycle in range(1, options.cycles + 1):
@@ -94,8 +93,7 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
             _print_row(rows[-1])
     finally:
         supervisor.stop()
-        if store is not None:
-            store.close()
+        store.close()
         if started_services and not options.keep_services:
             services.down(settings, only=started_services)
     _print_table(rows)

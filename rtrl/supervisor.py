@@ -20,11 +20,16 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rtrl.launch import child_env, rtrl_command
 from schemas.clock import Monotonic
 from schemas.errors import OperatorError
 from schemas.settings import Settings
+
+if TYPE_CHECKING:
+    from registry import Registry
+    from store import Store
 
 log = logging.getLogger("rtrl.supervisor")
 
@@ -49,21 +54,15 @@ def restart_delay(recent_restarts: int) -> float:
     return float(min(BACKOFF_START_S * 2 ** (recent_restarts - 1), BACKOFF_MAX_S))
 
 
-def prepare(settings: Settings) -> int:
+def prepare(settings: Settings, store: Store, registry: Registry) -> int:
     """What the loop needs before its processes start: the store's tables, the topics, and a
     champion in the registry that every vLLM server serves. Idempotent; returns the champion."""
     import streams
     from deployer.rollout import bootstrap
-    from registry import Registry
-    from store import Store
 
-    store = Store(settings.store.url)
-    try:
-        store.migrate()
-    finally:
-        store.close()
+    store.migrate()
     streams.ensure_topics(settings.kafka)
-    champion = bootstrap(settings, Registry.from_settings(settings), Path(settings.vllm.model_dir))
+    champion = bootstrap(settings, registry, Path(settings.vllm.model_dir))
     log.info("champion is v%d", champion)
     return champion
 

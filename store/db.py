@@ -185,12 +185,15 @@ class Store:
         from alembic import command
 
         config = self._alembic_config()
-        with self.engine.begin() as connection:
-            if self.dialect == "postgresql":
-                # Two processes starting at once must not both create the tables.
-                connection.exec_driver_sql("SELECT pg_advisory_xact_lock(7215031)")
-            config.attributes["connection"] = connection
-            command.upgrade(config, revision)
+        try:
+            with self.engine.begin() as connection:
+                if self.dialect == "postgresql":
+                    # Two processes starting at once must not both create the tables.
+                    connection.exec_driver_sql("SELECT pg_advisory_xact_lock(7215031)")
+                config.attributes["connection"] = connection
+                command.upgrade(config, revision)
+        except DBAPIError as exc:
+            raise self._database_error(exc) from exc
 
     def check_schema(self) -> None:
         """Raise StoreNotMigrated unless the database is at the newest revision. Changes nothing."""

@@ -20,9 +20,11 @@ def register(app: typer.Typer) -> None:
         as v1 @champion if the registry is empty (idempotent). The services (Kafka, Redis, MLflow,
         vLLM, ...) are not started here: run `rtrl services up` first, or point RTRL_* at your own.
         """
+        from registry import Registry
         from rtrl.logs import setup_logging
         from rtrl.supervisor import PROCESSES, Supervisor, prepare
         from schemas.settings import load_settings
+        from store import Store
 
         setup_logging()
         names = [p.strip() for p in processes.split(",") if p.strip()]
@@ -30,5 +32,9 @@ def register(app: typer.Typer) -> None:
         if unknown:
             raise typer.BadParameter(f"unknown process(es) {unknown}; choose from {sorted(PROCESSES)}")
         settings = load_settings()
-        prepare(settings)
+        store = Store(settings.store.url)
+        try:
+            prepare(settings, store, Registry.from_settings(settings))
+        finally:
+            store.close()
         Supervisor(settings, names).run_forever()

@@ -50,8 +50,10 @@ def test_services_that_do_not_answer_are_one_line(tmp_path: Path) -> None:
              RTRL_SERVICES__RUN_DIR=str(tmp_path))
     )  # fmt: skip
     assert f"MLflow at http://127.0.0.1:{closed} does not answer" in mlflow and "RTRL_MLFLOW__TRACKING_URI" in mlflow
-    store = one_line_error(rtrl("train", "status", RTRL_STORE__URL=f"postgresql+psycopg://rtrl@127.0.0.1:{closed}/rtrl"))
-    assert "is unreachable or locked" in store and "RTRL_STORE__URL" in store
+    unreachable_db = f"postgresql+psycopg://rtrl@127.0.0.1:{closed}/rtrl"
+    for command in (("train", "status"), ("labeler", "migrate")):
+        store = one_line_error(rtrl(*command, RTRL_STORE__URL=unreachable_db))
+        assert "is unreachable or locked" in store and "RTRL_STORE__URL" in store
     db = f"sqlite:///{tmp_path}/rtrl.db"
     assert rtrl("labeler", "migrate", RTRL_STORE__URL=db).returncode == 0
     kafka = one_line_error(rtrl("labeler", "reconcile", RTRL_STORE__URL=db, RTRL_KAFKA__BOOTSTRAP_SERVERS=f"127.0.0.1:{closed}"))
