@@ -1,7 +1,8 @@
 """Exceptions of the deployer. `DeployError` is the root. A vLLM server's own errors arrive as
-`serving.ServingError` (or httpx transport errors); the swap catches those per server and turns
-them into a failed, restored step, so what escapes `promote` is a bug or a server that could not
-even be restored (`serving.ServerError`)."""
+`serving.ServingError` (or httpx transport errors); `promote` and `rollback` catch those per server
+and record a failed step (restoring what they can), so they return a result rather than raise.
+`align_fleet` and `bootstrap` raise `serving.ServerError` when a server cannot be brought to the
+champion."""
 
 from __future__ import annotations
 

@@ -40,13 +40,13 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployer.errors import DeployError, NothingToRollBack, RolloutBusy
+from deployer.errors import NothingToRollBack, RolloutBusy
 from deployer.probe import Probe, build_probe, max_abs_diff, reference_logprobs
 from registry import CHAMPION, Registry, RegistryError
 from schemas.clock import utcnow
 from schemas.settings import Settings
 from schemas.versions import format_version
-from serving import ServerError, ServingError, VllmClient, meaningful_digests
+from serving import ServerError, ServingError, VersionUnknown, VllmClient, meaningful_digests
 
 
 class ServerSwap(BaseModel):
@@ -216,7 +216,7 @@ def swap_server(
             digest_match = digests_agree(want.digests, digests)
             if digest_match is False:
                 error = verdict(0.0, tolerance, digest_match)
-        except (DeployError, ServingError, httpx.HTTPError) as exc:
+        except (ServingError, httpx.HTTPError) as exc:
             error = f"reload of v{want.version} failed: {exc}"
         if error is None:
             _publish(server, want.version)
@@ -230,7 +230,7 @@ def swap_server(
         try:
             max_diff = probe_diff(server, want)
             error = verdict(max_diff, tolerance, digest_match)
-        except (DeployError, ServingError, httpx.HTTPError) as exc:
+        except (ServingError, httpx.HTTPError) as exc:
             error = f"probe of v{want.version} failed: {exc}"
         if error is not None and restore is not None:
             _restore(server, restore, settings, paused=False)
@@ -290,7 +290,7 @@ def _swap_fleet(settings: Settings, registry: Registry, version: int, previous: 
         with server_client(settings, url) as server:
             try:
                 step, digests = swap_server(server, want, settings, restore=back)
-            except (DeployError, ServingError, httpx.HTTPError) as exc:
+            except (ServingError, httpx.HTTPError) as exc:
                 step = _failed_step(url, version, exc)
         steps.append(step)
         if not step.verified:
@@ -309,7 +309,7 @@ def _swap_fleet(settings: Settings, registry: Registry, version: int, previous: 
             with server_client(settings, url) as server:
                 try:
                     step, _ = swap_server(server, back, settings, restore=None)
-                except (DeployError, ServingError, httpx.HTTPError) as exc:
+                except (ServingError, httpx.HTTPError) as exc:
                     step = _failed_step(url, previous, exc)
             steps.append(step)
             if not step.verified:
@@ -358,9 +358,8 @@ def bootstrap(settings: Settings, registry: Registry, model_dir: Path) -> int:
     """Register `model_dir` as version 1 @champion when the registry has no version, then make every
     server (fleet and staging) report the champion's weight version; returns the champion.
 
-    Idempotent: a second call finds the champion and only re-checks the servers. A server that
-    reports another version (or none while the champion is past v1, e.g. after a restart on the
-    base weights) is swapped to the champion with the verified swap.
+    Idempotent: a second call finds the champion and only re-checks the servers (`align_fleet`:
+    a server whose weights pass the champion's probe is relabelled, any other is swapped).
     """
     if not registry.versions():
         version = registry.register_checkpoint(model_dir, tags={"rtrl.base": "true"})
@@ -389,7 +388,11 @@ def align_fleet(settings: Settings, registry: Registry) -> list[ServerSwap]:
             urls.append(settings.vllm.staging_server)
         for url in urls:
             with server_client(settings, url) as server:
-                if server.weight_version() == version:
+                try:
+                    label: int | None = server.weight_version()
+                except VersionUnknown:
+                    label = None  # a label that is not "vN" is as good as none: probe, relabel or swap
+                if label == version:
                     continue
                 if probe_diff(server, want) <= settings.deployer.probe_tolerance:
                     if want.digests is None:

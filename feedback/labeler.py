@@ -117,7 +117,9 @@ class Labeler:
         batch = self.consumer.poll(timeout_ms=labeler.poll_timeout_ms, max_records=labeler.max_poll_records)
         records = [SourceRecord(r.topic, r.partition, r.offset, r.value) for rs in batch.values() for r in rs]
         now = self.clock()
-        window_due = self._last_window_check is None or now - self._last_window_check >= WINDOW_CHECK
+        since = None if self._last_window_check is None else now - self._last_window_check
+        # Due on the first step, every WINDOW_CHECK, and whenever the clock was stepped back.
+        window_due = since is None or since >= WINDOW_CHECK or since < timedelta(0)
         if not records and not window_due:
             return None
 

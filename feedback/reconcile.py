@@ -92,13 +92,19 @@ def _group_offsets(admin: Any, group: str, timeout_s: float = 10.0) -> dict[Any,
     """Committed offsets of a group; retries while the group coordinator is moving or loading."""
     from kafka.errors import KafkaError
 
+    last: list[KafkaError] = []
+
     def read() -> tuple[dict[Any, Any]] | None:
         try:
             return (admin.list_group_offsets({group: None}).get(group, {}),)
         except KafkaError as exc:
             if not getattr(exc, "retriable", False):
                 raise
+            last[:] = [exc]
             return None
 
-    (offsets,) = wait_until(read, timeout_s=timeout_s, interval_s=1.0, what=f"committed offsets of group {group}")
+    try:
+        (offsets,) = wait_until(read, timeout_s=timeout_s, interval_s=1.0, what=f"committed offsets of group {group}")
+    except TimeoutError:
+        raise last[0] from None  # the coordinator kept answering a retriable error: that one
     return offsets

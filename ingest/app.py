@@ -192,7 +192,8 @@ class Gateway:
             straddled = before != after
             if straddled:
                 self.metrics.straddled.inc()
-                log.info("request %s straddled a weight swap (v%s -> v%d): trainable=false", request_id, before, after)
+                log.info("request %s straddled a weight swap (%s -> %s): trainable=false", request_id,
+                         "unknown" if before is None else format_version(before), format_version(after))
             event = build_interaction(
                 request_id=request_id,
                 capture=capture,

@@ -168,7 +168,7 @@ class Registry:
         self._client.set_terminated(run_id, status)
 
     def run(self, run_id: str) -> Any:
-        """The `mlflow.entities.Run` (params, metrics, tags, status), for status displays and tests."""
+        """The `mlflow.entities.Run` (params, metrics, tags, status), for scripts and tests."""
         return self._client.get_run(run_id)
 
     def runs(self, filter_string: str = "") -> list[Any]:
@@ -284,6 +284,7 @@ class Registry:
         return found or None
 
     def version_tags(self, version: int) -> dict[str, str]:
+        """A version's tags: lineage (``rtrl.cycle_id``, ``rtrl.parent_version``), the gate's verdict, deploys."""
         return dict(self._client.get_model_version(self.model_name, str(version)).tags)
 
     def tag_version(self, version: int, tags: dict[str, str]) -> None:

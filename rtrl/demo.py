@@ -70,9 +70,10 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     settings = settings.model_copy(
         update={"labeler": settings.labeler.model_copy(update={"settle_window_s": options.settle_window_s})}
     )
-    # Mistakes in the options fail now, before any service starts.
+    # Mistakes in the options and the settings fail now, before any service starts.
     task = get_task(options.task)
     preference = load_preference(options.preference) if options.preference else None
+    store, registry = Store(settings.store.url), Registry.from_settings(settings)
 
     needed = ["kafka", "redis", "mlflow", "vllm"]
     already_up = {s.name for s in services.status(settings) if s.healthy}
@@ -83,7 +84,6 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     # The supervisor hands the children (gateway, labeler, worker) these settings.
     supervisor = Supervisor(settings, names=("gateway", "labeler", "worker"))
     rows: list[dict[str, Any]] = []
-    store, registry = Store(settings.store.url), Registry.from_settings(settings)
     try:
         prepare(settings, store, registry)
         supervisor.start()

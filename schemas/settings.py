@@ -306,5 +306,8 @@ def load_settings() -> Settings:
         problems = []
         for error in exc.errors():
             variable = "RTRL_" + "__".join(str(part).upper() for part in error["loc"])
-            problems.append(f"{variable}: {error['msg']} (got {error.get('input')!r:.80})")
+            value = error.get("input")
+            # A whole section (a model validator's error) may hold a secret; a secret never shows.
+            shown = "" if isinstance(value, dict) or "PASSWORD" in variable else f" (got {value!r:.80})"
+            problems.append(f"{variable}: {error['msg']}{shown}")
         raise SettingsError("bad setting: " + "; ".join(problems) + " (fix the environment or .env)") from None

@@ -80,6 +80,7 @@ class VllmClient:
     def __init__(self, base_url: str, *, model: str, timeout_s: float = 120.0) -> None:
         self.url = base_url.rstrip("/")
         self.model = model
+        self.timeout_s = timeout_s
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
 
     def close(self) -> None:
@@ -114,7 +115,7 @@ class VllmClient:
     def health(self) -> bool:
         """True when the server answers ``/health`` with 200; False when it cannot be reached."""
         try:
-            return self._http.get("/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
+            return self._http.get("/health", timeout=min(HEALTH_TIMEOUT_S, self.timeout_s)).status_code == 200
         except httpx.TransportError:
             return False
 
@@ -191,6 +192,15 @@ class VllmClient:
                 raise ServerError(self.url, f"no prompt logprob for token {token_id} in {entry!r}")
             logprobs.append(float(entry[str(token_id)]["logprob"]))
         return logprobs
+
+    def sampled_logprobs(self, prompt: str, max_tokens: int) -> list[float]:
+        """The behaviour logprob of each token of a greedy completion (what the gateway records)."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1}
+        choice = self._json("POST", "/v1/completions", json=body)["choices"][0]
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if not isinstance(logprobs, list) or not logprobs:
+            raise ServerError(self.url, f"no token logprobs in {str(choice)[:500]}")
+        return [float(lp) for lp in logprobs]
 
     def complete(
         self,

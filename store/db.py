@@ -196,7 +196,8 @@ class Store:
             raise self._database_error(exc) from exc
 
     def check_schema(self) -> None:
-        """Raise StoreNotMigrated unless the database is at the newest revision. Changes nothing."""
+        """Raise StoreNotMigrated unless the database is at the newest revision. Never migrates,
+        and never creates a SQLite file that is not there."""
         from alembic.runtime.migration import MigrationContext
         from alembic.script import ScriptDirectory
 
@@ -229,10 +230,12 @@ class Store:
         except DBAPIError as exc:
             raise self._database_error(exc) from exc
 
-    def _database_error(self, exc: DBAPIError) -> DatabaseError:
+    def _database_error(self, exc: DBAPIError) -> DatabaseError | StoreNotMigrated:
         detail = " ".join(f"{type(exc.orig).__name__}: {exc.orig}".split())[:1000]  # drivers write several lines
+        where = make_url(self.url).render_as_string(hide_password=True)
+        if "no such table" in detail or "UndefinedTable" in detail or "no such column" in detail:
+            return StoreNotMigrated(f"the store at {where} lacks rtrl's tables ({detail}); run `rtrl labeler migrate`")
         if isinstance(exc, OperationalError | InterfaceError):
-            where = make_url(self.url).render_as_string(hide_password=True)
             return DatabaseUnavailable(
                 f"the store at {where} is unreachable or locked ({detail}); is it up? "
                 "(`rtrl services status`, RTRL_STORE__URL)"

@@ -7,5 +7,10 @@ class TrainerError(RuntimeError):
     """Root of every error the trainer raises on purpose."""
 
 
+class AfterRegistration(TrainerError):
+    """The gate or the deploy failed after the cycle registered its challenger. Not retried: a
+    retry would train and register another version; the cycle is failed and its episodes freed."""
+
+
 class InsufficientData(TrainerError):
     """The claimed batch turned out too small (or without trainable tokens) to train on."""

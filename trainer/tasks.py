@@ -4,9 +4,10 @@ Registered on the app in trainer/celery_app.py; run by ``rtrl worker``. The work
 one `store.Store` and one `registry.Registry` on first use and keeps them (`worker_resources`).
 
 Retries are declared here: a transient failure (broker, store, MLflow or vLLM unreachable or
-timing out) fails the cycle cleanly (its episodes are released) and the task is retried with
-exponential backoff and jitter; anything else fails the task for an operator to read
-(`rtrl train status`, docs/runbooks/trainer.md).
+timing out) before the challenger is registered fails the cycle cleanly (its episodes are
+released) and the task is retried with exponential backoff and jitter. After registration nothing
+is retried (`AfterRegistration`): a retry would register another version. Anything else fails the
+task for an operator to read (`rtrl train status`, docs/runbooks/trainer.md).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from schemas.clock import utcnow
 from schemas.settings import Settings
 from store import DatabaseUnavailable, Store
 from trainer.celery_app import BEAT_TASK, CYCLE_TASK, QUEUE, app, current_settings
+from trainer.errors import AfterRegistration
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,9 @@ def worker_resources() -> Resources:
     if _resources is None or _resources.settings is not settings:
         if _resources is not None:
             _resources.store.close()
-        _resources = Resources(settings, Store(settings.store.url), Registry.from_settings(settings))
+        store = Store(settings.store.url)
+        store.check_schema()  # a worker on a store nobody migrated fails with what to do, not "no such table"
+        _resources = Resources(settings, store, Registry.from_settings(settings))
     return _resources
 
 
@@ -144,6 +148,9 @@ def run_chain(
         # The registered version stays (@challenger, never @champion); the cycle must not stay
         # active until its lease expires.
         store.finish_cycle(result.cycle_id, "failed", error=f"after registration: {type(exc).__name__}: {exc}"[:10_000])
+        if isinstance(exc, Exception):
+            # Even a transient cause is final here: a retry would train and register another version.
+            raise AfterRegistration(f"v{result.challenger_version}: {type(exc).__name__}: {exc}") from exc
         raise
 
 

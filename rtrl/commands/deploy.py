@@ -68,10 +68,14 @@ def status() -> None:
     for url, role in urls:
         with VllmClient(url, model=settings.vllm.served_model_name, timeout_s=10.0) as server:
             servers.append({"role": role, **server.state().model_dump()})
+    challenger = registry.challenger() if champion is not None else None
+    gate_tags = registry.version_tags(challenger) if challenger is not None else {}
     report = {
         "model": settings.mlflow.model_name,
         "champion": champion,
-        "challenger": registry.challenger() if champion is not None else None,
+        "challenger": challenger,
+        "challenger_gate": gate_tags.get("gate"),  # pass | fail | None (not judged yet)
+        "challenger_gate_reason": gate_tags.get("gate_reason"),
         "previous_champion": registry.previous_champion() if champion is not None else None,
         "servers": servers,
     }

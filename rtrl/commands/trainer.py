@@ -60,6 +60,7 @@ def now(
 
         _logging()
         store = Store(settings.store.url)
+        store.check_schema()
         try:
             result = run_chain(settings, store, Registry.from_settings(settings), owner=f"{socket.gethostname()}:cli")
         finally:
@@ -77,8 +78,12 @@ def now(
 
 
 @train_app.command("status")
-def status(limit: int = typer.Option(10, min=1, help="How many recent cycles.")) -> None:
-    """Recent training cycles from the store (newest first), as JSON lines."""
+def status(
+    limit: int = typer.Option(10, min=1, help="How many recent cycles."),
+    cycle: int | None = typer.Option(None, "--id", min=1, help="Print this one cycle in full (metrics, steps, episodes)."),
+) -> None:
+    """Recent training cycles from the store (newest first), as JSON lines; or one in full (--id)."""
+    import dataclasses
     import json
 
     from schemas.settings import load_settings
@@ -86,6 +91,12 @@ def status(limit: int = typer.Option(10, min=1, help="How many recent cycles."))
 
     store = Store(load_settings().store.url)
     store.check_schema()
+    if cycle is not None:
+        record = store.get_cycle(cycle)
+        if record is None:
+            raise typer.BadParameter(f"no cycle {cycle} in the store", param_hint="--id")
+        typer.echo(json.dumps(dataclasses.asdict(record), indent=2, default=str))
+        return
     for c in store.recent_cycles(limit):
         metrics = c.metrics
         typer.echo(json.dumps({

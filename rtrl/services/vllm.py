@@ -104,10 +104,11 @@ class Vllm(Service):
         return f"vLLM, weight version {'not set' if version is None else format_version(version)}"
 
     def after_start(self) -> None:
-        """A tiny greedy completion: /health answers before the engine has served a request."""
+        """A tiny greedy completion with logprobs (what the gateway asks for): /health answers
+        before the engine has served a request."""
         with self._client(timeout_s=self.settings.vllm.request_timeout_s) as client:
             try:
-                client.complete(["hello"], max_tokens=2, temperature=0.0)
+                client.sampled_logprobs("hello", max_tokens=2)
             except ServingError as exc:
                 raise ServiceError(f"{self.name}: test completion failed: {exc}") from None
 

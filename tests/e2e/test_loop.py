@@ -43,7 +43,6 @@ def loop_settings(services: Settings, tmp_path: Path) -> Settings:
             # This test is about the loop closing, not about the gate's judgement (its own tests
             # cover pass and fail): let any challenger that is not catastrophically worse through.
             "gate": services.gate.model_copy(update={"tolerance": 1.0, "eval_prompts": 16}),
-            "services": services.services.model_copy(update={"run_dir": tmp_path / "run"}),
         }
     )
 

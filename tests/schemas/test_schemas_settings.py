@@ -72,3 +72,12 @@ def test_to_env_hands_settings_to_a_child_process(monkeypatch: pytest.MonkeyPatc
     child = load_settings()
     assert child == settings
     assert child.kafka.sasl_password is not None and child.kafka.sasl_password.get_secret_value() == "p@ss"
+
+
+def test_a_bad_secret_setting_never_prints_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RTRL_KAFKA__SECURITY_PROTOCOL", "SASL_SSL")  # without a mechanism: refused
+    monkeypatch.setenv("RTRL_KAFKA__SASL_PASSWORD", "hunter2")
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    assert "RTRL_KAFKA: Value error, security_protocol SASL_SSL needs sasl_mechanism" in str(caught.value)
+    assert "hunter2" not in str(caught.value)

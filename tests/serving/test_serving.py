@@ -106,7 +106,7 @@ def test_client_state_version_and_errors(vllm_service: Settings) -> None:
     with VllmClient(url, model=vllm_service.vllm.served_model_name) as client:
         state = client.state()
         assert state.healthy and state.paused is False and state.error is None
-        assert state.weight_version == client.weight_version()
+        assert state.weight_version == client.weight_version() == 1  # the session's servers serve v1
         with pytest.raises(ServerError, match="HTTP 4"):
             client.complete(["hi"], max_tokens=100_000)  # longer than the model's context: vLLM says 400
     (closed,) = free_ports(1)

@@ -30,6 +30,8 @@ def test_reads_check_the_schema_and_never_create_it(tmp_path: Path) -> None:
     with pytest.raises(StoreNotMigrated, match="does not exist; run `rtrl labeler migrate`"):
         fresh.check_schema()
     assert not path.exists()  # a read did not leave an empty database behind
+    with pytest.raises(StoreNotMigrated, match="lacks rtrl's tables"):
+        fresh.count_trainable(1, 0)  # a query on a database without the tables says what to do
     fresh.migrate()
     fresh.check_schema()
     fresh.close()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from factories import Feeder, feedback, interaction
+from helpers import run_rtrl
 
 from registry import CHAMPION, Registry
 from schemas.events import FeedbackEvent, InteractionEvent
@@ -167,6 +168,11 @@ def test_cycles_train_save_and_register_challengers(
     assert (settings.trainer.checkpoint_dir / "baselines.json").is_file()
 
     # The gate's verdict would end the cycle; then a second cycle runs in this same process.
+    # `rtrl train status --id` shows the same record in full.
+    shown = run_rtrl(settings, "train", "status", "--id", str(result.cycle_id))
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["challenger"] == 2 and len(json.loads(shown.stdout)["episode_ids"]) == 32
+
     store.finish_cycle(result.cycle_id or 0, "rejected")
     feed(store, sample_episodes(tiny_model_dir, 16, seed=2))
     second = run_cycle(settings, store, registry, owner="test")
@@ -212,17 +218,26 @@ def test_no_cycle_without_enough_data_or_while_another_holds_the_lease(
     assert run_cycle(relaxed, store, registry, owner="test").status == "busy"
 
 
-def test_celery_round_trip_through_the_real_broker(settings: Settings, store: Store, champion: int) -> None:
+def test_celery_round_trip_through_the_real_broker(
+    settings: Settings, store: Store, champion: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A real worker (in a thread, solo pool) consumes rtrl.train_cycle and rtrl.maybe_train from Redis."""
     from celery.contrib.testing.worker import start_worker
 
+    from trainer import tasks
     from trainer.celery_app import configure
     from trainer.tasks import maybe_train, train_cycle
 
+    monkeypatch.setattr(tasks, "_resources", None)  # the worker opens this test's store and registry
+
     app = configure(settings)
-    with start_worker(app, pool="solo", concurrency=1, perform_ping_check=False, loglevel="WARNING",
-                      shutdown_timeout=30):
-        result = train_cycle.apply_async().get(timeout=120)
-        assert result["status"] == "not_enough_data" and result["gate"] is None
-        assert result["version_after"] == champion
-        assert maybe_train.apply_async().get(timeout=60) == "waiting: 0 < 16 trainable episodes of v1"
+    try:
+        with start_worker(app, pool="solo", concurrency=1, perform_ping_check=False, loglevel="WARNING",
+                          shutdown_timeout=30):
+            result = train_cycle.apply_async().get(timeout=120)
+            assert result["status"] == "not_enough_data" and result["gate"] is None
+            assert result["version_after"] == champion
+            assert maybe_train.apply_async().get(timeout=60) == "waiting: 0 < 16 trainable episodes of v1"
+    finally:
+        if tasks._resources is not None:
+            tasks._resources.store.close()
