@@ -3,8 +3,8 @@
     .venv/bin/python bench/bench_gateway.py [--requests 200] [--max-tokens 8]
 
 Starts its own Kafka and vLLM serving server (free ports, a temporary run dir, the tiny model)
-and one `rtrl gateway`, then sends the same completion requests alternately straight to vLLM and
-through the gateway (greedy, fixed prompts, one at a time so queueing does not blur the numbers),
+and one `rtrl gateway` with an API key of its own (the production path, key check included), then
+sends the same completion requests alternately straight to vLLM and through the gateway (greedy, fixed prompts, one at a time so queueing does not blur the numbers),
 and prints p50 / p95 latency of each path, the added milliseconds and the ratio; the last line is
 one JSON object: ``{"name", "value": gateway p50 ms, "baseline": direct p50 ms, "ratio", ...}``.
 Target (docs/architecture.md, Targets): ≤ 3 ms p50 added and a ratio ≤ 1.10.
@@ -26,6 +26,7 @@ from rtrl.services import down, up
 from rtrl.services.testing import make_run_dir, services_settings
 from rtrl.services.vllm import ensure_model
 from serving import VllmClient
+from store import Store
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -53,6 +54,11 @@ def main() -> None:
         # A server without one has every call dead-lettered at the gateway, which is not the path to time.
         with VllmClient(settings.vllm.servers[0], model=settings.vllm.served_model_name) as server:
             server.update_weight_version(1)
+        # The production path: the gateway checks an API key on every call.
+        store = Store(settings.store.url)
+        store.migrate()
+        _, key = store.create_api_key(role="tenant", tenant="bench", name="bench_gateway", rate_per_s=0)  # unlimited
+        store.close()
         with gateway_process(settings, run_dir / "gateway.log") as gateway, httpx.Client(timeout=60) as client:
             direct_url = f"{settings.vllm.servers[0]}/v1/completions"
             gateway_url = f"{gateway}/v1/completions"
@@ -61,7 +67,7 @@ def main() -> None:
                 body = {"model": settings.vllm.served_model_name, "prompt": prompts[i % len(prompts)],
                         "max_tokens": args.max_tokens, "temperature": 0}
                 start = time.perf_counter()
-                response = client.post(url, json=body)
+                response = client.post(url, json=body, headers={"authorization": f"Bearer {key}"})
                 elapsed = (time.perf_counter() - start) * 1000
                 response.raise_for_status()
                 return elapsed

@@ -7,17 +7,25 @@ consumer group (at most one per partition). The loop is ``Labeler.step``:
     (DLQ topic, flushed, and the dead_letters table) -> join/settle -> commit the DB transaction
     -> commit the offsets
 
-Error policy:
+Error policy: no single record can stop the labeler.
 
 * a record that fails validation or is a duplicate -> dead letter with a reason (feedback/records.py,
   store/events.py);
-* the database or the DLQ producer fails -> nothing of the batch is committed, the consumer seeks
-  back to the batch's first offsets, backs off (0.5 s doubling to 30 s) and processes it again;
+* the database is unreachable or locked, or the DLQ producer fails -> nothing of the batch is
+  committed, the consumer seeks back to the batch's first offsets, backs off (0.5 s doubling to
+  30 s) and processes it again;
+* any other failure while a batch is written (a record the database refuses, an overflow, a bug
+  tied to one record) -> the batch is written again one record at a time, each in its own
+  transaction with its offset committed after it; the record that fails alone becomes a dead
+  letter ``record: <error>`` and the rest go on;
+* a record that kills the process (so no exception is seen) -> every poll notes in the store where
+  each partition's batch starts (`store.Store.note_attempt`); a batch start that a previous process
+  noted and never committed means that process died on it, so the batch is processed one record at
+  a time, noting each; a record that was started `POISON_AFTER` times by processes that died is
+  dead-lettered ``poison: ...`` without being processed again;
 * the offset commit fails (group rebalance) -> the batch is already in the DB; whoever reads the
   partition next re-reads it and every record is a no-op replay;
-* broker connection errors -> kafka-python reconnects inside ``poll``;
-* anything else (a bug) -> propagates and the process exits; the uncommitted batch is re-read on
-  restart.
+* broker connection errors -> kafka-python reconnects inside ``poll``.
 
 A crash between the DB commit and the offset commit re-delivers the batch: interactions and
 feedback are recognised as replays by event_id + source offset, dead letters by their id
@@ -32,17 +40,17 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 import streams
-from feedback.records import parse_record
+from feedback.records import Checks, parse_record
 from schemas.clock import Clock, Sleep, utcnow
 from schemas.events import DEAD_LETTER_SCHEMA, FeedbackEvent, InteractionEvent
 from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import Settings
-from store import DatabaseError, Rejected, SettleReport, SourceRecord, Store
+from store import DatabaseUnavailable, Rejected, SettleReport, SourceRecord, Store
 from store.events import Event
 
 log = logging.getLogger("rtrl.labeler")
@@ -51,26 +59,34 @@ BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 WINDOW_CHECK = timedelta(seconds=1)  # how often open episodes are checked against the settle window
 DLQ_FLUSH_TIMEOUT_S = 30.0
+# A record started this many times by labeler processes that then died is dead-lettered unprocessed.
+# With a first death in batch mode that is 3 deaths in all: the supervisor's 5 restarts suffice.
+POISON_AFTER = 2
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepReport:
     """What one step of the loop did (for logs and tests)."""
 
-    records: int
-    interactions: int
-    feedback: int
-    dead_lettered: int
-    replayed: int
-    settle: SettleReport
-    settled_window: int
+    records: int = 0
+    interactions: int = 0
+    feedback: int = 0
+    dead_lettered: int = 0
+    replayed: int = 0
+    settle: SettleReport = field(default_factory=SettleReport)
+    settled_window: int = 0
+    one_by_one: bool = False  # the batch was written a record at a time (see the error policy)
+
+
+class Transient(Exception):
+    """The store or the DLQ producer failed: read the batch again after a pause."""
 
 
 class Labeler:
     """One consumer of the labeler group. Not thread-safe: one thread calls ``step`` / ``run``.
 
-    ``clock`` is the labeler's time (ingest times, the settle window); ``sleep`` is how it waits
-    out a backoff. Tests pass their own to move time instead of waiting for it.
+    ``clock`` is the labeler's time (ingest times, the settle window, the accepted event window);
+    ``sleep`` is how it waits out a backoff. Tests pass their own to move time instead of waiting.
     """
 
     def __init__(
@@ -84,23 +100,29 @@ class Labeler:
         clock: Clock = utcnow,
         sleep: Sleep = time.sleep,
         after_db_commit: Callable[[int], None] | None = None,
+        before_write: Callable[[list[SourceRecord]], None] | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.consumer = consumer
         self.producer = producer
         self.spec = spec or get_spec(settings.labeler.reward_spec)
+        self.checks = Checks(spec=self.spec, limits=settings.limits)
         self.clock = clock
         self.sleep = sleep
-        # Test hook, called with the batch's record count after the DB commit and before the offset
-        # commit: the crash window.
+        # Test hooks: after the DB commit and before the offset commit (the crash window), and
+        # right before records are written (where a poison record would kill the process).
         self.after_db_commit = after_db_commit
+        self.before_write = before_write
         self.expected: dict[str, type[Event]] = {
             settings.kafka.interactions_topic: InteractionEvent,
             settings.kafka.feedback_topic: FeedbackEvent,
         }
         self._backoff_s = BACKOFF_START_S
         self._last_window_check: datetime | None = None
+        # The last start of work this process noted per partition: seeing it again means this
+        # process did not die on it (it is still running).
+        self._noted: dict[tuple[str, int], tuple[int, str]] = {}
 
     def run(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set."""
@@ -110,9 +132,6 @@ class Labeler:
 
     def step(self) -> StepReport | None:
         """One poll -> store -> commit round; None when nothing was done (idle, or backing off)."""
-        from kafka.errors import CommitFailedError, KafkaError
-        from kafka.structs import OffsetAndMetadata
-
         labeler = self.settings.labeler
         batch = self.consumer.poll(timeout_ms=labeler.poll_timeout_ms, max_records=labeler.max_poll_records)
         records = [SourceRecord(r.topic, r.partition, r.offset, r.value) for rs in batch.values() for r in rs]
@@ -122,59 +141,138 @@ class Labeler:
         window_due = since is None or since >= WINDOW_CHECK or since < timedelta(0)
         if not records and not window_due:
             return None
-
-        # ---- parse and validate: no I/O ----------------------------------------------------------
-        parsed = [(r, parse_record(r, self.expected[r.topic])) for r in records]
-
+        report = StepReport(records=len(records))
         try:
-            with self.store.labelling(now) as tx:
-                # ---- write events idempotently; collect dead letters (invalid + duplicates) -------
-                written = tx.write_events(parsed)
-                # ---- dead letters reach the DLQ topic before the DB commits: never lost ---------------
-                self._produce_dead_letters(written.rejected, now)
-                # ---- join feedback, settle on terminal feedback and on the window --------------------
-                settled = tx.join_and_settle(self.spec, written.interactions, written.feedback)
-                settled_window = 0
-                if window_due:
-                    settled_window = tx.settle_expired(self.spec, labeler.settle_window_s)
-            # ---- the DB transaction committed when the block above exited ----------------------------
-        except (DatabaseError, KafkaError) as exc:
-            # Nothing of this batch is committed: read it again after a pause.
-            log.warning(
-                "batch of %d records not stored (%s); retrying in %.1fs", len(records), exc, self._backoff_s
-            )
+            died_here = self._note_batch_starts(batch)
+            if died_here:
+                log.warning("a labeler did not get past %s: writing the batch a record at a time", died_here)
+                self._one_by_one(batch, now, report, count_attempts=True)
+            else:
+                try:
+                    self._write(records, now, report)
+                    self._commit_offsets({tp: rs[-1].offset + 1 for tp, rs in batch.items()})
+                except Transient:
+                    raise
+                except Exception as exc:  # tied to a record of the batch: find it, dead-letter it
+                    log.warning("batch of %d records failed (%r): writing it a record at a time", len(records), exc)
+                    report = StepReport(records=len(records))
+                    self._one_by_one(batch, now, report, count_attempts=False)
+            if window_due:
+                with self.store.labelling(now) as tx:
+                    report.settled_window = tx.settle_expired(self.spec, labeler.settle_window_s)
+                self._last_window_check = now
+        except (Transient, DatabaseUnavailable) as exc:
+            # Nothing uncommitted is lost: read it again after a pause (committed records are replays).
+            cause = exc.__cause__ if isinstance(exc, Transient) else exc
+            log.warning("batch of %d records not stored (%s); retrying in %.1fs", len(records), cause, self._backoff_s)
             for tp, rs in batch.items():
                 self.consumer.seek(tp, rs[0].offset)
             self.sleep(self._backoff_s)
             self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
             return None
         self._backoff_s = BACKOFF_START_S
-        if window_due:
-            self._last_window_check = now
+        if records or report.settled_window:
+            log.debug("%s", report)
+        return report
+
+    # ---- writing ---------------------------------------------------------------------------------
+
+    def _write(self, records: list[SourceRecord], now: datetime, report: StepReport) -> None:
+        """Validate and write `records` in one transaction; raises Transient for store/DLQ outages."""
+        from kafka.errors import KafkaError
+
+        if not records:
+            return
+        parsed = [(r, parse_record(r, self.expected[r.topic], self.checks, now)) for r in records]
+        if self.before_write is not None:
+            self.before_write(records)
+        try:
+            with self.store.labelling(now) as tx:
+                # ---- write events idempotently; collect dead letters (invalid + duplicates) -------
+                written = tx.write_events(parsed)
+                # ---- dead letters reach the DLQ topic before the DB commits: never lost ---------------
+                self._produce_dead_letters(written.rejected, now)
+                # ---- join feedback, settle on terminal feedback --------------------------------------
+                settled = tx.join_and_settle(self.spec, written.interactions, written.feedback)
+            # ---- the DB transaction committed when the block above exited ----------------------------
+        except (DatabaseUnavailable, KafkaError) as exc:
+            raise Transient(str(exc)) from exc
+        report.interactions += len(written.interactions)
+        report.feedback += len(written.feedback)
+        report.dead_lettered += len(written.rejected)
+        report.replayed += written.replayed
+        for name in ("joined", "late_feedback", "late_segments", "settled_terminal", "settled_window"):
+            setattr(report.settle, name, getattr(report.settle, name) + getattr(settled, name))
         if self.after_db_commit is not None:
             self.after_db_commit(len(records))
 
-        # ---- commit offsets only now that the DB has the batch ---------------------------------------
-        if batch:
-            offsets = {tp: OffsetAndMetadata(rs[-1].offset + 1, "", -1) for tp, rs in batch.items()}
-            try:
-                self.consumer.commit(offsets)
-            except CommitFailedError as exc:
-                # The group rebalanced; the batch is stored and its re-delivery will be no-op replays.
-                log.warning("offset commit failed after the DB commit (%s); re-delivery is idempotent", exc)
+    def _dead_letter(self, record: SourceRecord, reason: str, now: datetime, report: StepReport) -> None:
+        """Store and produce a dead letter for `record` without processing it (its own transaction)."""
+        from kafka.errors import KafkaError
 
-        report = StepReport(
-            records=len(records),
-            interactions=len(written.interactions),
-            feedback=len(written.feedback),
-            dead_lettered=len(written.rejected),
-            replayed=written.replayed,
-            settle=settled,
-            settled_window=settled_window,
-        )
-        if records or settled_window:
-            log.debug("%s", report)
-        return report
+        rejected = Rejected(record, reason[:9_000])
+        try:
+            with self.store.labelling(now) as tx:
+                written = tx.write_events([(record, rejected)])
+                self._produce_dead_letters(written.rejected, now)
+        except (DatabaseUnavailable, KafkaError) as exc:
+            raise Transient(str(exc)) from exc
+        report.dead_lettered += len(written.rejected)
+        report.replayed += written.replayed
+
+    def _one_by_one(self, batch: dict[Any, list[Any]], now: datetime, report: StepReport, count_attempts: bool) -> None:
+        """Each record in its own transaction, its offset committed after it (the error policy)."""
+        report.one_by_one = True
+        for tp, rs in batch.items():
+            for r in rs:
+                record = SourceRecord(r.topic, r.partition, r.offset, r.value)
+                deaths = self._note(record.topic, record.partition, record.offset, "record") if count_attempts else 0
+                if deaths >= POISON_AFTER:
+                    log.error("dead-lettering %s unprocessed: labelers died %d times on it", record.source, deaths)
+                    self._dead_letter(record, f"poison: {deaths} labeler processes died while processing it", now, report)
+                else:
+                    try:
+                        self._write([record], now, report)
+                    except Transient:
+                        raise
+                    except Exception as exc:  # this record alone fails: keep it, with the reason
+                        log.warning("dead-lettering %s: %r", record.source, exc)
+                        self._dead_letter(record, f"record: {type(exc).__name__}: {exc}", now, report)
+                self._commit_offsets({tp: record.offset + 1})
+
+    # ---- offsets and the poison-pill bookkeeping ----------------------------------------------
+
+    def _note(self, topic: str, partition: int, offset: int, mode: str) -> int:
+        """How many labeler processes started this work and died (0 when none did)."""
+        if self._noted.get((topic, partition)) == (offset, mode):
+            return 0  # this process started it before and is alive: not a death
+        self._noted[(topic, partition)] = (offset, mode)
+        return self.store.note_attempt(topic, partition, offset, mode) - 1
+
+    def _note_batch_starts(self, batch: dict[Any, list[Any]]) -> str | None:
+        """Note where each partition's batch starts (one transaction); a start some labeler process
+        died on, or that this process is working through a record at a time, if any."""
+        starts = {(tp.topic, tp.partition): rs[0].offset for tp, rs in batch.items()}
+        again = {key for key, offset in starts.items() if self._noted.get(key, (-1, ""))[0] == offset}
+        fresh = {key: offset for key, offset in starts.items() if key not in again}
+        died = self.store.note_batch_starts(fresh) if fresh else set()
+        for key, offset in fresh.items():
+            self._noted[key] = (offset, "batch")
+        # This process's own retry of a batch it was writing a record at a time stays one by one.
+        one_by_one = died | {key for key in again if self._noted[key][1] == "record"}
+        return ", ".join(f"{t}:{p}:{starts[(t, p)]}" for t, p in sorted(one_by_one)) or None
+
+    def _commit_offsets(self, offsets: dict[Any, int]) -> None:
+        from kafka.errors import CommitFailedError
+        from kafka.structs import OffsetAndMetadata
+
+        if not offsets:
+            return
+        try:
+            self.consumer.commit({tp: OffsetAndMetadata(offset, "", -1) for tp, offset in offsets.items()})
+        except CommitFailedError as exc:
+            # The group rebalanced; the records are stored and their re-delivery will be no-op replays.
+            log.warning("offset commit failed after the DB commit (%s); re-delivery is idempotent", exc)
 
     def _produce_dead_letters(self, rejected: list[Rejected], now: datetime) -> None:
         if not rejected:

@@ -1,26 +1,47 @@
 """Validation of consumed Kafka records: each becomes an event to store or a `Rejected` with a reason.
 
-Pure: no Kafka client, no SQL. The reasons' classes are listed in store/events.py, which writes
-the results.
+Pure: no Kafka client, no SQL. Beyond the wire schema (schemas/events.py) a record is refused when
+its ``created_at`` lies outside the accepted window (``settings.limits``: a skewed or hostile
+clock, or data past retention) or a scored feedback value lies outside the reward spec's range.
+The reasons' classes are listed in store/events.py, which writes the results.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from datetime import datetime
 
-from schemas.events import InteractionEvent, SchemaError, parse_event
+from schemas.events import FeedbackEvent, InteractionEvent, SchemaError, event_time_problem, parse_event
+from schemas.rewards import RewardSpec
+from schemas.settings import LimitsSettings
 from schemas.versions import parse_version
 from store.events import Event, Rejected, SourceRecord
 
 
-def parse_record(record: SourceRecord, expected: type[Event]) -> Event | Rejected:
-    """Validate one record against the topic's schema, or say why it is rejected."""
+@dataclass(frozen=True)
+class Checks:
+    """What a record is checked against besides its schema."""
+
+    spec: RewardSpec
+    limits: LimitsSettings
+
+
+def parse_record(record: SourceRecord, expected: type[Event], checks: Checks, now: datetime) -> Event | Rejected:
+    """Validate one record against the topic's schema and `checks`, or say why it is rejected."""
     if record.value is None:
         return Rejected(record, "schema: record has no value (tombstone)")
     try:
         event: Event = parse_event(record.value, expected)
     except SchemaError as exc:
         return Rejected(record, f"schema: {exc}", _readable_event_id(record.value))
+    problem = event_time_problem(event.created_at, now, checks.limits.max_future_skew_s, checks.limits.max_event_age_s)
+    if problem is not None:
+        return Rejected(record, f"content: {problem}", event.event_id)
+    if isinstance(event, FeedbackEvent):
+        problem = checks.spec.value_problem(event.kind, event.value)
+        if problem is not None:
+            return Rejected(record, f"content: {problem}", event.event_id)
     if isinstance(event, InteractionEvent):
         texts = [event.prompt, event.completion, event.finish_reason or "", *event.sampling.stop]
         if any("\x00" in text for text in texts):
@@ -36,7 +57,7 @@ def parse_record(record: SourceRecord, expected: type[Event]) -> Event | Rejecte
 def _readable_event_id(raw: bytes) -> str | None:
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     event_id = data.get("event_id") if isinstance(data, dict) else None
     return event_id if isinstance(event_id, str) and 0 < len(event_id) <= 200 else None

@@ -1,18 +1,25 @@
 """The capture gateway's HTTP application. Started by ``rtrl gateway`` (`run`).
 
+Every call to the API routes carries ``Authorization: Bearer <key>`` (what OpenAI clients send as
+their api key): a tenant key for completions and feedback, an admin key for ``/metrics``
+(`ingest.auth`; ``gateway.auth = open`` turns keys off for local experiments). Missing or unknown
+keys are 401, the wrong kind of key 403, a key over its rate 429 with ``Retry-After``; bodies over
+the route's limit are 413 before they are read (`ingest.limits`).
+
 Endpoints:
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI-compatible, non-streaming. The
   request goes to a vLLM server of the fleet with token ids and sampled-token logprobs added; the
   client gets the upstream body without those extras, an ``rtrl`` object
   (``{"request_id", "policy_version"}``) and an ``x-rtrl-request-id`` header. After the response is
-  sent, an `InteractionEvent` stamped with the serving weight version is published to
-  ``settings.kafka.interactions_topic``. Upstream errors pass through with their status; no
-  reachable server is a 502, an upstream timeout a 504.
-- ``POST /v1/feedback``: one `FeedbackEvent` or a list of them; 422 with the reason on bad input,
-  202 with the event ids once queued for ``settings.kafka.feedback_topic``.
+  sent, an `InteractionEvent` stamped with the serving weight version and the key's tenant is
+  published to ``settings.kafka.interactions_topic``. Upstream errors pass through with their
+  status; no reachable server is a 502, an upstream timeout a 504.
+- ``POST /v1/feedback``: one feedback object or a list of them (`ingest.intake`): 202 with the
+  event ids once queued for ``settings.kafka.feedback_topic``; 403/404 for another tenant's
+  requests, 422 with the reason on bad input.
 - ``GET /healthz`` (the process is up), ``GET /readyz`` (a vLLM server answers; also reports
-  Kafka and the spool), ``GET /metrics`` (Prometheus).
+  Kafka, the spool and the keys), ``GET /metrics`` (Prometheus; admin key).
 
 Capturing never fails or delays the user's response: events are built and handed to the
 `ingest.publisher.Publisher` in a background task that runs after the response is sent, and an
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -34,9 +42,12 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
+from ingest import intake
+from ingest.auth import OPEN_CALLER, Caller, KeyCache, RateLimiter, RequestIds, namespaced, request_id_secret
+from ingest.limits import BodyLimit
 from ingest.metrics import GatewayMetrics
 from ingest.publisher import Publisher
 from ingest.routing import Fleet, Server, UpstreamUnavailable
@@ -57,22 +68,27 @@ from ingest.shaping import (
     with_rtrl,
 )
 from schemas.clock import utcnow
-from schemas.events import MAX_EVENT_BYTES, DeadLetterRecord, FeedbackEvent, new_id
+from schemas.events import MAX_EVENT_BYTES, DeadLetterRecord
+from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import Settings
 from schemas.versions import format_version
 from serving import VersionUnknown
+from store import Store
 
 log = logging.getLogger(__name__)
 
-MAX_FEEDBACK_EVENTS = 1000
-_ONE_FEEDBACK = TypeAdapter(FeedbackEvent)
-_MANY_FEEDBACK = TypeAdapter(list[FeedbackEvent])
+_ERROR_TYPES = {401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+                413: "BadRequestError", 429: "RateLimitError"}  # fmt: skip
 
 
-def _error(status: int, message: str, request_id: str | None = None) -> JSONResponse:
+def _error(
+    status: int, message: str, request_id: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     """An error in the OpenAI shape, so OpenAI clients raise it with the message."""
-    kind = "BadRequestError" if status < 500 else "UpstreamError"
-    headers = {HEADER_REQUEST_ID: request_id} if request_id else None
+    kind = _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "UpstreamError")
+    headers = dict(headers or {})
+    if request_id:
+        headers[HEADER_REQUEST_ID] = request_id
     return JSONResponse(
         {"error": {"message": message, "type": kind, "param": None, "code": status}},
         status_code=status,
@@ -83,31 +99,83 @@ def _error(status: int, message: str, request_id: str | None = None) -> JSONResp
 class Gateway:
     """Request handling of one gateway instance (the FastAPI routes call these methods)."""
 
-    def __init__(self, settings: Settings, fleet: Fleet, publisher: Publisher, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        fleet: Fleet,
+        publisher: Publisher,
+        metrics: GatewayMetrics,
+        keys: KeyCache | None,
+        ids: RequestIds,
+        spec: RewardSpec,
+    ) -> None:
         self.settings = settings
         self.fleet = fleet
         self.publisher = publisher
         self.metrics = metrics
+        self.keys = keys  # None in open mode
+        self.ids = ids
+        self.spec = spec
+        self.limiter = RateLimiter(settings.gateway.rate_limit_per_s, settings.gateway.rate_limit_burst)
+
+    # ---- who is calling -----------------------------------------------------------------------
+
+    def authenticate(self, request: Request, role: str | None) -> Caller | Response:
+        """The caller of `request` when its key is valid, of `role` (any when None) and within its
+        rate; else the error response."""
+        if self.keys is None:
+            return OPEN_CALLER
+        if not self.keys.loaded:
+            self.metrics.auth.labels("keys_not_loaded").inc()
+            return _error(503, "the gateway has not loaded its API keys yet (is the store up?)", headers={"Retry-After": "5"})
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            self.metrics.auth.labels("missing_key").inc()
+            return _error(401, "missing API key: send Authorization: Bearer <key> (`rtrl keys create`)",
+                          headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        caller = self.keys.lookup(key.strip())
+        if caller is None:
+            self.metrics.auth.labels("invalid_key").inc()
+            return _error(401, "invalid or revoked API key", headers={"WWW-Authenticate": "Bearer"})
+        if role is not None and caller.role != role:
+            self.metrics.auth.labels("wrong_role").inc()
+            return _error(403, f"this route needs a {role} key; this is a {caller.role} key")
+        wait_s = self.limiter.take(caller)
+        if wait_s is not None:
+            self.metrics.auth.labels("rate_limited").inc()
+            return _error(429, "rate limit of this API key reached", headers={"Retry-After": str(max(1, math.ceil(wait_s)))})
+        self.metrics.auth.labels("ok").inc()
+        return caller
 
     # ---- generation ---------------------------------------------------------------------------
 
     async def generate(self, request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
-        request_id = new_id()
-        response = await self._generate(request, request_id, chat)
+        caller = self.authenticate(request, "tenant")
+        if isinstance(caller, Response):
+            response = caller
+        else:
+            assert caller.tenant is not None
+            response = await self._generate(request, caller.tenant, self.ids.new(caller.tenant), chat)
         self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
 
-    async def _generate(self, request: Request, request_id: str, chat: bool) -> Response:
+    async def _generate(self, request: Request, tenant: str, request_id: str, chat: bool) -> Response:
         endpoint, path = ("chat", "/v1/chat/completions") if chat else ("completions", "/v1/completions")
         try:
             try:
                 body = json.loads(await request.body())
             except ValueError:
                 raise RequestError("request body is not valid JSON") from None
+            except RecursionError:
+                raise RequestError("request body is nested too deeply") from None
             prepare = prepare_chat_request if chat else prepare_completion_request
             forward, requested, body_rtrl = prepare(body)
             capture = parse_capture(request.headers, body_rtrl)
+            try:
+                episode_id = namespaced(tenant, capture.episode_id or request_id)
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
         except RequestError as exc:
             return _error(exc.status_code, str(exc), request_id)
 
@@ -137,7 +205,9 @@ class Gateway:
         # The body names the version the request was served under as far as the gateway knew when
         # it sent it; the event's version (read again after the generation) is the authoritative one.
         client_body = with_rtrl(shape(payload, requested), request_id, "unknown" if before is None else format_version(before))
-        task = BackgroundTask(self._capture, server, request_id, capture, chat, forward, payload, before, created_at)
+        task = BackgroundTask(
+            self._capture, server, request_id, tenant, episode_id, capture, chat, forward, payload, before, created_at
+        )
         return JSONResponse(client_body, headers={HEADER_REQUEST_ID: request_id}, background=task)
 
     async def _call(self, path: str, forward: dict[str, Any]) -> tuple[Server, httpx.Response, int | None]:
@@ -166,6 +236,8 @@ class Gateway:
         self,
         server: Server,
         request_id: str,
+        tenant: str,
+        episode_id: str,
         capture: Capture,
         chat: bool,
         forward: dict[str, Any],
@@ -196,6 +268,8 @@ class Gateway:
                          "unknown" if before is None else format_version(before), format_version(after))
             event = build_interaction(
                 request_id=request_id,
+                tenant=tenant,
+                episode_id=episode_id,
                 capture=capture,
                 model=str(payload.get("model") or forward.get("model") or "unknown"),
                 policy_version=after,
@@ -226,26 +300,34 @@ class Gateway:
     # ---- feedback -----------------------------------------------------------------------------
 
     async def feedback(self, request: Request) -> Response:
-        response = await self._feedback(request)
+        caller = self.authenticate(request, "tenant")
+        if isinstance(caller, Response):
+            response = caller
+        else:
+            assert caller.tenant is not None
+            response = await self._feedback(request, caller.tenant)
         self.metrics.requests.labels("feedback", str(response.status_code)).inc()
         return response
 
-    async def _feedback(self, request: Request) -> Response:
-        raw = await request.body()
-        if len(raw) > MAX_EVENT_BYTES:
-            return _error(413, f"feedback body of {len(raw)} bytes exceeds {MAX_EVENT_BYTES}")
+    async def _feedback(self, request: Request, tenant: str) -> Response:
+        raw = await request.body()  # its size is bounded by the BodyLimit middleware
         try:
             if raw.lstrip()[:1] == b"[":
-                events = _MANY_FEEDBACK.validate_json(raw, strict=True)
+                items = intake.MANY.validate_json(raw, strict=True)
             else:
-                events = [_ONE_FEEDBACK.validate_json(raw, strict=True)]
+                items = [intake.ONE.validate_json(raw, strict=True)]
         except ValidationError as exc:
             return JSONResponse({"detail": json.loads(exc.json(include_url=False))}, status_code=422)
-        if not 1 <= len(events) <= MAX_FEEDBACK_EVENTS:
+        if not 1 <= len(items) <= intake.MAX_FEEDBACK_EVENTS:
             return JSONResponse(
-                {"detail": f"send between 1 and {MAX_FEEDBACK_EVENTS} feedback events, got {len(events)}"},
+                {"detail": f"send between 1 and {intake.MAX_FEEDBACK_EVENTS} feedback events, got {len(items)}"},
                 status_code=422,
             )
+        events = intake.admit(items, tenant, self.ids, self.spec, self.settings.limits, utcnow())
+        if isinstance(events, intake.Refused):
+            if events.status in (403, 404):
+                self.metrics.auth.labels("foreign_tenant" if events.status == 403 else "foreign_request").inc()
+            return JSONResponse({"detail": events.problems}, status_code=events.status)
         topic = self.settings.kafka.feedback_topic
         for event in events:
             self.publisher.publish(topic, event.request_id, event.model_dump_json(), event.schema_version, event.event_id)
@@ -256,31 +338,71 @@ class Gateway:
     async def ready(self) -> Response:
         health = await self.fleet.health()
         body = {
-            "ready": any(health.values()),
+            "ready": any(health.values()) and (self.keys is None or self.keys.loaded),
             "vllm": health,
+            "auth": self.settings.gateway.auth,
+            "keys_loaded": None if self.keys is None else self.keys.loaded,
             "kafka_connected": self.publisher.connected,
             "spool_bytes": self.publisher.spool.size_bytes,
         }
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
+    async def whoami(self, request: Request) -> Response:
+        """The tenant and role of the caller's key (200), or why the key is refused."""
+        caller = self.authenticate(request, None)
+        if isinstance(caller, Response):
+            return caller
+        return JSONResponse({"tenant": caller.tenant, "role": caller.role, "auth": self.settings.gateway.auth})
+
+    async def metrics_page(self, request: Request) -> Response:
+        caller = self.authenticate(request, "admin") if self.keys is not None else OPEN_CALLER
+        if isinstance(caller, Response):
+            return caller
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
 
 def create_app(settings: Settings) -> FastAPI:
-    """The gateway application; its lifespan owns the HTTP client and the publisher threads."""
+    """The gateway application; its lifespan owns the HTTP client, the store, the key cache and the
+    publisher threads."""
     metrics = GatewayMetrics()
+    spec = get_spec(settings.labeler.reward_spec)  # a bad spec name fails now, not on the first feedback
+    ids = RequestIds(request_id_secret(
+        None if settings.gateway.request_id_secret is None else settings.gateway.request_id_secret.get_secret_value(),
+        settings.services.run_dir,
+    ))  # fmt: skip
+    if settings.gateway.auth == "open":
+        log.warning("GATEWAY AUTH IS OPEN: no API keys, every caller is tenant %r. For local experiments only; "
+                    "set RTRL_GATEWAY__AUTH=keys and create keys with `rtrl keys create`.", OPEN_CALLER.tenant)  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = Store(settings.store.url) if settings.gateway.auth == "keys" else None
+        keys = None if store is None else KeyCache(store, settings.gateway.keys_refresh_s)
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
         async with httpx.AsyncClient(limits=limits) as client:
             publisher = Publisher(settings, metrics)
             publisher.start()
-            app.state.gateway = Gateway(settings, Fleet(settings.vllm, client), publisher, metrics)
+            if keys is not None:
+                keys.start()
+                metrics.keys_age.set_function(lambda: min(keys.age_s, 1e9))
+            app.state.gateway = Gateway(settings, Fleet(settings.vllm, client), publisher, metrics, keys, ids, spec)
             try:
                 yield
             finally:
                 publisher.close()
+                if keys is not None:
+                    keys.close()
+                if store is not None:
+                    store.close()
 
     app = FastAPI(title="rtrl capture gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    gw = settings.gateway
+    app.add_middleware(
+        BodyLimit,
+        limits={"/v1/completions": gw.max_request_bytes, "/v1/chat/completions": gw.max_request_bytes,
+                "/v1/feedback": gw.max_feedback_bytes},
+        on_refused=lambda path: metrics.body_refused.labels(path).inc(),
+    )  # fmt: skip
 
     def gateway(request: Request) -> Gateway:
         gw: Gateway = request.app.state.gateway
@@ -297,14 +419,12 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_api_route("/v1/chat/completions", route(lambda g, r: g.generate(r, chat=True)), methods=["POST"])
     app.add_api_route("/v1/feedback", route(lambda g, r: g.feedback(r)), methods=["POST"])
     app.add_api_route("/readyz", route(lambda g, r: g.ready()), methods=["GET"])
+    app.add_api_route("/metrics", route(lambda g, r: g.metrics_page(r)), methods=["GET"])
+    app.add_api_route("/v1/whoami", route(lambda g, r: g.whoami(r)), methods=["GET"])
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -314,8 +434,8 @@ def run(settings: Settings) -> None:
     import uvicorn
 
     log.info(
-        "rtrl gateway on %s:%d -> %s; kafka %s; spool %s",
+        "rtrl gateway on %s:%d -> %s; kafka %s; spool %s; auth %s",
         settings.gateway.host, settings.gateway.port, ", ".join(settings.vllm.servers),
-        settings.kafka.bootstrap_servers, settings.gateway.spool_dir,
+        settings.kafka.bootstrap_servers, settings.gateway.spool_dir, settings.gateway.auth,
     )
     uvicorn.run(create_app(settings), host=settings.gateway.host, port=settings.gateway.port, log_level="info")

@@ -45,3 +45,21 @@ class GatewayMetrics:
         self.kafka_connected = Gauge(
             "rtrl_gateway_kafka_connected", "1 when the gateway has a Kafka producer.", registry=self.registry
         )
+        self.auth = Counter(
+            "rtrl_gateway_auth_total",
+            "Calls by authentication outcome: ok, missing_key, invalid_key, wrong_role, rate_limited, "
+            "keys_not_loaded, foreign_tenant, foreign_request.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.body_refused = Counter(
+            "rtrl_gateway_body_refused_total",
+            "Requests refused unread because their body was over the route's limit (413), by path.",
+            ["path"],
+            registry=self.registry,
+        )
+        self.keys_age = Gauge(
+            "rtrl_gateway_keys_age_seconds",
+            "Seconds since the API keys in force were read from the store (it grows while the store is down).",
+            registry=self.registry,
+        )

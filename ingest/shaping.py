@@ -7,7 +7,9 @@ answers when it is not asked (``null``), so the client gets the upstream body it
 without the gateway, plus an ``rtrl`` object with the request id and policy version.
 
 Capture metadata for multi-segment episodes comes from ``x-rtrl-*`` headers or an ``rtrl`` object
-in the request body (removed before forwarding); `parse_capture` validates both.
+in the request body (removed before forwarding); `parse_capture` validates both. The tenant is not
+among them: it comes from the caller's API key (ingest/auth.py), and a client that names one is
+refused.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ from schemas.events import (
     InteractionEvent,
     Role,
     SamplingParams,
+    new_id,
 )
 from schemas.versions import format_version
 
 HEADER_REQUEST_ID = "x-rtrl-request-id"
 CAPTURE_HEADERS = {
     "session_id": "x-rtrl-session-id",
-    "tenant": "x-rtrl-tenant",
     "episode_id": "x-rtrl-episode-id",
     "segment_index": "x-rtrl-segment-index",
     "role": "x-rtrl-role",
@@ -56,8 +58,7 @@ class Capture:
     """Episode metadata a client attached to a request (all optional)."""
 
     session_id: str | None = None
-    tenant: str = "default"
-    episode_id: str | None = None
+    episode_id: str | None = None  # as the client named it, before namespacing by tenant
     segment_index: int = 0
     role: Role = Role.policy
     trainable: bool | None = None  # None: the default for the role
@@ -88,7 +89,9 @@ class Generation:
 
 
 def _parse_field(name: str, raw: Any) -> Any:
-    if name in ("session_id", "tenant", "episode_id"):
+    if name == "tenant":
+        raise RequestError("rtrl tenant is not accepted: the tenant comes from the API key", status_code=400)
+    if name in ("session_id", "episode_id"):
         try:
             return _ID.validate_python(raw)
         except ValidationError as exc:
@@ -122,6 +125,8 @@ def parse_capture(headers: Mapping[str, str], body_rtrl: Any = None) -> Capture:
     """
     values: dict[str, Any] = {}
     lowered = {k.lower(): v for k, v in headers.items()}
+    if "x-rtrl-tenant" in lowered:
+        _parse_field("tenant", lowered["x-rtrl-tenant"])
     for name, header in CAPTURE_HEADERS.items():
         if header in lowered:
             values[name] = _parse_field(name, lowered[header])
@@ -314,6 +319,8 @@ def extract_chat(upstream: Mapping[str, Any]) -> Generation:
 def build_interaction(
     *,
     request_id: str,
+    tenant: str,
+    episode_id: str,
     capture: Capture,
     model: str,
     policy_version: int,
@@ -322,11 +329,13 @@ def build_interaction(
     straddled: bool,
     created_at: datetime,
 ) -> InteractionEvent:
-    """The InteractionEvent of one served call. Raises pydantic's ValidationError on bad data."""
+    """The InteractionEvent of one served call (`episode_id` already in the tenant's namespace).
+    Raises pydantic's ValidationError on bad data."""
     return InteractionEvent(
+        event_id=new_id(),
         request_id=request_id,
         session_id=capture.session_id,
-        tenant=capture.tenant,
+        tenant=tenant,
         created_at=created_at,
         model=model,
         policy_version=format_version(policy_version),
@@ -337,7 +346,7 @@ def build_interaction(
         completion_logprobs=generation.completion_logprobs,
         finish_reason=generation.finish_reason,
         sampling=sampling,
-        episode_id=capture.episode_id or request_id,
+        episode_id=episode_id,
         segment_index=capture.segment_index,
         role=capture.role,
         # A call that straddled a weight swap may mix tokens of two policies, so its logprobs are

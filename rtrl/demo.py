@@ -64,6 +64,7 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     from evals import get_task, load_preference
     from registry import Registry
     from rtrl import services
+    from rtrl.simulate import simulation_key
     from rtrl.supervisor import Supervisor, prepare
     from store import Store
 
@@ -88,9 +89,11 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
         prepare(settings, store, registry)
         supervisor.start()
         _wait_for_loop(settings, supervisor)
-        for cycle in range(1, options.cycles + 1):
-            rows.append(_one_cycle(settings, store, registry, task, preference, options, cycle, supervisor))
-            _print_row(rows[-1])
+        gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
+        with simulation_key(store, gateway) as api_key:  # the users' key, made the way a user would
+            for cycle in range(1, options.cycles + 1):
+                rows.append(_one_cycle(settings, store, registry, task, preference, options, cycle, supervisor, api_key))
+                _print_row(rows[-1])
     finally:
         supervisor.stop()
         store.close()
@@ -150,6 +153,7 @@ def _one_cycle(
     options: DemoOptions,
     cycle: int,
     supervisor: Supervisor,
+    api_key: str,
 ) -> dict[str, Any]:
     from rtrl.simulate import simulate
     from trainer.celery_app import CYCLE_TASK, configure
@@ -160,7 +164,7 @@ def _one_cycle(
     # Users: requests through the gateway, feedback by the preference function.
     before = store.count_trainable(champion, settings.trainer.max_policy_lag)
     report = simulate(settings, gateway, options.requests_per_cycle, task, preference=preference,
-                      concurrency=options.concurrency, seed=cycle)
+                      concurrency=options.concurrency, seed=cycle, api_key=api_key)
     # The labeler settles each episode when its terminal feedback arrives (or its window passes).
     target = before + report.ok
 

@@ -1,11 +1,12 @@
 """Simulated users: send a task's prompts through the gateway and give feedback like a user would.
 
 Started by ``rtrl simulate`` or called as `simulate(...)` (the demo does). Each request goes through
-the gateway with the official ``openai`` client, exactly like an application would, from one of a
-small population of users (``x-rtrl-session-id: sim-user-<k>``, tenant ``sim``); the completion is
-judged by the task's preference function (evals/tasks.py) and every returned signal is sent to
-``/v1/feedback`` as a `FeedbackEvent` for the gateway's request id. The report counts what was
-sent and what the users thought of it, per serving policy version.
+the gateway with the official ``openai`` client and an API key, exactly like an application would,
+from one of a small population of users (``x-rtrl-session-id: sim-user-<k>``); the tenant is the
+key's (the demo's key is tenant ``sim``). The completion is judged by the task's preference
+function (evals/tasks.py) and every returned signal is sent to ``/v1/feedback`` for the gateway's
+request id, with the same key. The report counts what was sent and what the users thought of it,
+per serving policy version.
 """
 
 from __future__ import annotations
@@ -14,18 +15,25 @@ import json
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import httpx
 
 from evals import Preference, Task, get_task
-from schemas.events import FeedbackEvent, FeedbackKind, FeedbackSignal
+from schemas.clock import wait_until
+from schemas.events import FeedbackKind, FeedbackSignal, new_id
 from schemas.rewards import get_spec, score
 from schemas.settings import Settings
 
+if TYPE_CHECKING:
+    from store import Store
+
 USERS = 8  # size of the simulated population (sessions)
-TENANT = "sim"
+TENANT = "sim"  # the tenant of the keys `rtrl simulate` and the demo make for their users
 MAX_ERRORS_KEPT = 20
 
 
@@ -61,6 +69,27 @@ class _Outcome:
     error: str | None = None
 
 
+@contextmanager
+def simulation_key(store: Store, gateway_url: str, timeout_s: float = 60.0) -> Iterator[str]:
+    """A key of tenant `TENANT` for one simulation, revoked when the block ends. Waits until the
+    gateway has loaded it (it reloads its keys every ``gateway.keys_refresh_s``)."""
+    record, key = store.create_api_key(role="tenant", tenant=TENANT, name="simulated users")
+    try:
+
+        def known() -> bool:
+            try:
+                response = httpx.get(f"{gateway_url.rstrip('/')}/v1/whoami", headers={"authorization": f"Bearer {key}"},
+                                     timeout=5)  # fmt: skip
+            except httpx.HTTPError:
+                return False
+            return response.status_code == 200
+
+        wait_until(known, timeout_s=timeout_s, interval_s=0.5, what="the gateway has not loaded the new API key")
+        yield key
+    finally:
+        store.revoke_api_key(record.id)
+
+
 def simulate(
     settings: Settings,
     gateway_url: str,
@@ -69,11 +98,14 @@ def simulate(
     preference: Preference | None = None,
     concurrency: int = 4,
     seed: int = 0,
+    *,
+    api_key: str,
 ) -> SimulationReport:
     """Send `n_requests` of `task`'s training prompts through the gateway and feedback on each.
 
     `preference` defaults to the task's. Requests are sampled with temperature 1.0 and a
-    per-request seed derived from `seed`, so a run is reproducible for fixed weights.
+    per-request seed derived from `seed`, so a run is reproducible for fixed weights. `api_key` is
+    a tenant key of the gateway (any string when its auth is open).
     """
     from openai import OpenAI, OpenAIError
 
@@ -82,8 +114,8 @@ def simulate(
     spec = get_spec(settings.labeler.reward_spec)
     base = gateway_url.rstrip("/")
     timeout = settings.vllm.request_timeout_s + 10
-    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=timeout)
-    http = httpx.Client(timeout=timeout)
+    client = OpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+    http = httpx.Client(timeout=timeout, headers={"authorization": f"Bearer {api_key}"})
     prompts = task.train_prompts(n_requests, seed)
     lock = threading.Lock()
     errors: list[str] = []
@@ -98,7 +130,7 @@ def simulate(
                 stop=list(task.stop),
                 temperature=1.0,
                 seed=seed * 1_000_003 + index,
-                extra_headers={"x-rtrl-session-id": user, "x-rtrl-tenant": TENANT},
+                extra_headers={"x-rtrl-session-id": user},
             )
             completion = raw.parse()
         except OpenAIError as exc:  # a failed user request is counted and reported, not fatal
@@ -110,12 +142,11 @@ def simulate(
             return _Outcome(ok=False, error=f"request {index}: no x-rtrl-request-id header (not an rtrl gateway?)")
         text = completion.choices[0].text
         signals: list[FeedbackSignal] = preference(prompt, text)
-        events = [
-            FeedbackEvent(request_id=request_id, tenant=TENANT, kind=s.kind, value=s.value) for s in signals
-        ]
+        events = [{"event_id": new_id(), "request_id": request_id, "kind": s.kind.value, "value": s.value}
+                  for s in signals]  # fmt: skip
         sent = failed = 0
         if events:
-            body = "[" + ",".join(e.model_dump_json() for e in events) + "]"
+            body = json.dumps(events)
             try:
                 response = http.post(f"{base}/v1/feedback", content=body, headers={"content-type": "application/json"})
                 response.raise_for_status()

@@ -3,14 +3,15 @@
 Every message is a frozen pydantic model with a ``schema_version`` literal; a consumer that sees a
 version it does not know dead-letters the record instead of guessing. Validation is strict: sizes
 are bounded (a hostile client cannot make the labeler allocate gigabytes), numbers are finite and
-token ids and logprobs line up. ``rtrl schemas export DIR`` writes these as JSON Schema.
+token ids and logprobs line up, and every event carries the ``event_id`` its producer gave it (a
+reader never invents the idempotency key). ``rtrl schemas export DIR`` writes these as JSON Schema.
 """
 
 from __future__ import annotations
 
 import math
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal
 
@@ -84,7 +85,7 @@ class InteractionEvent(_Message):
     """One served model call: the exact tokens, behaviour logprobs and weight version behind it."""
 
     schema_version: Literal["rtrl.interaction.v1"] = Field(INTERACTION_SCHEMA, description="Wire schema tag.")
-    event_id: Id = Field(default_factory=new_id, description="Idempotency key of this event.")
+    event_id: Id = Field(description="Idempotency key of this event, given by its producer (the gateway).")
     request_id: Id = Field(description="Id the gateway gave the request; feedback refers to it.")
     session_id: Id | None = Field(None, description="Client session, if the app sends one.")
     tenant: Id = Field("default", description="Tenant / application the request belongs to.")
@@ -102,6 +103,12 @@ class InteractionEvent(_Message):
     segment_index: int = Field(0, ge=0, le=10_000, description="Position of the segment in its episode.")
     role: Role = Field(Role.policy, description="What the segment is; subagent segments are not trained.")
     trainable: bool = Field(True, description="Whether the completion tokens enter the loss.")
+    redacted: list[Annotated[str, Field(min_length=1, max_length=32)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Kinds of text the gateway redacted from prompt/completion (e.g. email); the token ids still "
+        "carry the original text, so such a segment trains only where its tenant allows it.",
+    )
 
     @field_validator("completion_logprobs")
     @classmethod
@@ -148,7 +155,7 @@ class FeedbackEvent(_Message):
     """A signal about a served request or a whole episode, from the app, the user or a judge."""
 
     schema_version: Literal["rtrl.feedback.v1"] = Field(FEEDBACK_SCHEMA, description="Wire schema tag.")
-    event_id: Id = Field(default_factory=new_id, description="Idempotency key of this event.")
+    event_id: Id = Field(description="Idempotency key of this event, given by its producer (the gateway).")
     request_id: Id = Field(description="The request the feedback is about (x-rtrl-request-id).")
     episode_id: Id | None = Field(None, description="Episode, when the feedback is about the whole episode.")
     tenant: Id = Field("default", description="Tenant / application.")
@@ -205,6 +212,8 @@ def parse_event(raw: bytes, expected: type[_Message] | None = None) -> Any:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SchemaError(f"not JSON: {exc}") from exc
+    except RecursionError:  # json.loads recurses per nesting level (docs/platform.md, Per-record failures)
+        raise SchemaError("not JSON rtrl can read: nested too deeply") from None
     if not isinstance(data, dict):
         raise SchemaError(f"expected a JSON object, got {type(data).__name__}")
     version = data.get("schema_version")
@@ -217,6 +226,20 @@ def parse_event(raw: bytes, expected: type[_Message] | None = None) -> Any:
         return model.model_validate(data)
     except ValueError as exc:
         raise SchemaError(str(exc)) from exc
+
+
+def event_time_problem(created_at: datetime, now: datetime, max_future_skew_s: float, max_age_s: float) -> str | None:
+    """Why an event's ``created_at`` is outside the window rtrl accepts, or None when it is inside.
+
+    Too far ahead is a skewed or hostile clock; too old is past the retention of the loop's data.
+    Compared without converting to UTC, which overflows near year 9999 (docs/platform.md,
+    Per-record failures).
+    """
+    if created_at > now + timedelta(seconds=max_future_skew_s):
+        return f"created_at {created_at.isoformat()} is more than {max_future_skew_s:g}s ahead of {now.isoformat()}"
+    if created_at < now - timedelta(seconds=max_age_s):
+        return f"created_at {created_at.isoformat()} is more than {max_age_s:g}s before {now.isoformat()}"
+    return None
 
 
 class FeedbackSignal(_Message):

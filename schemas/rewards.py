@@ -66,6 +66,11 @@ class RewardSpec(BaseModel):
         description="Reward per kind (scored kinds: per unit of value)."
     )
     terminal: frozenset[FeedbackKind] = Field(description="Kinds that settle an episode immediately.")
+    value_range: dict[FeedbackKind, tuple[float, float]] = Field(
+        default_factory=lambda: {kind: (-1.0, 1.0) for kind in SCORED_KINDS},
+        description="Accepted [low, high] value of each scored kind; a value outside is refused at the gateway "
+        "and dead-lettered by the labeler, never clamped silently.",
+    )
     description: str = Field("", description="What the spec is for.")
 
     @model_validator(mode="after")
@@ -74,7 +79,23 @@ class RewardSpec(BaseModel):
         missing = sorted(set(FeedbackKind) - set(self.weights))
         if missing:
             raise ValueError(f"reward spec {self.name!r} gives no weight for {missing}")
+        unranged = sorted(SCORED_KINDS - set(self.value_range))
+        if unranged:
+            raise ValueError(f"reward spec {self.name!r} gives no value_range for the scored kinds {unranged}")
+        for kind, (low, high) in self.value_range.items():
+            if kind not in SCORED_KINDS or not low <= high:
+                raise ValueError(f"reward spec {self.name!r}: value_range for {kind} must be a scored kind with low <= high")
         return self
+
+    def value_problem(self, kind: FeedbackKind | str, value: float) -> str | None:
+        """Why a feedback value is outside what this spec accepts, or None when it is inside."""
+        kind = FeedbackKind(kind)
+        if kind not in SCORED_KINDS:
+            return None
+        low, high = self.value_range[kind]
+        if not low <= value <= high:
+            return f"{kind.value} value {value:g} is outside [{low:g}, {high:g}] of reward spec {self.spec_id}"
+        return None
 
     @property
     def spec_id(self) -> str:

@@ -172,6 +172,38 @@ class GatewaySettings(_Section):
     publish_timeout_s: float = Field(
         5.0, description="How long a publish may wait for the broker before spooling."
     )
+    auth: Literal["keys", "open"] = Field(
+        "keys",
+        description="keys: every call needs an API key (`rtrl keys create`); open: no keys, one tenant "
+        "'default', for local experiments only (logged loudly, shown by /readyz).",
+    )
+    keys_refresh_s: float = Field(5.0, gt=0, description="How often the gateway reloads the keys from the store.")
+    request_id_secret: SecretStr | None = Field(
+        None,
+        description="Secret that signs request ids for their tenant; the same on every gateway replica. "
+        "Unset: one is made in <services.run_dir>/gateway.secret (enough for gateways on one host).",
+    )
+    rate_limit_per_s: float = Field(
+        20.0, ge=0, description="Requests a second per key (0 = unlimited); a key may have its own rate."
+    )
+    rate_limit_burst: float = Field(40.0, ge=1, description="Requests a key may send at once before it is limited.")
+    max_request_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Largest completion request body; larger is 413, refused unread."
+    )
+    max_feedback_bytes: int = Field(
+        1024 * 1024, ge=1024, description="Largest feedback request body; larger is 413, refused unread."
+    )
+
+
+class LimitsSettings(_Section):
+    """What events rtrl accepts at all: checked by the gateway (refused) and the labeler (dead-lettered)."""
+
+    max_future_skew_s: float = Field(
+        300.0, ge=0, description="An event's created_at may be at most this far ahead of the receiver's clock."
+    )
+    max_event_age_s: float = Field(
+        30 * 24 * 3600.0, gt=0, description="An event's created_at may be at most this old (the data's retention)."
+    )
 
 
 class LabelerSettings(_Section):
@@ -264,6 +296,7 @@ class Settings(BaseSettings):
     mlflow: MlflowSettings = MlflowSettings()
     vllm: VllmSettings = VllmSettings()
     gateway: GatewaySettings = GatewaySettings()
+    limits: LimitsSettings = LimitsSettings()
     labeler: LabelerSettings = LabelerSettings()
     trainer: TrainerSettings = TrainerSettings()
     gate: GateSettings = GateSettings()

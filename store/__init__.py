@@ -10,7 +10,15 @@ migrations in ``store/migrations``. Open one `Store` per process and pass it dow
 Importing this package imports SQLAlchemy but neither torch nor Kafka.
 """
 
-from store.db import CycleRecord, Store, TrainingEpisode, TrainingSegment
+from store.db import (
+    ApiKeyRecord,
+    CycleRecord,
+    DeadLetterEntry,
+    Store,
+    TenantRecord,
+    TrainingEpisode,
+    TrainingSegment,
+)
 from store.errors import (
     DatabaseError,
     DatabaseUnavailable,
@@ -24,10 +32,12 @@ from store.events import BatchWrite, Rejected, SourceRecord
 from store.settle import SettleReport
 
 __all__ = [
+    "ApiKeyRecord",
     "BatchWrite",
     "CycleRecord",
     "DatabaseError",
     "DatabaseUnavailable",
+    "DeadLetterEntry",
     "EpisodesUnavailable",
     "LeaseLost",
     "Rejected",
@@ -36,6 +46,7 @@ __all__ = [
     "Store",
     "StoreError",
     "StoreNotMigrated",
+    "TenantRecord",
     "TrainingEpisode",
     "TrainingSegment",
     "UnsupportedStoreUrl",

@@ -33,13 +33,14 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, func, select, update
+from sqlalchemy import Engine, create_engine, event, exists, func, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from schemas.clock import Clock, utcnow
 from schemas.events import FeedbackEvent, InteractionEvent
+from schemas.keys import check_tenant, hash_key, key_prefix, new_key
 from schemas.rewards import RewardSpec
 from schemas.versions import format_version, parse_version
 from store import events, settle
@@ -54,11 +55,14 @@ from store.errors import (
 from store.models import (
     ACTIVE_CYCLE_STATUSES,
     FINAL_CYCLE_STATUSES,
+    ApiKey,
     Cycle,
     DeadLetter,
     Episode,
     Feedback,
     Interaction,
+    LabelerProgress,
+    Tenant,
 )
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -110,6 +114,43 @@ class CycleRecord:
     episode_ids: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class ApiKeyRecord:
+    """An API key as the store holds it (never the key itself)."""
+
+    id: int
+    key_hash: str
+    prefix: str
+    role: str  # tenant | admin
+    tenant: str | None
+    name: str
+    rate_per_s: float | None
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+@dataclass(frozen=True)
+class TenantRecord:
+    tenant: str
+    trains: bool
+    train_redacted: bool
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class DeadLetterEntry:
+    """A stored dead letter (what `rtrl dlq` lists and shows)."""
+
+    event_id: str
+    source: str
+    original_event_id: str | None
+    reason: str
+    payload: bytes
+    created_at: datetime
+    source_topic: str | None
+    replayed_at: datetime | None
 
 
 class Labelling:
@@ -369,10 +410,12 @@ class Store:
 
     @staticmethod
     def _trainable(champion_number: int, max_lag: int) -> Any:
+        tenant_off = exists(select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False)))
         return (
             (Episode.status == "settled")
             & Episode.used_in_cycle.is_(None)
             & Episode.policy_number.between(champion_number - max_lag, champion_number)
+            & ~tenant_off  # a tenant switched off does not train (a tenant without a row does)
         )
 
     def count_trainable(self, champion_number: int, max_lag: int) -> int:
@@ -392,19 +435,28 @@ class Store:
             ).all()
             ids = [e.episode_id for e in episodes]
             segments: dict[str, list[TrainingSegment]] = {i: [] for i in ids}
+            redacted_ok = set(
+                session.scalars(
+                    select(Tenant.tenant).where(
+                        Tenant.tenant.in_({e.tenant for e in episodes}), Tenant.train_redacted.is_(True)
+                    )
+                )
+            )
             rows = session.scalars(
                 select(Interaction)
                 .where(Interaction.episode_id.in_(ids), Interaction.late.is_(False))
                 .order_by(Interaction.episode_id, Interaction.segment_index)
             ).all()
             for row in rows:
+                # Redacted text still lives in the token ids: such a segment trains only where allowed.
+                trainable = row.trainable and (not row.redacted or row.tenant in redacted_ok)
                 segments[row.episode_id].append(
                     TrainingSegment(
                         prompt=row.prompt,
                         prompt_token_ids=list(row.prompt_token_ids),
                         completion_token_ids=list(row.completion_token_ids),
                         completion_logprobs=list(row.completion_logprobs),
-                        trainable=row.trainable,
+                        trainable=trainable,
                         role=row.role,
                         policy_version=row.policy_number,
                     )
@@ -446,6 +498,128 @@ class Store:
                     f"cycle {cycle_id}: only {claimed} of {len(wanted)} episodes are settled and unused"
                 )
             cycle.episode_ids = [*(cycle.episode_ids or []), *wanted]
+
+    # ---- tenants and API keys ---------------------------------------------------------------------
+
+    def set_tenant(self, tenant: str, *, trains: bool | None = None, train_redacted: bool | None = None) -> TenantRecord:
+        """Create the tenant if needed (training on, redacted segments off) and apply the switches given."""
+        check_tenant(tenant)
+        with self.transaction() as session:
+            row = session.get(Tenant, tenant, with_for_update=True)
+            if row is None:
+                row = Tenant(tenant=tenant, trains=True, train_redacted=False, created_at=self.clock())
+                session.add(row)
+            if trains is not None:
+                row.trains = trains
+            if train_redacted is not None:
+                row.train_redacted = train_redacted
+            session.flush()
+            return TenantRecord(row.tenant, row.trains, row.train_redacted, row.created_at)
+
+    def tenants(self) -> list[TenantRecord]:
+        with self.transaction() as session:
+            rows = session.scalars(select(Tenant).order_by(Tenant.tenant))
+            return [TenantRecord(r.tenant, r.trains, r.train_redacted, r.created_at) for r in rows]
+
+    def create_api_key(
+        self, *, role: str, tenant: str | None, name: str, rate_per_s: float | None = None
+    ) -> tuple[ApiKeyRecord, str]:
+        """A new key: (its record, the key itself, which is not stored and cannot be shown again).
+
+        A tenant key creates its tenant (training on) when it does not exist yet.
+        """
+        if role not in ("tenant", "admin") or (role == "tenant") != (tenant is not None):
+            raise ValueError(f"a {role} key needs {'a' if role == 'tenant' else 'no'} tenant")
+        if tenant is not None:
+            self.set_tenant(tenant)
+        key = new_key()
+        with self.transaction() as session:
+            row = ApiKey(
+                key_hash=hash_key(key), prefix=key_prefix(key), role=role, tenant=tenant, name=name[:200],
+                rate_per_s=rate_per_s, created_at=self.clock(), revoked_at=None,
+            )  # fmt: skip
+            session.add(row)
+            session.flush()
+            return _key_record(row), key
+
+    def api_keys(self, include_revoked: bool = False) -> list[ApiKeyRecord]:
+        """Keys, oldest first; the gateway loads the active ones (`include_revoked=False`)."""
+        with self.transaction() as session:
+            query = select(ApiKey).order_by(ApiKey.id)
+            if not include_revoked:
+                query = query.where(ApiKey.revoked_at.is_(None))
+            return [_key_record(r) for r in session.scalars(query)]
+
+    def revoke_api_key(self, key_id: int) -> bool:
+        """Revoke a key; False when there is no such active key. Gateways stop accepting it within
+        ``gateway.keys_refresh_s``."""
+        with self.transaction() as session:
+            result = session.execute(
+                update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)).values(revoked_at=self.clock())
+            )
+            return bool(result.rowcount)  # type: ignore[attr-defined]
+
+    # ---- dead letters -----------------------------------------------------------------------------
+
+    def dead_letters(self, limit: int, reason_prefix: str | None = None) -> list[DeadLetterEntry]:
+        """The newest dead letters (optionally those whose reason starts with `reason_prefix`)."""
+        with self.transaction() as session:
+            query = select(DeadLetter).order_by(DeadLetter.created_at.desc(), DeadLetter.event_id).limit(limit)
+            if reason_prefix:
+                query = query.where(DeadLetter.reason.startswith(reason_prefix, autoescape=True))
+            return [_dead_letter_entry(r) for r in session.scalars(query)]
+
+    def dead_letter(self, event_id: str) -> DeadLetterEntry | None:
+        with self.transaction() as session:
+            row = session.get(DeadLetter, event_id)
+            return None if row is None else _dead_letter_entry(row)
+
+    def mark_replayed(self, event_id: str) -> bool:
+        """Record that a dead letter was produced again; False when it already was (replay once)."""
+        with self.transaction() as session:
+            result = session.execute(
+                update(DeadLetter)
+                .where(DeadLetter.event_id == event_id, DeadLetter.replayed_at.is_(None))
+                .values(replayed_at=self.clock())
+            )
+            return bool(result.rowcount)  # type: ignore[attr-defined]
+
+    # ---- labeler progress (the poison-pill policy of feedback/labeler.py) ---------------------------
+
+    def note_attempt(self, topic: str, partition: int, offset: int, mode: str) -> int:
+        """Count one more start of work at `offset` of the partition in `mode` (batch | record);
+        returns how many starts there were without the work being committed in between."""
+        with self.transaction() as session:
+            row = session.get(LabelerProgress, (topic, partition), with_for_update=True)
+            if row is None:
+                row = LabelerProgress(topic=topic, partition=partition, offset=offset, mode=mode, attempts=0)
+                session.add(row)
+            if row.offset != offset or row.mode != mode:
+                row.offset, row.mode, row.attempts = offset, mode, 0
+            row.attempts += 1
+            row.updated_at = self.clock()
+            return row.attempts
+
+    def note_batch_starts(self, starts: dict[tuple[str, int], int]) -> set[tuple[str, int]]:
+        """Note, for each (topic, partition), that a batch starting at the given offset is begun, in
+        one transaction; returns the partitions where a labeler died on that start before (the same
+        start was noted and never moved on from, as a batch or as a single record)."""
+        died: set[tuple[str, int]] = set()
+        with self.transaction() as session:
+            for (topic, partition), offset in starts.items():
+                row = session.get(LabelerProgress, (topic, partition), with_for_update=True)
+                if row is None:
+                    row = LabelerProgress(topic=topic, partition=partition, offset=offset, mode="batch", attempts=0)
+                    session.add(row)
+                elif row.offset == offset:
+                    died.add((topic, partition))
+                    if row.mode == "record":
+                        continue  # died on that one record: its own count goes on in note_attempt
+                else:
+                    row.offset, row.mode, row.attempts = offset, "batch", 0
+                row.attempts += 1
+                row.updated_at = self.clock()
+        return died
 
     # ---- observability --------------------------------------------------------------------------
 
@@ -499,6 +673,21 @@ class Store:
 
         with self.transaction() as session:
             return rows(Interaction) + rows(Feedback), rows(DeadLetter)
+
+
+def _key_record(row: ApiKey) -> ApiKeyRecord:
+    return ApiKeyRecord(
+        id=row.id, key_hash=row.key_hash, prefix=row.prefix, role=row.role, tenant=row.tenant, name=row.name,
+        rate_per_s=row.rate_per_s, created_at=row.created_at, revoked_at=row.revoked_at,
+    )  # fmt: skip
+
+
+def _dead_letter_entry(row: DeadLetter) -> DeadLetterEntry:
+    return DeadLetterEntry(
+        event_id=row.event_id, source=row.source, original_event_id=row.original_event_id, reason=row.reason,
+        payload=bytes(row.payload), created_at=row.created_at, source_topic=row.source_topic,
+        replayed_at=row.replayed_at,
+    )  # fmt: skip
 
 
 def _record(cycle: Cycle) -> CycleRecord:

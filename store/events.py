@@ -218,6 +218,7 @@ def _interaction_row(record: SourceRecord, event: InteractionEvent, now: datetim
         "sampling": event.sampling.model_dump(mode="json"),
         "role": event.role.value,
         "trainable": event.trainable,
+        "redacted": list(event.redacted),
         "late": False,
         "created_at": event.created_at,
         "ingested_at": now,

@@ -70,6 +70,8 @@ class Interaction(Base):
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
     role: Mapped[str] = mapped_column(String(32))
     trainable: Mapped[bool] = mapped_column(Boolean)
+    # Kinds of text the gateway redacted; trained only where the tenant allows (Tenant.train_redacted).
+    redacted: Mapped[list[str] | None] = mapped_column(JSON, default=list)  # None on rows older than it
     # Arrived after its episode had settled: kept, but not part of the labelled trajectory.
     late: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
@@ -150,6 +152,8 @@ class DeadLetter(Base):
     source_topic: Mapped[str | None] = mapped_column(String(249))
     source_partition: Mapped[int | None] = mapped_column(Integer)
     source_offset: Mapped[int | None] = mapped_column(BigInteger)
+    # `rtrl dlq replay` produced the payload to its topic again (at most once per dead letter).
+    replayed_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
 
     __table_args__ = (Index("ix_dead_letters_source", "source_topic", "source_partition", "source_offset"),)
 
@@ -177,3 +181,49 @@ class Cycle(Base):
     # Constant while the cycle is active and NULL afterwards: the unique index on it makes "one
     # active cycle" hold in the database itself, on SQLite and PostgreSQL alike.
     active_slot: Mapped[int | None] = mapped_column(Integer, unique=True)
+
+
+class Tenant(Base):
+    """An application whose traffic the gateway accepts under its keys, and what of it trains."""
+
+    __tablename__ = "tenants"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # Whether the tenant's episodes train the model at all; checked when a cycle selects its batch.
+    trains: Mapped[bool] = mapped_column(Boolean, default=True)
+    # Whether segments with redacted text train (their token ids still carry the original text).
+    train_redacted: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class ApiKey(Base):
+    """A gateway API key. Only the sha256 of the key is stored; the key itself is shown once."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(32))  # the key's first characters, to recognise it in lists
+    role: Mapped[str] = mapped_column(String(16))  # tenant | admin
+    tenant: Mapped[str | None] = mapped_column(String(64))  # None for admin keys
+    name: Mapped[str] = mapped_column(String(200))
+    rate_per_s: Mapped[float | None] = mapped_column(Float)  # None: settings.gateway.rate_limit_per_s
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+
+
+class LabelerProgress(Base):
+    """Where a partition's labeler last started work, to recognise a record that kills the process.
+
+    ``mode`` batch: a batch starting at ``offset`` was begun ``attempts`` times without its offsets
+    being committed; record: the single record at ``offset`` was. See feedback/labeler.py.
+    """
+
+    __tablename__ = "labeler_progress"
+
+    topic: Mapped[str] = mapped_column(String(249), primary_key=True)
+    partition: Mapped[int] = mapped_column(Integer, primary_key=True)
+    offset: Mapped[int] = mapped_column(BigInteger)
+    mode: Mapped[str] = mapped_column(String(8))
+    attempts: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime)

@@ -11,10 +11,10 @@ from collections import Counter
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from feedback.records import parse_record
+from feedback.records import Checks, parse_record
 from schemas.events import FeedbackEvent, InteractionEvent
 from schemas.rewards import TAB_V1, RewardSpec
-from schemas.settings import Settings
+from schemas.settings import LimitsSettings, Settings
 from store import BatchWrite, SettleReport, SourceRecord, Store
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -96,9 +96,10 @@ class Feeder:
     """Assigns offsets per topic like a one-partition Kafka topic and runs the labeler's store work
     (validate, write, join, settle) for a batch, without Kafka."""
 
-    def __init__(self, store: Store, spec: RewardSpec = TAB_V1) -> None:
+    def __init__(self, store: Store, spec: RewardSpec = TAB_V1, limits: LimitsSettings | None = None) -> None:
         self.store = store
         self.spec = spec
+        self.checks = Checks(spec=spec, limits=limits or LimitsSettings())
         self.offsets: Counter[str] = Counter()
 
     def record(self, item: InteractionEvent | FeedbackEvent | bytes, topic: str | None = None) -> SourceRecord:
@@ -116,7 +117,7 @@ class Feeder:
 
     def process(self, records: list[SourceRecord], now: datetime = T0) -> tuple[BatchWrite, SettleReport]:
         with self.store.labelling(now) as tx:
-            written = tx.write_events([(r, parse_record(r, TOPICS[r.topic])) for r in records])
+            written = tx.write_events([(r, parse_record(r, TOPICS[r.topic], self.checks, now)) for r in records])
             report = tx.join_and_settle(self.spec, written.interactions, written.feedback)
         return written, report
 

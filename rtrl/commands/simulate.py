@@ -21,23 +21,34 @@ def register(app: typer.Typer) -> None:
         gateway: str = typer.Option(None, help="Gateway base URL (default: settings.gateway host:port)."),
         seed: int = typer.Option(0, help="Seed of the prompt draw and of per-request sampling."),
         json_out: Path = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
+        api_key: str = typer.Option(
+            None, "--api-key",
+            help="A tenant key of the gateway. Default: a key of tenant 'sim' is made in the store for this run "
+            "and revoked after it.",
+        ),
     ) -> None:
         """Send N requests through the gateway, give feedback on each, print acceptance per policy version."""
+        from contextlib import nullcontext
+
         from evals import load_preference
         from rtrl.simulate import simulate as run_simulation
+        from rtrl.simulate import simulation_key
         from schemas.settings import load_settings
+        from store import Store
 
         settings = load_settings()
+        chosen = load_preference(preference) if preference else None
         url = gateway or f"http://{settings.gateway.host}:{settings.gateway.port}"
-        report = run_simulation(
-            settings,
-            url,
-            requests,
-            task,
-            preference=load_preference(preference) if preference else None,
-            concurrency=concurrency,
-            seed=seed,
-        )
+        store = None if api_key or settings.gateway.auth == "open" else Store(settings.store.url)
+        if store is not None:
+            store.migrate()  # the key is written to the store, like `rtrl keys create` does
+        try:
+            with nullcontext(api_key or "open") if store is None else simulation_key(store, url) as key:
+                report = run_simulation(settings, url, requests, task, preference=chosen, concurrency=concurrency,
+                                        seed=seed, api_key=key)  # fmt: skip
+        finally:
+            if store is not None:
+                store.close()
         if json_out is not None:
             json_out.parent.mkdir(parents=True, exist_ok=True)
             json_out.write_text(report.to_json() + "\n")

@@ -1,9 +1,11 @@
-"""The labeler against a real Kafka broker (and PostgreSQL): hostile input, crashes, DB outages.
+"""The labeler against a real Kafka broker (and PostgreSQL): hostile input, crashes, DB outages,
+a record that kills the process.
 
 Each test uses its own topics and consumer group on the session's broker, and its own store, so
 tests never see each other's records. The invariant checked everywhere is the reconciliation:
 every produced record is stored or dead-lettered, exactly once. Time is the labeler's injected
-clock: a test moves it past the settle window instead of sleeping.
+clock (starting at the real time, like the events): a test moves it past the settle window
+instead of sleeping.
 """
 
 from __future__ import annotations
@@ -15,17 +17,18 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
-from factories import FakeClock, FakeMonotonic, fresh_topics, interaction, wire
+from factories import FakeClock, FakeMonotonic, feedback, fresh_topics, interaction, wire
 from helpers import REPO, TopicReader, produce, run_rtrl
 
 import streams
 from feedback.labeler import Labeler, make_consumer, make_producer
 from feedback.reconcile import Reconciliation, reconcile
 from schemas.clock import utcnow, wait_until
-from schemas.events import FeedbackEvent, parse_event
+from schemas.events import FeedbackEvent, new_id, parse_event
 from schemas.settings import Settings, StoreSettings
 from store import Store
 
@@ -93,6 +96,12 @@ def dlq_records(settings: Settings) -> list[dict[str, object]]:
 
 
 @pytest.fixture
+def clock() -> FakeClock:
+    """The labelers' clock, starting now: events are made at the real time (a child labeler uses it)."""
+    return FakeClock(utcnow())
+
+
+@pytest.fixture
 def sqlite_settings(services: Settings, tmp_path: Path) -> Settings:
     return isolated(services, f"sqlite:///{tmp_path}/rtrl.db")
 
@@ -117,24 +126,31 @@ def store_of(request: pytest.FixtureRequest) -> Iterator[object]:
         store.close()
 
 
-def hostile_mix(settings: Settings) -> tuple[list[tuple[str, bytes | None]], int, int]:
-    """Valid and hostile records; returns (records, how many should be stored, how many dead-lettered)."""
+def hostile_mix(settings: Settings, now: datetime) -> tuple[list[tuple[str, bytes | None]], int, int]:
+    """Valid and hostile records made at `now`; returns (records, how many should be stored, how many
+    dead-lettered)."""
     t_int, t_fb = settings.kafka.interactions_topic, settings.kafka.feedback_topic
     episodes = [f"ep-{uuid.uuid4().hex[:8]}-{i}" for i in range(20)]
     items: list[tuple[str, bytes | None]] = []
+
+    def fb(request: str, kind: str, **kw: object) -> FeedbackEvent:
+        return feedback(request, kind, **({"event_id": new_id(), "created_at": now} | kw))  # type: ignore[arg-type]
+
     for i, ep in enumerate(episodes):
-        items.append((t_int, wire(interaction(ep))))
+        items.append((t_int, wire(interaction(ep, created_at=now))))
         if i % 2 == 0:
-            items.append((t_fb, wire(FeedbackEvent(request_id=f"r-{ep}-0", kind="accepted"))))
+            items.append((t_fb, wire(fb(f"r-{ep}-0", "accepted"))))
         if i % 4 == 0:
-            items.append((t_fb, wire(FeedbackEvent(request_id=f"r-{ep}-0", kind="edit_persisted"))))
+            items.append((t_fb, wire(fb(f"r-{ep}-0", "edit_persisted"))))
     stored = len(items)
-    dup = interaction(episodes[0], event_id="dup-event")
-    nan = wire(interaction("nan-ep")).replace(b"-0.5", b"NaN")
-    huge = wire(interaction("huge-ep")).replace(b"[1,2,3]", b"[" + b",".join([b"7"] * 140_000) + b"]")
-    unknown_kind = wire(FeedbackEvent(request_id="r", kind="accepted")).replace(b'"accepted"', b'"loved_it"')
-    wrong_version = wire(interaction("wv-ep")).replace(b"rtrl.interaction.v1", b"rtrl.interaction.v7")
-    first_dup = interaction(f"first-{uuid.uuid4().hex[:6]}", event_id=f"same-{uuid.uuid4().hex[:6]}")
+    dup = interaction(episodes[0], event_id="dup-event", created_at=now)
+    nan = wire(interaction("nan-ep", created_at=now)).replace(b"-0.5", b"NaN")
+    huge = wire(interaction("huge-ep", created_at=now)).replace(b"[1,2,3]", b"[" + b",".join([b"7"] * 140_000) + b"]")
+    unknown_kind = wire(fb("r", "accepted")).replace(b'"accepted"', b'"loved_it"')
+    wrong_version = wire(interaction("wv-ep", created_at=now)).replace(b"rtrl.interaction.v1", b"rtrl.interaction.v7")
+    first_dup = interaction(f"first-{uuid.uuid4().hex[:6]}", event_id=f"same-{uuid.uuid4().hex[:6]}", created_at=now)
+    no_event_id = json.loads(wire(fb("r", "thumbs_up")))
+    del no_event_id["event_id"]
     items += [
         (t_int, b"\xff\xfe not json at all"),
         (t_int, wrong_version),
@@ -142,20 +158,25 @@ def hostile_mix(settings: Settings) -> tuple[list[tuple[str, bytes | None]], int
         (t_int, nan),
         (t_fb, unknown_kind),
         (t_fb, None),  # tombstone
-        (t_int, wire(FeedbackEvent(request_id="r", kind="accepted"))),  # wrong topic
-        (t_int, wire(interaction("bad-version", version="latest"))),
+        (t_int, wire(fb("r", "accepted"))),  # wrong topic
+        (t_int, wire(interaction("bad-version", version="latest", created_at=now))),
         (t_int, wire(first_dup)),
         (t_int, wire(first_dup)),  # the same event produced twice: second is a duplicate
         (t_int, wire(dup)),  # another event for a stored (episode, segment)
+        (t_int, b"[" * 5000),  # nested too deeply for json.loads
+        (t_fb, json.dumps(no_event_id).encode()),  # the reader must not invent the idempotency key
+        (t_fb, wire(fb("r", "accepted", created_at=datetime.fromisoformat("9999-12-31T23:59:59-01:00")))),
+        (t_int, wire(interaction("future-ep", created_at=now + timedelta(days=3650)))),  # ten years ahead
+        (t_fb, wire(fb("r", "task_outcome", value=5.0))),  # outside the reward spec's [-1, 1]
     ]
-    return items, stored + 1, 10
+    return items, stored + 1, 15
 
 
 # ---- tests -------------------------------------------------------------------------------------------
 
 
 def run_mix_and_check(settings: Settings, store: Store, clock: FakeClock) -> None:
-    items, stored, dead = hostile_mix(settings)
+    items, stored, dead = hostile_mix(settings, clock())
     produce(settings.kafka, items)
     labeler = labeler_for(settings, store, clock)
     try:
@@ -165,7 +186,8 @@ def run_mix_and_check(settings: Settings, store: Store, clock: FakeClock) -> Non
         dlq = dlq_records(settings)
         assert len(dlq) == dead
         reasons = sorted(str(r["reason"]).split(":")[0] for r in dlq)
-        assert reasons == ["content"] + ["duplicate"] * 2 + ["schema"] * 7
+        assert reasons == ["content"] * 4 + ["duplicate"] * 2 + ["schema"] * 9
+        assert {str(d.reason).split(":")[0] for d in store.dead_letters(100)} == {"content", "duplicate", "schema"}
         huge = next(r for r in dlq if "truncated" in str(r["reason"]))
         assert len(str(huge["payload"])) == 64 * 1024
         parse_event(json.dumps(dlq[0]).encode())  # DLQ records are valid DeadLetterRecords
@@ -211,7 +233,7 @@ while True:
 
 def test_crash_between_db_commit_and_offset_commit(sqlite_settings: Settings, store_of: object, clock: FakeClock) -> None:
     settings = sqlite_settings
-    items, stored, dead = hostile_mix(settings)
+    items, stored, dead = hostile_mix(settings, clock())
     produce(settings.kafka, items)
     store: Store = store_of(settings)  # type: ignore[operator]
     child = subprocess.run(
@@ -244,7 +266,8 @@ def test_db_unavailable_commits_no_offsets_and_retries(
     path = tmp_path / "rtrl.db"
     settings = isolated(services, f"sqlite:///{path}")
     store: Store = store_of(settings, busy_timeout_s=0.2)  # type: ignore[operator]
-    produce(settings.kafka, [(settings.kafka.interactions_topic, wire(interaction(f"ep-{i}"))) for i in range(5)])
+    produce(settings.kafka, [(settings.kafka.interactions_topic, wire(interaction(f"ep-{i}", created_at=clock())))
+                             for i in range(5)])  # fmt: skip
 
     # Another process holds the write lock: to the labeler, the database is unavailable.
     blocker = sqlite3.connect(path, isolation_level=None)
@@ -272,7 +295,7 @@ def test_cli_reconcile_and_stats(sqlite_settings: Settings, store_of: object, cl
     assert out.returncode == 1 and "run `rtrl labeler migrate`" in out.stderr and "Traceback" not in out.stderr
     produce(settings.kafka, [
         (settings.kafka.feedback_topic, b"garbage"),
-        (settings.kafka.feedback_topic, wire(FeedbackEvent(request_id="x", kind="rejected"))),
+        (settings.kafka.feedback_topic, wire(feedback("x", "rejected", created_at=clock()))),
     ])  # fmt: skip
     store: Store = store_of(settings)  # type: ignore[operator]
     out = run_rtrl(settings, "labeler", "reconcile")
@@ -288,3 +311,75 @@ def test_cli_reconcile_and_stats(sqlite_settings: Settings, store_of: object, cl
     assert "produced 2  stored 1  dead-lettered 1  pending 0  -> balanced" in out.stdout
     out = run_rtrl(settings, "labeler", "stats")
     assert json.loads(out.stdout)["feedback_unjoined"] == 1
+
+
+POISONED_LABELER = """
+import os, signal, sys
+from feedback.labeler import Labeler, make_consumer, make_producer
+from schemas.settings import Settings
+from store import Store
+
+settings = Settings.model_validate_json(sys.argv[1])
+def die_on_poison(records):  # stands for a record that crashes the process (a native library, OOM)
+    if any(b"POISON" in (r.value or b"") for r in records):
+        os.kill(os.getpid(), signal.SIGKILL)
+labeler = Labeler(settings, Store(settings.store.url), make_consumer(settings), make_producer(settings),
+                  before_write=die_on_poison)
+idle = 0
+while idle < 20:  # done: partitions assigned (a dead member's go after its session timeout) and no records
+    report = labeler.step()
+    busy = report is not None and report.records > 0
+    idle = 0 if busy or not labeler.consumer.assignment() else idle + 1
+"""
+
+
+def test_a_record_that_kills_the_labeler_is_dead_lettered_after_three_deaths(
+    sqlite_settings: Settings, store_of: object, clock: FakeClock
+) -> None:
+    settings = sqlite_settings
+    t_int = settings.kafka.interactions_topic
+    now = clock()
+    items = [(t_int, wire(interaction(f"ok-{i}", created_at=now))) for i in range(30)]
+    items.insert(17, (t_int, wire(interaction("poison", prompt="POISON", created_at=now))))
+    produce(settings.kafka, items)
+    store: Store = store_of(settings)  # type: ignore[operator]
+
+    exits = []
+    for _ in range(6):  # what the supervisor would do: restart it (it allows 5 restarts)
+        child = subprocess.run([sys.executable, "-c", POISONED_LABELER, settings.model_dump_json()], cwd=REPO,
+                               timeout=300, capture_output=True)  # fmt: skip
+        exits.append(child.returncode)
+        if child.returncode == 0:
+            break
+    assert exits == [-signal.SIGKILL] * 3 + [0], [exits, child.stderr.decode()[-2000:]]
+    result = reconcile(settings, store)
+    assert (result.produced, result.stored, result.dead_lettered, result.pending) == (31, 30, 1, 0)
+    [poison] = store.dead_letters(10)
+    assert poison.reason == "poison: 2 labeler processes died while processing it"
+    assert b"POISON" in poison.payload
+
+
+def test_a_failure_tied_to_one_record_dead_letters_only_that_record(
+    sqlite_settings: Settings, store_of: object, clock: FakeClock
+) -> None:
+    settings = sqlite_settings
+    t_int = settings.kafka.interactions_topic
+    now = clock()
+    items = [(t_int, wire(interaction(f"ok-{i}", created_at=now))) for i in range(10)]
+    items.insert(4, (t_int, wire(interaction("boom", prompt="BOOM", created_at=now))))
+    produce(settings.kafka, items)
+    store: Store = store_of(settings)  # type: ignore[operator]
+
+    def boom(records: list[object]) -> None:  # stands for a bug or a DB refusal tied to one record
+        if any(b"BOOM" in (r.value or b"") for r in records):  # type: ignore[attr-defined]
+            raise RuntimeError("this record cannot be written")
+
+    labeler = labeler_for(settings, store, clock, before_write=boom)
+    try:
+        result = drain(labeler, settings, store)
+    finally:
+        close(labeler)
+    assert (result.produced, result.stored, result.dead_lettered) == (11, 10, 1)
+    [letter] = store.dead_letters(10)
+    assert letter.reason == "record: RuntimeError: this record cannot be written"
+    assert store.stats()["interactions"] == 10

@@ -6,20 +6,26 @@ with its own spool directory.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from helpers import TopicReader
+from factories import Feeder
+from helpers import TopicReader, run_rtrl
 
+from ingest.auth import RequestIds, request_id_secret
 from rtrl.launch import gateway_process
 from rtrl.services.testing import free_ports
-from schemas.clock import wait_until
+from schemas.clock import utcnow, wait_until
 from schemas.events import FeedbackEvent, InteractionEvent, parse_event
 from schemas.settings import Settings
+from schemas.versions import parse_version
+from store import Store
 
 pytestmark = pytest.mark.integration
 
@@ -36,6 +42,31 @@ def closed_port() -> int:
 
 
 GatewayFactory = Callable[..., AbstractContextManager[str]]
+
+
+@dataclass(frozen=True)
+class Keys:
+    """API keys in the session's store: two tenants and an admin."""
+
+    acme: str
+    bolt: str
+    admin: str
+    ids: RequestIds  # request ids as the gateways of this session sign them
+
+    def auth(self, key: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def keys(services: Settings) -> Keys:
+    store = Store(services.store.url)
+    store.migrate()
+    try:
+        made = {t: store.create_api_key(role="tenant", tenant=t, name="gateway tests")[1] for t in ("acme", "bolt")}
+        _, admin = store.create_api_key(role="admin", tenant=None, name="gateway tests")
+    finally:
+        store.close()
+    return Keys(made["acme"], made["bolt"], admin, RequestIds(request_id_secret(None, services.services.run_dir)))
 
 
 @pytest.fixture
@@ -90,12 +121,12 @@ def by_key(key: str) -> Callable[[Any], bool]:
 
 
 def test_completion_is_served_unchanged_and_captured(
-    services: Settings, start_gateway: GatewayFactory, interactions: TopicReader
+    services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, keys: Keys
 ) -> None:
     request = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
                "seed": 1234, "stop": ["\n"]}
-    headers = {"x-rtrl-session-id": "sess-1", "x-rtrl-tenant": "acme", "x-rtrl-episode-id": "ep-42",
-               "x-rtrl-segment-index": "3", "x-rtrl-role": "summary"}
+    headers = {"x-rtrl-session-id": "sess-1", "x-rtrl-episode-id": "ep-42", "x-rtrl-segment-index": "3",
+               "x-rtrl-role": "summary"} | keys.auth(keys.acme)
     with start_gateway() as gateway:
         response = httpx.post(f"{gateway}/v1/completions", json=request, headers=headers, timeout=120)
         assert response.status_code == 200, response.text
@@ -103,6 +134,7 @@ def test_completion_is_served_unchanged_and_captured(
     request_id = response.headers["x-rtrl-request-id"]
     version = weight_version(services)
     assert body["rtrl"] == {"request_id": request_id, "policy_version": version}
+    assert keys.ids.belongs_to(request_id, "acme") and not keys.ids.belongs_to(request_id, "bolt")
 
     # The client gets exactly what vLLM answers without the gateway (same seed, same sample).
     direct = httpx.post(f"{vllm_url(services)}/v1/completions", json=request, timeout=120).json()
@@ -121,20 +153,21 @@ def test_completion_is_served_unchanged_and_captured(
     assert event.completion_token_ids == asked["token_ids"]
     assert event.completion_logprobs == pytest.approx(asked["logprobs"]["token_logprobs"], abs=1e-5)
     assert len(event.completion_token_ids) == body["usage"]["completion_tokens"]
-    assert (event.session_id, event.tenant, event.episode_id, event.segment_index) == ("sess-1", "acme", "ep-42", 3)
+    # The tenant is the key's; the client's episode id lives in that tenant's namespace.
+    assert (event.session_id, event.tenant, event.episode_id, event.segment_index) == ("sess-1", "acme", "acme:ep-42", 3)
     assert event.role == "summary" and event.trainable is True
     assert (event.sampling.temperature, event.sampling.max_tokens, event.sampling.seed) == (1.0, 8, 1234)
     assert event.finish_reason == body["choices"][0]["finish_reason"]
 
 
 def test_chat_completion_is_captured(
-    services: Settings, start_gateway: GatewayFactory, interactions: TopicReader
+    services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, keys: Keys
 ) -> None:
     request = {"model": services.vllm.served_model_name, "messages": [{"role": "user", "content": "What is 2 plus 2?"}],
                "max_tokens": 6, "seed": 7}
     with start_gateway() as gateway:
         response = httpx.post(f"{gateway}/v1/chat/completions", json={**request, "rtrl": {"episode_id": "chat-ep"}},
-                              timeout=120)
+                              headers=keys.auth(keys.acme), timeout=120)
     direct = httpx.post(f"{vllm_url(services)}/v1/chat/completions", json=request, timeout=120)
     assert response.status_code == direct.status_code, response.text
     if direct.status_code != 200:
@@ -143,58 +176,84 @@ def test_chat_completion_is_captured(
     assert without_volatile(body) == without_volatile(direct.json())
     [record] = interactions.wait_for(by_key(response.headers["x-rtrl-request-id"]))
     event = parse_event(record.value, InteractionEvent)
-    assert event.episode_id == "chat-ep" and event.completion == body["choices"][0]["message"]["content"]
+    assert event.episode_id == "acme:chat-ep" and event.completion == body["choices"][0]["message"]["content"]
     assert event.prompt and event.prompt_token_ids
     assert len(event.completion_logprobs) == len(event.completion_token_ids) == body["usage"]["completion_tokens"]
 
 
-def test_errors(services: Settings, start_gateway: GatewayFactory) -> None:
+def test_errors(services: Settings, start_gateway: GatewayFactory, keys: Keys) -> None:
+    auth = keys.auth(keys.acme)
     with start_gateway() as gateway:
         # vLLM's own refusal passes through with its status and body
         too_long = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 100_000}
         upstream = httpx.post(f"{vllm_url(services)}/v1/completions", json=too_long, timeout=60)
-        through = httpx.post(f"{gateway}/v1/completions", json=too_long, timeout=60)
+        through = httpx.post(f"{gateway}/v1/completions", json=too_long, headers=auth, timeout=60)
         assert upstream.status_code == through.status_code == 400
         assert through.json()["error"]["message"] == upstream.json()["error"]["message"]
         # the gateway's own refusals are OpenAI-shaped errors
-        streamed = httpx.post(f"{gateway}/v1/completions", json={"prompt": PROMPT, "stream": True})
+        streamed = httpx.post(f"{gateway}/v1/completions", json={"prompt": PROMPT, "stream": True}, headers=auth)
         assert streamed.status_code == 400 and "stream=true is not supported" in streamed.json()["error"]["message"]
         bad_header = httpx.post(f"{gateway}/v1/completions", json={"prompt": PROMPT},
-                                headers={"x-rtrl-segment-index": "x"})
+                                headers={"x-rtrl-segment-index": "x"} | auth)  # fmt: skip
         assert bad_header.status_code == 400 and "segment_index" in bad_header.json()["error"]["message"]
+        named_tenant = httpx.post(f"{gateway}/v1/completions", json={"prompt": PROMPT},
+                                  headers={"x-rtrl-tenant": "bolt"} | auth)  # fmt: skip
+        assert named_tenant.status_code == 400 and "comes from the API key" in named_tenant.json()["error"]["message"]
+        nested = httpx.post(f"{gateway}/v1/completions", content=b"[" * 5000, headers=auth)
+        assert nested.status_code == 400 and "nested too deeply" in nested.json()["error"]["message"]
+        huge = httpx.post(f"{gateway}/v1/completions", content=b"x" * (5 * 1024 * 1024), headers=auth)
+        assert huge.status_code == 413 and "over the 4194304-byte limit" in huge.json()["error"]["message"]
     with start_gateway(servers=(f"http://127.0.0.1:{closed_port()}",)) as gateway:
-        down = httpx.post(f"{gateway}/v1/completions", json={"prompt": PROMPT}, timeout=30)
+        down = httpx.post(f"{gateway}/v1/completions", json={"prompt": PROMPT}, headers=auth, timeout=30)
         assert down.status_code == 502 and "no vLLM server reachable" in down.json()["error"]["message"]
         assert httpx.get(f"{gateway}/readyz").status_code == 503
         assert httpx.get(f"{gateway}/healthz").status_code == 200
 
 
-def test_feedback_is_validated_and_published(start_gateway: GatewayFactory, feedback: TopicReader) -> None:
+def test_feedback_is_validated_and_published(start_gateway: GatewayFactory, feedback: TopicReader, keys: Keys) -> None:
+    rid1, rid2 = keys.ids.new("acme"), keys.ids.new("acme")
     events = [
-        {"request_id": "req-fb-1", "kind": "accepted", "event_id": "fb-ev-1"},
-        {"request_id": "req-fb-1", "kind": "task_outcome", "value": 0.5, "created_at": "2025-01-01T00:00:00Z"},
+        {"request_id": rid1, "kind": "accepted", "event_id": "fb-ev-1"},
+        {"request_id": rid1, "kind": "task_outcome", "value": 0.5, "created_at": utcnow().isoformat()},
     ]
+    auth = keys.auth(keys.acme)
     with start_gateway() as gateway:
-        accepted = httpx.post(f"{gateway}/v1/feedback", json=events)
-        single = httpx.post(f"{gateway}/v1/feedback", json={"request_id": "req-fb-2", "kind": "thumbs_down"})
-        bad_kind = httpx.post(f"{gateway}/v1/feedback", json={"request_id": "r", "kind": "loved_it"})
-        extra = httpx.post(f"{gateway}/v1/feedback", json=[{"request_id": "r", "kind": "accepted", "colour": 1}])
-        not_json = httpx.post(f"{gateway}/v1/feedback", content=b"{nope")
-        empty = httpx.post(f"{gateway}/v1/feedback", json=[])
+        accepted = httpx.post(f"{gateway}/v1/feedback", json=events, headers=auth)
+        single = httpx.post(f"{gateway}/v1/feedback", json={"request_id": rid2, "kind": "thumbs_down"}, headers=auth)
+        bad_kind = httpx.post(f"{gateway}/v1/feedback", json={"request_id": rid1, "kind": "loved_it"}, headers=auth)
+        extra = httpx.post(f"{gateway}/v1/feedback", json=[{"request_id": rid1, "kind": "accepted", "colour": 1}],
+                           headers=auth)  # fmt: skip
+        not_json = httpx.post(f"{gateway}/v1/feedback", content=b"{nope", headers=auth)
+        empty = httpx.post(f"{gateway}/v1/feedback", json=[], headers=auth)
+        far_future = httpx.post(f"{gateway}/v1/feedback", headers=auth, json={
+            "request_id": rid1, "kind": "accepted", "created_at": "9999-12-31T23:59:59-01:00"})  # fmt: skip
+        unbounded = httpx.post(f"{gateway}/v1/feedback", headers=auth,
+                               json={"request_id": rid1, "kind": "task_outcome", "value": 1e6})  # fmt: skip
+        theirs = httpx.post(f"{gateway}/v1/feedback", json={"request_id": rid1, "kind": "rejected"},
+                            headers=keys.auth(keys.bolt))  # fmt: skip
+        named = httpx.post(f"{gateway}/v1/feedback", json={"request_id": rid1, "kind": "rejected", "tenant": "bolt"},
+                           headers=auth)  # fmt: skip
+        anonymous = httpx.post(f"{gateway}/v1/feedback", json={"request_id": rid1, "kind": "rejected"})
     assert accepted.status_code == 202 and accepted.json()["event_ids"][0] == "fb-ev-1"
     assert single.status_code == 202 and len(single.json()["event_ids"]) == 1
     assert bad_kind.status_code == 422 and bad_kind.json()["detail"][0]["loc"] == ["kind"]
     assert extra.status_code == 422 and extra.json()["detail"][0]["type"] == "extra_forbidden"
     assert not_json.status_code == 422 and empty.status_code == 422
-    records = feedback.wait_for(lambda r: r.key in (b"req-fb-1", b"req-fb-2"), count=3)
+    assert far_future.status_code == 422 and "ahead" in far_future.json()["detail"][0]
+    assert unbounded.status_code == 422 and "outside [-1, 1]" in unbounded.json()["detail"][0]
+    assert theirs.status_code == 404 and named.status_code == 403 and anonymous.status_code == 401
+    records = feedback.wait_for(lambda r: r.key in (rid1.encode(), rid2.encode()), count=3)
     published = [parse_event(r.value, FeedbackEvent) for r in records]
     assert sorted(e.event_id for e in published) == sorted(accepted.json()["event_ids"] + single.json()["event_ids"])
-    assert {(e.kind, e.value) for e in published if e.request_id == "req-fb-1"} == {("accepted", 1.0), ("task_outcome", 0.5)}
+    assert {(e.kind, e.value) for e in published if e.request_id == rid1} == {("accepted", 1.0), ("task_outcome", 0.5)}
+    assert {e.tenant for e in published} == {"acme"}  # nothing of bolt's refused attempt went out
 
 
-def metric(gateway: str, name: str, label: str = "") -> float:
+def metric(gateway: str, admin_key: str, name: str, label: str = "") -> float:
     """Sum of the samples of `name` whose labels contain `label` (e.g. 'outcome="spooled"')."""
-    text = httpx.get(f"{gateway}/metrics").text
+    response = httpx.get(f"{gateway}/metrics", headers={"authorization": f"Bearer {admin_key}"})
+    response.raise_for_status()
+    text = response.text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -203,7 +262,7 @@ def metric(gateway: str, name: str, label: str = "") -> float:
 
 
 def test_broker_down_spools_then_a_restarted_gateway_replays(
-    services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, tmp_path: Path
+    services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, tmp_path: Path, keys: Keys
 ) -> None:
     request = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 8, "seed": 5}
     spool = tmp_path / "spool"
@@ -212,13 +271,13 @@ def test_broker_down_spools_then_a_restarted_gateway_replays(
     # users' requests (client timeout shorter than that) must not wait for it.
     with start_gateway(kafka=f"127.0.0.1:{closed_port()}", publish_timeout_s=15.0) as gateway:
         for _ in range(3):
-            response = httpx.post(f"{gateway}/v1/completions", json=request, timeout=10)
+            response = httpx.post(f"{gateway}/v1/completions", json=request, headers=keys.auth(keys.acme), timeout=10)
             assert response.status_code == 200, response.text
             request_ids.append(response.headers["x-rtrl-request-id"])
-        spooled = lambda: metric(gateway, "rtrl_gateway_publish_total", 'outcome="spooled"') >= 3  # noqa: E731
+        spooled = lambda: metric(gateway, keys.admin, "rtrl_gateway_publish_total", 'outcome="spooled"') >= 3  # noqa: E731
         wait_until(spooled, timeout_s=60, what="3 events spooled")
-        assert metric(gateway, "rtrl_gateway_publish_total", 'outcome="spooled"') == 3
-        assert metric(gateway, "rtrl_gateway_spool_bytes") > 0
+        assert metric(gateway, keys.admin, "rtrl_gateway_publish_total", 'outcome="spooled"') == 3
+        assert metric(gateway, keys.admin, "rtrl_gateway_spool_bytes") > 0
         assert httpx.get(f"{gateway}/readyz").json()["kafka_connected"] is False
     segments = sorted(spool.glob("segment-*.jsonl"))
     assert segments and sum(len(p.read_bytes().splitlines()) for p in segments) == 3
@@ -227,6 +286,83 @@ def test_broker_down_spools_then_a_restarted_gateway_replays(
     with start_gateway() as gateway:  # the real broker, the same spool directory
         records = interactions.wait_for(lambda r: r.key.decode() in request_ids, count=3, timeout_s=60)
         wait_until(lambda: not list(spool.glob("segment-*.jsonl")), timeout_s=30, what="spool replayed")
-        assert metric(gateway, "rtrl_gateway_publish_total", 'outcome="replayed"') == 3
+        assert metric(gateway, keys.admin, "rtrl_gateway_publish_total", 'outcome="replayed"') == 3
     assert {parse_event(r.value, InteractionEvent).request_id for r in records} == set(request_ids)
     assert not (spool / "overflow.jsonl").exists()
+
+
+
+def test_official_client_with_a_key_from_the_cli(services: Settings, start_gateway: GatewayFactory) -> None:
+    from openai import AuthenticationError, OpenAI, PermissionDeniedError, RateLimitError
+
+    made = run_rtrl(services, "keys", "create", "--tenant", "cli-made", "--name", "official client", "--rate", "0.2")
+    assert made.returncode == 0, made.stderr
+    key = made.stdout.strip()
+    assert key.startswith("rtrl_") and "shown only once" in made.stderr
+    admin = run_rtrl(services, "keys", "create", "--admin").stdout.strip()
+    body = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 4}
+    with start_gateway(rate_limit_burst=3) as gateway:
+        client = OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0)
+        raw = client.completions.with_raw_response.create(**body)
+        assert raw.parse().choices[0].text is not None and raw.headers["x-rtrl-request-id"]
+        assert httpx.get(f"{gateway}/v1/whoami", headers={"authorization": f"Bearer {key}"}).json()["tenant"] == "cli-made"
+        client.completions.create(**body)  # the third call of the burst of 3 (whoami counts too)
+        with pytest.raises(RateLimitError) as limited:  # the key's rate is 0.2/s
+            client.completions.create(**body)
+        assert int(limited.value.response.headers["retry-after"]) >= 1
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=f"{gateway}/v1", api_key="rtrl_not-a-key", max_retries=0).completions.create(**body)
+        assert httpx.post(f"{gateway}/v1/completions", json=body).status_code == 401  # no key at all
+        with pytest.raises(PermissionDeniedError):  # an admin key has no tenant to generate for
+            OpenAI(base_url=f"{gateway}/v1", api_key=admin, max_retries=0).completions.create(**body)
+        assert httpx.get(f"{gateway}/metrics").status_code == 401
+        assert httpx.get(f"{gateway}/metrics", headers={"authorization": f"Bearer {key}"}).status_code == 403
+        assert metric(gateway, admin, "rtrl_gateway_auth_total", 'outcome="rate_limited"') == 1
+        # A revoked key is refused once the gateway reloads its keys (gateway.keys_refresh_s).
+        listed = [json.loads(line) for line in run_rtrl(services, "keys", "list").stdout.splitlines()]
+        [key_id] = [k["id"] for k in listed if k["tenant"] == "cli-made"]
+        assert all(key not in line for line in map(json.dumps, listed))  # a key is never shown again
+        assert run_rtrl(services, "keys", "revoke", str(key_id)).returncode == 0
+
+        def refused() -> bool:
+            return httpx.get(f"{gateway}/v1/whoami", headers={"authorization": f"Bearer {key}"}).status_code == 401
+
+        wait_until(refused, timeout_s=30, what="the revoked key refused")
+
+
+def test_an_episode_id_cannot_be_joined_across_tenants(
+    services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, feedback: TopicReader,
+    keys: Keys, store: Store,
+) -> None:
+    """acme and bolt both call their episode "shared-ep"; bolt's feedback about it cannot reach acme's."""
+    body = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 4}
+    episode = {"x-rtrl-episode-id": "shared-ep"}
+    with start_gateway() as gateway:
+        a = httpx.post(f"{gateway}/v1/completions", json=body, headers=episode | keys.auth(keys.acme), timeout=60)
+        b = httpx.post(f"{gateway}/v1/completions", json=body, headers=episode | keys.auth(keys.bolt), timeout=60)
+        a_id, b_id = a.headers["x-rtrl-request-id"], b.headers["x-rtrl-request-id"]
+        squat = httpx.post(f"{gateway}/v1/feedback", headers=keys.auth(keys.bolt), json={
+            "request_id": b_id, "episode_id": "shared-ep", "kind": "task_outcome", "value": -1.0})  # fmt: skip
+        stolen = httpx.post(f"{gateway}/v1/feedback", headers=keys.auth(keys.bolt), json={
+            "request_id": a_id, "episode_id": "shared-ep", "kind": "task_outcome", "value": -1.0})  # fmt: skip
+        own = httpx.post(f"{gateway}/v1/feedback", headers=keys.auth(keys.acme), json={
+            "request_id": a_id, "episode_id": "shared-ep", "kind": "task_outcome", "value": 1.0})  # fmt: skip
+    assert (squat.status_code, stolen.status_code, own.status_code) == (202, 404, 202)
+    wanted = {a_id.encode(), b_id.encode()}
+    events = [parse_event(r.value, InteractionEvent) for r in interactions.wait_for(lambda r: r.key in wanted, 2)]
+    assert sorted(e.episode_id for e in events) == ["acme:shared-ep", "bolt:shared-ep"]
+    signals = [parse_event(r.value, FeedbackEvent) for r in feedback.wait_for(lambda r: r.key in wanted, 2)]
+    # Through the labeler's own store code: each tenant's episode gets its own tenant's feedback only.
+    Feeder(store).send(*events, *signals, now=utcnow())
+    rewards = {e.episode_id: e.reward for e in store.select_episodes(parse_version(events[0].policy_version), 0, 10)}
+    assert rewards == {"acme:shared-ep": 1.0, "bolt:shared-ep": -1.0}
+
+
+def test_open_mode_needs_no_key_and_says_so(services: Settings, start_gateway: GatewayFactory) -> None:
+    body = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 4}
+    with start_gateway(auth="open") as gateway:
+        response = httpx.post(f"{gateway}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        assert httpx.get(f"{gateway}/readyz").json()["auth"] == "open"
+        assert httpx.get(f"{gateway}/v1/whoami").json() == {"tenant": "default", "role": "tenant", "auth": "open"}
+        assert httpx.get(f"{gateway}/metrics").status_code == 200

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from ingest.auth import namespaced
 from ingest.shaping import (
     Capture,
     Requested,
@@ -179,7 +180,6 @@ def test_extract_chat() -> None:
 def test_parse_capture_from_headers_and_body() -> None:
     headers = {
         "X-RTRL-Session-Id": "s1",
-        "x-rtrl-tenant": "acme",
         "x-rtrl-episode-id": "ep-7",
         "x-rtrl-segment-index": "2",
         "x-rtrl-role": "summary",
@@ -187,7 +187,7 @@ def test_parse_capture_from_headers_and_body() -> None:
         "authorization": "ignored",
     }
     assert parse_capture(headers) == Capture(
-        session_id="s1", tenant="acme", episode_id="ep-7", segment_index=2, role=Role.summary, trainable=True
+        session_id="s1", episode_id="ep-7", segment_index=2, role=Role.summary, trainable=True
     )
     assert parse_capture({}, {"episode_id": "ep-7", "segment_index": 3, "trainable": False}) == Capture(
         episode_id="ep-7", segment_index=3, trainable=False
@@ -208,6 +208,8 @@ def test_parse_capture_from_headers_and_body() -> None:
         ({}, ["episode_id"], "must be an object"),
         ({"x-rtrl-episode-id": "a"}, {"episode_id": "b"}, "'a' in the x-rtrl-episode-id header but 'b' in the body"),
         ({"x-rtrl-role": "subagent", "x-rtrl-trainable": "true"}, None, "trainable must be false"),
+        ({"x-rtrl-tenant": "acme"}, None, "the tenant comes from the API key"),
+        ({}, {"tenant": "acme"}, "the tenant comes from the API key"),
     ],
 )
 def test_parse_capture_refusals(headers: dict[str, str], body: object, message: str) -> None:
@@ -225,6 +227,8 @@ def test_sampling_params() -> None:
 def _event(capture: Capture, straddled: bool):  # type: ignore[no-untyped-def]
     return build_interaction(
         request_id="req1",
+        tenant="acme",
+        episode_id=namespaced("acme", capture.episode_id or "req1"),
         capture=capture,
         model="rtrl-tiny",
         policy_version=3,
@@ -237,7 +241,7 @@ def _event(capture: Capture, straddled: bool):  # type: ignore[no-untyped-def]
 
 def test_build_interaction_defaults_episode_to_request() -> None:
     event = _event(Capture(), straddled=False)
-    assert event.episode_id == "req1" and event.segment_index == 0
+    assert event.episode_id == "acme:req1" and event.segment_index == 0 and event.tenant == "acme"
     assert event.policy_version == "v3" and event.trainable is True
     assert event.completion_logprobs == [-0.5, -0.25]
 
@@ -247,4 +251,4 @@ def test_build_interaction_trainable_rules() -> None:
     assert _event(Capture(role=Role.subagent), straddled=False).trainable is False
     assert _event(Capture(trainable=False), straddled=False).trainable is False
     multi = _event(Capture(episode_id="ep", segment_index=4, role=Role.orchestrator), straddled=False)
-    assert (multi.episode_id, multi.segment_index, multi.role, multi.trainable) == ("ep", 4, Role.orchestrator, True)
+    assert (multi.episode_id, multi.segment_index, multi.role, multi.trainable) == ("acme:ep", 4, Role.orchestrator, True)

@@ -55,6 +55,7 @@ def test_killed_process_is_restarted_and_stop_leaves_nothing(
         gateway=GatewaySettings(port=port, spool_dir=tmp_path / "spool"),
         kafka=KafkaSettings(bootstrap_servers=f"127.0.0.1:{closed}"),
         vllm=VllmSettings(servers=(f"http://127.0.0.1:{closed}",), staging_server=None),
+        store=StoreSettings(url=f"sqlite:///{tmp_path}/rtrl.db"),
     )
     # What the supervisor hands the child wins over anything in the supervisor's own environment.
     monkeypatch.setenv("RTRL_GATEWAY__PORT", str(closed))

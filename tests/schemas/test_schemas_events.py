@@ -82,10 +82,10 @@ def test_feedback_kinds_are_a_closed_set() -> None:
         "judge_score",
     }
     with pytest.raises(ValidationError):
-        FeedbackEvent(request_id="r", kind="loved_it")  # type: ignore[arg-type]
+        FeedbackEvent(event_id="f1", request_id="r", kind="loved_it")  # type: ignore[arg-type]
     for bad in (float("inf"), float("nan"), 1e7):
         with pytest.raises(ValidationError, match="value"):
-            FeedbackEvent(request_id="r", kind=FeedbackKind.judge_score, value=bad)
+            FeedbackEvent(event_id="f1", request_id="r", kind=FeedbackKind.judge_score, value=bad)
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_parse_event_gives_a_reason(raw: bytes, reason: str) -> None:
 
 
 def test_parse_event_refuses_a_message_on_the_wrong_topic() -> None:
-    feedback = FeedbackEvent(request_id="r", kind=FeedbackKind.accepted)
+    feedback = FeedbackEvent(event_id="f1", request_id="r", kind=FeedbackKind.accepted)
     with pytest.raises(SchemaError, match="on a topic for InteractionEvent"):
         parse_event(feedback.model_dump_json().encode(), InteractionEvent)
 
@@ -136,3 +136,28 @@ def test_schema_export_writes_json_schema(tmp_path: Path) -> None:
     assert written == ["rtrl.dead_letter.v1.json", "rtrl.feedback.v1.json", "rtrl.interaction.v1.json"]
     interaction_schema = json.loads((tmp_path / "rtrl.interaction.v1.json").read_text())
     assert "completion_logprobs" in interaction_schema["required"]
+
+
+def test_a_wire_event_carries_its_own_event_id() -> None:
+    data = json.loads(interaction().model_dump_json())
+    del data["event_id"]
+    with pytest.raises(SchemaError, match="event_id"):
+        parse_event(json.dumps(data).encode())  # a reader never invents the idempotency key
+
+
+def test_deeply_nested_json_is_a_schema_error_not_a_crash() -> None:
+    with pytest.raises(SchemaError, match="nested too deeply"):
+        parse_event(b"[" * 5000)
+
+
+def test_event_time_window() -> None:
+    from datetime import UTC, timedelta
+
+    from schemas.events import event_time_problem
+
+    now = datetime(2026, 6, 1, tzinfo=UTC)
+    assert event_time_problem(now + timedelta(seconds=299), now, 300, 86400) is None
+    assert "ahead" in (event_time_problem(now + timedelta(seconds=301), now, 300, 86400) or "")
+    assert "before" in (event_time_problem(now - timedelta(days=2), now, 300, 86400) or "")
+    far_future = datetime.fromisoformat("9999-12-31T23:59:59-01:00")  # overflows if converted to UTC
+    assert "ahead" in (event_time_problem(far_future, now, 300, 86400) or "")

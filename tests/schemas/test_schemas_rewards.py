@@ -53,7 +53,7 @@ def test_no_feedback_is_an_explicit_zero() -> None:
 
 
 def test_feedback_events_and_plain_strings_are_signals_too() -> None:
-    event = FeedbackEvent(request_id="r1", kind=K.thumbs_down)
+    event = FeedbackEvent(event_id="f1", request_id="r1", kind=K.thumbs_down)
     assert score(TAB_V1, [event]).reward == -0.5
 
     class Row:
@@ -95,3 +95,11 @@ def test_rewards_module_is_import_light() -> None:
     code = "import sys, schemas.rewards; bad = {'kafka', 'sqlalchemy', 'torch'} & set(sys.modules); print(sorted(bad))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_scored_values_outside_the_declared_range_are_refused_not_clamped() -> None:
+    assert TAB_V1.value_problem(K.task_outcome, 1.0) is None
+    assert TAB_V1.value_problem(K.accepted, 5.0) is None  # event kinds ignore their value
+    assert TAB_V1.value_problem(K.judge_score, 1e6) == "judge_score value 1e+06 is outside [-1, 1] of reward spec tab-v1@1"
+    with pytest.raises(ValueError, match="value_range"):
+        RewardSpec(name="x", version=1, weights=TAB_V1.weights, terminal=frozenset(), value_range={K.task_outcome: (0, 1)})

@@ -1,0 +1,106 @@
+"""`rtrl dlq list|show|replay`: the records rtrl could not use, with their reasons.
+
+    rtrl dlq list [--reason schema:] [--limit 50]   newest first: id, source, when, reason
+    rtrl dlq show ID                                 everything about one, the payload as text
+    rtrl dlq replay ID [ID ...]                      produce the original bytes to their topic again
+
+Dead letters are read from the store (``dead_letters``: the labeler writes one row per record it
+refused). A replay is for a record refused by a labeler bug that is now fixed: it goes to the end
+of its topic as a new record and is labelled (or dead-lettered) again. Records the gateway dead-lettered (source ``gateway``) have no topic to go
+back to. The DLQ topic (``settings.kafka.dlq_topic``) carries the same records for other consumers.
+A replay is produced before it is marked: a crash in between can replay a record twice, and the
+labeler then dead-letters the second copy as a duplicate; it is never lost.
+"""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters: records rtrl refused, with the reasons.")
+
+
+@dlq_app.command("list")
+def list_letters(
+    reason: str | None = typer.Option(None, help="Only reasons starting with this (schema:, content:, duplicate:, ...)."),
+    limit: int = typer.Option(50, min=1, help="How many, newest first."),
+) -> None:
+    """Dead letters as JSON lines, newest first."""
+    from schemas.settings import load_settings
+    from store import Store
+
+    store = Store(load_settings().store.url)
+    try:
+        store.check_schema()
+        for d in store.dead_letters(limit, reason_prefix=reason):
+            typer.echo(json.dumps({
+                "id": d.event_id, "source": d.source, "created_at": d.created_at.isoformat(),
+                "original_event_id": d.original_event_id, "replayed": d.replayed_at is not None,
+                "reason": d.reason[:300],
+            }))  # fmt: skip
+    finally:
+        store.close()
+
+
+@dlq_app.command("show")
+def show(letter_id: str = typer.Argument(..., help="Id from `rtrl dlq list` (dlq:topic:partition:offset).")) -> None:
+    """One dead letter in full; the payload decoded as UTF-8 (invalid bytes replaced)."""
+    from schemas.settings import load_settings
+    from store import Store
+
+    store = Store(load_settings().store.url)
+    try:
+        store.check_schema()
+        d = store.dead_letter(letter_id)
+    finally:
+        store.close()
+    if d is None:
+        raise typer.BadParameter(f"no dead letter {letter_id!r} (see `rtrl dlq list`)", param_hint="ID")
+    typer.echo(json.dumps({
+        "id": d.event_id, "source": d.source, "source_topic": d.source_topic, "created_at": d.created_at.isoformat(),
+        "original_event_id": d.original_event_id, "replayed_at": None if d.replayed_at is None else d.replayed_at.isoformat(),
+        "reason": d.reason, "payload_bytes": len(d.payload), "payload": d.payload.decode("utf-8", errors="replace"),
+    }, indent=2))  # fmt: skip
+
+
+@dlq_app.command("replay")
+def replay(letter_ids: list[str] = typer.Argument(..., help="Ids from `rtrl dlq list`.")) -> None:
+    """Produce each dead letter's original bytes to its topic again (once per dead letter)."""
+    import streams
+    from schemas.settings import load_settings
+    from store import Store
+
+    settings = load_settings()
+    store = Store(settings.store.url)
+    producer = None
+    failed = 0
+    try:
+        store.check_schema()
+        for letter_id in letter_ids:
+            d = store.dead_letter(letter_id)
+            if d is None or d.source_topic is None:
+                typer.echo(f"{letter_id}: {'no such dead letter' if d is None else 'came from ' + d.source + ', no topic to replay to'}", err=True)
+                failed += 1
+                continue
+            if d.replayed_at is not None:
+                typer.echo(f"{letter_id}: already replayed at {d.replayed_at.isoformat()}", err=True)
+                failed += 1
+                continue
+            # Produced first, marked after: a crash in between replays it twice, which the labeler
+            # stores once (the event_id is already stored) rather than not at all.
+            producer = producer or streams.producer(settings.kafka, "rtrl-dlq-replay")
+            metadata = producer.send(d.source_topic, key=letter_id.encode(), value=d.payload).get(timeout=30)
+            store.mark_replayed(letter_id)
+            typer.echo(f"{letter_id}: replayed to {metadata.topic}:{metadata.partition}:{metadata.offset}")
+    finally:
+        if producer is not None:
+            producer.close()
+        store.close()
+    if failed:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `rtrl dlq` to the root app."""
+    app.add_typer(dlq_app, name="dlq")

@@ -1,0 +1,120 @@
+"""`rtrl keys` and `rtrl tenants`: who may call the gateway, and whose traffic trains the model.
+
+    rtrl keys create --tenant acme [--name ci] [--rate 50]   print a new key once (only its hash is kept)
+    rtrl keys create --admin --name ops                      a key for /metrics (no tenant)
+    rtrl keys list [--all]                                   id, prefix, role, tenant, name, rate, revoked
+    rtrl keys revoke ID                                      gateways refuse it within gateway.keys_refresh_s
+    rtrl tenants list
+    rtrl tenants set acme --no-train | --train-redacted      the per-tenant training switches
+
+Keys live in the SQL store (``settings.store.url``); the commands that write migrate it first.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import typer
+
+if TYPE_CHECKING:
+    from store import Store
+
+keys_app = typer.Typer(no_args_is_help=True, help="API keys of the gateway (stored hashed).")
+tenants_app = typer.Typer(no_args_is_help=True, help="Tenants and whether their traffic trains the model.")
+
+
+def _store(migrate: bool) -> Store:
+    from schemas.settings import load_settings
+    from store import Store
+
+    store = Store(load_settings().store.url)
+    if migrate:
+        store.migrate()
+    else:
+        store.check_schema()
+    return store
+
+
+@keys_app.command("create")
+def create(
+    tenant: str | None = typer.Option(None, help="Tenant the key calls as (created, training on, if new)."),
+    admin: bool = typer.Option(False, "--admin", help="An admin key (/metrics) instead of a tenant key."),
+    name: str = typer.Option("", help="What the key is for, shown by `rtrl keys list`."),
+    rate: float | None = typer.Option(None, min=0, help="Requests a second for this key (default: the gateway's setting; 0 = unlimited)."),
+) -> None:
+    """Create an API key and print it. It is shown only now: the store keeps its sha256."""
+    if admin == (tenant is not None):
+        raise typer.BadParameter("give either --tenant NAME or --admin", param_hint="--tenant/--admin")
+    store = _store(migrate=True)
+    try:
+        record, key = store.create_api_key(
+            role="admin" if admin else "tenant", tenant=tenant, name=name or (tenant or "admin"), rate_per_s=rate
+        )
+    finally:
+        store.close()
+    typer.echo(key)
+    typer.echo(f"key {record.id} ({record.role}{'' if record.tenant is None else ', tenant ' + record.tenant}) "
+               "created; it is shown only once, keep it secret", err=True)  # fmt: skip
+
+
+@keys_app.command("list")
+def list_keys(include_revoked: bool = typer.Option(False, "--all", help="Include revoked keys.")) -> None:
+    """The keys, as JSON lines (never the keys themselves)."""
+    store = _store(migrate=False)
+    try:
+        for k in store.api_keys(include_revoked=include_revoked):
+            typer.echo(json.dumps({
+                "id": k.id, "prefix": k.prefix, "role": k.role, "tenant": k.tenant, "name": k.name,
+                "rate_per_s": k.rate_per_s, "created_at": k.created_at.isoformat(),
+                "revoked_at": None if k.revoked_at is None else k.revoked_at.isoformat(),
+            }))  # fmt: skip
+    finally:
+        store.close()
+
+
+@keys_app.command("revoke")
+def revoke(key_id: int = typer.Argument(..., help="Id from `rtrl keys list`.")) -> None:
+    """Revoke a key; gateways refuse it once they reload their keys (gateway.keys_refresh_s)."""
+    store = _store(migrate=True)
+    try:
+        if not store.revoke_api_key(key_id):
+            raise typer.BadParameter(f"no active key {key_id} (see `rtrl keys list --all`)", param_hint="ID")
+    finally:
+        store.close()
+    typer.echo(f"key {key_id} revoked")
+
+
+@tenants_app.command("list")
+def list_tenants() -> None:
+    """Tenants and their training switches, as JSON lines."""
+    store = _store(migrate=False)
+    try:
+        for t in store.tenants():
+            typer.echo(json.dumps({"tenant": t.tenant, "trains": t.trains, "train_redacted": t.train_redacted}))
+    finally:
+        store.close()
+
+
+@tenants_app.command("set")
+def set_tenant(
+    tenant: str = typer.Argument(..., help="Tenant name."),
+    train: bool | None = typer.Option(None, "--train/--no-train", help="Whether its episodes train the model."),
+    train_redacted: bool | None = typer.Option(
+        None, "--train-redacted/--no-train-redacted",
+        help="Whether its segments with redacted text train (their token ids still carry the text).",
+    ),
+) -> None:
+    """Create a tenant or change its switches; a cycle honours them when it selects its batch."""
+    store = _store(migrate=True)
+    try:
+        record = store.set_tenant(tenant, trains=train, train_redacted=train_redacted)
+    finally:
+        store.close()
+    typer.echo(json.dumps({"tenant": record.tenant, "trains": record.trains, "train_redacted": record.train_redacted}))
+
+
+def register(app: typer.Typer) -> None:
+    """Add `rtrl keys` and `rtrl tenants` to the root app."""
+    app.add_typer(keys_app, name="keys")
+    app.add_typer(tenants_app, name="tenants")

@@ -1,0 +1,80 @@
+"""The store's side of the trust boundary on SQLite: API keys, tenant switches in training selection,
+redacted segments, dead letters for operators, and the labeler's poison-pill bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+from factories import FakeClock, Feeder, feedback, interaction
+
+from schemas.keys import TenantNameError, hash_key
+from store import Store
+
+pytestmark = pytest.mark.unit
+
+
+def settled(feeder: Feeder, episode: str, tenant: str, **kw: object) -> None:
+    feeder.send(interaction(episode, tenant=tenant, **kw), feedback(f"r-{episode}-0", "thumbs_up", tenant=tenant))
+
+
+def test_keys_are_stored_hashed_listed_and_revoked(store: Store, clock: FakeClock) -> None:
+    record, key = store.create_api_key(role="tenant", tenant="acme", name="ci")
+    assert key.startswith("rtrl_") and len(key) > 40
+    assert record.key_hash == hash_key(key) and key.startswith(record.prefix) and record.prefix != key
+    admin, _ = store.create_api_key(role="admin", tenant=None, name="ops", rate_per_s=5.0)
+    assert [k.id for k in store.api_keys()] == [record.id, admin.id]
+    assert [t.tenant for t in store.tenants()] == ["acme"]  # a tenant key made its tenant (training on)
+    clock.advance(1)
+    assert store.revoke_api_key(record.id) and not store.revoke_api_key(record.id)
+    assert [k.id for k in store.api_keys()] == [admin.id]
+    assert store.api_keys(include_revoked=True)[0].revoked_at == clock()
+    with pytest.raises(ValueError):
+        store.create_api_key(role="tenant", tenant=None, name="x")
+    with pytest.raises(TenantNameError):
+        store.create_api_key(role="tenant", tenant="a:b", name="x")  # ":" separates episode namespaces
+
+
+def test_a_tenant_switched_off_does_not_train(store: Store) -> None:
+    feeder = Feeder(store)
+    settled(feeder, "a1", "acme")
+    settled(feeder, "b1", "bolt")
+    settled(feeder, "d1", "default")  # a tenant without a row trains
+    assert store.count_trainable(1, 0) == 3
+    store.set_tenant("bolt", trains=False)
+    assert store.count_trainable(1, 0) == 2
+    assert {e.episode_id for e in store.select_episodes(1, 0, 10)} == {"a1", "d1"}
+    store.set_tenant("bolt", trains=True)
+    assert store.count_trainable(1, 0) == 3
+
+
+def test_redacted_segments_train_only_where_the_tenant_allows(store: Store) -> None:
+    feeder = Feeder(store)
+    settled(feeder, "r1", "acme", redacted=["email"])
+    settled(feeder, "c1", "acme")
+    store.set_tenant("acme")
+    segments = {e.episode_id: e.segments[0].trainable for e in store.select_episodes(1, 0, 10)}
+    assert segments == {"r1": False, "c1": True}
+    store.set_tenant("acme", train_redacted=True)
+    assert all(e.segments[0].trainable for e in store.select_episodes(1, 0, 10))
+
+
+def test_dead_letters_for_operators_replay_once(store: Store) -> None:
+    feeder = Feeder(store)
+    feeder.process([feeder.record(b"not json"), feeder.record(feedback("x", "task_outcome", value=7.0))])
+    letters = store.dead_letters(10)
+    assert sorted(d.reason.split(":")[0] for d in letters) == ["content", "schema"]
+    content = store.dead_letters(10, reason_prefix="content:")[0]
+    assert "outside [-1, 1]" in content.reason and content.source_topic == "feedback"
+    assert store.dead_letter(content.event_id) == content
+    assert store.mark_replayed(content.event_id) and not store.mark_replayed(content.event_id)
+    assert store.dead_letter(content.event_id).replayed_at is not None  # type: ignore[union-attr]
+    assert store.dead_letter("no-such") is None
+
+
+def test_batch_starts_that_a_process_died_on(store: Store) -> None:
+    assert store.note_batch_starts({("t", 0): 100, ("t", 1): 5}) == set()
+    # The same starts noted again without moving on: a process died there.
+    assert store.note_batch_starts({("t", 0): 100, ("t", 1): 7}) == {("t", 0)}
+    assert store.note_attempt("t", 0, 110, "record") == 1
+    assert store.note_batch_starts({("t", 0): 110}) == {("t", 0)}  # died on the record at 110
+    assert store.note_attempt("t", 0, 110, "record") == 2
+    assert store.note_batch_starts({("t", 0): 111}) == set()  # moved on
