@@ -263,16 +263,17 @@ class Labeler:
         return ", ".join(f"{t}:{p}:{starts[(t, p)]}" for t, p in sorted(one_by_one)) or None
 
     def _commit_offsets(self, offsets: dict[Any, int]) -> None:
-        from kafka.errors import CommitFailedError
+        from kafka.errors import KafkaError
         from kafka.structs import OffsetAndMetadata
 
         if not offsets:
             return
         try:
             self.consumer.commit({tp: OffsetAndMetadata(offset, "", -1) for tp, offset in offsets.items()})
-        except CommitFailedError as exc:
-            # The group rebalanced; the records are stored and their re-delivery will be no-op replays.
-            log.warning("offset commit failed after the DB commit (%s); re-delivery is idempotent", exc)
+        except KafkaError as exc:
+            # The group rebalanced or the broker is away; the records are stored, the next commit
+            # covers them, and a re-delivery meanwhile is a no-op replay.
+            log.warning("offset commit failed after the DB commit (%r); re-delivery is idempotent", exc)
 
     def _produce_dead_letters(self, rejected: list[Rejected], now: datetime) -> None:
         if not rejected:

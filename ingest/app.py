@@ -50,6 +50,7 @@ from ingest.auth import OPEN_CALLER, Caller, KeyCache, RateLimiter, RequestIds, 
 from ingest.limits import BodyLimit
 from ingest.metrics import GatewayMetrics
 from ingest.publisher import Publisher
+from ingest.redaction import Redacted, Redactor
 from ingest.routing import Fleet, Server, UpstreamUnavailable
 from ingest.shaping import (
     HEADER_REQUEST_ID,
@@ -68,7 +69,7 @@ from ingest.shaping import (
     with_rtrl,
 )
 from schemas.clock import utcnow
-from schemas.events import MAX_EVENT_BYTES, DeadLetterRecord
+from schemas.events import MAX_EVENT_BYTES, DeadLetterRecord, InteractionEvent
 from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import Settings
 from schemas.versions import format_version
@@ -108,8 +109,10 @@ class Gateway:
         keys: KeyCache | None,
         ids: RequestIds,
         spec: RewardSpec,
+        redactor: Redactor,
     ) -> None:
         self.settings = settings
+        self.redactor = redactor
         self.fleet = fleet
         self.publisher = publisher
         self.metrics = metrics
@@ -281,12 +284,32 @@ class Gateway:
         except (ValueError, KeyError, TypeError) as exc:  # ValidationError is a ValueError
             self._dead_letter(request_id, f"could not build an InteractionEvent: {exc}", payload, forward)
             return
+        event = self._redacted(event)
         self.publisher.publish(
             kafka.interactions_topic, request_id, event.model_dump_json(), event.schema_version, event.event_id
         )
 
+    def _redacted(self, event: InteractionEvent) -> InteractionEvent:
+        """`event` with its text masked by the configured detectors, and what they found recorded."""
+        try:
+            prompt, completion = self.redactor(event.prompt), self.redactor(event.completion)
+        except Exception:  # noqa: BLE001 - a plugged-in detector failed: mask everything, lose nothing
+            log.exception("redaction of request %s failed: its text is masked whole", event.request_id)
+            prompt = completion = Redacted("[REDACTED:redaction_failed]", frozenset({"redaction_failed"}))
+        kinds = sorted(prompt.kinds | completion.kinds)
+        if not kinds:
+            return event
+        for kind in kinds:
+            self.metrics.redacted.labels(kind).inc()
+        return event.model_copy(update={"prompt": prompt.text, "completion": completion.text, "redacted": kinds})
+
     def _dead_letter(self, request_id: str, reason: str, payload: Any, forward: Any) -> None:
         raw = json.dumps({"request_id": request_id, "request": forward, "response": payload})
+        try:
+            raw = self.redactor(raw).text
+        except Exception:  # noqa: BLE001 - a plugged-in detector failed: keep no text at all
+            log.exception("redaction of dead letter %s failed: its payload is dropped", request_id)
+            raw = json.dumps({"request_id": request_id, "payload": "[REDACTED:redaction_failed]"})
         if len(raw) > MAX_EVENT_BYTES:
             raw = raw[:MAX_EVENT_BYTES]
             reason += " (payload truncated)"
@@ -343,6 +366,8 @@ class Gateway:
             "auth": self.settings.gateway.auth,
             "keys_loaded": None if self.keys is None else self.keys.loaded,
             "kafka_connected": self.publisher.connected,
+            "publish_in_flight": self.publisher.in_flight,
+            "publish_oldest_in_flight_s": round(self.publisher.in_flight_age_s, 3),
             "spool_bytes": self.publisher.spool.size_bytes,
         }
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
@@ -366,6 +391,7 @@ def create_app(settings: Settings) -> FastAPI:
     publisher threads."""
     metrics = GatewayMetrics()
     spec = get_spec(settings.labeler.reward_spec)  # a bad spec name fails now, not on the first feedback
+    redactor = Redactor(settings.gateway.redaction)  # so does a detector that cannot be loaded
     ids = RequestIds(request_id_secret(
         None if settings.gateway.request_id_secret is None else settings.gateway.request_id_secret.get_secret_value(),
         settings.services.run_dir,
@@ -385,7 +411,9 @@ def create_app(settings: Settings) -> FastAPI:
             if keys is not None:
                 keys.start()
                 metrics.keys_age.set_function(lambda: min(keys.age_s, 1e9))
-            app.state.gateway = Gateway(settings, Fleet(settings.vllm, client), publisher, metrics, keys, ids, spec)
+            app.state.gateway = Gateway(
+                settings, Fleet(settings.vllm, client), publisher, metrics, keys, ids, spec, redactor
+            )
             try:
                 yield
             finally:

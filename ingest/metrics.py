@@ -30,7 +30,8 @@ class GatewayMetrics:
         self.publish = Counter(
             "rtrl_gateway_publish_total",
             "Events by publish outcome: ok (acked by Kafka), spooled, replayed (acked from the spool), "
-            "overflow (spool full, written to overflow.jsonl), dead_letter (not a valid event).",
+            "overflow (spool full, written to overflow.jsonl), undeliverable (too large for Kafka, written to "
+            "overflow.jsonl), dead_letter (not a valid event, sent to the dead-letter topic).",
             ["topic", "outcome"],
             registry=self.registry,
         )
@@ -43,7 +44,27 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.kafka_connected = Gauge(
-            "rtrl_gateway_kafka_connected", "1 when the gateway has a Kafka producer.", registry=self.registry
+            "rtrl_gateway_kafka_connected",
+            "1 when the gateway has a working Kafka producer (0 while unreachable or being replaced).",
+            registry=self.registry,
+        )
+        self.oldest_in_flight = Gauge(
+            "rtrl_gateway_publish_oldest_in_flight_seconds",
+            "Age of the oldest event handed to Kafka and not yet acknowledged or spooled (0 when none); "
+            "never above publish_timeout_s + 1 for long.",
+            registry=self.registry,
+        )
+        self.producer_replaced = Counter(
+            "rtrl_gateway_producer_replaced_total",
+            "Kafka producers retired because they left events unsettled past their deadline or failed "
+            "spool replays in a row.",
+            registry=self.registry,
+        )
+        self.redacted = Counter(
+            "rtrl_gateway_redacted_total",
+            "Interaction events in which a redaction detector masked text, by detector.",
+            ["kind"],
+            registry=self.registry,
         )
         self.auth = Counter(
             "rtrl_gateway_auth_total",

@@ -2,17 +2,37 @@
 
 `Publisher.publish` never blocks and never raises: it puts the record on a bounded in-memory queue
 and returns. A sender thread hands records to a kafka-python `KafkaProducer` (acks=all,
-idempotent, short linger); a record Kafka does not acknowledge within ``publish_timeout_s`` is
-written to the `ingest.spool.Spool`, and so is every record while there is no producer at all
-(broker unreachable since start-up) or the queue/in-flight bound is reached. A replayer thread
-(re)connects to the broker and replays the spool oldest segment first, deleting a segment only
-after every record in it was acknowledged; a restarted gateway replays what a previous one left.
+short linger; not idempotent, see `_new_producer`). Every accepted record ends in one of three places:
 
-Guarantees: at-least-once into Kafka for everything `publish` accepted, except what is in memory
-when the process is killed hard (the queue plus the producer's unacknowledged batches, both
-bounded); on a clean shutdown those are spooled too. Replays and retries can duplicate a record:
-consumers are idempotent on ``event_id``. Order is kept within the spool; spooled records may land
-after newer live ones (the labeler joins by request id and never relies on cross-record order).
+* **Kafka**, acknowledged;
+* **the spool** (`ingest.spool.Spool`, fsynced): when Kafka does not acknowledge it within
+  ``publish_timeout_s``, when there is no producer (broker unreachable), or when the queue or the
+  in-flight bound is reached;
+* **the overflow file** (``spool_dir/overflow.jsonl``, a dead letter with the reason): when Kafka
+  will never take it as it is (over ``kafka.max_message_bytes``, or refused by the broker as too
+  large), or when the spool is full.
+
+Nothing depends on the producer keeping its promises. A watchdog thread gives every record handed
+to the producer a deadline of ``publish_timeout_s`` + `WATCHDOG_GRACE_S`; a record still unsettled
+then is spooled by the watchdog, and the producer that let it hang is *retired* (closed in the
+background, never waited for) and replaced by a fresh one. The same happens to a producer that
+fails `RETIRE_AFTER_FAILED_REPLAYS` spool replays in a row. This is what keeps a broker restart
+from wedging the gateway: a kafka-python producer that lost its broker can stay stuck on its old
+connection state, its futures never completing.
+
+A replayer thread (re)connects to the broker and replays the spool oldest segment first,
+deleting a segment only after each of its records was acknowledged or dead-lettered for good; a
+restarted gateway replays what a previous one left.
+
+Guarantees: at-least-once into Kafka (or a dead letter on disk) for everything `publish` accepted,
+except what is in memory when the process is killed hard (the queue plus the records in flight,
+both bounded); on a clean shutdown those are spooled too. Retries, replays and a retired
+producer's late deliveries can duplicate a record: consumers are idempotent on ``event_id``.
+Order is kept within the spool; spooled records may land after newer live ones (the labeler joins
+by request id and never relies on cross-record order).
+
+Readiness tells the truth: `connected` is false while there is no working producer, and
+`in_flight_age_s` is the age of the oldest unsettled record (``rtrl_gateway_publish_oldest_in_flight_seconds``).
 """
 
 from __future__ import annotations
@@ -21,10 +41,12 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kafka import KafkaProducer
-from kafka.errors import KafkaError
+from kafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
 
 import streams
 from ingest.metrics import GatewayMetrics
@@ -34,44 +56,89 @@ from schemas.settings import Settings
 log = logging.getLogger(__name__)
 
 QUEUE_SIZE = 10_000  # records waiting for the sender thread
-MAX_IN_FLIGHT = 20_000  # records handed to the producer and not yet acknowledged
+MAX_IN_FLIGHT = 20_000  # records handed to the producer and not yet settled
 LINGER_MS = 5
+WATCHDOG_GRACE_S = 1.0  # the producer's own delivery timeout fires first; the watchdog catches a hang
+WATCHDOG_TICK_S = 0.25
+RETIRE_AFTER_FAILED_REPLAYS = 2
+RECORD_OVERHEAD_BYTES = 512  # record and batch headers around key + value + schema header
+
+# Errors about one record that no retry can fix: it is dead-lettered instead of spooled again.
+UNDELIVERABLE = (MessageSizeTooLargeError, RecordListTooLargeError)
+
+
+@dataclass
+class _InFlight:
+    record: SpoolRecord
+    sent_at: float  # time.monotonic() when handed to the producer
+    producer: KafkaProducer
 
 
 class Publisher:
     """Publishes wire events to Kafka from background threads; spools what the broker does not take."""
 
-    def __init__(self, settings: Settings, metrics: GatewayMetrics, replay_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: GatewayMetrics,
+        replay_interval_s: float = 1.0,
+        connect: Callable[[], KafkaProducer | None] | None = None,
+    ) -> None:
         self._kafka = settings.kafka
+        self._connect = connect or self._new_producer  # tests hand in producers that misbehave
         self._timeout_s = settings.gateway.publish_timeout_s
         self._metrics = metrics
         self._replay_interval_s = replay_interval_s
         self.spool = Spool(settings.gateway.spool_dir, settings.gateway.spool_max_bytes)
         metrics.spool_bytes.set_function(lambda: self.spool.size_bytes)
+        metrics.oldest_in_flight.set_function(lambda: self.in_flight_age_s)
         self._queue: queue.Queue[SpoolRecord | None] = queue.Queue(maxsize=QUEUE_SIZE)
         self._producer: KafkaProducer | None = None
-        self._in_flight: dict[int, SpoolRecord] = {}
+        self._producer_lock = threading.Lock()
+        self._failed_replays = 0
+        self._in_flight: dict[int, _InFlight] = {}  # insertion order = send order = deadline order
         self._in_flight_lock = threading.Lock()
         self._next_ticket = 0
         self._stop = threading.Event()
         self._first_attempt = threading.Event()  # set once the first connection attempt finished
         self._closed = False
-        self._sender = threading.Thread(target=self._send_loop, name="rtrl-publisher-send", daemon=True)
-        self._replayer = threading.Thread(target=self._replay_loop, name="rtrl-publisher-replay", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._send_loop, name="rtrl-publisher-send", daemon=True),
+            threading.Thread(target=self._replay_loop, name="rtrl-publisher-replay", daemon=True),
+            threading.Thread(target=self._watchdog_loop, name="rtrl-publisher-watchdog", daemon=True),
+        ]
 
     # ---- API ----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._sender.start()
-        self._replayer.start()
+        for thread in self._threads:
+            thread.start()
 
     @property
     def connected(self) -> bool:
+        """True while there is a producer that has not been retired."""
         return self._producer is not None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def in_flight_age_s(self) -> float:
+        """Seconds the oldest record handed to the producer has waited for its acknowledgement (0 if none)."""
+        with self._in_flight_lock:
+            oldest = next(iter(self._in_flight.values()), None)
+        return 0.0 if oldest is None else time.monotonic() - oldest.sent_at
 
     def publish(self, topic: str, key: str, value: str, schema: str, event_id: str | None = None) -> None:
         """Queue one record for Kafka. Never blocks on the broker; never drops the record."""
         record = SpoolRecord(topic=topic, key=key, value=value, schema=schema, event_id=event_id)
+        size = len(key.encode()) + len(value.encode()) + len(schema) + RECORD_OVERHEAD_BYTES
+        if size > self._kafka.max_message_bytes:
+            self._undeliverable(
+                record, f"record of about {size} bytes is over kafka.max_message_bytes {self._kafka.max_message_bytes}"
+            )
+            return
         if self._closed:
             self._spool(record, "publisher closed")
             return
@@ -85,22 +152,25 @@ class Publisher:
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         self._closed = True
         self._queue.put(None)  # the sender drains everything queued before it, then exits
-        self._sender.join()
+        self._threads[0].join()
         self._stop.set()
-        self._replayer.join()
-        producer = self._producer
+        for thread in self._threads[1:]:
+            thread.join()
+        with self._producer_lock:
+            producer, self._producer = self._producer, None
         if producer is not None:
             try:
                 producer.flush(timeout=timeout_s)
             except KafkaError as exc:
                 log.warning("kafka flush on shutdown: %s; spooling unacknowledged records", exc)
-            # Outcome unknown for whatever is still in flight: spool it (a duplicate is harmless).
-            with self._in_flight_lock:
-                leftover = list(self._in_flight.values())
-                self._in_flight.clear()
-            for record in leftover:
-                self._spool(record, "unacknowledged at shutdown")
-            producer.close(timeout=0)
+        # Outcome unknown for whatever is still in flight: spool it (a duplicate is harmless).
+        with self._in_flight_lock:
+            leftover = [entry.record for entry in self._in_flight.values()]
+            self._in_flight.clear()
+        for record in leftover:
+            self._spool(record, "unacknowledged at shutdown")
+        if producer is not None:
+            _close_quietly(producer)
         self.spool.close()
 
     # ---- sending ------------------------------------------------------------------------------
@@ -129,13 +199,17 @@ class Publisher:
             else:
                 ticket = self._next_ticket
                 self._next_ticket += 1
-                self._in_flight[ticket] = record
+                self._in_flight[ticket] = _InFlight(record, time.monotonic(), producer)
         if ticket is None:
             self._spool(record, f"{MAX_IN_FLIGHT} records in flight to Kafka")
             return
         try:
             future = self._produce(producer, record)
-        except KafkaError as exc:  # metadata not available within max_block_ms, producer closed...
+        except UNDELIVERABLE as exc:
+            if self._settle(ticket) is not None:
+                self._undeliverable(record, f"kafka refused the record: {exc!r}")
+            return
+        except (KafkaError, AssertionError) as exc:  # metadata not available in max_block_ms, producer closed...
             if self._settle(ticket) is not None:
                 self._spool(record, f"kafka send failed: {exc!r}")
             return
@@ -151,9 +225,11 @@ class Publisher:
         )
 
     def _settle(self, ticket: int) -> SpoolRecord | None:
-        # Whoever removes the ticket owns the record's fate; close() may have spooled it already.
+        # Whoever removes the ticket owns the record's fate; the watchdog or close() may have
+        # spooled it already (then a late acknowledgement only makes a harmless duplicate).
         with self._in_flight_lock:
-            return self._in_flight.pop(ticket, None)
+            entry = self._in_flight.pop(ticket, None)
+        return None if entry is None else entry.record
 
     def _on_ack(self, ticket: int, _metadata: Any) -> None:
         record = self._settle(ticket)
@@ -162,7 +238,11 @@ class Publisher:
 
     def _on_error(self, ticket: int, exc: BaseException) -> None:
         record = self._settle(ticket)
-        if record is not None:
+        if record is None:
+            return
+        if isinstance(exc, UNDELIVERABLE):
+            self._undeliverable(record, f"kafka refused the record: {exc!r}")
+        else:
             self._spool(record, f"kafka did not acknowledge: {exc!r}")
 
     def _spool(self, record: SpoolRecord, reason: str) -> None:
@@ -173,14 +253,61 @@ class Publisher:
             log.error("spool full: %s record %s written to %s", record.topic, record.event_id, self.spool.overflow_path)
             self._metrics.publish.labels(record.topic, "overflow").inc()
 
+    def _undeliverable(self, record: SpoolRecord, reason: str) -> None:
+        self.spool.dead_letter(record, reason)
+        log.error("%s record %s dead-lettered to %s: %s", record.topic, record.event_id, self.spool.overflow_path, reason)
+        self._metrics.publish.labels(record.topic, "undeliverable").inc()
+
+    # ---- the watchdog -------------------------------------------------------------------------
+
+    def _watchdog_loop(self) -> None:
+        while not self._stop.wait(WATCHDOG_TICK_S):
+            self.expire()
+
+    def expire(self, now: float | None = None) -> int:
+        """Spool every in-flight record past its deadline and retire the producers that let it hang;
+        returns how many records were spooled. The watchdog thread calls this every tick."""
+        now = time.monotonic() if now is None else now
+        deadline = self._timeout_s + WATCHDOG_GRACE_S
+        expired: list[_InFlight] = []
+        with self._in_flight_lock:
+            while self._in_flight:
+                ticket, entry = next(iter(self._in_flight.items()))
+                if now - entry.sent_at < deadline:
+                    break  # every later ticket was sent later
+                del self._in_flight[ticket]
+                expired.append(entry)
+        for entry in expired:
+            self._spool(entry.record, f"no acknowledgement from Kafka within {deadline:g}s")
+        for producer in {id(e.producer): e.producer for e in expired}.values():
+            self._retire(producer, f"{len(expired)} records unsettled after {deadline:g}s")
+        return len(expired)
+
+    def _retire(self, producer: KafkaProducer, reason: str) -> None:
+        """Stop using `producer` (if it is still the current one) and close it in the background."""
+        with self._producer_lock:
+            if self._producer is not producer:
+                return  # already retired
+            self._producer = None
+            self._failed_replays = 0
+        self._metrics.kafka_connected.set(0)
+        self._metrics.producer_replaced.inc()
+        log.warning("kafka producer retired (%s); a new one connects, events go to the spool meanwhile", reason)
+        threading.Thread(target=_close_quietly, args=(producer,), name="rtrl-publisher-retire", daemon=True).start()
+
     # ---- connecting and replaying -------------------------------------------------------------
 
-    def _connect(self) -> KafkaProducer | None:
+    def _new_producer(self) -> KafkaProducer | None:
         timeout_ms = int(self._timeout_s * 1000)
         try:
             producer: KafkaProducer = streams.producer(
                 self._kafka,
                 "rtrl-gateway",
+                # Not idempotent: kafka-python's idempotent producer turns one refused batch (a record
+                # over the broker's size limit) into a fatal state that fails every later record, and
+                # carries producer-id and sequence state across broker restarts that the gateway gains
+                # nothing from. Duplicates from retries are harmless: consumers dedupe on event_id.
+                enable_idempotence=False,
                 linger_ms=LINGER_MS,
                 # A record Kafka has not acknowledged within publish_timeout_s is spooled instead.
                 delivery_timeout_ms=timeout_ms + LINGER_MS + 1,
@@ -196,36 +323,80 @@ class Publisher:
     def _replay_loop(self) -> None:
         while not self._stop.is_set():
             if self._producer is None:
-                self._producer = self._connect()
-                self._metrics.kafka_connected.set(1 if self._producer is not None else 0)
+                producer = self._connect()
+                with self._producer_lock:
+                    self._producer = producer
+                self._metrics.kafka_connected.set(1 if producer is not None else 0)
+                if producer is not None and self._first_attempt.is_set():
+                    log.info("kafka producer connected to %s", self._kafka.bootstrap_servers)
                 self._first_attempt.set()
-            if self._producer is not None:
-                self._replay(self._producer)
+            producer = self._producer
+            if producer is not None and not self._replay(producer):
+                self._failed_replays += 1
+                if self._failed_replays >= RETIRE_AFTER_FAILED_REPLAYS:
+                    self._retire(producer, f"{self._failed_replays} spool replays in a row failed")
             self._stop.wait(self._replay_interval_s)
 
-    def _replay(self, producer: KafkaProducer) -> None:
-        """Replay sealed spool segments oldest first; stop at the first that is not fully acked."""
+    def _replay(self, producer: KafkaProducer) -> bool:
+        """Replay sealed spool segments oldest first; stop at the first that is not fully settled.
+        Returns False when a segment could not be replayed (it is retried later)."""
         for path in self.spool.sealed_segments():
             if self._stop.is_set():
-                return
+                return True
             segment = self.spool.read(path)
             started = time.monotonic()
+            undeliverable: list[tuple[SpoolRecord, str]] = []
+            problem = ""
             try:
-                futures = [self._produce(producer, record) for record in segment.records]
-                producer.flush(timeout=self._timeout_s)
-                unacked = [f for f in futures if not f.succeeded()]
-                problem = f"{len(unacked)} of {len(futures)} unacknowledged" if unacked else ""
-                if unacked and unacked[0].exception is not None:
-                    problem += f" (first: {unacked[0].exception!r})"
-            except KafkaError as exc:
+                deadline = time.monotonic() + self._timeout_s
+                futures = []
+                for record in segment.records:
+                    try:
+                        futures.append((record, self._produce(producer, record)))
+                    except UNDELIVERABLE as exc:
+                        undeliverable.append((record, f"kafka refused the record: {exc!r}"))
+                try:
+                    producer.flush(timeout=self._timeout_s)
+                except KafkaError:
+                    # A timeout, or kafka-python's UnknownError('Future not done') when the broker
+                    # made it split a batch over its size limit: each record is waited for below.
+                    pass
+                unacked = 0
+                for record, future in futures:
+                    # flush() can also return while split batches are still in flight: wait for
+                    # each record until the deadline.
+                    try:
+                        future.get(timeout=max(0.0, deadline - time.monotonic()))
+                    except UNDELIVERABLE as exc:
+                        undeliverable.append((record, f"kafka refused the record: {exc!r}"))
+                    except KafkaError as exc:
+                        unacked += 1
+                        problem = problem or f" (first: {exc!r})"
+                if unacked:
+                    problem = f"{unacked} of {len(futures)} unacknowledged{problem}"
+            except (KafkaError, AssertionError) as exc:
                 problem = repr(exc)
             if problem:
                 log.warning("replay of %s incomplete: %s; retrying later", path.name, problem)
-                return
-            self.spool.remove(segment)
+                return False
+            self._failed_replays = 0
+            self.spool.remove(segment, undeliverable)
+            refused = {id(r) for r, _ in undeliverable}
             for record in segment.records:
-                self._metrics.publish.labels(record.topic, "replayed").inc()
+                outcome = "undeliverable" if id(record) in refused else "replayed"
+                self._metrics.publish.labels(record.topic, outcome).inc()
+            for record, reason in undeliverable:
+                log.error("%s record %s dead-lettered to %s: %s", record.topic, record.event_id, self.spool.overflow_path, reason)
             log.info(
-                "replayed %d records from %s in %.2fs (%d unreadable lines dead-lettered)",
-                len(segment.records), path.name, time.monotonic() - started, len(segment.bad_lines),
+                "replayed %d records from %s in %.2fs (%d dead-lettered: %d unreadable lines, %d refused by Kafka)",
+                len(segment.records) - len(undeliverable), path.name, time.monotonic() - started,
+                len(segment.bad_lines) + len(undeliverable), len(segment.bad_lines), len(undeliverable),
             )
+        return True
+
+
+def _close_quietly(producer: KafkaProducer) -> None:
+    try:
+        producer.close(timeout=0)
+    except Exception as exc:  # noqa: BLE001 - a retired producer's close must not kill a thread that matters
+        log.info("closing a retired kafka producer: %r (its unsettled records are spooled by the watchdog)", exc)

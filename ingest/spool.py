@@ -10,9 +10,9 @@ When Kafka is down or slow the gateway still answers users; their events wait he
   acknowledged every record in it. A restarted gateway never appends to an old segment, so a line
   half-written by a crash stays the last line of its segment, where the replayer finds it.
 - ``overflow.jsonl``: dead letters (`schemas.DeadLetterRecord` JSON, one per line) for records the
-  spool refused because it was full (``spool_max_bytes``) and for lines the replayer could not
-  read (a crash mid-write). Nothing is dropped silently; the runbook (docs/runbooks/gateway.md)
-  says how to requeue them.
+  spool refused because it was full (``spool_max_bytes``), for lines the replayer could not read
+  (a crash mid-write) and for records Kafka will never take (over the message size limit). Nothing
+  is dropped silently; the runbook (docs/runbooks/gateway.md) says how to requeue them.
 
 fsync policy: every append is written, flushed and fsynced before `append` returns. Appends run
 only on the publisher's background threads, never on the request path, and they only happen while
@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
@@ -193,11 +194,19 @@ class Spool:
             bad.append((tail, f"{path.name}: truncated last line ({len(tail)} bytes, no newline; a crash mid-write)"))
         return Segment(path=path, records=records, bad_lines=bad)
 
-    def remove(self, segment: Segment) -> None:
-        """Delete a fully replayed segment, dead-lettering the lines that could not be replayed."""
+    def dead_letter(self, record: SpoolRecord, reason: str) -> None:
+        """Write `record` to the overflow file with `reason`: Kafka will never take it as it is."""
+        with self._lock:
+            self._dead_letter_locked(record.to_line(), reason, record.event_id)
+
+    def remove(self, segment: Segment, undeliverable: Sequence[tuple[SpoolRecord, str]] = ()) -> None:
+        """Delete a replayed segment, dead-lettering the lines that could not be read and the
+        `undeliverable` records (with their reasons) that Kafka refused for good."""
         with self._lock:
             for line, reason in segment.bad_lines:
                 self._dead_letter_locked(line, reason, None)
+            for record, reason in undeliverable:
+                self._dead_letter_locked(record.to_line(), reason, record.event_id)
             size = segment.path.stat().st_size
             segment.path.unlink()
             _fsync_dir(self.directory)

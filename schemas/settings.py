@@ -70,6 +70,13 @@ class KafkaSettings(_Section):
     dlq_topic: str = Field("rtrl.dlq.v1", description="Dead-letter topic (DeadLetterRecord).")
     partitions: int = Field(3, ge=1, description="Partitions per topic when rtrl creates them.")
     labeler_group: str = Field("rtrl-labeler", description="Consumer group of the feedback labeler.")
+    max_message_bytes: int = Field(
+        17 * 1024 * 1024,
+        ge=64 * 1024,
+        description="Largest record rtrl produces: the producers' max_request_size, max.message.bytes of the "
+        "topics rtrl creates and of the local broker, the consumers' fetch size. A record over it is "
+        "dead-lettered where it is produced. Default: the 16 MiB event limit plus room for key and headers.",
+    )
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         "PLAINTEXT", description="How clients connect to the brokers."
     )
@@ -167,10 +174,13 @@ class GatewaySettings(_Section):
         Path(".rtrl/run/spool"), description="On-disk spool for events Kafka did not take."
     )
     spool_max_bytes: int = Field(
-        256 * 1024 * 1024, description="Spool bound; past it the oldest file is dead-lettered to disk."
+        256 * 1024 * 1024, description="Spool bound; past it new records go to the overflow file (spool_dir/overflow.jsonl)."
     )
     publish_timeout_s: float = Field(
-        5.0, description="How long a publish may wait for the broker before spooling."
+        5.0,
+        gt=0,
+        description="How long an event may wait for Kafka's acknowledgement before it is spooled to disk "
+        "(a producer that does not settle its events within this plus 1 s is replaced).",
     )
     auth: Literal["keys", "open"] = Field(
         "keys",
@@ -192,6 +202,11 @@ class GatewaySettings(_Section):
     )
     max_feedback_bytes: int = Field(
         1024 * 1024, ge=1024, description="Largest feedback request body; larger is 413, refused unread."
+    )
+    redaction: tuple[str, ...] = Field(
+        ("email", "phone", "api_key"),
+        description="Detectors masking text in events before they leave the gateway: email, phone, api_key "
+        "or module:function (see ingest/redaction.py); [] turns redaction off.",
     )
 
 

@@ -63,19 +63,21 @@ def connection_config(kafka: KafkaSettings) -> dict[str, Any]:
 
 
 def producer(kafka: KafkaSettings, client_id: str, **options: Any) -> Any:
-    """A `kafka.KafkaProducer`: acks from all in-sync replicas and idempotent retries unless overridden."""
+    """A `kafka.KafkaProducer`: acks from all in-sync replicas, idempotent retries and records up to
+    ``kafka.max_message_bytes`` unless overridden."""
     from kafka import KafkaProducer
 
-    options = {"acks": "all", "enable_idempotence": True, **options}
+    options = {"acks": "all", "enable_idempotence": True, "max_request_size": kafka.max_message_bytes, **options}
     return _create(kafka, KafkaProducer, **connection_config(kafka), client_id=client_id, **options)
 
 
 def consumer(kafka: KafkaSettings, client_id: str, *topics: str, **options: Any) -> Any:
-    """A `kafka.KafkaConsumer` (subscribed to `topics` when given). Offsets are never auto-committed
-    unless the caller says so: rtrl commits after its own writes."""
+    """A `kafka.KafkaConsumer` (subscribed to `topics` when given) that can fetch records of
+    ``kafka.max_message_bytes``. Offsets are never auto-committed unless the caller says so: rtrl
+    commits after its own writes."""
     from kafka import KafkaConsumer
 
-    options = {"enable_auto_commit": False, **options}
+    options = {"enable_auto_commit": False, "max_partition_fetch_bytes": kafka.max_message_bytes, **options}
     return _create(kafka, KafkaConsumer, *topics, **connection_config(kafka), client_id=client_id, **options)
 
 

@@ -11,7 +11,8 @@ from streams.clients import admin
 
 
 def ensure_topics(kafka: KafkaSettings, replication_factor: int = 1) -> list[str]:
-    """Create the interactions, feedback and dead-letter topics that do not exist; returns those created."""
+    """Create the interactions, feedback and dead-letter topics that do not exist, taking records of
+    ``kafka.max_message_bytes`` whatever the broker's default; returns those created."""
     from kafka.admin import NewTopic
     from kafka.errors import TopicAlreadyExistsError
 
@@ -23,7 +24,8 @@ def ensure_topics(kafka: KafkaSettings, replication_factor: int = 1) -> list[str
             if topic in existing:
                 continue
             try:
-                client.create_topics([NewTopic(topic, kafka.partitions, replication_factor)])
+                config = {"max.message.bytes": str(kafka.max_message_bytes)}
+                client.create_topics([NewTopic(topic, kafka.partitions, replication_factor, topic_configs=config)])
                 created.append(topic)
             except TopicAlreadyExistsError:
                 pass  # another process created it meanwhile

@@ -117,6 +117,9 @@ class Kafka(Service):
             # A consumer group starts consuming at once instead of waiting for more members.
             "group.initial.rebalance.delay.ms": "0",
             "auto.create.topics.enable": "false",
+            # Records as large as rtrl's producers send (settings.kafka.max_message_bytes).
+            "message.max.bytes": str(self.settings.kafka.max_message_bytes),
+            "replica.fetch.max.bytes": str(self.settings.kafka.max_message_bytes),
             # Thread pools sized for one node with a handful of clients (the defaults are ~100 threads).
             "num.network.threads": "2",
             "num.io.threads": "2",

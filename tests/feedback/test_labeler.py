@@ -312,6 +312,26 @@ def test_cli_reconcile_and_stats(sqlite_settings: Settings, store_of: object, cl
     out = run_rtrl(settings, "labeler", "stats")
     assert json.loads(out.stdout)["feedback_unjoined"] == 1
 
+    # Operators see the dead letter, its bytes, and can send it through the labeler again.
+    out = run_rtrl(settings, "dlq", "list", "--reason", "schema:")
+    [letter] = [json.loads(line) for line in out.stdout.splitlines()]
+    assert letter["reason"].startswith("schema:") and letter["replayed"] is False
+    assert letter["source"].startswith(f"{settings.kafka.feedback_topic}:")
+    out = run_rtrl(settings, "dlq", "show", letter["id"])
+    assert out.returncode == 0 and "garbage" in out.stdout
+    out = run_rtrl(settings, "dlq", "replay", letter["id"])
+    assert out.returncode == 0, out.stderr
+    out = run_rtrl(settings, "dlq", "replay", "dlq:no:such:1")
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    labeler = labeler_for(settings, store, clock)
+    try:
+        result = drain(labeler, settings, store)  # the replayed copy is refused again, and counted
+    finally:
+        close(labeler)
+    assert (result.produced, result.stored, result.dead_lettered) == (3, 1, 2)
+    listed = [json.loads(line) for line in run_rtrl(settings, "dlq", "list").stdout.splitlines()]
+    assert len(listed) == 2 and [d["replayed"] for d in listed if d["id"] == letter["id"]] == [True]
+
 
 POISONED_LABELER = """
 import os, signal, sys

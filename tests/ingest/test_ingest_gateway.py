@@ -160,6 +160,24 @@ def test_completion_is_served_unchanged_and_captured(
     assert event.finish_reason == body["choices"][0]["finish_reason"]
 
 
+def test_personal_data_is_redacted_before_the_event_leaves_the_gateway(
+    services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, keys: Keys
+) -> None:
+    prompt = "Q: Mail ana.lopez@example.com or call +1 415 555 0132.\nA:"
+    request = {"model": services.vllm.served_model_name, "prompt": prompt, "max_tokens": 4}
+    with start_gateway() as gateway:
+        response = httpx.post(f"{gateway}/v1/completions", json=request, headers=keys.auth(keys.acme), timeout=120)
+        assert response.status_code == 200, response.text
+        redacted = lambda: metric(gateway, keys.admin, "rtrl_gateway_redacted_total", 'kind="email"') == 1  # noqa: E731
+        wait_until(redacted, timeout_s=30, what="the redaction counted")
+    request_id = response.headers["x-rtrl-request-id"]
+    [record] = interactions.wait_for(by_key(request_id))
+    event = parse_event(record.value, InteractionEvent)
+    assert event.prompt == "Q: Mail [REDACTED:email] or call [REDACTED:phone].\nA:"
+    assert event.redacted == ["email", "phone"]
+    assert b"ana.lopez" not in record.value and b"555 0132" not in record.value
+
+
 def test_chat_completion_is_captured(
     services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, keys: Keys
 ) -> None:
