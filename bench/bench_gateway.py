@@ -1,13 +1,20 @@
 """Gateway overhead vs calling vLLM directly, measured side by side in one run.
 
-    .venv/bin/python bench/bench_gateway.py [--requests 200] [--max-tokens 8]
+    .venv/bin/python bench/bench_gateway.py [--requests 200] [--max-tokens 8] [--concurrency 8]
 
 Starts its own Kafka and vLLM serving server (free ports, a temporary run dir, the tiny model)
 and one `rtrl gateway` with an API key of its own (the production path, key check included), then
-sends the same completion requests alternately straight to vLLM and through the gateway (greedy, fixed prompts, one at a time so queueing does not blur the numbers),
-and prints p50 / p95 latency of each path, the added milliseconds and the ratio; the last line is
-one JSON object: ``{"name", "value": gateway p50 ms, "baseline": direct p50 ms, "ratio", ...}``.
-Target (docs/architecture.md, Targets): ≤ 3 ms p50 added and a ratio ≤ 1.10.
+sends the same completion requests straight to vLLM and through the gateway (greedy, fixed prompts):
+
+* one client, the two paths interleaved request by request, so drift in machine load hits both;
+* `--concurrency` clients at once, the two paths in alternating rounds;
+* streamed requests, one client, interleaved: time to the first token-carrying chunk (TTFT).
+
+It prints p50 / p95 latency of each path, the added milliseconds and the ratios; the last line is
+one JSON object: ``{"name", "value": gateway p50 ms, "baseline": direct p50 ms, "ratio",
+"added_ms_p50", "added_ms_p95", "..._c<N>", "ttft_added_ms", ...}`` (one client, non-streaming,
+for value/baseline). Target (docs/architecture.md, Targets): ≤ 3 ms p50 added, a ratio ≤ 1.10, and
+≤ 3 ms TTFT added.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import json
 import shutil
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -38,6 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200, help="Requests per path.")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=8, help="Clients at once in the concurrent phase.")
     args = parser.parse_args()
 
     run_dir = make_run_dir("rtrl-bench-gw-")
@@ -72,28 +81,73 @@ def main() -> None:
                 response.raise_for_status()
                 return elapsed
 
+            def first_token(url: str, i: int) -> float:
+                body = {"model": settings.vllm.served_model_name, "prompt": prompts[i % len(prompts)],
+                        "max_tokens": args.max_tokens, "temperature": 0, "stream": True}
+                start = time.perf_counter()
+                with client.stream("POST", url, json=body, headers={"authorization": f"Bearer {key}"}) as response:
+                    response.raise_for_status()
+                    for line in response.iter_lines():
+                        if line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
+                            elapsed = (time.perf_counter() - start) * 1000
+                            break
+                    else:
+                        raise RuntimeError(f"{url}: the stream ended without a token")
+                    for _ in response.iter_lines():
+                        pass  # read to the end, as a client would
+                return elapsed
+
             for i in range(20):  # warm both paths (connections, caches, the gateway's version read)
                 call(direct_url, i)
                 call(gateway_url, i)
+                first_token(direct_url, i)
+                first_token(gateway_url, i)
             direct: list[float] = []
             through: list[float] = []
             for i in range(args.requests):  # interleaved, so drift in machine load hits both alike
                 direct.append(call(direct_url, i))
                 through.append(call(gateway_url, i))
+            direct_c: list[float] = []
+            through_c: list[float] = []
+            n = args.concurrency
+            with ThreadPoolExecutor(max_workers=n) as pool:
+                for start in range(0, args.requests, n):  # rounds of n requests, the paths alternating
+                    direct_c.extend(pool.map(lambda i: call(direct_url, i), range(start, start + n)))
+                    through_c.extend(pool.map(lambda i: call(gateway_url, i), range(start, start + n)))
+            ttft_direct: list[float] = []
+            ttft_through: list[float] = []
+            for i in range(args.requests):
+                ttft_direct.append(first_token(direct_url, i))
+                ttft_through.append(first_token(gateway_url, i))
     finally:
         down(settings)
         shutil.rmtree(run_dir, ignore_errors=True)
 
     d50, g50 = statistics.median(direct), statistics.median(through)
-    print(f"requests per path: {args.requests}, max_tokens {args.max_tokens}, greedy, sequential")
-    print(f"vLLM direct     p50 {d50:7.2f} ms   p95 {_percentile(direct, 0.95):7.2f} ms")
-    print(f"through gateway p50 {g50:7.2f} ms   p95 {_percentile(through, 0.95):7.2f} ms")
-    print(f"added p50 {g50 - d50:+.2f} ms   ratio p50 {g50 / d50:.3f}x   (target: <= +3 ms and <= 1.10x)")
+    d95, g95 = _percentile(direct, 0.95), _percentile(through, 0.95)
+    dc50, gc50 = statistics.median(direct_c), statistics.median(through_c)
+    dc95, gc95 = _percentile(direct_c, 0.95), _percentile(through_c, 0.95)
+    t50, tg50 = statistics.median(ttft_direct), statistics.median(ttft_through)
+    n = args.concurrency
+    print(f"requests per path: {args.requests}, max_tokens {args.max_tokens}, greedy")
+    print(f"1 client   vLLM direct     p50 {d50:7.2f} ms   p95 {d95:7.2f} ms")
+    print(f"1 client   through gateway p50 {g50:7.2f} ms   p95 {g95:7.2f} ms")
+    print(f"           added p50 {g50 - d50:+.2f} ms  p95 {g95 - d95:+.2f} ms  ratio p50 {g50 / d50:.3f}x"
+          "   (target: <= +3 ms and <= 1.10x)")
+    print(f"{n} clients  vLLM direct     p50 {dc50:7.2f} ms   p95 {dc95:7.2f} ms")
+    print(f"{n} clients  through gateway p50 {gc50:7.2f} ms   p95 {gc95:7.2f} ms")
+    print(f"           added p50 {gc50 - dc50:+.2f} ms  p95 {gc95 - dc95:+.2f} ms  ratio p50 {gc50 / dc50:.3f}x")
+    print(f"streamed   TTFT direct p50 {t50:7.2f} ms   through gateway {tg50:7.2f} ms   added {tg50 - t50:+.2f} ms"
+          "   (target: <= +3 ms)")
     print(json.dumps({
         "name": "gateway_latency_p50_ms", "value": round(g50, 3), "baseline": round(d50, 3),
-        "ratio": round(g50 / d50, 4), "added_ms_p50": round(g50 - d50, 3),
-        "gateway_p95_ms": round(_percentile(through, 0.95), 3), "direct_p95_ms": round(_percentile(direct, 0.95), 3),
-        "requests_per_path": args.requests, "max_tokens": args.max_tokens,
+        "ratio": round(g50 / d50, 4), "added_ms_p50": round(g50 - d50, 3), "added_ms_p95": round(g95 - d95, 3),
+        "gateway_p95_ms": round(g95, 3), "direct_p95_ms": round(d95, 3),
+        f"gateway_p50_ms_c{n}": round(gc50, 3), f"direct_p50_ms_c{n}": round(dc50, 3),
+        f"added_ms_p50_c{n}": round(gc50 - dc50, 3), f"added_ms_p95_c{n}": round(gc95 - dc95, 3),
+        f"ratio_c{n}": round(gc50 / dc50, 4),
+        "ttft_direct_ms": round(t50, 3), "ttft_gateway_ms": round(tg50, 3), "ttft_added_ms": round(tg50 - t50, 3),
+        "requests_per_path": args.requests, "max_tokens": args.max_tokens, "concurrency": n,
     }))  # fmt: skip
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -47,6 +48,9 @@ from schemas.clock import utcnow
 from schemas.settings import Settings
 from schemas.versions import format_version
 from serving import ServerError, ServingError, VersionUnknown, VllmClient, meaningful_digests
+from store import Store, StoreError
+
+log = logging.getLogger(__name__)
 
 
 class ServerSwap(BaseModel):
@@ -66,6 +70,17 @@ class ServerSwap(BaseModel):
     digest_match: bool | None = Field(description="None when no digest baseline was available.")
     restored: bool = Field(
         False, description="The step failed and the server was put back on the previous version."
+    )
+    drained: bool = Field(
+        False,
+        description="Taken out of the gateways' rotation and drained before the pause (a fleet of more than one); "
+        "otherwise swapped in place, requests arriving in the pause waiting for it.",
+    )
+    drain_ms: float | None = Field(None, description="Out of rotation until no request ran on the server.")
+    in_flight_at_drain: int | None = Field(None, description="Requests on the server when it left the rotation.")
+    in_flight_at_pause: int | None = Field(None, description="Requests still on it when it was paused.")
+    queued_during_pause: int | None = Field(
+        None, description="Requests that reached the server while it was paused (read just before resume)."
     )
     error: str | None = None
 
@@ -224,6 +239,7 @@ def swap_server(
             _restore(server, restore, settings, paused=True)
             restored = True
     finally:
+        queued = _in_flight(server)  # requests that arrived while paused: they waited for the swap
         server.resume()
     pause_ms = (time.perf_counter() - start) * 1000
     if error is None:
@@ -245,9 +261,63 @@ def swap_server(
         max_abs_logprob_diff=max_diff if math.isfinite(max_diff) else None,
         digest_match=digest_match,
         restored=restored,
+        queued_during_pause=queued,
         error=error,
     )
     return record, digests
+
+
+def _in_flight(server: VllmClient) -> int | None:
+    try:
+        return server.requests_in_flight()
+    except (ServingError, httpx.HTTPError, ValueError, IndexError):
+        return None
+
+
+@dataclass
+class Drain:
+    """How a server left the gateways' rotation before its swap (`out_of_rotation`)."""
+
+    drained: bool
+    drain_ms: float | None = None
+    in_flight_at_drain: int | None = None
+    in_flight_at_pause: int | None = None
+
+
+@contextmanager
+def out_of_rotation(settings: Settings, store: Store | None, server: VllmClient, reason: str) -> Iterator[Drain]:
+    """Take `server` out of the gateways' rotation, wait until every gateway has read that
+    (``gateway.rotation_refresh_s``, twice) and until the server has no request left (at most
+    ``deployer.drain_timeout_s``), yield, and put it back in rotation on the way out, whatever
+    happened. Without a store nothing is drained: the swap happens in place."""
+    if store is None:
+        yield Drain(drained=False)
+        return
+    try:
+        store.set_rotation(server.url, False, reason)
+    except StoreError as exc:
+        log.warning("cannot take %s out of rotation (%s): swapping it in place", server.url, exc)
+        yield Drain(drained=False)
+        return
+    try:
+        start = time.perf_counter()
+        first = _in_flight(server)
+        time.sleep(2 * settings.gateway.rotation_refresh_s + 0.05)  # every gateway has read it by now
+        deadline = start + settings.deployer.drain_timeout_s
+        left = _in_flight(server)
+        while left and time.perf_counter() < deadline:
+            time.sleep(0.05)
+            left = _in_flight(server)
+        if left:
+            log.warning("%s still had %d requests after %.0fs of draining: pausing anyway", server.url, left,
+                        settings.deployer.drain_timeout_s)  # fmt: skip
+        yield Drain(True, round((time.perf_counter() - start) * 1000, 1), first, left)
+    finally:
+        try:
+            store.set_rotation(server.url, True, f"back after: {reason}")
+        except StoreError as exc:
+            log.error("%s could not be put back in rotation (%s): the gateways leave it out until "
+                      "`rtrl deploy rotation %s --in`", server.url, exc, server.url)  # fmt: skip
 
 
 # ---- the fleet ---------------------------------------------------------------------------------
@@ -283,15 +353,45 @@ def _failed_step(url: str, version: int, exc: Exception) -> ServerSwap:
 def _swap_fleet(settings: Settings, registry: Registry, version: int, previous: int) -> SwapResult:
     want = target(settings, registry, version)
     back = want if previous == version else target(settings, registry, previous)
+    # With more than one server, each leaves the gateways' rotation and is drained before its pause,
+    # so no user request waits for a paused server; a lone server is swapped in place.
+    store = Store(settings.store.url) if len(settings.vllm.servers) > 1 else None
+    try:
+        return _swap_servers(settings, registry, store, want, back, previous)
+    finally:
+        if store is not None:
+            store.close()
+
+
+def _swap_one(
+    settings: Settings, store: Store | None, url: str, want: Target, restore: Target | None
+) -> tuple[ServerSwap, dict[str, str]]:
+    with server_client(settings, url) as server:
+        try:
+            with out_of_rotation(settings, store, server, f"swap to v{want.version}") as drain:
+                step, digests = swap_server(server, want, settings, restore=restore)
+        except (ServingError, httpx.HTTPError) as exc:
+            return _failed_step(url, want.version, exc), {}
+    extra = {"drained": drain.drained, "drain_ms": drain.drain_ms, "in_flight_at_drain": drain.in_flight_at_drain,
+             "in_flight_at_pause": drain.in_flight_at_pause}  # fmt: skip
+    return step.model_copy(update=extra), digests
+
+
+def _swap_servers(
+    settings: Settings,
+    registry: Registry,
+    store: Store | None,
+    want: Target,
+    back: Target,
+    previous: int,
+) -> SwapResult:
+    """Swap the servers one by one to `want`; after a failure, put the ones done back on `back`."""
+    version = want.version
     steps: list[ServerSwap] = []
     done: list[str] = []
     failure: str | None = None
     for url in settings.vllm.servers:
-        with server_client(settings, url) as server:
-            try:
-                step, digests = swap_server(server, want, settings, restore=back)
-            except (ServingError, httpx.HTTPError) as exc:
-                step = _failed_step(url, version, exc)
+        step, digests = _swap_one(settings, store, url, want, back)
         steps.append(step)
         if not step.verified:
             failure = f"{url}: {step.error}"
@@ -306,11 +406,7 @@ def _swap_fleet(settings: Settings, registry: Registry, version: int, previous: 
     if failure is not None and done:
         rolled_back = True
         for url in reversed(done):
-            with server_client(settings, url) as server:
-                try:
-                    step, _ = swap_server(server, back, settings, restore=None)
-                except (ServingError, httpx.HTTPError) as exc:
-                    step = _failed_step(url, previous, exc)
+            step, _ = _swap_one(settings, store, url, back, None)
             steps.append(step)
             if not step.verified:
                 failure += f"; rolling {url} back to v{previous} failed: {step.error}"

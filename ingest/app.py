@@ -8,13 +8,14 @@ the route's limit are 413 before they are read (`ingest.limits`).
 
 Endpoints:
 
-- ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI-compatible, non-streaming. The
-  request goes to a vLLM server of the fleet with token ids and sampled-token logprobs added; the
-  client gets the upstream body without those extras, an ``rtrl`` object
-  (``{"request_id", "policy_version"}``) and an ``x-rtrl-request-id`` header. After the response is
-  sent, an `InteractionEvent` stamped with the serving weight version and the key's tenant is
-  published to ``settings.kafka.interactions_topic``. Upstream errors pass through with their
-  status; no reachable server is a 502, an upstream timeout a 504.
+- ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI-compatible, streaming or not.
+  The request goes to a vLLM server of the fleet with token ids and sampled-token logprobs added;
+  the client gets the upstream body without those extras, an ``rtrl`` object
+  (``{"request_id", "policy_version"}``; in the first chunk of a stream) and an
+  ``x-rtrl-request-id`` header. After the response is sent (a stream: when it ends, however it
+  ends, `ingest.streaming`), an `InteractionEvent` stamped with the serving weight version and the
+  key's tenant is published to ``settings.kafka.interactions_topic``. Upstream errors pass through
+  with their status; no reachable server is a 502, an upstream timeout a 504.
 - ``POST /v1/feedback``: one feedback object or a list of them (`ingest.intake`): 202 with the
   event ids once queued for ``settings.kafka.feedback_topic``; 403/404 for another tenant's
   requests, 422 with the reason on bad input.
@@ -29,6 +30,7 @@ event that cannot be built (e.g. the server did not report its version) becomes 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -38,9 +40,10 @@ from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
@@ -50,12 +53,13 @@ from ingest.auth import OPEN_CALLER, Caller, KeyCache, RateLimiter, RequestIds, 
 from ingest.limits import BodyLimit
 from ingest.metrics import GatewayMetrics
 from ingest.publisher import Publisher
-from ingest.redaction import Redacted, Redactor
-from ingest.routing import Fleet, Server, UpstreamUnavailable
+from ingest.redaction import Redacted, Redactor, redact_json
+from ingest.routing import Fleet, NoServerInRotation, Server, UpstreamUnavailable
 from ingest.shaping import (
     HEADER_REQUEST_ID,
     Capture,
     Generation,
+    Requested,
     RequestError,
     build_interaction,
     extract_chat,
@@ -68,6 +72,7 @@ from ingest.shaping import (
     shape_completion_response,
     with_rtrl,
 )
+from ingest.streaming import DONE, StreamCapture, shape_chunk, sse, sse_json
 from schemas.clock import utcnow
 from schemas.events import MAX_EVENT_BYTES, DeadLetterRecord, InteractionEvent
 from schemas.rewards import RewardSpec, get_spec
@@ -120,6 +125,7 @@ class Gateway:
         self.ids = ids
         self.spec = spec
         self.limiter = RateLimiter(settings.gateway.rate_limit_per_s, settings.gateway.rate_limit_burst)
+        self._tasks: set[asyncio.Task[None]] = set()  # captures of streams, held until they finish
 
     # ---- who is calling -----------------------------------------------------------------------
 
@@ -182,9 +188,12 @@ class Gateway:
         except RequestError as exc:
             return _error(exc.status_code, str(exc), request_id)
 
+        stream = forward.get("stream") is True
         started = time.perf_counter()
         try:
-            server, upstream, before = await self._call(path, forward)
+            server, upstream, before = await self._call(path, forward, stream, capture.session_id)
+        except NoServerInRotation as exc:
+            return _error(503, f"{exc}; retry shortly", request_id, headers={"Retry-After": "1"})
         except UpstreamUnavailable as exc:
             return _error(502, str(exc), request_id)
         except httpx.TimeoutException:
@@ -196,11 +205,22 @@ class Gateway:
 
         if upstream.status_code != 200:
             # vLLM's own error (bad parameter, prompt too long, ...): the client sees it unchanged.
+            if stream:
+                try:
+                    await upstream.aread()
+                finally:
+                    await upstream.aclose()
+                    server.in_flight -= 1
             return Response(
                 upstream.content,
                 status_code=upstream.status_code,
                 media_type=upstream.headers.get("content-type"),
                 headers={HEADER_REQUEST_ID: request_id},
+            )
+        if stream:
+            relay = self._relay(server, upstream, request_id, tenant, episode_id, capture, chat, forward, requested, before)
+            return StreamingResponse(
+                relay, media_type="text/event-stream", headers={HEADER_REQUEST_ID: request_id, "cache-control": "no-cache"}
             )
         created_at = utcnow()
         payload = upstream.json()
@@ -213,10 +233,70 @@ class Gateway:
         )
         return JSONResponse(client_body, headers={HEADER_REQUEST_ID: request_id}, background=task)
 
-    async def _call(self, path: str, forward: dict[str, Any]) -> tuple[Server, httpx.Response, int | None]:
-        """(server, upstream response, version read before the generation or None if unknown)."""
+    async def _relay(
+        self,
+        server: Server,
+        upstream: httpx.Response,
+        request_id: str,
+        tenant: str,
+        episode_id: str,
+        capture: Capture,
+        chat: bool,
+        forward: dict[str, Any],
+        requested: Requested,
+        before: int | None,
+    ) -> AsyncIterator[bytes]:
+        """Relay vLLM's server-sent events to the client while capturing them (ingest/streaming.py);
+        publish the event when the stream ends, however it ends (a client that goes away cancels
+        this generator: the event is then marked truncated)."""
+        created_at = utcnow()
+        stream = StreamCapture(chat)
+        version = "unknown" if before is None else format_version(before)
+        try:
+            async for line in upstream.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators and SSE comments
+                data = line[5:].strip()
+                if data == DONE:
+                    stream.done = True
+                    yield sse(DONE)
+                    continue
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    stream.problem = stream.problem or f"unreadable stream chunk: {data[:200]!r}"
+                    yield sse(data)
+                    continue
+                stream.add(chunk)
+                if isinstance(chunk, dict) and "error" not in chunk:
+                    shape_chunk(chunk, requested, chat)
+                    if stream.chunks == 1:
+                        chunk["rtrl"] = {"request_id": request_id, "policy_version": version}
+                yield sse_json(chunk)
+        except httpx.HTTPError as exc:  # vLLM went away mid-stream: the client sees the stream end
+            stream.problem = stream.problem or f"upstream stream failed: {exc!r}"
+            log.warning("request %s: upstream stream failed: %r", request_id, exc)
+        finally:
+            server.in_flight -= 1
+            with anyio.CancelScope(shield=True):  # runs even when the client's disconnect cancelled us
+                await upstream.aclose()
+            if stream.truncated:
+                self.metrics.truncated.inc()
+            task = asyncio.get_running_loop().create_task(self._capture(
+                server, request_id, tenant, episode_id, capture, chat, forward, stream.payload(), before, created_at,
+                truncated=stream.truncated,
+            ))  # fmt: skip
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _call(
+        self, path: str, forward: dict[str, Any], stream: bool = False, session_id: str | None = None
+    ) -> tuple[Server, httpx.Response, int | None]:
+        """(server, upstream response, version read before the generation or None if unknown).
+        With `stream`, the response's body is not read yet: the caller reads and closes it, and
+        takes the request off ``server.in_flight`` when done."""
         refused: list[str] = []
-        for server in self.fleet.order():
+        for server in self.fleet.order(session_id):
             try:
                 try:
                     before: int | None = await self.fleet.version_before(server)
@@ -226,7 +306,17 @@ class Gateway:
                     # Serve anyway; the event is published with trainable=false (see _capture).
                     log.warning("version before the generation unknown: %r", exc)
                     before = None
-                response = await server.client.post(path, forward)
+                server.in_flight += 1
+                try:
+                    if stream:
+                        response = await server.client.open_stream(path, forward)
+                    else:
+                        response = await server.client.post(path, forward)
+                except BaseException:
+                    server.in_flight -= 1
+                    raise
+                if not stream:
+                    server.in_flight -= 1
             except httpx.ConnectError as exc:
                 # Refused before vLLM saw the request: safe to try the next server.
                 self.fleet.mark_down(server)
@@ -247,6 +337,7 @@ class Gateway:
         payload: dict[str, Any],
         before: int | None,
         created_at: datetime,
+        truncated: bool = False,
     ) -> None:
         """Read the version after the generation, build and publish the InteractionEvent.
 
@@ -280,11 +371,13 @@ class Gateway:
                 sampling=sampling_params(forward),
                 straddled=straddled,
                 created_at=created_at,
+                truncated=truncated,
             )
         except (ValueError, KeyError, TypeError) as exc:  # ValidationError is a ValueError
             self._dead_letter(request_id, f"could not build an InteractionEvent: {exc}", payload, forward)
             return
-        event = self._redacted(event)
+        if self.redactor.detectors:
+            event = await asyncio.to_thread(self._redacted, event)  # regexes over large texts: off the event loop
         self.publisher.publish(
             kafka.interactions_topic, request_id, event.model_dump_json(), event.schema_version, event.event_id
         )
@@ -304,9 +397,8 @@ class Gateway:
         return event.model_copy(update={"prompt": prompt.text, "completion": completion.text, "redacted": kinds})
 
     def _dead_letter(self, request_id: str, reason: str, payload: Any, forward: Any) -> None:
-        raw = json.dumps({"request_id": request_id, "request": forward, "response": payload})
-        try:
-            raw = self.redactor(raw).text
+        try:  # every string redacted before it is serialized (escapes like \n would hide a match)
+            raw = json.dumps(redact_json(self.redactor, {"request_id": request_id, "request": forward, "response": payload}))
         except Exception:  # noqa: BLE001 - a plugged-in detector failed: keep no text at all
             log.exception("redaction of dead letter %s failed: its payload is dropped", request_id)
             raw = json.dumps({"request_id": request_id, "payload": "[REDACTED:redaction_failed]"})
@@ -365,6 +457,7 @@ class Gateway:
             "vllm": health,
             "auth": self.settings.gateway.auth,
             "keys_loaded": None if self.keys is None else self.keys.loaded,
+            "out_of_rotation": sorted(self.fleet.out),
             "kafka_connected": self.publisher.connected,
             "publish_in_flight": self.publisher.in_flight,
             "publish_oldest_in_flight_s": round(self.publisher.in_flight_age_s, 3),
@@ -386,6 +479,30 @@ class Gateway:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+def _in_flight_of(server: Server) -> Callable[[], float]:
+    return lambda: server.in_flight
+
+
+async def follow_rotation(fleet: Fleet, store: Store, every_s: float) -> None:
+    """Keep `fleet` up to date with the servers the deployer took out of rotation. While the store
+    cannot be read, the last state read stays in force (said once in the log)."""
+    failing = False
+    while True:
+        try:
+            rows = await asyncio.to_thread(store.rotation)
+        except Exception as exc:  # noqa: BLE001 - a store outage must not stop routing
+            if not failing:
+                log.warning("cannot read the servers' rotation from the store (%r); keeping the last one read", exc)
+            failing = True
+        else:
+            out = frozenset(url for url, row in rows.items() if not row.in_rotation)
+            if out != fleet.out:
+                log.info("servers out of rotation: %s", ", ".join(sorted(out)) or "none")
+            fleet.set_out(out)
+            failing = False
+        await asyncio.sleep(every_s)
+
+
 def create_app(settings: Settings) -> FastAPI:
     """The gateway application; its lifespan owns the HTTP client, the store, the key cache and the
     publisher threads."""
@@ -402,8 +519,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = Store(settings.store.url) if settings.gateway.auth == "keys" else None
-        keys = None if store is None else KeyCache(store, settings.gateway.keys_refresh_s)
+        store = Store(settings.store.url)  # keys (unless open) and the servers' rotation
+        keys = None if settings.gateway.auth == "open" else KeyCache(store, settings.gateway.keys_refresh_s)
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
         async with httpx.AsyncClient(limits=limits) as client:
             publisher = Publisher(settings, metrics)
@@ -411,17 +528,20 @@ def create_app(settings: Settings) -> FastAPI:
             if keys is not None:
                 keys.start()
                 metrics.keys_age.set_function(lambda: min(keys.age_s, 1e9))
-            app.state.gateway = Gateway(
-                settings, Fleet(settings.vllm, client), publisher, metrics, keys, ids, spec, redactor
-            )
+            fleet = Fleet(settings.vllm, client)
+            for server in fleet.servers:
+                metrics.in_flight.labels(server.url).set_function(_in_flight_of(server))
+            metrics.in_rotation.set_function(lambda: len(fleet.in_rotation))
+            rotation = asyncio.create_task(follow_rotation(fleet, store, settings.gateway.rotation_refresh_s))
+            app.state.gateway = Gateway(settings, fleet, publisher, metrics, keys, ids, spec, redactor)
             try:
                 yield
             finally:
+                rotation.cancel()
                 publisher.close()
                 if keys is not None:
                     keys.close()
-                if store is not None:
-                    store.close()
+                store.close()
 
     app = FastAPI(title="rtrl capture gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     gw = settings.gateway

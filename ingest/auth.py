@@ -162,8 +162,9 @@ def request_id_secret(configured: str | None, run_dir: Path) -> bytes:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp-{secrets.token_hex(4)}")
-        tmp.write_text(secrets.token_hex(32))
-        tmp.chmod(0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never readable by others, not even briefly
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(32))
         try:
             os.link(tmp, path)  # atomic and never overwrites: a gateway starting at the same time wins once
         except FileExistsError:

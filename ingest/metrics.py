@@ -31,7 +31,8 @@ class GatewayMetrics:
             "rtrl_gateway_publish_total",
             "Events by publish outcome: ok (acked by Kafka), spooled, replayed (acked from the spool), "
             "overflow (spool full, written to overflow.jsonl), undeliverable (too large for Kafka, written to "
-            "overflow.jsonl), dead_letter (not a valid event, sent to the dead-letter topic).",
+            "overflow.jsonl), dead_letter (not a valid event, sent to the dead-letter topic), lost (the disk refused both "
+            "the spool and the overflow file; each is logged as LOST).",
             ["topic", "outcome"],
             registry=self.registry,
         )
@@ -41,6 +42,22 @@ class GatewayMetrics:
         self.straddled = Counter(
             "rtrl_gateway_straddled_total",
             "Requests whose generation straddled a weight swap (published with trainable=false).",
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "rtrl_gateway_upstream_in_flight",
+            "Requests this gateway has on each vLLM server now (streams until they end).",
+            ["server"],
+            registry=self.registry,
+        )
+        self.in_rotation = Gauge(
+            "rtrl_gateway_servers_in_rotation",
+            "Serving vLLM servers the gateway routes to (the others are out of rotation for a swap).",
+            registry=self.registry,
+        )
+        self.truncated = Counter(
+            "rtrl_gateway_stream_truncated_total",
+            "Streamed generations that ended early (client gone, upstream failure): published truncated, never trained.",
             registry=self.registry,
         )
         self.kafka_connected = Gauge(

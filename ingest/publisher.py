@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kafka import KafkaProducer
-from kafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
+from kafka.errors import KafkaError, KafkaTimeoutError, MessageSizeTooLargeError, RecordListTooLargeError
 
 import streams
 from ingest.metrics import GatewayMetrics
@@ -151,11 +151,21 @@ class Publisher:
         """Stop the threads; flush what the broker takes in `timeout_s`, spool the rest."""
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         self._closed = True
-        self._queue.put(None)  # the sender drains everything queued before it, then exits
-        self._threads[0].join()
+        try:
+            self._queue.put(None, timeout=timeout_s)  # the sender drains everything queued before it, then exits
+        except queue.Full:
+            pass
+        self._threads[0].join(timeout=timeout_s + 5)
         self._stop.set()
         for thread in self._threads[1:]:
-            thread.join()
+            thread.join(timeout=timeout_s + 5)
+        while True:  # what a stuck or dead sender left queued
+            try:
+                record = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if record is not None:
+                self._spool(record, "queued at shutdown")
         with self._producer_lock:
             producer, self._producer = self._producer, None
         if producer is not None:
@@ -185,6 +195,11 @@ class Publisher:
                 if record is None:
                     return
                 self._send(record)
+            except Exception:  # noqa: BLE001 - this thread must outlive any one record
+                log.exception("publishing %s record %s failed unexpectedly; spooling it", record and record.topic,
+                              record and record.event_id)  # fmt: skip
+                if record is not None:
+                    self._spool(record, "unexpected error while sending")
             finally:
                 self._queue.task_done()
 
@@ -212,6 +227,10 @@ class Publisher:
         except (KafkaError, AssertionError) as exc:  # metadata not available in max_block_ms, producer closed...
             if self._settle(ticket) is not None:
                 self._spool(record, f"kafka send failed: {exc!r}")
+            if isinstance(exc, KafkaTimeoutError):
+                # send() blocked max_block_ms for metadata: every queued record would wait as long.
+                # Without a producer they go straight to the spool until a new one connects.
+                self._retire(producer, f"send blocked {self._timeout_s:g}s waiting for metadata")
             return
         future.add_callback(self._on_ack, ticket)
         future.add_errback(self._on_error, ticket)
@@ -246,7 +265,13 @@ class Publisher:
             self._spool(record, f"kafka did not acknowledge: {exc!r}")
 
     def _spool(self, record: SpoolRecord, reason: str) -> None:
-        if self.spool.append(record):
+        try:
+            appended = self.spool.append(record)
+        except OSError as exc:  # the disk is full or gone: nothing left to put it on; say so loudly
+            log.error("LOST %s record %s: spooling it failed (%r) after: %s", record.topic, record.event_id, exc, reason)
+            self._metrics.publish.labels(record.topic, "lost").inc()
+            return
+        if appended:
             log.info("spooled %s record %s: %s", record.topic, record.event_id, reason)
             self._metrics.publish.labels(record.topic, "spooled").inc()
         else:
@@ -254,7 +279,12 @@ class Publisher:
             self._metrics.publish.labels(record.topic, "overflow").inc()
 
     def _undeliverable(self, record: SpoolRecord, reason: str) -> None:
-        self.spool.dead_letter(record, reason)
+        try:
+            self.spool.dead_letter(record, reason)
+        except OSError as exc:
+            log.error("LOST %s record %s: dead-lettering it failed (%r) after: %s", record.topic, record.event_id, exc, reason)
+            self._metrics.publish.labels(record.topic, "lost").inc()
+            return
         log.error("%s record %s dead-lettered to %s: %s", record.topic, record.event_id, self.spool.overflow_path, reason)
         self._metrics.publish.labels(record.topic, "undeliverable").inc()
 
@@ -262,7 +292,10 @@ class Publisher:
 
     def _watchdog_loop(self) -> None:
         while not self._stop.wait(WATCHDOG_TICK_S):
-            self.expire()
+            try:
+                self.expire()
+            except Exception:  # noqa: BLE001 - the watchdog must outlive any one failure
+                log.exception("publisher watchdog")
 
     def expire(self, now: float | None = None) -> int:
         """Spool every in-flight record past its deadline and retire the producers that let it hang;
@@ -278,7 +311,7 @@ class Publisher:
                 del self._in_flight[ticket]
                 expired.append(entry)
         for entry in expired:
-            self._spool(entry.record, f"no acknowledgement from Kafka within {deadline:g}s")
+            self._spool(entry.record, f"no acknowledgement from Kafka within {deadline:g}s")  # never raises
         for producer in {id(e.producer): e.producer for e in expired}.values():
             self._retire(producer, f"{len(expired)} records unsettled after {deadline:g}s")
         return len(expired)
@@ -322,20 +355,29 @@ class Publisher:
 
     def _replay_loop(self) -> None:
         while not self._stop.is_set():
-            if self._producer is None:
-                producer = self._connect()
-                with self._producer_lock:
-                    self._producer = producer
-                self._metrics.kafka_connected.set(1 if producer is not None else 0)
-                if producer is not None and self._first_attempt.is_set():
-                    log.info("kafka producer connected to %s", self._kafka.bootstrap_servers)
-                self._first_attempt.set()
-            producer = self._producer
-            if producer is not None and not self._replay(producer):
-                self._failed_replays += 1
-                if self._failed_replays >= RETIRE_AFTER_FAILED_REPLAYS:
-                    self._retire(producer, f"{self._failed_replays} spool replays in a row failed")
+            try:
+                self._replay_once()
+            except Exception:  # noqa: BLE001 - the replayer must outlive any one failure
+                log.exception("publisher replay loop")
+            finally:
+                self._first_attempt.set()  # never leave the sender waiting for a first attempt
             self._stop.wait(self._replay_interval_s)
+
+    def _replay_once(self) -> None:
+        """Connect when there is no producer, then replay the spool with the one there is."""
+        if self._producer is None:
+            producer = self._connect()
+            with self._producer_lock:
+                self._producer = producer
+            self._metrics.kafka_connected.set(1 if producer is not None else 0)
+            if producer is not None and self._first_attempt.is_set():
+                log.info("kafka producer connected to %s", self._kafka.bootstrap_servers)
+            self._first_attempt.set()
+        producer = self._producer
+        if producer is not None and not self._replay(producer):
+            self._failed_replays += 1
+            if self._failed_replays >= RETIRE_AFTER_FAILED_REPLAYS:
+                self._retire(producer, f"{self._failed_replays} spool replays in a row failed")
 
     def _replay(self, producer: KafkaProducer) -> bool:
         """Replay sealed spool segments oldest first; stop at the first that is not fully settled.
@@ -396,7 +438,16 @@ class Publisher:
 
 
 def _close_quietly(producer: KafkaProducer) -> None:
+    """Close `producer` now, whatever it still holds (its unsettled records are the watchdog's)."""
     try:
         producer.close(timeout=0)
+        return
     except Exception as exc:  # noqa: BLE001 - a retired producer's close must not kill a thread that matters
-        log.info("closing a retired kafka producer: %r (its unsettled records are spooled by the watchdog)", exc)
+        log.info("closing a kafka producer with records pending: %r; forcing it", exc)
+    # kafka-python's close() flushes before it force-closes, and the flush raises while batches are
+    # pending, so the force-close is never reached: do it here, or the sender thread and its
+    # sockets would live on. Pending futures fail, and their errbacks spool the records.
+    sender = getattr(producer, "_sender", None)
+    if sender is not None and sender.is_alive():
+        sender.force_close()
+        sender.join(timeout=5)

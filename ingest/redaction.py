@@ -11,14 +11,21 @@ Built-in detectors (docs/architecture.md, "Trust boundary"):
 
 * ``email``: ``local@domain.tld`` addresses.
 * ``phone``: 9 to 15 digits written as a phone number: with a leading ``+`` or separators between
-  digit groups (``+44 20 7946 0958``, ``(415) 555-0132``, ``030-1234-5678``). A bare run of digits
-  is not masked: in prompts it is far more often an id, an amount or arithmetic.
+  digit groups (``+14155550132``, ``+44 20 7946 0958``, ``(415) 555-0132``, ``030-1234-5678``). A
+  bare run of digits is not masked (in prompts it is far more often an id, an amount or
+  arithmetic), nor is an IPv4 address.
 * ``api_key``: credentials: rtrl keys, well-known provider prefixes (``sk-``, ``ghp_``, ``glpat-``,
   ``xoxb-``, ``AKIA``, ``AIza``...), ``Bearer <token>``, and long mixed-character tokens (32+
   characters of letters and digits with both present).
 
 Plug in your own with ``module:function`` in the list (the function is a detector); an empty list
-turns redaction off. Detectors run off the request path, after the response was sent.
+turns redaction off. Detectors run after the response was sent, in a worker thread (never on the
+gateway's event loop).
+
+What redaction does not do: the event's token ids are the model's input and output and still
+encode the original text, in Kafka and in the store. Redaction keeps personal data out of the text
+fields, logs, dashboards and dead letters, and out of training unless the tenant allows it; access
+to the topics and the store must still be restricted to the people who may see users' data.
 """
 
 from __future__ import annotations
@@ -27,15 +34,22 @@ import importlib
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from schemas.errors import OperatorError
 
 Span = tuple[int, int]
 Detector = Callable[[str], Iterable[Span]]
 
-EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9._%+-]{1,64}@(?:[A-Za-z0-9-]{1,63}\.)+[A-Za-z]{2,24}(?![\w-])")
-PHONE = re.compile(r"(?<![\w+])(?:\+\d{1,3}[\s.-]?)?(?:\(\d{1,5}\)[\s.-]?)?\d{1,5}(?:[\s.-]\d{1,5}){1,5}(?![\w])")
+# The look-behind excludes every character the local part may hold, so each "@" is scanned from
+# one start only (linear time on hostile input).
+EMAIL = re.compile(r"(?<![\w.%+-])[A-Za-z0-9._%+-]{1,64}@(?:[A-Za-z0-9-]{1,63}\.)+[A-Za-z]{2,24}(?![\w-])")
+PHONE = re.compile(
+    r"(?<![\w+])(?:\+\d{8,15}(?!\d)"  # +14155550132
+    r"|(?:\+\d{1,3}[\s.-]?)?(?:\(\d{1,5}\)[\s.-]?)?\d{1,8}(?:[\s.-]\d{1,8}){1,5})(?!\w)"
+)
 PHONE_SHAPED = re.compile(r"^(?:\+|\(|\d+[\s.-]\d)")
+IPV4 = re.compile(r"^\d{1,3}(?:\.\d{1,3}){3}$")
 KEY_PREFIXED = re.compile(
     r"(?<![\w-])(?:rtrl_[A-Za-z0-9_-]{20,}|sk-(?:proj-|ant-)?[A-Za-z0-9_-]{16,}|gh[pousr]_[A-Za-z0-9]{20,}"
     r"|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_-]{20,}|xox[abpr]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16}"
@@ -53,7 +67,7 @@ def phone(text: str) -> Iterable[Span]:
     for match in PHONE.finditer(text):
         number = match.group()
         digits = sum(c.isdigit() for c in number)
-        if 9 <= digits <= 15 and PHONE_SHAPED.match(number):
+        if 9 <= digits <= 15 and PHONE_SHAPED.match(number) and not IPV4.match(number):
             yield match.span()
 
 
@@ -128,6 +142,17 @@ class Redactor:
             position = end
         out.append(text[position:])
         return Redacted("".join(out), frozenset(kinds))
+
+
+def redact_json(redactor: Redactor, value: Any) -> Any:
+    """`value` (parsed JSON) with every string in it redacted, keys included."""
+    if isinstance(value, str):
+        return redactor(value).text
+    if isinstance(value, list):
+        return [redact_json(redactor, item) for item in value]
+    if isinstance(value, dict):
+        return {redact_json(redactor, k): redact_json(redactor, v) for k, v in value.items()}
+    return value
 
 
 def _kind(name: str) -> str:

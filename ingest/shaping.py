@@ -14,7 +14,6 @@ refused.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -160,8 +159,8 @@ def trainable_for(capture: Capture) -> bool:
 def _common_checks(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported by the rtrl gateway yet; send a non-streaming request")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise RequestError(f"stream must be true or false, got {body['stream']!r}")
     for field in ("n", "best_of"):
         if body.get(field) not in (None, 1):
             # Feedback names a request, not a choice: with several choices it could not say which.
@@ -225,6 +224,16 @@ def sampling_params(body: Mapping[str, Any]) -> SamplingParams:
 # ---- responses --------------------------------------------------------------------------------
 
 
+def _shallow(upstream: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a response deep enough to null top-level and per-choice fields without touching
+    `upstream` (which the capture reads later): the body and each choice, not their contents."""
+    body = dict(upstream)
+    choices = body.get("choices")
+    if isinstance(choices, list):
+        body["choices"] = [dict(c) if isinstance(c, dict) else c for c in choices]
+    return body
+
+
 def _null(mapping: dict[str, Any], key: str) -> None:
     # vLLM answers these fields as null when they were not asked for: restore exactly that.
     if key in mapping:
@@ -233,7 +242,7 @@ def _null(mapping: dict[str, Any], key: str) -> None:
 
 def shape_completion_response(upstream: Mapping[str, Any], requested: Requested) -> dict[str, Any]:
     """The upstream /v1/completions body without the fields the gateway (not the client) asked for."""
-    body = copy.deepcopy(dict(upstream))
+    body = _shallow(upstream)
     for choice in body.get("choices", []):
         if not requested.logprobs:
             _null(choice, "logprobs")
@@ -245,7 +254,7 @@ def shape_completion_response(upstream: Mapping[str, Any], requested: Requested)
 
 def shape_chat_response(upstream: Mapping[str, Any], requested: Requested) -> dict[str, Any]:
     """The upstream /v1/chat/completions body without the fields the gateway asked for."""
-    body = copy.deepcopy(dict(upstream))
+    body = _shallow(upstream)
     for choice in body.get("choices", []):
         if not requested.logprobs:
             _null(choice, "logprobs")
@@ -328,6 +337,7 @@ def build_interaction(
     sampling: SamplingParams,
     straddled: bool,
     created_at: datetime,
+    truncated: bool = False,
 ) -> InteractionEvent:
     """The InteractionEvent of one served call (`episode_id` already in the tenant's namespace).
     Raises pydantic's ValidationError on bad data."""
@@ -351,5 +361,7 @@ def build_interaction(
         role=capture.role,
         # A call that straddled a weight swap may mix tokens of two policies, so its logprobs are
         # not the behaviour policy of any one version: keep it (stored, auditable), never train on it.
-        trainable=trainable_for(capture) and not straddled,
+        # A truncated stream's completion is a prefix the policy did not choose to end there.
+        trainable=trainable_for(capture) and not straddled and not truncated,
+        truncated=truncated,
     )

@@ -103,6 +103,11 @@ class InteractionEvent(_Message):
     segment_index: int = Field(0, ge=0, le=10_000, description="Position of the segment in its episode.")
     role: Role = Field(Role.policy, description="What the segment is; subagent segments are not trained.")
     trainable: bool = Field(True, description="Whether the completion tokens enter the loss.")
+    truncated: bool = Field(
+        False,
+        description="The stream ended before the generation did (the client went away, or vLLM failed "
+        "mid-stream): the completion is only a prefix, and the segment is never trained on.",
+    )
     redacted: list[Annotated[str, Field(min_length=1, max_length=32)]] = Field(
         default_factory=list,
         max_length=16,
@@ -126,6 +131,8 @@ class InteractionEvent(_Message):
             )
         if not self.prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
+        if self.truncated and self.trainable:
+            raise ValueError("a truncated segment cannot be trainable")
         if self.role == Role.subagent and self.trainable:
             raise ValueError("subagent segments are frozen observations: trainable must be false")
         return self

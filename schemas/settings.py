@@ -188,6 +188,9 @@ class GatewaySettings(_Section):
         "'default', for local experiments only (logged loudly, shown by /readyz).",
     )
     keys_refresh_s: float = Field(5.0, gt=0, description="How often the gateway reloads the keys from the store.")
+    rotation_refresh_s: float = Field(
+        0.25, gt=0, le=5, description="How often the gateway reads which servers the deployer took out of rotation."
+    )
     request_id_secret: SecretStr | None = Field(
         None,
         description="Secret that signs request ids for their tenant; the same on every gateway replica. "
@@ -289,6 +292,12 @@ class DeployerSettings(_Section):
     )
     pause_mode: Literal["wait", "abort", "keep"] = Field(
         "wait", description="vLLM /pause mode during a swap."
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="With more than one serving server: how long a server taken out of the gateways' rotation "
+        "may take to finish the requests it has before it is paused anyway.",
     )
 
 

@@ -159,6 +159,16 @@ class VllmClient:
         if not self._json("POST", "/reset_prefix_cache").get("success"):
             raise ServerError(self.url, "reset_prefix_cache refused (KV blocks still held by running requests)")
 
+    def requests_in_flight(self) -> int:
+        """Requests the engine is running or has queued (``vllm:num_requests_running`` +
+        ``vllm:num_requests_waiting`` of its Prometheus page); answered while paused too."""
+        text = self._request("GET", "/metrics", timeout=PROBE_TIMEOUT_S).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+                total += float(line.rsplit(" ", 1)[1])
+        return int(total)
+
     def weight_digests(self) -> dict[str, str]:
         """sha256 of every vLLM parameter (fused names such as ``qkv_proj``), keyed per worker rank."""
         checksums = self._json("POST", "/weight_checker", json={"action": "checksum"})["checksums"]
@@ -256,3 +266,9 @@ class AsyncVllmClient:
     async def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         """POST a JSON body (an OpenAI request) and return vLLM's response, whatever its status."""
         return await self._http.post(f"{self.url}{path}", json=body, timeout=self.timeout_s)
+
+    async def open_stream(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """POST a JSON body and return vLLM's response with its body unread (``stream: true``);
+        the caller reads it with ``aiter_lines`` and must ``aclose`` it."""
+        request = self._http.build_request("POST", f"{self.url}{path}", json=body, timeout=self.timeout_s)
+        return await self._http.send(request, stream=True)

@@ -5,6 +5,8 @@ migrations in ``store/migrations``. Open one `Store` per process and pass it dow
 
 - the labeler writes a batch through `Store.labelling` (events, dead letters, join, settle);
 - the trainer leases cycles and reads batches (`Store.acquire_cycle`, `Store.select_episodes`, ...);
+- the deployer takes servers out of rotation and the gateways read it (`Store.set_rotation`,
+  `Store.rotation`);
 - operators read `Store.stats`, `Store.recent_cycles` and the reconciliation counts.
 
 Importing this package imports SQLAlchemy but neither torch nor Kafka.
@@ -14,6 +16,7 @@ from store.db import (
     ApiKeyRecord,
     CycleRecord,
     DeadLetterEntry,
+    RotationRecord,
     Store,
     TenantRecord,
     TrainingEpisode,
@@ -41,6 +44,7 @@ __all__ = [
     "EpisodesUnavailable",
     "LeaseLost",
     "Rejected",
+    "RotationRecord",
     "SettleReport",
     "SourceRecord",
     "Store",

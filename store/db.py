@@ -62,6 +62,7 @@ from store.models import (
     Feedback,
     Interaction,
     LabelerProgress,
+    ServerRotation,
     Tenant,
 )
 
@@ -137,6 +138,14 @@ class TenantRecord:
     trains: bool
     train_redacted: bool
     created_at: datetime
+
+
+@dataclass(frozen=True)
+class RotationRecord:
+    url: str
+    in_rotation: bool
+    reason: str
+    updated_at: datetime
 
 
 @dataclass(frozen=True)
@@ -498,6 +507,26 @@ class Store:
                     f"cycle {cycle_id}: only {claimed} of {len(wanted)} episodes are settled and unused"
                 )
             cycle.episode_ids = [*(cycle.episode_ids or []), *wanted]
+
+    # ---- server rotation ---------------------------------------------------------------------------
+
+    def set_rotation(self, url: str, in_rotation: bool, reason: str) -> None:
+        """Take a serving vLLM server out of the gateways' rotation, or put it back."""
+        url = url.rstrip("/")
+        with self.transaction() as session:
+            row = session.get(ServerRotation, url, with_for_update=True)
+            if row is None:
+                row = ServerRotation(url=url, in_rotation=in_rotation, reason=reason[:500], updated_at=self.clock())
+                session.add(row)
+            row.in_rotation, row.reason, row.updated_at = in_rotation, reason[:500], self.clock()
+
+    def rotation(self) -> dict[str, RotationRecord]:
+        """Every server with a rotation row, by url (a server without one is in rotation)."""
+        with self.transaction() as session:
+            return {
+                r.url: RotationRecord(r.url, r.in_rotation, r.reason, r.updated_at)
+                for r in session.scalars(select(ServerRotation))
+            }
 
     # ---- tenants and API keys ---------------------------------------------------------------------
 

@@ -183,6 +183,18 @@ class Cycle(Base):
     active_slot: Mapped[int | None] = mapped_column(Integer, unique=True)
 
 
+class ServerRotation(Base):
+    """Whether the gateways send users to a vLLM server. A server with no row is in rotation; the
+    deployer takes one out (and drains it) before it pauses it for a swap, and puts it back after."""
+
+    __tablename__ = "server_rotation"
+
+    url: Mapped[str] = mapped_column(String(500), primary_key=True)
+    in_rotation: Mapped[bool] = mapped_column(Boolean)
+    reason: Mapped[str] = mapped_column(String(500))
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
 class Tenant(Base):
     """An application whose traffic the gateway accepts under its keys, and what of it trains."""
 

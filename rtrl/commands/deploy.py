@@ -5,6 +5,7 @@
     rtrl deploy gate VERSION            challenger vs champion on the staging server
     rtrl deploy promote VERSION         rolling verified swap, then move @champion
     rtrl deploy rollback [--to VERSION] swap back to the previous champion
+    rtrl deploy rotation [URL --in|--out] which servers the gateways route users to
 
 Promote, rollback and gate print their result as JSON and exit 1 when it is a failure.
 """
@@ -122,6 +123,43 @@ def rollback(
     typer.echo(result.model_dump_json(indent=2))
     if not result.ok:
         raise typer.Exit(1)
+
+
+@deploy_app.command("rotation")
+def rotation(
+    url: str | None = typer.Argument(None, help="A serving server's URL (one of RTRL_VLLM__SERVERS)."),
+    in_rotation: bool | None = typer.Option(None, "--in/--out", help="Put the server back in rotation, or take it out."),
+    reason: str = typer.Option("operator", help="Why, shown by `rtrl deploy rotation`."),
+) -> None:
+    """Show which serving servers the gateways route users to, or take one out / put it back.
+
+    A swap takes each server out while it is drained, paused and verified (when the fleet has more
+    than one), and puts it back after; use this to do it by hand (maintenance, or a swap that could
+    not put its server back because the store was down)."""
+    from schemas.settings import load_settings
+    from store import Store
+
+    settings = load_settings()
+    store = Store(settings.store.url)
+    try:
+        store.check_schema()
+        if url is not None or in_rotation is not None:
+            if url is None or in_rotation is None:
+                raise typer.BadParameter("give a URL and --in or --out", param_hint="URL")
+            known = [u.rstrip("/") for u in settings.vllm.servers]
+            if url.rstrip("/") not in known:
+                raise typer.BadParameter(f"{url} is not a serving server ({', '.join(known)})", param_hint="URL")
+            store.set_rotation(url, in_rotation, reason)
+        rows = store.rotation()
+        for server in settings.vllm.servers:
+            row = rows.get(server.rstrip("/"))
+            typer.echo(json.dumps({
+                "url": server, "in_rotation": True if row is None else row.in_rotation,
+                "reason": None if row is None else row.reason,
+                "since": None if row is None else row.updated_at.isoformat(),
+            }))  # fmt: skip
+    finally:
+        store.close()
 
 
 def register(app: typer.Typer) -> None:

@@ -87,10 +87,10 @@ def replay(letter_ids: list[str] = typer.Argument(..., help="Ids from `rtrl dlq 
                 typer.echo(f"{letter_id}: already replayed at {d.replayed_at.isoformat()}", err=True)
                 failed += 1
                 continue
-            # Produced first, marked after: a crash in between replays it twice, which the labeler
-            # stores once (the event_id is already stored) rather than not at all.
+            # Produced first, marked after: a crash in between replays it twice; the labeler stores
+            # the first copy and dead-letters the second as a duplicate, rather than losing it.
             producer = producer or streams.producer(settings.kafka, "rtrl-dlq-replay")
-            metadata = producer.send(d.source_topic, key=letter_id.encode(), value=d.payload).get(timeout=30)
+            metadata = producer.send(d.source_topic, key=_record_key(d.payload, letter_id), value=d.payload).get(timeout=30)
             store.mark_replayed(letter_id)
             typer.echo(f"{letter_id}: replayed to {metadata.topic}:{metadata.partition}:{metadata.offset}")
     finally:
@@ -99,6 +99,16 @@ def replay(letter_ids: list[str] = typer.Argument(..., help="Ids from `rtrl dlq 
         store.close()
     if failed:
         raise typer.Exit(1)
+
+
+def _record_key(payload: bytes, fallback: str) -> bytes:
+    """The key the gateway gives such a record (its request id), so a replay lands on the partition
+    the rest of its request's records are on; `fallback` for a payload without one."""
+    try:
+        request_id = json.loads(payload).get("request_id")
+    except (ValueError, AttributeError, RecursionError):
+        request_id = None
+    return (request_id if isinstance(request_id, str) and request_id else fallback).encode()
 
 
 def register(app: typer.Typer) -> None:

@@ -8,6 +8,7 @@ weight version "v1" before it ends (the base model is v1 under every model name)
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,3 +187,80 @@ def test_gate_passes_an_equal_model_and_fails_a_broken_one(
     assert settings.vllm.staging_server is not None
     with VllmClient(settings.vllm.staging_server, model=settings.vllm.served_model_name) as staging:
         assert staging.weight_version() == 1  # the gate leaves staging on the champion
+
+
+def test_a_swap_under_load_through_the_gateway_fails_nothing_and_no_request_waits(
+    deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two serving servers (the session's serving and staging servers) behind one gateway, under
+    concurrent streaming and non-streaming load: each server leaves the rotation, is drained,
+    swapped, verified and put back while the other serves."""
+    import threading
+
+    from openai import OpenAI
+
+    from rtrl.launch import gateway_process
+    from store import Store
+
+    base = deploy_settings
+    assert base.vllm.staging_server is not None
+    settings = base.model_copy(update={
+        "vllm": base.vllm.model_copy(update={"servers": (*base.vllm.servers, base.vllm.staging_server),
+                                             "staging_server": None}),
+        "store": base.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'rtrl.db'}"}),
+        "gateway": base.gateway.model_copy(update={"port": free_ports(1)[0], "spool_dir": tmp_path / "spool"}),
+    })  # fmt: skip
+    store = Store(settings.store.url)
+    store.migrate()
+    _, key = store.create_api_key(role="tenant", tenant="swap-load", name="swap under load", rate_per_s=0)
+    registry = Registry.from_settings(settings)
+    assert rollout.bootstrap(settings, registry, tiny_model_dir) == 1
+    v2 = registry.register_checkpoint(perturbed_copy(tiny_model_dir, tmp_path / "v2", std=0.05, seed=5))
+
+    stop = threading.Event()
+    served: list[str] = []
+    failures: list[str] = []
+
+    def load(streaming: bool, client: OpenAI) -> None:
+        while not stop.is_set():
+            try:
+                if streaming:
+                    chunks = list(client.completions.create(
+                        model=settings.vllm.served_model_name, prompt=PROMPT, max_tokens=16, stream=True))  # fmt: skip
+                    served.append("".join(c.choices[0].text for c in chunks if c.choices))
+                else:
+                    served.append(client.completions.create(
+                        model=settings.vllm.served_model_name, prompt=PROMPT, max_tokens=8).choices[0].text)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - every failure is a finding
+                failures.append(repr(exc))
+
+    try:
+        with gateway_process(settings, tmp_path / "gateway.log") as gateway:
+            client = OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0, timeout=60)
+            threads = [threading.Thread(target=load, args=(i % 2 == 0, client)) for i in range(6)]
+            for thread in threads:
+                thread.start()
+            time.sleep(2)  # load running on both servers
+            before = len(served)
+            result = rollout.promote(settings, registry, v2)
+            during = len(served) - before
+            time.sleep(1)
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=60)
+            rotation = store.rotation()
+    finally:
+        stop.set()
+        # Both shared servers back on v1 (the fixture checks it), whatever happened above.
+        rollout.promote(settings, registry, 1)
+        store.close()
+    print("promote v2 under load:", result.model_dump_json())
+    assert result.ok, result.error
+    assert failures == [], failures[:5]
+    assert during > 0 and len(served) > 20
+    assert [s.url for s in result.servers] == [u.rstrip("/") for u in settings.vllm.servers]
+    for step in result.servers:
+        assert step.verified and step.drained
+        assert step.in_flight_at_pause == 0, step  # drained before the pause
+        assert step.queued_during_pause == 0, step  # no request waited for the paused server
+    assert all(row.in_rotation for row in rotation.values())  # every server back in rotation

@@ -209,8 +209,8 @@ def test_errors(services: Settings, start_gateway: GatewayFactory, keys: Keys) -
         assert upstream.status_code == through.status_code == 400
         assert through.json()["error"]["message"] == upstream.json()["error"]["message"]
         # the gateway's own refusals are OpenAI-shaped errors
-        streamed = httpx.post(f"{gateway}/v1/completions", json={"prompt": PROMPT, "stream": True}, headers=auth)
-        assert streamed.status_code == 400 and "stream=true is not supported" in streamed.json()["error"]["message"]
+        streamed = httpx.post(f"{gateway}/v1/completions", json={"prompt": PROMPT, "stream": "yes"}, headers=auth)
+        assert streamed.status_code == 400 and "stream must be true or false" in streamed.json()["error"]["message"]
         bad_header = httpx.post(f"{gateway}/v1/completions", json={"prompt": PROMPT},
                                 headers={"x-rtrl-segment-index": "x"} | auth)  # fmt: skip
         assert bad_header.status_code == 400 and "segment_index" in bad_header.json()["error"]["message"]
@@ -346,6 +346,80 @@ def test_official_client_with_a_key_from_the_cli(services: Settings, start_gatew
             return httpx.get(f"{gateway}/v1/whoami", headers={"authorization": f"Bearer {key}"}).status_code == 401
 
         wait_until(refused, timeout_s=30, what="the revoked key refused")
+
+
+def test_streams_from_the_official_client_are_relayed_and_captured(
+    services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, keys: Keys
+) -> None:
+    from openai import OpenAI
+
+    model = services.vllm.served_model_name
+    completion = {"model": model, "prompt": PROMPT, "max_tokens": 8, "seed": 7, "temperature": 1.0}
+    chat = {"model": model, "messages": [{"role": "user", "content": "What is 2 plus 5?"}], "max_tokens": 8,
+            "seed": 11, "temperature": 1.0}  # fmt: skip
+    with start_gateway() as gateway:
+        client = OpenAI(base_url=f"{gateway}/v1", api_key=keys.acme, max_retries=0)
+        stream = client.completions.create(**completion, stream=True, stream_options={"include_usage": True})
+        request_id = stream.response.headers["x-rtrl-request-id"]
+        chunks = list(stream)
+        chat_stream = client.chat.completions.create(**chat, stream=True)
+        chat_id = chat_stream.response.headers["x-rtrl-request-id"]
+        chat_chunks = list(chat_stream)
+
+    # What the client got: the text, usage as it asked for it, the rtrl object on the first chunk,
+    # and none of the fields the gateway added for itself.
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert chunks[-1].usage is not None and not chunks[-1].choices
+    assert (chunks[0].model_extra or {})["rtrl"] == {"request_id": request_id, "policy_version": weight_version(services)}
+    assert all(c.choices[0].logprobs is None and "token_ids" not in (c.choices[0].model_extra or {})
+               for c in chunks if c.choices)  # fmt: skip
+    chat_text = "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices)
+
+    # What was captured: the streamed text, and the tokens and logprobs of the same call made
+    # directly to vLLM (same seed, not streamed, token ids and logprobs asked for).
+    direct = httpx.post(f"{vllm_url(services)}/v1/completions", timeout=120,
+                        json={**completion, "logprobs": 1, "return_token_ids": True}).json()["choices"][0]  # fmt: skip
+    [record] = interactions.wait_for(by_key(request_id))
+    event = parse_event(record.value, InteractionEvent)
+    assert event.completion == text == direct["text"]
+    assert event.prompt_token_ids == direct["prompt_token_ids"] and event.completion_token_ids == direct["token_ids"]
+    assert event.completion_logprobs == pytest.approx(direct["logprobs"]["token_logprobs"], abs=1e-5)
+    assert len(event.completion_token_ids) == chunks[-1].usage.completion_tokens
+    assert event.finish_reason == direct["finish_reason"] and not event.truncated and event.trainable
+
+    direct_chat = httpx.post(f"{vllm_url(services)}/v1/chat/completions", timeout=120,
+                             json={**chat, "logprobs": True, "return_token_ids": True}).json()  # fmt: skip
+    [record] = interactions.wait_for(by_key(chat_id))
+    chat_event = parse_event(record.value, InteractionEvent)
+    assert chat_event.completion == chat_text == direct_chat["choices"][0]["message"]["content"]
+    assert chat_event.prompt_token_ids == direct_chat["prompt_token_ids"]
+    assert chat_event.completion_token_ids == direct_chat["choices"][0]["token_ids"]
+    assert chat_event.completion_logprobs == pytest.approx(
+        [e["logprob"] for e in direct_chat["choices"][0]["logprobs"]["content"]], abs=1e-5)
+    assert not chat_event.truncated and chat_event.trainable
+
+
+def test_a_client_that_leaves_mid_stream_gives_a_truncated_untrainable_event(
+    services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, keys: Keys
+) -> None:
+    body = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with start_gateway() as gateway:
+        with httpx.stream("POST", f"{gateway}/v1/completions", json=body, headers=keys.auth(keys.acme), timeout=60) as r:
+            assert r.status_code == 200
+            request_id = r.headers["x-rtrl-request-id"]
+            received = 0
+            for line in r.iter_lines():
+                received += line.startswith("data: {")
+                if received == 3:
+                    break  # and hang up
+        truncated = lambda: metric(gateway, keys.admin, "rtrl_gateway_stream_truncated_total") == 1  # noqa: E731
+        wait_until(truncated, timeout_s=30, what="the stream counted as truncated")
+    [record] = interactions.wait_for(by_key(request_id))
+    event = parse_event(record.value, InteractionEvent)
+    assert event.truncated and not event.trainable and event.finish_reason is None
+    assert 3 <= len(event.completion_token_ids) < 400
+    assert len(event.completion_logprobs) == len(event.completion_token_ids)
 
 
 def test_an_episode_id_cannot_be_joined_across_tenants(

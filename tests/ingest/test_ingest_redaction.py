@@ -26,6 +26,9 @@ DEFAULT = Redactor(("email", "phone", "api_key"))
         ("Authorization: Bearer abc.def-ghi_jkl012345", "Authorization: Bearer [REDACTED:api_key]", {"api_key"}),
         ("token 9f8e7d6c5b4a39281706f5e4d3c2b1a0ffeeddcc", "token [REDACTED:api_key]", {"api_key"}),
         ("ana@example.com, +1 415 555 0132", "[REDACTED:email], [REDACTED:phone]", {"email", "phone"}),
+        ("tel:+14155550132 or +33612345678", "tel:[REDACTED:phone] or [REDACTED:phone]", {"phone"}),
+        ("mobile +44 7700 900123", "mobile [REDACTED:phone]", {"phone"}),
+        ("50%off%deal@example.com", "[REDACTED:email]", {"email"}),
     ],
 )
 def test_detectors_mask_what_they_find(text: str, expected: str, kinds: set[str]) -> None:
@@ -45,6 +48,7 @@ def test_rtrl_keys_are_masked() -> None:
         "Q: What is 3 plus 4?\nA: 7",
         "Q: What is 123456 times 789?\nA: 97406784",  # bare digits: arithmetic, not a phone number
         "order 20261130 shipped on 2026-11-30 at 17:48",
+        "the host at 192.168.100.200 answers",
         "see https://example.com/docs/getting-started and the user@ handle",
         "a_very_long_identifier_name_without_any_digits_in_it_at_all",
         "",
@@ -82,3 +86,11 @@ def test_a_detector_that_cannot_be_loaded_is_one_clear_error(name: str) -> None:
 
 def test_redaction_can_be_turned_off() -> None:
     assert Redactor(()).__call__("ana@example.com").kinds == frozenset()
+
+
+def test_json_is_redacted_string_by_string() -> None:
+    from ingest.redaction import redact_json
+
+    value = {"prompt": "line one\n+44 20 7946 0958", "n": 3, "list": ["ana@example.com", None]}
+    assert redact_json(DEFAULT, value) == {"prompt": "line one\n[REDACTED:phone]", "n": 3,
+                                           "list": ["[REDACTED:email]", None]}  # fmt: skip

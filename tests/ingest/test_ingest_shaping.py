@@ -90,7 +90,7 @@ def test_completion_request_keeps_what_the_client_asked_for() -> None:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ({"prompt": "p", "stream": True}, "stream=true is not supported"),
+        ({"prompt": "p", "stream": "yes"}, "stream must be true or false"),
         ({"prompt": "p", "n": 2}, "n=2 is not supported"),
         ({"prompt": ["a", "b"]}, "prompt must be one string"),
         ({"prompt": [1, 2, 3]}, "prompt must be one string"),

@@ -78,3 +78,14 @@ def test_batch_starts_that_a_process_died_on(store: Store) -> None:
     assert store.note_batch_starts({("t", 0): 110}) == {("t", 0)}  # died on the record at 110
     assert store.note_attempt("t", 0, 110, "record") == 2
     assert store.note_batch_starts({("t", 0): 111}) == set()  # moved on
+
+
+def test_server_rotation(store: Store) -> None:
+    assert store.rotation() == {}  # no row: every server is in rotation
+    store.set_rotation("http://a:1/", False, "swap to v3")
+    store.set_rotation("http://b:1", True, "operator")
+    rows = store.rotation()
+    assert set(rows) == {"http://a:1", "http://b:1"}
+    assert not rows["http://a:1"].in_rotation and rows["http://a:1"].reason == "swap to v3"
+    store.set_rotation("http://a:1", True, "back after: swap to v3")
+    assert all(r.in_rotation for r in store.rotation().values())
