@@ -34,6 +34,7 @@ import asyncio
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -479,6 +480,9 @@ class Gateway:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+SWITCH_INTERVAL_S = 0.0005
+
+
 def _in_flight_of(server: Server) -> Callable[[], float]:
     return lambda: server.in_flight
 
@@ -581,6 +585,10 @@ def run(settings: Settings) -> None:
     """Serve the gateway on ``settings.gateway.host:port`` until interrupted."""
     import uvicorn
 
+    # The event loop shares the GIL with the publisher's threads (kafka-python's sender among
+    # them). Each socket call of the loop releases the GIL, and by default it takes up to 5 ms to
+    # get it back from a busy thread: a latency tax on every request. Switch more often.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     log.info(
         "rtrl gateway on %s:%d -> %s; kafka %s; spool %s; auth %s",
         settings.gateway.host, settings.gateway.port, ", ".join(settings.vllm.servers),
