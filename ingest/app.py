@@ -38,6 +38,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -101,6 +102,20 @@ def _error(
         status_code=status,
         headers=headers,
     )
+
+
+@dataclass(frozen=True)
+class Served:
+    """One generation on its way through the gateway: where it went and what to capture of it."""
+
+    server: Server
+    request_id: str
+    tenant: str
+    episode_id: str  # in the tenant's namespace
+    capture: Capture
+    chat: bool
+    forward: dict[str, Any]  # the body sent to vLLM
+    before: int | None  # the server's version before the generation (None: unknown)
 
 
 class Gateway:
@@ -218,8 +233,9 @@ class Gateway:
                 media_type=upstream.headers.get("content-type"),
                 headers={HEADER_REQUEST_ID: request_id},
             )
+        served = Served(server, request_id, tenant, episode_id, capture, chat, forward, before)
         if stream:
-            relay = self._relay(server, upstream, request_id, tenant, episode_id, capture, chat, forward, requested, before)
+            relay = self._relay(served, upstream, requested)
             return StreamingResponse(
                 relay, media_type="text/event-stream", headers={HEADER_REQUEST_ID: request_id, "cache-control": "no-cache"}
             )
@@ -229,30 +245,17 @@ class Gateway:
         # The body names the version the request was served under as far as the gateway knew when
         # it sent it; the event's version (read again after the generation) is the authoritative one.
         client_body = with_rtrl(shape(payload, requested), request_id, "unknown" if before is None else format_version(before))
-        task = BackgroundTask(
-            self._capture, server, request_id, tenant, episode_id, capture, chat, forward, payload, before, created_at
-        )
+        task = BackgroundTask(self._capture, served, payload, created_at)
         return JSONResponse(client_body, headers={HEADER_REQUEST_ID: request_id}, background=task)
 
-    async def _relay(
-        self,
-        server: Server,
-        upstream: httpx.Response,
-        request_id: str,
-        tenant: str,
-        episode_id: str,
-        capture: Capture,
-        chat: bool,
-        forward: dict[str, Any],
-        requested: Requested,
-        before: int | None,
-    ) -> AsyncIterator[bytes]:
+    async def _relay(self, served: Served, upstream: httpx.Response, requested: Requested) -> AsyncIterator[bytes]:
         """Relay vLLM's server-sent events to the client while capturing them (ingest/streaming.py);
         publish the event when the stream ends, however it ends (a client that goes away cancels
         this generator: the event is then marked truncated)."""
         created_at = utcnow()
+        request_id, chat = served.request_id, served.chat
         stream = StreamCapture(chat)
-        version = "unknown" if before is None else format_version(before)
+        version = "unknown" if served.before is None else format_version(served.before)
         try:
             async for line in upstream.aiter_lines():
                 if not line.startswith("data:"):
@@ -278,15 +281,14 @@ class Gateway:
             stream.problem = stream.problem or f"upstream stream failed: {exc!r}"
             log.warning("request %s: upstream stream failed: %r", request_id, exc)
         finally:
-            server.in_flight -= 1
+            served.server.in_flight -= 1
             with anyio.CancelScope(shield=True):  # runs even when the client's disconnect cancelled us
                 await upstream.aclose()
             if stream.truncated:
                 self.metrics.truncated.inc()
-            task = asyncio.get_running_loop().create_task(self._capture(
-                server, request_id, tenant, episode_id, capture, chat, forward, stream.payload(), before, created_at,
-                truncated=stream.truncated,
-            ))  # fmt: skip
+            task = asyncio.get_running_loop().create_task(
+                self._capture(served, stream.payload(), created_at, truncated=stream.truncated)
+            )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -327,18 +329,7 @@ class Gateway:
         raise UpstreamUnavailable(f"no vLLM server reachable: {'; '.join(refused)}")
 
     async def _capture(
-        self,
-        server: Server,
-        request_id: str,
-        tenant: str,
-        episode_id: str,
-        capture: Capture,
-        chat: bool,
-        forward: dict[str, Any],
-        payload: dict[str, Any],
-        before: int | None,
-        created_at: datetime,
-        truncated: bool = False,
+        self, served: Served, payload: dict[str, Any], created_at: datetime, truncated: bool = False
     ) -> None:
         """Read the version after the generation, build and publish the InteractionEvent.
 
@@ -346,14 +337,15 @@ class Gateway:
         little later than the generation ended only widens the straddle window (conservative).
         """
         kafka = self.settings.kafka
+        request_id, forward, before = served.request_id, served.forward, served.before
         try:
-            after = await self.fleet.read_version(server)
+            after = await self.fleet.read_version(served.server)
         except (httpx.HTTPError, VersionUnknown) as exc:
             reason = f"could not build an InteractionEvent: weight version after the generation unknown: {exc!r}"
             self._dead_letter(request_id, reason, payload, forward)
             return
         try:
-            generation: Generation = extract_chat(payload) if chat else extract_completion(payload, forward)
+            generation: Generation = extract_chat(payload) if served.chat else extract_completion(payload, forward)
             # Straddled a swap (or "before" unknown): the tokens came from one set of weights, but
             # we cannot tell which, so the behaviour logprobs cannot be attributed to a version.
             straddled = before != after
@@ -363,9 +355,9 @@ class Gateway:
                          "unknown" if before is None else format_version(before), format_version(after))
             event = build_interaction(
                 request_id=request_id,
-                tenant=tenant,
-                episode_id=episode_id,
-                capture=capture,
+                tenant=served.tenant,
+                episode_id=served.episode_id,
+                capture=served.capture,
                 model=str(payload.get("model") or forward.get("model") or "unknown"),
                 policy_version=after,
                 generation=generation,

@@ -65,6 +65,23 @@ def test_a_store_that_was_never_migrated_is_one_line(tmp_path: Path) -> None:
     assert "run `rtrl labeler migrate`" in line and not (tmp_path / "none.db").exists()
 
 
+def test_rotation_by_hand(tmp_path: Path) -> None:
+    import json
+
+    env = {"RTRL_STORE__URL": f"sqlite:///{tmp_path}/rtrl.db", "RTRL_VLLM__SERVERS": '["http://127.0.0.1:1", "http://127.0.0.1:2"]'}
+    assert "run `rtrl labeler migrate`" in one_line_error(rtrl("deploy", "rotation", **env))
+    assert rtrl("labeler", "migrate", **env).returncode == 0
+    out = rtrl("deploy", "rotation", "http://127.0.0.1:2", "--out", "--reason", "maintenance", **env)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(r["url"], r["in_rotation"], r["reason"]) for r in rows] == [
+        ("http://127.0.0.1:1", True, None), ("http://127.0.0.1:2", False, "maintenance")]
+    unknown = rtrl("deploy", "rotation", "http://elsewhere:1", "--in", **env)
+    assert unknown.returncode == 2 and "is not a serving server" in unknown.stderr
+    back = rtrl("deploy", "rotation", "http://127.0.0.1:2", "--in", **env)
+    assert all(json.loads(line)["in_rotation"] for line in back.stdout.splitlines())
+
+
 def test_help_does_not_import_the_heavy_stack() -> None:
     code = (
         "import sys; from rtrl.cli import app; "
