@@ -36,6 +36,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -79,9 +80,7 @@ class ServerSwap(BaseModel):
     drain_ms: float | None = Field(None, description="Out of rotation until no request ran on the server.")
     in_flight_at_drain: int | None = Field(None, description="Requests on the server when it left the rotation.")
     in_flight_at_pause: int | None = Field(None, description="Requests still on it when it was paused.")
-    queued_during_pause: int | None = Field(
-        None, description="Requests that reached the server while it was paused (read just before resume)."
-    )
+    paused_at: datetime | None = Field(None, description="When the pause was requested (UTC).")
     error: str | None = None
 
 
@@ -223,6 +222,7 @@ def swap_server(
     digests: dict[str, str] = {}
     error: str | None = None
     restored = False
+    paused_at = utcnow()
     try:
         server.pause(settings.deployer.pause_mode)
         try:
@@ -239,7 +239,6 @@ def swap_server(
             _restore(server, restore, settings, paused=True)
             restored = True
     finally:
-        queued = _in_flight(server)  # requests that arrived while paused: they waited for the swap
         server.resume()
     pause_ms = (time.perf_counter() - start) * 1000
     if error is None:
@@ -261,7 +260,7 @@ def swap_server(
         max_abs_logprob_diff=max_diff if math.isfinite(max_diff) else None,
         digest_match=digest_match,
         restored=restored,
-        queued_during_pause=queued,
+        paused_at=paused_at,
         error=error,
     )
     return record, digests

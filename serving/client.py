@@ -160,12 +160,13 @@ class VllmClient:
             raise ServerError(self.url, "reset_prefix_cache refused (KV blocks still held by running requests)")
 
     def requests_in_flight(self) -> int:
-        """Requests the engine is running or has queued (``vllm:num_requests_running`` +
-        ``vllm:num_requests_waiting`` of its Prometheus page); answered while paused too."""
+        """Requests the engine is running or has scheduled as waiting (``vllm:num_requests_running``
+        + ``vllm:num_requests_waiting`` of its Prometheus page, as of the engine's last step).
+        Requests held by a pause are not counted: a paused engine does not step."""
         text = self._request("GET", "/metrics", timeout=PROBE_TIMEOUT_S).text
         total = 0.0
         for line in text.splitlines():
-            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+            if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
                 total += float(line.rsplit(" ", 1)[1])
         return int(total)
 
