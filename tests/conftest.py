@@ -18,7 +18,6 @@ Tests mirror the packages (tests/<package>/), in tiers by marker: ``unit``, ``in
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -27,7 +26,7 @@ import pluggy
 import pytest
 from factories import FakeClock
 
-from rtrl.services.testing import make_run_dir, services_settings, start_reaper
+from rtrl.services.testing import private_services
 from schemas.settings import KafkaSettings, Settings
 from store import Store
 
@@ -41,18 +40,8 @@ def services_config() -> Iterator[Settings]:
     Every service that a fixture below starts is stopped when the session ends, and by a watchdog
     process if the session is killed before its teardown.
     """
-    from rtrl.services import down
-
-    run_dir = make_run_dir("rtrl-services-")
-    settings = services_settings(run_dir, run_dir / "models" / "tiny")
-    reaper = start_reaper(settings, os.getpid())
-    try:
+    with private_services("rtrl-services-") as settings:
         yield settings
-    finally:
-        down(settings)
-        reaper.terminate()
-        reaper.wait()
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _up(settings: Settings, *only: str) -> Settings:

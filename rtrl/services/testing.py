@@ -3,19 +3,21 @@
 Used by tests/conftest.py (the session-wide `services` fixture) and by anyone who needs a private
 deployment on ports that do not collide with the dev instance or another test run:
 
-    settings = services_settings(make_run_dir("rtrl-x-"), model_dir, enabled=("kafka",))
-    rtrl.services.up(settings); ...; rtrl.services.down(settings)
+    with private_services("rtrl-x-", enabled=("kafka",)) as settings:
+        rtrl.services.up(settings); ...  # stopped, and the run dir removed, on exit
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from schemas.settings import (
@@ -93,6 +95,25 @@ def start_reaper(settings: Settings, owner_pid: int) -> subprocess.Popen[bytes]:
         [sys.executable, "-m", "rtrl.services.testing", "reap", str(owner_pid), str(path)],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
+
+
+@contextmanager
+def private_services(prefix: str, model_dir: Path | None = None, enabled: tuple[str, ...] | None = None) -> Iterator[Settings]:
+    """Settings for a private deployment (fresh run dir, free ports; `model_dir` defaults to one in
+    the run dir), watched by a reaper; on exit every service started under it is stopped and the run
+    dir removed. Starts nothing itself: call `rtrl.services.up` with the settings."""
+    from rtrl.services import down
+
+    run_dir = make_run_dir(prefix)
+    settings = services_settings(run_dir, model_dir or run_dir / "models" / "tiny", enabled)
+    reaper = start_reaper(settings, os.getpid())
+    try:
+        yield settings
+    finally:
+        down(settings)
+        reaper.terminate()
+        reaper.wait()
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _reap(owner_pid: int, settings_path: Path) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -29,7 +28,7 @@ from ingest.publisher import WATCHDOG_GRACE_S, WATCHDOG_TICK_S, Publisher
 from ingest.spool import OVERFLOW_FILE
 from rtrl.launch import gateway_process
 from rtrl.services import down, services, up
-from rtrl.services.testing import free_ports, make_run_dir, services_settings, start_reaper
+from rtrl.services.testing import free_ports, private_services
 from schemas.clock import wait_until
 from schemas.events import DeadLetterRecord
 from schemas.settings import Settings
@@ -47,17 +46,9 @@ TOPIC_LIMIT = 4096  # the interactions topic's max.message.bytes here: a normal 
 @pytest.fixture(scope="module")
 def private_kafka(services_config: Settings) -> Iterator[Settings]:
     """A second, private single-node Kafka (with its topics) that these tests may stop and freeze."""
-    run_dir = make_run_dir("rtrl-kafka-outage-")
-    settings = services_settings(run_dir, services_config.vllm.model_dir, enabled=("kafka",))
-    reaper = start_reaper(settings, os.getpid())
-    try:
+    with private_services("rtrl-kafka-outage-", services_config.vllm.model_dir, enabled=("kafka",)) as settings:
         up(settings, ["kafka"])
         yield settings
-    finally:
-        down(settings)
-        reaper.terminate()
-        reaper.wait()
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def kafka_pid(settings: Settings) -> int:
