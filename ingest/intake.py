@@ -16,14 +16,13 @@ Episode ids are namespaced by tenant (`ingest.auth.namespaced`) exactly as the i
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from ingest.auth import RequestIds, namespaced
-from schemas.events import FeedbackEvent, FeedbackKind, Id, event_time_problem, new_id
+from schemas.events import FeedbackEvent, FeedbackKind, FeedbackValue, Id, event_time_problem, new_id
 from schemas.rewards import RewardSpec
 from schemas.settings import LimitsSettings
 
@@ -40,15 +39,8 @@ class FeedbackIn(BaseModel):
     episode_id: Id | None = Field(None, description="The episode, when the feedback is about the whole episode.")
     tenant: Id | None = Field(None, description="Optional; must be the API key's tenant.")
     kind: FeedbackKind
-    value: float = Field(1.0, ge=-1e6, le=1e6, description="Score for task_outcome / judge_score.")
+    value: FeedbackValue = Field(1.0, description="Score for task_outcome / judge_score.")
     created_at: datetime | None = Field(None, description="When it happened (with a timezone); default: now.")
-
-    @field_validator("value")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("value must be finite")
-        return value
 
     @field_validator("created_at")
     @classmethod

@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.clock import utcnow
 
@@ -31,6 +31,16 @@ FEEDBACK_SCHEMA: Final = "rtrl.feedback.v1"
 DEAD_LETTER_SCHEMA: Final = "rtrl.dead_letter.v1"
 
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=r"^[A-Za-z0-9_.:@/+=-]+$")]
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError("value must be finite")
+    return value
+
+
+# A feedback score as the wire and the gateway's intake accept it (the reward spec may bound it further).
+FeedbackValue = Annotated[float, Field(ge=-1e6, le=1e6), AfterValidator(_finite)]
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=MAX_TOKENS)]
 Logprobs = Annotated[list[float], Field(max_length=MAX_TOKENS)]
@@ -167,17 +177,8 @@ class FeedbackEvent(_Message):
     episode_id: Id | None = Field(None, description="Episode, when the feedback is about the whole episode.")
     tenant: Id = Field("default", description="Tenant / application.")
     kind: FeedbackKind = Field(description="What happened.")
-    value: float = Field(
-        1.0, ge=-1e6, le=1e6, description="Score for task_outcome / judge_score; 1 otherwise."
-    )
+    value: FeedbackValue = Field(1.0, description="Score for task_outcome / judge_score; 1 otherwise.")
     created_at: datetime = Field(default_factory=utcnow, description="When it happened (UTC).")
-
-    @field_validator("value")
-    @classmethod
-    def _finite_value(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("value must be finite")
-        return value
 
 
 class DeadLetterRecord(_Message):
