@@ -63,10 +63,12 @@ def main() -> None:
         # A server without one has every call dead-lettered at the gateway, which is not the path to time.
         with VllmClient(settings.vllm.servers[0], model=settings.vllm.served_model_name) as server:
             server.update_weight_version(1)
-        # The production path: the gateway checks an API key on every call.
+        # The production path: the gateway checks an API key on every call, and knows the served
+        # version from the deployer's announcement in the store (what bootstrap records).
         store = Store(settings.store.url)
         store.migrate()
         _, key = store.create_api_key(role="tenant", tenant="bench", name="bench_gateway", rate_per_s=0)  # unlimited
+        store.set_serving_version(settings.vllm.servers[0], 1, "bench: announced as the deployer does")
         store.close()
         with gateway_process(settings, run_dir / "gateway.log") as gateway, httpx.Client(timeout=60) as client:
             direct_url = f"{settings.vllm.servers[0]}/v1/completions"

@@ -34,7 +34,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -275,48 +275,75 @@ def _in_flight(server: VllmClient) -> int | None:
 
 @dataclass
 class Drain:
-    """How a server left the gateways' rotation before its swap (`out_of_rotation`)."""
+    """How a server left the gateways' rotation before its swap (`swap_window`), and what it serves
+    after: the caller sets `serving` once the server's weights are known again (verified, or
+    restored); left None, the gateways read versions from the server itself."""
 
     drained: bool
     drain_ms: float | None = None
     in_flight_at_drain: int | None = None
     in_flight_at_pause: int | None = None
+    serving: int | None = None
+
+
+def announce_wait_s(settings: Settings) -> float:
+    """How long after an announcement in the store every gateway has read it: two of its refresh
+    intervals (a gateway trusts an announcement only while its last read is younger than that,
+    `ingest.routing.Fleet.attributed`), plus a margin."""
+    return 2 * settings.gateway.rotation_refresh_s + 0.05
 
 
 @contextmanager
-def out_of_rotation(settings: Settings, store: Store | None, server: VllmClient, reason: str) -> Iterator[Drain]:
-    """Take `server` out of the gateways' rotation, wait until every gateway has read that
-    (``gateway.rotation_refresh_s``, twice) and until the server has no request left (at most
-    ``deployer.drain_timeout_s``), yield, and put it back in rotation on the way out, whatever
-    happened. Without a store nothing is drained: the swap happens in place."""
-    if store is None:
-        yield Drain(drained=False)
-        return
+def swap_window(
+    settings: Settings, store: Store, server: VllmClient, reason: str, drain: bool
+) -> Iterator[Drain]:
+    """The window in which `server`'s weights or version label may change.
+
+    Announces in the store that the server's version is changing (the gateways stop attributing
+    its generations to the announced version and read the server's own label instead,
+    ingest/routing.py) and, with `drain`, takes it out of the gateways' rotation; waits until every
+    gateway has read that (`announce_wait_s`) and, with `drain`, until the server has no request
+    left (at most ``deployer.drain_timeout_s``); yields; then announces ``Drain.serving`` (None:
+    unknown) and puts the server back in rotation, whatever happened.
+
+    Raises ServerError, before anything changed, when the store cannot take the announcement: a
+    swap the gateways were not told about would be attributed to the old version.
+    """
     try:
-        store.set_rotation(server.url, False, reason)
+        store.set_serving_version(server.url, None, reason)
+        if drain:
+            store.set_rotation(server.url, False, reason)
     except StoreError as exc:
-        log.warning("cannot take %s out of rotation (%s): swapping it in place", server.url, exc)
-        yield Drain(drained=False)
-        return
+        raise ServerError(server.url, f"cannot announce the swap in the store ({exc}); not swapping") from exc
+    window = Drain(drained=drain)
     try:
         start = time.perf_counter()
-        first = _in_flight(server)
-        time.sleep(2 * settings.gateway.rotation_refresh_s + 0.05)  # every gateway has read it by now
-        deadline = start + settings.deployer.drain_timeout_s
-        left = _in_flight(server)
-        while left and time.perf_counter() < deadline:
-            time.sleep(0.05)
+        window.in_flight_at_drain = _in_flight(server) if drain else None
+        time.sleep(announce_wait_s(settings))  # every gateway has read it by now
+        if drain:
+            deadline = start + settings.deployer.drain_timeout_s
             left = _in_flight(server)
-        if left:
-            log.warning("%s still had %d requests after %.0fs of draining: pausing anyway", server.url, left,
-                        settings.deployer.drain_timeout_s)  # fmt: skip
-        yield Drain(True, round((time.perf_counter() - start) * 1000, 1), first, left)
+            while left and time.perf_counter() < deadline:
+                time.sleep(0.05)
+                left = _in_flight(server)
+            if left:
+                log.warning("%s still had %d requests after %.0fs of draining: pausing anyway", server.url, left,
+                            settings.deployer.drain_timeout_s)  # fmt: skip
+            window.in_flight_at_pause = left
+            window.drain_ms = round((time.perf_counter() - start) * 1000, 1)
+        yield window
     finally:
         try:
-            store.set_rotation(server.url, True, f"back after: {reason}")
+            store.set_serving_version(server.url, window.serving, f"after: {reason}")
         except StoreError as exc:
-            log.error("%s could not be put back in rotation (%s): the gateways leave it out until "
-                      "`rtrl deploy rotation %s --in`", server.url, exc, server.url)  # fmt: skip
+            log.error("the version %s serves could not be announced (%s): the gateways read it from the "
+                      "server until the next swap", server.url, exc)  # fmt: skip
+        if drain:
+            try:
+                store.set_rotation(server.url, True, f"back after: {reason}")
+            except StoreError as exc:
+                log.error("%s could not be put back in rotation (%s): the gateways leave it out until "
+                          "`rtrl deploy rotation %s --in`", server.url, exc, server.url)  # fmt: skip
 
 
 # ---- the fleet ---------------------------------------------------------------------------------
@@ -352,34 +379,39 @@ def _failed_step(url: str, version: int, exc: Exception) -> ServerSwap:
 def _swap_fleet(settings: Settings, registry: Registry, version: int, previous: int) -> SwapResult:
     want = target(settings, registry, version)
     back = want if previous == version else target(settings, registry, previous)
-    # With more than one server, each leaves the gateways' rotation and is drained before its pause,
-    # so no user request waits for a paused server; a lone server is swapped in place.
-    store = Store(settings.store.url) if len(settings.vllm.servers) > 1 else None
+    store = Store(settings.store.url)
     try:
         return _swap_servers(settings, registry, store, want, back, previous)
     finally:
-        if store is not None:
-            store.close()
+        store.close()
 
 
 def _swap_one(
-    settings: Settings, store: Store | None, url: str, want: Target, restore: Target | None
+    settings: Settings, store: Store, url: str, want: Target, restore: Target | None
 ) -> tuple[ServerSwap, dict[str, str]]:
+    """Swap one serving server inside its `swap_window`. With more than one server, each leaves the
+    gateways' rotation and is drained before its pause, so no user request waits for a paused
+    server; a lone server is swapped in place (its requests wait out the pause)."""
+    drain = len(settings.vllm.servers) > 1
     with server_client(settings, url) as server:
         try:
-            with out_of_rotation(settings, store, server, f"swap to v{want.version}") as drain:
+            with swap_window(settings, store, server, f"swap to v{want.version}", drain) as window:
                 step, digests = swap_server(server, want, settings, restore=restore)
+                if step.verified:
+                    window.serving = want.version
+                elif step.restored and restore is not None:
+                    window.serving = restore.version
         except (ServingError, httpx.HTTPError) as exc:
             return _failed_step(url, want.version, exc), {}
-    extra = {"drained": drain.drained, "drain_ms": drain.drain_ms, "in_flight_at_drain": drain.in_flight_at_drain,
-             "in_flight_at_pause": drain.in_flight_at_pause}  # fmt: skip
+    extra = {"drained": window.drained, "drain_ms": window.drain_ms,
+             "in_flight_at_drain": window.in_flight_at_drain, "in_flight_at_pause": window.in_flight_at_pause}  # fmt: skip
     return step.model_copy(update=extra), digests
 
 
 def _swap_servers(
     settings: Settings,
     registry: Registry,
-    store: Store | None,
+    store: Store,
     want: Target,
     back: Target,
     previous: int,
@@ -478,24 +510,49 @@ def align_fleet(settings: Settings, registry: Registry) -> list[ServerSwap]:
         version = registry.champion()
         want = target(settings, registry, version)
         steps: list[ServerSwap] = []
-        urls = list(settings.vllm.servers)
-        if settings.vllm.staging_server is not None:
-            urls.append(settings.vllm.staging_server)
-        for url in urls:
-            with server_client(settings, url) as server:
-                try:
-                    label: int | None = server.weight_version()
-                except VersionUnknown:
-                    label = None  # a label that is not "vN" is as good as none: probe, relabel or swap
-                if label == version:
-                    continue
-                if probe_diff(server, want) <= settings.deployer.probe_tolerance:
-                    if want.digests is None:
-                        save_digests(settings, version, server.weight_digests())
-                    server.update_weight_version(version)
-                    continue
-                step, _ = swap_server(server, want, settings, restore=None)
-                steps.append(step)
-                if not step.verified:
-                    raise ServerError(url, f"could not bring the server to champion v{version}: {step.error}")
+        store = Store(settings.store.url)
+        try:
+            for url in settings.vllm.servers:
+                with server_client(settings, url) as server:
+                    step = _align(settings, server, want, store)
+                if step is not None:
+                    steps.append(step)
+            if settings.vllm.staging_server is not None:  # no gateway routes to it: nothing to announce
+                with server_client(settings, settings.vllm.staging_server) as server:
+                    step = _align(settings, server, want, None)
+                if step is not None:
+                    steps.append(step)
+        finally:
+            store.close()
         return steps
+
+
+def _align(settings: Settings, server: VllmClient, want: Target, store: Store | None) -> ServerSwap | None:
+    """Bring one server to `want` (see `align_fleet`); the swap record, or None when none was needed.
+    With a `store` (a serving server), what it serves is announced to the gateways."""
+    version = want.version
+    try:
+        label: int | None = server.weight_version()
+    except VersionUnknown:
+        label = None  # a label that is not "vN" is as good as none: probe, relabel or swap
+    if label == version:
+        if store is not None:
+            store.set_serving_version(server.url, version, f"aligned: serving v{version}")
+        return None
+    changing: AbstractContextManager[Drain] = (
+        nullcontext(Drain(drained=False)) if store is None
+        else swap_window(settings, store, server, f"align to v{version}", drain=False)
+    )  # fmt: skip
+    with changing as window:
+        if probe_diff(server, want) <= settings.deployer.probe_tolerance:
+            if want.digests is None:
+                save_digests(settings, version, server.weight_digests())
+            server.update_weight_version(version)
+            window.serving = version
+            return None
+        step, _ = swap_server(server, want, settings, restore=None)
+        if step.verified:
+            window.serving = version
+    if not step.verified:
+        raise ServerError(server.url, f"could not bring the server to champion v{version}: {step.error}")
+    return step

@@ -43,7 +43,6 @@ from datetime import datetime
 from typing import Any
 
 import anyio
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -56,7 +55,7 @@ from ingest.limits import BodyLimit
 from ingest.metrics import GatewayMetrics
 from ingest.publisher import Publisher
 from ingest.redaction import Redacted, Redactor, redact_json
-from ingest.routing import Fleet, NoServerInRotation, Server, UpstreamUnavailable
+from ingest.routing import VERIFY_EVERY_S, Announced, Fleet, NoServerInRotation, Server, UpstreamUnavailable
 from ingest.shaping import (
     HEADER_REQUEST_ID,
     Capture,
@@ -80,7 +79,8 @@ from schemas.events import MAX_EVENT_BYTES, DeadLetterRecord, InteractionEvent
 from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import Settings
 from schemas.versions import format_version
-from serving import VersionUnknown
+from serving import ServingError
+from serving.aio import UpstreamRefused, UpstreamResponse, UpstreamTimeout, new_session
 from store import Store
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class Served:
     chat: bool
     forward: dict[str, Any]  # the body sent to vLLM
     before: int | None  # the server's version before the generation (None: unknown)
+    announced: Announced | None  # the deployer's announcement when it was sent (ingest/routing.py)
 
 
 class Gateway:
@@ -207,15 +208,15 @@ class Gateway:
         stream = forward.get("stream") is True
         started = time.perf_counter()
         try:
-            server, upstream, before = await self._call(path, forward, stream, capture.session_id)
+            server, upstream, before, announced = await self._call(path, forward, stream, capture.session_id)
         except NoServerInRotation as exc:
             return _error(503, f"{exc}; retry shortly", request_id, headers={"Retry-After": "1"})
         except UpstreamUnavailable as exc:
             return _error(502, str(exc), request_id)
-        except httpx.TimeoutException:
+        except UpstreamTimeout:
             return _error(504, f"vLLM did not answer within {self.fleet.timeout_s}s", request_id)
-        except httpx.HTTPError as exc:
-            return _error(502, f"vLLM request failed: {exc!r}", request_id)
+        except ServingError as exc:
+            return _error(502, f"vLLM request failed: {exc}", request_id)
         finally:
             self.metrics.upstream_latency.labels(endpoint).observe(time.perf_counter() - started)
 
@@ -230,10 +231,10 @@ class Gateway:
             return Response(
                 upstream.content,
                 status_code=upstream.status_code,
-                media_type=upstream.headers.get("content-type"),
+                media_type=upstream.content_type,
                 headers={HEADER_REQUEST_ID: request_id},
             )
-        served = Served(server, request_id, tenant, episode_id, capture, chat, forward, before)
+        served = Served(server, request_id, tenant, episode_id, capture, chat, forward, before, announced)
         if stream:
             relay = self._relay(served, upstream, requested)
             return StreamingResponse(
@@ -248,7 +249,7 @@ class Gateway:
         task = BackgroundTask(self._capture, served, payload, created_at)
         return JSONResponse(client_body, headers={HEADER_REQUEST_ID: request_id}, background=task)
 
-    async def _relay(self, served: Served, upstream: httpx.Response, requested: Requested) -> AsyncIterator[bytes]:
+    async def _relay(self, served: Served, upstream: UpstreamResponse, requested: Requested) -> AsyncIterator[bytes]:
         """Relay vLLM's server-sent events to the client while capturing them (ingest/streaming.py);
         publish the event when the stream ends, however it ends (a client that goes away cancels
         this generator: the event is then marked truncated)."""
@@ -277,7 +278,7 @@ class Gateway:
                     if stream.chunks == 1:
                         chunk["rtrl"] = {"request_id": request_id, "policy_version": version}
                 yield sse_json(chunk)
-        except httpx.HTTPError as exc:  # vLLM went away mid-stream: the client sees the stream end
+        except ServingError as exc:  # vLLM went away mid-stream: the client sees the stream end
             stream.problem = stream.problem or f"upstream stream failed: {exc!r}"
             log.warning("request %s: upstream stream failed: %r", request_id, exc)
         finally:
@@ -294,21 +295,27 @@ class Gateway:
 
     async def _call(
         self, path: str, forward: dict[str, Any], stream: bool = False, session_id: str | None = None
-    ) -> tuple[Server, httpx.Response, int | None]:
-        """(server, upstream response, version read before the generation or None if unknown).
-        With `stream`, the response's body is not read yet: the caller reads and closes it, and
-        takes the request off ``server.in_flight`` when done."""
+    ) -> tuple[Server, UpstreamResponse, int | None, Announced | None]:
+        """(server, upstream response, version before the generation or None if unknown, the
+        deployer's announcement for the server when sent). With `stream`, the response's body is
+        not read yet: the caller reads and closes it, and takes the request off
+        ``server.in_flight`` when done."""
         refused: list[str] = []
         for server in self.fleet.order(session_id):
             try:
-                try:
-                    before: int | None = await self.fleet.version_before(server)
-                except httpx.ConnectError:
-                    raise
-                except (VersionUnknown, httpx.HTTPError) as exc:
-                    # Serve anyway; the event is published with trainable=false (see _capture).
-                    log.warning("version before the generation unknown: %r", exc)
-                    before = None
+                announced = server.announced
+                before: int | None
+                if announced is not None:
+                    before = announced.version  # no request to vLLM (ingest/routing.py)
+                else:
+                    try:
+                        before = await self.fleet.version_before(server)
+                    except UpstreamRefused:
+                        raise
+                    except ServingError as exc:  # VersionUnknown, UpstreamError
+                        # Serve anyway; the event is published with trainable=false (see _capture).
+                        log.warning("version before the generation unknown: %r", exc)
+                        before = None
                 server.in_flight += 1
                 try:
                     if stream:
@@ -320,30 +327,37 @@ class Gateway:
                     raise
                 if not stream:
                     server.in_flight -= 1
-            except httpx.ConnectError as exc:
+            except UpstreamRefused as exc:
                 # Refused before vLLM saw the request: safe to try the next server.
                 self.fleet.mark_down(server)
                 refused.append(f"{server.url} ({exc!r})")
                 continue
-            return server, response, before
+            return server, response, before, announced
         raise UpstreamUnavailable(f"no vLLM server reachable: {'; '.join(refused)}")
 
     async def _capture(
         self, served: Served, payload: dict[str, Any], created_at: datetime, truncated: bool = False
     ) -> None:
-        """Read the version after the generation, build and publish the InteractionEvent.
+        """Establish the version that generated it, build and publish the InteractionEvent.
 
-        Runs after the response was sent, so the "after" read costs the user nothing; reading it a
-        little later than the generation ended only widens the straddle window (conservative).
+        The version is the deployer's announcement when that proves it (`Fleet.attributed`), else a
+        read of the server after the generation. Runs after the response was sent, so a read costs
+        the user nothing; reading a little later than the generation ended only widens the
+        straddle window (conservative).
         """
         kafka = self.settings.kafka
         request_id, forward, before = served.request_id, served.forward, served.before
-        try:
-            after = await self.fleet.read_version(served.server)
-        except (httpx.HTTPError, VersionUnknown) as exc:
-            reason = f"could not build an InteractionEvent: weight version after the generation unknown: {exc!r}"
-            self._dead_letter(request_id, reason, payload, forward)
-            return
+        after = self.fleet.attributed(served.server, served.announced)
+        if after is not None:
+            self.metrics.version_source.labels("announced").inc()
+        else:
+            self.metrics.version_source.labels("read").inc()
+            try:
+                after = await self.fleet.read_version(served.server)
+            except ServingError as exc:  # UpstreamError, VersionUnknown
+                reason = f"could not build an InteractionEvent: weight version after the generation unknown: {exc!r}"
+                self._dead_letter(request_id, reason, payload, forward)
+                return
         try:
             generation: Generation = extract_chat(payload) if served.chat else extract_completion(payload, forward)
             # Straddled a swap (or "before" unknown): the tokens came from one set of weights, but
@@ -480,10 +494,13 @@ def _in_flight_of(server: Server) -> Callable[[], float]:
 
 
 async def follow_rotation(fleet: Fleet, store: Store, every_s: float) -> None:
-    """Keep `fleet` up to date with the servers the deployer took out of rotation. While the store
-    cannot be read, the last state read stays in force (said once in the log)."""
+    """Keep `fleet` up to date with the servers the deployer took out of rotation and the versions
+    it announced. While the store cannot be read, the last rotation read stays in force (said once
+    in the log); announcements age out by themselves (`Fleet.attributed`), and versions are then
+    read from the servers."""
     failing = False
     while True:
+        read_at = time.monotonic()
         try:
             rows = await asyncio.to_thread(store.rotation)
         except Exception as exc:  # noqa: BLE001 - a store outage must not stop routing
@@ -491,12 +508,28 @@ async def follow_rotation(fleet: Fleet, store: Store, every_s: float) -> None:
                 log.warning("cannot read the servers' rotation from the store (%r); keeping the last one read", exc)
             failing = True
         else:
-            out = frozenset(url for url, row in rows.items() if not row.in_rotation)
-            if out != fleet.out:
-                log.info("servers out of rotation: %s", ", ".join(sorted(out)) or "none")
-            fleet.set_out(out)
+            before = fleet.out
+            fleet.update(rows, read_at)
+            if fleet.out != before:
+                log.info("servers out of rotation: %s", ", ".join(sorted(fleet.out)) or "none")
             failing = False
         await asyncio.sleep(every_s)
+
+
+async def verify_announcements(fleet: Fleet, metrics: GatewayMetrics) -> None:
+    """Check every `VERIFY_EVERY_S` that each server serves the version announced for it."""
+    while True:
+        await asyncio.sleep(VERIFY_EVERY_S)
+        for server in fleet.servers:
+            try:
+                problem = await fleet.verify(server)
+            except Exception:  # noqa: BLE001 - the check must outlive any one failure
+                log.exception("checking the announced version of %s", server.url)
+                continue
+            if problem is not None:
+                metrics.version_mismatch.labels(server.url).inc()
+                log.error("%s; its generations are attributed by reading its version until the deployer "
+                          "announces it again (`rtrl deploy bootstrap` re-checks the fleet)", problem)  # fmt: skip
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -517,23 +550,24 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = Store(settings.store.url)  # keys (unless open) and the servers' rotation
         keys = None if settings.gateway.auth == "open" else KeyCache(store, settings.gateway.keys_refresh_s)
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        async with httpx.AsyncClient(limits=limits) as client:
+        async with new_session() as client:
             publisher = Publisher(settings, metrics)
             publisher.start()
             if keys is not None:
                 keys.start()
                 metrics.keys_age.set_function(lambda: min(keys.age_s, 1e9))
-            fleet = Fleet(settings.vllm, client)
+            fleet = Fleet(settings.vllm, client, settings.gateway.rotation_refresh_s)
             for server in fleet.servers:
                 metrics.in_flight.labels(server.url).set_function(_in_flight_of(server))
             metrics.in_rotation.set_function(lambda: len(fleet.in_rotation))
             rotation = asyncio.create_task(follow_rotation(fleet, store, settings.gateway.rotation_refresh_s))
+            verifier = asyncio.create_task(verify_announcements(fleet, metrics))
             app.state.gateway = Gateway(settings, fleet, publisher, metrics, keys, ids, spec, redactor)
             try:
                 yield
             finally:
                 rotation.cancel()
+                verifier.cancel()
                 publisher.close()
                 if keys is not None:
                     keys.close()

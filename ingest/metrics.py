@@ -39,6 +39,20 @@ class GatewayMetrics:
         self.spool_bytes = Gauge(
             "rtrl_gateway_spool_bytes", "Bytes of events waiting in the on-disk spool.", registry=self.registry
         )
+        self.version_source = Counter(
+            "rtrl_gateway_version_source_total",
+            "Generations by how their weight version was established: announced (by the deployer, "
+            "no request to vLLM) or read (GET /weight_info before and after).",
+            ["source"],
+            registry=self.registry,
+        )
+        self.version_mismatch = Counter(
+            "rtrl_gateway_version_mismatch_total",
+            "Announced versions a server contradicted (or could not confirm): versions changed outside "
+            "the deployer, or the server restarted.",
+            ["server"],
+            registry=self.registry,
+        )
         self.straddled = Counter(
             "rtrl_gateway_straddled_total",
             "Requests whose generation straddled a weight swap (published with trainable=false).",

@@ -1,12 +1,12 @@
 """vLLM for every rtrl process: the one client of a vLLM OpenAI server.
 
-`VllmClient` (sync: the deployer, the eval gate, ``rtrl services``) and `AsyncVllmClient` (the
-gateway) share the reading of weight versions; see serving/client.py for the endpoints.
+`VllmClient` (sync: the deployer, the eval gate, ``rtrl services``) and `serving.aio.AsyncVllmClient`
+(the gateway, on aiohttp; imported from there so that no other process loads aiohttp) share the
+reading of weight versions; see serving/client.py for the endpoints.
 """
 
 from serving.client import (
     EMPTY_DIGEST,
-    AsyncVllmClient,
     PauseMode,
     ServerState,
     VllmClient,
@@ -17,7 +17,6 @@ from serving.errors import ServerError, ServingError, VersionUnknown
 
 __all__ = [
     "EMPTY_DIGEST",
-    "AsyncVllmClient",
     "PauseMode",
     "ServerError",
     "ServerState",

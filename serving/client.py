@@ -1,8 +1,7 @@
 """HTTP client of one vLLM OpenAI server: generation, health, weight versions and the hot-swap endpoints.
 
-`VllmClient` (sync) is what the deployer, the eval gate and ``rtrl services`` use; `AsyncVllmClient`
-is the gateway's, on the gateway's shared connection pool. Both read the weight version through
-`parse_weight_info`.
+`VllmClient` (sync) is what the deployer, the eval gate and ``rtrl services`` use; the gateway's
+`serving.aio.AsyncVllmClient` reads the weight version the same way (`weight_version_of`).
 
 The hot-swap endpoints exist when the server runs with ``VLLM_SERVER_DEV_MODE=1``
 (docs/platform.md, Hot-swap endpoints): ``/pause``, ``/resume``, ``/is_paused``,
@@ -17,6 +16,7 @@ are, because callers treat "never reached the server" differently from "the serv
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,14 +46,17 @@ def meaningful_digests(digests: dict[str, str]) -> dict[str, str]:
 def parse_weight_info(url: str, response: httpx.Response) -> int | None:
     """The policy version in a ``GET /weight_info`` answer: N for ``"vN"``, None when the server was
     never given one (vLLM answers ``"default"`` or null). Raises VersionUnknown otherwise."""
-    if response.status_code != 200:
-        raise VersionUnknown(
-            f"{url}/weight_info answered {response.status_code} (is the server started with VLLM_SERVER_DEV_MODE=1?)"
-        )
+    return weight_version_of(url, response.status_code, response.text)
+
+
+def weight_version_of(url: str, status: int, text: str) -> int | None:
+    """`parse_weight_info` of an answer given as its status and body."""
+    if status != 200:
+        raise VersionUnknown(f"{url}/weight_info answered {status} (is the server started with VLLM_SERVER_DEV_MODE=1?)")
     try:
-        version = response.json().get("weight_version")
+        version = json.loads(text).get("weight_version")
     except (ValueError, AttributeError):
-        raise VersionUnknown(f"{url}/weight_info answered {response.text[:200]!r}") from None
+        raise VersionUnknown(f"{url}/weight_info answered {text[:200]!r}") from None
     if version is None or version == "default":
         return None
     try:
@@ -242,34 +245,3 @@ class VllmClient:
         for choice in sorted(choices, key=lambda c: int(c["index"])):
             result[int(choice["index"]) // n].append(str(choice["text"]))
         return result
-
-
-class AsyncVllmClient:
-    """One vLLM server for the gateway: async, on a connection pool the caller owns and closes."""
-
-    def __init__(self, base_url: str, http: httpx.AsyncClient, *, timeout_s: float) -> None:
-        self.url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
-        self._http = http
-
-    async def health(self) -> bool:
-        try:
-            response = await self._http.get(f"{self.url}/health", timeout=PROBE_TIMEOUT_S)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
-
-    async def weight_version(self) -> int | None:
-        """As `VllmClient.weight_version`. Raises httpx errors and VersionUnknown."""
-        response = await self._http.get(f"{self.url}/weight_info", timeout=PROBE_TIMEOUT_S)
-        return parse_weight_info(self.url, response)
-
-    async def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        """POST a JSON body (an OpenAI request) and return vLLM's response, whatever its status."""
-        return await self._http.post(f"{self.url}{path}", json=body, timeout=self.timeout_s)
-
-    async def open_stream(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        """POST a JSON body and return vLLM's response with its body unread (``stream: true``);
-        the caller reads it with ``aiter_lines`` and must ``aclose`` it."""
-        request = self._http.build_request("POST", f"{self.url}{path}", json=body, timeout=self.timeout_s)
-        return await self._http.send(request, stream=True)

@@ -146,6 +146,8 @@ class RotationRecord:
     in_rotation: bool
     reason: str
     updated_at: datetime
+    version: int | None = None  # the weight version the deployer says it serves; None: changing or unknown
+    epoch: int = 0  # grows on every announcement of `version`
 
 
 @dataclass(frozen=True)
@@ -520,11 +522,26 @@ class Store:
                 session.add(row)
             row.in_rotation, row.reason, row.updated_at = in_rotation, reason[:500], self.clock()
 
+    def set_serving_version(self, url: str, version: int | None, reason: str) -> int:
+        """Announce the weight version a serving vLLM server serves: None before a change (a swap,
+        a relabel), the version once it is verified. Returns the row's new version epoch."""
+        url = url.rstrip("/")
+        with self.transaction() as session:
+            row = session.get(ServerRotation, url, with_for_update=True)
+            if row is None:
+                row = ServerRotation(url=url, in_rotation=True, reason=reason[:500], updated_at=self.clock(),
+                                     version_epoch=0)  # fmt: skip
+                session.add(row)
+            row.serving_version, row.version_epoch = version, (row.version_epoch or 0) + 1
+            row.reason, row.updated_at = reason[:500], self.clock()
+            return row.version_epoch
+
     def rotation(self) -> dict[str, RotationRecord]:
         """Every server with a rotation row, by url (a server without one is in rotation)."""
         with self.transaction() as session:
             return {
-                r.url: RotationRecord(r.url, r.in_rotation, r.reason, r.updated_at)
+                r.url: RotationRecord(r.url, r.in_rotation, r.reason, r.updated_at, r.serving_version,
+                                      r.version_epoch or 0)  # fmt: skip
                 for r in session.scalars(select(ServerRotation))
             }
 

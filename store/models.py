@@ -184,8 +184,13 @@ class Cycle(Base):
 
 
 class ServerRotation(Base):
-    """Whether the gateways send users to a vLLM server. A server with no row is in rotation; the
-    deployer takes one out (and drains it) before it pauses it for a swap, and puts it back after."""
+    """Whether the gateways send users to a vLLM server, and the weight version it serves. A server
+    with no row is in rotation and its version unknown here (the gateways read it from the server).
+
+    The deployer takes a server out (and drains it) before it pauses it for a swap, and puts it
+    back after. It also announces every weight change: ``serving_version`` is NULL from before the
+    pause until the new version is verified, and ``version_epoch`` grows on every write of it, so a
+    gateway can tell "the same version all along" from "changed and changed back" (ingest/routing.py)."""
 
     __tablename__ = "server_rotation"
 
@@ -193,6 +198,8 @@ class ServerRotation(Base):
     in_rotation: Mapped[bool] = mapped_column(Boolean)
     reason: Mapped[str] = mapped_column(String(500))
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    serving_version: Mapped[int | None] = mapped_column(Integer)
+    version_epoch: Mapped[int] = mapped_column(Integer, server_default="0")
 
 
 class Tenant(Base):

@@ -53,8 +53,13 @@ def _up(settings: Settings, *only: str) -> Settings:
 
 @pytest.fixture(scope="session")
 def services(services_config: Settings) -> Settings:
-    """All local services (Kafka, PostgreSQL, Redis, MLflow, vLLM serving + staging), up for the session."""
-    return _base_version(_up(services_config, *services_config.services.enabled))
+    """All local services (Kafka, PostgreSQL, Redis, MLflow, vLLM serving + staging), up for the session,
+    and the session's store migrated (the deployer announces served versions in it, as under `rtrl run`)."""
+    settings = _base_version(_up(services_config, *services_config.services.enabled))
+    store = Store(settings.store.url)
+    store.migrate()
+    store.close()
+    return settings
 
 
 @pytest.fixture(scope="session")

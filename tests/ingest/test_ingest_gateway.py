@@ -7,6 +7,7 @@ with its own spool directory.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -458,3 +459,43 @@ def test_open_mode_needs_no_key_and_says_so(services: Settings, start_gateway: G
         assert httpx.get(f"{gateway}/readyz").json()["auth"] == "open"
         assert httpx.get(f"{gateway}/v1/whoami").json() == {"tenant": "default", "role": "tenant", "auth": "open"}
         assert httpx.get(f"{gateway}/metrics").status_code == 200
+
+
+def _metric(gateway: str, keys: Keys, name: str) -> float:
+    text = httpx.get(f"{gateway}/metrics", headers=keys.auth(keys.admin), timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_announced_versions_spare_the_version_reads_and_a_contradicted_one_is_dropped(
+    services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, keys: Keys
+) -> None:
+    """With the deployer's announcement in the store, the gateway attributes generations without
+    asking vLLM for its version; an announcement the server contradicts (a label changed behind the
+    deployer's back) is dropped within a second, and versions are read from the server again."""
+    url, label = vllm_url(services), weight_version(services)
+    version = parse_version(label)
+    store = Store(services.store.url)
+    request = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 4}
+
+    def generate(gateway: str) -> InteractionEvent:
+        response = httpx.post(f"{gateway}/v1/completions", json=request, headers=keys.auth(keys.acme), timeout=120)
+        assert response.status_code == 200, response.text
+        [record] = interactions.wait_for(by_key(response.headers["x-rtrl-request-id"]))
+        return parse_event(record.value, InteractionEvent)
+
+    try:
+        store.set_serving_version(url, version, "test: what the deployer announces after a swap")
+        with start_gateway() as gateway:
+            time.sleep(1.0)  # the gateway has read the announcement (every gateway.rotation_refresh_s)
+            assert generate(gateway).policy_version == label
+            assert _metric(gateway, keys, 'rtrl_gateway_version_source_total{source="announced"}') == 1
+            assert _metric(gateway, keys, 'rtrl_gateway_version_source_total{source="read"}') == 0
+
+            store.set_serving_version(url, version + 1, "test: an announcement the server contradicts")
+            wait_until(lambda: _metric(gateway, keys, "rtrl_gateway_version_mismatch_total") >= 1, timeout_s=10,
+                       what="the gateway noticing the server contradicts the announcement")  # fmt: skip
+            assert generate(gateway).policy_version == label  # the truth, read from the server
+            assert _metric(gateway, keys, 'rtrl_gateway_version_source_total{source="read"}') == 1
+    finally:
+        store.set_serving_version(url, version, "test: back to what the server serves")
+        store.close()

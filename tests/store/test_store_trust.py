@@ -89,3 +89,15 @@ def test_server_rotation(store: Store) -> None:
     assert not rows["http://a:1"].in_rotation and rows["http://a:1"].reason == "swap to v3"
     store.set_rotation("http://a:1", True, "back after: swap to v3")
     assert all(r.in_rotation for r in store.rotation().values())
+
+
+def test_served_versions_are_announced_with_an_epoch(store: Store) -> None:
+    store.set_rotation("http://a:1", False, "swap to v3")
+    assert store.rotation()["http://a:1"].version is None and store.rotation()["http://a:1"].epoch == 0
+    assert store.set_serving_version("http://a:1/", None, "swapping to v3") == 1
+    assert store.set_serving_version("http://a:1", 3, "serving v3") == 2
+    row = store.rotation()["http://a:1"]
+    assert (row.version, row.epoch, row.in_rotation) == (3, 2, False)  # rotation untouched
+    # A server announced before it was ever taken out of rotation gets a row that is in rotation.
+    assert store.set_serving_version("http://b:1", 1, "serving v1") == 1
+    assert store.rotation()["http://b:1"].in_rotation
