@@ -137,6 +137,7 @@ def rotation(
     than one), and puts it back after; use this to do it by hand (maintenance, or a swap that could
     not put its server back because the store was down)."""
     from schemas.settings import load_settings
+    from schemas.versions import format_version
     from store import Store
 
     settings = load_settings()
@@ -157,6 +158,9 @@ def rotation(
                 "url": server, "in_rotation": True if row is None else row.in_rotation,
                 "reason": None if row is None else row.reason,
                 "since": None if row is None else row.updated_at.isoformat(),
+                # What the deployer announced to the gateways (None: a swap in progress, or never).
+                "announced_version": None if row is None or row.version is None else format_version(row.version),
+                "announced_epoch": None if row is None else row.epoch,
             }))  # fmt: skip
     finally:
         store.close()

@@ -76,6 +76,7 @@ def test_rotation_by_hand(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [(r["url"], r["in_rotation"], r["reason"]) for r in rows] == [
         ("http://127.0.0.1:1", True, None), ("http://127.0.0.1:2", False, "maintenance")]
+    assert [(r["announced_version"], r["announced_epoch"]) for r in rows] == [(None, None), (None, 0)]
     unknown = rtrl("deploy", "rotation", "http://elsewhere:1", "--in", **env)
     assert unknown.returncode == 2 and "is not a serving server" in unknown.stderr
     back = rtrl("deploy", "rotation", "http://127.0.0.1:2", "--in", **env)
