@@ -381,6 +381,7 @@ def _swap_fleet(settings: Settings, registry: Registry, version: int, previous: 
     back = want if previous == version else target(settings, registry, previous)
     store = Store(settings.store.url)
     try:
+        store.check_schema()  # the swap is announced there: StoreNotMigrated says how to fix it
         return _swap_servers(settings, registry, store, want, back, previous)
     finally:
         store.close()
@@ -512,6 +513,7 @@ def align_fleet(settings: Settings, registry: Registry) -> list[ServerSwap]:
         steps: list[ServerSwap] = []
         store = Store(settings.store.url)
         try:
+            store.check_schema()  # what each server serves is announced there
             for url in settings.vllm.servers:
                 with server_client(settings, url) as server:
                     step = _align(settings, server, want, store)

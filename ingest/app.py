@@ -119,6 +119,89 @@ class Served:
     announced: Announced | None  # the deployer's announcement when it was sent (ingest/routing.py)
 
 
+class Relay:
+    """One streamed generation on its way from vLLM to the client (ingest/streaming.py): `chunks`
+    relays vLLM's server-sent events while capturing them; `close` gives the upstream connection
+    back, takes the request off the server's in-flight count and hands the capture to `finish`,
+    exactly once, however the stream ends: finished, vLLM gone, the client gone mid-stream (its
+    disconnect cancels `chunks`), or the client gone before the first chunk (`chunks` never runs;
+    `RelayResponse` closes it then, and the empty capture is dead-lettered with the reason)."""
+
+    def __init__(
+        self,
+        served: Served,
+        upstream: UpstreamResponse,
+        requested: Requested,
+        finish: Callable[[Served, StreamCapture, datetime], None],
+    ) -> None:
+        self.served = served
+        self.upstream = upstream
+        self.requested = requested
+        self.stream = StreamCapture(served.chat)
+        self.created_at = utcnow()
+        self._finish = finish
+        self._closed = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        served, stream = self.served, self.stream
+        version = "unknown" if served.before is None else format_version(served.before)
+        try:
+            async for line in self.upstream.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators and SSE comments
+                data = line[5:].strip()
+                if data == DONE:
+                    stream.done = True
+                    yield sse(DONE)
+                    continue
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    stream.problem = stream.problem or f"unreadable stream chunk: {data[:200]!r}"
+                    yield sse(data)
+                    continue
+                stream.add(chunk)
+                if isinstance(chunk, dict) and "error" not in chunk:
+                    shape_chunk(chunk, self.requested, served.chat)
+                    if stream.chunks == 1:
+                        chunk["rtrl"] = {"request_id": served.request_id, "policy_version": version}
+                yield sse_json(chunk)
+        except ServingError as exc:  # vLLM went away mid-stream: the client sees the stream end
+            stream.problem = stream.problem or f"upstream stream failed: {exc}"
+            log.warning("request %s: upstream stream failed: %s", served.request_id, exc)
+        finally:
+            with anyio.CancelScope(shield=True):  # runs even when the client's disconnect cancelled us
+                await self.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.served.server.in_flight -= 1
+        try:
+            await self.upstream.aclose()
+        finally:
+            if self.stream.chunks == 0 and self.stream.problem is None:
+                self.stream.problem = "the client went away before the stream started"
+            self._finish(self.served, self.stream, self.created_at)
+
+
+class RelayResponse(StreamingResponse):
+    """A `Relay`'s event stream to the client; closes the relay when the response ends, even if
+    its body never started (a client that disconnected at once)."""
+
+    def __init__(self, relay: Relay, headers: dict[str, str]) -> None:
+        super().__init__(relay.chunks(), media_type="text/event-stream", headers=headers)
+        self.relay = relay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.relay.close()
+
+
 class Gateway:
     """Request handling of one gateway instance (the FastAPI routes call these methods)."""
 
@@ -236,10 +319,8 @@ class Gateway:
             )
         served = Served(server, request_id, tenant, episode_id, capture, chat, forward, before, announced)
         if stream:
-            relay = self._relay(served, upstream, requested)
-            return StreamingResponse(
-                relay, media_type="text/event-stream", headers={HEADER_REQUEST_ID: request_id, "cache-control": "no-cache"}
-            )
+            relay = Relay(served, upstream, requested, self._finish_stream)
+            return RelayResponse(relay, headers={HEADER_REQUEST_ID: request_id, "cache-control": "no-cache"})
         created_at = utcnow()
         payload = upstream.json()
         shape = shape_chat_response if chat else shape_completion_response
@@ -249,49 +330,15 @@ class Gateway:
         task = BackgroundTask(self._capture, served, payload, created_at)
         return JSONResponse(client_body, headers={HEADER_REQUEST_ID: request_id}, background=task)
 
-    async def _relay(self, served: Served, upstream: UpstreamResponse, requested: Requested) -> AsyncIterator[bytes]:
-        """Relay vLLM's server-sent events to the client while capturing them (ingest/streaming.py);
-        publish the event when the stream ends, however it ends (a client that goes away cancels
-        this generator: the event is then marked truncated)."""
-        created_at = utcnow()
-        request_id, chat = served.request_id, served.chat
-        stream = StreamCapture(chat)
-        version = "unknown" if served.before is None else format_version(served.before)
-        try:
-            async for line in upstream.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators and SSE comments
-                data = line[5:].strip()
-                if data == DONE:
-                    stream.done = True
-                    yield sse(DONE)
-                    continue
-                try:
-                    chunk = json.loads(data)
-                except ValueError:
-                    stream.problem = stream.problem or f"unreadable stream chunk: {data[:200]!r}"
-                    yield sse(data)
-                    continue
-                stream.add(chunk)
-                if isinstance(chunk, dict) and "error" not in chunk:
-                    shape_chunk(chunk, requested, chat)
-                    if stream.chunks == 1:
-                        chunk["rtrl"] = {"request_id": request_id, "policy_version": version}
-                yield sse_json(chunk)
-        except ServingError as exc:  # vLLM went away mid-stream: the client sees the stream end
-            stream.problem = stream.problem or f"upstream stream failed: {exc!r}"
-            log.warning("request %s: upstream stream failed: %r", request_id, exc)
-        finally:
-            served.server.in_flight -= 1
-            with anyio.CancelScope(shield=True):  # runs even when the client's disconnect cancelled us
-                await upstream.aclose()
-            if stream.truncated:
-                self.metrics.truncated.inc()
-            task = asyncio.get_running_loop().create_task(
-                self._capture(served, stream.payload(), created_at, truncated=stream.truncated)
-            )
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+    def _finish_stream(self, served: Served, stream: StreamCapture, created_at: datetime) -> None:
+        """After a stream ended however it ended: count a truncation and publish its capture."""
+        if stream.truncated:
+            self.metrics.truncated.inc()
+        task = asyncio.get_running_loop().create_task(
+            self._capture(served, stream.payload(), created_at, truncated=stream.truncated, problem=stream.problem)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _call(
         self, path: str, forward: dict[str, Any], stream: bool = False, session_id: str | None = None
@@ -317,6 +364,7 @@ class Gateway:
                         log.warning("version before the generation unknown: %r", exc)
                         before = None
                 server.in_flight += 1
+                self.metrics.upstream_requests.labels(server.url).inc()
                 try:
                     if stream:
                         response = await server.client.open_stream(path, forward)
@@ -336,7 +384,12 @@ class Gateway:
         raise UpstreamUnavailable(f"no vLLM server reachable: {'; '.join(refused)}")
 
     async def _capture(
-        self, served: Served, payload: dict[str, Any], created_at: datetime, truncated: bool = False
+        self,
+        served: Served,
+        payload: dict[str, Any],
+        created_at: datetime,
+        truncated: bool = False,
+        problem: str | None = None,
     ) -> None:
         """Establish the version that generated it, build and publish the InteractionEvent.
 
@@ -381,7 +434,10 @@ class Gateway:
                 truncated=truncated,
             )
         except (ValueError, KeyError, TypeError) as exc:  # ValidationError is a ValueError
-            self._dead_letter(request_id, f"could not build an InteractionEvent: {exc}", payload, forward)
+            reason = f"could not build an InteractionEvent: {exc}"
+            if problem is not None:
+                reason += f" (the stream: {problem})"
+            self._dead_letter(request_id, reason, payload, forward)
             return
         if self.redactor.detectors:
             event = await asyncio.to_thread(self._redacted, event)  # regexes over large texts: off the event loop

@@ -39,6 +39,12 @@ class GatewayMetrics:
         self.spool_bytes = Gauge(
             "rtrl_gateway_spool_bytes", "Bytes of events waiting in the on-disk spool.", registry=self.registry
         )
+        self.upstream_requests = Counter(
+            "rtrl_gateway_upstream_requests_total",
+            "Requests the gateway sent to each vLLM server (a server out of rotation gets none).",
+            ["server"],
+            registry=self.registry,
+        )
         self.version_source = Counter(
             "rtrl_gateway_version_source_total",
             "Generations by how their weight version was established: announced (by the deployer, "

@@ -55,7 +55,9 @@ def _upstream_error(url: str, exc: BaseException) -> UpstreamError:
 def new_session(max_connections: int = 1024) -> aiohttp.ClientSession:
     """The gateway's connection pool to every vLLM server (one per gateway process; close it)."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, keepalive_timeout=60),
+        # Idle connections are dropped before vLLM's own keep-alive timeout (5 s) closes them, so
+        # a request never goes out on a connection the server is closing.
+        connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, keepalive_timeout=4.0),
         # No cookies, no decompression surprises: vLLM's answers are small JSON or event streams.
         cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,

@@ -73,7 +73,8 @@ def ensure_jars(settings: Settings) -> Path:
 
 
 def _cluster_id() -> str:
-    """A Kafka cluster id: 16 random bytes, URL-safe base64 without padding (what `random-uuid` prints)."""
+    """A Kafka cluster id: 16 random bytes, URL-safe base64 without padding (what `random-uuid` prints).
+    It may start with "-": pass it as `--cluster-id=ID`, never as a separate argument."""
     return base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
 
 
@@ -142,7 +143,7 @@ class Kafka(Service):
         if (self.data_dir / "data" / "meta.properties").exists():
             return
         cmd = self._java(lib, "kafka.tools.StorageTool", "format", "--standalone",
-                         "-t", _cluster_id(), "-c", str(self.config_path))
+                         f"--cluster-id={_cluster_id()}", "-c", str(self.config_path))
         result = subprocess.run(cmd, capture_output=True, text=True, cwd=self.data_dir)
         if result.returncode != 0:
             raise ServiceError(f"kafka: formatting the storage failed:\n{(result.stdout + result.stderr)[-4000:]}")

@@ -461,11 +461,6 @@ def test_open_mode_needs_no_key_and_says_so(services: Settings, start_gateway: G
         assert httpx.get(f"{gateway}/metrics").status_code == 200
 
 
-def _metric(gateway: str, keys: Keys, name: str) -> float:
-    text = httpx.get(f"{gateway}/metrics", headers=keys.auth(keys.admin), timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-
 def test_announced_versions_spare_the_version_reads_and_a_contradicted_one_is_dropped(
     services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, keys: Keys
 ) -> None:
@@ -488,14 +483,38 @@ def test_announced_versions_spare_the_version_reads_and_a_contradicted_one_is_dr
         with start_gateway() as gateway:
             time.sleep(1.0)  # the gateway has read the announcement (every gateway.rotation_refresh_s)
             assert generate(gateway).policy_version == label
-            assert _metric(gateway, keys, 'rtrl_gateway_version_source_total{source="announced"}') == 1
-            assert _metric(gateway, keys, 'rtrl_gateway_version_source_total{source="read"}') == 0
+            assert metric(gateway, keys.admin, "rtrl_gateway_version_source_total", 'source="announced"') == 1
+            assert metric(gateway, keys.admin, "rtrl_gateway_version_source_total", 'source="read"') == 0
 
             store.set_serving_version(url, version + 1, "test: an announcement the server contradicts")
-            wait_until(lambda: _metric(gateway, keys, "rtrl_gateway_version_mismatch_total") >= 1, timeout_s=10,
+            wait_until(lambda: metric(gateway, keys.admin, "rtrl_gateway_version_mismatch_total") >= 1, timeout_s=10,
                        what="the gateway noticing the server contradicts the announcement")  # fmt: skip
             assert generate(gateway).policy_version == label  # the truth, read from the server
-            assert _metric(gateway, keys, 'rtrl_gateway_version_source_total{source="read"}') == 1
+            assert metric(gateway, keys.admin, "rtrl_gateway_version_source_total", 'source="read"') == 1
     finally:
         store.set_serving_version(url, version, "test: back to what the server serves")
         store.close()
+
+
+def test_a_client_gone_before_its_stream_starts_leaks_nothing(
+    services: Settings, start_gateway: GatewayFactory, keys: Keys
+) -> None:
+    """Clients that send a streaming request and hang up at once: whether or not the relay started,
+    the upstream stream is closed, the server's in-flight count goes back to zero, and every such
+    request is counted as a truncated stream (its capture published or dead-lettered)."""
+    import socket
+
+    body = json.dumps({"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 64,
+                       "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+    with start_gateway() as gateway:
+        host, port = gateway.removeprefix("http://").split(":")
+        for _ in range(5):
+            with socket.create_connection((host, int(port))) as raw:
+                raw.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                            b"authorization: Bearer " + keys.acme.encode() + b"\r\n"
+                            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+            # closed at once: the gateway is still opening the upstream stream
+        wait_until(lambda: metric(gateway, keys.admin, "rtrl_gateway_stream_truncated_total") == 5, timeout_s=30,
+                   what="five truncated streams counted")  # fmt: skip
+        wait_until(lambda: metric(gateway, keys.admin, "rtrl_gateway_upstream_in_flight") == 0, timeout_s=30,
+                   what="no request left on the server")  # fmt: skip
