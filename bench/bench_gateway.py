@@ -82,7 +82,7 @@ def main() -> None:
                 body = {"model": settings.vllm.served_model_name, "prompt": prompts[i % len(prompts)],
                         "max_tokens": args.max_tokens, "temperature": 0}
                 if capture_fields:  # what ingest/shaping.py adds to a completion request
-                    body |= {"logprobs": 1, "return_token_ids": True}
+                    body |= {"logprobs": 0, "return_token_ids": True}
                 start = time.perf_counter()
                 response = client.post(url, json=body, headers={"authorization": f"Bearer {key}"})
                 elapsed = (time.perf_counter() - start) * 1000

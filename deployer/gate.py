@@ -4,8 +4,9 @@ Both models generate on the *staging* vLLM server (``settings.vllm.staging_serve
 front of users): the gate swaps the staging server to the challenger with the same verified
 swap the fleet gets (so a checkpoint that does not load or does not match its probe fails here,
 before any user sees it), samples the task's held-out prompts, then does the same for the
-champion. The sampling seed is fixed, so both models see the same sampling noise and the
-comparison is not swamped by it. Each completion is scored by the oracle the simulator uses: the
+champion. Both sample with the served model's defaults (`schemas.sampling.served_defaults`,
+what a user who sets no sampling parameters gets), and with a fixed seed, so both models see the
+same sampling noise and the comparison is not swamped by it. Each completion is scored by the oracle the simulator uses: the
 task's preference through the labeler's reward spec (evals/scoring.py).
 
 The challenger passes unless ``challenger_score < champion_score - tolerance``. While it is
@@ -28,12 +29,12 @@ from deployer.errors import GateError
 from registry import Registry
 from schemas.clock import utcnow
 from schemas.rewards import get_spec
+from schemas.sampling import served_defaults
 from schemas.settings import Settings
 from serving import VllmClient
 
 # Same seed for both models: identical sampling noise, so score differences come from the weights.
 GATE_SEED = 20240917
-GATE_TEMPERATURE = 1.0
 
 
 class GateDecision(BaseModel):
@@ -85,8 +86,8 @@ def _score_version(
         prompts,
         max_tokens=task.max_tokens,
         n=settings.gate.samples_per_prompt,
-        temperature=GATE_TEMPERATURE,
         seed=GATE_SEED,
+        sampling=served_defaults(settings),  # as users are served when they set nothing themselves
         stop=list(task.stop),
     )
     scorer = evals.scorer(task.preference, get_spec(settings.labeler.reward_spec))

@@ -36,7 +36,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -77,6 +77,7 @@ from ingest.streaming import DONE, StreamCapture, shape_chunk, sse, sse_json
 from schemas.clock import utcnow
 from schemas.events import MAX_EVENT_BYTES, DeadLetterRecord, InteractionEvent
 from schemas.rewards import RewardSpec, get_spec
+from schemas.sampling import served_defaults, unreproducible
 from schemas.settings import Settings
 from schemas.versions import format_version
 from serving import ServingError
@@ -215,8 +216,10 @@ class Gateway:
         ids: RequestIds,
         spec: RewardSpec,
         redactor: Redactor,
+        sampling_defaults: Mapping[str, Any],
     ) -> None:
         self.settings = settings
+        self.sampling_defaults = sampling_defaults  # written into requests (schemas/sampling.py)
         self.redactor = redactor
         self.fleet = fleet
         self.publisher = publisher
@@ -279,7 +282,7 @@ class Gateway:
             except RecursionError:
                 raise RequestError("request body is nested too deeply") from None
             prepare = prepare_chat_request if chat else prepare_completion_request
-            forward, requested, body_rtrl = prepare(body)
+            forward, requested, body_rtrl = prepare(body, self.sampling_defaults)
             capture = parse_capture(request.headers, body_rtrl)
             try:
                 episode_id = namespaced(tenant, capture.episode_id or request_id)
@@ -400,6 +403,9 @@ class Gateway:
         """
         kafka = self.settings.kafka
         request_id, forward, before = served.request_id, served.forward, served.before
+        unreproducible_by = unreproducible(forward)
+        if unreproducible_by is not None:
+            self.metrics.untrainable.labels(unreproducible_by).inc()
         after = self.fleet.attributed(served.server, served.announced)
         if after is not None:
             self.metrics.version_source.labels("announced").inc()
@@ -428,10 +434,11 @@ class Gateway:
                 model=str(payload.get("model") or forward.get("model") or "unknown"),
                 policy_version=after,
                 generation=generation,
-                sampling=sampling_params(forward),
+                sampling=sampling_params(forward, self.settings.vllm.logprobs_mode),
                 straddled=straddled,
                 created_at=created_at,
                 truncated=truncated,
+                untrainable_reason=unreproducible_by,
             )
         except (ValueError, KeyError, TypeError) as exc:  # ValidationError is a ValueError
             reason = f"could not build an InteractionEvent: {exc}"
@@ -440,7 +447,10 @@ class Gateway:
             self._dead_letter(request_id, reason, payload, forward)
             return
         if self.redactor.detectors:
-            event = await asyncio.to_thread(self._redacted, event)  # regexes over large texts: off the event loop
+            if self.redactor.cheap(len(event.prompt) + len(event.completion)):
+                event = self._redacted(event)  # a hop to a thread would cost more than the regexes
+            else:
+                event = await asyncio.to_thread(self._redacted, event)  # large texts: off the event loop
         self.publisher.publish(
             kafka.interactions_topic, request_id, event.model_dump_json(), event.schema_version, event.event_id
         )
@@ -594,6 +604,9 @@ def create_app(settings: Settings) -> FastAPI:
     metrics = GatewayMetrics()
     spec = get_spec(settings.labeler.reward_spec)  # a bad spec name fails now, not on the first feedback
     redactor = Redactor(settings.gateway.redaction)  # so does a detector that cannot be loaded
+    sampling_defaults = served_defaults(settings)  # and an unreadable generation_config.json
+    log.info("sampling defaults written into requests that leave them out: %s",
+             sampling_defaults or "none (vLLM's neutral ones)")
     ids = RequestIds(request_id_secret(
         None if settings.gateway.request_id_secret is None else settings.gateway.request_id_secret.get_secret_value(),
         settings.services.run_dir,
@@ -618,7 +631,9 @@ def create_app(settings: Settings) -> FastAPI:
             metrics.in_rotation.set_function(lambda: len(fleet.in_rotation))
             rotation = asyncio.create_task(follow_rotation(fleet, store, settings.gateway.rotation_refresh_s))
             verifier = asyncio.create_task(verify_announcements(fleet, metrics))
-            app.state.gateway = Gateway(settings, fleet, publisher, metrics, keys, ids, spec, redactor)
+            app.state.gateway = Gateway(
+                settings, fleet, publisher, metrics, keys, ids, spec, redactor, sampling_defaults
+            )
             try:
                 yield
             finally:
@@ -676,4 +691,5 @@ def run(settings: Settings) -> None:
         settings.gateway.host, settings.gateway.port, ", ".join(settings.vllm.servers),
         settings.kafka.bootstrap_servers, settings.gateway.spool_dir, settings.gateway.auth,
     )
-    uvicorn.run(create_app(settings), host=settings.gateway.host, port=settings.gateway.port, log_level="info")
+    uvicorn.run(create_app(settings), host=settings.gateway.host, port=settings.gateway.port, log_level="info",
+                access_log=settings.gateway.access_log)

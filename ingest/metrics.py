@@ -64,6 +64,14 @@ class GatewayMetrics:
             "Requests whose generation straddled a weight swap (published with trainable=false).",
             registry=self.registry,
         )
+        self.untrainable = Counter(
+            "rtrl_gateway_untrainable_total",
+            "Requests captured as not trainable because the trainer cannot reproduce how they were sampled, by "
+            "reason (penalty, logit_bias, token_restriction, guided_decoding, min_tokens, logits_processors, "
+            "beam_search; schemas/sampling.py).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "rtrl_gateway_upstream_in_flight",
             "Requests this gateway has on each vLLM server now (streams until they end).",

@@ -19,8 +19,9 @@ Built-in detectors (docs/architecture.md, "Trust boundary"):
   characters of letters and digits with both present).
 
 Plug in your own with ``module:function`` in the list (the function is a detector); an empty list
-turns redaction off. Detectors run after the response was sent, in a worker thread (never on the
-gateway's event loop).
+turns redaction off. Detectors run after the response was sent, in a worker thread, except the
+built-in ones over short texts (`Redactor.cheap`): those take under 0.2 ms, less than the hop to
+a thread costs, and run on the gateway's event loop.
 
 What redaction does not do: the event's token ids are the model's input and output and still
 encode the original text, in Kafka and in the store. Redaction keeps personal data out of the text
@@ -105,6 +106,9 @@ def load_detector(name: str) -> Detector:
     return function  # type: ignore[no-any-return]
 
 
+INLINE_CHARS = 1024  # see Redactor.cheap
+
+
 @dataclass(frozen=True)
 class Redacted:
     """Text after redaction and the detectors that matched in it."""
@@ -118,6 +122,13 @@ class Redactor:
 
     def __init__(self, names: Sequence[str]) -> None:
         self.detectors = [(_kind(name), load_detector(name)) for name in names]
+        self._built_in_only = all(name in BUILT_IN for name in names)
+
+    def cheap(self, chars: int) -> bool:
+        """Whether redacting `chars` characters is quick enough for an event loop: only built-in
+        detectors (linear regexes, about 0.15 µs a character on 2 cores) over at most
+        `INLINE_CHARS` characters. A plugged-in detector's cost is unknown: never cheap."""
+        return self._built_in_only and chars <= INLINE_CHARS
 
     def __call__(self, text: str) -> Redacted:
         spans: list[tuple[int, int, str]] = []

@@ -76,14 +76,21 @@ class SamplingParams(_Message):
 
     temperature: float = Field(1.0, ge=0, le=100, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(-1, ge=-1, description="Top-k cutoff, -1 for none.")
+    top_k: int = Field(-1, ge=-1, description="Top-k cutoff, -1 (or 0) for none.")
+    min_p: float = Field(0.0, ge=0, le=1, description="Min-p cutoff relative to the most likely token, 0 for none.")
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="Completion token limit.")
     seed: int | None = Field(None, description="Sampling seed, if the client pinned one.")
     stop: list[Annotated[str, Field(max_length=1000)]] = Field(
         default_factory=list, max_length=16, description="Stop strings."
     )
+    logprobs_mode: Literal["raw", "processed"] = Field(
+        "raw",
+        description="What the behaviour logprobs are: processed (after temperature and truncation, what the "
+        "token was drawn with; vLLM --logprobs-mode processed_logprobs) or raw (the untempered softmax; events "
+        "without this field). See schemas/sampling.py.",
+    )
 
-    @field_validator("temperature", "top_p")
+    @field_validator("temperature", "top_p", "min_p")
     @classmethod
     def _finite(cls, value: float) -> float:
         if not math.isfinite(value):
@@ -113,6 +120,11 @@ class InteractionEvent(_Message):
     segment_index: int = Field(0, ge=0, le=10_000, description="Position of the segment in its episode.")
     role: Role = Field(Role.policy, description="What the segment is; subagent segments are not trained.")
     trainable: bool = Field(True, description="Whether the completion tokens enter the loss.")
+    untrainable_reason: Annotated[str, Field(min_length=1, max_length=64)] | None = Field(
+        None,
+        description="Why the gateway captured it as not trainable although nothing else forbade it: sampling "
+        "the trainer cannot reproduce (penalty, logit_bias, guided_decoding, ...; schemas/sampling.py).",
+    )
     truncated: bool = Field(
         False,
         description="The stream ended before the generation did (the client went away, or vLLM failed "
@@ -143,6 +155,8 @@ class InteractionEvent(_Message):
             raise ValueError("prompt_token_ids is empty")
         if self.truncated and self.trainable:
             raise ValueError("a truncated segment cannot be trainable")
+        if self.untrainable_reason is not None and self.trainable:
+            raise ValueError(f"untrainable_reason is {self.untrainable_reason!r} but trainable is true")
         if self.role == Role.subagent and self.trainable:
             raise ValueError("subagent segments are frozen observations: trainable must be false")
         return self

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -225,8 +226,10 @@ class VllmClient:
         temperature: float = 1.0,
         seed: int | None = None,
         stop: list[str] | None = None,
+        sampling: Mapping[str, Any] | None = None,
     ) -> list[list[str]]:
-        """``n`` sampled completions per prompt, in prompt order: ``result[i][j]``."""
+        """``n`` sampled completions per prompt, in prompt order: ``result[i][j]``; `sampling` adds
+        parameters (top_p, top_k, min_p, penalties; a temperature there wins)."""
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompts,
@@ -234,6 +237,7 @@ class VllmClient:
             "n": n,
             "temperature": temperature,
             "stop": stop or [],
+            **(sampling or {}),
         }
         if seed is not None:
             body["seed"] = seed

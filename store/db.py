@@ -39,7 +39,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceE
 from sqlalchemy.orm import Session, sessionmaker
 
 from schemas.clock import Clock, utcnow
-from schemas.events import FeedbackEvent, InteractionEvent
+from schemas.events import FeedbackEvent, InteractionEvent, SamplingParams
 from schemas.keys import check_tenant, hash_key, key_prefix, new_key
 from schemas.rewards import RewardSpec
 from schemas.versions import format_version, parse_version
@@ -87,6 +87,7 @@ class TrainingSegment:
     trainable: bool
     role: str
     policy_version: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # how it was sampled (schemas/sampling.py)
 
 
 @dataclass(frozen=True)
@@ -470,6 +471,7 @@ class Store:
                         trainable=trainable,
                         role=row.role,
                         policy_version=row.policy_number,
+                        sampling=SamplingParams.model_validate(row.sampling or {}),
                     )
                 )
             return [

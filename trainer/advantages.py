@@ -135,3 +135,17 @@ def update_state(
         for key in sorted(touched, key=touched.__getitem__)[: len(prompts) - MAX_PROMPT_KEYS]:
             del prompts[key], touched[key]
     return BaselineState(global_mean=global_mean, prompts=prompts, touched=touched, updates=updates)
+
+
+def overlong_penalty(length: int, max_tokens: int | None, buffer: float) -> float:
+    """DAPO's soft overlong punishment (arXiv 2503.14476 §3.4): 0 up to (1 − buffer)·max_tokens,
+    then falling linearly to −1 at max_tokens (−1 beyond). 0 when the request had no max_tokens
+    or the buffer is 0."""
+    if max_tokens is None or buffer <= 0:
+        return 0.0
+    cache = buffer * max_tokens
+    if length <= max_tokens - cache:
+        return 0.0
+    if length <= max_tokens:
+        return (max_tokens - cache - length) / cache
+    return -1.0

@@ -27,12 +27,14 @@ import torch
 from pydantic import BaseModel, Field
 
 from registry import CHALLENGER, Registry, flatten
-from schemas.settings import Settings
+from schemas.sampling import trainer_can_reproduce
+from schemas.settings import DapoLoss, Settings
 from store import Store, TrainingEpisode
 from trainer import checkpoint
-from trainer.advantages import compute_advantages, prompt_key
+from trainer.advantages import compute_advantages, overlong_penalty, prompt_key
 from trainer.engine import (
     Row,
+    Sampling,
     close_engine,
     grad_norm_after_step,
     grad_norm_before_step,
@@ -42,9 +44,11 @@ from trainer.engine import (
     token_logprobs,
 )
 from trainer.errors import InsufficientData
-from trainer.losses import LOSSES, Normaliser, TokenBatch
+from trainer.losses import Normaliser, TokenBatch, loss_function
 
 log = logging.getLogger(__name__)
+
+NO_SIGNAL = 1e-9  # |advantage| at or below this carries no signal (DAPO's dynamic sampling)
 
 
 class StepMetrics(BaseModel):
@@ -59,6 +63,10 @@ class StepMetrics(BaseModel):
     grad_norm: float | None = Field(description="Global gradient norm before clipping.")
     mean_advantage: float
     tokens: int
+    impossible_tokens: int = Field(
+        0, description="Sampled tokens outside their row's truncation (top-p/top-k/min-p) under π_old or π_θ: "
+        "left out of the loss."
+    )
 
 
 class CycleResult(BaseModel):
@@ -73,6 +81,12 @@ class CycleResult(BaseModel):
     episodes: int = Field(0, description="Episodes learnt from.")
     trainable_rows: int = Field(0, description="Trainable segments (rows) across those episodes.")
     tokens: int = Field(0, description="Trainable completion tokens.")
+    no_signal_rows: int = Field(
+        0, description="Rows left out for a zero advantage (DAPO's dynamic sampling)."
+    )
+    unreproducible_rows: int = Field(
+        0, description="Trainable segments left out: raw behaviour logprobs of non-neutral sampling."
+    )
     mean_reward: float | None = Field(None, description="Mean reward of the batch.")
     first_interaction_at: datetime | None = Field(None, description="Earliest episode start (data-to-deploy time).")
     train_s: float | None = Field(None, description="Load champion + optimizer steps, seconds.")
@@ -82,21 +96,38 @@ class CycleResult(BaseModel):
     checkpoint_dir: str | None = None
 
 
-def rows_of(episodes: list[TrainingEpisode], advantages: list[float]) -> list[Row]:
-    """Every trainable segment with a completion becomes a row carrying its episode's advantage."""
+def rows_of(episodes: list[TrainingEpisode], advantages: list[float]) -> tuple[list[Row], int]:
+    """Every trainable segment with a completion becomes a row carrying its episode's advantage and
+    how it was sampled; also the number of segments left out because their behaviour logprobs
+    are raw and their sampling was not neutral (`schemas.sampling.trainer_can_reproduce`)."""
     rows = []
+    unreproducible = 0
     for episode, advantage in zip(episodes, advantages, strict=True):
         for seg in episode.segments:
-            if seg.trainable and seg.completion_token_ids:
-                rows.append(
-                    Row(
-                        input_ids=[*seg.prompt_token_ids, *seg.completion_token_ids],
-                        prompt_len=len(seg.prompt_token_ids),
-                        behaviour_logprobs=list(seg.completion_logprobs),
-                        advantage=advantage,
-                    )
+            if not (seg.trainable and seg.completion_token_ids):
+                continue
+            if not trainer_can_reproduce(seg.sampling):
+                unreproducible += 1
+                continue
+            rows.append(
+                Row(
+                    input_ids=[*seg.prompt_token_ids, *seg.completion_token_ids],
+                    prompt_len=len(seg.prompt_token_ids),
+                    behaviour_logprobs=list(seg.completion_logprobs),
+                    advantage=advantage,
+                    sampling=Sampling.of(seg.sampling),
                 )
-    return rows
+            )
+    return rows, unreproducible
+
+
+def episode_overlong_penalty(episode: TrainingEpisode, buffer: float) -> float:
+    """DAPO's overlong penalty of an episode: that of its most overlong trainable segment."""
+    return min(
+        (overlong_penalty(len(seg.completion_token_ids), seg.sampling.max_tokens, buffer)
+         for seg in episode.segments if seg.trainable),
+        default=0.0,
+    )  # fmt: skip
 
 
 def episode_prompt_key(episode: TrainingEpisode) -> str:
@@ -141,10 +172,21 @@ def run_cycle(
 
         # ---- advantages ---------------------------------------------------------------------------
         baselines = checkpoint.load_baselines(cfg.checkpoint_dir)
-        adv, next_baselines = compute_advantages([episode_prompt_key(e) for e in episodes], rewards, baselines)
-        rows = rows_of(episodes, adv.values)
+        shaped = rewards
+        if isinstance(cfg.loss, DapoLoss) and cfg.loss.overlong_buffer > 0:
+            shaped = [r + episode_overlong_penalty(e, cfg.loss.overlong_buffer) for r, e in zip(rewards, episodes, strict=True)]
+        adv, next_baselines = compute_advantages([episode_prompt_key(e) for e in episodes], shaped, baselines)
+        rows, unreproducible = rows_of(episodes, adv.values)
+        if unreproducible:
+            log.warning("cycle %d: %d segments left out: raw behaviour logprobs of non-neutral sampling "
+                        "(serve with vllm.logprobs_mode=processed)", cycle_id, unreproducible)
+        no_signal = 0
+        if isinstance(cfg.loss, DapoLoss) and cfg.loss.dynamic_sampling:
+            kept = [r for r in rows if abs(r.advantage) > NO_SIGNAL]
+            no_signal, rows = len(rows) - len(kept), kept
         if not rows:
-            raise InsufficientData(f"{len(episodes)} episodes have no trainable completion tokens")
+            raise InsufficientData(f"{len(episodes)} episodes have no trainable completion tokens"
+                                   + (f" with a non-zero advantage ({no_signal} without)" if no_signal else ""))
 
         # ---- champion weights into DeepSpeed -------------------------------------------------------
         champion_dir = registry.download_checkpoint(champion)
@@ -158,23 +200,28 @@ def run_cycle(
         pad_id = 0  # padded positions are masked out of attention and loss; any id works
         batches = micro_batches(rows, cfg.micro_batch, pad_id)
         norm = Normaliser(tokens=sum(b.tokens for b in batches), sequences=len(rows))
-        loss_fn = LOSSES[cfg.loss.type]
+        loss_fn = loss_function(cfg.loss)
         engine = start_engine(champion_dir, cfg, accumulation=len(batches))
         steps: list[StepMetrics] = []
         try:
             # π_old: the champion's own logprobs, taken from the first step's forward passes
             # (the weights only change at the end of that step).
-            old_logprobs: list[torch.Tensor | None] = [None] * len(batches)
+            old_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batches)
             norm_before: float | None = None
             for step in range(cfg.steps):
-                totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl_k1": 0.0, "is_weight": 0.0, "tokens": 0.0}
+                totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl_k1": 0.0, "is_weight": 0.0, "tokens": 0.0,
+                          "impossible": 0.0}  # fmt: skip
                 for k, mb in enumerate(batches):
-                    logprobs = token_logprobs(engine, mb)  # (B, L−1)
-                    old = old_logprobs[k]
-                    if old is None:
-                        old = old_logprobs[k] = logprobs.detach()
+                    logprobs, possible = token_logprobs(engine, mb)  # (B, L−1) each
+                    first = old_logprobs[k]
+                    if first is None:
+                        first = old_logprobs[k] = (logprobs.detach(), possible)
+                    old, old_possible = first
+                    # A token outside the row's truncation under π_old or π_θ has no ratio: it leaves the loss.
+                    mask = mb.mask * (possible & old_possible)
+                    totals["impossible"] += float(mb.mask.sum() - mask.sum())
                     out = loss_fn(
-                        TokenBatch(logprobs, old, mb.behaviour_logprobs, mb.advantages, mb.mask),
+                        TokenBatch(logprobs, old, mb.behaviour_logprobs, mb.advantages, mask),
                         cfg.loss,
                         norm,
                     )
@@ -197,6 +244,7 @@ def run_cycle(
                     grad_norm=norm_before if norm_before is not None else grad_norm_after_step(engine),
                     mean_advantage=sum(adv.values) / len(adv.values),
                     tokens=int(totals["tokens"]),
+                    impossible_tokens=int(totals["impossible"]),
                 )
                 steps.append(metrics)
                 registry.log_metrics(run_id, metrics.model_dump(exclude={"step"}, exclude_none=True), step)
@@ -221,6 +269,8 @@ def run_cycle(
             episodes=len(episodes),
             trainable_rows=len(rows),
             tokens=norm.tokens,
+            unreproducible_rows=unreproducible,
+            no_signal_rows=no_signal,
             mean_reward=sum(rewards) / len(rewards),
             first_interaction_at=min(e.created_at for e in episodes),
             train_s=round(train_s, 3),

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from schemas.events import SamplingParams
+from schemas.sampling import is_greedy
 from schemas.settings import TrainerSettings
 
 
@@ -52,6 +54,24 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """What vLLM did to the logits before drawing a segment's tokens (schemas/sampling.py): the
+    trainer applies the same to compute π_old and π_θ, so they compare with the behaviour logprobs.
+    Greedy segments are recorded as temperature 1 without truncation, as vLLM reports them."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    min_p: float = 0.0
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> Sampling:
+        if is_greedy(params):
+            return cls()
+        return cls(params.temperature, params.top_p, max(params.top_k, 0), params.min_p)
+
+
+@dataclass(frozen=True)
 class Row:
     """One trainable segment as the trainer feeds it to the model."""
 
@@ -59,6 +79,7 @@ class Row:
     prompt_len: int
     behaviour_logprobs: list[float]  # one per completion token
     advantage: float
+    sampling: Sampling = Sampling()
 
 
 @dataclass(frozen=True)
@@ -71,6 +92,10 @@ class MicroBatch:
     mask: torch.Tensor  # (B, L−1) 1.0 on completion-token targets
     behaviour_logprobs: torch.Tensor  # (B, L−1) log μ at completion targets, 0 elsewhere
     advantages: torch.Tensor  # (B,)
+    temperature: torch.Tensor  # (B,) per row, as `Sampling`
+    top_p: torch.Tensor  # (B,)
+    top_k: torch.Tensor  # (B,) long, 0 = none
+    min_p: torch.Tensor  # (B,)
 
     @property
     def tokens(self) -> int:
@@ -104,6 +129,10 @@ def collate(rows: list[Row], pad_id: int) -> MicroBatch:
         mask=mask,
         behaviour_logprobs=behaviour,
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
+        temperature=torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32),
+        top_p=torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32),
+        top_k=torch.tensor([r.sampling.top_k for r in rows], dtype=torch.long),
+        min_p=torch.tensor([r.sampling.min_p for r in rows], dtype=torch.float32),
     )
 
 
@@ -113,11 +142,49 @@ def micro_batches(rows: list[Row], size: int, pad_id: int) -> list[MicroBatch]:
     return [collate(ordered[i : i + size], pad_id) for i in range(0, len(ordered), size)]
 
 
-def token_logprobs(model: Any, batch: MicroBatch) -> torch.Tensor:
-    """log π_θ(target_t | tokens ≤ t) for every position; (B, L−1). Carries the gradient."""
+def processed_log_softmax(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Log-probabilities of (B, T, V) logits as vLLM's sampler draws from them, per row: divided by
+    the temperature, then min-p, top-k and top-p truncation (a truncated token gets −inf), then
+    log-softmax. The same steps and tie rules as vllm/v1/sample (sampler.py, topk_topp_sampler.py,
+    logits_processor/builtin.py MinP): top-k keeps every logit ≥ the k-th largest; top-p drops the
+    least likely tokens while their cumulative probability stays ≤ 1 − p, always keeping the
+    most likely. The truncation masks are taken on detached values; the gradient flows through
+    the logits of the kept tokens."""
+    logits = logits.float() / temperature[:, None, None]
+    vocab = logits.shape[-1]
+    if bool((min_p > 0).any()):
+        with torch.no_grad():
+            probs = logits.softmax(dim=-1)
+            drop = probs < probs.amax(dim=-1, keepdim=True) * min_p[:, None, None]
+        logits = logits.masked_fill(drop, float("-inf"))
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        with torch.no_grad():
+            ascending, order = logits.sort(dim=-1)
+            k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)  # (B,)
+            kth = ascending.gather(-1, (vocab - k)[:, None, None].expand(*ascending.shape[:2], 1))
+            drop = ascending < kth
+            if bool((top_p < 1).any()):
+                cumulative = ascending.masked_fill(drop, float("-inf")).softmax(dim=-1).cumsum(dim=-1)
+                tail = cumulative <= (1 - top_p)[:, None, None]
+                tail[..., -1] = False  # the most likely token always stays
+                drop |= tail
+            drop = torch.zeros_like(drop).scatter(-1, order, drop)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(logits, dim=-1)
+
+
+def token_logprobs(model: Any, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log π_θ(target_t | tokens ≤ t) under each row's sampling (`processed_log_softmax`), and
+    where that is possible), both (B, L−1). A target the row's truncation excludes has
+    probability 0: its logprob is returned as 0 with `possible` False, so that it can be masked
+    out of a loss without producing NaN. The logprobs carry the gradient."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, L, V)
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, L−1, V)
-    return logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)  # (B, L−1)
+    logp = processed_log_softmax(logits[:, :-1], batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+    chosen = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)  # (B, L−1)
+    possible = torch.isfinite(chosen.detach())
+    return torch.where(possible, chosen, torch.zeros_like(chosen)), possible
 
 
 def ds_config(cfg: TrainerSettings, micro_batch: int, accumulation: int) -> dict[str, Any]:

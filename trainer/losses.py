@@ -1,4 +1,4 @@
-"""Token-level policy-gradient losses, picked by ``settings.trainer.loss.type``.
+"""Token-level policy-gradient losses, picked by ``settings.trainer.loss`` (a tagged union on ``type``).
 
 Pure functions of tensors: `LOSSES[type](batch, cfg, norm)` returns the loss of one micro-batch,
 already divided by the *whole* batch's normaliser (`Normaliser`), so summing the micro-batch
@@ -10,19 +10,30 @@ Three log-probabilities per completion token:
 * ``old_logprobs``: log π_old, the same weights before this cycle's first optimizer step (the
   trainer starts from exactly the champion that served the samples, so π_old is the serving policy
   as transformers computes it);
-* ``behaviour_logprobs``: log μ, what vLLM reported when it sampled the token. μ and π_old differ
-  by kernel numerics, and by policy lag when ``max_policy_lag > 0``; truncated importance
-  sampling min(π_old/μ, C) corrects for it (https://fengyao.notion.site/off-policy-rl).
+* ``behaviour_logprobs``: log μ, what vLLM reported when it sampled the token (processed: after
+  temperature and truncation, schemas/sampling.py). μ and π_old differ by kernel numerics, and by
+  policy lag when ``max_policy_lag > 0``; truncated importance sampling min(π_old/μ, C) corrects
+  for it (https://fengyao.notion.site/off-policy-rl), per token, or per sequence for GSPO.
 
-Papers: CISPO, MiniMax-M1 §3.1 https://arxiv.org/abs/2506.13585; PPO-clip
-https://arxiv.org/abs/1707.06347; GRPO https://arxiv.org/abs/2402.03300 (its per-sequence length
-normalisation); Dr. GRPO https://arxiv.org/abs/2503.20783.
+π_old and π_θ are computed under each row's own sampling (`trainer.engine.token_logprobs`), and
+tokens that are impossible under it are already out of ``mask``.
+
+Every loss may add β·KL(π_θ ‖ π_old), the k1 or k3 estimator (http://joschu.net/blog/kl-approx.html)
+on the sampled tokens, normalised like its policy term: π_old is the champion the cycle started
+from, so the penalty keeps one cycle's update near the policy that serves.
+
+Papers and defaults (schemas/settings.py holds the defaults, docs/algorithms.md the reasoning):
+CISPO, MiniMax-M1 §3.1 https://arxiv.org/abs/2506.13585; PPO-clip
+https://arxiv.org/abs/1707.06347; GRPO https://arxiv.org/abs/2402.03300; DAPO
+https://arxiv.org/abs/2503.14476; Dr. GRPO https://arxiv.org/abs/2503.20783; GSPO
+https://arxiv.org/abs/2507.18071.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -54,16 +65,29 @@ class LossOutput:
     sums: dict[str, float]  # token-level sums: ratio, clipped, kl_k1, is_weight, tokens
 
 
-LossFn = Callable[[TokenBatch, LossSettings, Normaliser], LossOutput]
+LossFn = Callable[[TokenBatch, Any, Normaliser], LossOutput]
 
 
-def _ratios(batch: TokenBatch, cfg: LossSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """π_θ/π_old, the truncated behaviour weight min(π_old/μ, C), and the clip indicator."""
-    log_ratio = batch.logprobs - batch.old_logprobs  # (B, T)
-    ratio = torch.exp(log_ratio)  # (B, T)
+def _token_ratios(batch: TokenBatch, cfg: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """π_θ/π_old, the truncated behaviour weight min(π_old/μ, C), and the clip indicator, per token."""
+    ratio = torch.exp(batch.logprobs - batch.old_logprobs)  # (B, T)
     is_weight = torch.exp(batch.old_logprobs - batch.behaviour_logprobs).clamp(max=cfg.is_cap).detach()  # (B, T)
     clipped = (ratio < 1 - cfg.eps_low) | (ratio > 1 + cfg.eps_high)  # (B, T) bool
     return ratio, is_weight, clipped
+
+
+def _kl(batch: TokenBatch, cfg: Any) -> torch.Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_old) on tokens sampled (near) π_old; zeros when β = 0.
+
+    k1 = log π_θ − log π_old (unbiased, can be negative per token); k3 = r − 1 − log r with
+    r = π_old/π_θ (unbiased, always ≥ 0, lower variance; GRPO's choice).
+    """
+    if cfg.kl_coef == 0:
+        return torch.zeros_like(batch.logprobs)
+    log_r = batch.old_logprobs - batch.logprobs  # (B, T) log(π_old/π_θ)
+    if cfg.kl_estimator == "k1":
+        return -log_r
+    return torch.exp(log_r) - 1 - log_r
 
 
 def _sums(batch: TokenBatch, ratio: torch.Tensor, is_weight: torch.Tensor, clipped: torch.Tensor) -> dict[str, float]:
@@ -80,44 +104,103 @@ def _sums(batch: TokenBatch, ratio: torch.Tensor, is_weight: torch.Tensor, clipp
         }
 
 
-def cispo(batch: TokenBatch, cfg: LossSettings, norm: Normaliser) -> LossOutput:
+def _token_mean(per_token: torch.Tensor, batch: TokenBatch, norm: Normaliser) -> torch.Tensor:
+    """Σ over the step's tokens / Σ_i |o_i| (every token weighs the same)."""
+    return (per_token * batch.mask).sum() / max(norm.tokens, 1)
+
+
+def _sequence_mean(per_token: torch.Tensor, batch: TokenBatch, norm: Normaliser) -> torch.Tensor:
+    """1/G Σ_i 1/|o_i| Σ_t (every sequence weighs the same, whatever its length)."""
+    lengths = batch.mask.sum(dim=1).clamp(min=1)  # (B,)
+    return ((per_token * batch.mask).sum(dim=1) / lengths).sum() / max(norm.sequences, 1)
+
+
+def cispo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     """CISPO: J = 1/Σ|o_i| Σ_i Σ_t sg(r̂_{i,t}) Â_i log π_θ(o_{i,t}).
 
     r̂ = clip(π_θ/π_old, 1 − ε_low, 1 + ε_high) is only a weight (stop-gradient), so every token
     keeps its gradient, unlike PPO-clip which zeroes clipped tokens.
     """
-    ratio, is_weight, clipped = _ratios(batch, cfg)
+    ratio, is_weight, clipped = _token_ratios(batch, cfg)
     weight = (ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * is_weight).detach()  # (B, T)
     objective = weight * batch.advantages[:, None] * batch.logprobs  # (B, T)
-    loss = -(objective * batch.mask).sum() / max(norm.tokens, 1)
+    loss = _token_mean(-objective + cfg.kl_coef * _kl(batch, cfg), batch, norm)
     return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
 
 
-def _ppo_objective(batch: TokenBatch, cfg: LossSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    ratio, is_weight, clipped = _ratios(batch, cfg)
+def _clipped_surrogate(batch: TokenBatch, cfg: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w · min(r Â, clip(r, 1 − ε_low, 1 + ε_high) Â) per token, with w the truncated IS weight."""
+    ratio, is_weight, clipped = _token_ratios(batch, cfg)
     adv = batch.advantages[:, None]  # (B, 1)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)  # (B, T)
     return is_weight * surrogate, ratio, is_weight, clipped
 
 
-def ppo(batch: TokenBatch, cfg: LossSettings, norm: Normaliser) -> LossOutput:
+def ppo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     """PPO-clip, token-level mean: J = 1/Σ|o_i| Σ_i Σ_t min(r Â, clip(r, 1−ε_low, 1+ε_high) Â)."""
-    objective, ratio, is_weight, clipped = _ppo_objective(batch, cfg)
-    loss = -(objective * batch.mask).sum() / max(norm.tokens, 1)
+    objective, ratio, is_weight, clipped = _clipped_surrogate(batch, cfg)
+    loss = _token_mean(-objective + cfg.kl_coef * _kl(batch, cfg), batch, norm)
     return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
 
 
-def grpo(batch: TokenBatch, cfg: LossSettings, norm: Normaliser) -> LossOutput:
-    """GRPO's PPO-clip with its per-sequence length normalisation: J = 1/G Σ_i 1/|o_i| Σ_t (...).
+def grpo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
+    """GRPO: PPO-clip with its per-sequence length normalisation, J = 1/G Σ_i 1/|o_i| Σ_t (...),
+    and its KL penalty (k3, β = 0.04 by default).
 
-    The advantages are the cycle's (group baseline, no std division); only the normalisation
-    differs from `ppo`.
+    The advantages are the cycle's (trainer/advantages.py: group baseline, no std division);
+    only the normalisation and the default KL differ from `ppo`.
     """
-    objective, ratio, is_weight, clipped = _ppo_objective(batch, cfg)
-    lengths = batch.mask.sum(dim=1).clamp(min=1)  # (B,)
-    per_sequence = (objective * batch.mask).sum(dim=1) / lengths  # (B,)
-    loss = -per_sequence.sum() / max(norm.sequences, 1)
+    objective, ratio, is_weight, clipped = _clipped_surrogate(batch, cfg)
+    loss = _sequence_mean(-objective + cfg.kl_coef * _kl(batch, cfg), batch, norm)
     return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
 
 
-LOSSES: dict[str, LossFn] = {"cispo": cispo, "ppo": ppo, "grpo": grpo}
+def dapo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
+    """DAPO's objective: PPO-clip with a higher upper clip (ε_high 0.28, "clip-higher") and a
+    token-level mean over the step. Its dynamic sampling (rows without signal leave the batch)
+    and overlong shaping (a soft length penalty in the reward) happen before the loss, in the
+    cycle (trainer/cycle.py)."""
+    return ppo(batch, cfg, norm)
+
+
+def dr_grpo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
+    """Dr. GRPO: GRPO without its length bias, J = 1/(G · L) Σ_i Σ_t (...), with L a constant
+    (``norm_tokens``, the generation budget) instead of each sequence's own length."""
+    objective, ratio, is_weight, clipped = _clipped_surrogate(batch, cfg)
+    per_token = (-objective + cfg.kl_coef * _kl(batch, cfg)) * batch.mask
+    loss = per_token.sum() / (max(norm.sequences, 1) * cfg.norm_tokens)
+    return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
+
+
+def gspo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
+    """GSPO: one importance ratio per sequence, s_i = (π_θ(o_i)/π_old(o_i))^(1/|o_i|), clipped as
+    in PPO (ε 3e-4 / 4e-4: a geometric mean moves far less than a token ratio):
+    J = 1/G Σ_i min(s_i Â_i, clip(s_i, 1 − ε_low, 1 + ε_high) Â_i).
+
+    The behaviour correction is per sequence too: w_i = min((π_old(o_i)/μ(o_i))^(1/|o_i|), C).
+    The clip indicator in the metrics marks every token of a clipped sequence.
+    """
+    mask = batch.mask
+    lengths = mask.sum(dim=1).clamp(min=1)  # (B,)
+    log_s = ((batch.logprobs - batch.old_logprobs) * mask).sum(dim=1) / lengths  # (B,)
+    s = torch.exp(log_s)  # (B,)
+    w = torch.exp(((batch.old_logprobs - batch.behaviour_logprobs) * mask).sum(dim=1) / lengths)
+    w = w.clamp(max=cfg.is_cap).detach()  # (B,)
+    adv = batch.advantages
+    surrogate = torch.minimum(s * adv, s.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)  # (B,)
+    kl = (_kl(batch, cfg) * mask).sum(dim=1) / lengths  # (B,)
+    has_tokens = (mask.sum(dim=1) > 0).float()  # (B,) a row with no trainable token adds nothing
+    loss = ((-w * surrogate + cfg.kl_coef * kl) * has_tokens).sum() / max(norm.sequences, 1)
+    clipped_sequence = (s < 1 - cfg.eps_low) | (s > 1 + cfg.eps_high)  # (B,)
+    ratio = s[:, None].expand_as(mask)
+    clipped = clipped_sequence[:, None].expand_as(mask)
+    is_weight = w[:, None].expand_as(mask)
+    return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
+
+
+LOSSES: dict[str, LossFn] = {"cispo": cispo, "ppo": ppo, "grpo": grpo, "dapo": dapo, "dr_grpo": dr_grpo, "gspo": gspo}
+
+
+def loss_function(cfg: LossSettings) -> LossFn:
+    """The function of the configured loss."""
+    return LOSSES[cfg.type]

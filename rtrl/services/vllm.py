@@ -76,6 +76,11 @@ class Vllm(Service):
             "--dtype", "float32",
             "--max-logprobs", "20",
             "--disable-uvicorn-access-log",
+            # Behaviour logprobs as the tokens were drawn (after temperature and truncation), and no
+            # sampling defaults of the server's own: the gateway writes the model's into every request
+            # (schemas/sampling.py), so what an event records is what vLLM sampled with.
+            "--logprobs-mode", f"{v.logprobs_mode}_logprobs",
+            "--generation-config", "vllm",
         ]
         return cmd
 

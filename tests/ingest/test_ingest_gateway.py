@@ -74,7 +74,12 @@ def keys(services: Settings) -> Keys:
 def start_gateway(services: Settings, tmp_path: Path) -> GatewayFactory:
     """`start_gateway(**gateway_overrides, kafka=..., vllm=...)` -> context manager yielding the URL."""
 
-    def start(kafka: str | None = None, servers: tuple[str, ...] | None = None, **gateway: Any) -> AbstractContextManager[str]:
+    def start(
+        kafka: str | None = None,
+        servers: tuple[str, ...] | None = None,
+        sampling_defaults: dict[str, float] | None = None,
+        **gateway: Any,
+    ) -> AbstractContextManager[str]:
         update: dict[str, Any] = {
             "gateway": services.gateway.model_copy(
                 update={"port": free_port(), "spool_dir": tmp_path / "spool", "publish_timeout_s": 2.0, **gateway}
@@ -82,8 +87,11 @@ def start_gateway(services: Settings, tmp_path: Path) -> GatewayFactory:
         }
         if kafka is not None:
             update["kafka"] = services.kafka.model_copy(update={"bootstrap_servers": kafka})
-        if servers is not None:
-            update["vllm"] = services.vllm.model_copy(update={"servers": servers})
+        vllm: dict[str, Any] = {"servers": servers} if servers is not None else {}
+        if sampling_defaults is not None:
+            vllm["sampling_defaults"] = sampling_defaults
+        if vllm:
+            update["vllm"] = services.vllm.model_copy(update=vllm)
         settings = services.model_copy(update=update)
         return gateway_process(settings, tmp_path / f"gateway-{settings.gateway.port}.log")
 
@@ -159,6 +167,36 @@ def test_completion_is_served_unchanged_and_captured(
     assert event.role == "summary" and event.trainable is True
     assert (event.sampling.temperature, event.sampling.max_tokens, event.sampling.seed) == (1.0, 8, 1234)
     assert event.finish_reason == body["choices"][0]["finish_reason"]
+
+
+def test_the_event_records_what_vllm_sampled_with_and_what_the_trainer_cannot_reproduce(
+    services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, keys: Keys
+) -> None:
+    """The model's sampling defaults are written into a request that sets none, so the recorded
+    parameters are vLLM's own; a penalty (not reproducible by the trainer) is captured untrainable."""
+    request = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 8, "seed": 99}
+    with start_gateway(sampling_defaults={"temperature": 0.7, "top_p": 0.9}) as gateway:
+        plain = httpx.post(f"{gateway}/v1/completions", json=request, headers=keys.auth(keys.acme), timeout=120)
+        penalised = httpx.post(f"{gateway}/v1/completions", json={**request, "presence_penalty": 0.5},
+                               headers=keys.auth(keys.acme), timeout=120)  # fmt: skip
+        assert plain.status_code == penalised.status_code == 200, (plain.text, penalised.text)
+        counted = lambda: metric(gateway, keys.admin, "rtrl_gateway_untrainable_total", 'reason="penalty"') == 1  # noqa: E731
+        wait_until(counted, timeout_s=30, what="the untrainable request counted")
+    [record] = interactions.wait_for(by_key(plain.headers["x-rtrl-request-id"]))
+    event = parse_event(record.value, InteractionEvent)
+    sampling = event.sampling
+    assert (sampling.temperature, sampling.top_p, sampling.logprobs_mode) == (0.7, 0.9, "processed")
+    assert event.trainable is True and event.untrainable_reason is None
+    # vLLM asked directly with those parameters draws the same tokens with the same logprobs.
+    direct = httpx.post(f"{vllm_url(services)}/v1/completions", timeout=120, json={
+        **request, "temperature": 0.7, "top_p": 0.9, "logprobs": 0, "return_token_ids": True,
+    }).json()["choices"][0]  # fmt: skip
+    assert event.completion_token_ids == direct["token_ids"]
+    assert event.completion_logprobs == pytest.approx(direct["logprobs"]["token_logprobs"], abs=1e-5)
+
+    [record] = interactions.wait_for(by_key(penalised.headers["x-rtrl-request-id"]))
+    event = parse_event(record.value, InteractionEvent)
+    assert (event.trainable, event.untrainable_reason) == (False, "penalty")
 
 
 def test_personal_data_is_redacted_before_the_event_leaves_the_gateway(
@@ -403,7 +441,9 @@ def test_streams_from_the_official_client_are_relayed_and_captured(
 def test_a_client_that_leaves_mid_stream_gives_a_truncated_untrainable_event(
     services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, keys: Keys
 ) -> None:
-    body = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+    # As long a generation as the context allows (the client must hang up before it ends; a busy
+    # machine once let 400 tokens finish first), and a hang-up after the second chunk.
+    body = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 470, "ignore_eos": True,
             "stream": True}  # fmt: skip
     with start_gateway() as gateway:
         with httpx.stream("POST", f"{gateway}/v1/completions", json=body, headers=keys.auth(keys.acme), timeout=60) as r:
@@ -412,14 +452,14 @@ def test_a_client_that_leaves_mid_stream_gives_a_truncated_untrainable_event(
             received = 0
             for line in r.iter_lines():
                 received += line.startswith("data: {")
-                if received == 3:
+                if received == 2:
                     break  # and hang up
         truncated = lambda: metric(gateway, keys.admin, "rtrl_gateway_stream_truncated_total") == 1  # noqa: E731
         wait_until(truncated, timeout_s=30, what="the stream counted as truncated")
     [record] = interactions.wait_for(by_key(request_id))
     event = parse_event(record.value, InteractionEvent)
     assert event.truncated and not event.trainable and event.finish_reason is None
-    assert 3 <= len(event.completion_token_ids) < 400
+    assert 2 <= len(event.completion_token_ids) < 470
     assert len(event.completion_logprobs) == len(event.completion_token_ids)
 
 

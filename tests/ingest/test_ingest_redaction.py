@@ -94,3 +94,10 @@ def test_json_is_redacted_string_by_string() -> None:
     value = {"prompt": "line one\n+44 20 7946 0958", "n": 3, "list": ["ana@example.com", None]}
     assert redact_json(DEFAULT, value) == {"prompt": "line one\n[REDACTED:phone]", "n": 3,
                                            "list": ["[REDACTED:email]", None]}  # fmt: skip
+
+
+def test_only_built_in_detectors_over_short_texts_run_on_the_event_loop() -> None:
+    from ingest.redaction import INLINE_CHARS
+
+    assert DEFAULT.cheap(INLINE_CHARS) and not DEFAULT.cheap(INLINE_CHARS + 1)
+    assert not Redactor(("email", f"{__name__}:shouting")).cheap(10)  # a plug-in's cost is unknown

@@ -26,7 +26,7 @@ from schemas.events import Role
 
 pytestmark = pytest.mark.unit
 
-# What vLLM answers to /v1/completions with logprobs=1 and return_token_ids=true (trimmed).
+# What vLLM answers to /v1/completions with logprobs=0 and return_token_ids=true (trimmed).
 UPSTREAM_COMPLETION = {
     "id": "cmpl-1",
     "object": "text_completion",
@@ -75,7 +75,7 @@ UPSTREAM_CHAT = {
 def test_completion_request_adds_capture_fields_and_removes_rtrl() -> None:
     body = {"model": "m", "prompt": "Q: 1+1?\nA:", "max_tokens": 4, "rtrl": {"episode_id": "ep1"}}
     forward, requested, rtrl = prepare_completion_request(body)
-    assert forward == {"model": "m", "prompt": "Q: 1+1?\nA:", "max_tokens": 4, "logprobs": 1, "return_token_ids": True}
+    assert forward == {"model": "m", "prompt": "Q: 1+1?\nA:", "max_tokens": 4, "logprobs": 0, "return_token_ids": True}
     assert requested == Requested(logprobs=False, token_ids=False)
     assert rtrl == {"episode_id": "ep1"}
     assert "rtrl" in body  # the client's dict is not mutated
@@ -218,10 +218,22 @@ def test_parse_capture_refusals(headers: dict[str, str], body: object, message: 
 
 
 def test_sampling_params() -> None:
-    params = sampling_params({"temperature": 0.7, "max_tokens": 16, "stop": "\n", "seed": 3, "top_k": 5})
-    assert (params.temperature, params.top_p, params.top_k) == (0.7, 1.0, 5)
+    params = sampling_params({"temperature": 0.7, "max_tokens": 16, "stop": "\n", "seed": 3, "top_k": 5, "min_p": 0.1})
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.7, 1.0, 5, 0.1)
     assert (params.max_tokens, params.seed, params.stop) == (16, 3, ["\n"])
+    assert params.logprobs_mode == "processed"
     assert sampling_params({"max_completion_tokens": 8}).max_tokens == 8
+    assert sampling_params({}, "raw").logprobs_mode == "raw"
+
+
+def test_the_models_sampling_defaults_are_written_into_the_forwarded_request() -> None:
+    defaults = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    forward, _, _ = prepare_completion_request({"prompt": "p", "temperature": 0.2}, defaults)
+    assert (forward["temperature"], forward["top_p"], forward["top_k"]) == (0.2, 0.8, 20)
+    forward, _, _ = prepare_chat_request({"messages": [{"role": "user", "content": "hi"}], "top_k": None}, defaults)
+    assert (forward["temperature"], forward["top_p"], forward["top_k"]) == (0.7, 0.8, 20)
+    # What is recorded is what was forwarded, so what vLLM sampled with.
+    assert sampling_params(forward).model_dump(include={"temperature", "top_p", "top_k"}) == defaults
 
 
 def _event(capture: Capture, straddled: bool):  # type: ignore[no-untyped-def]
@@ -244,6 +256,18 @@ def test_build_interaction_defaults_episode_to_request() -> None:
     assert event.episode_id == "acme:req1" and event.segment_index == 0 and event.tenant == "acme"
     assert event.policy_version == "v3" and event.trainable is True
     assert event.completion_logprobs == [-0.5, -0.25]
+
+
+def test_sampling_the_trainer_cannot_reproduce_is_captured_untrainable_with_its_reason() -> None:
+    event = build_interaction(
+        request_id="req1", tenant="acme", episode_id="acme:req1", capture=Capture(), model="rtrl-tiny",
+        policy_version=3, generation=extract_completion(UPSTREAM_COMPLETION, {"prompt": "Q"}),
+        sampling=sampling_params({"presence_penalty": 0.5}), straddled=False,
+        created_at=datetime(2025, 1, 1, tzinfo=UTC), untrainable_reason="penalty",
+    )  # fmt: skip
+    assert (event.trainable, event.untrainable_reason) == (False, "penalty")
+    with pytest.raises(ValueError, match="untrainable_reason"):
+        type(event).model_validate(event.model_dump() | {"trainable": True})
 
 
 def test_build_interaction_trainable_rules() -> None:

@@ -32,7 +32,7 @@ def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
 
 def test_a_bad_setting_is_one_line_and_debug_shows_the_traceback() -> None:
     line = one_line_error(rtrl("config", "show", RTRL_TRAINER__LOSS__TYPE="reinforce"))
-    assert "RTRL_TRAINER__LOSS__TYPE" in line and "'cispo', 'grpo' or 'ppo'" in line
+    assert "RTRL_TRAINER__LOSS__TYPE" in line and "'cispo', 'ppo', 'grpo'" in line
     debug = rtrl("--debug", "config", "show", RTRL_TRAINER__LOSS__TYPE="reinforce")
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "SettingsError" in debug.stderr
 

@@ -28,7 +28,7 @@ def test_settings_read_nested_environment(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("RTRL_VLLM__SERVERS", '["http://a:8000", "http://b:8000"]')
     settings = load_settings()
     assert settings.kafka.bootstrap_servers == "broker-a:9092,broker-b:9092"
-    assert settings.trainer.loss.type == "ppo"
+    assert settings.trainer.loss.type == "ppo" and settings.trainer.loss.eps_low == 0.2  # PPO's own defaults
     assert settings.vllm.servers == ("http://a:8000", "http://b:8000")
 
 
@@ -39,7 +39,8 @@ def test_a_bad_setting_is_one_line_naming_the_variable(monkeypatch: pytest.Monke
         load_settings()
     message = str(caught.value)
     assert isinstance(caught.value, OperatorError) and "\n" not in message
-    assert "RTRL_TRAINER__LOSS__TYPE: Input should be 'cispo', 'grpo' or 'ppo' (got 'reinforce')" in message
+    assert ("RTRL_TRAINER__LOSS__TYPE: Input should be one of 'cispo', 'ppo', 'grpo', 'dapo', 'dr_grpo', 'gspo' "
+            "(got 'reinforce')") in message
     assert "RTRL_TRAINER__MIN_SAMPLES: Input should be greater than or equal to 1" in message
     assert message.endswith("(fix the environment or .env)")
 

@@ -9,6 +9,7 @@ first step's ratios are ≈ 1. The Celery round trip goes through the real Redis
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,10 +18,11 @@ import pytest
 import torch
 from factories import Feeder, feedback, interaction
 from helpers import run_rtrl
+from pydantic import TypeAdapter
 
 from registry import CHAMPION, Registry
-from schemas.events import FeedbackEvent, InteractionEvent
-from schemas.settings import Settings
+from schemas.events import FeedbackEvent, InteractionEvent, SamplingParams
+from schemas.settings import LOSS_TYPES, DapoLoss, LossSettings, Settings
 from store import Store
 
 pytestmark = pytest.mark.integration
@@ -65,15 +67,25 @@ def champion(registry: Registry, tiny_model_dir: Path) -> int:
     return version
 
 
-def sample_episodes(model_dir: Path, n: int, seed: int, version: str = "v1") -> list[tuple[InteractionEvent, FeedbackEvent]]:
+def sample_episodes(
+    model_dir: Path, n: int, seed: int, version: str = "v1", sampling: SamplingParams | None = None,
+    alternate: bool = False,
+) -> list[tuple[InteractionEvent, FeedbackEvent]]:
     """n single-segment episodes sampled from the model; pairs of episodes share a prompt (groups).
 
-    Reward: thumbs_up when the completion contains "!" (the exclaim task's preference), else
-    thumbs_down; both settle the episode at once under tab-v1.
+    Sampled as vLLM samples under `sampling` (default: T = 1, nothing truncated), with the
+    processed logprobs it would report. Reward: thumbs_up when the completion contains "!" (the
+    exclaim task's preference), else thumbs_down; with `alternate`, up and down in turn (so that
+    every pair sharing a prompt has a signal); both settle the episode at once under tab-v1.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from evals import get_task
+    from trainer.engine import Sampling, processed_log_softmax
+
+    sampling = sampling or SamplingParams(logprobs_mode="processed")
+    how = Sampling.of(sampling)
+    transform = [torch.tensor([v]) for v in (how.temperature, how.top_k, how.top_p, how.min_p)]
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -87,8 +99,8 @@ def sample_episodes(model_dir: Path, n: int, seed: int, version: str = "v1") -> 
         logprobs: list[float] = []
         with torch.no_grad():
             for _ in range(8):
-                logits = model(input_ids=torch.tensor([ids + tokens])).logits[0, -1]
-                logp = torch.log_softmax(logits.float(), dim=-1)
+                logits = model(input_ids=torch.tensor([ids + tokens])).logits[:, -1:]  # (1, 1, V)
+                logp = processed_log_softmax(logits, *transform)[0, 0]
                 token = int(torch.multinomial(logp.exp(), 1, generator=generator))
                 tokens.append(token)
                 logprobs.append(float(logp[token]))
@@ -97,8 +109,9 @@ def sample_episodes(model_dir: Path, n: int, seed: int, version: str = "v1") -> 
         completion = tokenizer.decode(tokens, skip_special_tokens=True)
         episode = f"ep-{seed}-{i}"
         event = interaction(episode, version=version, prompt=prompt, prompt_token_ids=ids, completion=completion,
-                            completion_token_ids=tokens, completion_logprobs=logprobs)  # fmt: skip
-        kind = "thumbs_up" if "!" in completion else "thumbs_down"
+                            completion_token_ids=tokens, completion_logprobs=logprobs, sampling=sampling)  # fmt: skip
+        up = i % 2 == 0 if alternate else "!" in completion
+        kind = "thumbs_up" if up else "thumbs_down"
         out.append((event, feedback(event.request_id, kind)))
     return out
 
@@ -178,6 +191,58 @@ def test_cycles_train_save_and_register_challengers(
     second = run_cycle(settings, store, registry, owner="test")
     assert second.status == "registered" and second.challenger_version == 3 and second.episodes == 16
     assert registry.challenger() == 3
+
+
+@pytest.mark.parametrize("loss", LOSS_TYPES)
+def test_every_loss_trains_a_real_cycle_on_tempered_truncated_samples(
+    settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path, loss: str
+) -> None:
+    """Each loss of the library runs one cycle on samples drawn at T = 0.7, top-p 0.9: the first
+    step sees π_θ = π_old and the behaviour weights ≈ 1, no sampled token is outside the trainer's
+    truncation, and a challenger is registered."""
+    from trainer.cycle import run_cycle
+
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8, logprobs_mode="processed")
+    feed(store, sample_episodes(tiny_model_dir, 16, seed=3, sampling=sampling, alternate=True))
+    configured = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={
+        "loss": TypeAdapter(LossSettings).validate_python({"type": loss}), "min_samples": 8,
+    })})  # fmt: skip
+
+    result = run_cycle(configured, store, registry, owner="test")
+
+    assert result.status == "registered", result
+    first = result.steps[0]
+    assert first.mean_ratio == pytest.approx(1.0, abs=1e-6)
+    assert first.is_weight == pytest.approx(1.0, abs=1e-3)
+    assert first.impossible_tokens == 0 and result.unreproducible_rows == 0
+    assert all(math.isfinite(step.loss) for step in result.steps)
+    assert result.steps[1].kl_k1 != 0.0, "the second step sees updated weights"
+    assert registry.run(result.mlflow_run_id or "").data.params["trainer.loss.type"] == loss
+    assert result.no_signal_rows == 0 and result.trainable_rows == 16
+
+
+def test_dapo_leaves_rows_without_signal_out(
+    settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path
+) -> None:
+    """Pairs that share a prompt and got the same feedback have advantage 0 on a first cycle's
+    group baseline: DAPO's dynamic sampling drops them (overlong shaping off here, so that the
+    rewards are the feedback's)."""
+    from trainer.cycle import run_cycle
+
+    sampling = SamplingParams(max_tokens=8, logprobs_mode="processed")
+    pairs = sample_episodes(tiny_model_dir, 16, seed=4, sampling=sampling)
+    # Pairs 0-3 split (up, down); pairs 4-7 agree (up, up): only the first 8 rows carry a signal.
+    pairs = [(event, feedback(event.request_id, "thumbs_up" if i >= 8 or i % 2 == 0 else "thumbs_down"))
+             for i, (event, _) in enumerate(pairs)]  # fmt: skip
+    feed(store, pairs)
+    configured = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={
+        "loss": DapoLoss(overlong_buffer=0.0), "min_samples": 8,
+    })})  # fmt: skip
+
+    result = run_cycle(configured, store, registry, owner="test")
+
+    assert result.status == "registered", result
+    assert (result.trainable_rows, result.no_signal_rows) == (8, 8)
 
 
 def test_failed_cycle_registers_nothing_and_releases_its_episodes(

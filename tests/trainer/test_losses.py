@@ -1,18 +1,20 @@
-"""Token-level losses (CISPO, PPO-clip, GRPO) and the token alignment of micro-batches, by hand."""
+"""Token-level losses (CISPO, PPO-clip, GRPO, DAPO, Dr. GRPO, GSPO, the KL penalty) and the token
+alignment of micro-batches, by hand."""
 
 import math
 
 import pytest
 import torch
 
-from schemas.settings import LossSettings
+from schemas.settings import CispoLoss, DapoLoss, DrGrpoLoss, GrpoLoss, GspoLoss, PpoLoss
+from trainer.advantages import overlong_penalty
 from trainer.engine import Row, collate
-from trainer.losses import LOSSES, Normaliser, TokenBatch, cispo, grpo, ppo
+from trainer.losses import LOSSES, Normaliser, TokenBatch, cispo, dapo, dr_grpo, grpo, gspo, ppo
 
 pytestmark = pytest.mark.unit
 
-CFG = LossSettings(type="cispo", eps_low=1.0, eps_high=0.28, is_cap=2.0)
-PPO_CFG = LossSettings(type="ppo", eps_low=0.2, eps_high=0.2, is_cap=2.0)
+CFG = CispoLoss(eps_low=1.0, eps_high=0.28, is_cap=2.0)
+PPO_CFG = PpoLoss(eps_low=0.2, eps_high=0.2, is_cap=2.0)
 
 
 def batch(lp: list[list[float]], old: list[list[float]], mu: list[list[float]], adv: list[float],
@@ -33,8 +35,13 @@ def grad_of(out_loss: torch.Tensor, b: TokenBatch) -> list[float]:
     return b.logprobs.grad.flatten().tolist()
 
 
-def test_registry_has_the_three_losses() -> None:
-    assert LOSSES == {"cispo": cispo, "ppo": ppo, "grpo": grpo}
+def test_registry_has_every_loss_and_each_has_its_papers_defaults() -> None:
+    assert LOSSES == {"cispo": cispo, "ppo": ppo, "grpo": grpo, "dapo": dapo, "dr_grpo": dr_grpo, "gspo": gspo}
+    assert (CispoLoss().eps_low, CispoLoss().eps_high) == (1.0, 0.28)  # no lower bound
+    assert (PpoLoss().eps_low, PpoLoss().eps_high, PpoLoss().kl_coef) == (0.2, 0.2, 0.0)
+    assert (GrpoLoss().eps_low, GrpoLoss().kl_coef, GrpoLoss().kl_estimator) == (0.2, 0.04, "k3")
+    assert (DapoLoss().eps_low, DapoLoss().eps_high, DapoLoss().dynamic_sampling) == (0.2, 0.28, True)
+    assert (GspoLoss().eps_low, GspoLoss().eps_high) == (3e-4, 4e-4)
 
 
 def test_cispo_on_policy_is_reinforce_with_token_mean() -> None:
@@ -112,3 +119,84 @@ def test_collate_aligns_completion_tokens_with_their_predicting_position() -> No
     assert mb.tokens == 4
     with pytest.raises(ValueError, match="row 0"):
         collate([Row(input_ids=[1, 2, 3], prompt_len=1, behaviour_logprobs=[-0.1], advantage=0.0)], 0)
+
+
+def test_dapo_clips_higher_than_ppo() -> None:
+    lp, old = [[math.log(0.25)]], [[math.log(0.2)]]  # r = 1.25: clipped at 1.2, not at 1.28
+    b = batch(lp, old, old, [1.0], [[1.0]])
+    assert grad_of(ppo(b, PPO_CFG, Normaliser(1, 1)).loss, b) == [0.0]
+    b = batch(lp, old, old, [1.0], [[1.0]])
+    assert grad_of(dapo(b, DapoLoss(), Normaliser(1, 1)).loss, b) == pytest.approx([-1.25])
+
+
+def test_dr_grpo_divides_every_token_by_the_same_constant() -> None:
+    lp = [[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]]
+    b = batch(lp, lp, lp, [1.0, 1.0], [[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    # 1/(G·L) with G = 4 sequences in the step and L = 10: the short row's token weighs as much as the others.
+    got = grad_of(dr_grpo(b, DrGrpoLoss(norm_tokens=10), Normaliser(tokens=8, sequences=4)).loss, b)
+    assert got == pytest.approx([-1 / 40, 0.0, 0.0, -1 / 40, -1 / 40, -1 / 40])
+
+
+def test_gspo_uses_one_length_normalised_ratio_per_sequence() -> None:
+    # Token ratios 2 and 0.5: the sequence ratio (2 · 0.5)^(1/2) = 1, inside the clip.
+    lp, old = [[math.log(0.4), math.log(0.1)]], [[math.log(0.2), math.log(0.2)]]
+    b = batch(lp, old, old, [1.0], [[1.0, 1.0]])
+    out = gspo(b, GspoLoss(), Normaliser(tokens=2, sequences=1))
+    assert out.loss.item() == pytest.approx(-1.0)  # −s·Â
+    assert grad_of(out.loss, b) == pytest.approx([-0.5, -0.5])  # −Â·s/|o| per token
+    assert out.sums["clipped"] == 0.0
+    # s = 2: clipped at 1 + 4e-4 for Â > 0 (no gradient); for Â < 0 the unclipped branch, +Â·s/|o|.
+    lp = [[math.log(0.4), math.log(0.4)]]
+    b = batch(lp, old, old, [1.0], [[1.0, 1.0]])
+    out = gspo(b, GspoLoss(), Normaliser(tokens=2, sequences=1))
+    assert grad_of(out.loss, b) == [0.0, 0.0] and out.sums["clipped"] == 2.0
+    b = batch(lp, old, old, [-1.0], [[1.0, 1.0]])
+    assert grad_of(gspo(b, GspoLoss(), Normaliser(tokens=2, sequences=1)).loss, b) == pytest.approx([1.0, 1.0])
+
+
+def test_gspo_truncates_the_behaviour_weight_per_sequence() -> None:
+    lp = [[math.log(0.3), math.log(0.3)]]
+    mu = [[math.log(0.1), math.log(0.1)]]  # (π_old/μ) per token 3: geometric mean 3, capped at 2
+    b = batch(lp, lp, mu, [1.0], [[1.0, 1.0]])
+    out = gspo(b, GspoLoss(is_cap=2.0), Normaliser(tokens=2, sequences=1))
+    assert out.loss.item() == pytest.approx(-2.0)
+    assert out.sums["is_weight"] == pytest.approx(4.0)  # 2 per token
+
+
+@pytest.mark.parametrize(("estimator", "value", "grad"), [("k3", 0.5 - 1 - math.log(0.5), 0.5), ("k1", math.log(2), 1.0)])
+def test_the_kl_penalty_to_the_champion(estimator: str, value: float, grad: float) -> None:
+    # π_θ = 0.4, π_old = 0.2, Â = 0: only the penalty. k3 = r − 1 − log r with r = π_old/π_θ = 0.5,
+    # d/dlogπ_θ = 1 − r; k1 = log π_θ − log π_old, d/dlogπ_θ = 1.
+    lp, old = [[math.log(0.4)]], [[math.log(0.2)]]
+    b = batch(lp, old, old, [0.0], [[1.0]])
+    cfg = PpoLoss(kl_coef=0.1, kl_estimator=estimator)
+    out = ppo(b, cfg, Normaliser(1, 1))
+    assert out.loss.item() == pytest.approx(0.1 * value)
+    assert grad_of(out.loss, b) == pytest.approx([0.1 * grad])
+
+
+def test_dapo_overlong_penalty() -> None:
+    # max_tokens 100, buffer 0.2: free up to 80 tokens, then linear to −1 at 100.
+    assert [overlong_penalty(n, 100, 0.2) for n in (50, 80, 90, 100, 120)] == pytest.approx([0, 0, -0.5, -1, -1])
+    assert overlong_penalty(120, None, 0.2) == 0.0 and overlong_penalty(120, 100, 0.0) == 0.0
+
+
+def test_an_episode_is_shaped_by_its_most_overlong_trainable_segment() -> None:
+    from datetime import UTC, datetime
+
+    from schemas.events import SamplingParams
+    from store import TrainingEpisode, TrainingSegment
+    from trainer.cycle import episode_overlong_penalty
+
+    def segment(length: int, max_tokens: int | None, trainable: bool = True) -> TrainingSegment:
+        return TrainingSegment(prompt="p", prompt_token_ids=[1], completion_token_ids=[2] * length,
+                               completion_logprobs=[-0.1] * length, trainable=trainable, role="policy",
+                               policy_version=1, sampling=SamplingParams(max_tokens=max_tokens))  # fmt: skip
+
+    def episode(*segments: TrainingSegment) -> TrainingEpisode:
+        return TrainingEpisode(episode_id="e", reward=1.0, policy_version=1, created_at=datetime.now(UTC),
+                               segments=list(segments))  # fmt: skip
+
+    assert episode_overlong_penalty(episode(segment(5, 10), segment(9, 10)), 0.2) == pytest.approx(-0.5)
+    assert episode_overlong_penalty(episode(segment(10, 10, trainable=False), segment(5, 10)), 0.2) == 0.0
+    assert episode_overlong_penalty(episode(segment(50, None)), 0.2) == 0.0

@@ -1,0 +1,133 @@
+"""How a completion was sampled, and whether the trainer can reproduce its behaviour logprobs.
+
+The contract between the gateway (which records it) and the trainer (which recomputes it):
+
+* vLLM serves with ``--logprobs-mode processed_logprobs``: the logprob it reports for a sampled
+  token is log-softmax of the logits *after* temperature, min-p, top-k and top-p, i.e. the
+  probability the token was really drawn with (docs/platform.md, "Behaviour logprobs"). With the
+  default raw mode it is the untempered, untruncated softmax, which is not the behaviour policy
+  of a request sampled at T = 0.7 or with top-p.
+* The trainer recomputes π_old and π_θ with the same transformation (`trainer.engine`), so the
+  three logprobs of a token are comparable.
+* rtrl's servers run with ``--generation-config vllm`` (vLLM's neutral defaults), and the gateway
+  writes every sampling parameter a client left out into the request it forwards, from the
+  model's own ``generation_config.json`` (`generation_defaults`) — so the parameters recorded in
+  the event are exactly those vLLM sampled with, not guesses at the server's defaults.
+* What the trainer cannot reproduce (penalties, logit bias, token restrictions, guided decoding,
+  ``min_tokens``, custom logits processors, beam search) changes the distribution in ways a
+  forward pass does not see: such a completion is captured but not trainable, and
+  `unreproducible` names the reason (counted by the gateway).
+
+Greedy requests (temperature 0): vLLM then ignores top-p/top-k/min-p and reports the plain
+log-softmax (temperature 1), and so does the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+from schemas.events import SamplingParams
+from schemas.settings import Settings
+
+GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
+
+# The parameters the trainer reproduces, with the value that turns each off.
+REPRODUCIBLE = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
+# vLLM reads these from a model's generation_config.json (vllm.config.ModelConfig.get_diff_sampling_param).
+GENERATION_CONFIG_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+)  # fmt: skip
+_NEUTRAL_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+_GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+class SamplingConfigError(ValueError):
+    """A model's generation_config.json cannot be read."""
+
+
+def generation_defaults(model_dir: Path) -> dict[str, Any]:
+    """The sampling defaults a model ships in ``generation_config.json`` ({} when it has none),
+    the ones vLLM would apply with ``--generation-config auto``."""
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SamplingConfigError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise SamplingConfigError(f"{path} is not a JSON object")
+    return {key: config[key] for key in GENERATION_CONFIG_KEYS if config.get(key) is not None}
+
+
+def served_defaults(settings: Settings) -> dict[str, Any]:
+    """The sampling defaults of the served model: ``settings.vllm.sampling_defaults`` when set,
+    else its generation_config.json in ``settings.vllm.model_dir`` (may be {})."""
+    if settings.vllm.sampling_defaults is not None:
+        return dict(settings.vllm.sampling_defaults)
+    return generation_defaults(settings.vllm.model_dir.expanduser())
+
+
+def apply_defaults(body: MutableMapping[str, Any], defaults: Mapping[str, Any]) -> None:
+    """Write each default the client left out (absent or null) into the request body."""
+    for key, value in defaults.items():
+        if body.get(key) is None:
+            body[key] = value
+
+
+def unreproducible(body: Mapping[str, Any]) -> str | None:
+    """Why the trainer could not recompute this request's behaviour logprobs, or None if it can.
+
+    The reason is a short stable name (a metric label): penalty, logit_bias, token_restriction,
+    guided_decoding, min_tokens, logits_processors, beam_search.
+    """
+    for key, neutral in _NEUTRAL_PENALTIES.items():
+        value = body.get(key)
+        if value is not None and value != neutral:
+            return "penalty"
+    if body.get("logit_bias"):
+        return "logit_bias"
+    if body.get("allowed_token_ids") or body.get("bad_words"):
+        return "token_restriction"
+    if any(body.get(key) is not None for key in _GUIDED):
+        return "guided_decoding"
+    response_format = body.get("response_format")
+    if isinstance(response_format, Mapping) and response_format.get("type") not in (None, "text"):
+        return "guided_decoding"
+    tool_choice = body.get("tool_choice")
+    if body.get("tools") and (tool_choice == "required" or isinstance(tool_choice, Mapping)):
+        return "guided_decoding"  # vLLM forces a tool call with a grammar
+    if body.get("min_tokens"):
+        return "min_tokens"
+    if body.get("logits_processors"):
+        return "logits_processors"
+    if body.get("use_beam_search"):
+        return "beam_search"
+    return None
+
+
+def is_greedy(sampling: SamplingParams) -> bool:
+    return sampling.temperature < GREEDY_EPS
+
+
+def neutral(sampling: SamplingParams) -> bool:
+    """Raw and processed logprobs coincide: greedy, or temperature 1 with nothing truncated."""
+    if is_greedy(sampling):
+        return True
+    return (
+        math.isclose(sampling.temperature, 1.0)
+        and sampling.top_p >= 1.0
+        and sampling.top_k in (-1, 0)
+        and sampling.min_p <= 0.0
+    )
+
+
+def trainer_can_reproduce(sampling: SamplingParams) -> bool:
+    """Whether recorded behaviour logprobs are comparable with the trainer's recomputation:
+    processed logprobs always, raw ones (events captured before processed mode, or a fleet
+    started without it) only where raw and processed coincide."""
+    return sampling.logprobs_mode == "processed" or neutral(sampling)

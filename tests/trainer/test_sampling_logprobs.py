@@ -1,0 +1,148 @@
+"""The trainer's logprobs under each row's sampling (trainer/engine.py `processed_log_softmax`,
+`token_logprobs`): hand-worked values, an independent reference, truncated tokens, gradients."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from schemas.events import SamplingParams
+from trainer.engine import Row, Sampling, collate, processed_log_softmax, token_logprobs
+
+pytestmark = pytest.mark.unit
+
+
+def one(logits: list[float], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+        min_p: float = 0.0) -> list[float]:
+    out = processed_log_softmax(
+        torch.tensor([[logits]]), torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]),
+        torch.tensor([min_p]),
+    )
+    return out[0, 0].tolist()
+
+
+def test_top_p_by_hand() -> None:
+    # softmax([2, 1, 0, -1]) = [0.644, 0.237, 0.087, 0.032]. Top-p 0.7 keeps a token while the mass
+    # ranked above it is < 0.7: token 0 (0), token 1 (0.644); token 2 has 0.881 above it.
+    got = one([2.0, 1.0, 0.0, -1.0], top_p=0.7)
+    assert got[:2] == pytest.approx([math.log(1 / (1 + math.e**-1)), math.log(math.e**-1 / (1 + math.e**-1))])
+    assert got[2:] == [-math.inf, -math.inf]
+
+
+def test_temperature_and_top_k_and_min_p_by_hand() -> None:
+    # T = 0.5 doubles the logits: softmax([4, 2, 0, -2]).
+    z = [4.0, 2.0, 0.0, -2.0]
+    lse = math.log(sum(math.exp(v) for v in z))
+    assert one([2.0, 1.0, 0.0, -1.0], temperature=0.5) == pytest.approx([v - lse for v in z])
+    # top-k 2 keeps the two largest; ties with the k-th are kept.
+    assert one([2.0, 1.0, 1.0, -1.0], top_k=2)[3] == -math.inf
+    assert all(math.isfinite(v) for v in one([2.0, 1.0, 1.0, -1.0], top_k=2)[:3])
+    # min-p 0.3 drops tokens less likely than 0.3 x the most likely (0.644): 0.087 and 0.032 go.
+    got = one([2.0, 1.0, 0.0, -1.0], min_p=0.3)
+    assert got[2:] == [-math.inf, -math.inf] and got[0] == pytest.approx(math.log(1 / (1 + math.e**-1)))
+
+
+def reference(logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float) -> list[float]:
+    """Written from the definitions, token by token, in float64."""
+    z = [v / temperature for v in logits]
+    keep = [True] * len(z)
+    if min_p > 0:
+        m = max(z)
+        total = sum(math.exp(v - m) for v in z)
+        keep = [math.exp(v - m) / total >= min_p * (1 / total) for v in z]
+    if top_k > 0:
+        kth = sorted((v for v, k in zip(z, keep, strict=True) if k), reverse=True)[min(top_k, sum(keep)) - 1]
+        keep = [k and v >= kth for v, k in zip(z, keep, strict=True)]
+    if top_p < 1:
+        m = max(v for v, k in zip(z, keep, strict=True) if k)
+        total = sum(math.exp(v - m) for v, k in zip(z, keep, strict=True) if k)
+        above = 0.0
+        order = sorted((i for i in range(len(z)) if keep[i]), key=lambda i: -z[i])
+        for i in order:
+            p = math.exp(z[i] - m) / total
+            keep[i] = above < top_p
+            above += p
+    m = max(v for v, k in zip(z, keep, strict=True) if k)
+    lse = m + math.log(sum(math.exp(v - m) for v, k in zip(z, keep, strict=True) if k))
+    return [v - lse if k else -math.inf for v, k in zip(z, keep, strict=True)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rows_with_different_sampling_match_the_reference(seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    settings = [(1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 5, 1.0, 0.0), (0.5, 8, 0.8, 0.05), (0.9, 0, 1.0, 0.1)]
+    logits = torch.randn(len(settings), 3, 32, generator=generator) * 2
+    out = processed_log_softmax(
+        logits,
+        torch.tensor([s[0] for s in settings]),
+        torch.tensor([s[1] for s in settings]),
+        torch.tensor([s[2] for s in settings]),
+        torch.tensor([s[3] for s in settings]),
+    )
+    for row, (temperature, top_k, top_p, min_p) in enumerate(settings):
+        for t in range(3):
+            want = reference(logits[row, t].tolist(), temperature, top_k, top_p, min_p)
+            got = out[row, t].tolist()
+            assert [math.isinf(v) for v in got] == [math.isinf(v) for v in want], (row, t)
+            assert [g for g in got if math.isfinite(g)] == pytest.approx([w for w in want if math.isfinite(w)],
+                                                                        abs=1e-5)
+
+
+def test_greedy_is_trained_as_vllm_reports_it_plain_softmax() -> None:
+    assert Sampling.of(SamplingParams(temperature=0.0, top_p=0.5, top_k=3)) == Sampling()
+    assert Sampling.of(SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.1)) == Sampling(0.7, 0.9, 0, 0.1)
+
+
+class Bigram(torch.nn.Module):
+    """A causal LM small enough to reason about: next-token logits from the current token only."""
+
+    def __init__(self, vocab: int = 6) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0, -2.0]] * vocab))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        return SimpleNamespace(logits=self.table[input_ids])
+
+
+def test_a_token_outside_the_truncation_is_impossible_and_carries_no_gradient() -> None:
+    model = Bigram()
+    # Completion tokens 0 (the most likely) and 4 (outside top-k 2) after a one-token prompt.
+    row = Row(input_ids=[1, 0, 4], prompt_len=1, behaviour_logprobs=[-0.3, -0.3], advantage=1.0,
+              sampling=Sampling(top_k=2))
+    mb = collate([row], pad_id=0)
+    logprobs, possible = token_logprobs(model, mb)
+    assert possible.tolist() == [[True, False]]
+    assert logprobs[0, 0].item() == pytest.approx(math.log(1 / (1 + math.e**-1)))
+    assert logprobs[0, 1].item() == 0.0
+    (logprobs * mb.mask * possible).sum().backward()
+    grad = model.table.grad
+    assert grad is not None and torch.isfinite(grad).all()
+    assert grad[0].abs().sum() == 0  # the row predicting the impossible token got nothing
+    assert grad[1].abs().sum() > 0
+
+
+def test_rows_carry_their_sampling_and_raw_logprobs_of_tempered_samples_are_left_out() -> None:
+    from datetime import UTC, datetime
+
+    from store import TrainingEpisode, TrainingSegment
+    from trainer.cycle import rows_of
+
+    def segment(**sampling: Any) -> TrainingSegment:
+        return TrainingSegment(prompt="p", prompt_token_ids=[1, 2], completion_token_ids=[3], completion_logprobs=[-0.5],
+                               trainable=True, role="policy", policy_version=1,
+                               sampling=SamplingParams(**sampling))  # fmt: skip
+
+    segments = [
+        segment(temperature=0.7, top_p=0.9, logprobs_mode="processed"),
+        segment(temperature=0.7, logprobs_mode="raw"),  # recorded before processed logprobs: not comparable
+        segment(logprobs_mode="raw"),  # T = 1, nothing truncated: raw is processed
+    ]
+    episode = TrainingEpisode(episode_id="e", reward=1.0, policy_version=1, created_at=datetime.now(UTC),
+                              segments=segments)  # fmt: skip
+    rows, left_out = rows_of([episode], [0.5])
+    assert left_out == 1
+    assert [r.sampling for r in rows] == [Sampling(0.7, 0.9, 0, 0.0), Sampling()]
