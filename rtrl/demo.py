@@ -157,25 +157,27 @@ def _one_cycle(
 ) -> dict[str, Any]:
     from rtrl.simulate import simulate
     from trainer.celery_app import CYCLE_TASK, configure
+    from trainer.selection import count_trainable
 
     champion = registry.champion()
     gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
 
     # Users: requests through the gateway, feedback by the preference function.
-    before = store.count_trainable(champion, settings.trainer.max_policy_lag)
+    before = count_trainable(settings, store, champion)
     report = simulate(settings, gateway, options.requests_per_cycle, task, preference=preference,
                       concurrency=options.concurrency, seed=cycle, api_key=api_key)
-    # The labeler settles each episode when its terminal feedback arrives (or its window passes).
+    # The labeler settles each episode when its terminal feedback arrives (or its window passes); the
+    # trainer takes it once its window has passed either way (trainer/selection.py).
     target = before + report.ok
 
     def settled() -> bool:
         _check_children(supervisor, settings)
-        return store.count_trainable(champion, settings.trainer.max_policy_lag) >= target
+        return count_trainable(settings, store, champion) >= target
 
     try:
         wait_until(settled, timeout_s=options.cycle_timeout_s, interval_s=0.5, what=f"cycle {cycle}: episodes unsettled")
     except TimeoutError as exc:
-        have = store.count_trainable(champion, settings.trainer.max_policy_lag)
+        have = count_trainable(settings, store, champion)
         raise DemoError(f"{exc} ({have}/{target} settled); see the labeler log in {settings.services.run_dir}/logs") from None
 
     # Train → gate → deploy, on the worker.

@@ -420,28 +420,53 @@ class Store:
 
     # ---- training data --------------------------------------------------------------------------
 
-    @staticmethod
-    def _trainable(champion_number: int, max_lag: int) -> Any:
+    def _trainable(
+        self, champion_number: int, max_lag: int, spec_id: str | None, settle_window_s: float | None
+    ) -> Any:
         tenant_off = exists(select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False)))
-        return (
+        condition = (
             (Episode.status == "settled")
             & Episode.used_in_cycle.is_(None)
             & Episode.policy_number.between(champion_number - max_lag, champion_number)
             & ~tenant_off  # a tenant switched off does not train (a tenant without a row does)
         )
+        if spec_id is not None:  # rewards of different spec versions never share a batch
+            condition &= Episode.reward_spec == spec_id
+        if settle_window_s is not None:
+            # Every episode becomes trainable by the same rule whatever its outcome: the settle window
+            # after its last event. Terminal feedback (a rejection) settles an episode early, a plain
+            # acceptance waits for the window; selecting on settlement alone would over-sample the
+            # early-settling outcomes into the newest batch.
+            condition &= Episode.last_event_at <= self.clock() - timedelta(seconds=settle_window_s)
+        return condition
 
-    def count_trainable(self, champion_number: int, max_lag: int) -> int:
-        """Settled, unused episodes whose policy is at most ``max_lag`` versions behind the champion."""
+    def count_trainable(
+        self, champion_number: int, max_lag: int, *, spec_id: str | None = None, settle_window_s: float | None = None
+    ) -> int:
+        """Settled, unused episodes whose policy is at most ``max_lag`` versions behind the champion;
+        with `spec_id`, labelled under that reward spec only; with `settle_window_s`, only those
+        whose last event is at least that old (the trainer passes both)."""
         with self.transaction() as session:
-            query = select(func.count()).select_from(Episode).where(self._trainable(champion_number, max_lag))
+            query = select(func.count()).select_from(Episode).where(
+                self._trainable(champion_number, max_lag, spec_id, settle_window_s)
+            )
             return int(session.scalar(query) or 0)
 
-    def select_episodes(self, champion_number: int, max_lag: int, limit: int) -> list[TrainingEpisode]:
-        """The newest ``limit`` trainable episodes with their segments (late segments excluded)."""
+    def select_episodes(
+        self,
+        champion_number: int,
+        max_lag: int,
+        limit: int,
+        *,
+        spec_id: str | None = None,
+        settle_window_s: float | None = None,
+    ) -> list[TrainingEpisode]:
+        """The newest ``limit`` trainable episodes (as `count_trainable`) with their segments (late
+        segments excluded)."""
         with self.transaction() as session:
             episodes = session.scalars(
                 select(Episode)
-                .where(self._trainable(champion_number, max_lag))
+                .where(self._trainable(champion_number, max_lag, spec_id, settle_window_s))
                 .order_by(Episode.first_event_at.desc(), Episode.episode_id)
                 .limit(limit)
             ).all()

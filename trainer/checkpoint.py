@@ -6,8 +6,12 @@ chat template) copied unchanged, and ``rtrl_checkpoint.json`` with the lineage. 
 ``reload_weights`` and ``AutoModelForCausalLM.from_pretrained`` both load it. The directory is
 written under a temporary name and renamed, so a crashed save never looks like a checkpoint.
 
-``<checkpoint_dir>/baselines.json`` holds the per-prompt reward baselines (trainer/advantages.py);
-the cycle rewrites it atomically after its model version is registered.
+``<checkpoint_dir>/baselines-<reward spec>.json`` holds the per-prompt reward baselines
+(trainer/advantages.py) of one reward spec version: rewards of different specs never share a
+baseline. A cycle *stages* the baselines it computed (``...cycle-<id>.json``); they are committed
+(renamed over the spec's file) only once the cycle's episodes can never train again, i.e. when
+the cycle ends promoted or rejected, and discarded when it fails (its episodes go back to the
+pool, and a baseline that already holds their rewards would leak them into their own advantages).
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ if TYPE_CHECKING:
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 LINEAGE_FILE = "rtrl_checkpoint.json"
-BASELINES_FILE = "baselines.json"
 
 
 class CheckpointError(RuntimeError):
@@ -61,18 +64,48 @@ def save(state: dict[str, torch.Tensor], out_dir: Path, source_dir: Path, lineag
     return out_dir
 
 
-def load_baselines(checkpoint_dir: Path) -> BaselineState:
-    path = checkpoint_dir / BASELINES_FILE
+def _spec_slug(spec_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in spec_id)
+
+
+def baselines_path(checkpoint_dir: Path, spec_id: str) -> Path:
+    """The committed baselines of reward spec `spec_id` (``name@version``)."""
+    return checkpoint_dir / f"baselines-{_spec_slug(spec_id)}.json"
+
+
+def _staged_path(checkpoint_dir: Path, spec_id: str, cycle_id: int) -> Path:
+    return checkpoint_dir / f"baselines-{_spec_slug(spec_id)}.cycle-{cycle_id}.json"
+
+
+def load_baselines(checkpoint_dir: Path, spec_id: str) -> BaselineState:
+    """The committed baselines of `spec_id` (empty before its first committed cycle)."""
+    path = baselines_path(checkpoint_dir, spec_id)
     if not path.is_file():
         return BaselineState()
     return BaselineState.from_json(json.loads(path.read_text()))
 
 
-def save_baselines(checkpoint_dir: Path, state: BaselineState) -> Path:
-    """Atomically replace baselines.json."""
+def stage_baselines(checkpoint_dir: Path, spec_id: str, cycle_id: int, state: BaselineState) -> Path:
+    """Write the baselines cycle `cycle_id` computed, to be committed or discarded with the cycle."""
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    path = checkpoint_dir / BASELINES_FILE
+    path = _staged_path(checkpoint_dir, spec_id, cycle_id)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(state.to_json(), sort_keys=True))
     os.replace(tmp, path)
     return path
+
+
+def commit_baselines(checkpoint_dir: Path, cycle_id: int) -> list[Path]:
+    """Atomically make cycle `cycle_id`'s staged baselines the committed ones; returns those committed."""
+    committed = []
+    for staged in checkpoint_dir.glob(f"baselines-*.cycle-{cycle_id}.json"):
+        target = checkpoint_dir / (staged.name.rsplit(".cycle-", 1)[0] + ".json")
+        os.replace(staged, target)
+        committed.append(target)
+    return committed
+
+
+def discard_baselines(checkpoint_dir: Path, cycle_id: int) -> None:
+    """Drop cycle `cycle_id`'s staged baselines (the committed ones stay as they were)."""
+    for staged in checkpoint_dir.glob(f"baselines-*.cycle-{cycle_id}.json"):
+        staged.unlink(missing_ok=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, Field
@@ -45,6 +45,7 @@ from trainer.engine import (
 )
 from trainer.errors import InsufficientData
 from trainer.losses import Normaliser, TokenBatch, loss_function
+from trainer.selection import count_trainable, current_spec_id
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,22 @@ def rows_of(episodes: list[TrainingEpisode], advantages: list[float]) -> tuple[l
     return rows, unreproducible
 
 
+def end_cycle(settings: Settings, store: Store, cycle_id: int, status: str, **fields: Any) -> None:
+    """Give a registered cycle its final status and settle its staged baselines.
+
+    promoted / rejected: its episodes are spent (never selected again), so the baselines that
+    include their rewards are committed. failed: its episodes go back to the pool, so its
+    baselines are discarded — committed, they would hold those episodes' own rewards when they
+    train again (a leak into their advantages). The status is recorded first: a crash in between
+    loses a baseline update, never leaks one.
+    """
+    store.finish_cycle(cycle_id, status, **fields)
+    if status in ("promoted", "rejected"):
+        checkpoint.commit_baselines(settings.trainer.checkpoint_dir, cycle_id)
+    else:
+        checkpoint.discard_baselines(settings.trainer.checkpoint_dir, cycle_id)
+
+
 def episode_overlong_penalty(episode: TrainingEpisode, buffer: float) -> float:
     """DAPO's overlong penalty of an episode: that of its most overlong trainable segment."""
     return min(
@@ -150,9 +167,11 @@ def run_cycle(
         # episodes go back to the pool) and run it again now.
         reclaimed = store.reclaim_cycle(takeover_suffix, reason=f"worker lost; re-run by {owner}")
         if reclaimed is not None:
+            checkpoint.discard_baselines(cfg.checkpoint_dir, reclaimed)
             log.warning("cycle %d was abandoned by a lost worker; re-running it", reclaimed)
     champion = registry.champion()
-    available = store.count_trainable(champion, cfg.max_policy_lag)
+    spec_id, window = current_spec_id(settings), settings.labeler.settle_window_s  # trainer/selection.py
+    available = count_trainable(settings, store, champion)
     if available < cfg.min_samples:
         return CycleResult(cycle_id=None, status="not_enough_data", champion_version=champion, episodes=available)
     cycle_id = store.acquire_cycle(owner, cfg.lease_ttl_s, champion)
@@ -163,7 +182,9 @@ def run_cycle(
     version: int | None = None
     try:
         # ---- select and claim -------------------------------------------------------------------
-        episodes = store.select_episodes(champion, cfg.max_policy_lag, cfg.max_episodes)
+        episodes = store.select_episodes(
+            champion, cfg.max_policy_lag, cfg.max_episodes, spec_id=spec_id, settle_window_s=window
+        )
         if len(episodes) < cfg.min_samples:  # another reader got there between count and select
             raise InsufficientData(f"{len(episodes)} trainable episodes < min_samples {cfg.min_samples}")
         episode_ids = [e.episode_id for e in episodes]
@@ -171,7 +192,7 @@ def run_cycle(
         rewards = [e.reward for e in episodes]
 
         # ---- advantages ---------------------------------------------------------------------------
-        baselines = checkpoint.load_baselines(cfg.checkpoint_dir)
+        baselines = checkpoint.load_baselines(cfg.checkpoint_dir, spec_id)
         shaped = rewards
         if isinstance(cfg.loss, DapoLoss) and cfg.loss.overlong_buffer > 0:
             shaped = [r + episode_overlong_penalty(e, cfg.loss.overlong_buffer) for r, e in zip(rewards, episodes, strict=True)]
@@ -299,7 +320,8 @@ def run_cycle(
             challenger=version,
             metrics=result.model_dump(mode="json", exclude={"steps"}) | {"steps": [s.model_dump() for s in steps]},
         )
-        checkpoint.save_baselines(cfg.checkpoint_dir, next_baselines)
+        # Committed by `end_cycle` once the episodes are spent (promoted or rejected), never before.
+        checkpoint.stage_baselines(cfg.checkpoint_dir, spec_id, cycle_id, next_baselines)
         registry.end_run(run_id, "FINISHED")
         return result
     except BaseException as exc:

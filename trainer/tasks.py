@@ -28,6 +28,7 @@ from schemas.settings import Settings
 from store import DatabaseUnavailable, Store
 from trainer.celery_app import BEAT_TASK, CYCLE_TASK, QUEUE, app, current_settings
 from trainer.errors import AfterRegistration
+from trainer.selection import count_trainable
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def run_chain(
     ``swap_ms``, ``deployed_at`` and ``data_to_deploy_s`` (deployed_at − first interaction).
     """
     from deployer import gate, rollout
-    from trainer.cycle import run_cycle
+    from trainer.cycle import end_cycle, run_cycle
 
     result = run_cycle(settings, store, registry, owner=owner, takeover_suffix=takeover_suffix)
     out: dict[str, Any] = result.model_dump(mode="json")
@@ -125,7 +126,7 @@ def run_chain(
         gate_metrics = {"gate": out["gate"], "gate_reason": decision.reason,
                         "challenger_score": decision.challenger_score, "champion_score": decision.champion_score}
         if not decision.passed:
-            store.finish_cycle(result.cycle_id, "rejected", metrics=gate_metrics)
+            end_cycle(settings, store, result.cycle_id, "rejected", metrics=gate_metrics)
             out["status"] = "rejected"
             return out
         swap = rollout.promote(settings, registry, result.challenger_version)
@@ -133,7 +134,7 @@ def run_chain(
         if not swap.ok:
             # Not deployed (the fleet is back on the champion): the data was not learnt from in
             # production, so the cycle fails and its episodes go back to the pool.
-            store.finish_cycle(result.cycle_id, "failed", metrics=gate_metrics, error=f"swap failed: {swap.error}")
+            end_cycle(settings, store, result.cycle_id, "failed", metrics=gate_metrics, error=f"swap failed: {swap.error}")
             out["status"] = "failed"
             return out
         deployed_at = utcnow()
@@ -141,13 +142,14 @@ def run_chain(
                    deployed_at=deployed_at.isoformat())
         if result.first_interaction_at is not None:
             out["data_to_deploy_s"] = round((deployed_at - result.first_interaction_at).total_seconds(), 3)
-        store.finish_cycle(result.cycle_id, "promoted", metrics=gate_metrics | {
+        end_cycle(settings, store, result.cycle_id, "promoted", metrics=gate_metrics | {
             "swap_ms": swap.swap_ms, "deployed_at": out["deployed_at"], "data_to_deploy_s": out["data_to_deploy_s"]})
         return out
     except BaseException as exc:
         # The registered version stays (@challenger, never @champion); the cycle must not stay
         # active until its lease expires.
-        store.finish_cycle(result.cycle_id, "failed", error=f"after registration: {type(exc).__name__}: {exc}"[:10_000])
+        end_cycle(settings, store, result.cycle_id, "failed",
+                  error=f"after registration: {type(exc).__name__}: {exc}"[:10_000])
         if isinstance(exc, Exception):
             # Even a transient cause is final here: a retry would train and register another version.
             raise AfterRegistration(f"v{result.challenger_version}: {type(exc).__name__}: {exc}") from exc
@@ -160,7 +162,7 @@ def maybe_train() -> str:
     res = worker_resources()
     settings = res.settings
     champion = res.registry.champion()
-    available = res.store.count_trainable(champion, settings.trainer.max_policy_lag)
+    available = count_trainable(settings, res.store, champion)
     if available < settings.trainer.min_samples:
         return f"waiting: {available} < {settings.trainer.min_samples} trainable episodes of v{champion}"
     if res.store.active_cycles():

@@ -216,6 +216,30 @@ def test_selection_by_policy_lag_newest_first(store: Store) -> None:
     assert [e.episode_id for e in store.select_episodes(3, 1, limit=1)] == ["e-v3b"]
 
 
+def test_every_episode_becomes_trainable_by_the_same_rule_whatever_its_outcome(store: Store, clock: FakeClock) -> None:
+    """A rejection settles an episode at once, an acceptance when the window passes; the trainer's
+    rule (the window after the last event) makes both trainable at the same moment."""
+    feeder = Feeder(store)
+    feeder.send(interaction("rej"), interaction("acc"), feedback("r-rej-0", "rejected"), feedback("r-acc-0", "accepted"))
+    assert store.count_trainable(1, 0) == 1  # on settlement alone the rejection is ahead
+    assert store.count_trainable(1, 0, settle_window_s=30) == 0
+    clock.advance(31)
+    feeder.settle_window(clock(), 30)
+    assert store.count_trainable(1, 0, settle_window_s=30) == 2
+    assert {e.episode_id for e in store.select_episodes(1, 0, 10, settle_window_s=30)} == {"rej", "acc"}
+
+
+def test_reward_spec_versions_are_never_mixed(store: Store) -> None:
+    from schemas.rewards import TAB_V1
+
+    v2 = TAB_V1.model_copy(update={"version": 2})
+    Feeder(store).send(interaction("old"), feedback("r-old-0", "thumbs_up"))
+    Feeder(store, spec=v2).send(interaction("new"), feedback("r-new-0", "thumbs_up"), now=at(1))
+    assert store.count_trainable(1, 0) == 2
+    assert store.count_trainable(1, 0, spec_id="tab-v1@2") == 1
+    assert [e.episode_id for e in store.select_episodes(1, 0, 10, spec_id="tab-v1@1")] == ["old"]
+
+
 def test_an_episode_is_never_used_by_two_cycles(store: Store) -> None:
     settled_episodes(Feeder(store))
     first = store.acquire_cycle("w1", 60, 3)

@@ -42,6 +42,8 @@ def settings(redis_service: Settings, mlflow_service: Settings, tmp_path: Path) 
                 update={"min_samples": 16, "max_episodes": 64, "steps": 2, "micro_batch": 16, "lr": 1e-3,
                         "checkpoint_dir": tmp_path / "checkpoints"}
             ),
+            # Episodes fed here are trainable at once (the window rule: tests/store/test_store.py).
+            "labeler": services.labeler.model_copy(update={"settle_window_s": 0.0}),
         }
     )
 
@@ -130,7 +132,8 @@ def test_cycles_train_save_and_register_challengers(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from trainer.cycle import run_cycle
+    from trainer.checkpoint import baselines_path
+    from trainer.cycle import end_cycle, run_cycle
 
     feed(store, sample_episodes(tiny_model_dir, 32, seed=1))
     assert store.count_trainable(champion, 0) == 32
@@ -178,7 +181,10 @@ def test_cycles_train_save_and_register_challengers(
     assert cycle is not None and cycle.status == "registered" and cycle.challenger == 2
     assert set(cycle.episode_ids) == used
     assert store.count_trainable(champion, 0) == 0
-    assert (settings.trainer.checkpoint_dir / "baselines.json").is_file()
+    # The cycle's baselines are staged, not committed: its episodes are not spent until it ends.
+    committed = baselines_path(settings.trainer.checkpoint_dir, "tab-v1@1")
+    assert not committed.exists()
+    assert list(settings.trainer.checkpoint_dir.glob(f"baselines-*.cycle-{result.cycle_id}.json"))
 
     # The gate's verdict would end the cycle; then a second cycle runs in this same process.
     # `rtrl train status --id` shows the same record in full.
@@ -186,7 +192,8 @@ def test_cycles_train_save_and_register_challengers(
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["challenger"] == 2 and len(json.loads(shown.stdout)["episode_ids"]) == 32
 
-    store.finish_cycle(result.cycle_id or 0, "rejected")
+    end_cycle(settings, store, result.cycle_id or 0, "rejected")  # the gate's verdict: episodes spent
+    assert committed.is_file()
     feed(store, sample_episodes(tiny_model_dir, 16, seed=2))
     second = run_cycle(settings, store, registry, owner="test")
     assert second.status == "registered" and second.challenger_version == 3 and second.episodes == 16
@@ -243,6 +250,29 @@ def test_dapo_leaves_rows_without_signal_out(
 
     assert result.status == "registered", result
     assert (result.trainable_rows, result.no_signal_rows) == (8, 8)
+
+
+def test_a_cycle_whose_promotion_fails_leaves_the_baselines_as_they_were(
+    settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path
+) -> None:
+    """Its episodes go back to the pool: had its baselines been kept, those episodes would train
+    again against baselines that already hold their own rewards."""
+    from trainer.checkpoint import baselines_path, load_baselines
+    from trainer.cycle import end_cycle, run_cycle
+
+    feed(store, sample_episodes(tiny_model_dir, 16, seed=5, alternate=True))
+    first = run_cycle(settings, store, registry, owner="test")
+    assert first.status == "registered"
+    end_cycle(settings, store, first.cycle_id or 0, "failed", error="swap failed: test")
+    committed = baselines_path(settings.trainer.checkpoint_dir, "tab-v1@1")
+    assert not committed.exists() and not list(settings.trainer.checkpoint_dir.glob("baselines-*.cycle-*.json"))
+    assert store.count_trainable(champion, 0) == 16, "the episodes went back to the pool"
+
+    second = run_cycle(settings, store, registry, owner="test")  # the same episodes, the same (empty) baselines
+    assert second.status == "registered" and second.episodes == 16
+    assert [s.mean_advantage for s in second.steps] == pytest.approx([s.mean_advantage for s in first.steps])
+    end_cycle(settings, store, second.cycle_id or 0, "promoted")
+    assert load_baselines(settings.trainer.checkpoint_dir, "tab-v1@1").prompts  # committed on promotion
 
 
 def test_failed_cycle_registers_nothing_and_releases_its_episodes(

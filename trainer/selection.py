@@ -1,0 +1,31 @@
+"""Which settled episodes a cycle may learn from: one rule, shared by the cycle, beat and the demo.
+
+An episode of the champion (or at most ``trainer.max_policy_lag`` versions older), unused by
+any cycle, of a tenant that trains, labelled under the *current* reward spec version (rewards of
+different versions never share a batch or a baseline), and whose last event is at least the
+labeler's settle window old. The last condition makes every episode eligible by the same rule
+whatever its outcome: a rejection settles an episode at once and an acceptance waits for the
+window, so selecting on settlement alone would feed the newest batch more rejections than users
+gave (docs/algorithms.md, Leak-free data).
+"""
+
+from __future__ import annotations
+
+from schemas.rewards import get_spec
+from schemas.settings import Settings
+from store import Store
+
+
+def current_spec_id(settings: Settings) -> str:
+    """``name@version`` of the configured reward spec."""
+    return get_spec(settings.labeler.reward_spec).spec_id
+
+
+def count_trainable(settings: Settings, store: Store, champion: int) -> int:
+    """Episodes a cycle training from `champion` may use now."""
+    return store.count_trainable(
+        champion,
+        settings.trainer.max_policy_lag,
+        spec_id=current_spec_id(settings),
+        settle_window_s=settings.labeler.settle_window_s,
+    )
