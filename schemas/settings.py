@@ -356,15 +356,37 @@ class TrainerSettings(_Section):
         0, ge=0, description="Use episodes at most this many versions behind the champion."
     )
     steps: int = Field(4, ge=1, description="Optimizer steps per cycle.")
+    min_signal: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="A cycle trains only when more than this fraction of its rows has a non-zero advantage; "
+        "otherwise it is skipped (its episodes are spent, nothing is registered).",
+    )
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
     micro_batch: int = Field(32, ge=1, description="Sequences per forward pass.")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Training precision: auto = bf16 when DeepSpeed's accelerator is a GPU (DS_ACCELERATOR=cuda), "
+        "fp32 on the CPU accelerator (the default).",
+    )
+    offload: Literal["none", "cpu"] = Field(
+        "none",
+        description="ZeRO offload to CPU memory: the optimizer state (stage >= 1) and, at stage 3, the parameters. "
+        "Needs a GPU (DeepSpeed's CPU Adam).",
+    )
     loss: LossSettings = Field(default_factory=CispoLoss, description="Policy-gradient loss (see LossSettings).")
     checkpoint_dir: Path = Field(
         Path(".rtrl/run/checkpoints"), description="Where cycle checkpoints are written."
     )
     lease_ttl_s: float = Field(1800.0, description="A cycle lease older than this is considered abandoned.")
     seed: int = Field(0, description="Seed of the training cycle.")
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self) -> TrainerSettings:
+        if self.offload != "none" and self.zero_stage == 0:
+            raise ValueError("offload=cpu needs zero_stage >= 1 (ZeRO partitions what it offloads)")
+        return self
 
     @field_validator("loss", mode="before")
     @classmethod

@@ -70,7 +70,7 @@ MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 CYCLE_STATUSES = ACTIVE_CYCLE_STATUSES + FINAL_CYCLE_STATUSES
 # Which status a cycle may move to from where it is (a final status never changes).
 _TRANSITIONS = {
-    "running": {"registered", "promoted", "rejected", "failed"},
+    "running": {"registered", "promoted", "rejected", "failed", "skipped"},
     "registered": {"promoted", "rejected", "failed"},
 }
 _ACTIVE_SLOT = 1

@@ -159,7 +159,8 @@ class DeadLetter(Base):
 
 
 ACTIVE_CYCLE_STATUSES = ("running", "registered")
-FINAL_CYCLE_STATUSES = ("promoted", "rejected", "failed")
+# skipped: the batch carried too little signal to train on (trainer.min_signal); its episodes are spent.
+FINAL_CYCLE_STATUSES = ("promoted", "rejected", "failed", "skipped")
 
 
 class Cycle(Base):

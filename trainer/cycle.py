@@ -31,7 +31,7 @@ from schemas.sampling import trainer_can_reproduce
 from schemas.settings import DapoLoss, Settings
 from store import Store, TrainingEpisode
 from trainer import checkpoint
-from trainer.advantages import compute_advantages, overlong_penalty, prompt_key
+from trainer.advantages import BaselineState, compute_advantages, overlong_penalty, prompt_key
 from trainer.engine import (
     Row,
     Sampling,
@@ -74,8 +74,9 @@ class CycleResult(BaseModel):
     """The outcome of `run_cycle`, JSON-serialisable (it is the Celery task's return value)."""
 
     cycle_id: int | None = Field(description="Store id of the cycle; None when no cycle was started.")
-    status: Literal["busy", "not_enough_data", "registered"] = Field(
-        description="busy: another cycle holds the lease; not_enough_data: fewer than min_samples episodes."
+    status: Literal["busy", "not_enough_data", "registered", "skipped"] = Field(
+        description="busy: another cycle holds the lease; not_enough_data: fewer than min_samples episodes; "
+        "skipped: too few rows with a non-zero advantage (trainer.min_signal), nothing trained or registered."
     )
     champion_version: int | None = Field(description="Registered version the cycle trained from.")
     challenger_version: int | None = Field(None, description="Registered version it produced.")
@@ -122,17 +123,44 @@ def rows_of(episodes: list[TrainingEpisode], advantages: list[float]) -> tuple[l
     return rows, unreproducible
 
 
+def _skip(
+    settings: Settings,
+    store: Store,
+    cycle_id: int,
+    champion: int,
+    episodes: list[TrainingEpisode],
+    rows: list[Row],
+    with_signal: int,
+    baselines: BaselineState,
+    started: float,
+) -> CycleResult:
+    """End a cycle whose batch carries too little signal: nothing trained or registered, the
+    episodes spent (a later cycle would see the same rewards), the baselines updated with them."""
+    checkpoint.stage_baselines(settings.trainer.checkpoint_dir, current_spec_id(settings), cycle_id, baselines)
+    result = CycleResult(
+        cycle_id=cycle_id, status="skipped", champion_version=champion, episodes=len(episodes),
+        trainable_rows=len(rows), no_signal_rows=len(rows) - with_signal,
+        mean_reward=sum(e.reward for e in episodes) / len(episodes),
+        first_interaction_at=min(e.created_at for e in episodes), cycle_s=round(time.monotonic() - started, 3),
+    )  # fmt: skip
+    log.warning("cycle %d skipped: %d of %d rows have a non-zero advantage (trainer.min_signal %g); "
+                "are users' feedback events arriving and joining?", cycle_id, with_signal, len(rows),
+                settings.trainer.min_signal)  # fmt: skip
+    end_cycle(settings, store, cycle_id, "skipped", metrics=result.model_dump(mode="json"))
+    return result
+
+
 def end_cycle(settings: Settings, store: Store, cycle_id: int, status: str, **fields: Any) -> None:
     """Give a registered cycle its final status and settle its staged baselines.
 
-    promoted / rejected: its episodes are spent (never selected again), so the baselines that
-    include their rewards are committed. failed: its episodes go back to the pool, so its
+    promoted / rejected / skipped: its episodes are spent (never selected again), so the baselines
+    that include their rewards are committed. failed: its episodes go back to the pool, so its
     baselines are discarded — committed, they would hold those episodes' own rewards when they
     train again (a leak into their advantages). The status is recorded first: a crash in between
     loses a baseline update, never leaks one.
     """
     store.finish_cycle(cycle_id, status, **fields)
-    if status in ("promoted", "rejected"):
+    if status in ("promoted", "rejected", "skipped"):
         checkpoint.commit_baselines(settings.trainer.checkpoint_dir, cycle_id)
     else:
         checkpoint.discard_baselines(settings.trainer.checkpoint_dir, cycle_id)
@@ -201,6 +229,11 @@ def run_cycle(
         if unreproducible:
             log.warning("cycle %d: %d segments left out: raw behaviour logprobs of non-neutral sampling "
                         "(serve with vllm.logprobs_mode=processed)", cycle_id, unreproducible)
+        with_signal = sum(abs(r.advantage) > NO_SIGNAL for r in rows)
+        if rows and with_signal <= cfg.min_signal * len(rows):
+            # Nothing (or almost nothing) to learn: every reward equals its baseline, e.g. traffic
+            # without feedback. Training would only move the weights by optimizer noise.
+            return _skip(settings, store, cycle_id, champion, episodes, rows, with_signal, next_baselines, started)
         no_signal = 0
         if isinstance(cfg.loss, DapoLoss) and cfg.loss.dynamic_sampling:
             kept = [r for r in rows if abs(r.advantage) > NO_SIGNAL]
@@ -233,6 +266,7 @@ def run_cycle(
                 totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl_k1": 0.0, "is_weight": 0.0, "tokens": 0.0,
                           "impossible": 0.0}  # fmt: skip
                 for k, mb in enumerate(batches):
+                    mb = mb.to(engine.device)
                     logprobs, possible = token_logprobs(engine, mb)  # (B, L−1) each
                     first = old_logprobs[k]
                     if first is None:

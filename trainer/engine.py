@@ -18,7 +18,7 @@ import contextlib
 import gc
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +100,10 @@ class MicroBatch:
     @property
     def tokens(self) -> int:
         return int(self.mask.sum())
+
+    def to(self, device: Any) -> MicroBatch:
+        """The same micro-batch on `device` (the engine's)."""
+        return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
 def collate(rows: list[Row], pad_id: int) -> MicroBatch:
@@ -187,8 +191,25 @@ def token_logprobs(model: Any, batch: MicroBatch) -> tuple[torch.Tensor, torch.T
     return torch.where(possible, chosen, torch.zeros_like(chosen)), possible
 
 
+def precision(cfg: TrainerSettings) -> str:
+    """fp32 or bf16 for this cycle (``trainer.precision``; auto = bf16 when DeepSpeed's accelerator
+    is a GPU, ``DS_ACCELERATOR=cuda``; the trainer defaults to the CPU accelerator)."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    return "bf16" if os.environ.get("DS_ACCELERATOR") == "cuda" else "fp32"
+
+
 def ds_config(cfg: TrainerSettings, micro_batch: int, accumulation: int) -> dict[str, Any]:
-    """DeepSpeed config: fp32, AdamW (torch implementation on CPU), ZeRO stage from the settings."""
+    """DeepSpeed config: precision, ZeRO stage and offload from the settings; AdamW (torch's
+    implementation unless the optimizer state is offloaded, which needs DeepSpeed's CPU Adam)."""
+    zero: dict[str, Any] = {"stage": cfg.zero_stage}
+    if cfg.offload == "cpu":
+        if cfg.zero_stage == 0:
+            raise ValueError("trainer.offload=cpu needs trainer.zero_stage >= 1 (ZeRO partitions what it offloads)")
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if cfg.zero_stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    bf16 = precision(cfg) == "bf16"
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": accumulation,
@@ -196,11 +217,12 @@ def ds_config(cfg: TrainerSettings, micro_batch: int, accumulation: int) -> dict
         "gradient_clipping": 1.0,
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": cfg.lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True},
+            "params": {"lr": cfg.lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
+                       "torch_adam": cfg.offload == "none"},
         },
-        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_optimization": zero,
         "fp16": {"enabled": False},
-        "bf16": {"enabled": False},
+        "bf16": {"enabled": bf16},
         "steps_per_print": 1_000_000,
         "wall_clock_breakdown": False,
     }

@@ -228,6 +228,35 @@ def test_every_loss_trains_a_real_cycle_on_tempered_truncated_samples(
     assert result.no_signal_rows == 0 and result.trainable_rows == 16
 
 
+@pytest.mark.parametrize(("stage", "precision"), [(2, "fp32"), (3, "fp32"), (2, "bf16")])
+def test_zero_stages_train_a_real_cycle_and_save_a_loadable_checkpoint(
+    settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path, stage: int,
+    precision: str,
+) -> None:
+    """ZeRO 2 (optimizer state and gradients partitioned) and 3 (parameters too, gathered to save),
+    and bf16 (what a GPU trains in; DeepSpeed's CPU accelerator runs it too); stage 0 in fp32 is the
+    default every other cycle test runs."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from trainer.cycle import run_cycle
+
+    feed(store, sample_episodes(tiny_model_dir, 16, seed=6, alternate=True))
+    configured = settings.model_copy(update={"trainer": settings.trainer.model_copy(
+        update={"zero_stage": stage, "precision": precision})})  # fmt: skip
+
+    result = run_cycle(configured, store, registry, owner="test")
+
+    assert result.status == "registered", result
+    assert result.steps[0].mean_ratio == pytest.approx(1.0, abs=1e-6) and result.steps[0].grad_norm is not None
+    assert result.steps[1].kl_k1 != 0.0, "the second step sees updated weights"
+    ckpt = Path(result.checkpoint_dir or "")
+    base, trained = load_file(tiny_model_dir / "model.safetensors"), load_file(ckpt / "model.safetensors")
+    assert base.keys() == trained.keys() and all(base[k].shape == trained[k].shape for k in base)
+    assert any(not torch.equal(base[k], trained[k]) for k in base)
+    AutoModelForCausalLM.from_pretrained(ckpt)
+
+
 def test_dapo_leaves_rows_without_signal_out(
     settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path
 ) -> None:
@@ -273,6 +302,30 @@ def test_a_cycle_whose_promotion_fails_leaves_the_baselines_as_they_were(
     assert [s.mean_advantage for s in second.steps] == pytest.approx([s.mean_advantage for s in first.steps])
     end_cycle(settings, store, second.cycle_id or 0, "promoted")
     assert load_baselines(settings.trainer.checkpoint_dir, "tab-v1@1").prompts  # committed on promotion
+
+
+def test_a_batch_without_signal_is_skipped_not_shipped(
+    settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path
+) -> None:
+    """Traffic with no feedback at all: every episode settles by the window with reward 0, every
+    advantage is 0. The cycle trains nothing, registers nothing and spends the episodes."""
+    from factories import at
+
+    from trainer.checkpoint import baselines_path
+    from trainer.cycle import run_cycle
+
+    feeder = Feeder(store)
+    feeder.send(*[event for event, _ in sample_episodes(tiny_model_dir, 16, seed=7)])
+    assert feeder.settle_window(at(31), 30) == 16
+
+    result = run_cycle(settings, store, registry, owner="test")
+
+    assert (result.status, result.challenger_version, result.no_signal_rows, result.steps) == ("skipped", None, 16, [])
+    cycle = store.get_cycle(result.cycle_id or 0)
+    assert cycle is not None and cycle.status == "skipped"
+    assert store.count_trainable(champion, 0) == 0, "the episodes are spent"
+    assert registry.challenger() is None
+    assert baselines_path(settings.trainer.checkpoint_dir, "tab-v1@1").is_file()
 
 
 def test_failed_cycle_registers_nothing_and_releases_its_episodes(
