@@ -18,6 +18,9 @@ How signals combine (``score``):
   re-judged episode uses the newest judgement.
 * No signals at all gives reward 0 with the explicit component ``no_feedback`` - an unlabelled
   episode is a labelled zero, never silently dropped.
+* A spec may declare ``reward_range``: a sum outside it is clamped into it, and the component
+  ``clamped`` records by how much (components always add up to the reward), so that one episode
+  with every positive signal cannot outweigh a batch. tab-v1 declares none.
 
 ``terminal`` names the kinds that close an episode at once (the labeler settles it without waiting
 for the window). ``accepted`` and ``edited`` are not terminal under tab-v1: in the tab flow the
@@ -39,6 +42,7 @@ from schemas.errors import OperatorError
 from schemas.events import SCORED_KINDS, FeedbackKind
 
 NO_FEEDBACK = "no_feedback"
+CLAMPED = "clamped"
 
 
 class RewardSpecError(OperatorError, ValueError):
@@ -71,6 +75,11 @@ class RewardSpec(BaseModel):
         description="Accepted [low, high] value of each scored kind; a value outside is refused at the gateway "
         "and dead-lettered by the labeler, never clamped silently.",
     )
+    reward_range: tuple[float, float] | None = Field(
+        None,
+        description="Declared [low, high] of an episode's reward: a sum of components outside is clamped into it, "
+        "the difference recorded as the component 'clamped'. None: unbounded (the sum of the weights).",
+    )
     description: str = Field("", description="What the spec is for.")
 
     @model_validator(mode="after")
@@ -82,6 +91,8 @@ class RewardSpec(BaseModel):
         unranged = sorted(SCORED_KINDS - set(self.value_range))
         if unranged:
             raise ValueError(f"reward spec {self.name!r} gives no value_range for the scored kinds {unranged}")
+        if self.reward_range is not None and not self.reward_range[0] < self.reward_range[1]:
+            raise ValueError(f"reward spec {self.name!r}: reward_range must be [low, high] with low < high")
         for kind, (low, high) in self.value_range.items():
             if kind not in SCORED_KINDS or not low <= high:
                 raise ValueError(f"reward spec {self.name!r}: value_range for {kind} must be a scored kind with low <= high")
@@ -185,4 +196,11 @@ def score(spec: RewardSpec, signals: Iterable[Signal]) -> RewardResult:
             components[kind.value] = spec.weights[kind] * last_value[kind]
     if not components:
         components[NO_FEEDBACK] = 0.0
-    return RewardResult(reward=sum(components.values()), components=components, spec_id=spec.spec_id)
+    reward = sum(components.values())
+    if spec.reward_range is not None:
+        low, high = spec.reward_range
+        clamped = min(max(reward, low), high)
+        if clamped != reward:
+            components[CLAMPED] = clamped - reward  # the components still add up to the reward
+            reward = clamped
+    return RewardResult(reward=reward, components=components, spec_id=spec.spec_id)

@@ -103,3 +103,15 @@ def test_scored_values_outside_the_declared_range_are_refused_not_clamped() -> N
     assert TAB_V1.value_problem(K.judge_score, 1e6) == "judge_score value 1e+06 is outside [-1, 1] of reward spec tab-v1@1"
     with pytest.raises(ValueError, match="value_range"):
         RewardSpec(name="x", version=1, weights=TAB_V1.weights, terminal=frozenset(), value_range={K.task_outcome: (0, 1)})
+
+
+def test_a_declared_reward_range_clamps_and_says_by_how_much() -> None:
+    spec = TAB_V1.model_copy(update={"name": "tab-clamped", "reward_range": (-1.0, 1.0)})
+    result = score(spec, [sig(K.accepted), sig(K.edit_persisted), sig(K.thumbs_up)])
+    assert result.reward == 1.0
+    assert result.components["clamped"] == pytest.approx(-1.25)  # 0.75 + 1.0 + 0.5 = 2.25
+    assert sum(result.components.values()) == pytest.approx(result.reward)
+    assert "clamped" not in score(spec, [sig(K.accepted)]).components
+    assert score(TAB_V1, [sig(K.accepted), sig(K.edit_persisted)]).reward == 1.75  # tab-v1 declares none
+    with pytest.raises(ValueError, match="reward_range"):
+        RewardSpec.model_validate(TAB_V1.model_dump() | {"reward_range": (1.0, 1.0)})
