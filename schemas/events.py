@@ -78,6 +78,9 @@ class SamplingParams(_Message):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Top-k cutoff, -1 (or 0) for none.")
     min_p: float = Field(0.0, ge=0, le=1, description="Min-p cutoff relative to the most likely token, 0 for none.")
+    repetition_penalty: float = Field(1.0, gt=0, le=100, description="vLLM repetition penalty, 1 for none.")
+    presence_penalty: float = Field(0.0, ge=-100, le=100, description="OpenAI presence penalty, 0 for none.")
+    frequency_penalty: float = Field(0.0, ge=-100, le=100, description="OpenAI frequency penalty, 0 for none.")
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="Completion token limit.")
     seed: int | None = Field(None, description="Sampling seed, if the client pinned one.")
     stop: list[Annotated[str, Field(max_length=1000)]] = Field(
@@ -90,7 +93,7 @@ class SamplingParams(_Message):
         "without this field). See schemas/sampling.py.",
     )
 
-    @field_validator("temperature", "top_p", "min_p")
+    @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
     @classmethod
     def _finite(cls, value: float) -> float:
         if not math.isfinite(value):

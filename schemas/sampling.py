@@ -7,13 +7,15 @@ The contract between the gateway (which records it) and the trainer (which recom
   probability the token was really drawn with (docs/platform.md, "Behaviour logprobs"). With the
   default raw mode it is the untempered, untruncated softmax, which is not the behaviour policy
   of a request sampled at T = 0.7 or with top-p.
-* The trainer recomputes π_old and π_θ with the same transformation (`trainer.engine`), so the
-  three logprobs of a token are comparable.
+* The trainer recomputes π_old and π_θ with the same transformation (`trainer.engine`),
+  penalties included (repetition on prompt and output tokens, presence and frequency on output
+  tokens so far, before the temperature, as vLLM applies them), so the three logprobs of a token
+  are comparable.
 * rtrl's servers run with ``--generation-config vllm`` (vLLM's neutral defaults), and the gateway
   writes every sampling parameter a client left out into the request it forwards, from the
   model's own ``generation_config.json`` (`generation_defaults`) — so the parameters recorded in
   the event are exactly those vLLM sampled with, not guesses at the server's defaults.
-* What the trainer cannot reproduce (penalties, logit bias, token restrictions, guided decoding,
+* What the trainer cannot reproduce (logit bias, token restrictions, guided decoding,
   ``min_tokens``, custom logits processors, beam search) changes the distribution in ways a
   forward pass does not see: such a completion is captured but not trainable, and
   `unreproducible` names the reason (counted by the gateway).
@@ -35,13 +37,10 @@ from schemas.settings import Settings
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 
-# The parameters the trainer reproduces, with the value that turns each off.
-REPRODUCIBLE = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
 # vLLM reads these from a model's generation_config.json (vllm.config.ModelConfig.get_diff_sampling_param).
 GENERATION_CONFIG_KEYS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
 )  # fmt: skip
-_NEUTRAL_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 _GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
@@ -82,13 +81,9 @@ def apply_defaults(body: MutableMapping[str, Any], defaults: Mapping[str, Any]) 
 def unreproducible(body: Mapping[str, Any]) -> str | None:
     """Why the trainer could not recompute this request's behaviour logprobs, or None if it can.
 
-    The reason is a short stable name (a metric label): penalty, logit_bias, token_restriction,
+    The reason is a short stable name (a metric label): logit_bias, token_restriction,
     guided_decoding, min_tokens, logits_processors, beam_search.
     """
-    for key, neutral in _NEUTRAL_PENALTIES.items():
-        value = body.get(key)
-        if value is not None and value != neutral:
-            return "penalty"
     if body.get("logit_bias"):
         return "logit_bias"
     if body.get("allowed_token_ids") or body.get("bad_words"):
@@ -115,7 +110,10 @@ def is_greedy(sampling: SamplingParams) -> bool:
 
 
 def neutral(sampling: SamplingParams) -> bool:
-    """Raw and processed logprobs coincide: greedy, or temperature 1 with nothing truncated."""
+    """Raw and processed logprobs coincide: no penalty, and greedy or temperature 1 with nothing
+    truncated."""
+    if not (sampling.repetition_penalty == 1.0 and sampling.presence_penalty == 0.0 and sampling.frequency_penalty == 0.0):
+        return False  # raw logprobs are taken before the penalties
     if is_greedy(sampling):
         return True
     return (

@@ -353,7 +353,8 @@ class TrainerSettings(_Section):
     )
     max_episodes: int = Field(512, ge=1, description="At most this many episodes per cycle (newest first).")
     max_policy_lag: int = Field(
-        0, ge=0, description="Use episodes at most this many versions behind the champion."
+        0, ge=0, description="Use episodes of the champion and of the this-many versions that served users most "
+        "recently before it (0 = on-policy; versions the gate rejected never served and do not count)."
     )
     steps: int = Field(4, ge=1, description="Optimizer steps per cycle.")
     min_signal: float = Field(

@@ -64,6 +64,7 @@ from store.models import (
     LabelerProgress,
     ServerRotation,
     Tenant,
+    VersionHistory,
 )
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -427,7 +428,7 @@ class Store:
         condition = (
             (Episode.status == "settled")
             & Episode.used_in_cycle.is_(None)
-            & Episode.policy_number.between(champion_number - max_lag, champion_number)
+            & self._within_lag(champion_number, max_lag)
             & ~tenant_off  # a tenant switched off does not train (a tenant without a row does)
         )
         if spec_id is not None:  # rewards of different spec versions never share a batch
@@ -439,6 +440,17 @@ class Store:
             # early-settling outcomes into the newest batch.
             condition &= Episode.last_event_at <= self.clock() - timedelta(seconds=settle_window_s)
         return condition
+
+    def _within_lag(self, champion_number: int, max_lag: int) -> Any:
+        """The champion's episodes and those of the `max_lag` versions served most recently before
+        it (`served_versions`): a challenger that never served is not a version of lag. On a store
+        the deployer never announced a version in, the lag counts version numbers."""
+        if max_lag == 0:
+            return Episode.policy_number == champion_number
+        served = [v for v in self.served_versions() if v != champion_number]
+        if not served:
+            return Episode.policy_number.between(champion_number - max_lag, champion_number)
+        return Episode.policy_number.in_([champion_number, *served[:max_lag]])
 
     def count_trainable(
         self, champion_number: int, max_lag: int, *, spec_id: str | None = None, settle_window_s: float | None = None
@@ -561,7 +573,20 @@ class Store:
                 session.add(row)
             row.serving_version, row.version_epoch = version, (row.version_epoch or 0) + 1
             row.reason, row.updated_at = reason[:500], self.clock()
+            if version is not None:
+                served = session.get(VersionHistory, version, with_for_update=True)
+                if served is None:
+                    session.add(VersionHistory(version=version, first_served_at=self.clock(), last_served_at=self.clock()))
+                else:
+                    served.last_served_at = self.clock()
             return row.version_epoch
+
+    def served_versions(self) -> list[int]:
+        """Every version a serving server was announced on, most recently served first."""
+        with self.transaction() as session:
+            return list(session.scalars(
+                select(VersionHistory.version).order_by(VersionHistory.last_served_at.desc(), VersionHistory.version.desc())
+            ))  # fmt: skip
 
     def rotation(self) -> dict[str, RotationRecord]:
         """Every server with a rotation row, by url (a server without one is in rotation)."""

@@ -203,6 +203,18 @@ class ServerRotation(Base):
     version_epoch: Mapped[int] = mapped_column(Integer, server_default="0")
 
 
+class VersionHistory(Base):
+    """Every weight version the deployer announced on a serving server, first and last time.
+    Policy lag is counted in these (versions users were served), not in registry numbers: a
+    challenger the gate rejected never served and is no version behind anything."""
+
+    __tablename__ = "version_history"
+
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    first_served_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    last_served_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
 class Tenant(Base):
     """An application whose traffic the gateway accepts under its keys, and what of it trains."""
 

@@ -18,7 +18,7 @@ import contextlib
 import gc
 import os
 import socket
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,12 +63,22 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @classmethod
     def of(cls, params: SamplingParams) -> Sampling:
-        if is_greedy(params):
-            return cls()
-        return cls(params.temperature, params.top_p, max(params.top_k, 0), params.min_p)
+        penalties = cls(repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+                        frequency_penalty=params.frequency_penalty)  # fmt: skip
+        if is_greedy(params):  # vLLM applies the penalties to greedy requests too, nothing else
+            return penalties
+        return replace(penalties, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+                       min_p=params.min_p)  # fmt: skip
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,10 @@ class MicroBatch:
     top_p: torch.Tensor  # (B,)
     top_k: torch.Tensor  # (B,) long, 0 = none
     min_p: torch.Tensor  # (B,)
+    repetition_penalty: torch.Tensor  # (B,)
+    presence_penalty: torch.Tensor  # (B,)
+    frequency_penalty: torch.Tensor  # (B,)
+    prompt_len: torch.Tensor  # (B,) long
 
     @property
     def tokens(self) -> int:
@@ -137,6 +151,10 @@ def collate(rows: list[Row], pad_id: int) -> MicroBatch:
         top_p=torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32),
         top_k=torch.tensor([r.sampling.top_k for r in rows], dtype=torch.long),
         min_p=torch.tensor([r.sampling.min_p for r in rows], dtype=torch.float32),
+        repetition_penalty=torch.tensor([r.sampling.repetition_penalty for r in rows], dtype=torch.float32),
+        presence_penalty=torch.tensor([r.sampling.presence_penalty for r in rows], dtype=torch.float32),
+        frequency_penalty=torch.tensor([r.sampling.frequency_penalty for r in rows], dtype=torch.float32),
+        prompt_len=torch.tensor([r.prompt_len for r in rows], dtype=torch.long),
     )
 
 
@@ -144,6 +162,34 @@ def micro_batches(rows: list[Row], size: int, pad_id: int) -> list[MicroBatch]:
     """Rows sorted by length (less padding) and cut into micro-batches of at most ``size``."""
     ordered = sorted(rows, key=lambda r: len(r.input_ids))
     return [collate(ordered[i : i + size], pad_id) for i in range(0, len(ordered), size)]
+
+
+def apply_penalties(logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+    """(B, L−1, V) logits with each row's penalties applied as vLLM applies them before sampling
+    (vllm/model_executor/layers/utils.py `apply_penalties`): position t predicts token t + 1, and
+    the tokens generated so far are the completion tokens at positions prompt_len..t. Repetition
+    penalty p on every token seen in the prompt or generated so far (a positive logit divided by
+    p, a negative one multiplied); then minus frequency x its count in the output so far and minus
+    presence where that count is > 0. Rows without penalties are left as they are; the scaling
+    factors are taken on detached values, the gradient flows through the logits."""
+    if not bool((batch.repetition_penalty != 1).any() | (batch.presence_penalty != 0).any()
+                | (batch.frequency_penalty != 0).any()):  # fmt: skip
+        return logits
+    rows, positions, vocab = logits.shape
+    with torch.no_grad():
+        index = torch.arange(batch.input_ids.shape[1], device=logits.device)[None, :]  # (1, L)
+        generated = (index >= batch.prompt_len[:, None]) & (batch.attention_mask > 0)  # (B, L)
+        one_hot = logits.new_zeros(rows, batch.input_ids.shape[1], vocab)
+        one_hot.scatter_(-1, batch.input_ids.unsqueeze(-1).clamp(max=vocab - 1), generated.unsqueeze(-1).float())
+        counts = one_hot.cumsum(dim=1)[:, :positions]  # (B, L−1, V) output tokens up to position t
+        prompt = one_hot.new_zeros(rows, vocab)
+        in_prompt = (index < batch.prompt_len[:, None]) & (batch.attention_mask > 0)
+        prompt.scatter_add_(-1, batch.input_ids.clamp(max=vocab - 1), in_prompt.float())
+        seen = (counts > 0) | (prompt[:, None, :] > 0)  # (B, L−1, V)
+        p = batch.repetition_penalty[:, None, None]
+        scale = torch.where(seen, torch.where(logits > 0, 1 / p, p), torch.ones_like(logits))
+        shift = batch.frequency_penalty[:, None, None] * counts + batch.presence_penalty[:, None, None] * (counts > 0)
+    return logits * scale - shift
 
 
 def processed_log_softmax(
@@ -180,12 +226,14 @@ def processed_log_softmax(
 
 
 def token_logprobs(model: Any, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log π_θ(target_t | tokens ≤ t) under each row's sampling (`processed_log_softmax`), and
+    """(log π_θ(target_t | tokens ≤ t) under each row's sampling (`apply_penalties`, then
+    `processed_log_softmax`), and
     where that is possible), both (B, L−1). A target the row's truncation excludes has
     probability 0: its logprob is returned as 0 with `possible` False, so that it can be masked
     out of a loss without producing NaN. The logprobs carry the gradient."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, L, V)
-    logp = processed_log_softmax(logits[:, :-1], batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+    penalised = apply_penalties(logits[:, :-1].float(), batch)
+    logp = processed_log_softmax(penalised, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
     chosen = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)  # (B, L−1)
     possible = torch.isfinite(chosen.detach())
     return torch.where(possible, chosen, torch.zeros_like(chosen)), possible

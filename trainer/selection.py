@@ -1,6 +1,7 @@
 """Which settled episodes a cycle may learn from: one rule, shared by the cycle, beat and the demo.
 
-An episode of the champion (or at most ``trainer.max_policy_lag`` versions older), unused by
+An episode of the champion (or of the ``trainer.max_policy_lag`` versions that served users most
+recently before it, `store.Store.served_versions`), unused by
 any cycle, of a tenant that trains, labelled under the *current* reward spec version (rewards of
 different versions never share a batch or a baseline), and whose last event is at least the
 labeler's settle window old. The last condition makes every episode eligible by the same rule

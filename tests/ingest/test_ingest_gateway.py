@@ -173,14 +173,14 @@ def test_the_event_records_what_vllm_sampled_with_and_what_the_trainer_cannot_re
     services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, keys: Keys
 ) -> None:
     """The model's sampling defaults are written into a request that sets none, so the recorded
-    parameters are vLLM's own; a penalty (not reproducible by the trainer) is captured untrainable."""
+    parameters are vLLM's own; a logit bias (not reproducible by the trainer) is captured untrainable."""
     request = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 8, "seed": 99}
     with start_gateway(sampling_defaults={"temperature": 0.7, "top_p": 0.9}) as gateway:
         plain = httpx.post(f"{gateway}/v1/completions", json=request, headers=keys.auth(keys.acme), timeout=120)
-        penalised = httpx.post(f"{gateway}/v1/completions", json={**request, "presence_penalty": 0.5},
-                               headers=keys.auth(keys.acme), timeout=120)  # fmt: skip
-        assert plain.status_code == penalised.status_code == 200, (plain.text, penalised.text)
-        counted = lambda: metric(gateway, keys.admin, "rtrl_gateway_untrainable_total", 'reason="penalty"') == 1  # noqa: E731
+        biased = httpx.post(f"{gateway}/v1/completions", json={**request, "logit_bias": {"5": -5}},
+                            headers=keys.auth(keys.acme), timeout=120)  # fmt: skip
+        assert plain.status_code == biased.status_code == 200, (plain.text, biased.text)
+        counted = lambda: metric(gateway, keys.admin, "rtrl_gateway_untrainable_total", 'reason="logit_bias"') == 1  # noqa: E731
         wait_until(counted, timeout_s=30, what="the untrainable request counted")
     [record] = interactions.wait_for(by_key(plain.headers["x-rtrl-request-id"]))
     event = parse_event(record.value, InteractionEvent)
@@ -194,9 +194,9 @@ def test_the_event_records_what_vllm_sampled_with_and_what_the_trainer_cannot_re
     assert event.completion_token_ids == direct["token_ids"]
     assert event.completion_logprobs == pytest.approx(direct["logprobs"]["token_logprobs"], abs=1e-5)
 
-    [record] = interactions.wait_for(by_key(penalised.headers["x-rtrl-request-id"]))
+    [record] = interactions.wait_for(by_key(biased.headers["x-rtrl-request-id"]))
     event = parse_event(record.value, InteractionEvent)
-    assert (event.trainable, event.untrainable_reason) == (False, "penalty")
+    assert (event.trainable, event.untrainable_reason) == (False, "logit_bias")
 
 
 def test_personal_data_is_redacted_before_the_event_leaves_the_gateway(

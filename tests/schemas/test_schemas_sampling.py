@@ -60,9 +60,7 @@ def test_defaults_fill_only_what_the_client_left_out() -> None:
         ({"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0}, None),
         ({"response_format": {"type": "text"}}, None),
         ({"tools": [{"type": "function"}], "tool_choice": "auto"}, None),
-        ({"repetition_penalty": 1.05}, "penalty"),
-        ({"presence_penalty": 0.5}, "penalty"),
-        ({"frequency_penalty": -0.1}, "penalty"),
+        ({"repetition_penalty": 1.05, "presence_penalty": 0.5, "frequency_penalty": -0.1}, None),  # reproduced
         ({"logit_bias": {"50256": -100}}, "logit_bias"),
         ({"allowed_token_ids": [1, 2]}, "token_restriction"),
         ({"bad_words": ["x"]}, "token_restriction"),
@@ -91,6 +89,8 @@ def test_what_the_trainer_cannot_reproduce_is_named(extra: dict[str, Any], reaso
         ({"top_k": 5}, False),
         ({"min_p": 0.1}, False),
         ({"top_k": 0}, True),
+        ({"repetition_penalty": 1.1}, False),  # raw logprobs are taken before the penalties
+        ({"temperature": 0.0, "presence_penalty": 0.5}, False),
     ],
 )
 def test_raw_logprobs_compare_with_the_trainers_only_where_sampling_was_neutral(

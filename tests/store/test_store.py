@@ -216,6 +216,23 @@ def test_selection_by_policy_lag_newest_first(store: Store) -> None:
     assert [e.episode_id for e in store.select_episodes(3, 1, limit=1)] == ["e-v3b"]
 
 
+def test_policy_lag_counts_versions_that_served_not_registry_numbers(store: Store, clock: FakeClock) -> None:
+    """v3 was a challenger the gate rejected: it never served, so one version behind v4 is v2."""
+    feeder = Feeder(store)
+    for n in (1, 2, 3, 4):
+        feeder.send(interaction(f"e{n}", version=f"v{n}"), feedback(f"r-e{n}-0", "thumbs_up"))
+    for n in (1, 2, 4):
+        clock.advance(60)
+        store.set_serving_version("http://vllm-a:8000", None, f"swap to v{n}")
+        store.set_serving_version("http://vllm-a:8000", n, f"after: swap to v{n}")
+    assert store.served_versions() == [4, 2, 1]
+    assert {e.episode_id for e in store.select_episodes(4, 1, 10)} == {"e4", "e2"}
+    assert store.count_trainable(4, 2) == 3 and store.count_trainable(4, 0) == 1
+    clock.advance(60)
+    store.set_serving_version("http://vllm-a:8000", 1, "rollback to v1")  # v1 served again, most recently
+    assert store.served_versions()[0] == 1
+
+
 def test_every_episode_becomes_trainable_by_the_same_rule_whatever_its_outcome(store: Store, clock: FakeClock) -> None:
     """A rejection settles an episode at once, an acceptance when the window passes; the trainer's
     rule (the window after the last event) makes both trainable at the same moment."""

@@ -1,6 +1,6 @@
 """Behaviour logprobs are honest: what the real vLLM server reports for the tokens it sampled at
-T = 0.7 with top-p 0.9, and at T = 1, is what the trainer recomputes for the champion under the
-same sampling (trainer/engine.py `token_logprobs`, schemas/sampling.py). Recomputing with the
+T = 0.7 with top-p 0.9, at T = 1, and at T = 0.8 with top-k and all three penalties, is what the
+trainer recomputes for the champion under the same sampling (trainer/engine.py `token_logprobs`, schemas/sampling.py). Recomputing with the
 plain softmax instead (what the trainer did while vLLM reported raw logprobs) misses by far more
 than the tolerance at T = 0.7, which is the mismatch processed logprobs remove."""
 
@@ -52,7 +52,15 @@ def differences(model: torch.nn.Module, rows: list[Row]) -> tuple[torch.Tensor, 
     return (logprobs - mb.behaviour_logprobs)[mask & possible].abs(), int((mask & ~possible).sum())
 
 
-@pytest.mark.parametrize("params", [{"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.0}], ids=["T0.7-p0.9", "T1"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.7, "top_p": 0.9},
+        {"temperature": 1.0},
+        {"temperature": 0.8, "top_k": 20, "repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.3},
+    ],
+    ids=["T0.7-p0.9", "T1", "T0.8-k20-penalties"],
+)
 def test_the_trainer_recomputes_the_logprobs_vllm_sampled_with(
     vllm_service: Settings, tiny_model_dir: Path, params: dict[str, float]
 ) -> None:

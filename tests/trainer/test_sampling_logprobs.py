@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from schemas.events import SamplingParams
-from trainer.engine import Row, Sampling, collate, processed_log_softmax, token_logprobs
+from trainer.engine import Row, Sampling, apply_penalties, collate, processed_log_softmax, token_logprobs
 
 pytestmark = pytest.mark.unit
 
@@ -94,6 +94,9 @@ def test_rows_with_different_sampling_match_the_reference(seed: int) -> None:
 
 def test_greedy_is_trained_as_vllm_reports_it_plain_softmax() -> None:
     assert Sampling.of(SamplingParams(temperature=0.0, top_p=0.5, top_k=3)) == Sampling()
+    assert Sampling.of(SamplingParams(temperature=0.0, top_p=0.5, repetition_penalty=1.2)) == Sampling(
+        repetition_penalty=1.2
+    )  # penalties apply to greedy requests too
     assert Sampling.of(SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.1)) == Sampling(0.7, 0.9, 0, 0.1)
 
 
@@ -146,3 +149,25 @@ def test_rows_carry_their_sampling_and_raw_logprobs_of_tempered_samples_are_left
     rows, left_out = rows_of([episode], [0.5])
     assert left_out == 1
     assert [r.sampling for r in rows] == [Sampling(0.7, 0.9, 0, 0.0), Sampling()]
+
+
+def test_penalties_by_hand_position_by_position() -> None:
+    """Prompt [1, 2], completion [3, 3, 4]: vocabulary of 5, logits [1, -1, 2, 0.5, -0.5] everywhere.
+    Position t predicts token t + 1; the output so far at the position predicting the k-th
+    completion token is the k − 1 tokens before it."""
+    row = Row(input_ids=[1, 2, 3, 3, 4], prompt_len=2, behaviour_logprobs=[-1.0] * 3, advantage=0.0,
+              sampling=Sampling(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25))  # fmt: skip
+    mb = collate([row], pad_id=0)
+    base = torch.tensor([1.0, -1.0, 2.0, 0.5, -0.5])
+    out = apply_penalties(base.repeat(1, 4, 1), mb)[0]
+    # Position 1 predicts the first completion token: nothing generated yet; prompt tokens 1, 2 get
+    # the repetition penalty (−1 → −2, 2 → 1).
+    assert out[1].tolist() == pytest.approx([1.0, -2.0, 1.0, 0.5, -0.5])
+    # Position 2: token 3 generated once: 0.5 / 2 − 0.25 − 0.5.
+    assert out[2].tolist() == pytest.approx([1.0, -2.0, 1.0, 0.25 - 0.75, -0.5])
+    # Position 3: token 3 twice: 0.5 / 2 − 2 × 0.25 − 0.5.
+    assert out[3].tolist() == pytest.approx([1.0, -2.0, 1.0, 0.25 - 1.0, -0.5])
+    # Rows without penalties are untouched (and cost nothing).
+    plain = collate([Row(input_ids=[1, 2, 3], prompt_len=2, behaviour_logprobs=[-1.0], advantage=0.0)], 0)
+    logits = base.repeat(1, 2, 1)
+    assert apply_penalties(logits, plain) is logits
