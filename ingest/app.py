@@ -167,6 +167,12 @@ class Relay:
                     if stream.chunks == 1:
                         chunk["rtrl"] = {"request_id": served.request_id, "policy_version": version}
                 yield sse_json(chunk)
+                # Let the event loop run between chunks. When vLLM is ahead of the client, the
+                # upstream lines are already buffered, every await above returns at once, and the
+                # whole stream would be relayed without the loop ever handling the client's hang-up
+                # (seen on a loaded 2-core machine: streams relayed in full to clients long gone,
+                # captured as finished instead of truncated) or serving other requests meanwhile.
+                await asyncio.sleep(0)
         except ServingError as exc:  # vLLM went away mid-stream: the client sees the stream end
             stream.problem = stream.problem or f"upstream stream failed: {exc}"
             log.warning("request %s: upstream stream failed: %s", served.request_id, exc)

@@ -365,6 +365,15 @@ class TrainerSettings(_Section):
         "otherwise it is skipped (its episodes are spent, nothing is registered).",
     )
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    carry_optimizer: bool = Field(
+        True,
+        description="Continue AdamW's moments from the cycle that produced the champion, when this worker kept "
+        "them (same ZeRO stage and precision): a fresh AdamW takes steps of about lr whatever the size of the "
+        "gradient. Off: every cycle starts a fresh optimizer.",
+    )
+    keep_optimizer_states: int = Field(
+        3, ge=1, description="Optimizer states kept on the worker's disk (the newest cycles'); each is about 2x the weights."
+    )
     micro_batch: int = Field(32, ge=1, description="Sequences per forward pass.")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     precision: Literal["auto", "fp32", "bf16"] = Field(

@@ -109,3 +109,39 @@ def discard_baselines(checkpoint_dir: Path, cycle_id: int) -> None:
     """Drop cycle `cycle_id`'s staged baselines (the committed ones stay as they were)."""
     for staged in checkpoint_dir.glob(f"baselines-*.cycle-{cycle_id}.json"):
         staged.unlink(missing_ok=True)
+
+
+# ---- optimizer state carried across cycles ---------------------------------------------------------
+
+OPTIMIZER_DIR = "optimizer"
+OPTIMIZER_META = "rtrl_optimizer.json"
+
+
+def optimizer_dir(checkpoint_dir: Path, cycle_id: int) -> Path:
+    """Where cycle `cycle_id` keeps its optimizer state (on the worker's disk, not in the registry)."""
+    return checkpoint_dir / OPTIMIZER_DIR / f"cycle-{cycle_id}"
+
+
+def optimizer_meta(directory: Path) -> dict[str, Any] | None:
+    """What a saved optimizer state was trained with (None when there is none, or it is unreadable)."""
+    try:
+        meta = json.loads((directory / OPTIMIZER_META).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def write_optimizer_meta(directory: Path, meta: dict[str, Any]) -> None:
+    (directory / OPTIMIZER_META).write_text(json.dumps(meta, sort_keys=True))
+
+
+def prune_optimizer_states(checkpoint_dir: Path, keep: int) -> None:
+    """Keep the optimizer states of the `keep` newest cycles: the champion is the newest cycle's
+    output after a promotion, or an older one after a rejection or a rollback."""
+    root = checkpoint_dir / OPTIMIZER_DIR
+    if not root.is_dir():
+        return
+    cycles = sorted((p for p in root.iterdir() if p.name.startswith("cycle-") and p.name[6:].isdigit()),
+                    key=lambda p: int(p.name[6:]))  # fmt: skip
+    for old in cycles[:-keep] if keep > 0 else cycles:
+        shutil.rmtree(old, ignore_errors=True)

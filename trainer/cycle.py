@@ -21,14 +21,15 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel, Field
 
 from registry import CHALLENGER, Registry, flatten
 from schemas.sampling import trainer_can_reproduce
-from schemas.settings import DapoLoss, Settings
+from schemas.settings import DapoLoss, Settings, TrainerSettings
 from store import Store, TrainingEpisode
 from trainer import checkpoint
 from trainer.advantages import BaselineState, compute_advantages, overlong_penalty, prompt_key
@@ -38,7 +39,10 @@ from trainer.engine import (
     close_engine,
     grad_norm_after_step,
     grad_norm_before_step,
+    load_optimizer_state,
     micro_batches,
+    precision,
+    save_optimizer_state,
     start_engine,
     state_dict,
     token_logprobs,
@@ -46,6 +50,9 @@ from trainer.engine import (
 from trainer.errors import InsufficientData
 from trainer.losses import Normaliser, TokenBatch, loss_function
 from trainer.selection import count_trainable, current_spec_id
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +100,9 @@ class CycleResult(BaseModel):
     first_interaction_at: datetime | None = Field(None, description="Earliest episode start (data-to-deploy time).")
     train_s: float | None = Field(None, description="Load champion + optimizer steps, seconds.")
     cycle_s: float | None = Field(None, description="Whole cycle, lease to registration, seconds.")
+    optimizer_from_cycle: int | None = Field(
+        None, description="The cycle whose AdamW state this one continued (trainer.carry_optimizer); None: fresh."
+    )
     steps: list[StepMetrics] = Field(default_factory=list)
     mlflow_run_id: str | None = None
     checkpoint_dir: str | None = None
@@ -148,6 +158,38 @@ def _skip(
                 settings.trainer.min_signal)  # fmt: skip
     end_cycle(settings, store, cycle_id, "skipped", metrics=result.model_dump(mode="json"))
     return result
+
+
+def _optimizer_meta(cfg: TrainerSettings) -> dict[str, Any]:
+    """What a saved optimizer state must match to be continued."""
+    return {"zero_stage": cfg.zero_stage, "precision": precision(cfg)}
+
+
+def _continue_optimizer(
+    engine: DeepSpeedEngine, registry: Registry, champion: int, champion_dir: Path, cfg: TrainerSettings,
+    accumulation: int,
+) -> tuple[DeepSpeedEngine, int | None]:
+    """The engine with the optimizer state of the cycle that produced the champion, when this
+    worker kept it and it matches (ZeRO stage, precision); else the fresh engine. Never fails the
+    cycle: a state that does not load is logged and a fresh engine is used."""
+    source = registry.version_tags(champion).get("rtrl.cycle_id", "")
+    if not source.isdigit():
+        return engine, None  # the base model, or a version registered by hand
+    directory = checkpoint.optimizer_dir(cfg.checkpoint_dir, int(source))
+    meta = checkpoint.optimizer_meta(directory)
+    if meta != _optimizer_meta(cfg):
+        log.info("v%d: %s; a fresh optimizer", champion,
+                 f"no optimizer state of cycle {source} on this worker" if meta is None
+                 else f"the optimizer state of cycle {source} is for {meta}, not {_optimizer_meta(cfg)}")  # fmt: skip
+        return engine, None
+    try:
+        load_optimizer_state(engine, directory, cfg.lr)
+    except Exception:  # noqa: BLE001 - a damaged state must not stop training: start fresh instead
+        log.exception("v%d: the optimizer state of cycle %s does not load; a fresh optimizer", champion, source)
+        close_engine(engine)
+        return start_engine(champion_dir, cfg, accumulation=accumulation), None
+    log.info("v%d: continuing the optimizer state of cycle %s", champion, source)
+    return engine, int(source)
 
 
 def end_cycle(settings: Settings, store: Store, cycle_id: int, status: str, **fields: Any) -> None:
@@ -256,6 +298,9 @@ def run_cycle(
         norm = Normaliser(tokens=sum(b.tokens for b in batches), sequences=len(rows))
         loss_fn = loss_function(cfg.loss)
         engine = start_engine(champion_dir, cfg, accumulation=len(batches))
+        carried_from: int | None = None
+        if cfg.carry_optimizer:
+            engine, carried_from = _continue_optimizer(engine, registry, champion, champion_dir, cfg, len(batches))
         steps: list[StepMetrics] = []
         try:
             # π_old: the champion's own logprobs, taken from the first step's forward passes
@@ -304,6 +349,11 @@ def run_cycle(
                 steps.append(metrics)
                 registry.log_metrics(run_id, metrics.model_dump(exclude={"step"}, exclude_none=True), step)
                 store.heartbeat_cycle(cycle_id, cfg.lease_ttl_s)
+            if cfg.carry_optimizer:
+                directory = checkpoint.optimizer_dir(cfg.checkpoint_dir, cycle_id)
+                save_optimizer_state(engine, directory)
+                checkpoint.write_optimizer_meta(directory, _optimizer_meta(cfg))
+                checkpoint.prune_optimizer_states(cfg.checkpoint_dir, cfg.keep_optimizer_states)
             weights = state_dict(engine)
         finally:
             close_engine(engine)
@@ -332,6 +382,7 @@ def run_cycle(
             steps=steps,
             mlflow_run_id=run_id,
             checkpoint_dir=str(out_dir),
+            optimizer_from_cycle=carried_from,
         )
         # The run's lineage: which episodes it learnt from, and the cycle summary.
         registry.log_json(run_id, {"episodes.json": sorted(episode_ids),

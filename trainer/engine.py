@@ -298,6 +298,29 @@ def start_engine(model_dir: Path, cfg: TrainerSettings, accumulation: int) -> De
     return engine
 
 
+OPTIMIZER_TAG = "state"
+
+
+def save_optimizer_state(engine: DeepSpeedEngine, directory: Path) -> None:
+    """The engine's optimizer state (and its module weights, which DeepSpeed saves with it) under
+    `directory`, for the next cycle that trains from these weights (`load_optimizer_state`)."""
+    engine.save_checkpoint(str(directory), tag=OPTIMIZER_TAG, save_latest=False)
+
+
+def load_optimizer_state(engine: DeepSpeedEngine, directory: Path, lr: float) -> None:
+    """Continue the optimizer saved by `save_optimizer_state` (Adam's moments and step count),
+    with this cycle's learning rate. The module weights saved alongside are the ones the engine
+    was built from (the cycle that saved them produced this champion). Raises on any mismatch."""
+    path, _ = engine.load_checkpoint(
+        str(directory), tag=OPTIMIZER_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
+        load_module_strict=True,
+    )  # fmt: skip
+    if path is None:
+        raise FileNotFoundError(f"no optimizer state under {directory}")
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+
+
 def close_engine(engine: DeepSpeedEngine) -> None:
     """Free the engine's model and optimizer state; the process group stays for the next cycle."""
     engine.destroy()

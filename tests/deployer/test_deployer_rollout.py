@@ -7,14 +7,16 @@ weight version "v1" before it ends (the base model is v1 under every model name)
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -191,6 +193,23 @@ def test_gate_passes_an_equal_model_and_fails_a_broken_one(
         assert staging.weight_version() == 1  # the gate leaves staging on the champion
 
 
+# Scrapes a gateway's in-flight count per server every 5 ms into a JSON-lines file: [time, {server: n}].
+SAMPLER = """
+import datetime, json, sys, time
+import httpx
+gateway, admin, out = sys.argv[1:4]
+with httpx.Client(headers={"authorization": "Bearer " + admin}, timeout=10) as http, open(out, "w") as f:
+    while True:
+        at = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        text = http.get(gateway + "/metrics").text
+        on = {line.split('server="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.splitlines() if line.startswith("rtrl_gateway_upstream_in_flight{")}
+        f.write(json.dumps([at, on]) + "\\n")
+        f.flush()
+        time.sleep(0.005)
+"""
+
+
 def test_a_swap_under_load_through_the_gateway_fails_nothing_and_no_request_waits(
     deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -224,16 +243,8 @@ def test_a_swap_under_load_through_the_gateway_fails_nothing_and_no_request_wait
     served: list[str] = []
     failures: list[str] = []
     samples: list[tuple[datetime, dict[str, float]]] = []  # the gateway's requests on each server, over time
+    sampler: subprocess.Popen[bytes] | None = None
 
-    def sample(gateway: str) -> None:
-        with httpx.Client(headers={"authorization": f"Bearer {admin}"}, timeout=10) as http:
-            while not stop.is_set():
-                at = datetime.now(UTC)
-                text = http.get(f"{gateway}/metrics").text
-                on = {line.split('server="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
-                      for line in text.splitlines() if line.startswith("rtrl_gateway_upstream_in_flight{")}  # fmt: skip
-                samples.append((at, on))
-                time.sleep(0.005)
 
     def load(streaming: bool, client: OpenAI) -> None:
         while not stop.is_set():
@@ -252,7 +263,9 @@ def test_a_swap_under_load_through_the_gateway_fails_nothing_and_no_request_wait
         with gateway_process(settings, tmp_path / "gateway.log") as gateway:
             client = OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0, timeout=60)
             threads = [threading.Thread(target=load, args=(i % 2 == 0, client)) for i in range(6)]
-            threads.append(threading.Thread(target=sample, args=(gateway,)))
+            # The sampler runs in a process of its own: in this one it would wait for the GIL behind
+            # the six client threads, and a swap's window could pass between two of its scrapes.
+            sampler = subprocess.Popen([sys.executable, "-c", SAMPLER, gateway, admin, str(tmp_path / "samples.jsonl")])
             for thread in threads:
                 thread.start()
             time.sleep(2)  # load running on both servers
@@ -261,11 +274,19 @@ def test_a_swap_under_load_through_the_gateway_fails_nothing_and_no_request_wait
             during = len(served) - before
             time.sleep(1)
             stop.set()
+            sampler.terminate()
+            sampler.wait(timeout=30)
             for thread in threads:
                 thread.join(timeout=60)
             rotation = store.rotation()
+            for line in (tmp_path / "samples.jsonl").read_text().splitlines():
+                if line.endswith("]"):  # the last line may have been cut by the termination
+                    at, on = json.loads(line)
+                    samples.append((datetime.fromisoformat(at), on))
     finally:
         stop.set()
+        if sampler is not None and sampler.poll() is None:
+            sampler.kill()
         # Both shared servers back on v1 (the fixture checks it), whatever happened above.
         rollout.promote(settings, registry, 1)
         store.close()

@@ -328,6 +328,35 @@ def test_a_batch_without_signal_is_skipped_not_shipped(
     assert baselines_path(settings.trainer.checkpoint_dir, "tab-v1@1").is_file()
 
 
+def test_the_optimizer_state_carries_over_to_the_cycle_that_trains_the_promoted_version(
+    settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path
+) -> None:
+    """A fresh AdamW takes steps of about lr whatever the gradient; the next cycle continues the
+    moments of the cycle that produced its champion, unless the ZeRO stage or precision changed."""
+    from trainer.checkpoint import optimizer_dir
+    from trainer.cycle import end_cycle, run_cycle
+
+    feed(store, sample_episodes(tiny_model_dir, 16, seed=8, alternate=True))
+    first = run_cycle(settings, store, registry, owner="test")
+    assert first.status == "registered" and first.optimizer_from_cycle is None  # from the base model: fresh
+    assert optimizer_dir(settings.trainer.checkpoint_dir, first.cycle_id or 0).is_dir()
+    end_cycle(settings, store, first.cycle_id or 0, "promoted")
+    registry.set_alias(CHAMPION, first.challenger_version or 0)
+
+    version, champion_dir = f"v{first.challenger_version}", registry.download_checkpoint(first.challenger_version or 0)
+    feed(store, sample_episodes(champion_dir, 16, seed=9, version=version, alternate=True))
+    second = run_cycle(settings, store, registry, owner="test")
+    assert second.status == "registered" and second.optimizer_from_cycle == first.cycle_id
+    # Loading the state kept the champion's weights: its own samples' behaviour weights are 1.
+    assert second.steps[0].is_weight == pytest.approx(1.0, abs=1e-3)
+    end_cycle(settings, store, second.cycle_id or 0, "rejected")
+
+    feed(store, sample_episodes(champion_dir, 16, seed=10, version=version, alternate=True))
+    other = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"zero_stage": 2})})
+    third = run_cycle(other, store, registry, owner="test")
+    assert third.status == "registered" and third.optimizer_from_cycle is None  # saved at stage 0: fresh
+
+
 def test_failed_cycle_registers_nothing_and_releases_its_episodes(
     settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path
 ) -> None:
