@@ -73,6 +73,17 @@ def one_step(model: torch.nn.Module, batches: list[MicroBatch], norm: Normaliser
         step(k == len(batches) - 1)
 
 
+def timed(run: Callable[[], None], steps: int) -> list[float]:
+    """Seconds of each of `steps` runs of `run`, after one untimed warm-up run."""
+    run()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def time_deepspeed(model_dir: Path, cfg: TrainerSettings, batches: list[MicroBatch], norm: Normaliser, steps: int) -> list[float]:
     engine = start_engine(model_dir, cfg, accumulation=len(batches))
     try:
@@ -82,13 +93,7 @@ def time_deepspeed(model_dir: Path, cfg: TrainerSettings, batches: list[MicroBat
         def step(_last: bool) -> None:
             engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary itself
 
-        one_step(engine, batches, norm, cfg.loss, backward, step)  # warm-up
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            one_step(engine, batches, norm, cfg.loss, backward, step)
-            times.append(time.perf_counter() - start)
-        return times
+        return timed(lambda: one_step(engine, batches, norm, cfg.loss, backward, step), steps)
     finally:
         close_engine(engine)
 
@@ -110,13 +115,7 @@ def time_plain(model_dir: Path, cfg: TrainerSettings, batches: list[MicroBatch],
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    one_step(model, batches, norm, cfg.loss, backward, step)  # warm-up
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        one_step(model, batches, norm, cfg.loss, backward, step)
-        times.append(time.perf_counter() - start)
-    return times
+    return timed(lambda: one_step(model, batches, norm, cfg.loss, backward, step), steps)
 
 
 def main() -> None:
