@@ -49,7 +49,7 @@ from trainer.engine import (
 )
 from trainer.errors import InsufficientData
 from trainer.losses import Normaliser, TokenBatch, loss_function
-from trainer.selection import count_trainable, current_spec_id
+from trainer.selection import count_trainable, current_spec_id, select_trainable
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -240,7 +240,7 @@ def run_cycle(
             checkpoint.discard_baselines(cfg.checkpoint_dir, reclaimed)
             log.warning("cycle %d was abandoned by a lost worker; re-running it", reclaimed)
     champion = registry.champion()
-    spec_id, window = current_spec_id(settings), settings.labeler.settle_window_s  # trainer/selection.py
+    spec_id = current_spec_id(settings)
     available = count_trainable(settings, store, champion)
     if available < cfg.min_samples:
         return CycleResult(cycle_id=None, status="not_enough_data", champion_version=champion, episodes=available)
@@ -252,9 +252,7 @@ def run_cycle(
     version: int | None = None
     try:
         # ---- select and claim -------------------------------------------------------------------
-        episodes = store.select_episodes(
-            champion, cfg.max_policy_lag, cfg.max_episodes, spec_id=spec_id, settle_window_s=window
-        )
+        episodes = select_trainable(settings, store, champion)
         if len(episodes) < cfg.min_samples:  # another reader got there between count and select
             raise InsufficientData(f"{len(episodes)} trainable episodes < min_samples {cfg.min_samples}")
         episode_ids = [e.episode_id for e in episodes]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from schemas.rewards import get_spec
 from schemas.settings import Settings
-from store import Store
+from store import Store, TrainingEpisode
 
 
 def current_spec_id(settings: Settings) -> str:
@@ -27,6 +27,17 @@ def count_trainable(settings: Settings, store: Store, champion: int) -> int:
     return store.count_trainable(
         champion,
         settings.trainer.max_policy_lag,
+        spec_id=current_spec_id(settings),
+        settle_window_s=settings.labeler.settle_window_s,
+    )
+
+
+def select_trainable(settings: Settings, store: Store, champion: int) -> list[TrainingEpisode]:
+    """The newest ``trainer.max_episodes`` episodes a cycle training from `champion` may use now."""
+    return store.select_episodes(
+        champion,
+        settings.trainer.max_policy_lag,
+        settings.trainer.max_episodes,
         spec_id=current_spec_id(settings),
         settle_window_s=settings.labeler.settle_window_s,
     )
