@@ -7,16 +7,13 @@ weight version "v1" before it ends (the base model is v1 under every model name)
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -193,25 +190,20 @@ def test_gate_passes_an_equal_model_and_fails_a_broken_one(
         assert staging.weight_version() == 1  # the gate leaves staging on the champion
 
 
-# Scrapes a gateway's in-flight count per server every 5 ms into a JSON-lines file: [time, {server: n}].
-SAMPLER = """
-import datetime, json, sys, time
-import httpx
-gateway, admin, out = sys.argv[1:4]
-with httpx.Client(headers={"authorization": "Bearer " + admin}, timeout=10) as http, open(out, "w") as f:
-    while True:
-        at = datetime.datetime.now(datetime.timezone.utc).isoformat()
-        text = http.get(gateway + "/metrics").text
-        on = {line.split('server="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
-              for line in text.splitlines() if line.startswith("rtrl_gateway_upstream_in_flight{")}
-        f.write(json.dumps([at, on]) + "\\n")
-        f.flush()
-        time.sleep(0.005)
-"""
+def gateway_counts(gateway: str, admin: str) -> dict[str, dict[str, float]]:
+    """The gateway's requests sent to, and now on, each server: {"sent": {url: n}, "on": {url: n}}."""
+    text = httpx.get(f"{gateway}/metrics", headers={"authorization": f"Bearer {admin}"}, timeout=30).text
+    counts: dict[str, dict[str, float]] = {"sent": {}, "on": {}}
+    for line in text.splitlines():
+        for key, name in (("sent", "rtrl_gateway_upstream_requests_total{"),
+                          ("on", "rtrl_gateway_upstream_in_flight{")):  # fmt: skip
+            if line.startswith(name):
+                counts[key][line.split('server="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return counts
 
 
 def test_a_swap_under_load_through_the_gateway_fails_nothing_and_no_request_waits(
-    deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
+    deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two serving servers (the session's serving and staging servers) behind one gateway, under
     concurrent streaming and non-streaming load: each server leaves the rotation, is drained,
@@ -242,9 +234,19 @@ def test_a_swap_under_load_through_the_gateway_fails_nothing_and_no_request_wait
     stop = threading.Event()
     served: list[str] = []
     failures: list[str] = []
-    samples: list[tuple[datetime, dict[str, float]]] = []  # the gateway's requests on each server, over time
-    sampler: subprocess.Popen[bytes] | None = None
+    # What the gateway had sent to, and had on, the server being swapped: read inside its swap window
+    # (out of rotation, drained), just before the pause and just after the verification. The probe
+    # wraps the real swap_server and changes nothing it does.
+    probes: dict[str, tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]] = {}
+    real_swap_server = rollout.swap_server
+    gateway_url = ""
 
+    def probed_swap_server(server: VllmClient, *args: object, **kwargs: object) -> object:
+        before = gateway_counts(gateway_url, admin)
+        try:
+            return real_swap_server(server, *args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            probes[server.url] = (before, gateway_counts(gateway_url, admin))
 
     def load(streaming: bool, client: OpenAI) -> None:
         while not stop.is_set():
@@ -261,50 +263,40 @@ def test_a_swap_under_load_through_the_gateway_fails_nothing_and_no_request_wait
 
     try:
         with gateway_process(settings, tmp_path / "gateway.log") as gateway:
+            gateway_url = gateway
             client = OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0, timeout=60)
             threads = [threading.Thread(target=load, args=(i % 2 == 0, client)) for i in range(6)]
-            # The sampler runs in a process of its own: in this one it would wait for the GIL behind
-            # the six client threads, and a swap's window could pass between two of its scrapes.
-            sampler = subprocess.Popen([sys.executable, "-c", SAMPLER, gateway, admin, str(tmp_path / "samples.jsonl")])
             for thread in threads:
                 thread.start()
             time.sleep(2)  # load running on both servers
             before = len(served)
-            result = rollout.promote(settings, registry, v2)
+            with monkeypatch.context() as patch:
+                patch.setattr(rollout, "swap_server", probed_swap_server)
+                result = rollout.promote(settings, registry, v2)
             during = len(served) - before
             time.sleep(1)
             stop.set()
-            sampler.terminate()
-            sampler.wait(timeout=30)
             for thread in threads:
                 thread.join(timeout=60)
             rotation = store.rotation()
-            for line in (tmp_path / "samples.jsonl").read_text().splitlines():
-                if line.endswith("]"):  # the last line may have been cut by the termination
-                    at, on = json.loads(line)
-                    samples.append((datetime.fromisoformat(at), on))
     finally:
         stop.set()
-        if sampler is not None and sampler.poll() is None:
-            sampler.kill()
         # Both shared servers back on v1 (the fixture checks it), whatever happened above.
         rollout.promote(settings, registry, 1)
         store.close()
     print("promote v2 under load:", result.model_dump_json())
+    print("gateway inside each swap window (before the pause, after the verification):", probes)
     assert result.ok, result.error
     assert failures == [], failures[:5]
     assert during > 0 and len(served) > 20
     assert [s.url for s in result.servers] == [u.rstrip("/") for u in settings.vllm.servers]
     for step in result.servers:
         assert step.verified and step.drained
-        assert step.in_flight_at_pause == 0, step  # drained before the pause
-        # No request waited for the paused server: from its pause until its verification ended (the
-        # server out of rotation all along) the gateway had none on it. The first 20 ms are allowed
-        # for the tail of a stream vLLM had finished before the pause; the window is the whole step,
-        # not only the pause, so that a scrape slowed by the load still lands inside it.
-        assert step.paused_at is not None
-        start = step.paused_at + timedelta(milliseconds=20)
-        end = step.paused_at + timedelta(milliseconds=step.total_ms)
-        during = [on.get(step.url, 0.0) for at, on in samples if start <= at <= end]
-        assert during and max(during) == 0, (step.url, during)
+        assert step.in_flight_at_pause == 0, step  # vLLM had none left: drained before the pause
+        # No request waited for the paused server: from just before its pause until its verification
+        # ended, the gateway sent it nothing, and had nothing on it when the verification ended. (Just
+        # before the pause it may still be relaying the tail of a stream vLLM has finished.)
+        at_pause, after = probes[step.url]
+        assert after["sent"][step.url] == at_pause["sent"][step.url], (step.url, at_pause, after)
+        assert after["on"][step.url] == 0, (step.url, after)
     assert all(row.in_rotation for row in rotation.values())  # every server back in rotation
