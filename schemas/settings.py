@@ -2,7 +2,8 @@
 
 Every variable is prefixed ``RTRL_`` and nested with ``__``; for example
 ``RTRL_KAFKA__BOOTSTRAP_SERVERS=broker:9092`` or ``RTRL_TRAINER__MIN_SAMPLES=256``.
-A ``.env`` file in the working directory is read too. The defaults are the embedded, one-machine
+The value ``null`` sets an optional setting to None (``RTRL_TRAINER__MAX_KL=null``). A ``.env``
+file in the working directory is read too. The defaults are the embedded, one-machine
 deployment that ``rtrl services up`` starts on loopback under ``.rtrl/``.
 
 Nothing else in rtrl reads the environment: processes build ``Settings()`` at start-up and pass
@@ -344,6 +345,12 @@ own defaults, from its paper. ``RTRL_TRAINER__LOSS__TYPE=ppo`` picks PPO with PP
 LOSS_TYPES = ("cispo", "ppo", "grpo", "dapo", "dr_grpo", "gspo")
 
 
+# The trust region's default, from the loop on the tiny model (docs/algorithms.md, Stable updates):
+# cycles measured 0.01-0.64 nats per token at their last step and spikes above 1; 0.25 kept one
+# more cycle from a converged champion within 0.3 points (none: -3.0), at one more cycle to converge.
+MAX_KL_DEFAULT = 0.25
+
+
 class TrainerSettings(_Section):
     """The Celery-scheduled training cycle."""
 
@@ -365,6 +372,13 @@ class TrainerSettings(_Section):
         "otherwise it is skipped (its episodes are spent, nothing is registered).",
     )
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    max_kl: float | None = Field(
+        MAX_KL_DEFAULT,
+        gt=0,
+        description="Trust region of one cycle: once a step's forward passes measure KL(champion || policy) above "
+        "this (k3 estimate, mean per trainable token), that step's update is not applied and the cycle stops "
+        "there. None: every step runs.",
+    )
     carry_optimizer: bool = Field(
         True,
         description="Continue AdamW's moments from the cycle that produced the champion, when this worker kept "
@@ -444,6 +458,7 @@ class Settings(BaseSettings):
         env_prefix="RTRL_",
         env_nested_delimiter="__",
         env_file=".env",
+        env_parse_none_str="null",  # RTRL_TRAINER__MAX_KL=null: an optional setting turned off
         extra="ignore",
         frozen=True,
     )

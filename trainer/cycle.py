@@ -48,7 +48,7 @@ from trainer.engine import (
     token_logprobs,
 )
 from trainer.errors import InsufficientData
-from trainer.losses import Normaliser, TokenBatch, loss_function
+from trainer.losses import Normaliser, TokenBatch, beyond_trust_region, loss_function
 from trainer.selection import count_trainable, current_spec_id, select_trainable
 
 if TYPE_CHECKING:
@@ -67,6 +67,8 @@ class StepMetrics(BaseModel):
     mean_ratio: float = Field(description="Mean π_θ/π_old over tokens (1.0 on the first step).")
     clip_fraction: float = Field(description="Fraction of tokens whose ratio is outside the clip range.")
     kl_k1: float = Field(description="k1 estimate of KL(π_old ‖ π_θ): mean of −log(π_θ/π_old).")
+    kl_k3: float = Field(0.0, description="k3 estimate of KL(π_old ‖ π_θ): mean of r − 1 − log r, r = π_θ/π_old "
+                         "(≥ 0; what trainer.max_kl is compared with).")
     is_weight: float = Field(description="Mean truncated behaviour weight min(π_old/μ, C).")
     grad_norm: float | None = Field(description="Global gradient norm before clipping.")
     mean_advantage: float
@@ -75,6 +77,8 @@ class StepMetrics(BaseModel):
         0, description="Sampled tokens outside their row's truncation (top-p/top-k/min-p) under π_old or π_θ: "
         "left out of the loss."
     )
+    applied: bool = Field(True, description="False: the trust region stopped the cycle here (trainer.max_kl); this "
+                          "step's forward passes were measured and its update was not applied.")
 
 
 class CycleResult(BaseModel):
@@ -102,6 +106,10 @@ class CycleResult(BaseModel):
     cycle_s: float | None = Field(None, description="Whole cycle, lease to registration, seconds.")
     optimizer_from_cycle: int | None = Field(
         None, description="The cycle whose AdamW state this one continued (trainer.carry_optimizer); None: fresh."
+    )
+    kl_stopped_at_step: int | None = Field(
+        None, description="The step at which the trust region (trainer.max_kl) stopped the cycle, its update not "
+        "applied; None: every step ran."
     )
     steps: list[StepMetrics] = Field(default_factory=list)
     mlflow_run_id: str | None = None
@@ -305,9 +313,11 @@ def run_cycle(
             # (the weights only change at the end of that step).
             old_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batches)
             norm_before: float | None = None
+            kl_stop: int | None = None
             for step in range(cfg.steps):
-                totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl_k1": 0.0, "is_weight": 0.0, "tokens": 0.0,
-                          "impossible": 0.0}  # fmt: skip
+                totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl_k1": 0.0, "kl_k3": 0.0, "is_weight": 0.0,
+                          "tokens": 0.0, "impossible": 0.0}  # fmt: skip
+                applied = True
                 for k, mb in enumerate(batches):
                     mb = mb.to(engine.device)
                     logprobs, possible = token_logprobs(engine, mb)  # (B, L−1) each
@@ -323,14 +333,20 @@ def run_cycle(
                         cfg.loss,
                         norm,
                     )
-                    # The loss is already normalised over the whole step: no extra 1/accumulation.
-                    engine.backward(out.loss, scale_wrt_gas=False)
-                    if k == len(batches) - 1:
-                        norm_before = grad_norm_before_step(engine)
-                    engine.step()  # the optimizer steps on the last micro-batch only
                     totals["loss"] += float(out.loss.detach())
                     for key, value in out.sums.items():
                         totals[key] += value
+                    last = k == len(batches) - 1
+                    if last and beyond_trust_region(totals, cfg.max_kl):
+                        # The weights after the steps so far are already max_kl from the champion
+                        # on this batch: keep them, and apply no more updates (this step's included).
+                        applied = False
+                        break
+                    # The loss is already normalised over the whole step: no extra 1/accumulation.
+                    engine.backward(out.loss, scale_wrt_gas=False)
+                    if last:
+                        norm_before = grad_norm_before_step(engine)
+                    engine.step()  # the optimizer steps on the last micro-batch only
                 tokens = max(totals["tokens"], 1.0)
                 metrics = StepMetrics(
                     step=step,
@@ -338,15 +354,23 @@ def run_cycle(
                     mean_ratio=totals["ratio"] / tokens,
                     clip_fraction=totals["clipped"] / tokens,
                     kl_k1=totals["kl_k1"] / tokens,
+                    kl_k3=totals["kl_k3"] / tokens,
                     is_weight=totals["is_weight"] / tokens,
-                    grad_norm=norm_before if norm_before is not None else grad_norm_after_step(engine),
+                    grad_norm=None if not applied else
+                    norm_before if norm_before is not None else grad_norm_after_step(engine),
                     mean_advantage=sum(adv.values) / len(adv.values),
                     tokens=int(totals["tokens"]),
                     impossible_tokens=int(totals["impossible"]),
+                    applied=applied,
                 )
                 steps.append(metrics)
                 registry.log_metrics(run_id, metrics.model_dump(exclude={"step"}, exclude_none=True), step)
                 store.heartbeat_cycle(cycle_id, cfg.lease_ttl_s)
+                if not applied:
+                    kl_stop = step
+                    log.info("cycle %d: KL(champion ‖ policy) %.4f > trainer.max_kl %g after %d of %d steps: "
+                             "stopping there", cycle_id, metrics.kl_k3, cfg.max_kl, step, cfg.steps)  # fmt: skip
+                    break
             if cfg.carry_optimizer:
                 directory = checkpoint.optimizer_dir(cfg.checkpoint_dir, cycle_id)
                 save_optimizer_state(engine, directory)
@@ -381,6 +405,7 @@ def run_cycle(
             mlflow_run_id=run_id,
             checkpoint_dir=str(out_dir),
             optimizer_from_cycle=carried_from,
+            kl_stopped_at_step=kl_stop,
         )
         # The run's lineage: which episodes it learnt from, and the cycle summary.
         registry.log_json(run_id, {"episodes.json": sorted(episode_ids),

@@ -62,7 +62,7 @@ class Normaliser:
 @dataclass(frozen=True)
 class LossOutput:
     loss: torch.Tensor  # () this micro-batch's share of the step loss
-    sums: dict[str, float]  # token-level sums: ratio, clipped, kl_k1, is_weight, tokens
+    sums: dict[str, float]  # token-level sums: ratio, clipped, kl_k1, kl_k3, is_weight, tokens
 
 
 LossFn = Callable[[TokenBatch, Any, Normaliser], LossOutput]
@@ -97,11 +97,19 @@ def _sums(batch: TokenBatch, ratio: torch.Tensor, is_weight: torch.Tensor, clipp
         return {
             "ratio": float((ratio * mask).sum()),
             "clipped": float((clipped.float() * mask).sum()),
-            # k1 estimator of KL(π_old ‖ π_θ) on tokens sampled from π_old: E[−log r].
+            # Estimators of KL(π_old ‖ π_θ) on tokens sampled from π_old, with r = π_θ/π_old:
+            # k1 = −log r (unbiased, noisy, can be negative), k3 = r − 1 − log r (unbiased, ≥ 0).
             "kl_k1": float((-log_ratio * mask).sum()),
+            "kl_k3": float(((ratio - 1 - log_ratio) * mask).sum()),
             "is_weight": float((is_weight * mask).sum()),
             "tokens": float(mask.sum()),
         }
+
+
+def beyond_trust_region(sums: dict[str, float], max_kl: float | None) -> bool:
+    """Whether a step's token sums (`LossOutput.sums`, added up over its micro-batches) put the
+    policy more than `max_kl` from π_old, by the k3 estimate per token (None: no trust region)."""
+    return max_kl is not None and sums["tokens"] > 0 and sums["kl_k3"] / sums["tokens"] > max_kl
 
 
 def _token_mean(per_token: torch.Tensor, batch: TokenBatch, norm: Normaliser) -> torch.Tensor:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,47 +24,6 @@ from schemas.settings import LOSS_TYPES, DapoLoss, LossSettings, Settings
 from store import Store
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def settings(redis_service: Settings, mlflow_service: Settings, tmp_path: Path) -> Settings:
-    """The session's Redis and MLflow, with a store, run dir, model name and experiment of this test's own."""
-    services = mlflow_service
-    tag = uuid.uuid4().hex[:8]
-    return services.model_copy(
-        update={
-            "store": services.store.model_copy(update={"url": f"sqlite:///{tmp_path}/rtrl.db"}),
-            "services": services.services.model_copy(update={"run_dir": tmp_path / "run"}),
-            "mlflow": services.mlflow.model_copy(update={"model_name": f"trainer-test-{tag}", "experiment": f"trainer-test-{tag}"}),
-            "trainer": services.trainer.model_copy(
-                update={"min_samples": 16, "max_episodes": 64, "steps": 2, "micro_batch": 16, "lr": 1e-3,
-                        "checkpoint_dir": tmp_path / "checkpoints"}
-            ),
-            # Episodes fed here are trainable at once (the window rule: tests/store/test_store.py).
-            "labeler": services.labeler.model_copy(update={"settle_window_s": 0.0}),
-        }
-    )
-
-
-@pytest.fixture
-def store(settings: Settings) -> Iterator[Store]:
-    s = Store(settings.store.url)
-    s.migrate()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def registry(settings: Settings) -> Registry:
-    return Registry.from_settings(settings)
-
-
-@pytest.fixture
-def champion(registry: Registry, tiny_model_dir: Path) -> int:
-    """The tiny model registered as v1 @champion (no fleet alignment: no vLLM needed here)."""
-    version = registry.register_checkpoint(tiny_model_dir, tags={"rtrl.base": "true"})
-    registry.set_alias(CHAMPION, version)
-    return version
 
 
 def sample_episodes(
@@ -355,6 +312,51 @@ def test_the_optimizer_state_carries_over_to_the_cycle_that_trains_the_promoted_
     other = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"zero_stage": 2})})
     third = run_cycle(other, store, registry, owner="test")
     assert third.status == "registered" and third.optimizer_from_cycle is None  # saved at stage 0: fresh
+
+
+def test_the_trust_region_stops_a_cycle_before_the_step_that_would_leave_it(
+    settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With trainer.max_kl, the first step whose forward passes measure the policy beyond it is not
+    applied and the cycle stops: its checkpoint holds exactly the weights of the steps before (the
+    same batch trained for that many steps without a trust region gives the same tensors)."""
+    from safetensors.torch import load_file
+
+    from trainer.cycle import run_cycle
+
+    pairs = sample_episodes(tiny_model_dir, 16, seed=11, alternate=True)
+    feed(store, pairs)
+    bounded = settings.model_copy(update={"trainer": settings.trainer.model_copy(
+        update={"steps": 6, "lr": 1e-2, "max_kl": 1e-4, "carry_optimizer": False})})  # fmt: skip
+
+    result = run_cycle(bounded, store, registry, owner="test")
+
+    assert result.status == "registered" and result.kl_stopped_at_step == 1, result
+    assert [s.applied for s in result.steps] == [True, False]
+    assert result.steps[0].kl_k3 == pytest.approx(0.0, abs=1e-9)  # π_θ = π_old before any update
+    assert result.steps[1].kl_k3 > 1e-4 and result.steps[1].grad_norm is None
+    run = registry.run(result.mlflow_run_id or "")
+    assert run.data.metrics["applied"] == 0.0 and "kl_k3" in run.data.metrics
+
+    # The same episodes in a store of their own, one step, no trust region: the same weights.
+    other = Store(f"sqlite:///{tmp_path / 'other.db'}")
+    other.migrate()
+    try:
+        feed(other, pairs)
+        one_step = bounded.model_copy(update={
+            "store": bounded.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'other.db'}"}),
+            "trainer": bounded.trainer.model_copy(update={"steps": 1, "max_kl": None,
+                                                          "checkpoint_dir": tmp_path / "other-checkpoints"}),
+        })  # fmt: skip
+        reference = run_cycle(one_step, other, registry, owner="test")
+    finally:
+        other.close()
+    assert reference.status == "registered" and reference.kl_stopped_at_step is None
+    stopped = load_file(Path(result.checkpoint_dir or "") / "model.safetensors")
+    expected = load_file(Path(reference.checkpoint_dir or "") / "model.safetensors")
+    assert all(torch.equal(stopped[k], expected[k]) for k in expected)
+    base = load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(base[k], stopped[k]) for k in base)  # step 0 was applied
 
 
 def test_failed_cycle_registers_nothing_and_releases_its_episodes(

@@ -52,7 +52,7 @@ def test_cispo_on_policy_is_reinforce_with_token_mean() -> None:
     assert out.loss.item() == pytest.approx(-(math.log(0.5) + math.log(0.25)))
     # dloss/dlogπ = −sg(r̂)·Â/Σ|o| = −1·2/2 for every token
     assert grad_of(out.loss, b) == pytest.approx([-1.0, -1.0])
-    assert out.sums == pytest.approx({"ratio": 2.0, "clipped": 0.0, "kl_k1": 0.0, "is_weight": 2.0, "tokens": 2.0})
+    assert out.sums == pytest.approx({"ratio": 2.0, "clipped": 0.0, "kl_k1": 0.0, "kl_k3": 0.0, "is_weight": 2.0, "tokens": 2.0})
 
 
 def test_cispo_clips_the_weight_but_keeps_the_gradient_of_every_token() -> None:
@@ -65,6 +65,8 @@ def test_cispo_clips_the_weight_but_keeps_the_gradient_of_every_token() -> None:
     assert out.sums["clipped"] == 1.0
     assert out.sums["ratio"] == pytest.approx(2.5)
     assert out.sums["kl_k1"] == pytest.approx(-math.log(2) - math.log(0.5))  # = 0
+    # k3 = r - 1 - log r per token: (2 - 1 - log 2) + (0.5 - 1 - log 0.5) = 0.5; k1 hides the move, k3 does not.
+    assert out.sums["kl_k3"] == pytest.approx((1 - math.log(2)) + (-0.5 + math.log(2)))
 
 
 def test_ppo_zeroes_the_gradient_of_clipped_tokens_that_cispo_keeps() -> None:
