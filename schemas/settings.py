@@ -403,7 +403,19 @@ class TrainerSettings(_Section):
     checkpoint_dir: Path = Field(
         Path(".rtrl/run/checkpoints"), description="Where cycle checkpoints are written."
     )
-    lease_ttl_s: float = Field(1800.0, description="A cycle lease older than this is considered abandoned.")
+    lease_ttl_s: float = Field(
+        120.0,
+        gt=0,
+        description="The cycle lease: its worker renews it every quarter of this while the job runs (training, "
+        "gate, swap); one not renewed for this long belongs to a dead worker, and the cycle is failed and "
+        "its episodes released at the next check (trainer/lease.py).",
+    )
+    max_cycle_s: float = Field(
+        6 * 3600.0,
+        gt=0,
+        description="The longest a cycle job (train, gate, swap) may run: Redis redelivers an unacknowledged "
+        "job after this (Celery's visibility timeout), and the redelivered job takes the cycle over.",
+    )
     seed: int = Field(0, description="Seed of the training cycle.")
 
     @model_validator(mode="after")

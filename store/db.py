@@ -352,6 +352,34 @@ class Store:
                     return cycle.id
         return None
 
+    def expire_cycles(self) -> list[int]:
+        """Fail every active cycle whose lease has expired and release its episodes; their ids.
+
+        A lease expires when its worker stopped renewing it: the process died (SIGKILL, OOM, the
+        machine) or hung. Called before anything counts trainable episodes, so that episodes a
+        dead cycle claimed go back to the pool at once instead of blocking the next cycle.
+        """
+        now = self.clock()
+        with self.transaction() as session:
+            active = session.scalars(select(Cycle).where(Cycle.status.in_(ACTIVE_CYCLE_STATUSES))).all()
+            expired = [c for c in active if c.lease_expires_at <= now]
+            for cycle in expired:
+                self._end_cycle(session, cycle.id, "failed", now,
+                                error=f"lease expired at {cycle.lease_expires_at.isoformat()}: its worker "
+                                f"({cycle.owner}) stopped renewing it")  # fmt: skip
+            return [c.id for c in expired]
+
+    def renew_lease(self, owner: str, ttl_s: float) -> int | None:
+        """Extend the lease of the active cycle `owner` holds; its id, or None when it holds none."""
+        with self.transaction() as session:
+            cycle = session.scalars(
+                select(Cycle).where(Cycle.status.in_(ACTIVE_CYCLE_STATUSES), Cycle.owner == owner)
+            ).first()
+            if cycle is None:
+                return None
+            cycle.lease_expires_at = self.clock() + timedelta(seconds=ttl_s)
+            return cycle.id
+
     def heartbeat_cycle(self, cycle_id: int, ttl_s: float) -> None:
         """Extend the lease; raises LeaseLost if the cycle is no longer active."""
         with self.transaction() as session:

@@ -41,8 +41,9 @@ def configure(settings: Settings) -> Celery:
         # (acks_late on the task), and let the broker redeliver if the worker dies mid-cycle.
         worker_prefetch_multiplier=1,
         worker_concurrency=1,
-        # Redis redelivers unacknowledged messages after this; it must exceed the longest cycle.
-        broker_transport_options={"visibility_timeout": int(settings.trainer.lease_ttl_s) + 600},
+        # Redis redelivers unacknowledged messages after this; it must exceed the longest cycle. A
+        # worker that dies mid-cycle is noticed sooner by its lease (trainer/lease.py).
+        broker_transport_options={"visibility_timeout": int(settings.trainer.max_cycle_s)},
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         timezone="UTC",

@@ -48,6 +48,7 @@ from trainer.engine import (
     token_logprobs,
 )
 from trainer.errors import InsufficientData
+from trainer.lease import expire_abandoned
 from trainer.losses import Normaliser, TokenBatch, beyond_trust_region, loss_function
 from trainer.selection import count_trainable, current_spec_id, select_trainable
 
@@ -247,6 +248,7 @@ def run_cycle(
         if reclaimed is not None:
             checkpoint.discard_baselines(cfg.checkpoint_dir, reclaimed)
             log.warning("cycle %d was abandoned by a lost worker; re-running it", reclaimed)
+    expire_abandoned(settings, store)  # a dead worker's cycle releases its episodes before we count
     champion = registry.champion()
     spec_id = current_spec_id(settings)
     available = count_trainable(settings, store, champion)

@@ -28,6 +28,7 @@ from schemas.settings import Settings
 from store import DatabaseUnavailable, Store
 from trainer.celery_app import BEAT_TASK, CYCLE_TASK, QUEUE, app, current_settings
 from trainer.errors import AfterRegistration
+from trainer.lease import expire_abandoned, keep_lease
 from trainer.selection import count_trainable
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,15 @@ def run_chain(
     ``challenger_score`` / ``champion_score``, ``version_after`` (the served version N),
     ``swap_ms``, ``deployed_at`` and ``data_to_deploy_s`` (deployed_at − first interaction).
     """
+    # Renewed from a thread for the whole job (training, gate, swap): the lease outlives a long cycle,
+    # and expires within trainer.lease_ttl_s of this worker's death (trainer/lease.py).
+    with keep_lease(store, owner, settings.trainer.lease_ttl_s):
+        return _chain(settings, store, registry, owner=owner, takeover_suffix=takeover_suffix)
+
+
+def _chain(
+    settings: Settings, store: Store, registry: Registry, *, owner: str, takeover_suffix: str | None
+) -> dict[str, Any]:
     from deployer import gate, rollout
     from trainer.cycle import end_cycle, run_cycle
 
@@ -161,6 +171,7 @@ def maybe_train() -> str:
     """Enqueue a cycle when the champion has ≥ min_samples trainable episodes and none is active."""
     res = worker_resources()
     settings = res.settings
+    expire_abandoned(settings, res.store)  # a dead worker's cycle releases its episodes first
     champion = res.registry.champion()
     available = count_trainable(settings, res.store, champion)
     if available < settings.trainer.min_samples:

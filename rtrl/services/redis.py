@@ -1,8 +1,8 @@
 """Local Redis server: the Celery broker and result backend of the trainer.
 
 Started by `rtrl services up` from a config generated into ``<run_dir>/redis/redis.conf``:
-loopback only, no persistence (the queue holds only cycle triggers, which Celery beat re-sends),
-in the foreground so that rtrl manages the process.
+loopback only, in the foreground so that rtrl manages the process, with an append-only file
+(fsync every second): a queued or unacknowledged cycle job survives a Redis restart.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class Redis(Service):
             f"dir {self.data_dir}\n"
             "daemonize no\n"
             'save ""\n'
-            "appendonly no\n"
+            "appendonly yes\n"
+            "appendfsync everysec\n"
             "loglevel notice\n"
             'logfile ""\n'
         )

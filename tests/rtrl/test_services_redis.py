@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -55,3 +56,21 @@ def test_celery_task_round_trip_through_redis(redis_service: Settings) -> None:
         assert backend.exists(f"celery-task-meta-{result.id}") == 1
     finally:
         backend.close()
+
+
+def test_a_queued_job_survives_a_redis_restart(redis_service: Settings) -> None:
+    """Append-only persistence: what the broker held before a restart is there after it."""
+    from rtrl.services import down, up
+
+    client = redis.Redis.from_url(redis_service.celery.broker_url)
+    queue = f"test-restart-{uuid.uuid4().hex[:8]}"
+    try:
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        client.lpush(queue, b"a cycle job")
+        time.sleep(1.5)  # appendfsync everysec
+        assert down(redis_service, only=("redis",)) == ["redis"]
+        up(redis_service, only=("redis",))
+        assert client.lrange(queue, 0, -1) == [b"a cycle job"]
+    finally:
+        client.delete(queue)
+        client.close()

@@ -158,6 +158,33 @@ def test_an_expired_lease_is_failed_and_replaced(store: Store, clock: FakeClock)
     store.mark_used(fresh, ["e1"])  # the heartbeat extended the lease
 
 
+def test_a_dead_workers_cycle_expires_before_anyone_counts_and_a_live_one_is_renewed(
+    store: Store, clock: FakeClock
+) -> None:
+    """The beat check and the next cycle call expire_cycles first: episodes a dead worker's cycle
+    claimed are trainable again as soon as its lease has expired, before anyone counts them
+    (counting first once kept the loop waiting behind a dead cycle for 42 minutes)."""
+    feeder = Feeder(store)
+    feeder.send(interaction(), feedback("r-e1-0", "edit_persisted"))
+    dead = store.acquire_cycle("host:1:task-1", ttl_s=60, champion=1)
+    assert dead is not None
+    store.mark_used(dead, ["e1"])
+    assert store.renew_lease("host:1:task-1", 60) == dead  # the keeper thread, while the worker lives
+    assert store.renew_lease("host:2:task-2", 60) is None  # holds no cycle: nothing to renew
+    clock.advance(59)
+    assert store.expire_cycles() == [] and store.count_trainable(1, 0) == 0  # renewed: still held
+    clock.advance(2)  # the renewals stopped 61 s ago: the worker is dead
+    assert store.expire_cycles() == [dead]
+    assert store.count_trainable(1, 0) == 1  # released
+    ended = store.get_cycle(dead)
+    assert ended is not None and ended.status == "failed"
+    assert "stopped renewing" in (ended.error or "") and "host:1:task-1" in (ended.error or "")
+    assert store.expire_cycles() == []  # once
+    assert store.renew_lease("host:1:task-1", 60) is None  # a late renewal does not revive it
+    with pytest.raises(LeaseLost):
+        store.heartbeat_cycle(dead, 60)
+
+
 def test_a_redelivered_job_reclaims_its_lost_cycle_at_once(store: Store) -> None:
     feeder = Feeder(store)
     feeder.send(interaction(), feedback("r-e1-0", "edit_persisted"))

@@ -60,7 +60,7 @@ def generate(model_dir: Path, prompts: list[str], seed: int) -> list[tuple[list[
             text = ""
             for token in gen.sequences[b, width:].tolist():
                 tokens.append(token)
-                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                text = str(tokenizer.decode(tokens, skip_special_tokens=True))
                 if token == eos or any(stop in text for stop in TASK.stop):
                     break
             for stop in TASK.stop:

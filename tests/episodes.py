@@ -1,0 +1,69 @@
+"""Training data for the trainer's tests (not a test module): episodes sampled from a model the
+way vLLM samples them, fed through the labeler's own store code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from factories import Feeder, feedback, interaction
+
+from schemas.events import FeedbackEvent, InteractionEvent, SamplingParams
+from store import Store
+
+
+def sample_episodes(
+    model_dir: Path, n: int, seed: int, version: str = "v1", sampling: SamplingParams | None = None,
+    alternate: bool = False,
+) -> list[tuple[InteractionEvent, FeedbackEvent]]:
+    """n single-segment episodes sampled from the model; pairs of episodes share a prompt (groups).
+
+    Sampled as vLLM samples under `sampling` (default: T = 1, nothing truncated), with the
+    processed logprobs it would report. Reward: thumbs_up when the completion contains "!" (the
+    exclaim task's preference), else thumbs_down; with `alternate`, up and down in turn (so that
+    every pair sharing a prompt has a signal); both settle the episode at once under tab-v1.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from evals import get_task
+    from trainer.engine import Sampling, processed_log_softmax
+
+    sampling = sampling or SamplingParams(logprobs_mode="processed")
+    how = Sampling.of(sampling)
+    transform = [torch.tensor([v]) for v in (how.temperature, how.top_k, how.top_p, how.min_p)]
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = get_task("exclaim").train_prompts((n + 1) // 2, seed)
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        prompt = prompts[i // 2]
+        ids = tokenizer(prompt)["input_ids"]
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        with torch.no_grad():
+            for _ in range(8):
+                logits = model(input_ids=torch.tensor([ids + tokens])).logits[:, -1:]  # (1, 1, V)
+                logp = processed_log_softmax(logits, *transform)[0, 0]
+                token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+                tokens.append(token)
+                logprobs.append(float(logp[token]))
+                if token == tokenizer.eos_token_id:
+                    break
+        completion = tokenizer.decode(tokens, skip_special_tokens=True)
+        episode = f"ep-{seed}-{i}"
+        event = interaction(episode, version=version, prompt=prompt, prompt_token_ids=ids, completion=completion,
+                            completion_token_ids=tokens, completion_logprobs=logprobs, sampling=sampling)  # fmt: skip
+        up = i % 2 == 0 if alternate else "!" in completion
+        kind = "thumbs_up" if up else "thumbs_down"
+        out.append((event, feedback(event.request_id, kind)))
+    return out
+
+
+def feed(store: Store, pairs: list[tuple[InteractionEvent, FeedbackEvent]]) -> None:
+    """Store and settle the events with the labeler's own write/join/settle code (no Kafka)."""
+    feeder = Feeder(store)
+    feeder.offsets.update({"interactions": store.stats()["interactions"], "feedback": store.stats()["feedback"]})
+    written, _ = feeder.send(*[event for pair in pairs for event in pair])
+    assert not written.rejected, [r.reason for r in written.rejected]
