@@ -18,12 +18,14 @@ alias where it was and returns ``ok=False`` with the reason. Only a fully verifi
 ``@champion``. Every pause is paired with a resume in ``finally``.
 
 `rollback` is a promotion of the previous champion. `align_fleet` brings servers that restarted (or
-were never given a version) back to the champion; `bootstrap` registers the base model as v1
+were never given a version) back to the champion, and resumes and puts back what a deployer that
+died mid-swap left paused or out of rotation; `bootstrap` registers the base model as v1
 @champion when the registry is empty and then aligns the fleet. One rollout at a time per run
 directory (a file lock).
 
 Called by the trainer chain after a passing gate, by ``rtrl run`` / the demo before the loop
-starts (`bootstrap`), and by ``rtrl deploy bootstrap|promote|rollback``.
+starts (`bootstrap`), by the fleet reconciler (deployer/reconcile.py, a child of ``rtrl run``),
+and by ``rtrl deploy bootstrap|promote|rollback|reconcile``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
@@ -52,6 +55,11 @@ from serving import ServerError, ServingError, VersionUnknown, VllmClient, meani
 from store import Store, StoreError
 
 log = logging.getLogger(__name__)
+
+# Prefix of the rotation reason of a server the deployer took out for a swap: when the deployer
+# dies before it puts the server back, the reconciler recognises the leftover (an operator's
+# `rtrl deploy rotation --out` is never undone by it).
+DEPLOYER_MARK = "deployer: "
 
 
 class ServerSwap(BaseModel):
@@ -312,7 +320,7 @@ def swap_window(
     try:
         store.set_serving_version(server.url, None, reason)
         if drain:
-            store.set_rotation(server.url, False, reason)
+            store.set_rotation(server.url, False, f"{DEPLOYER_MARK}{reason}")
     except StoreError as exc:
         raise ServerError(server.url, f"cannot announce the swap in the store ({exc}); not swapping") from exc
     window = Drain(drained=drain)
@@ -499,39 +507,95 @@ def bootstrap(settings: Settings, registry: Registry, model_dir: Path) -> int:
     return champion
 
 
-def align_fleet(settings: Settings, registry: Registry) -> list[ServerSwap]:
-    """Make every server (fleet and staging) serve the champion and report its version.
+def align_fleet(settings: Settings, registry: Registry, *, keep_going: bool = False) -> FleetReport:
+    """Make every server (fleet and staging) serve the champion, resumed, and report its version.
 
     A server reporting the champion's version is left alone. A server reporting another version
     (or none) whose weights pass the champion's probe (a fresh server started on the base model
     while the champion is v1, a label lost in a restart) only gets the version set. Any other
-    server is swapped to the champion with the verified swap.
+    server (a restart put it back on base weights, or a swap died half-way) is swapped to the
+    champion with the verified swap, out of the gateways' rotation when the fleet has more than one
+    server. A server left paused, or out of rotation, by a deployer that died mid-swap is resumed
+    and put back. The staging server is skipped while the gate holds it.
+
+    Raises ServerError at the first server that cannot be brought to the champion, or, with
+    `keep_going` (the reconciler), records the error and goes on with the next server.
+    Raises RolloutBusy when a rollout holds the fleet.
     """
+    report = FleetReport()
     with rollout_lock(settings):
         version = registry.champion()
+        report.champion = version
         want = target(settings, registry, version)
-        steps: list[ServerSwap] = []
         store = Store(settings.store.url)
         try:
             store.check_schema()  # what each server serves is announced there
+            rotation = store.rotation()
+            drain = len(settings.vllm.servers) > 1
             for url in settings.vllm.servers:
-                with server_client(settings, url) as server:
-                    step = _align(settings, server, want, store)
-                if step is not None:
-                    steps.append(step)
-            if settings.vllm.staging_server is not None:  # no gateway routes to it: nothing to announce
-                with server_client(settings, settings.vllm.staging_server) as server:
-                    step = _align(settings, server, want, None)
-                if step is not None:
-                    steps.append(step)
+                _align_one(settings, url, want, store, drain, report, keep_going)
+                row = rotation.get(url.rstrip("/"))
+                if row is not None and not row.in_rotation and row.reason.startswith(DEPLOYER_MARK):
+                    store.set_rotation(url, True, f"reconciled: back after {row.reason[len(DEPLOYER_MARK):]}")
+                    report.returned_to_rotation.append(url.rstrip("/"))
         finally:
             store.close()
-        return steps
+    if settings.vllm.staging_server is not None:  # no gateway routes to it: nothing to announce
+        try:
+            with rollout_lock(settings, "staging"):
+                _align_one(settings, settings.vllm.staging_server, want, None, False, report, keep_going)
+        except RolloutBusy:
+            report.skipped.append(settings.vllm.staging_server.rstrip("/"))  # the gate is using it
+    return report
 
 
-def _align(settings: Settings, server: VllmClient, want: Target, store: Store | None) -> ServerSwap | None:
-    """Bring one server to `want` (see `align_fleet`); the swap record, or None when none was needed.
-    With a `store` (a serving server), what it serves is announced to the gateways."""
+class FleetReport(BaseModel):
+    """What `align_fleet` found and did."""
+
+    champion: int | None = None
+    swaps: list[ServerSwap] = Field(default_factory=list, description="Servers swapped to the champion.")
+    relabelled: list[str] = Field(default_factory=list, description="Servers on the champion's weights under another label.")
+    resumed: list[str] = Field(default_factory=list, description="Servers found paused outside any swap.")
+    returned_to_rotation: list[str] = Field(
+        default_factory=list, description="Servers a dead deployer had left out of the gateways' rotation."
+    )
+    skipped: list[str] = Field(default_factory=list, description="Staging server, in use by the gate.")
+    errors: dict[str, str] = Field(default_factory=dict, description="Servers that could not be aligned, and why.")
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.swaps or self.relabelled or self.resumed or self.returned_to_rotation or self.errors)
+
+
+def _align_one(
+    settings: Settings, url: str, want: Target, store: Store | None, drain: bool, report: FleetReport,
+    keep_going: bool,
+) -> None:
+    try:
+        with server_client(settings, url) as server:
+            if server.is_paused():  # we hold the lock: no swap of ours is under way
+                log.warning("%s was paused outside any swap (a deployer died mid-swap?): resuming it", server.url)
+                server.resume()
+                report.resumed.append(server.url)
+            done, step = _align(settings, server, want, store, drain)
+    except (ServingError, httpx.HTTPError) as exc:
+        if not keep_going:
+            raise
+        log.error("%s: cannot bring it to champion v%d: %s", url, want.version, exc)
+        report.errors[url.rstrip("/")] = str(exc)
+        return
+    if done == "relabelled":
+        report.relabelled.append(url.rstrip("/"))
+    elif step is not None:
+        report.swaps.append(step)
+
+
+def _align(
+    settings: Settings, server: VllmClient, want: Target, store: Store | None, drain: bool = False
+) -> tuple[Literal["aligned", "relabelled", "swapped"], ServerSwap | None]:
+    """Bring one server to `want` (see `align_fleet`): what it took, and the swap record when it
+    was swapped. With a `store` (a serving server), what it serves is announced to the gateways,
+    and with `drain` it leaves their rotation while it changes."""
     version = want.version
     try:
         label: int | None = server.weight_version()
@@ -540,21 +604,21 @@ def _align(settings: Settings, server: VllmClient, want: Target, store: Store | 
     if label == version:
         if store is not None:
             store.set_serving_version(server.url, version, f"aligned: serving v{version}")
-        return None
+        return "aligned", None
     changing: AbstractContextManager[Drain] = (
         nullcontext(Drain(drained=False)) if store is None
-        else swap_window(settings, store, server, f"align to v{version}", drain=False)
+        else swap_window(settings, store, server, f"align to v{version}", drain=drain)
     )  # fmt: skip
     with changing as window:
         if probe_diff(server, want) <= settings.deployer.probe_tolerance:
             if want.digests is None:
                 save_digests(settings, version, server.weight_digests())
-            server.update_weight_version(version)
+            server.update_weight_version(version)  # verified by the probe just now
             window.serving = version
-            return None
+            return "relabelled", None
         step, _ = swap_server(server, want, settings, restore=None)
         if step.verified:
             window.serving = version
     if not step.verified:
         raise ServerError(server.url, f"could not bring the server to champion v{version}: {step.error}")
-    return step
+    return "swapped", step

@@ -39,6 +39,7 @@ PROCESSES: dict[str, list[str]] = {
     "labeler": ["labeler"],
     "worker": ["worker"],
     "beat": ["beat"],
+    "reconciler": ["deploy", "reconcile", "--forever"],
 }
 
 MAX_RESTARTS = 5  # restarts within RESTART_WINDOW_S; the next exit leaves the process down, reported

@@ -455,6 +455,13 @@ class DeployerSettings(_Section):
     pause_mode: Literal["wait", "abort", "keep"] = Field(
         "wait", description="vLLM /pause mode during a swap."
     )
+    reconcile_interval_s: float = Field(
+        30.0,
+        gt=0,
+        description="`rtrl run`'s reconciler checks every server this often: one restarted on base weights or "
+        "on another version is swapped back to @champion (verified), one left paused or out of rotation by a "
+        "deployer that died is resumed and put back.",
+    )
     drain_timeout_s: float = Field(
         30.0,
         gt=0,

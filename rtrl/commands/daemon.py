@@ -11,10 +11,10 @@ def register(app: typer.Typer) -> None:
     @app.command("run")
     def run(
         processes: str = typer.Option(
-            "gateway,labeler,worker,beat", help="Comma-separated processes to supervise."
+            "gateway,labeler,worker,beat,reconciler", help="Comma-separated processes to supervise."
         ),
     ) -> None:
-        """Run gateway, labeler, trainer worker and beat; restart any that exits; stop on SIGTERM.
+        """Run gateway, labeler, trainer worker, beat and the fleet reconciler; restart any that exits; stop on SIGTERM.
 
         Before starting them it migrates the store, creates the topics and registers the base model
         as v1 @champion if the registry is empty (idempotent). The services (Kafka, Redis, MLflow,

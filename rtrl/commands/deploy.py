@@ -6,6 +6,7 @@
     rtrl deploy promote VERSION         rolling verified swap, then move @champion
     rtrl deploy rollback [--to VERSION] swap back to the previous champion
     rtrl deploy rotation [URL --in|--out] which servers the gateways route users to
+    rtrl deploy reconcile [--forever]   every server back on @champion, resumed, in rotation
 
 Promote, rollback and gate print their result as JSON and exit 1 when it is a failure.
 """
@@ -123,6 +124,40 @@ def rollback(
     typer.echo(result.model_dump_json(indent=2))
     if not result.ok:
         raise typer.Exit(1)
+
+
+@deploy_app.command("reconcile")
+def reconcile(
+    forever: bool = typer.Option(
+        False, "--forever", help="Keep checking every deployer.reconcile_interval_s until SIGTERM (what `rtrl run` runs)."
+    ),
+    every: float | None = typer.Option(None, "--every", min=1.0, help="With --forever: check every SECONDS instead."),
+) -> None:
+    """Bring every server back to @champion: swap one on other weights (a restart puts a server back on
+    its base model), relabel one that lost its label, resume one left paused and put back one left out
+    of rotation by a deployer that died. Prints what it did as JSON; exit 1 when a server could not be
+    aligned, 2 while a rollout holds the fleet."""
+    import signal
+    import threading
+
+    from deployer.reconcile import reconcile_forever, reconcile_once
+
+    settings, registry = _open()
+    if not forever:
+        report = reconcile_once(settings, registry)
+        if report is None:
+            typer.echo("a rollout holds the fleet; run this again when it has finished", err=True)
+            raise typer.Exit(2)
+        typer.echo(report.model_dump_json(indent=2))
+        if report.errors:
+            raise typer.Exit(1)
+        return
+    from rtrl.logs import setup_logging
+
+    setup_logging()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the tick under way, then exit
+    reconcile_forever(settings, registry, every or settings.deployer.reconcile_interval_s, stop)
 
 
 @deploy_app.command("rotation")

@@ -7,6 +7,7 @@ weight version "v1" before it ends (the base model is v1 under every model name)
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 import uuid
@@ -300,3 +301,62 @@ def test_a_swap_under_load_through_the_gateway_fails_nothing_and_no_request_wait
         assert after["sent"][step.url] == at_pause["sent"][step.url], (step.url, at_pause, after)
         assert after["on"][step.url] == 0, (step.url, after)
     assert all(row.in_rotation for row in rotation.values())  # every server back in rotation
+
+
+def test_the_reconciler_brings_back_a_restarted_server_and_undoes_a_dead_deployers_leftovers(
+    deploy_settings: Settings, services: Settings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Champion v2; the vLLM servers are restarted by hand (they come back on their base weights,
+    labelled "default"), and a deployer that died mid-swap left the staging server paused and the
+    serving server out of rotation. One `rtrl deploy reconcile` swaps both back to v2 (verified),
+    resumes staging and puts the serving server back in rotation; a second one finds nothing to do."""
+    from helpers import run_rtrl
+
+    from rtrl.services import down, up
+    from store import Store
+
+    settings = deploy_settings
+    registry = Registry.from_settings(settings)
+    rollout.bootstrap(settings, registry, tiny_model_dir)
+    v2 = registry.register_checkpoint(perturbed_copy(tiny_model_dir, tmp_path / "v2", std=0.05, seed=8))
+    assert rollout.promote(settings, registry, v2).ok
+    url = settings.vllm.servers[0].rstrip("/")
+    staging = settings.vllm.staging_server
+    assert staging is not None
+    with serving(settings) as server:
+        v2_text = greedy(server)
+
+    stopped = down(services, only=("vllm",))  # both servers: the "vllm" unit includes staging
+    up(services, only=("vllm",))  # a restart by hand: base weights, no version
+    assert sorted(stopped) == ["vllm", "vllm-staging"]
+    with serving(settings) as server:
+        assert server.state().weight_version is None and greedy(server) != v2_text
+    store = Store(settings.store.url)
+    try:
+        store.set_rotation(url, False, f"{rollout.DEPLOYER_MARK}swap to v2")  # left by a dead deployer
+        with VllmClient(staging, model=settings.vllm.served_model_name) as server:
+            server.pause()
+
+        proc = run_rtrl(settings, "deploy", "reconcile", timeout_s=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        report = json.loads(proc.stdout)
+        print("reconcile:", report)
+        assert report["champion"] == 2 and report["errors"] == {}
+        assert {s["url"] for s in report["swaps"]} == {url, staging.rstrip("/")}
+        assert all(s["verified"] for s in report["swaps"])
+        assert report["resumed"] == [staging.rstrip("/")] and report["returned_to_rotation"] == [url]
+        assert store.rotation()[url].in_rotation and store.rotation()[url].version == 2
+        with serving(settings) as server:
+            assert server.weight_version() == 2 and greedy(server) == v2_text
+        with VllmClient(staging, model=settings.vllm.served_model_name) as server:
+            assert server.weight_version() == 2 and not server.is_paused()
+
+        again = run_rtrl(settings, "deploy", "reconcile", timeout_s=300)
+        assert again.returncode == 0, again.stderr
+        quiet = json.loads(again.stdout)
+        assert quiet["swaps"] == quiet["relabelled"] == quiet["resumed"] == quiet["returned_to_rotation"] == []
+    finally:
+        store.close()
+        # The shared servers back on v1, staging included (a promotion leaves staging alone).
+        rollout.promote(settings, registry, 1)
+        rollout.align_fleet(settings, registry)

@@ -1,0 +1,44 @@
+"""The fleet reconciler: every server on ``@champion``, resumed and in rotation, without an operator.
+
+`rtrl run` keeps ``rtrl deploy reconcile --every deployer.reconcile_interval_s`` running (a child of
+its supervisor). Each tick is `rollout.align_fleet` with ``keep_going``: a vLLM server that
+restarted comes back on its base weights labelled "default" and is swapped back to the champion
+(verified, out of the gateways' rotation while it changes); one that only lost its label is
+relabelled after the probe passes; one a dead deployer left paused or out of rotation is resumed
+and put back. A tick during a rollout (the fleet lock held) does nothing; a server that cannot be
+aligned is reported and retried at the next tick. Nothing a tick meets stops the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from deployer.errors import RolloutBusy
+from deployer.rollout import FleetReport, align_fleet
+from registry import Registry
+from schemas.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def reconcile_once(settings: Settings, registry: Registry) -> FleetReport | None:
+    """One tick; the report, or None when a rollout holds the fleet (nothing to do until it ends)."""
+    try:
+        return align_fleet(settings, registry, keep_going=True)
+    except RolloutBusy:
+        return None
+
+
+def reconcile_forever(settings: Settings, registry: Registry, every_s: float, stop: threading.Event) -> None:
+    """Tick every `every_s` seconds until `stop` is set; a tick that fails is logged and the next one runs."""
+    while not stop.is_set():
+        try:
+            report = reconcile_once(settings, registry)
+            if report is None:
+                log.info("a rollout holds the fleet; next check in %.0fs", every_s)
+            elif report.changed:
+                log.warning("reconciled the fleet to v%s: %s", report.champion, report.model_dump_json())
+        except Exception as exc:  # noqa: BLE001 - the store, MLflow or a server down: try again next tick
+            log.error("fleet check failed: %r; next check in %.0fs", exc, every_s)
+        stop.wait(every_s)
