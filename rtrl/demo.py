@@ -113,8 +113,8 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
 
 def _check_children(supervisor: Supervisor, settings: Settings) -> None:
     supervisor.check()
-    if supervisor.failed():
-        raise DemoError(f"processes keep crashing: {supervisor.failed()}; see {settings.services.run_dir}/logs")
+    if supervisor.crash_looping():
+        raise DemoError(f"processes keep crashing: {supervisor.crash_looping()}; see {settings.services.run_dir}/logs")
 
 
 def _wait_for_loop(settings: Settings, supervisor: Supervisor, timeout_s: float = 180.0) -> None:

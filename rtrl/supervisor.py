@@ -1,12 +1,15 @@
 """The daemon supervisor behind ``rtrl run`` (and the demo): runs the loop's processes and keeps them up.
 
-The loop is four long-lived processes: the gateway, the labeler, the Celery worker (training cycle,
-eval gate, deploy) and Celery beat (the schedule). Each is an ``rtrl`` subcommand; the supervisor
-starts them in their own process groups with logs under ``<run_dir>/logs/`` and hands each its
-settings (`rtrl.launch.child_env`). A process that exits is restarted: at once the first time,
-then after a delay that doubles from `BACKOFF_START_S` (capped at `BACKOFF_MAX_S`); one that
-exits again after `MAX_RESTARTS` restarts within `RESTART_WINDOW_S` is given up on, and
-`run_forever` then stops everything and raises. SIGTERM/SIGINT stops them all. State lives in Kafka, the SQL store and
+The loop is five long-lived processes: the gateway, the labeler, the Celery worker (training cycle,
+eval gate, deploy), Celery beat (the schedule) and the fleet reconciler. Each is an ``rtrl``
+subcommand; the supervisor starts them in their own process groups with logs under
+``<run_dir>/logs/`` and hands each its settings (`rtrl.launch.child_env`). A process that exits is
+restarted: at once the first time, then after a delay that doubles from `BACKOFF_START_S` (capped
+at `BACKOFF_MAX_S`), each delay jittered by ±25 % so that processes failing on the same cause do
+not restart in lockstep. One that exited `MAX_RESTARTS` times within `RESTART_WINDOW_S` is
+reported as crash-looping and retried at the cap for as long as it keeps failing: it is never a
+reason to stop the others (a labeler that cannot write must not take the gateway, and users'
+inference, down with it). SIGTERM/SIGINT stops them all. State lives in Kafka, the SQL store and
 MLflow, so a restarted process resumes where its predecessor committed.
 """
 
@@ -14,17 +17,17 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rtrl.launch import child_env, rtrl_command
 from schemas.clock import Monotonic
-from schemas.errors import OperatorError
 from schemas.settings import Settings
 
 if TYPE_CHECKING:
@@ -42,17 +45,21 @@ PROCESSES: dict[str, list[str]] = {
     "reconciler": ["deploy", "reconcile", "--forever"],
 }
 
-MAX_RESTARTS = 5  # restarts within RESTART_WINDOW_S; the next exit leaves the process down, reported
+MAX_RESTARTS = 5  # restarts within RESTART_WINDOW_S; past that the process is crash-looping (reported)
 RESTART_WINDOW_S = 300.0
 BACKOFF_START_S = 1.0  # delay before the second restart within the window; doubles after that
 BACKOFF_MAX_S = 60.0
+JITTER = 0.25  # each delay is scaled by a factor drawn from [1 - JITTER, 1 + JITTER]
 
 
-def restart_delay(recent_restarts: int) -> float:
-    """Seconds to wait before restarting a process that was already restarted this many times recently."""
-    if recent_restarts == 0:
+def restart_delay(recent_restarts: int, draw: Callable[[], float] = random.random, at_cap: bool = False) -> float:
+    """Seconds to wait before restarting a process that was already restarted this many times
+    recently (`at_cap`: a crash-looping one, retried at `BACKOFF_MAX_S`); `draw` gives the jitter
+    (uniform in [0, 1); 0.5 means none)."""
+    if recent_restarts == 0 and not at_cap:
         return 0.0
-    return float(min(BACKOFF_START_S * 2 ** (recent_restarts - 1), BACKOFF_MAX_S))
+    base = BACKOFF_MAX_S if at_cap else min(BACKOFF_START_S * 2 ** (recent_restarts - 1), BACKOFF_MAX_S)
+    return float(base * (1 - JITTER + 2 * JITTER * draw()))
 
 
 def prepare(settings: Settings, store: Store, registry: Registry) -> int:
@@ -68,10 +75,6 @@ def prepare(settings: Settings, store: Store, registry: Registry) -> int:
     return champion
 
 
-class SupervisorError(OperatorError, RuntimeError):
-    """A supervised process could not be kept running (the message names it and its log)."""
-
-
 @dataclass
 class Child:
     name: str
@@ -80,7 +83,8 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: list[float] = field(default_factory=list)  # monotonic times of recent restarts
     restart_at: float | None = None  # when an exited process is due to start again
-    given_up: bool = False
+    crash_looping: bool = False  # exited MAX_RESTARTS times within the window: retried at the cap
+    last_exit_code: int | None = None
 
     @property
     def running(self) -> bool:
@@ -91,10 +95,12 @@ class Supervisor:
     """Starts, watches and stops the loop's processes. ``monotonic`` is the clock of the backoff."""
 
     def __init__(
-        self, settings: Settings, names: Iterable[str] = PROCESSES, monotonic: Monotonic = time.monotonic
+        self, settings: Settings, names: Iterable[str] = PROCESSES, monotonic: Monotonic = time.monotonic,
+        draw: Callable[[], float] = random.random,
     ) -> None:
         self.settings = settings
         self.monotonic = monotonic
+        self.draw = draw
         logs = Path(settings.services.run_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.children = {name: Child(name, rtrl_command(*PROCESSES[name]), logs / f"{name}.log") for name in names}
@@ -123,17 +129,18 @@ class Supervisor:
         restarted = []
         now = self.monotonic()
         for child in self.children.values():
-            if child.running or child.given_up or child.proc is None:
+            if child.running or child.proc is None:
                 continue
             if child.restart_at is None:  # an exit not seen before
-                code = child.proc.returncode
+                code = child.last_exit_code = child.proc.returncode
                 child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S]
-                if len(child.restarts) >= MAX_RESTARTS:
-                    child.given_up = True
-                    log.error("%s exited (code %s) %d times in %.0fs; leaving it down, see %s",
-                              child.name, code, MAX_RESTARTS, RESTART_WINDOW_S, child.log_path)
-                    continue
-                delay = restart_delay(len(child.restarts))
+                looping = len(child.restarts) >= MAX_RESTARTS
+                if looping and not child.crash_looping:
+                    log.error("%s exited (code %s) %d times in %.0fs: crash-looping; retrying it every ~%.0fs "
+                              "while the other processes run on, see %s", child.name, code, MAX_RESTARTS,
+                              RESTART_WINDOW_S, BACKOFF_MAX_S, child.log_path)  # fmt: skip
+                child.crash_looping = looping
+                delay = restart_delay(len(child.restarts), self.draw, at_cap=looping)
                 child.restart_at = now + delay
                 log.warning("%s exited with code %s; restarting in %.0fs (see %s)",
                             child.name, code, delay, child.log_path)
@@ -144,8 +151,9 @@ class Supervisor:
                 restarted.append(child.name)
         return restarted
 
-    def failed(self) -> list[str]:
-        return [c.name for c in self.children.values() if c.given_up]
+    def crash_looping(self) -> list[str]:
+        """Processes that exited `MAX_RESTARTS` times within `RESTART_WINDOW_S` (still being retried)."""
+        return [c.name for c in self.children.values() if c.crash_looping]
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM every process group, then SIGKILL what is left after ``grace_s``."""
@@ -178,9 +186,6 @@ class Supervisor:
         try:
             while not stopping:
                 self.check()
-                if self.failed():
-                    logs = ", ".join(str(self.children[name].log_path) for name in self.failed())
-                    raise SupervisorError(f"processes kept crashing: {', '.join(self.failed())}; see {logs}")
                 time.sleep(poll_s)
         finally:
             self.stop()

@@ -1,5 +1,6 @@
-"""`rtrl run`'s supervisor: a killed process is restarted, a crash-looping one is given up on with
-backoff in between, stop() leaves nothing running, and each child gets the supervisor's settings.
+"""`rtrl run`'s supervisor: a killed process is restarted, a crash-looping one is retried with
+jittered backoff up to a cap without touching its siblings, stop() leaves nothing running, and
+each child gets the supervisor's settings.
 Uses the real gateway and labeler processes (the gateway starts without a broker: events would go
 to its spool), so no other service is needed."""
 
@@ -78,15 +79,16 @@ def test_killed_process_is_restarted_and_stop_leaves_nothing(
     assert (tmp_path / "run" / "logs" / "gateway.log").stat().st_size > 0
 
 
-def test_crash_looping_process_is_restarted_with_backoff_then_given_up(
+def test_a_crash_looping_process_is_retried_at_the_cap_and_never_stops_its_siblings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # `rtrl labeler` against a store URL it cannot open exits at once, every time.
+    # `rtrl labeler` against a store URL it cannot open exits at once, every time; the reconciler
+    # meets the same store (and no MLflow) and only logs it each tick: it keeps running.
     monkeypatch.setattr(sup, "MAX_RESTARTS", 3)
     settings = Settings(services=ServicesSettings(run_dir=tmp_path / "run"), store=StoreSettings(url="nosuchdialect:///x"))
     clock = FakeMonotonic()
-    supervisor = sup.Supervisor(settings, names=("labeler",), monotonic=clock)
-    child = supervisor.children["labeler"]
+    supervisor = sup.Supervisor(settings, names=("labeler", "reconciler"), monotonic=clock, draw=lambda: 0.5)
+    child, sibling = supervisor.children["labeler"], supervisor.children["reconciler"]
     restarted_at: list[float] = []
 
     def exited() -> bool:
@@ -94,22 +96,27 @@ def test_crash_looping_process_is_restarted_with_backoff_then_given_up(
 
     try:
         supervisor.start()
-        while not supervisor.failed():
+        assert sibling.proc is not None
+        sibling_pid = sibling.proc.pid
+        while len(restarted_at) < 5:
             wait_until(exited, timeout_s=120, what="labeler exiting")
             if supervisor.check():
                 restarted_at.append(clock())
             else:
                 clock.now = child.restart_at or clock.now  # not due yet: move time to when it is
-        assert supervisor.failed() == ["labeler"]
-        # at once, then after 1 s and 2 s (doubling), then given up: 3 restarts within the window
-        assert restarted_at == [0.0, 1.0, 3.0]
+        # at once, then after 1 s and 2 s (doubling); then crash-looping, retried at the 60 s cap
+        assert restarted_at == [0.0, 1.0, 3.0, 63.0, 123.0]
+        assert supervisor.crash_looping() == ["labeler"]
+        assert sibling.running and sibling.proc.pid == sibling_pid and sibling.restarts == []  # untouched
         log = child.log_path.read_text()
-        assert log.count("rtrl: unsupported store URL 'nosuchdialect:///x'; set RTRL_STORE__URL") == 4
+        assert log.count("rtrl: unsupported store URL 'nosuchdialect:///x'; set RTRL_STORE__URL") >= 5
         assert "Traceback" not in log  # an operator error is one line, not a traceback
     finally:
         supervisor.stop()
 
 
 @pytest.mark.unit
-def test_restart_delay_doubles_up_to_the_cap() -> None:
-    assert [sup.restart_delay(n) for n in range(9)] == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+def test_restart_delay_doubles_up_to_the_cap_with_jitter() -> None:
+    assert [sup.restart_delay(n, lambda: 0.5) for n in range(9)] == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+    assert sup.restart_delay(3, lambda: 0.0) == 3.0 and sup.restart_delay(3, lambda: 0.999999) == pytest.approx(5.0)
+    assert sup.restart_delay(0, lambda: 0.9) == 0.0  # the first restart is immediate
