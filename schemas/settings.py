@@ -355,6 +355,14 @@ class TrainerSettings(_Section):
     """The Celery-scheduled training cycle."""
 
     interval_s: float = Field(60.0, description="Beat checks for a cycle this often.")
+    cadence_s: float = Field(
+        5 * 3600.0,
+        ge=0,
+        description="At most one cycle per this many seconds: beat starts the next cycle only when the last one "
+        "that spent its episodes (promoted or rejected) started at least this long ago (Cursor retrains about "
+        "every 5 hours). 0: as soon as min_samples episodes are trainable. Failed and skipped cycles do not "
+        "count; `rtrl train now` and the demo start cycles whatever the cadence.",
+    )
     min_samples: int = Field(
         32, ge=1, description="Settled episodes of the champion needed to start a cycle."
     )

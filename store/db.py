@@ -440,6 +440,12 @@ class Store:
         with self.transaction() as session:
             return [_record(c) for c in session.scalars(select(Cycle).order_by(Cycle.id.desc()).limit(limit))]
 
+    def last_cycle_started_at(self, statuses: tuple[str, ...]) -> datetime | None:
+        """When the newest cycle that ended in one of `statuses` started; None when there is none."""
+        with self.transaction() as session:
+            # max() keeps the column's type, so the value comes back as an aware UTC datetime.
+            return session.scalar(select(func.max(Cycle.started_at)).where(Cycle.status.in_(statuses)))
+
     def active_cycles(self) -> list[CycleRecord]:
         """Cycles holding an unexpired lease (running, or registered and waiting for gate/deploy)."""
         now = self.clock()

@@ -12,10 +12,12 @@ task for an operator to read (`rtrl train status`, docs/runbooks/trainer.md).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
@@ -46,6 +48,9 @@ TRANSIENT = (
 # Beat sets this key when it enqueues a cycle and the cycle clears it when it starts, so a slow
 # queue never piles up duplicate cycles. It expires on its own if the message is lost.
 PENDING_KEY = "rtrl:trainer:cycle-pending"
+# `rtrl train pause` sets this key (JSON: since, reason) and `rtrl train resume` deletes it; beat
+# enqueues nothing while it exists. Redis persists it (append-only file).
+PAUSED_KEY = "rtrl:trainer:paused"
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,28 @@ def worker_resources() -> Resources:
         store.check_schema()  # a worker on a store nobody migrated fails with what to do, not "no such table"
         _resources = Resources(settings, store, Registry.from_settings(settings))
     return _resources
+
+
+def next_cycle_due(settings: Settings, store: Store) -> datetime | None:
+    """When the cadence allows the next cycle: the start of the last cycle that spent its episodes
+    plus ``trainer.cadence_s``; None when nothing holds it back."""
+    if settings.trainer.cadence_s <= 0:
+        return None
+    last = store.last_cycle_started_at(("promoted", "rejected"))
+    return None if last is None else last + timedelta(seconds=settings.trainer.cadence_s)
+
+
+def pause_training(settings: Settings, reason: str) -> dict[str, Any]:
+    """Stop beat from enqueueing cycles until `resume_training` (a running cycle finishes)."""
+    state = {"paused": True, "since": utcnow().isoformat(), "reason": reason}
+    _redis(settings.celery.broker_url).set(PAUSED_KEY, json.dumps({"since": state["since"], "reason": reason}))
+    return state
+
+
+def resume_training(settings: Settings) -> dict[str, Any]:
+    """Let beat enqueue cycles again."""
+    _redis(settings.celery.broker_url).delete(PAUSED_KEY)
+    return {"paused": False}
 
 
 def _redis(url: str) -> Any:
@@ -168,10 +195,19 @@ def _chain(
 
 @app.task(name=BEAT_TASK)  # type: ignore[untyped-decorator]
 def maybe_train() -> str:
-    """Enqueue a cycle when the champion has ≥ min_samples trainable episodes and none is active."""
+    """Enqueue a cycle when training is not paused, the cadence allows one, the champion has
+    ≥ min_samples trainable episodes and no cycle is active; returns what it decided."""
     res = worker_resources()
     settings = res.settings
+    client = _redis(settings.celery.broker_url)
+    paused = client.get(PAUSED_KEY)
+    if paused is not None:
+        state = json.loads(paused)
+        return f"paused since {state['since']} ({state['reason']}); `rtrl train resume` to continue"
     expire_abandoned(settings, res.store)  # a dead worker's cycle releases its episodes first
+    due = next_cycle_due(settings, res.store)
+    if due is not None and due > utcnow():
+        return f"cadence: next cycle not before {due.isoformat()} (trainer.cadence_s {settings.trainer.cadence_s:g})"
     champion = res.registry.champion()
     available = count_trainable(settings, res.store, champion)
     if available < settings.trainer.min_samples:
@@ -179,7 +215,7 @@ def maybe_train() -> str:
     if res.store.active_cycles():
         return "busy: a cycle is active"
     ttl = int(settings.trainer.lease_ttl_s)
-    if not _redis(settings.celery.broker_url).set(PENDING_KEY, "1", nx=True, ex=ttl):
+    if not client.set(PENDING_KEY, "1", nx=True, ex=ttl):
         return "busy: a cycle is already queued"
     task = train_cycle.apply_async(queue=QUEUE)
     log.info("enqueued cycle %s (%d trainable episodes of v%d)", task.id, available, champion)

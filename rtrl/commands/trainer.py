@@ -77,6 +77,29 @@ def now(
         typer.echo(json.dumps(task.get(timeout=timeout), indent=2))
 
 
+@train_app.command("pause")
+def pause(reason: str = typer.Option("operator", help="Why, shown by beat's log and `rtrl train resume`.")) -> None:
+    """Stop new cycles (beat enqueues none) until `rtrl train resume`; a running cycle finishes.
+    `rtrl train now` still runs one when asked."""
+    import json
+
+    from schemas.settings import load_settings
+    from trainer.tasks import pause_training
+
+    typer.echo(json.dumps(pause_training(load_settings(), reason)))
+
+
+@train_app.command("resume")
+def resume() -> None:
+    """Let beat start cycles again (after `rtrl train pause`)."""
+    import json
+
+    from schemas.settings import load_settings
+    from trainer.tasks import resume_training
+
+    typer.echo(json.dumps(resume_training(load_settings())))
+
+
 @train_app.command("status")
 def status(
     limit: int = typer.Option(10, min=1, help="How many recent cycles."),

@@ -361,6 +361,26 @@ def test_celery_round_trip_through_the_real_broker(
             assert result["status"] == "not_enough_data" and result["gate"] is None
             assert result["version_after"] == champion
             assert maybe_train.apply_async().get(timeout=60) == "waiting: 0 < 16 trainable episodes of v1"
+
+            # `rtrl train pause`: beat's check enqueues nothing until `rtrl train resume`.
+            paused = run_rtrl(settings, "train", "pause", "--reason", "looking at v1")
+            assert paused.returncode == 0 and json.loads(paused.stdout)["paused"] is True, paused.stderr
+            said = maybe_train.apply_async().get(timeout=60)
+            assert said.startswith("paused since ") and "(looking at v1)" in said, said
+            assert json.loads(run_rtrl(settings, "train", "resume").stdout) == {"paused": False}
+
+            # The cadence: a cycle that spent its episodes started just now holds the next one back
+            # for trainer.cadence_s (5 h by default); a failed one does not.
+            failed = store.acquire_cycle("elsewhere", 60, champion)
+            assert failed is not None
+            store.finish_cycle(failed, "failed", error="x")
+            assert maybe_train.apply_async().get(timeout=60).startswith("waiting: ")
+            spent = store.acquire_cycle("elsewhere", 60, champion)
+            assert spent is not None
+            store.finish_cycle(spent, "registered", challenger=2)
+            store.finish_cycle(spent, "rejected")
+            said = maybe_train.apply_async().get(timeout=60)
+            assert said.startswith("cadence: next cycle not before ") and "cadence_s 18000" in said, said
     finally:
         if tasks._resources is not None:
             tasks._resources.store.close()
