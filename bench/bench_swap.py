@@ -11,7 +11,12 @@ side by side in one run, alternating the two checkpoints:
   resume, then the probe).
 
 Meanwhile client threads send completions straight to the server non-stop; every request must
-succeed. Target (docs/architecture.md, Targets): pause window ≤ 2× raw, 0 failed requests. The
+succeed. Then, with MLflow and the store up, the operator's command: the wall time of
+``rtrl deploy rollback`` in a process of its own (imports, registry, probe, swap), after a
+promotion, twice (``rollback_first_s``, ``rollback_s``), next to that swap's own time
+(``rollback_swap_s``). The promotion computed the probe references of both versions (the
+target and the one it would restore) and left them on disk, so a rollback loads no model. Target (docs/architecture.md,
+Targets): pause window ≤ 2× raw, 0 failed requests, a rollback within seconds of its swap. The
 last line is one JSON object: ``{"name", "value": rtrl p50 ms, "baseline": raw p50 ms, "ratio", ...}``.
 """
 
@@ -21,6 +26,7 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -31,6 +37,8 @@ from safetensors.torch import load_file, save_file
 
 from deployer.probe import build_probe, reference_logprobs
 from deployer.rollout import Target, swap_server
+from registry import Registry
+from rtrl.launch import child_env, rtrl_command
 from rtrl.services import down, up
 from rtrl.services.testing import make_run_dir, services_settings
 from rtrl.services.vllm import ensure_model
@@ -57,6 +65,16 @@ def load(url: str, model: str, stop: threading.Event, counts: dict[str, int]) ->
             except httpx.HTTPError:
                 ok = False
             counts["ok" if ok else "failed"] += 1
+
+
+def timed_rtrl(settings: object, *args: str) -> tuple[float, str]:
+    """Wall seconds of ``rtrl ARGS`` in a fresh process, and what it printed."""
+    start = time.perf_counter()
+    proc = subprocess.run(rtrl_command(*args), env=child_env(settings), capture_output=True, text=True, timeout=600)  # type: ignore[arg-type]
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"rtrl {' '.join(args)} failed: {proc.stderr[-2000:]}")
+    return elapsed, proc.stdout
 
 
 def main() -> None:
@@ -109,6 +127,18 @@ def main() -> None:
             stop.set()
             for thread in threads:
                 thread.join()
+
+        # The operator's rollback, timed as the operator sees it.
+        up(settings.model_copy(update={"services": settings.services.model_copy(update={"enabled": ("mlflow",)})}))
+        registry = Registry.from_settings(settings)
+        timed_rtrl(settings, "labeler", "migrate")
+        timed_rtrl(settings, "deploy", "bootstrap", str(a))
+        v2 = registry.register_checkpoint(b)
+        rollbacks: list[tuple[float, float]] = []
+        for _ in range(2):
+            timed_rtrl(settings, "deploy", "promote", str(v2))
+            elapsed, printed = timed_rtrl(settings, "deploy", "rollback")
+            rollbacks.append((elapsed, float(json.loads(printed)["servers"][0]["total_ms"]) / 1000))
     finally:
         down(settings)
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -116,11 +146,14 @@ def main() -> None:
     raw, rtrl = statistics.median(raw_ms), statistics.median(rtrl_ms)
     print(f"raw pause+reload+resume p50 {raw:.1f} ms; rtrl verified swap pause window p50 {rtrl:.1f} ms "
           f"({rtrl / raw:.2f}x); client requests ok {counts['ok']}, failed {counts['failed']}")  # fmt: skip
+    print(f"rtrl deploy rollback: first {rollbacks[0][0]:.2f} s, later {rollbacks[1][0]:.2f} s "
+          f"(the swap itself {rollbacks[1][1]:.2f} s)")
     print(json.dumps({
         "name": "swap_pause_window_ms_p50", "value": round(rtrl, 1), "baseline": round(raw, 1),
         "ratio": round(rtrl / raw, 3), "probe_max_abs_logprob_diff": max(probe_diffs),
         "client_requests_ok": counts["ok"], "client_requests_failed": counts["failed"],
-        "swaps": len(raw_ms) + len(rtrl_ms),
+        "swaps": len(raw_ms) + len(rtrl_ms), "rollback_first_s": round(rollbacks[0][0], 2),
+        "rollback_s": round(rollbacks[1][0], 2), "rollback_swap_s": round(rollbacks[1][1], 3),
     }))  # fmt: skip
 
 

@@ -7,11 +7,14 @@ digests on CPU), this covers every weight and the loading path itself: a wrong, 
 mis-mapped checkpoint moves the logprobs by far more than the tolerance, while vLLM's kernels and
 transformers agree to ~1e-5.
 
-Used by `deployer.rollout`; the reference is computed once per checkpoint per process.
+Used by `deployer.rollout`; the reference is computed once per checkpoint per process, and kept on
+disk next to the version's digests (`cached_reference`): a rollback to a version served before
+loads neither a tokenizer nor a model.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -83,6 +86,27 @@ def _compute_reference(checkpoint_dir: Path, probe: Probe) -> list[list[float]]:
             targets = input_ids[0, 1:]  # (T-1,)
             result.append(logprobs.gather(1, targets[:, None])[:, 0].tolist())
     return result
+
+
+def cached_reference(checkpoint_dir: Path, cache_path: Path) -> tuple[Probe, list[list[float]]]:
+    """The probe and its reference logprobs for `checkpoint_dir`, from `cache_path` when it was
+    written for these weight files and probe texts, else computed (transformers) and written there."""
+    fingerprint = json.loads(json.dumps(_fingerprint(checkpoint_dir)))  # tuples as lists, as read back
+    try:
+        cached = json.loads(cache_path.read_text())
+        if cached["fingerprint"] == fingerprint and tuple(cached["texts"]) == PROBE_TEXTS:
+            probe = Probe(texts=PROBE_TEXTS, token_ids=tuple(tuple(ids) for ids in cached["token_ids"]))
+            return probe, [list(map(float, row)) for row in cached["reference"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none yet, or unreadable: compute it again
+    probe = build_probe(checkpoint_dir)
+    reference = reference_logprobs(checkpoint_dir, probe)
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"fingerprint": fingerprint, "texts": list(PROBE_TEXTS),
+                               "token_ids": [list(ids) for ids in probe.token_ids], "reference": reference}))  # fmt: skip
+    tmp.replace(cache_path)
+    return probe, reference
 
 
 def max_abs_diff(expected: Sequence[Sequence[float]], observed: Sequence[Sequence[float]]) -> float:

@@ -46,7 +46,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployer.errors import NothingToRollBack, RolloutBusy
-from deployer.probe import Probe, build_probe, max_abs_diff, reference_logprobs
+from deployer.probe import Probe, cached_reference, max_abs_diff
 from registry import CHAMPION, Registry, RegistryError
 from schemas.clock import utcnow
 from schemas.settings import Settings
@@ -153,8 +153,8 @@ def deploy_dir(settings: Settings) -> Path:
 
 def target(settings: Settings, registry: Registry, version: int) -> Target:
     path = registry.download_checkpoint(version)
-    probe = build_probe(path)
-    return Target(version, path, probe, reference_logprobs(path, probe), load_digests(settings, version))
+    probe, reference = cached_reference(path, deploy_dir(settings) / "probes" / f"{format_version(version)}.json")
+    return Target(version, path, probe, reference, load_digests(settings, version))
 
 
 def digests_path(settings: Settings, version: int) -> Path:
