@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -47,7 +48,7 @@ from trainer.engine import (
     state_dict,
     token_logprobs,
 )
-from trainer.errors import InsufficientData
+from trainer.errors import Abandoned, InsufficientData
 from trainer.lease import expire_abandoned
 from trainer.losses import Normaliser, TokenBatch, beyond_trust_region, loss_function
 from trainer.selection import count_trainable, current_spec_id, select_trainable
@@ -234,10 +235,21 @@ def episode_prompt_key(episode: TrainingEpisode) -> str:
 
 
 def run_cycle(
-    settings: Settings, store: Store, registry: Registry, *, owner: str, takeover_suffix: str | None = None
+    settings: Settings, store: Store, registry: Registry, *, owner: str, takeover_suffix: str | None = None,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> CycleResult:
-    """One cycle from the champion's own episodes to a registered @challenger (see the module docstring)."""
+    """One cycle from the champion's own episodes to a registered @challenger (see the module docstring).
+
+    `stopping` is asked before every optimizer step and before the checkpoint is saved: once it
+    answers True (the worker got SIGTERM) the cycle raises `Abandoned` and fails, its episodes
+    released, nothing registered.
+    """
     cfg = settings.trainer
+
+    def check_stopping(where: str) -> None:
+        if stopping():
+            raise Abandoned(f"the worker is stopping; cycle abandoned {where}")
+
     started = time.monotonic()
 
     # ---- lease --------------------------------------------------------------------------------
@@ -317,6 +329,7 @@ def run_cycle(
             norm_before: float | None = None
             kl_stop: int | None = None
             for step in range(cfg.steps):
+                check_stopping(f"before step {step}")
                 totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl_k1": 0.0, "kl_k3": 0.0, "is_weight": 0.0,
                           "tokens": 0.0, "impossible": 0.0}  # fmt: skip
                 applied = True
@@ -384,6 +397,7 @@ def run_cycle(
         train_s = time.monotonic() - train_started
 
         # ---- save ---------------------------------------------------------------------------------
+        check_stopping("before saving")
         out_dir = checkpoint.save(
             weights,
             cfg.checkpoint_dir / f"cycle-{cycle_id}",

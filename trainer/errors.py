@@ -14,3 +14,8 @@ class AfterRegistration(TrainerError):
 
 class InsufficientData(TrainerError):
     """The claimed batch turned out too small (or without trainable tokens) to train on."""
+
+
+class Abandoned(TrainerError):
+    """The worker is stopping (SIGTERM): the cycle stops at its next step boundary, before it
+    registers anything, and fails cleanly so that its episodes are trainable again at once."""

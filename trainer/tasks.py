@@ -16,6 +16,8 @@ import json
 import logging
 import os
 import socket
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -23,13 +25,14 @@ from typing import Any
 import httpx
 import redis.exceptions
 from celery import Task
+from celery.signals import worker_shutting_down
 
 from registry import Registry, RegistryUnavailable
 from schemas.clock import utcnow
 from schemas.settings import Settings
 from store import DatabaseUnavailable, Store
 from trainer.celery_app import BEAT_TASK, CYCLE_TASK, QUEUE, app, current_settings
-from trainer.errors import AfterRegistration
+from trainer.errors import Abandoned, AfterRegistration
 from trainer.lease import expire_abandoned, keep_lease
 from trainer.selection import count_trainable
 
@@ -51,6 +54,16 @@ PENDING_KEY = "rtrl:trainer:cycle-pending"
 # `rtrl train pause` sets this key (JSON: since, reason) and `rtrl train resume` deletes it; beat
 # enqueues nothing while it exists. Redis persists it (append-only file).
 PAUSED_KEY = "rtrl:trainer:paused"
+
+# Set when this worker begins a warm shutdown (SIGTERM): the cycle under way stops at its next
+# step boundary and fails cleanly (its episodes are trainable again at once) instead of being
+# SIGKILLed at the end of the supervisor's grace and waiting for its lease to expire.
+STOPPING = threading.Event()
+
+
+@worker_shutting_down.connect  # type: ignore[untyped-decorator]
+def _on_shutdown(**_: Any) -> None:
+    STOPPING.set()
 
 
 @dataclass(frozen=True)
@@ -124,38 +137,50 @@ def train_cycle(self: Task) -> dict[str, Any]:
     _redis(res.settings.celery.broker_url).delete(PENDING_KEY)
     owner = f"{socket.gethostname()}:{os.getpid()}:{self.request.id}"
     # A redelivered message (the previous worker died mid-cycle) takes over that cycle's lease.
-    return run_chain(res.settings, res.store, res.registry, owner=owner, takeover_suffix=self.request.id)
+    return run_chain(res.settings, res.store, res.registry, owner=owner, takeover_suffix=self.request.id,
+                     stopping=STOPPING.is_set)  # fmt: skip
 
 
 def run_chain(
-    settings: Settings, store: Store, registry: Registry, *, owner: str, takeover_suffix: str | None = None
+    settings: Settings, store: Store, registry: Registry, *, owner: str, takeover_suffix: str | None = None,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> dict[str, Any]:
     """train → gate → promote. Shared by the task and ``rtrl train now --inline``.
 
     Returns the CycleResult as JSON plus: ``status`` (the cycle's final status: promoted,
-    rejected or failed; busy / not_enough_data when no cycle ran), ``gate`` (pass/fail),
+    rejected or failed; busy / not_enough_data when no cycle ran; abandoned when `stopping`
+    answered True first, the cycle failed and its episodes released), ``gate`` (pass/fail),
     ``challenger_score`` / ``champion_score``, ``version_after`` (the served version N),
     ``swap_ms``, ``deployed_at`` and ``data_to_deploy_s`` (deployed_at − first interaction).
     """
     # Renewed from a thread for the whole job (training, gate, swap): the lease outlives a long cycle,
     # and expires within trainer.lease_ttl_s of this worker's death (trainer/lease.py).
     with keep_lease(store, owner, settings.trainer.lease_ttl_s):
-        return _chain(settings, store, registry, owner=owner, takeover_suffix=takeover_suffix)
+        return _chain(settings, store, registry, owner=owner, takeover_suffix=takeover_suffix, stopping=stopping)
 
 
 def _chain(
-    settings: Settings, store: Store, registry: Registry, *, owner: str, takeover_suffix: str | None
+    settings: Settings, store: Store, registry: Registry, *, owner: str, takeover_suffix: str | None,
+    stopping: Callable[[], bool],
 ) -> dict[str, Any]:
     from deployer import gate, rollout
     from trainer.cycle import end_cycle, run_cycle
 
-    result = run_cycle(settings, store, registry, owner=owner, takeover_suffix=takeover_suffix)
+    try:
+        result = run_cycle(settings, store, registry, owner=owner, takeover_suffix=takeover_suffix, stopping=stopping)
+    except Abandoned as exc:  # the cycle is failed and its episodes released already
+        log.warning("%s", exc)
+        return {"status": "abandoned", "error": str(exc), "gate": None}
     out: dict[str, Any] = result.model_dump(mode="json")
     out.update(gate=None, challenger_score=None, champion_score=None, swap_ms=None, deployed_at=None,
                data_to_deploy_s=None, version_after=result.champion_version)
     if result.status != "registered":
         return out
     assert result.cycle_id is not None and result.challenger_version is not None
+    if stopping():  # SIGTERM while it saved and registered: the gate would outlast the grace
+        end_cycle(settings, store, result.cycle_id, "failed", error="the worker is stopping; abandoned before the gate")
+        out["status"] = "abandoned"
+        return out
     try:
         decision = gate.evaluate(settings, registry, result.challenger_version)
         out.update(gate="pass" if decision.passed else "fail", gate_reason=decision.reason,

@@ -403,3 +403,46 @@ def test_a_failure_tied_to_one_record_dead_letters_only_that_record(
     [letter] = store.dead_letters(10)
     assert letter.reason == "record: RuntimeError: this record cannot be written"
     assert store.stats()["interactions"] == 10
+
+
+def test_postgresql_stopped_for_30s_while_labelling_loses_nothing(
+    services: Settings, postgres_settings: Settings, store_of: object, clock: FakeClock
+) -> None:
+    """The real PostgreSQL server is stopped for 30 s while records keep arriving: the labeler
+    backs off, commits no offset for what it could not store, and once the server is back it stores
+    everything exactly once (produced = stored + dead-lettered)."""
+    import time
+
+    from rtrl.services import down, up
+
+    settings = postgres_settings
+    store: Store = store_of(settings)  # type: ignore[operator]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the labeler's backoff, shortened: the outage is real time
+        slept.append(seconds)
+        time.sleep(min(seconds, 1.0))
+
+    labeler = labeler_for(settings, store, clock, sleep=sleep)
+    topic = settings.kafka.interactions_topic
+    produce(settings.kafka, [(topic, wire(interaction(f"before-{i}", created_at=clock()))) for i in range(20)])
+    try:
+        drain(labeler, settings, store)
+        assert committed(settings) == 20
+        assert down(services, only=("postgres",)) == ["postgres"]
+        try:
+            outage_end = time.monotonic() + 30
+            produce(settings.kafka, [(topic, wire(interaction(f"during-{i}", created_at=clock()))) for i in range(20)])
+            while time.monotonic() < outage_end:
+                labeler.step()  # fails, seeks back, backs off
+            assert committed(settings) == 20  # nothing it could not store was committed
+            assert len(slept) >= 3 and slept[:3] == [0.5, 1.0, 2.0]
+        finally:
+            up(services, only=("postgres",))
+        produce(settings.kafka, [(topic, wire(interaction(f"after-{i}", created_at=clock()))) for i in range(20)])
+        result = drain(labeler, settings, store)
+        assert (result.produced, result.stored, result.dead_lettered) == (60, 60, 0)
+        assert committed(settings) == 60
+        assert store.stats()["interactions"] == 60  # exactly once
+    finally:
+        close(labeler)

@@ -1,9 +1,11 @@
-"""A trainer worker SIGKILLed mid-cycle, on real processes: `rtrl beat` and `rtrl worker` children,
+"""A trainer worker stopped mid-cycle, on real processes: `rtrl beat` and `rtrl worker` children,
 Redis, MLflow, the session's vLLM servers (gate and swap).
 
-The killed cycle's lease stops being renewed; once it has expired, beat's next check fails the
-cycle, releases its episodes and enqueues a new cycle, which a restarted worker trains, gates and
-promotes: exactly one version registered, no lease left held (trainer/lease.py).
+SIGKILL: the killed cycle's lease stops being renewed; once it has expired, beat's next check
+fails the cycle, releases its episodes and enqueues a new cycle (trainer/lease.py). SIGTERM: the
+worker abandons the cycle at its next step boundary, fails it (episodes released at once) and
+exits. Either way a restarted worker trains, gates and promotes the episodes: exactly one version
+registered, no lease left held.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def child(settings: Settings, log: Path, *args: str) -> Iterator[subprocess.Pope
                 proc.wait(timeout=30)
 
 
-def test_a_worker_killed_mid_cycle_is_replaced_and_the_cycle_completes_once(
-    services: Settings, tiny_model_dir: Path, tmp_path: Path
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_worker_stopped_mid_cycle_is_replaced_and_the_cycle_completes_once(
+    services: Settings, tiny_model_dir: Path, tmp_path: Path, sig: signal.Signals
 ) -> None:
     tag = uuid.uuid4().hex[:8]
     broker = services.celery.broker_url.rsplit("/", 1)[0] + "/7"  # a Redis database of this test's own
@@ -84,10 +87,16 @@ def test_a_worker_killed_mid_cycle_is_replaced_and_the_cycle_completes_once(
                 killed = store.recent_cycles(1)[0]
                 time.sleep(4)  # into DeepSpeed's steps (60 of them: well over a minute on this machine)
                 assert store.get_cycle(killed.id).status == "running", "the cycle ended before the kill"  # type: ignore[union-attr]
-                os.killpg(first.pid, signal.SIGKILL)
-                first.wait(timeout=30)
+                os.killpg(first.pid, sig)
+                first.wait(timeout=30)  # SIGTERM: the worker stops by itself, within a step
                 killed_at = time.monotonic()
-            assert store.get_cycle(killed.id).status == "running"  # type: ignore[union-attr]  # nobody ended it
+            stopped = store.get_cycle(killed.id)
+            assert stopped is not None
+            if sig == signal.SIGKILL:
+                assert stopped.status == "running"  # nobody ended it: its lease will expire
+            else:
+                assert stopped.status == "failed" and "abandoned before step" in (stopped.error or ""), stopped
+                assert store.count_trainable(1, 0) == 32  # released at once
 
             with child(settings, logs / "worker-2.log", "worker", "--hostname", f"w2-{tag}"):
 
@@ -98,7 +107,8 @@ def test_a_worker_killed_mid_cycle_is_replaced_and_the_cycle_completes_once(
                 recovered_s = time.monotonic() - killed_at
         cycles = {c.id: c for c in store.recent_cycles(10)}
         dead = cycles[killed.id]
-        assert dead.status == "failed" and "stopped renewing" in (dead.error or ""), dead
+        reason = "stopped renewing" if sig == signal.SIGKILL else "the worker is stopping"
+        assert dead.status == "failed" and reason in (dead.error or ""), dead
         (done,) = [c for c in cycles.values() if c.status in {"promoted", "rejected"}]
         assert done.id > dead.id and sorted(done.episode_ids) == sorted(dead.episode_ids)  # released, re-used
         assert registry.versions() == [1, 2] and done.challenger == 2  # exactly one version registered
