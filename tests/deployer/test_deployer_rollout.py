@@ -360,3 +360,61 @@ def test_the_reconciler_brings_back_a_restarted_server_and_undoes_a_dead_deploye
         # The shared servers back on v1, staging included (a promotion leaves staging alone).
         rollout.promote(settings, registry, 1)
         rollout.align_fleet(settings, registry)
+
+
+def test_a_server_killed_while_paused_mid_swap_leaves_the_fleet_on_the_champion(
+    deploy_settings: Settings, services: Settings, tiny_model_dir: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two serving servers (the session's serving and staging servers); promoting v2, the second
+    vLLM process is SIGKILLed right after the deployer paused it. The promotion fails and rolls the
+    canary back: the live server serves v1, @champion stays v1. Restarted by hand, the dead one
+    comes back on its base weights, and `rtrl deploy reconcile` gives it the champion's version."""
+    import os
+    import signal
+
+    from helpers import run_rtrl
+
+    from rtrl.services import services as units
+    from rtrl.services import up
+
+    base = deploy_settings
+    assert base.vllm.staging_server is not None
+    settings = base.model_copy(update={
+        "vllm": base.vllm.model_copy(update={"servers": (*base.vllm.servers, base.vllm.staging_server),
+                                             "staging_server": None}),
+    })  # fmt: skip
+    registry = Registry.from_settings(settings)
+    rollout.bootstrap(settings, registry, tiny_model_dir)
+    live, victim = (u.rstrip("/") for u in settings.vllm.servers)
+    with serving(settings) as server:
+        base_text = greedy(server)
+    v2 = registry.register_checkpoint(perturbed_copy(tiny_model_dir, tmp_path / "v2", std=0.05, seed=9))
+    (unit,) = [u for u in units(services, ("vllm",)) if u.name == "vllm-staging"]
+    victim_pid = unit.pid()
+    assert victim_pid is not None
+    real_pause = VllmClient.pause
+
+    def pause_then_die(self: VllmClient, mode: str = "wait") -> None:
+        real_pause(self, mode)  # type: ignore[arg-type]
+        if self.url.rstrip("/") == victim:
+            os.killpg(victim_pid, signal.SIGKILL)  # the whole vLLM process group, engine included
+
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(VllmClient, "pause", pause_then_die)
+            result = rollout.promote(settings, registry, v2)
+        print("promote with a server killed mid-swap:", result.model_dump_json())
+        assert not result.ok and result.rolled_back and registry.champion() == 1
+        assert [s.url for s in result.servers][:2] == [live, victim] and not result.servers[1].verified
+        with serving(settings) as server:
+            assert server.weight_version() == 1 and not server.is_paused() and greedy(server) == base_text
+    finally:
+        up(services, only=("vllm",))  # the killed one starts again (the live one is left alone)
+    proc = run_rtrl(settings, "deploy", "reconcile", timeout_s=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    print("reconcile after the restart:", report)
+    assert report["champion"] == 1 and report["errors"] == {} and victim in report["relabelled"]
+    with VllmClient(victim, model=settings.vllm.served_model_name) as server:
+        assert server.weight_version() == 1 and greedy(server) == base_text
