@@ -1,7 +1,7 @@
 """The fleet reconciler: every server on ``@champion``, resumed and in rotation, without an operator.
 
-`rtrl run` keeps ``rtrl deploy reconcile --every deployer.reconcile_interval_s`` running (a child of
-its supervisor). Each tick is `rollout.align_fleet` with ``keep_going``: a vLLM server that
+`rtrl run` keeps ``rtrl deploy reconcile --forever`` running (a child of its supervisor), one tick
+every ``deployer.reconcile_interval_s``. Each tick is `rollout.align_fleet` with ``keep_going``: a vLLM server that
 restarted comes back on its base weights labelled "default" and is swapped back to the champion
 (verified, out of the gateways' rotation while it changes); one that only lost its label is
 relabelled after the probe passes; one a dead deployer left paused or out of rotation is resumed
