@@ -7,12 +7,17 @@ restarted comes back on its base weights labelled "default" and is swapped back 
 relabelled after the probe passes; one a dead deployer left paused or out of rotation is resumed
 and put back. A tick during a rollout (the fleet lock held) does nothing; a server that cannot be
 aligned is reported and retried at the next tick. Nothing a tick meets stops the loop.
+
+Before aligning, a tick runs its `Revive` hook: ``rtrl deploy reconcile`` passes
+`rtrl.services.revive.Reviver`, which restarts the local vLLM servers whose process died (the
+deployer itself does not start processes).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from deployer.errors import RolloutBusy
 from deployer.rollout import FleetReport, align_fleet
@@ -21,20 +26,32 @@ from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 
+Revive = Callable[[], dict[str, str | None]]
+"""Restarts dead servers before a tick aligns them: {url: None when restarted, else why not}."""
 
-def reconcile_once(settings: Settings, registry: Registry) -> FleetReport | None:
-    """One tick; the report, or None when a rollout holds the fleet (nothing to do until it ends)."""
+
+def reconcile_once(settings: Settings, registry: Registry, revive: Revive | None = None) -> FleetReport | None:
+    """One tick; the report, or None when a rollout holds the fleet (nothing to align until it
+    ends; servers `revive` restarted meanwhile stay out of rotation until the next tick)."""
+    revived = {} if revive is None else revive()
     try:
-        return align_fleet(settings, registry, keep_going=True)
+        report = align_fleet(settings, registry, keep_going=True)
     except RolloutBusy:
+        if revived:
+            log.warning("restarted %s; a rollout holds the fleet, aligning them at the next tick", sorted(revived))
         return None
+    report.restarted = sorted(url for url, problem in revived.items() if problem is None)
+    report.errors.update({url: problem for url, problem in revived.items() if problem is not None})
+    return report
 
 
-def reconcile_forever(settings: Settings, registry: Registry, every_s: float, stop: threading.Event) -> None:
+def reconcile_forever(
+    settings: Settings, registry: Registry, every_s: float, stop: threading.Event, revive: Revive | None = None
+) -> None:
     """Tick every `every_s` seconds until `stop` is set; a tick that fails is logged and the next one runs."""
     while not stop.is_set():
         try:
-            report = reconcile_once(settings, registry)
+            report = reconcile_once(settings, registry, revive)
             if report is None:
                 log.info("a rollout holds the fleet; next check in %.0fs", every_s)
             elif report.changed:

@@ -553,6 +553,9 @@ class FleetReport(BaseModel):
     """What `align_fleet` found and did."""
 
     champion: int | None = None
+    restarted: list[str] = Field(
+        default_factory=list, description="Dead servers restarted first (`rtrl deploy reconcile` on local services)."
+    )
     swaps: list[ServerSwap] = Field(default_factory=list, description="Servers swapped to the champion.")
     relabelled: list[str] = Field(default_factory=list, description="Servers on the champion's weights under another label.")
     resumed: list[str] = Field(default_factory=list, description="Servers found paused outside any swap.")
@@ -564,7 +567,8 @@ class FleetReport(BaseModel):
 
     @property
     def changed(self) -> bool:
-        return bool(self.swaps or self.relabelled or self.resumed or self.returned_to_rotation or self.errors)
+        return bool(self.restarted or self.swaps or self.relabelled or self.resumed or self.returned_to_rotation
+                    or self.errors)
 
 
 def _align_one(

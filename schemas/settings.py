@@ -56,6 +56,15 @@ class ServicesSettings(_Section):
     start_timeout_s: float = Field(
         600.0, description="How long `services up` waits for a service to be healthy."
     )
+    restart_vllm: bool = Field(
+        True,
+        description="The fleet reconciler (`rtrl deploy reconcile`, `rtrl run`) restarts a vLLM server this run dir "
+        "started when its process exits (vLLM exits when its engine dies) or its health check keeps failing; "
+        "the restarted server is out of rotation until it serves @champion again.",
+    )
+    vllm_unhealthy_restart_s: float = Field(
+        120.0, gt=0, description="How long a running vLLM server's health check may fail before the reconciler restarts it."
+    )
     enabled: tuple[str, ...] = Field(
         ("kafka", "postgres", "redis", "mlflow", "vllm"),
         description="Services `rtrl services up` starts.",

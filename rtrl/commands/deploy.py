@@ -133,18 +133,21 @@ def reconcile(
     ),
     every: float | None = typer.Option(None, "--every", min=1.0, help="With --forever: check every SECONDS instead."),
 ) -> None:
-    """Bring every server back to @champion: swap one on other weights (a restart puts a server back on
-    its base model), relabel one that lost its label, resume one left paused and put back one left out
-    of rotation by a deployer that died. Prints what it did as JSON; exit 1 when a server could not be
+    """Bring every server back to @champion: restart a local vLLM server that died (one `rtrl services
+    up` started), swap one on other weights (a restart puts a server back on its base model), relabel
+    one that lost its label, resume one left paused and put back one left out of rotation by a
+    deployer that died. Prints what it did as JSON; exit 1 when a server could not be restarted or
     aligned, 2 while a rollout holds the fleet."""
     import signal
     import threading
 
     from deployer.reconcile import reconcile_forever, reconcile_once
+    from rtrl.services.revive import Reviver
 
     settings, registry = _open()
+    revive = Reviver(settings)  # restarts the local vLLM servers that died (services.restart_vllm)
     if not forever:
-        report = reconcile_once(settings, registry)
+        report = reconcile_once(settings, registry, revive)
         if report is None:
             typer.echo("a rollout holds the fleet; run this again when it has finished", err=True)
             raise typer.Exit(2)
@@ -157,7 +160,7 @@ def reconcile(
     setup_logging()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the tick under way, then exit
-    reconcile_forever(settings, registry, every or settings.deployer.reconcile_interval_s, stop)
+    reconcile_forever(settings, registry, every or settings.deployer.reconcile_interval_s, stop, revive)
 
 
 @deploy_app.command("rotation")

@@ -277,6 +277,10 @@ class Service(ABC):
         running = _proc_start_ticks(record.pid) == record.start_ticks
         if running:
             os.kill(record.pid, self.stop_signal)
+            try:  # a stopped (SIGSTOP) or hung-in-a-stop group handles the stop signal only once continued
+                os.killpg(pgid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
             try:
                 wait_until(lambda: not _group_alive(pgid), timeout_s=self.stop_grace_s, what=f"{self.name} stopping")
             except TimeoutError:

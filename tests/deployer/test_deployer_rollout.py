@@ -368,8 +368,9 @@ def test_a_server_killed_while_paused_mid_swap_leaves_the_fleet_on_the_champion(
 ) -> None:
     """Two serving servers (the session's serving and staging servers); promoting v2, the second
     vLLM process is SIGKILLed right after the deployer paused it. The promotion fails and rolls the
-    canary back: the live server serves v1, @champion stays v1. Restarted by hand, the dead one
-    comes back on its base weights, and `rtrl deploy reconcile` gives it the champion's version."""
+    canary back: the live server serves v1, @champion stays v1. Without an operator, `rtrl deploy
+    reconcile` (what `rtrl run`'s reconciler runs) restarts the dead one (out of rotation while it
+    comes back on its base weights), gives it the champion's version and puts it back in rotation."""
     import os
     import signal
 
@@ -377,6 +378,7 @@ def test_a_server_killed_while_paused_mid_swap_leaves_the_fleet_on_the_champion(
 
     from rtrl.services import services as units
     from rtrl.services import up
+    from store import Store
 
     base = deploy_settings
     assert base.vllm.staging_server is not None
@@ -400,6 +402,7 @@ def test_a_server_killed_while_paused_mid_swap_leaves_the_fleet_on_the_champion(
         if self.url.rstrip("/") == victim:
             os.killpg(victim_pid, signal.SIGKILL)  # the whole vLLM process group, engine included
 
+    store = Store(settings.store.url)
     try:
         with monkeypatch.context() as patch:
             patch.setattr(VllmClient, "pause", pause_then_die)
@@ -409,12 +412,22 @@ def test_a_server_killed_while_paused_mid_swap_leaves_the_fleet_on_the_champion(
         assert [s.url for s in result.servers][:2] == [live, victim] and not result.servers[1].verified
         with serving(settings) as server:
             assert server.weight_version() == 1 and not server.is_paused() and greedy(server) == base_text
+        assert unit.pid() is None  # dead, and nobody has started it
+
+        # The reconciler of the run dir that started the servers (where their pid files are).
+        healer = settings.model_copy(update={"services": services.services})
+        proc = run_rtrl(healer, "deploy", "reconcile", timeout_s=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        report = json.loads(proc.stdout)
+        print("reconcile after the kill:", report)
+        assert report["restarted"] == [victim] and report["errors"] == {}
+        # Back on its base weights, which are the champion's (v1): relabelled after the probe, and
+        # back in the rotation the restart took it out of.
+        assert report["champion"] == 1 and victim in report["relabelled"] and victim in report["returned_to_rotation"]
+        assert unit.pid() not in (None, victim_pid)
+        assert store.rotation()[victim].in_rotation and store.rotation()[victim].version == 1
+        with VllmClient(victim, model=settings.vllm.served_model_name) as server:
+            assert server.weight_version() == 1 and greedy(server) == base_text
     finally:
-        up(services, only=("vllm",))  # the killed one starts again (the live one is left alone)
-    proc = run_rtrl(settings, "deploy", "reconcile", timeout_s=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(proc.stdout)
-    print("reconcile after the restart:", report)
-    assert report["champion"] == 1 and report["errors"] == {} and victim in report["relabelled"]
-    with VllmClient(victim, model=settings.vllm.served_model_name) as server:
-        assert server.weight_version() == 1 and greedy(server) == base_text
+        store.close()
+        up(services, only=("vllm",))  # whatever happened above, the session's servers run again

@@ -1,0 +1,122 @@
+"""Restart the local vLLM servers that died: the first step of every reconciler tick.
+
+vLLM's API server exits when its engine dies (``EngineDeadError``, e.g. the CPU LoRA logits path of
+docs/platform.md), and nothing else would start it again: the gateway would route around it (or
+answer 503 when it was the only one) until an operator ran ``rtrl services up``. `Reviver` is what
+``rtrl deploy reconcile`` (and so ``rtrl run``'s reconciler) runs before aligning the fleet:
+
+- a vLLM server this run dir started (``rtrl services up`` left a pid file) whose process exited is
+  started again; one whose health check has failed for ``services.vllm_unhealthy_restart_s`` (a
+  hung engine) is stopped and started;
+- a serving server is first taken out of the gateways' rotation with the deployer's mark, so no
+  request reaches it while it comes back on its base weights labelled "default"; the same tick's
+  `deployer.rollout.align_fleet` then swaps it to ``@champion``, verifies it and puts it back;
+- a server that fails again soon after is retried with a growing delay (30 s doubling to 10 min),
+  so a server that cannot start costs a start attempt now and then, not every tick.
+
+Servers without a pid file are left alone: ``rtrl services down`` removes it (a server an
+operator stopped stays stopped), and a fleet rtrl does not manage is restarted by whatever manages
+it. ``services.restart_vllm = false`` turns all of this off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from deployer.rollout import DEPLOYER_MARK
+from schemas.settings import Settings
+from store import Store
+
+from .base import ServiceError
+from .vllm import Vllm
+from .vllm import servers as vllm_servers
+
+log = logging.getLogger(__name__)
+
+FIRST_RETRY_S = 30.0
+MAX_RETRY_S = 600.0
+
+
+@dataclass
+class _Attempts:
+    count: int = 0
+    next_at: float = 0.0
+
+
+class Reviver:
+    """Restarts dead local vLLM servers; one instance lives as long as the reconciler, so it
+    remembers for how long a server has been unhealthy and how often it was restarted."""
+
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.clock = clock
+        self._unhealthy_since: dict[str, float] = {}
+        self._attempts: dict[str, _Attempts] = {}
+
+    def managed(self) -> list[Vllm]:
+        """The vLLM servers this run dir started and did not stop (their pid file is there)."""
+        return [unit for unit in vllm_servers(self.settings) if unit.pid_path.exists()]
+
+    def __call__(self) -> dict[str, str | None]:
+        """Restart the managed servers that need it: {url: None when restarted, else why it failed}."""
+        if not self.settings.services.restart_vllm:
+            return {}
+        done: dict[str, str | None] = {}
+        for unit in self.managed():
+            reason = self._why_restart(unit)
+            if reason is None:
+                continue
+            url = unit.address
+            attempts = self._attempts.setdefault(unit.name, _Attempts())
+            if self.clock() < attempts.next_at:
+                log.warning("%s (%s): %s; next restart attempt in %.0fs", unit.name, url, reason,
+                            attempts.next_at - self.clock())  # fmt: skip
+                continue
+            log.error("%s (%s): %s; restarting it (log: %s)", unit.name, url, reason, unit.log_path)
+            done[url] = self._restart(unit, reason)
+            attempts.count += 1
+            attempts.next_at = self.clock() + min(MAX_RETRY_S, FIRST_RETRY_S * 2 ** (attempts.count - 1))
+        return done
+
+    def _why_restart(self, unit: Vllm) -> str | None:
+        status = unit.status()
+        now = self.clock()
+        if status.healthy:
+            self._unhealthy_since.pop(unit.name, None)
+            attempts = self._attempts.get(unit.name)
+            if attempts is not None and now >= attempts.next_at:
+                del self._attempts[unit.name]  # healthy past its back-off: the next failure starts afresh
+            return None
+        if status.pid is None:
+            return "its process exited"
+        since = self._unhealthy_since.setdefault(unit.name, now)
+        limit = self.settings.services.vllm_unhealthy_restart_s
+        if now - since < limit:
+            return None
+        return f"unhealthy for {now - since:.0f}s ({status.detail})"
+
+    def _restart(self, unit: Vllm, reason: str) -> str | None:
+        url = unit.address
+        if url in (u.rstrip("/") for u in self.settings.vllm.servers):
+            try:
+                store = Store(self.settings.store.url)
+                try:
+                    store.set_rotation(url, False, f"{DEPLOYER_MARK}restarted by the reconciler: {reason}")
+                finally:
+                    store.close()
+            except Exception as exc:  # noqa: BLE001 - a store outage must not keep a dead server down
+                log.error("%s: cannot take it out of rotation before the restart (%r); restarting anyway", url, exc)
+        try:
+            unit.stop()  # a hung process group, or what a dead leader left behind
+            unit.start()
+            unit.wait_healthy(self.settings.services.start_timeout_s)
+            unit.after_start()
+        except ServiceError as exc:
+            log.error("%s: restart failed: %s", unit.name, exc)
+            return f"restart failed: {str(exc).splitlines()[0]}"
+        self._unhealthy_since.pop(unit.name, None)
+        log.warning("%s (%s) restarted on its base weights; aligning it to @champion", unit.name, url)
+        return None
