@@ -11,6 +11,11 @@ reported as crash-looping and retried at the cap for as long as it keeps failing
 reason to stop the others (a labeler that cannot write must not take the gateway, and users'
 inference, down with it). SIGTERM/SIGINT stops them all. State lives in Kafka, the SQL store and
 MLflow, so a restarted process resumes where its predecessor committed.
+
+``rtrl run`` starts with its dependencies down: the gateway starts at once (it answers 503 with
+``Retry-After`` until it has read the API keys, and spools events while Kafka is away), while
+`prepare` (tables, topics, a champion on every server) is retried in the background with the same
+kind of backoff; the other processes, which need what it makes, start once it has succeeded.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -50,6 +56,9 @@ RESTART_WINDOW_S = 300.0
 BACKOFF_START_S = 1.0  # delay before the second restart within the window; doubles after that
 BACKOFF_MAX_S = 60.0
 JITTER = 0.25  # each delay is scaled by a factor drawn from [1 - JITTER, 1 + JITTER]
+# Processes that start before `prepare` has succeeded: the gateway serves (503 until the keys load)
+# and spools from the first second. Every other one needs the tables, topics or champion it makes.
+WITHOUT_PREPARE = frozenset({"gateway"})
 
 
 def restart_delay(recent_restarts: int, draw: Callable[[], float] = random.random, at_cap: bool = False) -> float:
@@ -92,11 +101,15 @@ class Child:
 
 
 class Supervisor:
-    """Starts, watches and stops the loop's processes. ``monotonic`` is the clock of the backoff."""
+    """Starts, watches and stops the loop's processes. ``monotonic`` is the clock of the backoff.
+
+    With `prerequisite` (``rtrl run`` passes `prepare`), only the processes in `WITHOUT_PREPARE`
+    start at once; `prerequisite` is retried in a background thread (backoff from 1 s doubling to
+    `BACKOFF_MAX_S`, jittered) until it returns, and `check` starts the others after that."""
 
     def __init__(
         self, settings: Settings, names: Iterable[str] = PROCESSES, monotonic: Monotonic = time.monotonic,
-        draw: Callable[[], float] = random.random,
+        draw: Callable[[], float] = random.random, prerequisite: Callable[[], object] | None = None,
     ) -> None:
         self.settings = settings
         self.monotonic = monotonic
@@ -104,10 +117,45 @@ class Supervisor:
         logs = Path(settings.services.run_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.children = {name: Child(name, rtrl_command(*PROCESSES[name]), logs / f"{name}.log") for name in names}
+        self._prerequisite = prerequisite
+        self.prepared = threading.Event()
+        self._stopping = threading.Event()
+        if prerequisite is None:
+            self.prepared.set()
 
     def start(self) -> None:
+        if not self.prepared.is_set():
+            threading.Thread(target=self._prepare_until_done, name="prepare", daemon=True).start()
+            waiting = [name for name in self.children if name not in WITHOUT_PREPARE]
+            if waiting:
+                log.info("%s start once the store, topics and champion are ready", ", ".join(waiting))
         for child in self.children.values():
-            self._spawn(child)
+            if self.prepared.is_set() or child.name in WITHOUT_PREPARE:
+                self._spawn(child)
+
+    def _prepare_until_done(self) -> None:
+        assert self._prerequisite is not None
+        attempts = 0
+        last = ""
+        while not self._stopping.is_set():
+            try:
+                self._prerequisite()
+            except Exception as exc:  # noqa: BLE001 - a dependency still down: say so, try again
+                attempts += 1
+                problem = str(exc).splitlines()[0] if str(exc) else repr(exc)
+                delay = restart_delay(attempts, self.draw)
+                if problem != last:
+                    log.error("waiting for the loop's dependencies: %s; retrying (every %.0fs at most)",
+                              problem, BACKOFF_MAX_S)  # fmt: skip
+                    last = problem
+                else:
+                    log.info("still waiting (attempt %d): %s; next try in %.0fs", attempts + 1, problem, delay)
+                self._stopping.wait(delay)
+            else:
+                if attempts:
+                    log.info("dependencies ready after %d attempts", attempts + 1)
+                self.prepared.set()
+                return
 
     def _spawn(self, child: Child) -> None:
         with open(child.log_path, "ab") as out:
@@ -129,6 +177,9 @@ class Supervisor:
         restarted = []
         now = self.monotonic()
         for child in self.children.values():
+            if child.proc is None and self.prepared.is_set():  # was waiting for `prepare`
+                self._spawn(child)
+                continue
             if child.running or child.proc is None:
                 continue
             if child.restart_at is None:  # an exit not seen before
@@ -157,6 +208,7 @@ class Supervisor:
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM every process group, then SIGKILL what is left after ``grace_s``."""
+        self._stopping.set()
         live = [c for c in self.children.values() if c.running]
         for child in live:
             assert child.proc is not None

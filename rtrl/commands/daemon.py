@@ -16,9 +16,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run gateway, labeler, trainer worker, beat and the fleet reconciler; restart any that exits; stop on SIGTERM.
 
-        Before starting them it migrates the store, creates the topics and registers the base model
-        as v1 @champion if the registry is empty (idempotent). The services (Kafka, Redis, MLflow,
-        vLLM, ...) are not started here: run `rtrl services up` first, or point RTRL_* at your own.
+        The gateway starts at once. Meanwhile it migrates the store, creates the topics and registers
+        the base model as v1 @champion if the registry is empty (idempotent), retrying while a
+        dependency is down; the other processes start once that is done. The services (Kafka, Redis,
+        MLflow, vLLM, ...) are not started here: run `rtrl services up` first, or point RTRL_* at your own.
         """
         from registry import Registry
         from rtrl.logs import setup_logging
@@ -32,9 +33,14 @@ def register(app: typer.Typer) -> None:
         if unknown:
             raise typer.BadParameter(f"unknown process(es) {unknown}; choose from {sorted(PROCESSES)}")
         settings = load_settings()
-        store = Store(settings.store.url)
-        try:
-            prepare(settings, store, Registry.from_settings(settings))
-        finally:
-            store.close()
-        Supervisor(settings, names).run_forever()
+        Store(settings.store.url).close()  # a malformed store URL is a mistake to fix now, not to retry
+        Registry.from_settings(settings)
+
+        def prepared() -> int:
+            store = Store(settings.store.url)
+            try:
+                return prepare(settings, store, Registry.from_settings(settings))
+            finally:
+                store.close()
+
+        Supervisor(settings, names, prerequisite=prepared).run_forever()

@@ -60,6 +60,13 @@ def test_services_that_do_not_answer_are_one_line(tmp_path: Path) -> None:
     assert f"cannot reach Kafka at 127.0.0.1:{closed}" in kafka and "RTRL_KAFKA__BOOTSTRAP_SERVERS" in kafka
 
 
+def test_rtrl_run_refuses_a_malformed_store_url_at_once(tmp_path: Path) -> None:
+    """A store that is down is waited for (the supervisor retries `prepare`); a URL that can never
+    work is a mistake to fix now."""
+    line = one_line_error(rtrl("run", RTRL_STORE__URL="nosuchdialect:///x", RTRL_SERVICES__RUN_DIR=str(tmp_path)))
+    assert "unsupported store URL 'nosuchdialect:///x'" in line and not (tmp_path / "logs").exists()
+
+
 def test_a_store_that_was_never_migrated_is_one_line(tmp_path: Path) -> None:
     line = one_line_error(rtrl("train", "status", RTRL_STORE__URL=f"sqlite:///{tmp_path}/none.db"))
     assert "run `rtrl labeler migrate`" in line and not (tmp_path / "none.db").exists()

@@ -6,8 +6,10 @@ to its spool), so no other service is needed."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import threading
 from pathlib import Path
 
 import httpx
@@ -111,6 +113,45 @@ def test_a_crash_looping_process_is_retried_at_the_cap_and_never_stops_its_sibli
         log = child.log_path.read_text()
         assert log.count("rtrl: unsupported store URL 'nosuchdialect:///x'; set RTRL_STORE__URL") >= 5
         assert "Traceback" not in log  # an operator error is one line, not a traceback
+    finally:
+        supervisor.stop()
+
+
+def test_the_gateway_serves_while_the_dependencies_are_down_and_the_rest_start_once_prepared(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`rtrl run`'s start with its dependencies down: `prepare` fails (the store unreachable) and is
+    retried with backoff; meanwhile the gateway is up and answers, and the labeler waits. Once
+    `prepare` succeeds, the next check starts the labeler."""
+    port, closed = free_ports(2)
+    settings = Settings(
+        services=ServicesSettings(run_dir=tmp_path / "run"),
+        gateway=GatewaySettings(port=port, spool_dir=tmp_path / "spool"),
+        kafka=KafkaSettings(bootstrap_servers=f"127.0.0.1:{closed}"),
+        vllm=VllmSettings(servers=(f"http://127.0.0.1:{closed}",), staging_server=None),
+        store=StoreSettings(url=f"sqlite:///{tmp_path}/rtrl.db"),
+    )
+    release = threading.Event()
+    attempts: list[int] = []
+
+    def prepare() -> None:
+        attempts.append(1)
+        if not release.is_set():
+            raise ConnectionError("the store at 127.0.0.1:15432 refused the connection")
+
+    supervisor = sup.Supervisor(settings, names=("gateway", "labeler"), draw=lambda: 0.5, prerequisite=prepare)
+    gateway, labeler = supervisor.children["gateway"], supervisor.children["labeler"]
+    caplog.set_level(logging.INFO, logger="rtrl.supervisor")
+    try:
+        supervisor.start()
+        _wait_ready(f"http://127.0.0.1:{port}")  # serving while nothing is prepared
+        assert supervisor.check() == [] and labeler.proc is None and not supervisor.prepared.is_set()
+        wait_until(lambda: len(attempts) >= 2, timeout_s=30, what="prepare retried")
+        assert "waiting for the loop's dependencies: the store at 127.0.0.1:15432 refused the connection" in caplog.text
+        release.set()
+        wait_until(supervisor.prepared.is_set, timeout_s=30, what="prepare succeeding")
+        supervisor.check()
+        assert labeler.proc is not None and gateway.restarts == []
     finally:
         supervisor.stop()
 
