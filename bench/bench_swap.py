@@ -1,6 +1,6 @@
 """Hot-swap pause window vs a raw vLLM reload, and failed client requests during swaps under load.
 
-    .venv/bin/python bench/bench_swap.py [--swaps 5] [--clients 2]
+    .venv/bin/python bench/bench_swap.py [--swaps 10] [--clients 2]
 
 Starts its own vLLM serving server (free ports, a temporary run dir, the tiny model) and builds a
 second checkpoint of the same architecture (the tiny model's weights with noise), then measures
@@ -10,8 +10,9 @@ side by side in one run, alternating the two checkpoints:
 * rtrl: `deployer.rollout.swap_server` (pause → reload → digests → version → prefix-cache reset →
   resume, then the probe).
 
-Meanwhile client threads send completions straight to the server non-stop; every request must
-succeed. Then, with MLflow and the store up, the operator's command: the wall time of
+Meanwhile client threads send completions through an `rtrl gateway` (with an API key of its own,
+Kafka up, every event captured as in production) non-stop, streaming and not, alternately; every
+request must succeed, and a stream must end with ``[DONE]``. Then, with MLflow and the store up, the operator's command: the wall time of
 ``rtrl deploy rollback`` in a process of its own (imports, registry, probe, swap), after a
 promotion, twice (``rollback_first_s``, ``rollback_s``), next to that swap's own time
 (``rollback_swap_s``). The promotion computed the probe references of both versions (the
@@ -38,11 +39,13 @@ from safetensors.torch import load_file, save_file
 from deployer.probe import build_probe, reference_logprobs
 from deployer.rollout import Target, swap_server
 from registry import Registry
-from rtrl.launch import child_env, rtrl_command
+from rtrl.launch import child_env, gateway_process, rtrl_command
 from rtrl.services import down, up
 from rtrl.services.testing import make_run_dir, services_settings
 from rtrl.services.vllm import ensure_model
+from schemas.settings import Settings
 from serving import VllmClient
+from store import Store
 
 
 def noisy_copy(base: Path, out: Path, std: float = 0.02) -> Path:
@@ -56,15 +59,28 @@ def noisy_copy(base: Path, out: Path, std: float = 0.02) -> Path:
     return out
 
 
-def load(url: str, model: str, stop: threading.Event, counts: dict[str, int]) -> None:
-    with httpx.Client(base_url=url, timeout=120.0) as client:
+def load(url: str, key: str, model: str, stop: threading.Event, counts: dict[str, int], failures: list[str]) -> None:
+    """Completions through the gateway until `stop`, streaming every other one."""
+    headers = {"authorization": f"Bearer {key}"}
+    stream = False
+    with httpx.Client(base_url=url, timeout=120.0, headers=headers) as client:
         while not stop.is_set():
-            body = {"model": model, "prompt": "Q: What is 2 plus 3?\nA:", "max_tokens": 8, "temperature": 1.0}
+            stream = not stream
+            body = {"model": model, "prompt": "Q: What is 2 plus 3?\nA:", "max_tokens": 8, "temperature": 1.0,
+                    "stream": stream}  # fmt: skip
+            problem = None
             try:
-                ok = client.post("/v1/completions", json=body).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            counts["ok" if ok else "failed"] += 1
+                with client.stream("POST", "/v1/completions", json=body) as response:
+                    lines = list(response.iter_lines())
+                    if response.status_code != 200:
+                        problem = f"{response.status_code}: {' '.join(lines)[:200]}"
+                    elif stream and "data: [DONE]" not in lines:
+                        problem = "stream ended without [DONE]"
+            except httpx.HTTPError as exc:
+                problem = repr(exc)
+            counts["failed" if problem else "ok"] += 1
+            if problem:
+                failures.append(problem)
 
 
 def timed_rtrl(settings: object, *args: str) -> tuple[float, str]:
@@ -77,14 +93,36 @@ def timed_rtrl(settings: object, *args: str) -> tuple[float, str]:
     return elapsed, proc.stdout
 
 
+def swaps(
+    url: str, model: str, settings: Settings, targets: list[Target], n: int,
+    raw_ms: list[float], rtrl_ms: list[float], probe_diffs: list[float],
+) -> None:
+    """`n` raw reloads and `n` verified swaps, interleaved so drift in machine load hits both alike."""
+    with VllmClient(url, model=model) as server:
+        for i in range(n * 2):
+            want = targets[i % 2]
+            start = time.perf_counter()
+            server.pause("wait")
+            try:
+                server.reload_weights(want.path)
+            finally:
+                server.resume()
+            raw_ms.append((time.perf_counter() - start) * 1000)
+            step, _ = swap_server(server, targets[(i + 1) % 2], settings, restore=None)
+            if not step.verified:
+                raise SystemExit(f"swap not verified: {step.error}")
+            rtrl_ms.append(step.pause_ms)
+            probe_diffs.append(step.max_abs_logprob_diff or 0.0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--swaps", type=int, default=5, help="Swaps per method (each alternates A and B).")
+    parser.add_argument("--swaps", type=int, default=10, help="Swaps per method (each alternates A and B).")
     parser.add_argument("--clients", type=int, default=2, help="Client threads sending completions meanwhile.")
     args = parser.parse_args()
 
     run_dir = make_run_dir("rtrl-bench-swap-")
-    settings = services_settings(run_dir, run_dir / "model", enabled=("vllm",))
+    settings = services_settings(run_dir, run_dir / "model", enabled=("kafka", "vllm"))
     settings = settings.model_copy(update={
         "vllm": settings.vllm.model_copy(update={"staging_server": None}),
         "services": settings.services.model_copy(update={"vllm_staging_port": None}),
@@ -98,35 +136,32 @@ def main() -> None:
 
     url, model = settings.vllm.servers[0], settings.vllm.served_model_name
     counts = {"ok": 0, "failed": 0}
+    failures: list[str] = []
     stop = threading.Event()
     raw_ms: list[float] = []
     rtrl_ms: list[float] = []
     probe_diffs: list[float] = []
     try:
         up(settings)
-        threads = [threading.Thread(target=load, args=(url, model, stop, counts)) for _ in range(args.clients)]
-        for thread in threads:
-            thread.start()
-        try:
-            with VllmClient(url, model=model) as server:
-                for i in range(args.swaps * 2):  # interleaved, so drift in machine load hits both alike
-                    want = targets[i % 2]
-                    start = time.perf_counter()
-                    server.pause("wait")
-                    try:
-                        server.reload_weights(want.path)
-                    finally:
-                        server.resume()
-                    raw_ms.append((time.perf_counter() - start) * 1000)
-                    step, _ = swap_server(server, targets[(i + 1) % 2], settings, restore=None)
-                    if not step.verified:
-                        raise SystemExit(f"swap not verified: {step.error}")
-                    rtrl_ms.append(step.pause_ms)
-                    probe_diffs.append(step.max_abs_logprob_diff or 0.0)
-        finally:
-            stop.set()
+        with VllmClient(url, model=model) as server:
+            server.update_weight_version(1)  # what `rtrl run`'s bootstrap does
+        store = Store(settings.store.url)
+        store.migrate()
+        _, key = store.create_api_key(role="tenant", tenant="bench", name="bench_swap", rate_per_s=0)  # unlimited
+        store.set_serving_version(url, 1, "bench: announced as the deployer does")
+        store.close()
+        with gateway_process(settings, run_dir / "gateway.log") as gateway:
+            threads = [threading.Thread(target=load, args=(gateway, key, model, stop, counts, failures))
+                       for _ in range(args.clients)]  # fmt: skip
             for thread in threads:
-                thread.join()
+                thread.start()
+            try:
+                swaps(url, model, settings, targets, args.swaps, raw_ms, rtrl_ms, probe_diffs)
+            finally:
+                stop.set()
+                for thread in threads:
+                    thread.join()
+
 
         # The operator's rollback, timed as the operator sees it.
         up(settings.model_copy(update={"services": settings.services.model_copy(update={"enabled": ("mlflow",)})}))
@@ -145,13 +180,14 @@ def main() -> None:
 
     raw, rtrl = statistics.median(raw_ms), statistics.median(rtrl_ms)
     print(f"raw pause+reload+resume p50 {raw:.1f} ms; rtrl verified swap pause window p50 {rtrl:.1f} ms "
-          f"({rtrl / raw:.2f}x); client requests ok {counts['ok']}, failed {counts['failed']}")  # fmt: skip
+          f"({rtrl / raw:.2f}x); client requests through the gateway ok {counts['ok']}, "
+          f"failed {counts['failed']} {failures[:3]}")  # fmt: skip
     print(f"rtrl deploy rollback: first {rollbacks[0][0]:.2f} s, later {rollbacks[1][0]:.2f} s "
           f"(the swap itself {rollbacks[1][1]:.2f} s)")
     print(json.dumps({
         "name": "swap_pause_window_ms_p50", "value": round(rtrl, 1), "baseline": round(raw, 1),
         "ratio": round(rtrl / raw, 3), "probe_max_abs_logprob_diff": max(probe_diffs),
-        "client_requests_ok": counts["ok"], "client_requests_failed": counts["failed"],
+        "failed_requests": counts["failed"], "client_requests_ok": counts["ok"],
         "swaps": len(raw_ms) + len(rtrl_ms), "rollback_first_s": round(rollbacks[0][0], 2),
         "rollback_s": round(rollbacks[1][0], 2), "rollback_swap_s": round(rollbacks[1][1], 3),
     }))  # fmt: skip
