@@ -21,7 +21,7 @@ PY
 # Fail now, not in the middle of a test run, if the set does not import together.
 .venv/bin/python -c "import torch, transformers, vllm, deepspeed, mlflow, celery, kafka, sqlalchemy" 2>/dev/null \
   || { echo "install: the pinned set does not import; see above" >&2; exit 1; }
-# DeepSpeed compiles its CPU shared-memory comm op on first use (into ~/.cache/torch_extensions);
+# DeepSpeed compiles its CPU shared-memory comm op on first use (into .venv/torch-extensions);
 # build it now so the first training cycle does not spend minutes in g++.
 DS_ACCELERATOR=cpu .venv/bin/python -c "from trainer.engine import prebuild_ops; prebuild_ops()" >/dev/null 2>&1 \
   || echo "install: warning: could not prebuild DeepSpeed's CPU op; the first cycle will build it" >&2

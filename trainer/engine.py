@@ -18,6 +18,7 @@ import contextlib
 import gc
 import os
 import socket
+import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,9 @@ def _free_port() -> int:
 
 
 def _single_process_env() -> None:
-    """Make this process rank 0 of a world of 1 on the CPU accelerator (unless told otherwise)."""
+    """Make this process rank 0 of a world of 1 on the CPU accelerator (unless told otherwise), with
+    DeepSpeed's JIT-built ops in this installation's own cache (see `prebuild_ops`)."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -363,11 +366,31 @@ def grad_norm_after_step(engine: DeepSpeedEngine) -> float | None:
 
 
 def prebuild_ops() -> None:
-    """Compile DeepSpeed's CPU shared-memory comm op into the torch extensions cache.
+    """Compile (or load) DeepSpeed's CPU shared-memory comm op, one process of this host at a time.
 
-    `deepspeed.initialize` builds it on first use in a process tree (minutes on a loaded 2-core
-    machine); calling this at install time keeps that out of the first training cycle.
+    `deepspeed.initialize` builds it on first use (minutes on a loaded 2-core machine), so
+    infra/install.sh and every `rtrl worker` at start-up call this first. The op lives in this
+    installation's own cache, ``TORCH_EXTENSIONS_DIR`` (default ``<venv>/torch-extensions``): in
+    the shared ``~/.cache/torch_extensions`` each checkout rebuilt it against its own paths.
+
+    torch guards a build with a ``lock`` file in the op's directory and waits, without end, for it
+    to disappear; a worker killed while building or loading the op leaves it behind. This runs
+    under an flock (released by the kernel when its holder dies), so a ``lock`` file found then is
+    such a leftover: it is removed before the build.
     """
+    import fcntl
+    import logging
+
     from deepspeed.comm.torch import build_shm_op
 
-    build_shm_op()
+    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / "rtrl-build.lock").open("a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            for stale in root.glob("*/lock"):  # <root>/<op>/lock
+                logging.getLogger(__name__).warning("removing %s, left by a build that was killed", stale)
+                stale.unlink(missing_ok=True)
+            build_shm_op()
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)

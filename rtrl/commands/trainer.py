@@ -25,6 +25,9 @@ def worker(
 
     _logging()
     app = configure(load_settings())
+    from trainer.engine import prebuild_ops
+
+    prebuild_ops()  # DeepSpeed's CPU op built (or loaded) now, and a lock left by a killed build cleared
     # Solo pool: the cycle runs in this process, which keeps DeepSpeed's process group across cycles.
     app.worker_main(["worker", "--pool=solo", "--concurrency=1", f"--loglevel={loglevel}", "-Q", QUEUE, "-n", hostname])
 
