@@ -2,7 +2,7 @@
 
 ``rtrl gateway`` starts it (`ingest.app.run`). Modules:
 
-- `ingest.app`: the FastAPI application (``/v1/completions``, ``/v1/chat/completions``,
+- `ingest.app`: the Starlette application (``/v1/completions``, ``/v1/chat/completions``,
   ``/v1/feedback``, ``/healthz``, ``/readyz``, ``/metrics``) and `run(settings)`.
 - `ingest.shaping`: pure functions that add the capture fields to a client's request, strip them
   from the response again and turn the upstream response into an `InteractionEvent`.

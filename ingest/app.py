@@ -43,11 +43,15 @@ from datetime import datetime
 from typing import Any
 
 import anyio
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from ingest import intake
 from ingest.auth import OPEN_CALLER, Caller, KeyCache, RateLimiter, RequestIds, namespaced, request_id_secret
@@ -81,7 +85,7 @@ from schemas.sampling import served_defaults, unreproducible
 from schemas.settings import Settings
 from schemas.versions import format_version
 from serving import ServingError
-from serving.aio import UpstreamRefused, UpstreamResponse, UpstreamTimeout, new_session
+from serving.aio import UpstreamRefused, UpstreamResponse, UpstreamTimeout, loads, new_session
 from store import Store
 
 log = logging.getLogger(__name__)
@@ -103,6 +107,14 @@ def _error(
         status_code=status,
         headers=headers,
     )
+
+
+class FastJSONResponse(JSONResponse):
+    """A JSON response rendered by orjson (a completion's body in about 1/20 of the stdlib's time;
+    a NaN becomes null instead of an error)."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
 
 
 @dataclass(frozen=True)
@@ -156,7 +168,7 @@ class Relay:
                     yield sse(DONE)
                     continue
                 try:
-                    chunk = json.loads(data)
+                    chunk = loads(data)
                 except ValueError:
                     stream.problem = stream.problem or f"unreadable stream chunk: {data[:200]!r}"
                     yield sse(data)
@@ -210,7 +222,7 @@ class RelayResponse(StreamingResponse):
 
 
 class Gateway:
-    """Request handling of one gateway instance (the FastAPI routes call these methods)."""
+    """Request handling of one gateway instance (the routes of `create_app` call these methods)."""
 
     def __init__(
         self,
@@ -282,11 +294,11 @@ class Gateway:
         endpoint, path = ("chat", "/v1/chat/completions") if chat else ("completions", "/v1/completions")
         try:
             try:
-                body = json.loads(await request.body())
-            except ValueError:
-                raise RequestError("request body is not valid JSON") from None
-            except RecursionError:
-                raise RequestError("request body is nested too deeply") from None
+                # orjson: strict (no NaN, Infinity or lone surrogates) and 5-20x the stdlib.
+                body = orjson.loads(await request.body())
+            except orjson.JSONDecodeError as exc:
+                nested = "recursion" in str(exc)  # orjson stops at 1024 levels
+                raise RequestError(f"request body is {'nested too deeply' if nested else 'not valid JSON'}") from None
             prepare = prepare_chat_request if chat else prepare_completion_request
             forward, requested, body_rtrl = prepare(body, self.sampling_defaults)
             capture = parse_capture(request.headers, body_rtrl)
@@ -337,7 +349,7 @@ class Gateway:
         # it sent it; the event's version (read again after the generation) is the authoritative one.
         client_body = with_rtrl(shape(payload, requested), request_id, "unknown" if before is None else format_version(before))
         task = BackgroundTask(self._capture, served, payload, created_at)
-        return JSONResponse(client_body, headers={HEADER_REQUEST_ID: request_id}, background=task)
+        return FastJSONResponse(client_body, headers={HEADER_REQUEST_ID: request_id}, background=task)
 
     def _finish_stream(self, served: Served, stream: StreamCapture, created_at: datetime) -> None:
         """After a stream ended however it ended: count a truncation and publish its capture."""
@@ -559,6 +571,7 @@ class Gateway:
 
 
 SWITCH_INTERVAL_S = 0.0005
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/feedback")
 
 
 def _in_flight_of(server: Server) -> Callable[[], float]:
@@ -604,7 +617,7 @@ async def verify_announcements(fleet: Fleet, metrics: GatewayMetrics) -> None:
                           "announces it again (`rtrl deploy bootstrap` re-checks the fleet)", problem)  # fmt: skip
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings) -> Starlette:
     """The gateway application; its lifespan owns the HTTP client, the store, the key cache and the
     publisher threads."""
     metrics = GatewayMetrics()
@@ -622,7 +635,7 @@ def create_app(settings: Settings) -> FastAPI:
                     "set RTRL_GATEWAY__AUTH=keys and create keys with `rtrl keys create`.", OPEN_CALLER.tenant)  # fmt: skip
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         store = Store(settings.store.url)  # keys (unless open) and the servers' rotation
         keys = None if settings.gateway.auth == "open" else KeyCache(store, settings.gateway.keys_refresh_s)
         async with new_session() as client:
@@ -650,38 +663,47 @@ def create_app(settings: Settings) -> FastAPI:
                     keys.close()
                 store.close()
 
-    app = FastAPI(title="rtrl capture gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    gw = settings.gateway
-    app.add_middleware(
-        BodyLimit,
-        limits={"/v1/completions": gw.max_request_bytes, "/v1/chat/completions": gw.max_request_bytes,
-                "/v1/feedback": gw.max_feedback_bytes},
-        on_refused=lambda path: metrics.body_refused.labels(path).inc(),
-    )  # fmt: skip
-
     def gateway(request: Request) -> Gateway:
         gw: Gateway = request.app.state.gateway
         return gw
 
-    def route(handler: Callable[[Gateway, Request], Any]) -> Callable[[Request], Any]:
+    def route(path: str, method: str, handler: Callable[[Gateway, Request], Any]) -> Route:
         async def endpoint(request: Request) -> Response:
             result: Response = await handler(gateway(request), request)
             return result
 
-        return endpoint
+        return Route(path, endpoint, methods=[method])
 
-    app.add_api_route("/v1/completions", route(lambda g, r: g.generate(r, chat=False)), methods=["POST"])
-    app.add_api_route("/v1/chat/completions", route(lambda g, r: g.generate(r, chat=True)), methods=["POST"])
-    app.add_api_route("/v1/feedback", route(lambda g, r: g.feedback(r)), methods=["POST"])
-    app.add_api_route("/readyz", route(lambda g, r: g.ready()), methods=["GET"])
-    app.add_api_route("/metrics", route(lambda g, r: g.metrics_page(r)), methods=["GET"])
-    app.add_api_route("/v1/whoami", route(lambda g, r: g.whoami(r)), methods=["GET"])
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    async def no_route(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        return _error(status, f"{request.method} {request.url.path} is not a route of the rtrl gateway; it serves "
+                              f"POST {', '.join(ROUTES)} and GET /healthz, /readyz, /metrics, /v1/whoami")  # fmt: skip
 
-    return app
+    gw = settings.gateway
+    # Plain Starlette: FastAPI's dependency solving and its exit-stack middleware cost every request
+    # time for features these routes do not use.
+    return Starlette(
+        routes=[
+            route("/v1/completions", "POST", lambda g, r: g.generate(r, chat=False)),
+            route("/v1/chat/completions", "POST", lambda g, r: g.generate(r, chat=True)),
+            route("/v1/feedback", "POST", lambda g, r: g.feedback(r)),
+            route("/readyz", "GET", lambda g, r: g.ready()),
+            route("/metrics", "GET", lambda g, r: g.metrics_page(r)),
+            route("/v1/whoami", "GET", lambda g, r: g.whoami(r)),
+            Route("/healthz", healthz, methods=["GET"]),
+        ],
+        middleware=[Middleware(
+            BodyLimit,
+            limits={"/v1/completions": gw.max_request_bytes, "/v1/chat/completions": gw.max_request_bytes,
+                    "/v1/feedback": gw.max_feedback_bytes},
+            on_refused=lambda path: metrics.body_refused.labels(path).inc(),
+        )],
+        exception_handlers={404: no_route, 405: no_route},
+        lifespan=lifespan,
+    )  # fmt: skip
 
 
 def run(settings: Settings) -> None:

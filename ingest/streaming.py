@@ -18,8 +18,9 @@ trained on, because its completion is only a prefix of what the policy produced.
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import orjson
 
 from ingest.shaping import Requested
 
@@ -137,4 +138,4 @@ def sse(data: str) -> bytes:
 
 
 def sse_json(chunk: Any) -> bytes:
-    return sse(json.dumps(chunk, separators=(",", ":"), ensure_ascii=False))
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"

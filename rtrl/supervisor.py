@@ -20,6 +20,7 @@ kind of backoff; the other processes, which need what it makes, start once it ha
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -123,6 +124,33 @@ class Supervisor:
         if prerequisite is None:
             self.prepared.set()
 
+    @property
+    def state_path(self) -> Path:
+        """``<run_dir>/supervisor.json``: what `rtrl status` reads about the daemon's processes."""
+        return Path(self.settings.services.run_dir) / "supervisor.json"
+
+    def write_state(self, stopped: bool = False) -> None:
+        """Record each child's pid, restarts and state (atomically; `check` calls this)."""
+        now = self.monotonic()
+        state = {
+            "pid": os.getpid(), "updated_at": time.time(), "stopped": stopped, "prepared": self.prepared.is_set(),
+            "children": {c.name: {
+                "pid": c.proc.pid if c.running and c.proc is not None else None,
+                "running": c.running,
+                "restarts_recent": len([t for t in c.restarts if now - t < RESTART_WINDOW_S]),
+                "crash_looping": c.crash_looping,
+                "last_exit_code": c.last_exit_code,
+                "waiting_for_prepare": c.proc is None,
+                "log": str(c.log_path),
+            } for c in self.children.values()},
+        }  # fmt: skip
+        tmp = self.state_path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(state, indent=1))
+            tmp.replace(self.state_path)
+        except OSError as exc:  # a full disk must not stop the supervisor
+            log.warning("cannot write %s: %s", self.state_path, exc)
+
     def start(self) -> None:
         if not self.prepared.is_set():
             threading.Thread(target=self._prepare_until_done, name="prepare", daemon=True).start()
@@ -132,6 +160,7 @@ class Supervisor:
         for child in self.children.values():
             if self.prepared.is_set() or child.name in WITHOUT_PREPARE:
                 self._spawn(child)
+        self.write_state()
 
     def _prepare_until_done(self) -> None:
         assert self._prerequisite is not None
@@ -200,6 +229,7 @@ class Supervisor:
                 child.restarts.append(now)
                 self._spawn(child)
                 restarted.append(child.name)
+        self.write_state()
         return restarted
 
     def crash_looping(self) -> list[str]:
@@ -222,6 +252,7 @@ class Supervisor:
                 log.warning("%s did not stop in %.0fs; killing it", child.name, grace_s)
             _signal_group(child.proc.pid, signal.SIGKILL)  # stragglers in the group, if any
             child.proc.wait()
+        self.write_state(stopped=True)
 
     def run_forever(self, poll_s: float = 2.0) -> None:
         """Start everything and keep it running until SIGTERM/SIGINT."""

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import orjson
 
 from serving.client import PROBE_TIMEOUT_S, weight_version_of
 from serving.errors import ServingError
@@ -52,6 +53,19 @@ def _upstream_error(url: str, exc: BaseException) -> UpstreamError:
     return UpstreamFailed(f"{url}: {exc!r}")
 
 
+_JSON_HEADERS = {"content-type": "application/json"}
+
+
+def loads(raw: bytes | str) -> Any:
+    """JSON from vLLM, parsed with orjson (5x the stdlib on a completion, docs/internals.md); what
+    orjson refuses but the stdlib reads (NaN, Infinity, lone surrogates) is read by the stdlib, so
+    an odd answer parses as it always did. Raises ValueError for what is not JSON at all."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
+
+
 def new_session(max_connections: int = 1024) -> aiohttp.ClientSession:
     """The gateway's connection pool to every vLLM server (one per gateway process; close it)."""
     return aiohttp.ClientSession(
@@ -61,7 +75,6 @@ def new_session(max_connections: int = 1024) -> aiohttp.ClientSession:
         # No cookies, no decompression surprises: vLLM's answers are small JSON or event streams.
         cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,
-        json_serialize=json.dumps,
     )
 
 
@@ -76,7 +89,7 @@ class UpstreamResponse:
         self.content = body if body is not None else b""
 
     def json(self) -> Any:
-        return json.loads(self.content)
+        return loads(self.content)
 
     async def aread(self) -> bytes:
         """The rest of a streamed body."""
@@ -137,7 +150,9 @@ class AsyncVllmClient:
         """POST a JSON body (an OpenAI request) and return vLLM's answer, read whole, whatever its
         status. Raises UpstreamError."""
         try:
-            async with self._http.post(f"{self.url}{path}", json=body, timeout=self._timeout) as response:
+            async with self._http.post(
+                f"{self.url}{path}", data=orjson.dumps(body), headers=_JSON_HEADERS, timeout=self._timeout
+            ) as response:
                 return UpstreamResponse(self.url, response, await response.read())
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _upstream_error(self.url, exc) from exc
@@ -147,7 +162,9 @@ class AsyncVllmClient:
         caller reads it with ``aiter_lines`` (or ``aread``) and must ``aclose`` it. Raises
         UpstreamError."""
         try:
-            response = await self._http.post(f"{self.url}{path}", json=body, timeout=self._timeout)
+            response = await self._http.post(
+                f"{self.url}{path}", data=orjson.dumps(body), headers=_JSON_HEADERS, timeout=self._timeout
+            )
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _upstream_error(self.url, exc) from exc
         return UpstreamResponse(self.url, response, None)

@@ -1,4 +1,4 @@
-"""``rtrl run``: the loop as one supervised background daemon."""
+"""``rtrl run``: the loop as one supervised background daemon; ``rtrl status``: the loop on one screen."""
 
 from __future__ import annotations
 
@@ -44,3 +44,18 @@ def register(app: typer.Typer) -> None:
                 store.close()
 
         Supervisor(settings, names, prerequisite=prepared).run_forever()
+
+    @app.command("status")
+    def status(as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")) -> None:
+        """The whole loop on one screen: services, the daemon's processes and restarts, the labeler's lag,
+        the trainer's cycle and last gate decision, @champion and each server's version and rotation.
+        Exits 1 when something needs an operator (listed under problems)."""
+        import json
+
+        from rtrl.status import collect, render
+        from schemas.settings import load_settings
+
+        report = collect(load_settings())
+        typer.echo(json.dumps(report, indent=2, default=str) if as_json else render(report))
+        if report["problems"]:
+            raise typer.Exit(1)

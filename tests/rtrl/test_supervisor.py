@@ -6,6 +6,7 @@ to its spool), so no other service is needed."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -75,8 +76,14 @@ def test_killed_process_is_restarted_and_stop_leaves_nothing(
         assert supervisor.check() == ["gateway"]
         assert child.proc.pid != first
         _wait_ready(url)
+        state = json.loads(supervisor.state_path.read_text())  # what `rtrl status` reads
+        assert state["pid"] == os.getpid() and not state["stopped"]
+        assert state["children"]["gateway"] | {"log": None} == {
+            "pid": child.proc.pid, "running": True, "restarts_recent": 1, "crash_looping": False,
+            "last_exit_code": -9, "waiting_for_prepare": False, "log": None}  # fmt: skip
     finally:
         supervisor.stop()
+    assert json.loads(supervisor.state_path.read_text())["stopped"] is True
     assert not _alive(child.proc.pid)
     assert (tmp_path / "run" / "logs" / "gateway.log").stat().st_size > 0
 

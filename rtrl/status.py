@@ -1,0 +1,249 @@
+"""``rtrl status``: the whole loop on one screen.
+
+Each part is read on its own, with short timeouts, and a part that cannot be read says why instead
+of failing the rest: the local services (what ``rtrl services status`` shows), the daemon's
+processes (the state file ``rtrl run``'s supervisor rewrites every poll, `rtrl.supervisor`), the
+labeler's lag and reconciliation (`feedback.reconcile`), the trainer (paused or not, the cycle
+under way, the last one and its gate decision), the registry's champion, and every server's
+weight version, pause and rotation. ``problems`` lists what needs an operator, each with where to
+look; ``rtrl status`` exits 1 when there is one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from schemas.settings import Settings
+
+STALE_STATE_S = 30.0  # a supervisor state file older than this: `rtrl run` is not polling any more
+
+
+def collect(settings: Settings) -> dict[str, Any]:
+    """Every part of the loop's state, and the problems found (a JSON-able dict)."""
+    problems: list[str] = []
+    report: dict[str, Any] = {"problems": problems}
+
+    def part(name: str, read: Callable[[], Any]) -> Any:
+        try:
+            report[name] = read()
+        except Exception as exc:  # noqa: BLE001 - one part down must not hide the others
+            report[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+            problems.append(f"{name}: cannot read it ({report[name]['error']})")
+        return report[name]
+
+    part("services", lambda: _services(settings, problems))
+    part("daemon", lambda: _daemon(settings, problems))
+    champion = part("registry", lambda: _registry(settings)).get("champion")
+    part("labeler", lambda: _labeler(settings, problems))
+    part("trainer", lambda: _trainer(settings))
+    part("fleet", lambda: _fleet(settings, champion, problems))
+    return report
+
+
+def _services(settings: Settings, problems: list[str]) -> list[dict[str, Any]]:
+    from rtrl import services
+
+    rows = []
+    for unit in services.services(settings):
+        status = unit.status()
+        rows.append({"name": status.name, "healthy": status.healthy, "pid": status.pid, "detail": status.detail})
+        if not status.healthy and unit.pid_path.exists():  # started here and not healthy now
+            problems.append(f"service {status.name}: {status.detail} (log: {unit.log_path})")
+    return rows
+
+
+def _daemon(settings: Settings, problems: list[str]) -> dict[str, Any]:
+    path = Path(settings.services.run_dir) / "supervisor.json"
+    if not path.exists():
+        problems.append(f"rtrl run is not running (no {path}); start it with `rtrl run`")
+        return {"running": False}
+    state = json.loads(path.read_text())
+    age = time.time() - float(state["updated_at"])
+    running = not state.get("stopped") and age < STALE_STATE_S and _alive(int(state["pid"]))
+    daemon = {"running": running, "pid": state["pid"], "state_age_s": round(age, 1),
+              "prepared": state.get("prepared"), "children": state.get("children", {})}  # fmt: skip
+    if not running:
+        problems.append(f"rtrl run is not running (its state was last written {age:.0f}s ago); start it with `rtrl run`")
+        return daemon
+    if not state.get("prepared"):
+        problems.append("rtrl run is waiting for its dependencies (store, Kafka, MLflow); see its log")
+    for name, child in daemon["children"].items():
+        if child.get("crash_looping"):
+            problems.append(f"{name} is crash-looping (last exit code {child.get('last_exit_code')}); see {child.get('log')}")
+        elif not child.get("running") and not child.get("waiting_for_prepare"):
+            problems.append(f"{name} is down, restarting (last exit code {child.get('last_exit_code')}); see {child.get('log')}")
+    return daemon
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _registry(settings: Settings) -> dict[str, Any]:
+    import httpx
+
+    from registry import Registry
+
+    uri = settings.mlflow.tracking_uri.rstrip("/")
+    if uri.startswith(("http://", "https://")):  # MLflow's client retries for minutes: ask once, briefly
+        try:
+            httpx.get(f"{uri}/health", timeout=3.0).raise_for_status()
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"MLflow at {uri} does not answer ({exc!r}); check RTRL_MLFLOW__TRACKING_URI") from None
+    registry = Registry.from_settings(settings)
+    versions = registry.versions()
+    return {"champion": registry.champion() if versions else None, "latest": max(versions) if versions else None}
+
+
+def _labeler(settings: Settings, problems: list[str]) -> dict[str, Any]:
+    from feedback.reconcile import reconcile
+    from store import Store
+
+    store = Store(settings.store.url)
+    try:
+        store.check_schema()
+        counts = reconcile(settings, store)
+    finally:
+        store.close()
+    if counts.pending == 0 and not counts.balanced:
+        problems.append(f"labeler: {counts.produced} records produced but {counts.stored} stored + "
+                        f"{counts.dead_lettered} dead-lettered (see docs/runbooks/labeler.md)")  # fmt: skip
+    return {"pending": counts.pending, "produced": counts.produced, "stored": counts.stored,
+            "dead_lettered": counts.dead_lettered, "balanced": counts.balanced}  # fmt: skip
+
+
+def _trainer(settings: Settings) -> dict[str, Any]:
+    import redis
+
+    from store import Store
+    from trainer.tasks import PAUSED_KEY
+
+    store = Store(settings.store.url)
+    try:
+        store.check_schema()
+        active = store.active_cycles()
+        recent = store.recent_cycles(5)
+    finally:
+        store.close()
+    try:
+        raw = redis.Redis.from_url(settings.celery.broker_url, socket_timeout=2, socket_connect_timeout=2).get(PAUSED_KEY)
+        paused: Any = json.loads(raw) if raw else False
+    except redis.RedisError as exc:
+        paused = f"unknown ({exc})"
+    done = next((c for c in recent if c.finished_at is not None), None)
+    return {
+        "paused": paused,
+        "running": [{"id": c.id, "status": c.status, "champion": c.champion, "challenger": c.challenger,
+                     "started_at": c.started_at.isoformat()} for c in active],
+        "last": None if done is None else {
+            "id": done.id, "status": done.status, "champion": done.champion, "challenger": done.challenger,
+            "finished_at": done.finished_at.isoformat() if done.finished_at else None,
+            "gate": done.metrics.get("gate"), "gate_reason": done.metrics.get("gate_reason"), "error": done.error},
+    }  # fmt: skip
+
+
+def _fleet(settings: Settings, champion: int | None, problems: list[str]) -> list[dict[str, Any]]:
+    from serving import VllmClient
+    from store import Store
+
+    store = Store(settings.store.url)
+    try:
+        rotation = store.rotation()
+    except Exception:  # noqa: BLE001 - the store is reported by its own part; show the servers anyway
+        rotation = {}
+    finally:
+        store.close()
+    rows = []
+    staging = settings.vllm.staging_server
+    for url in (*settings.vllm.servers, *([staging] if staging else [])):
+        url = url.rstrip("/")
+        row: dict[str, Any] = {"url": url, "role": "staging" if staging and url == staging.rstrip("/") else "serving"}
+        try:
+            with VllmClient(url, model=settings.vllm.served_model_name, timeout_s=3.0) as server:
+                row["version"] = server.weight_version()
+                row["paused"] = server.is_paused()
+        except Exception as exc:  # noqa: BLE001 - a dead server is a row, not a crash
+            row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+            problems.append(f"{url}: unreachable ({row['error']}); the reconciler restarts local servers")
+            rows.append(row)
+            continue
+        if url in rotation:
+            row["in_rotation"] = rotation[url].in_rotation
+            row["rotation_reason"] = rotation[url].reason
+        if champion is not None and row["version"] != champion:
+            problems.append(f"{url} serves {row['version']} but @champion is v{champion}; "
+                            "the reconciler aligns it (`rtrl deploy reconcile`)")  # fmt: skip
+        if row.get("in_rotation") is False:
+            problems.append(f"{url} is out of rotation: {row.get('rotation_reason')}")
+        rows.append(row)
+    return rows
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report as a screen of text."""
+    lines: list[str] = []
+
+    def failed(name: str) -> bool:
+        value = report.get(name)
+        if isinstance(value, dict) and "error" in value:
+            lines.append(f"{name:<9} cannot read: {value['error']}")
+            return True
+        return False
+
+    if not failed("services"):
+        lines.append("services  " + " · ".join(
+            f"{s['name']} {'ok' if s['healthy'] else s['detail']}" for s in report["services"]) or "none enabled")  # fmt: skip
+    if not failed("daemon"):
+        daemon = report["daemon"]
+        if not daemon.get("running"):
+            lines.append("daemon    not running")
+        else:
+            children = ", ".join(
+                f"{name} " + ("waiting" if c.get("waiting_for_prepare") else
+                              f"pid {c['pid']}" if c.get("running") else "DOWN")
+                + (f" ({c['restarts_recent']} restarts)" if c.get("restarts_recent") else "")
+                for name, c in daemon["children"].items())  # fmt: skip
+            lines.append(f"daemon    rtrl run pid {daemon['pid']}: {children}")
+    if not failed("labeler"):
+        lab = report["labeler"]
+        lines.append(f"labeler   lag {lab['pending']} · produced {lab['produced']} = stored {lab['stored']} + "
+                     f"dead-lettered {lab['dead_lettered']} ({'balanced' if lab['balanced'] else 'NOT balanced'})")  # fmt: skip
+    if not failed("trainer"):
+        tr = report["trainer"]
+        paused = tr["paused"]
+        text = f"PAUSED since {paused.get('since')} ({paused.get('reason')})" if isinstance(paused, dict) else (
+            "running" if paused is False else f"pause state {paused}")  # fmt: skip
+        now = "; ".join(f"cycle {c['id']} {c['status']} on v{c['champion']}" for c in tr["running"]) or "no cycle under way"
+        last = tr["last"]
+        done = "no cycle finished yet" if last is None else (
+            f"last: cycle {last['id']} {last['status']}"
+            + (f" v{last['challenger']}" if last["challenger"] else "")
+            + (f", gate {last['gate']}" if last["gate"] else "")
+            + (f" ({last['gate_reason']})" if last["gate_reason"] else "")
+            + (f", error: {last['error'][:120]}" if last["error"] else ""))  # fmt: skip
+        lines.append(f"trainer   {text} · {now} · {done}")
+    if not failed("registry"):
+        reg = report["registry"]
+        lines.append(f"registry  @champion v{reg['champion']} (latest registered v{reg['latest']})"
+                     if reg["champion"] is not None else "registry  empty (`rtrl run` registers the base model)")  # fmt: skip
+    if not failed("fleet"):
+        for row in report["fleet"]:
+            state = row.get("error") or (
+                f"v{row['version']}" + (" PAUSED" if row.get("paused") else "")
+                + ("" if row.get("in_rotation") in (None, True) else f", out of rotation ({row.get('rotation_reason')})"))  # fmt: skip
+            lines.append(f"fleet     {row['role']:<8} {row['url']}  {state}")
+    problems = report["problems"]
+    lines.append("problems  " + ("none" if not problems else f"{len(problems)}"))
+    lines.extend(f"  - {p}" for p in problems)
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""``rtrl status``: the loop on one screen, from the real services; a part that cannot be read is
+reported, not fatal; problems make the exit code 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from helpers import run_rtrl
+
+from rtrl.status import render
+from schemas.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+
+def test_status_reports_every_part_and_the_problems(services: Settings, tiny_model_dir: Path, tmp_path: Path) -> None:
+    from deployer import rollout
+    from registry import Registry
+
+    tag = uuid.uuid4().hex[:8]
+    settings = services.model_copy(update={
+        "mlflow": services.mlflow.model_copy(update={"model_name": f"status-{tag}", "experiment": f"status-{tag}"}),
+    })  # fmt: skip
+    registry = Registry.from_settings(settings)
+    rollout.bootstrap(settings, registry, tiny_model_dir)
+
+    # No `rtrl run` yet: everything else is healthy, so that is the one problem.
+    proc = run_rtrl(settings, "status", "--json", timeout_s=300)
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert [p for p in report["problems"] if "rtrl run is not running" not in p] == [], report["problems"]
+    assert {s["name"] for s in report["services"] if s["healthy"]} >= {"kafka", "postgres", "redis", "mlflow", "vllm"}
+    assert report["registry"]["champion"] == 1 and report["labeler"]["balanced"] is True
+    assert [(r["role"], r["version"], r["paused"]) for r in report["fleet"]] == [("serving", 1, False), ("staging", 1, False)]
+    assert report["trainer"]["running"] == [] and report["trainer"]["paused"] is False
+
+    # A daemon whose state says a child is crash-looping, and the text screen.
+    state = {"pid": os.getpid(), "updated_at": time.time(), "stopped": False, "prepared": True,
+             "children": {"gateway": {"pid": 1, "running": True, "restarts_recent": 0, "crash_looping": False,
+                                      "last_exit_code": None, "waiting_for_prepare": False, "log": "g.log"},
+                          "labeler": {"pid": None, "running": False, "restarts_recent": 5, "crash_looping": True,
+                                      "last_exit_code": 1, "waiting_for_prepare": False, "log": "l.log"}}}  # fmt: skip
+    run_dir = Path(settings.services.run_dir)
+    (run_dir / "supervisor.json").write_text(json.dumps(state))
+    try:
+        text = run_rtrl(settings, "status", timeout_s=300)
+    finally:
+        (run_dir / "supervisor.json").unlink()
+    assert text.returncode == 1
+    print(text.stdout)
+    assert "labeler is crash-looping (last exit code 1); see l.log" in text.stdout
+    assert "daemon    rtrl run pid" in text.stdout and "labeler DOWN (5 restarts)" in text.stdout
+    assert "registry  @champion v1" in text.stdout and "problems  1" in text.stdout
+
+
+@pytest.mark.unit
+def test_a_part_that_cannot_be_read_is_shown_as_such() -> None:
+    report = {"services": {"error": "boom"}, "daemon": {"running": False},
+              "labeler": {"pending": 3, "produced": 10, "stored": 7, "dead_lettered": 0, "balanced": False},
+              "trainer": {"paused": {"since": "2026-12-01T00:00:00Z", "reason": "maintenance"}, "running": [],
+                          "last": None},
+              "registry": {"champion": None, "latest": None}, "fleet": [], "problems": ["x"]}  # fmt: skip
+    text = render(report)
+    assert "services  cannot read: boom" in text and "daemon    not running" in text
+    assert "lag 3" in text and "NOT balanced" in text and "PAUSED since 2026-12-01T00:00:00Z (maintenance)" in text
+    assert "registry  empty" in text and "problems  1\n  - x" in text
