@@ -490,12 +490,14 @@ def rollback(settings: Settings, registry: Registry, to_version: int | None = No
     return promote(settings, registry, to_version)
 
 
-def bootstrap(settings: Settings, registry: Registry, model_dir: Path) -> int:
+def bootstrap(settings: Settings, registry: Registry, model_dir: Path, *, keep_going: bool = False) -> int:
     """Register `model_dir` as version 1 @champion when the registry has no version, then make every
     server (fleet and staging) report the champion's weight version; returns the champion.
 
     Idempotent: a second call finds the champion and only re-checks the servers (`align_fleet`:
-    a server whose weights pass the champion's probe is relabelled, any other is swapped).
+    a server whose weights pass the champion's probe is relabelled, any other is swapped). With
+    `keep_going` (``rtrl run``'s preparation), a server that cannot be aligned is logged and left
+    to the fleet reconciler instead of failing the bootstrap.
     """
     if not registry.versions():
         version = registry.register_checkpoint(model_dir, tags={"rtrl.base": "true"})
@@ -503,7 +505,9 @@ def bootstrap(settings: Settings, registry: Registry, model_dir: Path) -> int:
             raise RegistryError(f"registered the base model as version {version}; expected 1 (concurrent bootstrap?)")
         registry.set_alias(CHAMPION, version)
     champion = registry.champion()
-    align_fleet(settings, registry)
+    report = align_fleet(settings, registry, keep_going=keep_going)
+    for url, problem in report.errors.items():
+        log.warning("%s not on @champion v%d yet (%s); the fleet reconciler retries it", url, champion, problem)
     return champion
 
 

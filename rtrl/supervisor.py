@@ -74,13 +74,15 @@ def restart_delay(recent_restarts: int, draw: Callable[[], float] = random.rando
 
 def prepare(settings: Settings, store: Store, registry: Registry) -> int:
     """What the loop needs before its processes start: the store's tables, the topics, and a
-    champion in the registry that every vLLM server serves. Idempotent; returns the champion."""
+    champion in the registry, which every vLLM server that answers is brought to (one that does
+    not is left to the fleet reconciler, which restarts local servers: waiting for it here would
+    keep the reconciler from ever starting). Idempotent; returns the champion."""
     import streams
     from deployer.rollout import bootstrap
 
     store.migrate()
     streams.ensure_topics(settings.kafka)
-    champion = bootstrap(settings, registry, Path(settings.vllm.model_dir))
+    champion = bootstrap(settings, registry, Path(settings.vllm.model_dir), keep_going=True)
     log.info("champion is v%d", champion)
     return champion
 

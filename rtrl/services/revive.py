@@ -27,10 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from deployer.rollout import DEPLOYER_MARK
+from schemas.clock import wait_until
 from schemas.settings import Settings
 from store import Store
 
-from .base import ServiceError
+from .base import ServiceError, port_in_use
 from .vllm import Vllm
 from .vllm import servers as vllm_servers
 
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 FIRST_RETRY_S = 30.0
 MAX_RETRY_S = 600.0
+PORT_FREE_S = 30.0  # how long a restart waits for the dead server's port to be released
 
 
 @dataclass
@@ -111,6 +113,13 @@ class Reviver:
                 log.error("%s: cannot take it out of rotation before the restart (%r); restarting anyway", url, exc)
         try:
             unit.stop()  # a hung process group, or what a dead leader left behind
+            # A killed group's sockets close as its processes are torn down, which takes a moment
+            # on a loaded machine: starting before that fails on a port "in use".
+            try:
+                wait_until(lambda: not any(port_in_use(unit.host, p) for p in unit.ports), timeout_s=PORT_FREE_S,
+                           interval_s=0.2, what=f"{unit.name}'s port(s) {unit.ports} free")  # fmt: skip
+            except TimeoutError as exc:
+                raise ServiceError(f"{unit.name}: {exc}; see `ss -ltnp`") from None
             unit.start()
             unit.wait_healthy(self.settings.services.start_timeout_s)
             unit.after_start()
