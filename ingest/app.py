@@ -117,6 +117,19 @@ class FastJSONResponse(JSONResponse):
         return orjson.dumps(content)
 
 
+def _why_not_json(raw: bytes) -> str:
+    """Why orjson refused a request body, in words that do not depend on orjson's version: the
+    stdlib (on this error path only) tells nesting too deep (orjson stops at 1,024 levels) from
+    the rest."""
+    try:
+        json.loads(raw)
+    except RecursionError:
+        return "request body is nested too deeply"
+    except ValueError:
+        pass
+    return "request body is not valid JSON"
+
+
 @dataclass(frozen=True)
 class Served:
     """One generation on its way through the gateway: where it went and what to capture of it."""
@@ -293,12 +306,11 @@ class Gateway:
     async def _generate(self, request: Request, tenant: str, request_id: str, chat: bool) -> Response:
         endpoint, path = ("chat", "/v1/chat/completions") if chat else ("completions", "/v1/completions")
         try:
+            raw = await request.body()
             try:
-                # orjson: strict (no NaN, Infinity or lone surrogates) and 5-20x the stdlib.
-                body = orjson.loads(await request.body())
-            except orjson.JSONDecodeError as exc:
-                nested = "recursion" in str(exc)  # orjson stops at 1024 levels
-                raise RequestError(f"request body is {'nested too deeply' if nested else 'not valid JSON'}") from None
+                body = orjson.loads(raw)  # strict (no NaN, Infinity or lone surrogates), 5-20x the stdlib
+            except orjson.JSONDecodeError:
+                raise RequestError(_why_not_json(raw)) from None
             prepare = prepare_chat_request if chat else prepare_completion_request
             forward, requested, body_rtrl = prepare(body, self.sampling_defaults)
             capture = parse_capture(request.headers, body_rtrl)
