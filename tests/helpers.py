@@ -86,3 +86,19 @@ def run_rtrl(settings: Settings, *args: str, timeout_s: float = 600) -> subproce
     return subprocess.run(
         rtrl_command(*args), cwd=REPO, env=child_env(settings), capture_output=True, text=True, timeout=timeout_s
     )
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """SIGTERM the process group `proc` leads (started with ``start_new_session``), SIGKILL it
+    after `grace_s`, and reap the leader."""
+    import os
+    import signal
+
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

@@ -25,6 +25,7 @@ import httpx
 import psutil
 import pytest
 from factories import fresh_topics
+from helpers import stop_group
 
 from feedback.reconcile import Reconciliation, reconcile
 from rtrl.launch import child_env, rtrl_command
@@ -185,13 +186,7 @@ def test_rtrl_run_heals_a_killed_labeler_worker_and_vllm_server(
         print("reconciliation:", counts)
         assert counts.produced >= traffic.ok
     finally:
-        if daemon.poll() is None:
-            os.killpg(daemon.pid, signal.SIGTERM)
-            try:
-                daemon.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(daemon.pid, signal.SIGKILL)
-                daemon.wait(timeout=30)
+        stop_group(daemon, grace_s=90)
         store.close()
         up(services, only=("vllm",))  # whatever happened above, the session's servers run again
         if registry.versions() and registry.champion() != 1:

@@ -50,9 +50,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_killed_process_is_restarted_and_stop_leaves_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _gateway_without_services(tmp_path: Path) -> tuple[Settings, int, int]:
+    """Settings for a gateway on a free port whose Kafka and vLLM addresses answer nothing (its
+    events go to the spool), the port, and the closed port."""
     port, closed = free_ports(2)
     settings = Settings(
         services=ServicesSettings(run_dir=tmp_path / "run"),
@@ -61,6 +61,13 @@ def test_killed_process_is_restarted_and_stop_leaves_nothing(
         vllm=VllmSettings(servers=(f"http://127.0.0.1:{closed}",), staging_server=None),
         store=StoreSettings(url=f"sqlite:///{tmp_path}/rtrl.db"),
     )
+    return settings, port, closed
+
+
+def test_killed_process_is_restarted_and_stop_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings, port, closed = _gateway_without_services(tmp_path)
     # What the supervisor hands the child wins over anything in the supervisor's own environment.
     monkeypatch.setenv("RTRL_GATEWAY__PORT", str(closed))
     supervisor = sup.Supervisor(settings, names=("gateway",))
@@ -130,14 +137,7 @@ def test_the_gateway_serves_while_the_dependencies_are_down_and_the_rest_start_o
     """`rtrl run`'s start with its dependencies down: `prepare` fails (the store unreachable) and is
     retried with backoff; meanwhile the gateway is up and answers, and the labeler waits. Once
     `prepare` succeeds, the next check starts the labeler."""
-    port, closed = free_ports(2)
-    settings = Settings(
-        services=ServicesSettings(run_dir=tmp_path / "run"),
-        gateway=GatewaySettings(port=port, spool_dir=tmp_path / "spool"),
-        kafka=KafkaSettings(bootstrap_servers=f"127.0.0.1:{closed}"),
-        vllm=VllmSettings(servers=(f"http://127.0.0.1:{closed}",), staging_server=None),
-        store=StoreSettings(url=f"sqlite:///{tmp_path}/rtrl.db"),
-    )
+    settings, port, closed = _gateway_without_services(tmp_path)
     release = threading.Event()
     attempts: list[int] = []
 

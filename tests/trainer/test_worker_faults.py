@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from episodes import feed, sample_episodes
+from helpers import stop_group
 
 from deployer import rollout
 from registry import Registry
@@ -43,13 +44,7 @@ def child(settings: Settings, log: Path, *args: str) -> Iterator[subprocess.Pope
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+        stop_group(proc)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
