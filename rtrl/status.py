@@ -127,7 +127,7 @@ def _trainer(settings: Settings) -> dict[str, Any]:
     import redis
 
     from store import Store
-    from trainer.tasks import PAUSED_KEY
+    from trainer.tasks import pause_state
 
     store = Store(settings.store.url)
     try:
@@ -137,8 +137,8 @@ def _trainer(settings: Settings) -> dict[str, Any]:
     finally:
         store.close()
     try:
-        raw = redis.Redis.from_url(settings.celery.broker_url, socket_timeout=2, socket_connect_timeout=2).get(PAUSED_KEY)
-        paused: Any = json.loads(raw) if raw else False
+        client = redis.Redis.from_url(settings.celery.broker_url, socket_timeout=2, socket_connect_timeout=2)
+        paused: Any = pause_state(client) or False
     except redis.RedisError as exc:
         paused = f"unknown ({exc})"
     done = next((c for c in recent if c.finished_at is not None), None)
@@ -169,15 +169,14 @@ def _fleet(settings: Settings, champion: int | None, problems: list[str]) -> lis
     for url in (*settings.vllm.servers, *([staging] if staging else [])):
         url = url.rstrip("/")
         row: dict[str, Any] = {"url": url, "role": "staging" if staging and url == staging.rstrip("/") else "serving"}
-        try:
-            with VllmClient(url, model=settings.vllm.served_model_name, timeout_s=3.0) as server:
-                row["version"] = server.weight_version()
-                row["paused"] = server.is_paused()
-        except Exception as exc:  # noqa: BLE001 - a dead server is a row, not a crash
-            row["error"] = f"{type(exc).__name__}: {exc}"[:200]
-            problems.append(f"{url}: unreachable ({row['error']}); the reconciler restarts local servers")
+        with VllmClient(url, model=settings.vllm.served_model_name, timeout_s=3.0) as server:
+            state = server.state()  # what `rtrl deploy status` shows; never raises
+        if state.error is not None:  # a dead server is a row, not a crash
+            row["error"] = state.error[:200]
+            problems.append(f"{url}: {row['error']}; the reconciler restarts local servers")
             rows.append(row)
             continue
+        row["version"], row["paused"] = state.weight_version, state.paused
         if url in rotation:
             row["in_rotation"] = rotation[url].in_rotation
             row["rotation_reason"] = rotation[url].reason

@@ -114,6 +114,12 @@ def resume_training(settings: Settings) -> dict[str, Any]:
     return {"paused": False}
 
 
+def pause_state(client: Any) -> dict[str, Any] | None:
+    """``{"since", "reason"}`` of `rtrl train pause` from the Redis `client`, or None when training runs."""
+    raw = client.get(PAUSED_KEY)
+    return None if raw is None else dict(json.loads(raw))
+
+
 def _redis(url: str) -> Any:
     import redis
 
@@ -225,9 +231,8 @@ def maybe_train() -> str:
     res = worker_resources()
     settings = res.settings
     client = _redis(settings.celery.broker_url)
-    paused = client.get(PAUSED_KEY)
-    if paused is not None:
-        state = json.loads(paused)
+    state = pause_state(client)
+    if state is not None:
         return f"paused since {state['since']} ({state['reason']}); `rtrl train resume` to continue"
     expire_abandoned(settings, res.store)  # a dead worker's cycle releases its episodes first
     due = next_cycle_due(settings, res.store)
