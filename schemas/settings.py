@@ -98,6 +98,12 @@ class KafkaSettings(_Section):
     ssl_cafile: Path | None = Field(None, description="CA bundle that signed the brokers' certificates (SSL).")
     ssl_certfile: Path | None = Field(None, description="Client certificate, PEM (mutual TLS).")
     ssl_keyfile: Path | None = Field(None, description="Private key of the client certificate, PEM.")
+    reconnect_backoff_max_ms: int = Field(
+        2000,
+        ge=50,
+        description="Longest wait between a client's attempts to reconnect to a broker. kafka-python's own "
+        "default (30 s) can keep a labeler idle for half a minute after a broker comes back.",
+    )
 
     @model_validator(mode="after")
     def _security_complete(self) -> KafkaSettings:

@@ -47,6 +47,7 @@ def connection_config(kafka: KafkaSettings) -> dict[str, Any]:
     config: dict[str, Any] = {
         "bootstrap_servers": [server.strip() for server in kafka.bootstrap_servers.split(",") if server.strip()],
         "security_protocol": kafka.security_protocol,
+        "reconnect_backoff_max_ms": kafka.reconnect_backoff_max_ms,
     }
     if kafka.sasl_mechanism is not None:
         assert kafka.sasl_password is not None  # KafkaSettings validates SASL settings as a set

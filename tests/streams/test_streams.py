@@ -47,14 +47,16 @@ def _produce(kafka: KafkaSettings, topic: str, values: list[bytes]) -> None:
 @pytest.mark.unit
 def test_every_client_gets_the_connection_and_security_settings() -> None:
     plain = streams.connection_config(KafkaSettings(bootstrap_servers="a:9092, b:9092"))
-    assert plain == {"bootstrap_servers": ["a:9092", "b:9092"], "security_protocol": "PLAINTEXT"}
+    assert plain == {"bootstrap_servers": ["a:9092", "b:9092"], "security_protocol": "PLAINTEXT",
+                     "reconnect_backoff_max_ms": 2000}  # fmt: skip
     secure = KafkaSettings(
         bootstrap_servers="broker:9093", security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-256",
         sasl_username="rtrl", sasl_password=SecretStr("pw"), ssl_cafile=Path("/ca.pem"),
         ssl_certfile=Path("/client.pem"), ssl_keyfile=Path("/client.key"),
     )  # fmt: skip
     assert streams.connection_config(secure) == {
-        "bootstrap_servers": ["broker:9093"], "security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-256",
+        "bootstrap_servers": ["broker:9093"], "security_protocol": "SASL_SSL", "reconnect_backoff_max_ms": 2000,
+        "sasl_mechanism": "SCRAM-SHA-256",
         "sasl_plain_username": "rtrl", "sasl_plain_password": "pw", "ssl_cafile": "/ca.pem",
         "ssl_certfile": "/client.pem", "ssl_keyfile": "/client.key",
     }  # fmt: skip
