@@ -24,7 +24,7 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field
 
 import evals
-from deployer import rollout
+from deployer import metrics, rollout
 from deployer.errors import GateError
 from registry import Registry
 from schemas.clock import utcnow
@@ -136,6 +136,7 @@ def evaluate(settings: Settings, registry: Registry, version: int) -> GateDecisi
         reason=reason,
         decided_at=utcnow(),
     )
+    metrics.record_gate(passed, challenger_score, champion_score)
     record(settings, registry, decision)
     return decision
 
@@ -155,14 +156,14 @@ def record(settings: Settings, registry: Registry, decision: GateDecision) -> No
     run_id = registry.version_run_id(version)
     if run_id is None:
         return
-    metrics = {"gate/passed": float(decision.passed)}
+    figures = {"gate/passed": float(decision.passed)}
     for key, value in (
         ("gate/challenger_score", decision.challenger_score),
         ("gate/champion_score", decision.champion_score),
     ):
         if value is not None:
-            metrics[key] = value
-    registry.log_metrics(run_id, metrics)
+            figures[key] = value
+    registry.log_metrics(run_id, figures)
     files: dict[str, object] = {f"gate/decision-v{version}.json": decision.model_dump(mode="json")}
     digests = rollout.load_digests(settings, version)
     if digests is not None:

@@ -19,10 +19,12 @@ import logging
 import threading
 from collections.abc import Callable
 
+from deployer import metrics
 from deployer.errors import RolloutBusy
 from deployer.rollout import FleetReport, align_fleet
 from registry import Registry
 from schemas.settings import Settings
+from serving import VllmClient
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +47,54 @@ def reconcile_once(settings: Settings, registry: Registry, revive: Revive | None
     return report
 
 
+def observe_fleet(settings: Settings, champion: int | None) -> bool:
+    """Set the per-server version and health gauges (deployer/metrics.py) from one look at every
+    server; whether all of them serve `champion`."""
+    agree = champion is not None
+    staging = [settings.vllm.staging_server] if settings.vllm.staging_server else []
+    for url in [*settings.vllm.servers, *staging]:
+        with VllmClient(url, model=settings.vllm.served_model_name, timeout_s=3.0) as server:
+            state = server.state()  # never raises
+        name = url.rstrip("/")
+        metrics.SERVER_UP.labels(name).set(1 if state.healthy else 0)
+        if state.weight_version is not None:
+            metrics.SERVER_VERSION.labels(name).set(state.weight_version)
+        agree = agree and state.weight_version == champion
+    metrics.FLEET_AGREES.set(1 if agree else 0)
+    if champion is not None:
+        metrics.CHAMPION.set(champion)
+    return agree
+
+
 def reconcile_forever(
-    settings: Settings, registry: Registry, every_s: float, stop: threading.Event, revive: Revive | None = None
+    settings: Settings,
+    registry: Registry,
+    every_s: float,
+    stop: threading.Event,
+    revive: Revive | None = None,
+    on_tick: Callable[[str, str], None] | None = None,
 ) -> None:
-    """Tick every `every_s` seconds until `stop` is set; a tick that fails is logged and the next one runs."""
+    """Tick every `every_s` seconds until `stop` is set; a tick that fails is logged and the next one runs.
+    `on_tick(outcome, detail)` hears how each tick went (`rtrl deploy reconcile`'s readiness)."""
     while not stop.is_set():
+        outcome, detail = "failed", ""
         try:
             report = reconcile_once(settings, registry, revive)
             if report is None:
+                outcome = "busy"
                 log.info("a rollout holds the fleet; next check in %.0fs", every_s)
-            elif report.changed:
-                log.warning("reconciled the fleet to v%s: %s", report.champion, report.model_dump_json())
+            else:
+                outcome = "error" if report.errors else "changed" if report.changed else "aligned"
+                detail = "; ".join(f"{url}: {why}" for url, why in sorted(report.errors.items()))
+                for url in report.restarted:
+                    metrics.RESTARTS.labels(url).inc()
+                if report.changed:
+                    log.warning("reconciled the fleet to v%s: %s", report.champion, report.model_dump_json())
+                observe_fleet(settings, report.champion)
         except Exception as exc:  # noqa: BLE001 - the store, MLflow or a server down: try again next tick
+            detail = repr(exc)
             log.error("fleet check failed: %r; next check in %.0fs", exc, every_s)
+        metrics.RECONCILE.labels(outcome).inc()
+        if on_tick is not None:
+            on_tick(outcome, detail)
         stop.wait(every_s)

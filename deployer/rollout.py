@@ -45,6 +45,7 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployer import metrics
 from deployer.errors import NothingToRollBack, RolloutBusy
 from deployer.probe import Probe, cached_reference, max_abs_diff
 from registry import CHAMPION, Registry, RegistryError
@@ -411,9 +412,15 @@ def _swap_one(
                 elif step.restored and restore is not None:
                     window.serving = restore.version
         except (ServingError, httpx.HTTPError) as exc:
+            metrics.SWAPS.labels("failed").inc()
             return _failed_step(url, want.version, exc), {}
     extra = {"drained": window.drained, "drain_ms": window.drain_ms,
              "in_flight_at_drain": window.in_flight_at_drain, "in_flight_at_pause": window.in_flight_at_pause}  # fmt: skip
+    metrics.SWAPS.labels("verified" if step.verified else "restored" if step.restored else "failed").inc()
+    if step.pause_ms > 0:
+        metrics.SWAP_WINDOW.labels(url.rstrip("/")).observe(step.pause_ms / 1000)
+    if window.serving is not None:
+        metrics.SERVER_VERSION.labels(url.rstrip("/")).set(window.serving)
     return step.model_copy(update=extra), digests
 
 
@@ -466,8 +473,10 @@ def promote(settings: Settings, registry: Registry, version: int) -> SwapResult:
     with rollout_lock(settings):
         previous = registry.champion()
         result = _swap_fleet(settings, registry, version, previous)
+        metrics.ROLLOUTS.labels("ok" if result.ok else "failed").inc()
         if result.ok:
             registry.set_alias(CHAMPION, version)
+            metrics.CHAMPION.set(version)
             if version != previous:
                 registry.set_previous_champion(previous)
         registry.tag_version(

@@ -45,19 +45,22 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import streams
+from feedback import metrics
 from feedback.records import Checks, parse_record
 from schemas.clock import Clock, Sleep, utcnow
 from schemas.events import DEAD_LETTER_SCHEMA, FeedbackEvent, InteractionEvent
 from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import Settings
-from store import DatabaseUnavailable, Rejected, SettleReport, SourceRecord, Store
+from store import DatabaseUnavailable, Rejected, Settled, SettleReport, SourceRecord, Store
 from store.events import Event
+from telemetry import Readiness
 
 log = logging.getLogger("rtrl.labeler")
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 WINDOW_CHECK = timedelta(seconds=1)  # how often open episodes are checked against the settle window
+LAG_EVERY_S = 5.0  # how often the consumer lag per partition is measured (feedback/metrics.py)
 DLQ_FLUSH_TIMEOUT_S = 30.0
 # A record started this many times by labeler processes that then died is dead-lettered unprocessed.
 # With a first death in batch mode that is 3 deaths in all: the supervisor's 5 restarts suffice.
@@ -101,6 +104,7 @@ class Labeler:
         sleep: Sleep = time.sleep,
         after_db_commit: Callable[[int], None] | None = None,
         before_write: Callable[[list[SourceRecord]], None] | None = None,
+        readiness: Readiness | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -123,6 +127,8 @@ class Labeler:
         # The last start of work this process noted per partition: seeing it again means this
         # process did not die on it (it is still running).
         self._noted: dict[tuple[str, int], tuple[int, str]] = {}
+        self.readiness = readiness or Readiness()
+        self._lag_at = 0.0
 
     def run(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set."""
@@ -159,7 +165,9 @@ class Labeler:
                     self._one_by_one(batch, now, report, count_attempts=False)
             if window_due:
                 with self.store.labelling(now) as tx:
-                    report.settled_window = tx.settle_expired(self.spec, labeler.settle_window_s)
+                    expired = tx.settle_expired(self.spec, labeler.settle_window_s)
+                report.settled_window = len(expired)
+                _count_settled(expired)
                 self._last_window_check = now
         except (Transient, DatabaseUnavailable) as exc:
             # Nothing uncommitted is lost: read it again after a pause (committed records are replays).
@@ -167,13 +175,39 @@ class Labeler:
             log.warning("batch of %d records not stored (%s); retrying in %.1fs", len(records), cause, self._backoff_s)
             for tp, rs in batch.items():
                 self.consumer.seek(tp, rs[0].offset)
+            metrics.STORE_UP.set(0)
+            self.readiness.set(
+                "store", False, f"writes failing, retrying in {self._backoff_s:.1f}s: {cause}"[:500]
+            )
             self.sleep(self._backoff_s)
             self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
             return None
         self._backoff_s = BACKOFF_START_S
+        metrics.STORE_UP.set(1)
+        self.readiness.set("store", True)
+        metrics.LAST_STEP.set(time.time())
+        self._measure_lag()
         if records or report.settled_window:
             log.debug("%s", report)
         return report
+
+    def _measure_lag(self) -> None:
+        """Lag per assigned partition: the high watermark the last fetch saw minus the position."""
+        now = time.monotonic()
+        if now - self._lag_at < LAG_EVERY_S:
+            return
+        self._lag_at = now
+        assigned = self.consumer.assignment()
+        self.readiness.set("kafka", bool(assigned), "" if assigned else "no partition assigned (yet)")
+        for tp in assigned:
+            highwater = self.consumer.highwater(tp)
+            if highwater is None:
+                continue  # no fetch response for it yet
+            try:
+                position = self.consumer.position(tp, timeout_ms=100)
+            except Exception:  # noqa: BLE001 - a position being reset or fetched: measured next time
+                continue
+            metrics.LAG.labels(tp.topic, str(tp.partition)).set(max(0, highwater - position))
 
     # ---- writing ---------------------------------------------------------------------------------
 
@@ -203,6 +237,14 @@ class Labeler:
         report.replayed += written.replayed
         for name in ("joined", "late_feedback", "late_segments", "settled_terminal", "settled_window"):
             setattr(report.settle, name, getattr(report.settle, name) + getattr(settled, name))
+        # ---- counted once committed (a batch read again is a replay, not counted twice) ---------
+        metrics.EVENTS.labels("interaction").inc(len(written.interactions))
+        metrics.EVENTS.labels("feedback").inc(len(written.feedback))
+        metrics.REPLAYED.inc(written.replayed)
+        _count_dead_letters(written.rejected)
+        metrics.FEEDBACK_JOINED.inc(settled.joined)
+        metrics.FEEDBACK_LATE.inc(settled.late_feedback)
+        _count_settled(settled.settled)
         if self.after_db_commit is not None:
             self.after_db_commit(len(records))
 
@@ -219,6 +261,8 @@ class Labeler:
             raise Transient(str(exc)) from exc
         report.dead_lettered += len(written.rejected)
         report.replayed += written.replayed
+        metrics.REPLAYED.inc(written.replayed)
+        _count_dead_letters(written.rejected)
 
     def _one_by_one(self, batch: dict[Any, list[Any]], now: datetime, report: StepReport, count_attempts: bool) -> None:
         """Each record in its own transaction, its offset committed after it (the error policy)."""
@@ -295,6 +339,21 @@ class Labeler:
             future.get(timeout=DLQ_FLUSH_TIMEOUT_S)  # raises the KafkaError if the broker refused it
 
 
+def _count_dead_letters(rejected: list[Rejected]) -> None:
+    for item in rejected:
+        metrics.DEAD_LETTERS.labels(metrics.reason_label(item.reason)).inc()
+
+
+def _count_settled(settled: list[Settled]) -> None:
+    for episode in settled:
+        metrics.SETTLED.labels(episode.reason).inc()
+        sign = metrics.sign(episode.reward)
+        metrics.SETTLED_BY_VERSION.labels(episode.policy_version, sign).inc()
+        if sign != "zero":
+            metrics.REWARD_SUM.labels(episode.policy_version, sign).inc(abs(episode.reward))
+        metrics.SETTLE_LATENCY.observe(episode.latency_s)
+
+
 def make_consumer(settings: Settings) -> Any:
     """The labeler group's consumer, subscribed to the interactions and feedback topics."""
     kafka = settings.kafka
@@ -314,8 +373,9 @@ def make_producer(settings: Settings) -> Any:
     return streams.producer(settings.kafka, "rtrl-labeler-dlq")
 
 
-def run(settings: Settings, stop: threading.Event | None = None) -> None:
-    """Run the labeler until SIGTERM/SIGINT (or ``stop``): migrate, create topics, consume."""
+def run(settings: Settings, stop: threading.Event | None = None, readiness: Readiness | None = None) -> None:
+    """Run the labeler until SIGTERM/SIGINT (or ``stop``): migrate, create topics, consume.
+    `readiness` (the exporter's, `rtrl labeler`) hears whether the store and Kafka work."""
     stop = stop or threading.Event()
     store = Store(settings.store.url)
     store.migrate()
@@ -326,7 +386,7 @@ def run(settings: Settings, stop: threading.Event | None = None) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
     try:
-        Labeler(settings, store, consumer, producer).run(stop)
+        Labeler(settings, store, consumer, producer, readiness=readiness).run(stop)
     finally:
         consumer.close(autocommit=False)  # offsets are only ever committed after a DB commit
         producer.close()

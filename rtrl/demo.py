@@ -87,6 +87,7 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     try:
         prepare(settings, store, registry)
+        supervisor.serve_metrics()
         supervisor.start()
         _wait_for_loop(settings, supervisor)
         gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"

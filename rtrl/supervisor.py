@@ -33,9 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from prometheus_client import Counter, Gauge
+
 from rtrl.launch import child_env, rtrl_command
 from schemas.clock import Monotonic
 from schemas.settings import Settings
+from telemetry import Exporter, Readiness, start_exporter
 
 if TYPE_CHECKING:
     from registry import Registry
@@ -51,6 +54,17 @@ PROCESSES: dict[str, list[str]] = {
     "beat": ["beat"],
     "reconciler": ["deploy", "reconcile", "--forever"],
 }
+
+RESTARTS = Counter("rtrl_supervisor_child_restarts_total", "Restarts of each supervised process.", ["child"])
+CHILD_UP = Gauge("rtrl_supervisor_child_up", "1 while a supervised process runs, else 0.", ["child"])
+CRASH_LOOPING = Gauge(
+    "rtrl_supervisor_child_crash_looping",
+    "1 while a supervised process is crash-looping (exited MAX_RESTARTS times within RESTART_WINDOW_S).",
+    ["child"],
+)
+PREPARED = Gauge(
+    "rtrl_supervisor_prepared", "1 once the store, topics and champion are ready and every process may start."
+)
 
 MAX_RESTARTS = 5  # restarts within RESTART_WINDOW_S; past that the process is crash-looping (reported)
 RESTART_WINDOW_S = 300.0
@@ -125,6 +139,12 @@ class Supervisor:
         self._stopping = threading.Event()
         if prerequisite is None:
             self.prepared.set()
+        self.readiness = Readiness()
+        self._exporter: Exporter | None = None
+
+    def serve_metrics(self) -> None:
+        """Start this process's metrics, health and readiness endpoint (settings.metrics.supervisor_port)."""
+        self._exporter = start_exporter(self.settings, "supervisor", self.readiness)
 
     @property
     def state_path(self) -> Path:
@@ -146,6 +166,15 @@ class Supervisor:
                 "log": str(c.log_path),
             } for c in self.children.values()},
         }  # fmt: skip
+        for child in self.children.values():
+            CHILD_UP.labels(child.name).set(1 if child.running else 0)
+            CRASH_LOOPING.labels(child.name).set(1 if child.crash_looping else 0)
+        PREPARED.set(1 if self.prepared.is_set() else 0)
+        looping = self.crash_looping()
+        self.readiness.set(
+            "prepared", self.prepared.is_set(), "" if self.prepared.is_set() else "waiting for dependencies"
+        )
+        self.readiness.set("children", not looping, f"crash-looping: {', '.join(looping)}" if looping else "")
         tmp = self.state_path.with_suffix(".tmp")
         try:
             tmp.write_text(json.dumps(state, indent=1))
@@ -230,6 +259,7 @@ class Supervisor:
                 child.restart_at = None
                 child.restarts.append(now)
                 self._spawn(child)
+                RESTARTS.labels(child.name).inc()
                 restarted.append(child.name)
         self.write_state()
         return restarted
@@ -255,6 +285,9 @@ class Supervisor:
             _signal_group(child.proc.pid, signal.SIGKILL)  # stragglers in the group, if any
             child.proc.wait()
         self.write_state(stopped=True)
+        if self._exporter is not None:
+            self._exporter.stop()
+            self._exporter = None
 
     def run_forever(self, poll_s: float = 2.0) -> None:
         """Start everything and keep it running until SIGTERM/SIGINT."""
@@ -267,6 +300,7 @@ class Supervisor:
 
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
+        self.serve_metrics()
         self.start()
         try:
             while not stopping:

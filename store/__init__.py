@@ -32,7 +32,7 @@ from store.errors import (
     UnsupportedStoreUrl,
 )
 from store.events import BatchWrite, Rejected, SourceRecord
-from store.settle import SettleReport
+from store.settle import Settled, SettleReport
 
 __all__ = [
     "ApiKeyRecord",
@@ -46,6 +46,7 @@ __all__ = [
     "Rejected",
     "RotationRecord",
     "SettleReport",
+    "Settled",
     "SourceRecord",
     "Store",
     "StoreError",

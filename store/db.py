@@ -186,8 +186,8 @@ class Labelling:
         """Open episodes, join feedback, settle on terminal feedback; see store/settle.py."""
         return settle.join_and_settle(self._session, spec, self.now, interactions, feedback)
 
-    def settle_expired(self, spec: RewardSpec, window_s: float) -> int:
-        """Settle open episodes whose last event is older than the window; returns how many."""
+    def settle_expired(self, spec: RewardSpec, window_s: float) -> list[settle.Settled]:
+        """Settle open episodes whose last event is older than the window; returns them."""
         return settle.settle_expired(self._session, spec, self.now, window_s)
 
 

@@ -22,7 +22,7 @@ Rules (docs/runbooks/labeler.md has the operator's view):
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from sqlalchemy import or_, select, update
@@ -37,6 +37,16 @@ from store.models import Episode, Feedback, Interaction
 WINDOW_BATCH = 1000
 
 
+@dataclass(frozen=True)
+class Settled:
+    """One episode settled (for the labeler's metrics)."""
+
+    policy_version: str
+    reward: float
+    reason: str
+    latency_s: float  # from the episode's first event to its settlement
+
+
 @dataclass
 class SettleReport:
     joined: int = 0
@@ -44,6 +54,7 @@ class SettleReport:
     late_segments: int = 0
     settled_terminal: int = 0
     settled_window: int = 0
+    settled: list[Settled] = field(default_factory=list)
 
 
 def join_and_settle(
@@ -146,27 +157,30 @@ def join_and_settle(
             )
             if episode_id is not None
         }
-        settle(session, spec, now, [episodes[e] for e in sorted(terminal)], "terminal_feedback")
+        report.settled += settle(
+            session, spec, now, [episodes[e] for e in sorted(terminal)], "terminal_feedback"
+        )
         report.settled_terminal += len(terminal)
     return report
 
 
-def settle_expired(session: Session, spec: RewardSpec, now: datetime, window_s: float) -> int:
-    """Settle open episodes whose last event is older than the window; returns how many."""
+def settle_expired(session: Session, spec: RewardSpec, now: datetime, window_s: float) -> list[Settled]:
+    """Settle open episodes whose last event is older than the window (at most WINDOW_BATCH); returns them."""
     expired = session.scalars(
         select(Episode)
         .where(Episode.status == "open", Episode.last_event_at < now - timedelta(seconds=window_s))
         .order_by(Episode.last_event_at)
         .limit(WINDOW_BATCH)
     ).all()
-    settle(session, spec, now, list(expired), "window")
-    return len(expired)
+    return settle(session, spec, now, list(expired), "window")
 
 
-def settle(session: Session, spec: RewardSpec, now: datetime, episodes: list[Episode], reason: str) -> None:
+def settle(
+    session: Session, spec: RewardSpec, now: datetime, episodes: list[Episode], reason: str
+) -> list[Settled]:
     """Score each episode from its joined, non-late feedback (oldest first) and mark it settled."""
     if not episodes:
-        return
+        return []
     signals: dict[str, list[Feedback]] = defaultdict(list)
     rows = session.scalars(
         select(Feedback)
@@ -185,6 +199,15 @@ def settle(session: Session, spec: RewardSpec, now: datetime, episodes: list[Epi
         episode.reward_components = result.components
         episode.reward_spec = result.spec_id
     session.flush()
+    return [
+        Settled(
+            e.policy_version,
+            float(e.reward or 0.0),
+            reason,
+            max(0.0, (now - e.first_event_at).total_seconds()),
+        )
+        for e in episodes
+    ]
 
 
 def _load_episodes(session: Session, ids: set[str]) -> dict[str, Episode]:

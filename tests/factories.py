@@ -123,7 +123,7 @@ class Feeder:
 
     def settle_window(self, now: datetime, window_s: float = 30.0) -> int:
         with self.store.labelling(now) as tx:
-            return tx.settle_expired(self.spec, window_s)
+            return len(tx.settle_expired(self.spec, window_s))
 
 
 def fresh_topics(settings: Settings, partitions: int | None = None, prefix: str = "t") -> Settings:

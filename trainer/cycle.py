@@ -19,6 +19,7 @@ Guarantees (docs/architecture.md, Contracts: one cycle at a time):
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -29,6 +30,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from registry import CHALLENGER, Registry, flatten
+from schemas.clock import utcnow
 from schemas.sampling import trainer_can_reproduce
 from schemas.settings import DapoLoss, Settings, TrainerSettings
 from store import Store, TrainingEpisode
@@ -103,6 +105,12 @@ class CycleResult(BaseModel):
         0, description="Trainable segments left out: raw behaviour logprobs of non-neutral sampling."
     )
     mean_reward: float | None = Field(None, description="Mean reward of the batch.")
+    reward_std: float | None = Field(None, description="Population standard deviation of the batch's rewards.")
+    advantage_mean: float | None = Field(None, description="Mean advantage over the batch's episodes.")
+    advantage_abs_mean: float | None = Field(None, description="Mean |advantage| (how much signal the batch carries).")
+    data_age_s: float | None = Field(
+        None, description="Policy lag: age of the oldest episode learnt from when the cycle started, seconds."
+    )
     first_interaction_at: datetime | None = Field(None, description="Earliest episode start (data-to-deploy time).")
     train_s: float | None = Field(None, description="Load champion + optimizer steps, seconds.")
     cycle_s: float | None = Field(None, description="Whole cycle, lease to registration, seconds.")
@@ -250,7 +258,7 @@ def run_cycle(
         if stopping():
             raise Abandoned(f"the worker is stopping; cycle abandoned {where}")
 
-    started = time.monotonic()
+    started, started_at = time.monotonic(), utcnow()
 
     # ---- lease --------------------------------------------------------------------------------
     if takeover_suffix is not None:
@@ -415,6 +423,10 @@ def run_cycle(
             unreproducible_rows=unreproducible,
             no_signal_rows=no_signal,
             mean_reward=sum(rewards) / len(rewards),
+            reward_std=statistics.pstdev(rewards),
+            advantage_mean=statistics.fmean(adv.values),
+            advantage_abs_mean=statistics.fmean(abs(a) for a in adv.values),
+            data_age_s=round((started_at - min(e.created_at for e in episodes)).total_seconds(), 3),
             first_interaction_at=min(e.created_at for e in episodes),
             train_s=round(train_s, 3),
             steps=steps,

@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -31,6 +32,7 @@ from registry import Registry, RegistryUnavailable
 from schemas.clock import utcnow
 from schemas.settings import Settings
 from store import DatabaseUnavailable, Store
+from trainer import metrics
 from trainer.celery_app import BEAT_TASK, CYCLE_TASK, QUEUE, app, current_settings
 from trainer.errors import Abandoned, AfterRegistration
 from trainer.lease import expire_abandoned, keep_lease
@@ -159,10 +161,17 @@ def run_chain(
     ``challenger_score`` / ``champion_score``, ``version_after`` (the served version N),
     ``swap_ms``, ``deployed_at`` and ``data_to_deploy_s`` (deployed_at − first interaction).
     """
-    # Renewed from a thread for the whole job (training, gate, swap): the lease outlives a long cycle,
-    # and expires within trainer.lease_ttl_s of this worker's death (trainer/lease.py).
-    with keep_lease(store, owner, settings.trainer.lease_ttl_s):
-        return _chain(settings, store, registry, owner=owner, takeover_suffix=takeover_suffix, stopping=stopping)
+    started = time.monotonic()
+    metrics.cycle_started(time.time())
+    out: dict[str, Any] = {"status": "failed"}
+    try:
+        # Renewed from a thread for the whole job (training, gate, swap): the lease outlives a long cycle,
+        # and expires within trainer.lease_ttl_s of this worker's death (trainer/lease.py).
+        with keep_lease(store, owner, settings.trainer.lease_ttl_s):
+            out = _chain(settings, store, registry, owner=owner, takeover_suffix=takeover_suffix, stopping=stopping)
+        return out
+    finally:
+        metrics.cycle_ended(out, time.monotonic() - started)
 
 
 def _chain(
@@ -188,7 +197,9 @@ def _chain(
         out["status"] = "abandoned"
         return out
     try:
+        gate_started = time.monotonic()
         decision = gate.evaluate(settings, registry, result.challenger_version)
+        out["gate_s"] = round(time.monotonic() - gate_started, 3)
         out.update(gate="pass" if decision.passed else "fail", gate_reason=decision.reason,
                    challenger_score=decision.challenger_score, champion_score=decision.champion_score)
         gate_metrics = {"gate": out["gate"], "gate_reason": decision.reason,
@@ -197,7 +208,9 @@ def _chain(
             end_cycle(settings, store, result.cycle_id, "rejected", metrics=gate_metrics)
             out["status"] = "rejected"
             return out
+        deploy_started = time.monotonic()
         swap = rollout.promote(settings, registry, result.challenger_version)
+        out["deploy_s"] = round(time.monotonic() - deploy_started, 3)
         out["swap"] = swap.model_dump(mode="json")
         if not swap.ok:
             # Not deployed (the fleet is back on the champion): the data was not learnt from in

@@ -156,11 +156,17 @@ def reconcile(
             raise typer.Exit(1)
         return
     from rtrl.logs import setup_logging
+    from telemetry import Readiness, start_exporter
 
     setup_logging()
+    readiness = Readiness()
+    readiness.set("fleet", False, "first check not done yet")
+    start_exporter(settings, "reconciler", readiness)  # /metrics, /healthz, /readyz (docs/metrics.md)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the tick under way, then exit
-    reconcile_forever(settings, registry, every or settings.deployer.reconcile_interval_s, stop, revive)
+    reconcile_forever(settings, registry, every or settings.deployer.reconcile_interval_s, stop, revive,
+                      on_tick=lambda outcome, detail: readiness.set("fleet", outcome in ("aligned", "changed", "busy"),
+                                                                    detail))  # fmt: skip
 
 
 @deploy_app.command("rotation")

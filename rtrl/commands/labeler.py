@@ -18,9 +18,13 @@ def labeler(ctx: typer.Context) -> None:
     from feedback.labeler import run
     from rtrl.logs import setup_logging
     from schemas.settings import load_settings
+    from telemetry import Readiness, start_exporter
 
     setup_logging()
-    run(load_settings())
+    settings = load_settings()
+    readiness = Readiness()
+    start_exporter(settings, "labeler", readiness)  # /metrics, /healthz, /readyz (docs/metrics.md)
+    run(settings, readiness=readiness)
 
 
 @labeler_app.command("migrate")

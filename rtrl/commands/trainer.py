@@ -24,9 +24,17 @@ def worker(
     from trainer.celery_app import QUEUE, configure
 
     _logging()
-    app = configure(load_settings())
+    settings = load_settings()
+    app = configure(settings)
+    from celery.signals import worker_ready
+
+    from telemetry import Readiness, start_exporter
     from trainer.engine import prebuild_ops
 
+    readiness = Readiness()
+    readiness.set("consuming", False, "starting")
+    start_exporter(settings, "worker", readiness)  # /metrics, /healthz, /readyz (docs/metrics.md)
+    worker_ready.connect(lambda **_: readiness.set("consuming", True), weak=False)
     prebuild_ops()  # DeepSpeed's CPU op built (or loaded) now, and a lock left by a killed build cleared
     # Solo pool: the cycle runs in this process, which keeps DeepSpeed's process group across cycles.
     app.worker_main(["worker", "--pool=solo", "--concurrency=1", f"--loglevel={loglevel}", "-Q", QUEUE, "-n", hostname])
@@ -35,10 +43,12 @@ def worker(
 def beat(loglevel: str = typer.Option("INFO", help="Celery log level.")) -> None:
     """Run Celery beat: every trainer.interval_s it checks whether a cycle should be enqueued."""
     from schemas.settings import load_settings
+    from telemetry import start_exporter
     from trainer.celery_app import configure
 
     _logging()
     settings = load_settings()
+    start_exporter(settings, "beat")  # /metrics, /healthz (docs/metrics.md)
     settings.services.run_dir.mkdir(parents=True, exist_ok=True)
     schedule = settings.services.run_dir / "celerybeat-schedule"
     configure(settings).start(["beat", f"--loglevel={loglevel}", f"--schedule={schedule}"])

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from factories import FakeClock, FakeMonotonic, feedback, fresh_topics, interaction, wire
 from helpers import REPO, TopicReader, produce, run_rtrl
+from prometheus_client import REGISTRY
 
 import streams
 from feedback.labeler import Labeler, make_consumer, make_producer
@@ -175,10 +176,20 @@ def hostile_mix(settings: Settings, now: datetime) -> tuple[list[tuple[str, byte
 # ---- tests -------------------------------------------------------------------------------------------
 
 
+def counted(name: str, **labels: str) -> float:
+    """A sample of this process's labeler metrics (feedback/metrics.py); 0 before its first increment."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 def run_mix_and_check(settings: Settings, store: Store, clock: FakeClock) -> None:
     items, stored, dead = hostile_mix(settings, clock())
     produce(settings.kafka, items)
     labeler = labeler_for(settings, store, clock)
+    series = [("rtrl_labeler_events_total", {"kind": "interaction"}), ("rtrl_labeler_events_total", {"kind": "feedback"}),
+              *[("rtrl_labeler_dead_letters_total", {"reason": r}) for r in ("content", "duplicate", "schema")],
+              ("rtrl_labeler_feedback_joined_total", {}), ("rtrl_labeler_settled_total", {"how": "terminal_feedback"}),
+              ("rtrl_labeler_settled_total", {"how": "window"}), ("rtrl_labeler_settle_latency_seconds_count", {})]  # fmt: skip
+    before = [counted(name, **labels) for name, labels in series]
     try:
         result = drain(labeler, settings, store)
         assert (result.produced, result.stored, result.dead_lettered) == (len(items), stored, dead)
@@ -200,6 +211,11 @@ def run_mix_and_check(settings: Settings, store: Store, clock: FakeClock) -> Non
         assert stats["episodes_settled"] == 21
         rewards = sorted(e.reward for e in store.select_episodes(1, 0, limit=100))
         assert rewards == [0.0] * 11 + [0.75] * 5 + [1.75] * 5
+        # The metrics count what was committed, once: 21 interactions and 15 feedback stored, the
+        # dead letters by reason, 15 feedback joined, 5 + 16 settled with their latency.
+        moved = [counted(name, **labels) - b for (name, labels), b in zip(series, before, strict=True)]
+        assert moved == [21, 15, 4, 2, 9, 15, 5, 16, 21]
+        assert counted("rtrl_labeler_store_up") == 1.0
     finally:
         close(labeler)
 
