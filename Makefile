@@ -14,7 +14,7 @@ $(STAMP): requirements/lock.txt pyproject.toml
 	bash infra/install.sh
 	touch $(STAMP)
 
-system-deps:  ## PostgreSQL, Redis, Java 17 + Maven: apt-installs what is missing as root, else says how
+system-deps:  ## PostgreSQL, Redis, Java 17 + Maven, Prometheus (promtool), Chromium: apt-installs what is missing as root, else says how
 	bash infra/system-deps.sh
 
 lock:  ## re-resolve requirements/lock.txt from requirements/base.in (+ overrides)

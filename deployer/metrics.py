@@ -5,18 +5,26 @@ docs/metrics.md gives each with its unit.
 
 from __future__ import annotations
 
+import math
 import time
 
 from prometheus_client import Counter, Gauge, Histogram
 
 GATE_DECISIONS = Counter(
-    "rtrl_gate_decisions_total", "Eval gate decisions, by decision (pass, fail).", ["decision"]
+    "rtrl_gate_decisions_total",
+    "Eval gate decisions, by decision (pass, fail) and cause (within_tolerance, worse_than_champion, "
+    "challenger_not_loaded).",
+    ["decision", "cause"],
 )
 GATE_SCORE = Gauge(
-    "rtrl_gate_score", "Mean score of the last gate's evaluation, by model (challenger, champion).", ["model"]
+    "rtrl_gate_score",
+    "Mean score of the last gate's evaluation, by model (challenger, champion); NaN when the model was not scored.",
+    ["model"],
 )
-GATE_LAST = Gauge("rtrl_gate_last_decision", "The last gate decision: 1 pass, 0 fail.")
-GATE_LAST_AT = Gauge("rtrl_gate_last_decision_timestamp_seconds", "Unix time of the last gate decision.")
+GATE_LAST = Gauge("rtrl_gate_last_decision", "The last gate decision: 1 pass, 0 fail (NaN before this process's first).")
+GATE_LAST_AT = Gauge(
+    "rtrl_gate_last_decision_timestamp_seconds", "Unix time of the last gate decision (NaN before this process's first)."
+)
 SWAP_WINDOW = Histogram(
     "rtrl_deployer_swap_window_seconds",
     "A server's pause window during a swap (pause to resume: it served nothing), by server.",
@@ -42,11 +50,13 @@ SERVER_UP = Gauge(
     "rtrl_deployer_server_up", "1 when a server answered the last fleet check, else 0.", ["server"]
 )
 CHAMPION = Gauge(
-    "rtrl_deployer_champion_version", "The @champion version at the last fleet check or promotion."
+    "rtrl_deployer_champion_version",
+    "The @champion version at this process's last fleet check or promotion (NaN before either).",
 )
 FLEET_AGREES = Gauge(
     "rtrl_deployer_fleet_agreement",
-    "1 when every server (fleet and staging) served @champion after the last fleet check, else 0.",
+    "1 when every server (fleet and staging) served @champion at the reconciler's last fleet check, else 0 (NaN in "
+    "processes that do not check the fleet).",
 )
 RECONCILE = Counter(
     "rtrl_deployer_reconcile_total",
@@ -61,10 +71,35 @@ RESTARTS = Counter(
 )
 
 
+# Every outcome of the counters exists from the start (at 0): a first failure is an increase a rule sees.
+for _decision, _cause in (("pass", "within_tolerance"), ("fail", "worse_than_champion"), ("fail", "challenger_not_loaded")):
+    GATE_DECISIONS.labels(_decision, _cause)
+for _outcome in ("verified", "restored", "failed"):
+    SWAPS.labels(_outcome)
+for _outcome in ("ok", "failed"):
+    ROLLOUTS.labels(_outcome)
+for _outcome in ("aligned", "changed", "error", "busy", "failed"):
+    RECONCILE.labels(_outcome)
+
+# Unlabelled gauges exist from import in every process that imports this module: NaN, not 0, until
+# this process sets them, so `== 0` alerts and min() across processes see only real values.
+for _unset in (GATE_LAST, GATE_LAST_AT, CHAMPION, FLEET_AGREES):
+    _unset.set(math.nan)
+
+
 def record_gate(passed: bool, challenger_score: float | None, champion_score: float | None) -> None:
-    GATE_DECISIONS.labels("pass" if passed else "fail").inc()
+    cause = "within_tolerance" if passed else "challenger_not_loaded" if challenger_score is None else "worse_than_champion"
+    GATE_DECISIONS.labels("pass" if passed else "fail", cause).inc()
     GATE_LAST.set(1 if passed else 0)
     GATE_LAST_AT.set(time.time())
     for model, score in (("challenger", challenger_score), ("champion", champion_score)):
-        if score is not None:
-            GATE_SCORE.labels(model).set(score)
+        GATE_SCORE.labels(model).set(math.nan if score is None else score)
+
+
+def record_swap(url: str, verified: bool, restored: bool, pause_ms: float, serving: int | None) -> None:
+    """One server's swap (a promotion's, a rollback's or the reconciler's realignment)."""
+    SWAPS.labels("verified" if verified else "restored" if restored else "failed").inc()
+    if pause_ms > 0:
+        SWAP_WINDOW.labels(url.rstrip("/")).observe(pause_ms / 1000)
+    if serving is not None:
+        SERVER_VERSION.labels(url.rstrip("/")).set(serving)

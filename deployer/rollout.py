@@ -416,11 +416,7 @@ def _swap_one(
             return _failed_step(url, want.version, exc), {}
     extra = {"drained": window.drained, "drain_ms": window.drain_ms,
              "in_flight_at_drain": window.in_flight_at_drain, "in_flight_at_pause": window.in_flight_at_pause}  # fmt: skip
-    metrics.SWAPS.labels("verified" if step.verified else "restored" if step.restored else "failed").inc()
-    if step.pause_ms > 0:
-        metrics.SWAP_WINDOW.labels(url.rstrip("/")).observe(step.pause_ms / 1000)
-    if window.serving is not None:
-        metrics.SERVER_VERSION.labels(url.rstrip("/")).set(window.serving)
+    metrics.record_swap(url, step.verified, step.restored, step.pause_ms, window.serving)
     return step.model_copy(update=extra), digests
 
 
@@ -636,6 +632,7 @@ def _align(
         step, _ = swap_server(server, want, settings, restore=None)
         if step.verified:
             window.serving = version
+    metrics.record_swap(server.url, step.verified, step.restored, step.pause_ms, window.serving)
     if not step.verified:
         raise ServerError(server.url, f"could not bring the server to champion v{version}: {step.error}")
     return "swapped", step

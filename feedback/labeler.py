@@ -129,6 +129,7 @@ class Labeler:
         self._noted: dict[tuple[str, int], tuple[int, str]] = {}
         self.readiness = readiness or Readiness()
         self._lag_at = 0.0
+        self._lag_series: set[tuple[str, int]] = set()
 
     def run(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set."""
@@ -199,6 +200,9 @@ class Labeler:
         self._lag_at = now
         assigned = self.consumer.assignment()
         self.readiness.set("kafka", bool(assigned), "" if assigned else "no partition assigned (yet)")
+        for topic, partition in self._lag_series - {(tp.topic, tp.partition) for tp in assigned}:
+            metrics.LAG.remove(topic, str(partition))  # another replica reports it now
+        self._lag_series = {(tp.topic, tp.partition) for tp in assigned}
         for tp in assigned:
             highwater = self.consumer.highwater(tp)
             if highwater is None:

@@ -1,7 +1,7 @@
 """Prometheus metrics of the labeler process (served by `rtrl labeler`'s exporter, telemetry/).
 
 Module-level families on the default registry: one labeler per process. docs/metrics.md gives each
-with its unit; alerts/rtrl.rules.yml in infra/ pages on lag, dead letters and a store that refuses.
+with its unit; infra/prometheus/rtrl.rules.yml pages on lag, dead letters and a store that refuses.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ SETTLED_BY_VERSION = Counter(
     ["version", "sign"],
 )
 REWARD_SUM = Counter(
-    "rtrl_labeler_settled_reward_abs_sum",
-    "Sum of |reward| of settled episodes, by version and sign (positive, negative): the mean live reward of a version "
-    "is (positive − negative) / rtrl_labeler_settled_by_version_total summed over signs.",
+    "rtrl_labeler_settled_reward_abs",
+    "Sum of |reward| of settled episodes, by version and sign (positive, negative), exported as "
+    "rtrl_labeler_settled_reward_abs_total: the mean live reward of a version is (positive − negative) / "
+    "rtrl_labeler_settled_by_version_total summed over signs.",
     ["version", "sign"],
 )
 SETTLE_LATENCY = Histogram(
@@ -68,6 +69,13 @@ LAST_STEP = Gauge(
 )
 
 REASONS = ("schema", "content", "duplicate", "record", "poison")
+# Every known series exists from the start (at 0), so the first increment is an increase a rule sees.
+for _reason in (*REASONS, "other"):
+    DEAD_LETTERS.labels(_reason)
+for _kind in ("interaction", "feedback"):
+    EVENTS.labels(_kind)
+for _how in ("terminal_feedback", "window"):
+    SETTLED.labels(_how)
 
 
 def sign(reward: float) -> str:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages behind the local services (`rtrl services up`): PostgreSQL, Redis,
-# and Java 17 + Maven (the Kafka broker comes from Maven Central) when they are missing.
+# and Java 17 + Maven (the Kafka broker comes from Maven Central), plus what the tests need:
+# Prometheus (its `promtool` checks infra/prometheus/rtrl.rules.yml) and Chromium (headless, for the
+# HTML report test), when they are missing.
 # Idempotent: nothing is installed when everything is present. As root it installs what is
 # missing (one `apt-get update`, one `apt-get install`); otherwise it prints the one command to
 # run and exits 1. `make demo` and `make test` run it first; CI runs it through `make test`.
@@ -14,6 +16,8 @@ fi
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null || missing+=(maven)
+command -v promtool >/dev/null || missing+=(prometheus)
+command -v chromium >/dev/null || missing+=(chromium)
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
@@ -30,9 +34,10 @@ export DEBIAN_FRONTEND=noninteractive
 apt-get update -q
 apt-get install -y -q --no-install-recommends "${missing[@]}"
 # Debian starts the packaged services on their default ports; rtrl runs its own instances on its own
-# ports and data dirs, so stop the packaged ones where a service manager started them.
+# ports and data dirs (and only `promtool` of the prometheus package is used: nothing may listen on
+# 9090 that rtrl did not start), so stop the packaged ones where a service manager started them.
 if command -v service >/dev/null; then
-  for svc in postgresql redis-server; do
+  for svc in postgresql redis-server prometheus; do
     service "$svc" stop >/dev/null 2>&1 || true
   done
 fi

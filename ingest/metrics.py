@@ -6,7 +6,7 @@ Each gateway gets its own `CollectorRegistry`, so several instances can live in 
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 
 class GatewayMetrics:
@@ -14,6 +14,7 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory, open fds, start time
         self.requests = Counter(
             "rtrl_gateway_requests_total",
             "Requests answered by the gateway, by endpoint and HTTP status.",

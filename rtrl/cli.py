@@ -67,7 +67,8 @@ def config_show() -> None:
     typer.echo(load_settings().model_dump_json(indent=2))
 
 
-for _name in ("services", "model", "gateway", "labeler", "keys", "dlq", "trainer", "deploy", "simulate", "demo", "daemon"):
+for _name in ("services", "model", "gateway", "labeler", "keys", "dlq", "store", "trainer", "deploy", "simulate", "demo", "report",
+              "daemon"):
     importlib.import_module(f"rtrl.commands.{_name}").register(app)
 
 

@@ -10,7 +10,8 @@ not restart in lockstep. One that exited `MAX_RESTARTS` times within `RESTART_WI
 reported as crash-looping and retried at the cap for as long as it keeps failing: it is never a
 reason to stop the others (a labeler that cannot write must not take the gateway, and users'
 inference, down with it). SIGTERM/SIGINT stops them all. State lives in Kafka, the SQL store and
-MLflow, so a restarted process resumes where its predecessor committed.
+MLflow, so a restarted process resumes where its predecessor committed. `check` also rotates the
+logs in ``<run_dir>/logs/`` that outgrew ``services.log_max_bytes`` (`rtrl.logs.rotate`).
 
 ``rtrl run`` starts with its dependencies down: the gateway starts at once (it answers 503 with
 ``Retry-After`` until it has read the API keys, and spools events while Kafka is away), while
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, Gauge
 
 from rtrl.launch import child_env, rtrl_command
+from rtrl.logs import rotate
 from schemas.clock import Monotonic
 from schemas.settings import Settings
 from telemetry import Exporter, Readiness, start_exporter
@@ -131,9 +133,12 @@ class Supervisor:
         self.settings = settings
         self.monotonic = monotonic
         self.draw = draw
-        logs = Path(settings.services.run_dir) / "logs"
+        logs = self.logs_dir = Path(settings.services.run_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        self._rotate_errors: dict[Path, str] = {}  # the last rotation error per log, said once
         self.children = {name: Child(name, rtrl_command(*PROCESSES[name]), logs / f"{name}.log") for name in names}
+        for name in self.children:
+            RESTARTS.labels(name)  # at 0 from the start: the first restart is an increase a rule sees
         self._prerequisite = prerequisite
         self.prepared = threading.Event()
         self._stopping = threading.Event()
@@ -240,6 +245,10 @@ class Supervisor:
             if child.proc is None and self.prepared.is_set():  # was waiting for `prepare`
                 self._spawn(child)
                 continue
+            if child.running and child.crash_looping and child.restarts and now - child.restarts[-1] > BACKOFF_MAX_S:
+                child.crash_looping = False  # it has stayed up longer than the retry interval: recovered
+                log.info("%s has run for %.0fs since its last restart: no longer crash-looping", child.name,
+                         now - child.restarts[-1])  # fmt: skip
             if child.running or child.proc is None:
                 continue
             if child.restart_at is None:  # an exit not seen before
@@ -261,8 +270,28 @@ class Supervisor:
                 self._spawn(child)
                 RESTARTS.labels(child.name).inc()
                 restarted.append(child.name)
+        self.rotate_logs()
         self.write_state()
         return restarted
+
+    def rotate_logs(self) -> list[Path]:
+        """Copy-truncate each log in ``<run_dir>/logs/`` larger than ``services.log_max_bytes``
+        (`rtrl.logs.rotate`): the children's and those of the local services of the same run dir,
+        which `rtrl.services.base` redirects there the same way (append mode). Returns those rotated."""
+        services = self.settings.services
+        rotated = []
+        for path in sorted(self.logs_dir.glob("*.log")):
+            try:
+                if rotate(path, services.log_max_bytes, services.log_backups):
+                    rotated.append(path)
+                    log.info("rotated %s (over %d bytes; %d backups kept)", path, services.log_max_bytes,
+                             services.log_backups)  # fmt: skip
+                self._rotate_errors.pop(path, None)
+            except OSError as exc:  # a full disk must not stop the supervisor; the log stays as it was
+                if self._rotate_errors.get(path) != str(exc):
+                    log.warning("cannot rotate %s: %s; it keeps growing", path, exc)
+                self._rotate_errors[path] = str(exc)
+        return rotated
 
     def crash_looping(self) -> list[str]:
         """Processes that exited `MAX_RESTARTS` times within `RESTART_WINDOW_S` (still being retried)."""

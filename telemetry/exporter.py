@@ -10,7 +10,7 @@ process reported (`Readiness.set`) is ok, else 503 with the failing checks and w
 the health endpoints never do (they reveal nothing but the check names).
 
 A port that cannot be bound is logged and the process runs on without an endpoint: losing
-metrics never stops the loop (the scrape target's ``up`` goes to 0, and alerts/rtrl.rules.yml
+metrics never stops the loop (the scrape target's ``up`` goes to 0, and infra/prometheus/rtrl.rules.yml
 pages on that).
 """
 

@@ -102,3 +102,37 @@ def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def open_in_browser(path: Path, timeout_s: float = 60) -> tuple[str, list[str]]:
+    """Load the file `path` in headless Chromium: its DOM once loaded (after its scripts ran), and
+    the page's console messages and uncaught exceptions ("Uncaught Error: ...").
+
+    Chromium logs a web page's console messages at INFO whatever their level (it passes the level on
+    only for its own chrome:// pages), so console.error cannot be told from console.log here: every
+    console message is returned, and a page that should run cleanly must log nothing. A missing
+    Chromium fails the test (run `make system-deps`), it does not skip it.
+    """
+    import re
+    import shutil
+    import tempfile
+
+    import pytest
+
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.fail("chromium is not installed: run `make system-deps` (infra/system-deps.sh installs it)", pytrace=False)
+    with tempfile.TemporaryDirectory(prefix="rtrl-chromium-") as profile:
+        proc = subprocess.run(
+            [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+             f"--user-data-dir={profile}", "--dump-dom", path.resolve().as_uri()],
+            capture_output=True, text=True, timeout=timeout_s,
+        )  # fmt: skip
+    assert proc.returncode == 0, f"chromium exited {proc.returncode}: {proc.stderr[-3000:]}"
+    # One log record per console message or uncaught exception, e.g.
+    #   [9854:9854:1201/103835.300971:INFO:CONSOLE:3] "Uncaught Error: x", source: file:///tmp/a.html (3)
+    # ("CONSOLE(3)" in older versions); a record may run over several lines.
+    starts = [m.start() for m in re.finditer(r"^\[\d+:\d+:\d+/\d+\.\d+:[A-Z]+:", proc.stderr, re.MULTILINE)]
+    records = [proc.stderr[a:b].strip() for a, b in zip(starts, [*starts[1:], len(proc.stderr)], strict=True)]
+    console = [m.group(1) for m in (re.match(r"^\[[^\]]*:CONSOLE[:(]\d+\)?\] (.*)", r, re.DOTALL) for r in records) if m]
+    return proc.stdout, console

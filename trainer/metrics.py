@@ -7,7 +7,9 @@ gives each with its unit.
 
 from __future__ import annotations
 
+import math
 import statistics
+import time
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -38,12 +40,23 @@ LAST = Gauge(
     "data_to_deploy_seconds.",
     ["stat"],
 )
+LAST_AT = Gauge(
+    "rtrl_trainer_last_cycle_timestamp_seconds",
+    "Unix time rtrl_trainer_last_cycle was set (NaN until this worker trained a cycle): with several workers, the newest.",
+)
 BATCH_REWARD = Gauge(
     "rtrl_trainer_batch_reward_mean",
-    "Mean reward of the episodes the last cycle on each version learnt from, by the version that served them.",
+    "Mean reward of the episodes the last cycle trained from each champion version learnt from, by that champion "
+    "version (on-policy: the version that served them).",
     ["version"],
 )
-CHAMPION = Gauge("rtrl_trainer_champion_version", "The @champion version after the last cycle chain.")
+CHAMPION = Gauge(
+    "rtrl_trainer_champion_version", "The @champion version after the last cycle chain (NaN before the first)."
+)
+for _status in ("promoted", "rejected", "failed", "skipped", "abandoned", "busy", "not_enough_data"):
+    CYCLES.labels(_status)  # every outcome exists from the start (at 0): a first failure is an increase
+for _unset in (CHAMPION, LAST_AT):
+    _unset.set(math.nan)  # not 0: a worker that has not trained yet knows no version (docs/metrics.md)
 
 
 def cycle_started(now: float) -> None:
@@ -83,5 +96,6 @@ def cycle_ended(out: dict[str, Any], chain_s: float) -> None:
     for stat, value in stats.items():
         if value is not None:
             LAST.labels(stat).set(float(value))
+    LAST_AT.set(time.time())
     if out.get("champion_version") is not None:
         BATCH_REWARD.labels(f"v{out['champion_version']}").set(float(out["mean_reward"]))

@@ -30,7 +30,7 @@ from helpers import stop_group
 from feedback.reconcile import Reconciliation, reconcile
 from rtrl.launch import child_env, rtrl_command
 from schemas.clock import wait_until
-from schemas.settings import Settings
+from schemas.settings import MetricsSettings, Settings
 from store import Store
 
 pytestmark = pytest.mark.e2e
@@ -127,6 +127,9 @@ def test_rtrl_run_heals_a_killed_labeler_worker_and_vllm_server(
             "checkpoint_dir": tmp_path / "checkpoints"}),
         "gate": services.gate.model_copy(update={"tolerance": 1.0, "eval_prompts": 8}),  # not what this tests
         "deployer": services.deployer.model_copy(update={"reconcile_interval_s": 3.0}),
+        "metrics": MetricsSettings(**dict(zip(
+            ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
+            strict=True))),  # fmt: skip
     })  # fmt: skip
     gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
     serving_unit = next(u for u in units(settings, ("vllm",)) if u.name == "vllm")
@@ -185,6 +188,7 @@ def test_rtrl_run_heals_a_killed_labeler_worker_and_vllm_server(
         counts = wait_until(lambda: _balanced(settings, store), timeout_s=300, what="the labeler caught up")
         print("reconciliation:", counts)
         assert counts.produced >= traffic.ok
+        check_metrics(settings, champion, killed)
     finally:
         stop_group(daemon, grace_s=90)
         store.close()
@@ -219,3 +223,36 @@ def _version(url: str, settings: Settings) -> int | None:
 def _balanced(settings: Settings, store: Store) -> Reconciliation | None:
     counts = reconcile(settings, store)
     return counts if counts.balanced and counts.pending == 0 else None
+
+
+def scrape(port: int, settings: Settings) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """One process's /metrics (docs/metrics.md) as {(name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://{settings.metrics.host}:{port}/metrics", timeout=5).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+
+
+def check_metrics(settings: Settings, champion: int, killed: dict[str, int]) -> None:
+    """What the supervisor, the reconciler and beat report about what happened (the labeler's and
+    the worker's own series are checked in tests/e2e/test_loop.py)."""
+    m = settings.metrics
+    for port in (m.supervisor_port, m.labeler_port, m.worker_port, m.beat_port, m.reconciler_port):
+        assert httpx.get(f"http://{m.host}:{port}/healthz", timeout=5).status_code == 200, port
+    supervisor = scrape(m.supervisor_port, settings)
+    assert supervisor[("rtrl_supervisor_child_restarts_total", (("child", "labeler"),))] >= 3
+    assert supervisor[("rtrl_supervisor_child_restarts_total", (("child", "worker"),))] >= 1
+    assert supervisor[("rtrl_supervisor_child_up", (("child", "reconciler"),))] == 1
+    server = settings.vllm.servers[0].rstrip("/")
+
+    def reconciled() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+        seen = scrape(m.reconciler_port, settings)
+        return seen if seen.get(("rtrl_deployer_fleet_agreement", ())) == 1 else None
+
+    reconciler = wait_until(reconciled, timeout_s=60, what="the reconciler seeing the fleet agree")
+    assert reconciler[("rtrl_deployer_server_restarts_total", (("server", server),))] >= 1  # the killed vLLM
+    assert reconciler[("rtrl_deployer_server_weight_version", (("server", server),))] == champion
+    assert reconciler[("rtrl_deployer_champion_version", ())] == champion
+    assert reconciler[("rtrl_deployer_swaps_total", (("outcome", "verified"),))] >= 1  # the restarted server's swap
+    assert httpx.get(f"http://{m.host}:{m.reconciler_port}/readyz", timeout=5).status_code == 200

@@ -2,20 +2,31 @@
 
 Runs the real CLI (`python -m rtrl.cli demo --cycles 2`) against the session's services, then
 checks the loop's effects where they live: the vLLM server, the SQL store, MLflow and Kafka.
+While it runs, every process's metrics endpoint is scraped once a second (docs/metrics.md), and
+the key series must move: labelled events, consumer lag, cycle duration, swap window, the version
+each server serves.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import threading
+from collections import defaultdict
 from pathlib import Path
 
+import httpx
 import pytest
 import sqlalchemy as sa
 from factories import fresh_topics
-from helpers import run_rtrl
+from helpers import REPO, open_in_browser, run_rtrl
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file
 
-from schemas.settings import Settings, StoreSettings
+from rtrl.launch import child_env, rtrl_command
+from rtrl.services.testing import free_ports
+from schemas.settings import MetricsSettings, Settings, StoreSettings
+from store import Store
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +36,6 @@ REQUESTS_PER_CYCLE = 48
 @pytest.fixture()
 def loop_settings(services: Settings, tmp_path: Path) -> Settings:
     """The session's services, with a store, topics, registry model and gateway of this test's own."""
-    from rtrl.services.testing import free_ports
 
     suffix = tmp_path.name.replace("_", "-")[-24:]
     return fresh_topics(services, prefix="e2e").model_copy(
@@ -43,8 +53,59 @@ def loop_settings(services: Settings, tmp_path: Path) -> Settings:
             # This test is about the loop closing, not about the gate's judgement (its own tests
             # cover pass and fail): let any challenger that is not catastrophically worse through.
             "gate": services.gate.model_copy(update={"tolerance": 1.0, "eval_prompts": 16}),
+            "metrics": MetricsSettings(**dict(zip(
+                ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
+                strict=True))),  # fmt: skip
         }
     )
+
+
+Sample = tuple[str, tuple[tuple[str, str], ...]]  # (name, sorted labels)
+
+
+class Scraper:
+    """Scrapes each process's /metrics once a second in a thread; keeps every value seen per series."""
+
+    def __init__(self, targets: dict[str, tuple[str, dict[str, str]]]) -> None:
+        self.targets = targets  # process -> (url, headers)
+        self.seen: dict[str, list[dict[Sample, float]]] = defaultdict(list)  # process -> one dict per scrape
+        self.ready: dict[str, set[int]] = defaultdict(set)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scraper", daemon=True)
+
+    def __enter__(self) -> Scraper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=2.0) as client:
+            while not self._stop.wait(1.0):
+                for process, (url, headers) in self.targets.items():
+                    try:
+                        text = client.get(f"{url}/metrics", headers=headers).text
+                        self.ready[process].add(client.get(f"{url}/readyz", headers=headers).status_code)
+                    except httpx.HTTPError:
+                        continue  # not started yet, or gone
+                    self.seen[process].append({
+                        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                        for family in text_string_to_metric_families(text) for sample in family.samples
+                    })  # fmt: skip
+
+    def values(self, process: str, name: str, **labels: str) -> list[float]:
+        """Per scrape in which it appears, the sum of the series `name` whose labels include `labels`."""
+        out = []
+        for scrape in self.seen[process]:
+            matching = [v for (n, ls), v in scrape.items() if n == name and set(labels.items()) <= set(ls)]
+            if matching:
+                out.append(sum(matching))
+        return out
+
+    def series(self, process: str, name: str) -> list[dict[str, str]]:
+        return [dict(ls) for scrape in self.seen[process] for (n, ls) in scrape if n == name]
 
 
 def test_two_cycles_swap_the_served_weights_twice(
@@ -55,18 +116,30 @@ def test_two_cycles_swap_the_served_weights_twice(
     from feedback.reconcile import reconcile
     from registry import Registry
     from serving import VllmClient
-    from store import Store
 
     settings = loop_settings
     # The demo would stop services it started itself; here every service is already up, so it
     # starts none of them. It shares the session's run dir for the service pid files.
     settings = settings.model_copy(update={"services": services.services})
     out = tmp_path / "cycles.json"
-    proc = run_rtrl(settings, "demo", "--cycles", "2", "--requests", str(REQUESTS_PER_CYCLE), "--json", str(out),
-                    timeout_s=1500)  # fmt: skip
+    store = Store(settings.store.url)
+    store.migrate()
+    _, admin_key = store.create_api_key(role="admin", tenant=None, name="e2e scraper", rate_per_s=0)  # the gateway's /metrics
+    store.close()
+    m, host = settings.metrics, settings.metrics.host
+    targets = {name: (f"http://{host}:{port}", {}) for name, port in
+               (("supervisor", m.supervisor_port), ("labeler", m.labeler_port), ("worker", m.worker_port))}  # fmt: skip
+    targets["gateway"] = (f"http://{settings.gateway.host}:{settings.gateway.port}",
+                          {"authorization": f"Bearer {admin_key}"})  # fmt: skip
+    with Scraper(targets) as scraper:
+        proc = subprocess.run(
+            rtrl_command("demo", "--cycles", "2", "--requests", str(REQUESTS_PER_CYCLE), "--json", str(out)),
+            cwd=REPO, env=child_env(settings), capture_output=True, text=True, timeout=1500,
+        )  # fmt: skip
     logs = Path(settings.services.run_dir) / "logs"
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\nlogs in {logs}"
     rows = json.loads(out.read_text())
+    check_metrics_moved(scraper, settings)
     assert out.with_suffix(".png").stat().st_size > 1000
 
     # The served weight version changed twice, and the table says so.
@@ -113,7 +186,57 @@ def test_two_cycles_swap_the_served_weights_twice(
     base_reference = reference_logprobs(tiny_model_dir, probe)[0]
     assert max(abs(a - b) for a, b in zip(served, base_reference, strict=True)) > 1e-4
 
+    # What an operator looks at: `rtrl status` (exit 1: the demo's supervisor has stopped, which it
+    # lists as a problem) and `rtrl report`, opened in a headless browser.
+    status = run_rtrl(settings, "status", "--json", timeout_s=180)
+    assert status.returncode == 1, status.stderr[-2000:]
+    state = json.loads(status.stdout)
+    assert state["registry"] == {"champion": 3, "latest": 3}
+    assert state["labeler"]["balanced"] is True
+    assert [row["version"] for row in state["fleet"] if row["role"] == "serving"] == [3], state["fleet"]
+    assert any("rtrl run is not running" in p for p in state["problems"]), state["problems"]
+    report = tmp_path / "report.html"
+    made = run_rtrl(settings, "report", "--out", str(report), timeout_s=180)
+    assert made.returncode == 0 and report.exists(), made.stderr[-2000:]
+    dom, console = open_in_browser(report)
+    assert console == [], console  # no script error, nothing logged
+    assert dom.count("<svg") >= 5 and "Gate decisions" in dom and "promoted" in dom  # no dead letters: no 6th
+
     # Leave the shared servers on the base weights for the tests that follow.
     assert promote(settings, registry, 1).ok
     assert server.weight_version() == 1
     server.close()
+
+
+def check_metrics_moved(scraper: Scraper, settings: Settings) -> None:
+    """The key series of every process, as scraped while the demo ran (docs/metrics.md)."""
+    # Every process answered /metrics, and was ready at some point.
+    for process in ("supervisor", "labeler", "worker", "gateway"):
+        assert scraper.seen[process], f"{process}: never scraped"
+        assert 200 in scraper.ready[process], f"{process}: never ready ({scraper.ready[process]})"
+    # Labeller: events labelled went up to both cycles' interactions; lag measured on every partition.
+    labelled = scraper.values("labeler", "rtrl_labeler_events_total", kind="interaction")
+    assert labelled[0] < labelled[-1] and labelled[-1] >= 2 * REQUESTS_PER_CYCLE, labelled
+    assert scraper.values("labeler", "rtrl_labeler_events_total", kind="feedback")[-1] >= 2 * REQUESTS_PER_CYCLE
+    lag = {(s["topic"], s["partition"]) for s in scraper.series("labeler", "rtrl_labeler_consumer_lag")}
+    assert lag >= {(t, str(p)) for t in (settings.kafka.interactions_topic, settings.kafka.feedback_topic)
+                   for p in range(settings.kafka.partitions)}, lag  # fmt: skip
+    assert scraper.values("labeler", "rtrl_labeler_consumer_lag")[-1] == 0  # caught up at the end
+    assert scraper.values("labeler", "rtrl_labeler_settle_latency_seconds_count")[-1] >= 2 * REQUESTS_PER_CYCLE
+    # Worker: a cycle ran (seen running), its phases timed, promoted, a swap window, and the server's
+    # version as the worker saw it went 1 → 2 (→ 3: the demo stops the worker as soon as the second
+    # cycle's result arrives, which the last scrape a second before may not have seen).
+    assert 1.0 in scraper.values("worker", "rtrl_trainer_cycle_running")
+    for phase in ("chain", "train", "cycle", "gate", "deploy"):
+        assert max(scraper.values("worker", "rtrl_trainer_cycle_duration_seconds_count", phase=phase)) >= 1, phase
+    assert max(scraper.values("worker", "rtrl_trainer_cycles_total", status="promoted")) >= 1
+    assert max(scraper.values("worker", "rtrl_trainer_last_cycle", stat="episodes")) >= 16
+    server = settings.vllm.servers[0].rstrip("/")
+    assert max(scraper.values("worker", "rtrl_deployer_swap_window_seconds_count", server=server)) >= 1
+    versions = scraper.values("worker", "rtrl_deployer_server_weight_version", server=server)
+    assert [v for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]] in ([2], [2, 3]), versions
+    assert max(scraper.values("worker", "rtrl_gate_decisions_total", decision="pass")) >= 1
+    # Gateway and supervisor.
+    assert scraper.values("gateway", "rtrl_gateway_requests_total", status="200")[-1] >= 2 * REQUESTS_PER_CYCLE
+    for child in ("gateway", "labeler", "worker"):
+        assert 1.0 in scraper.values("supervisor", "rtrl_supervisor_child_up", child=child)

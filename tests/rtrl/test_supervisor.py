@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from factories import FakeMonotonic
+from prometheus_client import REGISTRY
 
 from rtrl import supervisor as sup
 from rtrl.services.testing import free_ports
@@ -123,10 +124,34 @@ def test_a_crash_looping_process_is_retried_at_the_cap_and_never_stops_its_sibli
         # at once, then after 1 s and 2 s (doubling); then crash-looping, retried at the 60 s cap
         assert restarted_at == [0.0, 1.0, 3.0, 63.0, 123.0]
         assert supervisor.crash_looping() == ["labeler"]
+        assert REGISTRY.get_sample_value("rtrl_supervisor_child_crash_looping", {"child": "labeler"}) == 1
+        assert REGISTRY.get_sample_value("rtrl_supervisor_child_crash_looping", {"child": "reconciler"}) == 0
         assert sibling.running and sibling.proc.pid == sibling_pid and sibling.restarts == []  # untouched
         log = child.log_path.read_text()
         assert log.count("rtrl: unsupported store URL 'nosuchdialect:///x'; set RTRL_STORE__URL") >= 5
         assert "Traceback" not in log  # an operator error is one line, not a traceback
+    finally:
+        supervisor.stop()
+
+
+def test_a_crash_looping_process_that_stays_up_has_recovered(tmp_path: Path) -> None:
+    """Once a crash-looping process has run longer than the retry interval since its last restart,
+    it is no longer reported as crash-looping (nor its gauge set)."""
+    settings = Settings(services=ServicesSettings(run_dir=tmp_path / "run"))
+    clock = FakeMonotonic()
+    supervisor = sup.Supervisor(settings, names=("beat",), monotonic=clock, draw=lambda: 0.5)
+    child = supervisor.children["beat"]
+    child.argv = ["sleep", "600"]  # a process that stays up
+    try:
+        supervisor.start()
+        child.crash_looping, child.restarts = True, [0.0]
+        clock.now = sup.BACKOFF_MAX_S - 1
+        supervisor.check()
+        assert supervisor.crash_looping() == ["beat"]  # not up long enough yet
+        clock.now = sup.BACKOFF_MAX_S + 1
+        supervisor.check()
+        assert supervisor.crash_looping() == []
+        assert REGISTRY.get_sample_value("rtrl_supervisor_child_crash_looping", {"child": "beat"}) == 0
     finally:
         supervisor.stop()
 
