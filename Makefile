@@ -6,7 +6,7 @@ VENV := .venv
 UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps demo test lint bench lock clean
+.PHONY: install system-deps test-deps demo test lint bench lock clean
 
 install: $(STAMP)
 
@@ -14,8 +14,11 @@ $(STAMP): requirements/lock.txt pyproject.toml
 	bash infra/install.sh
 	touch $(STAMP)
 
-system-deps:  ## PostgreSQL, Redis, Java 17 + Maven, Prometheus (promtool), Chromium: apt-installs what is missing as root, else says how
+system-deps:  ## PostgreSQL, Redis, Java 17 + Maven: apt-installs what is missing as root, else says how
 	bash infra/system-deps.sh
+
+test-deps:  ## system-deps plus Prometheus (promtool, for the alert rules) and Chromium (headless, for rtrl report)
+	bash infra/system-deps.sh --test
 
 lock:  ## re-resolve requirements/lock.txt from requirements/base.in (+ overrides)
 	$(UV) pip compile requirements/base.in --override requirements/overrides.txt \
@@ -29,7 +32,7 @@ lint: install  ## style, the layer contract (docs/architecture.md, Layers), stri
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
-test: install system-deps lint
+test: install test-deps lint
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 bench: install system-deps  ## every benchmark under bench/; each prints one JSON object last

@@ -1,7 +1,11 @@
 """The feedback labeler: consume interactions and feedback from Kafka, store them, label episodes.
 
 Started with ``rtrl labeler`` (``run(settings)``); scale out by starting more replicas in the same
-consumer group (at most one per partition). The loop is ``Labeler.step``:
+consumer group (at most one per partition), on PostgreSQL. Replicas coordinate through row locks on
+the episodes (store/settle.py, Concurrency), and rely on interactions and feedback being
+co-partitioned: keyed by request_id on topics with the same partition count, read with the range
+assignor, so one replica reads a request's interaction and its feedback (docs/runbooks/labeler.md,
+Replicas). The loop is ``Labeler.step``:
 
     poll -> parse/validate -> write events (idempotent on event_id) -> dead-letter the rejects
     (DLQ topic, flushed, and the dead_letters table) -> join/settle -> commit the DB transaction
@@ -11,9 +15,9 @@ Error policy: no single record can stop the labeler.
 
 * a record that fails validation or is a duplicate -> dead letter with a reason (feedback/records.py,
   store/events.py);
-* the database is unreachable or locked, or the DLQ producer fails -> nothing of the batch is
-  committed, the consumer seeks back to the batch's first offsets, backs off (0.5 s doubling to
-  30 s) and processes it again;
+* the database is unreachable or locked, the transaction lost a deadlock to another replica, or
+  the DLQ producer fails -> nothing of the batch is committed, the consumer seeks back to the
+  batch's first offsets, backs off (0.5 s doubling to 30 s) and processes it again;
 * any other failure while a batch is written (a record the database refuses, an overflow, a bug
   tied to one record) -> the batch is written again one record at a time, each in its own
   transaction with its offset committed after it; the record that fails alone becomes a dead

@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # Installs the Debian packages behind the local services (`rtrl services up`): PostgreSQL, Redis,
-# and Java 17 + Maven (the Kafka broker comes from Maven Central), plus what the tests need:
-# Prometheus (its `promtool` checks infra/prometheus/rtrl.rules.yml) and Chromium (headless, for the
-# HTML report test), when they are missing.
+# and Java 17 + Maven (the Kafka broker comes from Maven Central), when they are missing. With
+# --test also what the tests need: Prometheus (its `promtool` checks infra/prometheus/rtrl.rules.yml)
+# and Chromium (headless, opens the page `rtrl report` writes).
 # Idempotent: nothing is installed when everything is present. As root it installs what is
 # missing (one `apt-get update`, one `apt-get install`); otherwise it prints the one command to
-# run and exits 1. `make demo` and `make test` run it first; CI runs it through `make test`.
+# run and exits 1. `make demo` runs it, `make test` runs it with --test (CI through `make test`).
 set -euo pipefail
+
+for_tests=false
+case "${1:-}" in
+  --test) for_tests=true ;;
+  "") ;;
+  *) echo "usage: bash infra/system-deps.sh [--test]" >&2; exit 2 ;;
+esac
 
 missing=()
 # postgresql: the server binaries live in /usr/lib/postgresql/<ver>/bin (not on PATH).
@@ -16,8 +23,10 @@ fi
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null || missing+=(maven)
-command -v promtool >/dev/null || missing+=(prometheus)
-command -v chromium >/dev/null || missing+=(chromium)
+if $for_tests; then
+  command -v promtool >/dev/null || missing+=(prometheus)
+  command -v chromium >/dev/null || missing+=(chromium)
+fi
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0

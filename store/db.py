@@ -184,7 +184,7 @@ class Labelling:
         self, spec: RewardSpec, interactions: list[InteractionEvent], feedback: list[FeedbackEvent]
     ) -> settle.SettleReport:
         """Open episodes, join feedback, settle on terminal feedback; see store/settle.py."""
-        return settle.join_and_settle(self._session, spec, self.now, interactions, feedback)
+        return settle.join_and_settle(self._session, self._dialect, spec, self.now, interactions, feedback)
 
     def settle_expired(self, spec: RewardSpec, window_s: float) -> list[settle.Settled]:
         """Settle open episodes whose last event is older than the window; returns them."""
@@ -289,6 +289,10 @@ class Store:
         where = make_url(self.url).render_as_string(hide_password=True)
         if "no such table" in detail or "UndefinedTable" in detail or "no such column" in detail:
             return StoreNotMigrated(f"the store at {where} lacks rtrl's tables ({detail}); run `rtrl labeler migrate`")
+        if str(getattr(exc.orig, "sqlstate", "") or "").startswith("40"):
+            # Deadlock or serialization failure: it raced another writer (a labeler replica); the
+            # transaction was rolled back whole, and running it again is the remedy.
+            return DatabaseUnavailable(f"the store at {where} rolled the transaction back after a conflict ({detail})")
         if isinstance(exc, OperationalError | InterfaceError):
             return DatabaseUnavailable(
                 f"the store at {where} is unreachable or locked ({detail}); is it up? "

@@ -17,6 +17,28 @@ Rules (docs/runbooks/labeler.md has the operator's view):
 * After settlement nothing changes the reward: late feedback is stored with ``late = true`` and
   late segments likewise (they are excluded from training, as the reward never judged them).
   Re-labelling needs a new reward spec version, not a silent edit.
+
+Concurrency (several labeler replicas on one PostgreSQL store, READ COMMITTED):
+
+* An episode is created with ``INSERT .. ON CONFLICT DO NOTHING``, so two replicas that receive
+  segments of one episode at once both go on (the second waits for the first to commit).
+* Every change to an episode - extending it, joining feedback to it, settling it on terminal
+  feedback - happens under its row lock (``SELECT .. FOR UPDATE``, taken in episode id order so
+  that replicas queue instead of deadlocking) and is decided on the row and the unjoined feedback
+  as committed once the lock is held. So an episode settles once, and feedback joins either
+  before it settles (and is in the reward) or after (``late``), never in between.
+* The window settle locks the expired episodes with ``SKIP LOCKED``: an episode that a replica is
+  joining to or settling right now is left for a later pass (by then it is settled, or its last
+  event is new). Two replicas' window passes settle disjoint sets.
+* A deadlock the database still detects (a rare cross order, e.g. a second round of locks) rolls
+  the batch back and the labeler retries it (`store.DatabaseUnavailable`).
+* What the locks cannot see is a row another replica has not committed yet. An interaction and
+  feedback about it are therefore read by one replica, in order: both are keyed by ``request_id``
+  and both topics have the same partition count, so with the range assignor (kafka-python's
+  default) partition p of both topics belongs to the same consumer (docs/runbooks/labeler.md,
+  Replicas). Segments of one episode may be on any partition: the locks above order them.
+  SQLite has a single writer (``BEGIN IMMEDIATE``), so none of this arises there and the lock
+  clauses are not emitted.
 """
 
 from __future__ import annotations
@@ -24,6 +46,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
@@ -31,6 +54,7 @@ from sqlalchemy.orm import Session
 from schemas.events import FeedbackEvent, InteractionEvent
 from schemas.rewards import RewardSpec, score
 from schemas.versions import parse_version
+from store.events import insert_ignoring
 from store.models import Episode, Feedback, Interaction
 
 # Settle at most this many expired episodes per pass, so one pass cannot make a huge transaction.
@@ -59,39 +83,63 @@ class SettleReport:
 
 def join_and_settle(
     session: Session,
+    dialect: str,
     spec: RewardSpec,
     now: datetime,
     interactions: list[InteractionEvent],
     feedback: list[FeedbackEvent],
 ) -> SettleReport:
-    """Open/extend episodes for new segments, join waiting feedback, settle on terminal feedback."""
+    """Open/extend episodes for new segments, join waiting feedback, settle on terminal feedback.
+
+    Every episode it changes is locked first (see the module docstring, Concurrency)."""
     report = SettleReport()
     if not interactions and not feedback:
         return report
     touched: set[str] = set()
 
-    # ---- episodes for the new segments -------------------------------------------------------------
+    # ---- episodes for the new segments: created unless there (another replica may race us to it) --
     segments_by_episode: dict[str, list[InteractionEvent]] = defaultdict(list)
     for event in interactions:
         segments_by_episode[event.episode_id].append(event)
-    episodes = _load_episodes(session, set(segments_by_episode))
-    for episode_id, segments in segments_by_episode.items():
-        oldest = min(segments, key=lambda s: parse_version(s.policy_version))
-        first_at = min(s.created_at for s in segments)
+    if segments_by_episode:
+        new_rows: list[dict[str, Any]] = []
+        for episode_id in sorted(segments_by_episode):  # one order for every replica: no deadlock
+            segments = segments_by_episode[episode_id]
+            oldest = min(segments, key=lambda s: parse_version(s.policy_version))
+            new_rows.append({
+                "episode_id": episode_id,
+                "tenant": segments[0].tenant,
+                "policy_version": oldest.policy_version,
+                "policy_number": parse_version(oldest.policy_version),
+                "status": "open",
+                "first_event_at": min(s.created_at for s in segments),
+                "last_event_at": now,
+            })  # fmt: skip
+        session.execute(insert_ignoring(dialect, Episode, ["episode_id"]).values(new_rows))
+
+    # ---- lock the episodes this batch touches, then read what waits for them ------------------------
+    # Which episode a waiting feedback joins is only known after reading it, so: read, lock what it
+    # names, read again (what another replica committed meanwhile), until nothing new is named.
+    # SQLite has one writer at a time (BEGIN IMMEDIATE): one read suffices there.
+    episodes: dict[str, Episode] = {}
+    asked: set[str] = set()
+    while True:
+        pending, by_request = _waiting_feedback(session, interactions, feedback, set(segments_by_episode))
+        targets = {f.episode_id or by_request.get((f.request_id, f.tenant)) for f in pending}
+        wanted = (set(segments_by_episode) | {t for t in targets if t}) - asked
+        if not wanted:
+            break
+        asked |= wanted
+        episodes.update(_lock_episodes(session, wanted))
+        if dialect != "postgresql":
+            break
+
+    # ---- extend the episodes of the new segments (or mark the segments late) --------------------------
+    for episode_id, segments in sorted(segments_by_episode.items()):
         episode = episodes.get(episode_id)
         if episode is None:
-            episode = Episode(
-                episode_id=episode_id,
-                tenant=segments[0].tenant,
-                policy_version=oldest.policy_version,
-                policy_number=parse_version(oldest.policy_version),
-                status="open",
-                first_event_at=first_at,
-                last_event_at=now,
-            )
-            session.add(episode)
-            episodes[episode_id] = episode
-        elif episode.status == "settled":
+            continue  # deleted by retention since the insert above: the segments stay stored, unlabelled
+        if episode.status == "settled":
             session.execute(
                 update(Interaction)
                 .where(Interaction.event_id.in_([s.event_id for s in segments]))
@@ -99,36 +147,16 @@ def join_and_settle(
             )
             report.late_segments += len(segments)
             continue
-        else:
-            if parse_version(oldest.policy_version) < episode.policy_number:
-                episode.policy_version = oldest.policy_version
-                episode.policy_number = parse_version(oldest.policy_version)
-            episode.first_event_at = min(episode.first_event_at, first_at)
-            episode.last_event_at = now
+        oldest = min(segments, key=lambda s: parse_version(s.policy_version))
+        if parse_version(oldest.policy_version) < episode.policy_number:
+            episode.policy_version = oldest.policy_version
+            episode.policy_number = parse_version(oldest.policy_version)
+        episode.first_event_at = min(episode.first_event_at, min(s.created_at for s in segments))
+        episode.last_event_at = now
         touched.add(episode_id)
     session.flush()
 
     # ---- join feedback that was waiting for these requests / episodes --------------------------------
-    request_ids = {e.request_id for e in interactions} | {f.request_id for f in feedback}
-    episode_ids = set(segments_by_episode) | {f.episode_id for f in feedback if f.episode_id}
-    pending = session.scalars(
-        select(Feedback)
-        .where(
-            Feedback.joined_episode_id.is_(None),
-            or_(Feedback.request_id.in_(sorted(request_ids)), Feedback.episode_id.in_(sorted(episode_ids))),
-        )
-        .order_by(Feedback.created_at, Feedback.event_id)
-    ).all()
-    by_request = {
-        (row.request_id, row.tenant): row.episode_id
-        for row in session.execute(
-            select(Interaction.request_id, Interaction.tenant, Interaction.episode_id).where(
-                Interaction.request_id.in_(sorted({f.request_id for f in pending if f.episode_id is None}))
-            )
-        )
-    }
-    targets = {f.episode_id or by_request.get((f.request_id, f.tenant)) for f in pending} - {None}
-    episodes.update(_load_episodes(session, {t for t in targets if t and t not in episodes}))
     for row in pending:
         target = row.episode_id or by_request.get((row.request_id, row.tenant))
         episode = episodes.get(target) if target else None
@@ -165,12 +193,17 @@ def join_and_settle(
 
 
 def settle_expired(session: Session, spec: RewardSpec, now: datetime, window_s: float) -> list[Settled]:
-    """Settle open episodes whose last event is older than the window (at most WINDOW_BATCH); returns them."""
+    """Settle open episodes whose last event is older than the window (at most WINDOW_BATCH); returns them.
+
+    On PostgreSQL the episodes are locked, skipping those another transaction holds (a replica
+    joining to or settling them now): they are settled by a later pass if still expired then."""
     expired = session.scalars(
         select(Episode)
         .where(Episode.status == "open", Episode.last_event_at < now - timedelta(seconds=window_s))
         .order_by(Episode.last_event_at)
         .limit(WINDOW_BATCH)
+        .with_for_update(skip_locked=True)
+        .execution_options(populate_existing=True)
     ).all()
     return settle(session, spec, now, list(expired), "window")
 
@@ -210,9 +243,42 @@ def settle(
     ]
 
 
-def _load_episodes(session: Session, ids: set[str]) -> dict[str, Episode]:
-    if not ids:
-        return {}
-    return {
-        e.episode_id: e for e in session.scalars(select(Episode).where(Episode.episode_id.in_(sorted(ids))))
+def _waiting_feedback(
+    session: Session, interactions: list[InteractionEvent], feedback: list[FeedbackEvent], episode_ids: set[str]
+) -> tuple[list[Feedback], dict[tuple[str, str], str]]:
+    """Unjoined feedback for the batch's requests and episodes (as committed now, oldest first), and
+    the episode of each (request, tenant) such feedback names without an episode id."""
+    request_ids = {e.request_id for e in interactions} | {f.request_id for f in feedback}
+    episode_ids = episode_ids | {f.episode_id for f in feedback if f.episode_id}
+    pending = session.scalars(
+        select(Feedback)
+        .where(
+            Feedback.joined_episode_id.is_(None),
+            or_(Feedback.request_id.in_(sorted(request_ids)), Feedback.episode_id.in_(sorted(episode_ids))),
+        )
+        .order_by(Feedback.created_at, Feedback.event_id)
+        .execution_options(populate_existing=True)
+    ).all()
+    by_request = {
+        (row.request_id, row.tenant): row.episode_id
+        for row in session.execute(
+            select(Interaction.request_id, Interaction.tenant, Interaction.episode_id).where(
+                Interaction.request_id.in_(sorted({f.request_id for f in pending if f.episode_id is None}))
+            )
+        )
     }
+    return list(pending), by_request
+
+
+def _lock_episodes(session: Session, ids: set[str]) -> dict[str, Episode]:
+    """The episodes `ids` as committed now, locked until the transaction ends (in episode id order,
+    so replicas locking overlapping sets queue instead of deadlocking). No lock on SQLite, where the
+    transaction already holds the database's only write lock."""
+    query = (
+        select(Episode)
+        .where(Episode.episode_id.in_(sorted(ids)))
+        .order_by(Episode.episode_id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    )
+    return {e.episode_id: e for e in session.scalars(query)}

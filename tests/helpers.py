@@ -111,7 +111,7 @@ def open_in_browser(path: Path, timeout_s: float = 60) -> tuple[str, list[str]]:
     Chromium logs a web page's console messages at INFO whatever their level (it passes the level on
     only for its own chrome:// pages), so console.error cannot be told from console.log here: every
     console message is returned, and a page that should run cleanly must log nothing. A missing
-    Chromium fails the test (run `make system-deps`), it does not skip it.
+    Chromium fails the test (run `make test-deps`), it does not skip it.
     """
     import re
     import shutil
@@ -121,7 +121,7 @@ def open_in_browser(path: Path, timeout_s: float = 60) -> tuple[str, list[str]]:
 
     chromium = shutil.which("chromium")
     if chromium is None:
-        pytest.fail("chromium is not installed: run `make system-deps` (infra/system-deps.sh installs it)", pytrace=False)
+        pytest.fail("chromium is not installed: run `make test-deps` (`bash infra/system-deps.sh --test` installs it)", pytrace=False)
     with tempfile.TemporaryDirectory(prefix="rtrl-chromium-") as profile:
         proc = subprocess.run(
             [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",

@@ -157,6 +157,7 @@ class Kafka(Service):
         return self.settings.kafka.model_copy(update={
             "bootstrap_servers": self.address, "security_protocol": "PLAINTEXT", "sasl_mechanism": None,
             "sasl_username": None, "sasl_password": None, "ssl_cafile": None, "ssl_certfile": None, "ssl_keyfile": None,
+            "replication_factor": 1, "min_insync_replicas": None,  # one broker
         })  # fmt: skip
 
     def check(self) -> str:

@@ -33,14 +33,15 @@ pytestmark = pytest.mark.e2e
 REQUESTS_PER_CYCLE = 48
 
 
-@pytest.fixture()
-def loop_settings(services: Settings, tmp_path: Path) -> Settings:
-    """The session's services, with a store, topics, registry model and gateway of this test's own."""
-
+@pytest.fixture(params=["sqlite", "postgresql"])
+def loop_settings(request: pytest.FixtureRequest, services: Settings, tmp_path: Path) -> Settings:
+    """The session's services, with a store (SQLite, or a database of its own on the session's
+    PostgreSQL), topics, registry model and gateway of this test's own."""
     suffix = tmp_path.name.replace("_", "-")[-24:]
+    url = f"sqlite:///{tmp_path / 'rtrl.db'}" if request.param == "sqlite" else request.getfixturevalue("postgres_database")
     return fresh_topics(services, prefix="e2e").model_copy(
         update={
-            "store": StoreSettings(url=f"sqlite:///{tmp_path / 'rtrl.db'}"),
+            "store": StoreSettings(url=url),
             "mlflow": services.mlflow.model_copy(
                 update={"model_name": f"rtrl-e2e-{suffix}", "experiment": f"rtrl-e2e-{suffix}"}
             ),
@@ -161,6 +162,7 @@ def test_two_cycles_swap_the_served_weights_twice(
             conn.execute(sa.text("SELECT policy_version, COUNT(*) FROM episodes WHERE used_in_cycle IS NOT NULL "
                                  "GROUP BY policy_version")).all()
         )
+    engine.dispose()
     assert per_version == {"v1": REQUESTS_PER_CYCLE, "v2": REQUESTS_PER_CYCLE}
     assert used == {"v1": rows[0]["episodes"], "v2": rows[1]["episodes"]}  # each cycle trained on its own policy
 

@@ -2,7 +2,7 @@
 tests (infra/prometheus/tests/) pass, every alert is tested firing and quiet, and every alert has
 its runbook in docs/runbooks/alerts/, listed in that folder's README.
 
-promtool comes from Debian's prometheus package (`make system-deps`); without it these tests fail.
+promtool comes from Debian's prometheus package (`make test-deps`); without it these tests fail.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _promtool(*args: str) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail(
-            "promtool is not on PATH: run `make system-deps` (it installs Debian's prometheus package)"
+            "promtool is not on PATH: run `make test-deps` (it installs Debian's prometheus package)"
         )
     done = subprocess.run([promtool, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (

@@ -14,6 +14,7 @@ from pydantic import SecretStr
 
 import streams
 from schemas.settings import KafkaSettings, Settings
+from streams.topics import TopicsRefused
 
 pytestmark = pytest.mark.integration
 
@@ -66,6 +67,12 @@ def test_ensure_topics_creates_what_is_missing_once(kafka_service: Settings) -> 
     kafka = fresh_topics(kafka_service, partitions=2).kafka
     assert sorted(streams.ensure_topics(kafka)) == sorted([kafka.interactions_topic, kafka.feedback_topic, kafka.dlq_topic])
     assert streams.ensure_topics(kafka) == []
+
+
+def test_more_replicas_than_brokers_is_one_clear_error(kafka_service: Settings) -> None:
+    kafka = fresh_topics(kafka_service).kafka.model_copy(update={"replication_factor": 3})
+    with pytest.raises(TopicsRefused, match="replication factor 3 .* set RTRL_KAFKA__REPLICATION_FACTOR"):
+        streams.ensure_topics(kafka)
 
 
 def test_rtrl_topics_exist_with_configured_partitions(kafka_service: Settings) -> None:
