@@ -12,6 +12,7 @@ import pytest
 from rtrl.services import services as units
 from rtrl.services import up
 from rtrl.services.revive import Reviver
+from schemas.clock import wait_until
 from schemas.settings import ServicesSettings, Settings
 from serving import VllmClient
 
@@ -54,6 +55,8 @@ def test_a_hung_server_is_restarted_after_its_grace_and_a_healthy_one_is_left_al
             server.update_weight_version(1)  # as the reconciler would (the base model is v1 in tests)
 
         os.killpg(staging_unit.pid(), signal.SIGKILL)  # dies again at once: the back-off holds it
+        # SIGKILL is delivered asynchronously: wait until the process has exited (and is reaped).
+        wait_until(lambda: staging_unit.pid() is None, timeout_s=60, what="the killed staging server gone")
         clock.now += 1
         assert revive() == {} and staging_unit.pid() is None
         clock.now += 30
