@@ -2,7 +2,8 @@
 
 What it does, in order:
 1. starts the local services it needs (Kafka, Redis, MLflow, vLLM serving + staging) unless they
-   are already up, building the tiny model on first use;
+   are already up, building the tiny model on first use; a service left out of
+   ``services.enabled`` is taken to run elsewhere, at the address its client settings give;
 2. migrates the store, creates the topics, registers the base model as v1 @champion;
 3. starts the loop's processes under the supervisor: gateway, labeler, Celery worker;
 4. per cycle: simulated users send requests through the gateway and give feedback; once the
@@ -76,7 +77,9 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     preference = load_preference(options.preference) if options.preference else None
     store, registry = Store(settings.store.url), Registry.from_settings(settings)
 
-    needed = ["kafka", "redis", "mlflow", "vllm"]
+    # The local services the loop needs, of those rtrl manages here (services.enabled): one left out
+    # is an external service the client settings point at, and is not started.
+    needed = [name for name in ("kafka", "redis", "mlflow", "vllm") if name in settings.services.enabled]
     already_up = {s.name for s in services.status(settings) if s.healthy}
     started_services = [name for name in needed if name not in already_up]
     t0 = time.monotonic()

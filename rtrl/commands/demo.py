@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
+from types import FrameType
 
 import typer
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def register(app: typer.Typer) -> None:
@@ -32,6 +38,9 @@ def register(app: typer.Typer) -> None:
         from schemas.settings import load_settings
 
         setup_logging()
+        # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C: the demo stops the processes and
+        # services it started instead of leaving them running without it.
+        signal.signal(signal.SIGTERM, _raise_interrupt)
         run(
             load_settings(),
             DemoOptions(
