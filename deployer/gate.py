@@ -115,7 +115,8 @@ def evaluate(settings: Settings, registry: Registry, version: int) -> GateDecisi
         with rollout.server_client(settings, staging) as server:
             try:
                 challenger_score, digests = _score_version(settings, registry, server, version, prompts)
-                rollout.save_digests(settings, version, digests)
+                if digests:  # none for an adapter (rollout._digests)
+                    rollout.save_digests(settings, version, digests)
             except GateError as exc:
                 load_failure = str(exc)  # a challenger that does not load fails the gate; recorded below
             # The champion runs last so the staging server ends on it, matching the fleet.

@@ -10,6 +10,13 @@ transformers agree to ~1e-5.
 Used by `deployer.rollout`; the reference is computed once per checkpoint per process, and kept on
 disk next to the version's digests (`cached_reference`): a rollback to a version served before
 loads neither a tokenizer nor a model.
+
+A LoRA adapter (``trainer.adapter=lora``) is probed differently: a server with LoRA enabled must
+never be asked for prompt logprobs (vLLM's CPU LoRA path kills its engine on them:
+docs/platform.md), so the server generates a greedy continuation of each probe prompt with its
+logprobs, and transformers scores the same tokens on the base model with the adapter
+(`adapter_reference`). A wrong or half-loaded adapter moves those logprobs as it moves prompt
+logprobs, whichever tokens it chose.
 """
 
 from __future__ import annotations
@@ -124,3 +131,35 @@ def max_abs_diff(expected: Sequence[Sequence[float]], observed: Sequence[Sequenc
                 return math.inf
             worst = max(worst, diff)
     return worst
+
+
+# Tokens of the greedy continuation an adapter probe scores, per probe prompt.
+ADAPTER_PROBE_TOKENS = 8
+
+# One adapter model per process (the last one probed): the base is the same for every version.
+_adapter_model: dict[tuple[str, object], object] = {}
+
+
+def adapter_reference(
+    base_dir: Path, adapter_dir: Path, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]
+) -> list[list[float]]:
+    """For each (prompt ids, continuation ids), the logprob of every continuation token given what
+    precedes it, from transformers on `base_dir` with the adapter in `adapter_dir` (float32)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    key = (str(base_dir.resolve()), _fingerprint(adapter_dir))
+    model = _adapter_model.get(key)
+    if model is None:
+        _adapter_model.clear()
+        base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+        model = _adapter_model[key] = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    result: list[list[float]] = []
+    with torch.no_grad():
+        for prompt, continuation in sequences:
+            ids = torch.tensor([list(prompt) + list(continuation)])  # (1, T)
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # type: ignore[operator]
+            targets = torch.tensor(list(continuation))
+            result.append(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist())
+    return result

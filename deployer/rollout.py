@@ -12,6 +12,11 @@ canary), and (after resume, because it generates) the probe's prompt logprobs fr
 match transformers on the same checkpoint within ``settings.deployer.probe_tolerance``, which
 covers every weight.
 
+With ``trainer.adapter=lora`` a version is a LoRA adapter on the servers' base model: the reload is
+``/v1/load_lora_adapter`` in place under the served name, there are no digests to compare (they
+cover the base, which never changes), and the probe scores greedy continuations instead of
+prompt logprobs (deployer/probe.py). Everything else, rollback included, is the same.
+
 A failed reload or verify restores the previous champion on that server (before it resumes when
 the reload or the digests fail), swaps back every server already done, leaves the registry
 alias where it was and returns ``ok=False`` with the reason. Only a fully verified fleet moves
@@ -47,12 +52,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployer import metrics
 from deployer.errors import NothingToRollBack, RolloutBusy
-from deployer.probe import Probe, cached_reference, max_abs_diff
+from deployer.probe import (
+    ADAPTER_PROBE_TOKENS,
+    Probe,
+    adapter_reference,
+    build_probe,
+    cached_reference,
+    max_abs_diff,
+)
 from registry import CHAMPION, Registry, RegistryError
 from schemas.clock import utcnow
 from schemas.settings import Settings
 from schemas.versions import format_version
-from serving import ServerError, ServingError, VersionUnknown, VllmClient, meaningful_digests
+from serving import AdapterError, ServerError, ServingError, VersionUnknown, VllmClient, meaningful_digests
+from serving.adapters import check_servable, is_adapter, server_max_rank, write_identity_adapter
 from store import Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -141,8 +154,13 @@ class Target:
     version: int
     path: Path
     probe: Probe
-    expected: list[list[float]]
+    expected: list[list[float]]  # the prompt-logprob reference (full weights); empty for an adapter
     digests: dict[str, str] | None
+    base: Path | None = None  # the base model of a LoRA adapter (vllm.model_dir); None: full weights
+
+    @property
+    def adapter(self) -> bool:
+        return self.base is not None
 
 
 def deploy_dir(settings: Settings) -> Path:
@@ -153,9 +171,31 @@ def deploy_dir(settings: Settings) -> Path:
 
 
 def target(settings: Settings, registry: Registry, version: int) -> Target:
+    """`version`, downloaded, with its probe. Raises AdapterError when the version is not what the
+    fleet loads: an adapter for a full-weight fleet, full weights for a LoRA fleet (whose base
+    weights never change), or an adapter above the servers' rank."""
     path = registry.download_checkpoint(version)
+    lora = settings.trainer.adapter == "lora"
+    if is_adapter(path) != lora:
+        what = "a LoRA adapter" if is_adapter(path) else "full weights"
+        raise AdapterError(f"v{version} is {what}, but trainer.adapter={settings.trainer.adapter}: a registry's "
+                           "versions are all adapters or all full weights (docs/lora.md, Choosing the mode)")  # fmt: skip
+    if lora:
+        check_servable(path, server_max_rank(settings.trainer.lora.rank))
+        base = settings.vllm.model_dir.expanduser().resolve()
+        return Target(version, path, adapter_probe(base), [], None, base=base)
     probe, reference = cached_reference(path, deploy_dir(settings) / "probes" / f"{format_version(version)}.json")
     return Target(version, path, probe, reference, load_digests(settings, version))
+
+
+_adapter_probes: dict[Path, Probe] = {}
+
+
+def adapter_probe(base: Path) -> Probe:
+    """The probe prompts as the base model's tokenizer encodes them (once per process)."""
+    if base not in _adapter_probes:
+        _adapter_probes[base] = build_probe(base)
+    return _adapter_probes[base]
 
 
 def digests_path(settings: Settings, version: int) -> Path:
@@ -176,11 +216,21 @@ def save_digests(settings: Settings, version: int, digests: dict[str, str]) -> P
     return path
 
 
-def _reload(server: VllmClient, path: Path) -> float:
-    """reload_weights; returns its duration in ms."""
+def _reload(server: VllmClient, want: Target) -> float:
+    """reload_weights, or for an adapter its in-place load under the served name (the name the
+    server's client uses); returns its duration in ms."""
     start = time.perf_counter()
-    server.reload_weights(path)
+    if want.adapter:
+        server.load_adapter(server.model, want.path)
+    else:
+        server.reload_weights(want.path)
     return (time.perf_counter() - start) * 1000
+
+
+def _digests(server: VllmClient, want: Target) -> dict[str, str]:
+    """The server's weight digests after loading `want`; none for an adapter (they cover the base
+    weights only, which a LoRA fleet never changes: the probe verifies the adapter)."""
+    return {} if want.adapter else server.weight_digests()
 
 
 def _publish(server: VllmClient, version: int) -> None:
@@ -189,7 +239,14 @@ def _publish(server: VllmClient, version: int) -> None:
 
 
 def probe_diff(server: VllmClient, want: Target) -> float:
-    """Max |vLLM - transformers| over the probe. Needs a resumed server: it generates."""
+    """Max |vLLM - transformers| over the probe. Needs a resumed server: it generates. An adapter is
+    probed on greedy continuations, never with prompt logprobs (deployer/probe.py)."""
+    if want.base is not None:
+        prompts = [list(ids) for ids in want.probe.token_ids]
+        generated = [server.greedy_logprobs(ids, ADAPTER_PROBE_TOKENS) for ids in prompts]
+        expected = adapter_reference(want.base, want.path, [(ids, tokens) for ids, (tokens, _) in
+                                                            zip(prompts, generated, strict=True)])  # fmt: skip
+        return max_abs_diff(expected, [logprobs for _, logprobs in generated])
     observed = [server.prompt_logprobs(list(ids)) for ids in want.probe.token_ids]
     return max_abs_diff(want.expected, observed)
 
@@ -199,8 +256,8 @@ def _restore(server: VllmClient, back: Target, settings: Settings, paused: bool)
     if not paused:
         server.pause(settings.deployer.pause_mode)
     try:
-        _reload(server, back.path)
-        digest_match = digests_agree(back.digests, server.weight_digests())
+        _reload(server, back)
+        digest_match = digests_agree(back.digests, _digests(server, back))
         _publish(server, back.version)
     finally:
         server.resume()
@@ -235,8 +292,8 @@ def swap_server(
     try:
         server.pause(settings.deployer.pause_mode)
         try:
-            reload_ms = _reload(server, want.path)
-            digests = server.weight_digests()
+            reload_ms = _reload(server, want)
+            digests = _digests(server, want)
             digest_match = digests_agree(want.digests, digests)
             if digest_match is False:
                 error = verdict(0.0, tolerance, digest_match)
@@ -496,7 +553,8 @@ def rollback(settings: Settings, registry: Registry, to_version: int | None = No
 
 
 def bootstrap(settings: Settings, registry: Registry, model_dir: Path, *, keep_going: bool = False) -> int:
-    """Register `model_dir` as version 1 @champion when the registry has no version, then make every
+    """Register `model_dir` (with ``trainer.adapter=lora``: an identity adapter on it) as version 1
+    @champion when the registry has no version, then make every
     server (fleet and staging) report the champion's weight version; returns the champion.
 
     Idempotent: a second call finds the champion and only re-checks the servers (`align_fleet`:
@@ -505,7 +563,16 @@ def bootstrap(settings: Settings, registry: Registry, model_dir: Path, *, keep_g
     to the fleet reconciler instead of failing the bootstrap.
     """
     if not registry.versions():
-        version = registry.register_checkpoint(model_dir, tags={"rtrl.base": "true"})
+        if settings.trainer.adapter == "lora":
+            # v1 of a LoRA registry is the identity adapter on the base model (A·B = 0): the base
+            # model's outputs, and the adapter the first cycle trains (docs/lora.md).
+            lora = settings.trainer.lora
+            first = write_identity_adapter(model_dir, deploy_dir(settings) / "v1-adapter", rank=lora.rank,
+                                           alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)  # fmt: skip
+            tags = {"rtrl.base": "true", "rtrl.adapter": "lora", "rtrl.base_model": str(model_dir.resolve())}
+            version = registry.register_checkpoint(first, tags=tags)
+        else:
+            version = registry.register_checkpoint(model_dir, tags={"rtrl.base": "true"})
         if version != 1:
             raise RegistryError(f"registered the base model as version {version}; expected 1 (concurrent bootstrap?)")
         registry.set_alias(CHAMPION, version)
@@ -624,7 +691,7 @@ def _align(
     )  # fmt: skip
     with changing as window:
         if probe_diff(server, want) <= settings.deployer.probe_tolerance:
-            if want.digests is None:
+            if want.digests is None and not want.adapter:
                 save_digests(settings, version, server.weight_digests())
             server.update_weight_version(version)  # verified by the probe just now
             window.serving = version

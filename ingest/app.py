@@ -69,6 +69,7 @@ from ingest.shaping import (
     build_interaction,
     extract_chat,
     extract_completion,
+    lora_request,
     parse_capture,
     prepare_chat_request,
     prepare_completion_request,
@@ -251,6 +252,7 @@ class Gateway:
     ) -> None:
         self.settings = settings
         self.sampling_defaults = sampling_defaults  # written into requests (schemas/sampling.py)
+        self.lora = settings.trainer.adapter == "lora"  # the adapter's name, no prompt logprobs (ingest/shaping.py)
         self.redactor = redactor
         self.fleet = fleet
         self.publisher = publisher
@@ -313,6 +315,8 @@ class Gateway:
                 raise RequestError(_why_not_json(raw)) from None
             prepare = prepare_chat_request if chat else prepare_completion_request
             forward, requested, body_rtrl = prepare(body, self.sampling_defaults)
+            if self.lora:
+                lora_request(forward, self.settings.vllm.served_model_name)
             capture = parse_capture(request.headers, body_rtrl)
             try:
                 episode_id = namespaced(tenant, capture.episode_id or request_id)

@@ -171,6 +171,25 @@ def _common_checks(body: Any) -> dict[str, Any]:
     return body
 
 
+def lora_request(forward: dict[str, Any], served_model_name: str) -> None:
+    """Make a forwarded body safe and attributable on a fleet serving LoRA adapters (docs/lora.md),
+    or raise RequestError:
+
+    * the model is the adapter under `served_model_name`: one left out is set to it (vLLM would
+      answer with the base model, its first served name, while the event recorded the adapter's
+      version), and another name is refused (the base model is not served through the gateway);
+    * no prompt logprobs (`prompt_logprobs`, or `echo` with the logprobs the gateway always asks
+      for): vLLM's CPU LoRA path kills its engine on them (docs/platform.md).
+    """
+    model = forward.setdefault("model", served_model_name)
+    if model != served_model_name:
+        raise RequestError(f"model {model!r} is not served here; this gateway serves {served_model_name!r}",
+                           status_code=404)  # fmt: skip
+    if forward.get("prompt_logprobs") is not None or forward.get("echo"):
+        raise RequestError("prompt_logprobs and echo are not served while the fleet serves LoRA adapters "
+                           "(trainer.adapter=lora): vLLM's LoRA path on this backend cannot compute them")  # fmt: skip
+
+
 def prepare_completion_request(
     body: Any, defaults: Mapping[str, Any] = _NO_DEFAULTS
 ) -> tuple[dict[str, Any], Requested, Any]:

@@ -201,7 +201,7 @@ class Registry:
     def register_checkpoint(
         self, checkpoint: Path, *, run_id: str | None = None, tags: dict[str, str] | None = None
     ) -> int:
-        """Log an HF-format checkpoint directory as the ``checkpoint`` artifact of `run_id` (a new
+        """Log an HF-format checkpoint (or LoRA adapter) directory as the ``checkpoint`` artifact of `run_id` (a new
         run in the experiment when None) and register it; returns the new version number once READY.
 
         A version that does not become READY is deleted before RegistryError is raised, so a failed
@@ -209,8 +209,9 @@ class Registry:
         """
         from mlflow.exceptions import MlflowException
 
-        if not (checkpoint / "config.json").is_file():
-            raise RegistryError(f"{checkpoint} is not an HF checkpoint directory (no config.json)")
+        if not (checkpoint / "config.json").is_file() and not (checkpoint / "adapter_config.json").is_file():
+            raise RegistryError(f"{checkpoint} is neither an HF checkpoint (no config.json) nor a LoRA adapter "
+                                "(no adapter_config.json)")  # fmt: skip
         self._ensure_registered_model()
         own_run = run_id is None
         if run_id is None:
@@ -318,8 +319,9 @@ class Registry:
             downloaded = Path(
                 _answered(uri, download_artifacts, artifact_uri=source, dst_path=str(staging), tracking_uri=uri)
             )
-            if not (downloaded / "config.json").is_file():
-                raise RegistryError(f"version {version}'s artifacts at {source} are not an HF checkpoint (no config.json)")
+            if not (downloaded / "config.json").is_file() and not (downloaded / "adapter_config.json").is_file():
+                raise RegistryError(f"version {version}'s artifacts at {source} are neither an HF checkpoint "
+                                    "(no config.json) nor a LoRA adapter (no adapter_config.json)")  # fmt: skip
             (downloaded / _COMPLETE).write_text(source + "\n")
             if target.exists():  # an older, incomplete copy, or another process won the race
                 if (target / _COMPLETE).is_file():

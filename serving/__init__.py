@@ -13,9 +13,10 @@ from serving.client import (
     meaningful_digests,
     parse_weight_info,
 )
-from serving.errors import ServerError, ServingError, VersionUnknown
+from serving.errors import AdapterError, ServerError, ServingError, VersionUnknown
 
 __all__ = [
+    "AdapterError",
     "EMPTY_DIGEST",
     "PauseMode",
     "ServerError",

@@ -6,7 +6,8 @@
 The hot-swap endpoints exist when the server runs with ``VLLM_SERVER_DEV_MODE=1``
 (docs/platform.md, Hot-swap endpoints): ``/pause``, ``/resume``, ``/is_paused``,
 ``/collective_rpc`` (here only ``reload_weights`` from a local directory),
-``/update_weight_version``, ``/weight_info``, ``/weight_checker`` and ``/reset_prefix_cache``.
+``/update_weight_version``, ``/weight_info``, ``/weight_checker`` and ``/reset_prefix_cache``; with
+``--enable-lora``, ``/v1/load_lora_adapter`` (docs/lora.md).
 
 Every non-2xx answer raises `ServerError` with the server's body; a ``/weight_info`` that names no
 rtrl version raises `VersionUnknown`; transport errors (`httpx.TransportError`) propagate as they
@@ -154,6 +155,13 @@ class VllmClient:
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}}
         self._request("POST", "/collective_rpc", json=body)
 
+    def load_adapter(self, name: str, adapter_path: Path) -> None:
+        """Load a LoRA adapter directory under `name`, replacing in place the adapter of that name
+        (``POST /v1/load_lora_adapter`` with ``load_inplace``; the server runs with ``--enable-lora``
+        and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``: docs/lora.md)."""
+        body = {"lora_name": name, "lora_path": str(adapter_path), "load_inplace": True}
+        self._request("POST", "/v1/load_lora_adapter", json=body)
+
     def update_weight_version(self, version: int) -> None:
         self._request("POST", "/update_weight_version", json={"new_version": format_version(version)})
 
@@ -207,6 +215,21 @@ class VllmClient:
                 raise ServerError(self.url, f"no prompt logprob for token {token_id} in {entry!r}")
             logprobs.append(float(entry[str(token_id)]["logprob"]))
         return logprobs
+
+    def greedy_logprobs(self, prompt_token_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """A greedy continuation of exactly `max_tokens` tokens (EOS ignored) and the logprob of
+        each: the probe of a server that must never see ``prompt_logprobs`` (LoRA on CPU kills the
+        engine on them: docs/platform.md)."""
+        # ignore_eos, not min_tokens: min_tokens masks EOS out of the logits, and the processed
+        # logprobs would then be renormalised without it.
+        body = {"model": self.model, "prompt": prompt_token_ids, "max_tokens": max_tokens, "temperature": 0,
+                "logprobs": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        choice = self._json("POST", "/v1/completions", json=body)["choices"][0]
+        token_ids = choice.get("token_ids")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if not isinstance(token_ids, list) or not isinstance(logprobs, list) or len(token_ids) != len(logprobs):
+            raise ServerError(self.url, f"token ids or logprobs missing or misaligned in {str(choice)[:500]}")
+        return [int(t) for t in token_ids], [float(lp) for lp in logprobs]
 
     def sampled_logprobs(self, prompt: str, max_tokens: int) -> list[float]:
         """The behaviour logprob of each token of a greedy completion (what the gateway records)."""

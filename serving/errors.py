@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from schemas.errors import OperatorError
+
 
 class ServingError(RuntimeError):
     """Root of every error the vLLM client raises on purpose."""
@@ -17,3 +19,8 @@ class ServerError(ServingError):
 
 class VersionUnknown(ServingError):
     """A server's ``/weight_info`` did not name an rtrl policy version."""
+
+
+class AdapterError(ServingError, OperatorError):
+    """A directory that is not a loadable LoRA adapter, or one the fleet cannot serve (its message
+    says what to change)."""

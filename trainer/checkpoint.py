@@ -22,6 +22,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from serving import AdapterError
+from serving.adapters import ADAPTER_WEIGHTS, adapter_config, is_adapter
 from trainer.advantages import BaselineState
 
 if TYPE_CHECKING:
@@ -36,8 +38,19 @@ class CheckpointError(RuntimeError):
     """A champion directory that cannot be the base of a cycle, or a checkpoint that did not save."""
 
 
-def check_source(source_dir: Path) -> None:
-    """The champion's directory must be an HF checkpoint: config.json and a tokenizer."""
+def check_source(source_dir: Path, adapter: str = "full") -> None:
+    """The champion's directory must be an HF checkpoint (config.json and a tokenizer) or, with
+    ``trainer.adapter=lora``, a LoRA adapter."""
+    if is_adapter(source_dir) != (adapter == "lora"):
+        what = "a LoRA adapter" if is_adapter(source_dir) else "full weights"
+        raise CheckpointError(f"{source_dir} is {what}, but trainer.adapter={adapter}: a registry's versions are "
+                              "all adapters or all full weights (docs/lora.md, Choosing the mode)")  # fmt: skip
+    if adapter == "lora":
+        try:
+            adapter_config(source_dir)
+        except AdapterError as exc:
+            raise CheckpointError(str(exc)) from None
+        return
     if not (source_dir / "config.json").is_file():
         raise CheckpointError(f"{source_dir} has no config.json: not an HF checkpoint")
     if not any((source_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
@@ -45,7 +58,9 @@ def check_source(source_dir: Path) -> None:
 
 
 def save(state: dict[str, torch.Tensor], out_dir: Path, source_dir: Path, lineage: dict[str, Any]) -> Path:
-    """Write the weights + the champion's config/tokenizer + lineage into ``out_dir``; returns it."""
+    """Write the weights + the champion's config/tokenizer + lineage into ``out_dir``; returns it.
+    A LoRA adapter (`source_dir` is one) is written the same way, as PEFT's ``adapter_model.safetensors``
+    next to the champion's ``adapter_config.json``."""
     from safetensors.torch import save_file
 
     if out_dir.exists():
@@ -56,9 +71,12 @@ def save(state: dict[str, torch.Tensor], out_dir: Path, source_dir: Path, lineag
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     for path in sorted(source_dir.iterdir()):
-        if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and path.name not in WEIGHT_INDEXES:
+        # Not the registry's own marker files (dot files, e.g. a download's ".rtrl-complete").
+        if (path.is_file() and not path.name.startswith(".") and not path.name.endswith(WEIGHT_SUFFIXES)
+                and path.name not in WEIGHT_INDEXES):  # fmt: skip
             shutil.copy2(path, tmp / path.name)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    weights = ADAPTER_WEIGHTS if is_adapter(source_dir) else "model.safetensors"
+    save_file(state, str(tmp / weights), metadata={"format": "pt"})
     (tmp / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True, default=str) + "\n")
     os.replace(tmp, out_dir)
     return out_dir

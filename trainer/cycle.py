@@ -180,12 +180,12 @@ def _skip(
 
 def _optimizer_meta(cfg: TrainerSettings) -> dict[str, Any]:
     """What a saved optimizer state must match to be continued."""
-    return {"zero_stage": cfg.zero_stage, "precision": precision(cfg)}
+    return {"zero_stage": cfg.zero_stage, "precision": precision(cfg), "adapter": cfg.adapter}
 
 
 def _continue_optimizer(
     engine: DeepSpeedEngine, registry: Registry, champion: int, champion_dir: Path, cfg: TrainerSettings,
-    accumulation: int,
+    accumulation: int, base_dir: Path | None,
 ) -> tuple[DeepSpeedEngine, int | None]:
     """The engine with the optimizer state of the cycle that produced the champion, when this
     worker kept it and it matches (ZeRO stage, precision); else the fresh engine. Never fails the
@@ -201,11 +201,11 @@ def _continue_optimizer(
                  else f"the optimizer state of cycle {source} is for {meta}, not {_optimizer_meta(cfg)}")  # fmt: skip
         return engine, None
     try:
-        load_optimizer_state(engine, directory, cfg.lr)
+        load_optimizer_state(engine, directory, cfg.learning_rate)
     except Exception:  # noqa: BLE001 - a damaged state must not stop training: start fresh instead
         log.exception("v%d: the optimizer state of cycle %s does not load; a fresh optimizer", champion, source)
         close_engine(engine)
-        return start_engine(champion_dir, cfg, accumulation=accumulation), None
+        return start_engine(champion_dir, cfg, accumulation=accumulation, base_dir=base_dir), None
     log.info("v%d: continuing the optimizer state of cycle %s", champion, source)
     return engine, int(source)
 
@@ -314,7 +314,9 @@ def run_cycle(
 
         # ---- champion weights into DeepSpeed -------------------------------------------------------
         champion_dir = registry.download_checkpoint(champion)
-        checkpoint.check_source(champion_dir)
+        checkpoint.check_source(champion_dir, cfg.adapter)
+        # A LoRA champion is an adapter on the servers' base model, which never changes (docs/lora.md).
+        base_dir = settings.vllm.model_dir.expanduser().resolve() if cfg.adapter == "lora" else None
         run_id = registry.start_run(
             f"cycle-{cycle_id}",
             tags={"rtrl.kind": "training_cycle", "rtrl.cycle_id": str(cycle_id), "rtrl.parent_version": str(champion)},
@@ -325,10 +327,11 @@ def run_cycle(
         batches = micro_batches(rows, cfg.micro_batch, pad_id)
         norm = Normaliser(tokens=sum(b.tokens for b in batches), sequences=len(rows))
         loss_fn = loss_function(cfg.loss)
-        engine = start_engine(champion_dir, cfg, accumulation=len(batches))
+        engine = start_engine(champion_dir, cfg, accumulation=len(batches), base_dir=base_dir)
         carried_from: int | None = None
         if cfg.carry_optimizer:
-            engine, carried_from = _continue_optimizer(engine, registry, champion, champion_dir, cfg, len(batches))
+            engine, carried_from = _continue_optimizer(engine, registry, champion, champion_dir, cfg, len(batches),
+                                                       base_dir)  # fmt: skip
         steps: list[StepMetrics] = []
         try:
             # π_old: the champion's own logprobs, taken from the first step's forward passes
@@ -411,7 +414,8 @@ def run_cycle(
             cfg.checkpoint_dir / f"cycle-{cycle_id}",
             champion_dir,
             lineage={"cycle_id": cycle_id, "parent_version": champion, "mlflow_run_id": run_id,
-                     "episodes": len(episodes), "loss": cfg.loss.type},
+                     "episodes": len(episodes), "loss": cfg.loss.type, "adapter": cfg.adapter,
+                     "base_model": None if base_dir is None else str(base_dir)},
         )
         result = CycleResult(
             cycle_id=cycle_id,
@@ -441,11 +445,13 @@ def run_cycle(
         registry.set_run_tag(run_id, "rtrl.episodes", str(len(episode_ids)))
 
         # ---- register (last) ------------------------------------------------------------------------
+        # An adapter's lineage: the base model it is a delta on (the registry's v1 says the same).
+        lineage_tags = {} if base_dir is None else {"rtrl.adapter": "lora", "rtrl.base_model": str(base_dir)}
         version = registry.register_checkpoint(
             out_dir,
             run_id=run_id,
             tags={"rtrl.cycle_id": str(cycle_id), "rtrl.parent_version": str(champion),
-                  "rtrl.episodes": str(len(episodes)), "rtrl.loss": cfg.loss.type},
+                  "rtrl.episodes": str(len(episodes)), "rtrl.loss": cfg.loss.type} | lineage_tags,
         )
         registry.set_alias(CHALLENGER, version)
         result.challenger_version = version

