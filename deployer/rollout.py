@@ -51,6 +51,8 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployer import metrics
+from deployer.agent import agent_for
+from deployer.agent import fetch as fetch_on_host
 from deployer.errors import NothingToRollBack, RolloutBusy
 from deployer.probe import (
     ADAPTER_PROBE_TOKENS,
@@ -216,14 +218,22 @@ def save_digests(settings: Settings, version: int, digests: dict[str, str]) -> P
     return path
 
 
-def _reload(server: VllmClient, want: Target) -> float:
-    """reload_weights, or for an adapter its in-place load under the served name (the name the
-    server's client uses); returns its duration in ms."""
+def host_path(settings: Settings, server: VllmClient, want: Target) -> Path:
+    """Where `server` reads `want` from: the deployer's download, or for a server with a weights
+    agent (``vllm.weights_agents``) the agent's copy on the server's host, downloaded now
+    (deployer/agent.py). Raises ServerError when the agent cannot provide it."""
+    agent = agent_for(settings, server.url)
+    return want.path if agent is None else fetch_on_host(settings, server.url, agent, want.version)
+
+
+def _reload(server: VllmClient, want: Target, path: Path) -> float:
+    """reload_weights from `path` (`host_path`), or for an adapter its in-place load under the
+    served name (the name the server's client uses); returns its duration in ms."""
     start = time.perf_counter()
     if want.adapter:
-        server.load_adapter(server.model, want.path)
+        server.load_adapter(server.model, path)
     else:
-        server.reload_weights(want.path)
+        server.reload_weights(path)
     return (time.perf_counter() - start) * 1000
 
 
@@ -253,10 +263,11 @@ def probe_diff(server: VllmClient, want: Target) -> float:
 
 def _restore(server: VllmClient, back: Target, settings: Settings, paused: bool) -> None:
     """Put `back` on the server and check it; raises ServerError when even that fails."""
+    path = host_path(settings, server, back)
     if not paused:
         server.pause(settings.deployer.pause_mode)
     try:
-        _reload(server, back)
+        _reload(server, back, path)
         digest_match = digests_agree(back.digests, _digests(server, back))
         _publish(server, back.version)
     finally:
@@ -283,6 +294,10 @@ def swap_server(
     the server is resumed on every path, because a paused server hangs every request routed to it.
     """
     tolerance = settings.deployer.probe_tolerance
+    try:
+        path = host_path(settings, server, want)  # before the pause: a download is not part of the window
+    except ServingError as exc:
+        return _failed_step(server.url, want.version, exc), {}
     start = time.perf_counter()
     reload_ms, max_diff, digest_match = 0.0, float("inf"), None
     digests: dict[str, str] = {}
@@ -292,7 +307,7 @@ def swap_server(
     try:
         server.pause(settings.deployer.pause_mode)
         try:
-            reload_ms = _reload(server, want)
+            reload_ms = _reload(server, want, path)
             digests = _digests(server, want)
             digest_match = digests_agree(want.digests, digests)
             if digest_match is False:

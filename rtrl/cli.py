@@ -68,7 +68,7 @@ def config_show() -> None:
 
 
 for _name in ("services", "model", "gateway", "labeler", "keys", "dlq", "store", "trainer", "deploy", "simulate", "demo", "report",
-              "daemon"):
+              "daemon", "agent"):
     importlib.import_module(f"rtrl.commands.{_name}").register(app)
 
 

@@ -215,6 +215,14 @@ class VllmSettings(_Section):
     def _empty_is_none(cls, value: object) -> object:
         # RTRL_VLLM__STAGING_SERVER= (empty) means "no staging server", not a server at "".
         return None if isinstance(value, str) and not value.strip() else value
+    weights_agents: dict[str, str] = Field(
+        default_factory=dict,
+        description="Server URL -> URL of the weights agent (`rtrl agent`) on that server's host, for servers "
+        "that cannot see the deployer's files: the deployer asks the agent to download the version from the "
+        "registry's artifact store and hands vLLM the agent's path. A server without one is handed the "
+        "deployer's own download (one host, or a volume every host mounts). JSON: "
+        '\'{"http://vllm-0:8000": "http://vllm-0:18090"}\'.',
+    )
     kv_cache_gib: int = Field(1, description="VLLM_CPU_KVCACHE_SPACE for the local CPU server.")
     max_model_len: int = Field(512, description="Context length of the local server.")
     request_timeout_s: float = Field(120.0, description="Timeout of one request to a vLLM server.")
@@ -449,6 +457,14 @@ class TrainerSettings(_Section):
         3, ge=1, description="Optimizer states kept on the worker's disk (the newest cycles'); each is about 2x the weights."
     )
     micro_batch: int = Field(32, ge=1, description="Sequences per forward pass.")
+    ranks: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="DeepSpeed data-parallel ranks of a cycle: 1 trains inside the worker process; N > 1 launches N "
+        "rank processes on the worker's host with torch.distributed.run (one per GPU; on CPU, one per core), each "
+        "taking every N-th micro-batch; rank 0 saves the checkpoint, the worker registers it (trainer/ranks.py).",
+    )
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     adapter: Literal["full", "lora"] = Field(
         "full",
@@ -546,6 +562,25 @@ class DeployerSettings(_Section):
     )
 
 
+class AgentSettings(_Section):
+    """The weights agent on each vLLM host (`rtrl agent`, deployer/agent.py; docs/scaling.md)."""
+
+    host: str = Field("127.0.0.1", description="Bind address of `rtrl agent` (the deployer's hosts must reach it).")
+    port: int = Field(18090, ge=1, le=65535, description="Bind port of `rtrl agent`.")
+    cache_dir: Path = Field(
+        Path(".rtrl/agent"), description="Where the agent keeps the versions it downloaded (visible to the vLLM "
+        "servers of its host)."
+    )
+    keep_versions: int = Field(
+        4, ge=2, description="Versions kept in cache_dir, the most recently asked for (a rollback needs the one before)."
+    )
+    token: SecretStr | None = Field(
+        None,
+        description="When set, the agent asks for `Authorization: Bearer <token>` and the deployer sends it (one "
+        "secret shared by the deployer's processes and every agent).",
+    )
+
+
 class MetricsSettings(_Section):
     """Prometheus metrics, health and readiness of each process (telemetry/; docs/metrics.md).
 
@@ -598,6 +633,7 @@ class Settings(BaseSettings):
     trainer: TrainerSettings = TrainerSettings()
     gate: GateSettings = GateSettings()
     deployer: DeployerSettings = DeployerSettings()
+    agent: AgentSettings = AgentSettings()
     metrics: MetricsSettings = MetricsSettings()
 
 

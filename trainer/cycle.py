@@ -26,7 +26,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, Field
 
 from registry import CHALLENGER, Registry, flatten
@@ -40,20 +39,19 @@ from trainer.engine import (
     Row,
     Sampling,
     close_engine,
-    grad_norm_after_step,
-    grad_norm_before_step,
     load_optimizer_state,
     micro_batches,
     precision,
     save_optimizer_state,
     start_engine,
     state_dict,
-    token_logprobs,
 )
 from trainer.errors import Abandoned, InsufficientData
 from trainer.lease import expire_abandoned
-from trainer.losses import Normaliser, TokenBatch, beyond_trust_region, loss_function
+from trainer.losses import Normaliser, loss_function
+from trainer.ranks import train_on_ranks
 from trainer.selection import count_trainable, current_spec_id, select_trainable
+from trainer.steps import StepMetrics, run_steps
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -61,28 +59,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NO_SIGNAL = 1e-9  # |advantage| at or below this carries no signal (DAPO's dynamic sampling)
-
-
-class StepMetrics(BaseModel):
-    """What one optimizer step saw, averaged over its trainable tokens."""
-
-    step: int
-    loss: float
-    mean_ratio: float = Field(description="Mean π_θ/π_old over tokens (1.0 on the first step).")
-    clip_fraction: float = Field(description="Fraction of tokens whose ratio is outside the clip range.")
-    kl_k1: float = Field(description="k1 estimate of KL(π_old ‖ π_θ): mean of −log(π_θ/π_old).")
-    kl_k3: float = Field(0.0, description="k3 estimate of KL(π_old ‖ π_θ): mean of r − 1 − log r, r = π_θ/π_old "
-                         "(≥ 0; what trainer.max_kl is compared with).")
-    is_weight: float = Field(description="Mean truncated behaviour weight min(π_old/μ, C).")
-    grad_norm: float | None = Field(description="Global gradient norm before clipping.")
-    mean_advantage: float
-    tokens: int
-    impossible_tokens: int = Field(
-        0, description="Sampled tokens outside their row's truncation (top-p/top-k/min-p) under π_old or π_θ: "
-        "left out of the loss."
-    )
-    applied: bool = Field(True, description="False: the trust region stopped the cycle here (trainer.max_kl); this "
-                          "step's forward passes were measured and its update was not applied.")
 
 
 class CycleResult(BaseModel):
@@ -180,26 +156,36 @@ def _skip(
 
 def _optimizer_meta(cfg: TrainerSettings) -> dict[str, Any]:
     """What a saved optimizer state must match to be continued."""
-    return {"zero_stage": cfg.zero_stage, "precision": precision(cfg), "adapter": cfg.adapter}
+    return {"zero_stage": cfg.zero_stage, "precision": precision(cfg), "adapter": cfg.adapter, "ranks": cfg.ranks}
 
 
-def _continue_optimizer(
-    engine: DeepSpeedEngine, registry: Registry, champion: int, champion_dir: Path, cfg: TrainerSettings,
-    accumulation: int, base_dir: Path | None,
-) -> tuple[DeepSpeedEngine, int | None]:
-    """The engine with the optimizer state of the cycle that produced the champion, when this
-    worker kept it and it matches (ZeRO stage, precision); else the fresh engine. Never fails the
-    cycle: a state that does not load is logged and a fresh engine is used."""
+def _optimizer_source(registry: Registry, champion: int, cfg: TrainerSettings) -> tuple[Path, int] | None:
+    """The saved optimizer state of the cycle that produced the champion (and that cycle), when this
+    worker kept it and it matches (ZeRO stage, precision, mode, ranks); None: a fresh optimizer."""
     source = registry.version_tags(champion).get("rtrl.cycle_id", "")
     if not source.isdigit():
-        return engine, None  # the base model, or a version registered by hand
+        return None  # the base model, or a version registered by hand
     directory = checkpoint.optimizer_dir(cfg.checkpoint_dir, int(source))
     meta = checkpoint.optimizer_meta(directory)
     if meta != _optimizer_meta(cfg):
         log.info("v%d: %s; a fresh optimizer", champion,
                  f"no optimizer state of cycle {source} on this worker" if meta is None
                  else f"the optimizer state of cycle {source} is for {meta}, not {_optimizer_meta(cfg)}")  # fmt: skip
+        return None
+    return directory, int(source)
+
+
+def _continue_optimizer(
+    engine: DeepSpeedEngine, registry: Registry, champion: int, champion_dir: Path, cfg: TrainerSettings,
+    accumulation: int, base_dir: Path | None,
+) -> tuple[DeepSpeedEngine, int | None]:
+    """The engine with the optimizer state of the cycle that produced the champion (`_optimizer_source`),
+    or the fresh engine. Never fails the cycle: a state that does not load is logged and a fresh
+    engine is used."""
+    found = _optimizer_source(registry, champion, cfg)
+    if found is None:
         return engine, None
+    directory, source = found
     try:
         load_optimizer_state(engine, directory, cfg.learning_rate)
     except Exception:  # noqa: BLE001 - a damaged state must not stop training: start fresh instead
@@ -207,7 +193,25 @@ def _continue_optimizer(
         close_engine(engine)
         return start_engine(champion_dir, cfg, accumulation=accumulation, base_dir=base_dir), None
     log.info("v%d: continuing the optimizer state of cycle %s", champion, source)
-    return engine, int(source)
+    return engine, source
+
+
+def _train_on_ranks(
+    cfg: TrainerSettings, cycle_id: int, batches: list[Any], norm: Normaliser, mean_advantage: float,
+    champion_dir: Path, base_dir: Path | None, out_dir: Path, lineage: dict[str, Any],
+    optimizer_from: tuple[Path, int] | None, optimizer_to: Path | None, stopping: Callable[[], bool],
+) -> tuple[list[StepMetrics], int | None, int | None]:
+    """The steps of a multi-rank cycle (trainer/ranks.py); rank 0 saves the checkpoint to `out_dir`.
+    Returns the steps' metrics, the trust region's stop and the cycle whose optimizer continued."""
+    result = train_on_ranks(
+        cfg, cfg.checkpoint_dir / "ranks" / f"cycle-{cycle_id}", batches=batches, norm=(norm.tokens, norm.sequences),
+        mean_advantage=mean_advantage, champion_dir=champion_dir, base_dir=base_dir, out_dir=out_dir, lineage=lineage,
+        optimizer_from=None if optimizer_from is None else optimizer_from[0], optimizer_to=optimizer_to,
+        stopping=stopping,
+    )  # fmt: skip
+    steps = [StepMetrics.model_validate(m) for m in result["steps"]]
+    carried = optimizer_from[1] if optimizer_from is not None and result["optimizer_carried"] else None
+    return steps, result["kl_stop"], carried
 
 
 def end_cycle(settings: Settings, store: Store, cycle_id: int, status: str, **fields: Any) -> None:
@@ -327,96 +331,50 @@ def run_cycle(
         batches = micro_batches(rows, cfg.micro_batch, pad_id)
         norm = Normaliser(tokens=sum(b.tokens for b in batches), sequences=len(rows))
         loss_fn = loss_function(cfg.loss)
-        engine = start_engine(champion_dir, cfg, accumulation=len(batches), base_dir=base_dir)
-        carried_from: int | None = None
-        if cfg.carry_optimizer:
-            engine, carried_from = _continue_optimizer(engine, registry, champion, champion_dir, cfg, len(batches),
-                                                       base_dir)  # fmt: skip
-        steps: list[StepMetrics] = []
-        try:
-            # π_old: the champion's own logprobs, taken from the first step's forward passes
-            # (the weights only change at the end of that step).
-            old_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batches)
-            norm_before: float | None = None
-            kl_stop: int | None = None
-            for step in range(cfg.steps):
-                check_stopping(f"before step {step}")
-                totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl_k1": 0.0, "kl_k3": 0.0, "is_weight": 0.0,
-                          "tokens": 0.0, "impossible": 0.0}  # fmt: skip
-                applied = True
-                for k, mb in enumerate(batches):
-                    mb = mb.to(engine.device)
-                    logprobs, possible = token_logprobs(engine, mb)  # (B, L−1) each
-                    first = old_logprobs[k]
-                    if first is None:
-                        first = old_logprobs[k] = (logprobs.detach(), possible)
-                    old, old_possible = first
-                    # A token outside the row's truncation under π_old or π_θ has no ratio: it leaves the loss.
-                    mask = mb.mask * (possible & old_possible)
-                    totals["impossible"] += float(mb.mask.sum() - mask.sum())
-                    out = loss_fn(
-                        TokenBatch(logprobs, old, mb.behaviour_logprobs, mb.advantages, mask),
-                        cfg.loss,
-                        norm,
-                    )
-                    totals["loss"] += float(out.loss.detach())
-                    for key, value in out.sums.items():
-                        totals[key] += value
-                    last = k == len(batches) - 1
-                    if last and beyond_trust_region(totals, cfg.max_kl):
-                        # The weights after the steps so far are already max_kl from the champion
-                        # on this batch: keep them, and apply no more updates (this step's included).
-                        applied = False
-                        break
-                    # The loss is already normalised over the whole step: no extra 1/accumulation.
-                    engine.backward(out.loss, scale_wrt_gas=False)
-                    if last:
-                        norm_before = grad_norm_before_step(engine)
-                    engine.step()  # the optimizer steps on the last micro-batch only
-                tokens = max(totals["tokens"], 1.0)
-                metrics = StepMetrics(
-                    step=step,
-                    loss=totals["loss"],
-                    mean_ratio=totals["ratio"] / tokens,
-                    clip_fraction=totals["clipped"] / tokens,
-                    kl_k1=totals["kl_k1"] / tokens,
-                    kl_k3=totals["kl_k3"] / tokens,
-                    is_weight=totals["is_weight"] / tokens,
-                    grad_norm=None if not applied else
-                    norm_before if norm_before is not None else grad_norm_after_step(engine),
-                    mean_advantage=sum(adv.values) / len(adv.values),
-                    tokens=int(totals["tokens"]),
-                    impossible_tokens=int(totals["impossible"]),
-                    applied=applied,
-                )
-                steps.append(metrics)
-                registry.log_metrics(run_id, metrics.model_dump(exclude={"step"}, exclude_none=True), step)
-                store.heartbeat_cycle(cycle_id, cfg.lease_ttl_s)
-                if not applied:
-                    kl_stop = step
-                    log.info("cycle %d: KL(champion ‖ policy) %.4f > trainer.max_kl %g after %d of %d steps: "
-                             "stopping there", cycle_id, metrics.kl_k3, cfg.max_kl, step, cfg.steps)  # fmt: skip
-                    break
+        out_dir = cfg.checkpoint_dir / f"cycle-{cycle_id}"
+        lineage = {"cycle_id": cycle_id, "parent_version": champion, "mlflow_run_id": run_id,
+                   "episodes": len(episodes), "loss": cfg.loss.type, "adapter": cfg.adapter,
+                   "base_model": None if base_dir is None else str(base_dir), "ranks": cfg.ranks}  # fmt: skip
+        mean_advantage = sum(adv.values) / len(adv.values)
+        saved_optimizer = checkpoint.optimizer_dir(cfg.checkpoint_dir, cycle_id) if cfg.carry_optimizer else None
+        if cfg.ranks > 1:
+            steps, kl_stop, carried_from = _train_on_ranks(
+                cfg, cycle_id, batches, norm, mean_advantage, champion_dir, base_dir, out_dir, lineage,
+                _optimizer_source(registry, champion, cfg) if cfg.carry_optimizer else None, saved_optimizer,
+                stopping,
+            )
+            for metrics in steps:
+                registry.log_metrics(run_id, metrics.model_dump(exclude={"step"}, exclude_none=True), metrics.step)
+        else:
+            engine = start_engine(champion_dir, cfg, accumulation=len(batches), base_dir=base_dir)
+            carried_from = None
             if cfg.carry_optimizer:
-                directory = checkpoint.optimizer_dir(cfg.checkpoint_dir, cycle_id)
-                save_optimizer_state(engine, directory)
-                checkpoint.write_optimizer_meta(directory, _optimizer_meta(cfg))
-                checkpoint.prune_optimizer_states(cfg.checkpoint_dir, cfg.keep_optimizer_states)
-            weights = state_dict(engine)
-        finally:
-            close_engine(engine)
+                engine, carried_from = _continue_optimizer(engine, registry, champion, champion_dir, cfg,
+                                                           len(batches), base_dir)  # fmt: skip
+            try:
+                def after_step(metrics: StepMetrics) -> None:
+                    registry.log_metrics(run_id, metrics.model_dump(exclude={"step"}, exclude_none=True), metrics.step)
+                    store.heartbeat_cycle(cycle_id, cfg.lease_ttl_s)
+
+                trained = run_steps(engine, batches, cfg, loss_fn, norm, mean_advantage=mean_advantage,
+                                    before_step=lambda step: check_stopping(f"before step {step}"),
+                                    after_step=after_step)  # fmt: skip
+                steps, kl_stop = trained.steps, trained.kl_stop
+                if saved_optimizer is not None:
+                    save_optimizer_state(engine, saved_optimizer)
+                weights = state_dict(engine)
+            finally:
+                close_engine(engine)
+            check_stopping("before saving")
+            checkpoint.save(weights, out_dir, champion_dir, lineage)
+        if kl_stop is not None:
+            log.info("cycle %d: KL(champion ‖ policy) %.4f > trainer.max_kl %g after %d of %d steps: "
+                     "stopping there", cycle_id, steps[-1].kl_k3, cfg.max_kl, kl_stop, cfg.steps)  # fmt: skip
+        if saved_optimizer is not None:
+            checkpoint.write_optimizer_meta(saved_optimizer, _optimizer_meta(cfg))
+            checkpoint.prune_optimizer_states(cfg.checkpoint_dir, cfg.keep_optimizer_states)
         train_s = time.monotonic() - train_started
 
-        # ---- save ---------------------------------------------------------------------------------
-        check_stopping("before saving")
-        out_dir = checkpoint.save(
-            weights,
-            cfg.checkpoint_dir / f"cycle-{cycle_id}",
-            champion_dir,
-            lineage={"cycle_id": cycle_id, "parent_version": champion, "mlflow_run_id": run_id,
-                     "episodes": len(episodes), "loss": cfg.loss.type, "adapter": cfg.adapter,
-                     "base_model": None if base_dir is None else str(base_dir)},
-        )
         result = CycleResult(
             cycle_id=cycle_id,
             status="registered",

@@ -264,7 +264,8 @@ def ds_config(cfg: TrainerSettings, micro_batch: int, accumulation: int) -> dict
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": accumulation,
-        "train_batch_size": micro_batch * accumulation,
+        # DeepSpeed checks micro-batch x accumulation x data-parallel ranks (trainer/ranks.py).
+        "train_batch_size": micro_batch * accumulation * int(os.environ.get("WORLD_SIZE", "1")),
         "gradient_clipping": 1.0,
         "optimizer": {
             "type": "AdamW",
@@ -289,10 +290,11 @@ def start_engine(
     import deepspeed
     from transformers import AutoModelForCausalLM
 
-    if not torch.distributed.is_initialized():
+    if not torch.distributed.is_initialized() and os.environ.get("WORLD_SIZE", "1") == "1":
         # A world of one: the rendezvous port is private to this process, so take one that is free
         # now. An inherited MASTER_PORT may be the parent's own process group (a test run that
-        # trains in-process and then starts a worker), which fails with EADDRINUSE.
+        # trains in-process and then starts a worker), which fails with EADDRINUSE. (The ranks of
+        # a multi-rank cycle rendezvous at the port their launcher gave them: trainer/ranks.py.)
         os.environ["MASTER_PORT"] = str(_free_port())
     torch.manual_seed(cfg.seed)
     model: torch.nn.Module

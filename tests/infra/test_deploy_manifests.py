@@ -382,9 +382,12 @@ def test_k8s_layout() -> None:
                 assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in container["env"]
 
 
-def test_the_checkpoint_volume_is_shared_at_the_run_dir() -> None:
-    """The deployer hands vLLM <run_dir>/deploy/vN: every process that swaps and every vLLM server
-    must see the same volume at that same path (docs/scaling.md, Deployer and fleet)."""
+def test_every_vllm_server_can_read_what_the_deployer_hands_it() -> None:
+    """vLLM loads a version from a path on its own host (docs/scaling.md, Weights on every host).
+    Compose (one Docker host): every process that swaps and every vLLM server mount one volume at
+    the run dir. Kubernetes: every vLLM pod runs a weights agent that writes where its vLLM reads,
+    and RTRL_VLLM__WEIGHTS_AGENTS maps every server, staging included, to its own pod's agent; the
+    processes that swap share the run dir (locks, digests)."""
     run_dir = _compose()["x-rtrl-env"]["RTRL_SERVICES__RUN_DIR"]
     services = _services()
     swappers = [name for name, argv in _compose_invocations()
@@ -396,26 +399,41 @@ def test_the_checkpoint_volume_is_shared_at_the_run_dir() -> None:
         assert any(v.split(":")[:2] == ["rtrl-run", run_dir] for v in volumes), f"{name} lacks rtrl-run at {run_dir}"
 
     (config,) = [o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rtrl-settings"]
-    run_dir = config["data"]["RTRL_SERVICES__RUN_DIR"]
+    run_dir, cache = config["data"]["RTRL_SERVICES__RUN_DIR"], config["data"]["RTRL_AGENT__CACHE_DIR"]
+    agents = json.loads(config["data"]["RTRL_VLLM__WEIGHTS_AGENTS"])
+    servers = [*json.loads(config["data"]["RTRL_VLLM__SERVERS"]), config["data"]["RTRL_VLLM__STAGING_SERVER"]]
+    assert sorted(agents) == sorted(servers)
+    for server, agent in agents.items():
+        assert urlparse(agent).hostname == urlparse(server).hostname and urlparse(agent).port == 18090
     (claim,) = [o for o in _objects() if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == "rtrl-run"]
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
-    sharing = 0
+    sharing, pods_with_agents = 0, 0
     for obj in _objects():
         spec = _pod_spec(obj)
         if spec is None:
             continue
         claims = {v["name"] for v in spec.get("volumes", [])
                   if v.get("persistentVolumeClaim", {}).get("claimName") == "rtrl-run"}  # fmt: skip
+        vllm = [c for c in spec["containers"] if c["image"].startswith("vllm/vllm-openai:")]
         for container in spec["containers"]:
             swaps = _is_rtrl_image(container["image"]) and any(
                 _process(argv) in ("worker", "reconciler") or argv[:2] == ["deploy", "bootstrap"]
                 for argv in _rtrl_invocations(container.get("command"), container.get("args"))
             )
-            if swaps or container["image"].startswith("vllm/vllm-openai:"):
+            if swaps:
                 mounts = {m["mountPath"] for m in container.get("volumeMounts", []) if m["name"] in claims}
                 assert mounts == {run_dir}, f"{obj['metadata']['name']}: rtrl-run mounted at {mounts}"
                 sharing += 1
-    assert sharing == 5  # worker, reconciler, bootstrap, vllm, vllm-staging
+        if vllm:
+            assert not claims, f"{obj['metadata']['name']}: vLLM pods load from their agent, not rtrl-run"
+            (agent,) = [c for c in spec["containers"] if _is_rtrl_image(c["image"])
+                        and any(argv[:1] == ["agent"] for argv in _rtrl_invocations(c.get("command"), c.get("args")))]  # fmt: skip
+            written = {m["name"] for m in agent["volumeMounts"] if m["mountPath"] == cache}
+            read = {m["name"] for m in vllm[0]["volumeMounts"] if m["mountPath"] == cache}
+            assert written and written == read, f"{obj['metadata']['name']}: vLLM does not read the agent's {cache}"
+            pods_with_agents += 1
+    assert sharing == 3  # worker, reconciler, bootstrap
+    assert pods_with_agents == 2  # StatefulSets vllm and vllm-staging
 
 
 def test_health_checks_at_each_process_port() -> None:

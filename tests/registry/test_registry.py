@@ -54,7 +54,7 @@ def test_versions_aliases_and_checkpoint_download(registry: Registry, tmp_path: 
     (local / "config.json").write_text("{}")  # a complete copy is not downloaded again
     assert registry.download_checkpoint(2) == local and (local / "config.json").read_text() == "{}"
 
-    with pytest.raises(RegistryError, match="not an HF checkpoint"):
+    with pytest.raises(RegistryError, match="neither an HF checkpoint .* nor a LoRA adapter"):
         registry.register_checkpoint(tmp_path)
     with pytest.raises(RegistryError, match="version 9"):
         registry.download_checkpoint(9)

@@ -1,0 +1,157 @@
+"""The weights agent: puts a registered version on the disk of a vLLM host that cannot see the
+deployer's files.
+
+vLLM loads weights (``reload_weights``) and adapters (``/v1/load_lora_adapter``) from a path on
+its own host. On one machine, or with a volume every host mounts, that is the deployer's own
+download. Otherwise one ``rtrl agent`` runs on each vLLM host (a sidecar in Kubernetes), and
+``vllm.weights_agents`` maps each server to its agent. For a swap the deployer asks the server's
+agent for the version (`fetch`); the agent downloads it from the registry's artifact store
+(MLflow, e.g. S3 behind the tracking server) into ``agent.cache_dir`` with the same
+download-aside-and-rename as every registry download, and answers with the path, which the
+deployer then hands to vLLM. The probe still runs on the deployer's own copy: it checks what the
+server serves against the registry's version, wherever the server read it from.
+
+API (``agent.token`` set: ``Authorization: Bearer <token>`` on every call but ``/healthz``):
+
+* ``POST /v1/versions/{N}`` → 200 ``{"version": N, "path": "/abs/dir", "adapter": bool}``; 400 for a
+  version that is not a positive integer, 404 for one the registry does not have, 503 while the
+  registry does not answer (retry), 401 without the token.
+* ``GET /healthz`` → 200.
+
+Downloads run one at a time in a worker thread (the event loop keeps answering health checks);
+the agent keeps the ``agent.keep_versions`` versions asked for most recently and deletes the
+others' folders.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from registry import Registry, RegistryError
+from registry.errors import RegistryUnavailable
+from schemas.settings import Settings
+from schemas.versions import format_version
+from serving import ServerError
+from serving.adapters import is_adapter
+
+log = logging.getLogger(__name__)
+
+# A download of a large checkpoint takes minutes; the deployer waits for it.
+FETCH_TIMEOUT_S = 3600.0
+
+
+class Fetched(BaseModel):
+    """Where the agent put a version on its host."""
+
+    model_config = ConfigDict(frozen=True)
+
+    version: int
+    path: str
+    adapter: bool
+
+
+class _Cache:
+    """The agent's downloads: one at a time, the most recently asked-for kept."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.registry = Registry(settings.mlflow, settings.agent.cache_dir)
+        self.keep = settings.agent.keep_versions
+        self._lock = threading.Lock()
+        self._recent: list[int] = []  # most recent last
+
+    def fetch(self, version: int) -> Fetched:
+        with self._lock:
+            path = self.registry.download_checkpoint(version)
+            self._recent = [v for v in self._recent if v != version] + [version]
+            self._prune()
+        return Fetched(version=version, path=str(path), adapter=is_adapter(path))
+
+    def _prune(self) -> None:
+        keep = {format_version(v) for v in self._recent[-self.keep :]}
+        root = self.registry.checkpoints_dir
+        for folder in root.glob("v*") if root.is_dir() else ():
+            if folder.is_dir() and folder.name not in keep and folder.name[1:].isdigit():
+                shutil.rmtree(folder, ignore_errors=True)
+        self._recent = self._recent[-self.keep :]
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def create_app(settings: Settings) -> Starlette:
+    """The agent's HTTP application (``rtrl agent`` serves it with uvicorn)."""
+    cache = _Cache(settings)
+    token = None if settings.agent.token is None else settings.agent.token.get_secret_value()
+
+    async def versions(request: Request) -> JSONResponse:
+        if token is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return _error(401, "missing or wrong bearer token (agent.token)")
+        raw = request.path_params["version"]
+        if not raw.isdigit() or int(raw) < 1 or len(raw) > 9:
+            return _error(400, f"version must be a positive integer, got {raw[:40]!r}")
+        version = int(raw)
+        try:
+            fetched = await run_in_threadpool(cache.fetch, version)
+        except RegistryUnavailable as exc:
+            return _error(503, str(exc))
+        except RegistryError as exc:
+            return _error(404, str(exc))
+        except OSError as exc:  # the cache's disk: full, or not writable
+            log.error("v%d could not be written to %s: %s", version, settings.agent.cache_dir, exc)
+            return _error(507, f"the agent could not store v{version}: {exc}")
+        log.info("v%d at %s", version, fetched.path)
+        return JSONResponse(fetched.model_dump())
+
+    async def healthz(request: Request) -> JSONResponse:
+        return JSONResponse({"ok": True})
+
+    return Starlette(routes=[
+        Route("/v1/versions/{version}", versions, methods=["POST"]),
+        Route("/healthz", healthz, methods=["GET"]),
+    ])  # fmt: skip
+
+
+# ---- the deployer's side --------------------------------------------------------------------------
+
+
+def agent_for(settings: Settings, server_url: str) -> str | None:
+    """The weights agent of `server_url` (``vllm.weights_agents``), None when the server reads the
+    deployer's own files."""
+    agents = {url.rstrip("/"): agent.rstrip("/") for url, agent in settings.vllm.weights_agents.items()}
+    return agents.get(server_url.rstrip("/"))
+
+
+def fetch(settings: Settings, server_url: str, agent_url: str, version: int) -> Path:
+    """Have the agent of `server_url` put `version` on its host; the path there. Raises ServerError
+    (for that server) when the agent refuses or cannot be reached: the swap then fails and restores
+    as for a failed reload."""
+    headers: dict[str, Any] = {}
+    if settings.agent.token is not None:
+        headers["authorization"] = f"Bearer {settings.agent.token.get_secret_value()}"
+    try:
+        response = httpx.post(f"{agent_url}/v1/versions/{version}", headers=headers, timeout=FETCH_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        raise ServerError(server_url, f"weights agent {agent_url} not reachable: {exc}") from None
+    if response.status_code != 200:
+        raise ServerError(server_url, f"weights agent {agent_url} answered {response.status_code}: "
+                                      f"{response.text[:500]}")  # fmt: skip
+    try:
+        return Path(Fetched.model_validate_json(response.content).path)
+    except ValueError:
+        raise ServerError(server_url, f"weights agent {agent_url} answered {response.text[:200]!r}") from None

@@ -1,0 +1,176 @@
+"""Multi-rank cycles (``trainer.ranks`` > 1): N DeepSpeed data-parallel ranks on the worker's host.
+
+The worker prepares the cycle as for one rank (lease, selection, advantages, micro-batches), then
+`train_on_ranks` writes the job (micro-batches, normaliser, paths) into a folder and launches
+``python -m torch.distributed.run --nproc_per_node N -m trainer.ranks FOLDER``. Each rank (`main`)
+builds the engine on the champion's weights, continues the optimizer state the worker chose (all
+ranks or none), runs `trainer.steps.run_steps` on its share of the micro-batches, saves the
+optimizer state (collectively), gathers the weights, and rank 0 writes the checkpoint and
+``result.json`` (the steps' metrics, the trust-region stop). The worker then logs the metrics and
+registers the checkpoint as for one rank: registration stays in one process, after every rank
+exited 0.
+
+While the ranks run, the worker keeps renewing the cycle lease (trainer/tasks.py) and asks
+`stopping` every half second: on SIGTERM it stops the ranks' process group and abandons the cycle,
+as a single-rank cycle does at its next step. A rank that fails fails the cycle with the tail of
+the ranks' log (the launcher stops the other ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from schemas.settings import TrainerSettings
+from trainer import checkpoint
+from trainer.errors import Abandoned, TrainerError
+
+log = logging.getLogger(__name__)
+
+JOB = "job.pt"
+SETTINGS = "trainer.json"
+RESULT = "result.json"
+LOG = "ranks.log"
+
+
+class RanksFailed(TrainerError):
+    """A rank of a multi-rank cycle exited with an error (the message has the ranks' log tail)."""
+
+
+def train_on_ranks(
+    cfg: TrainerSettings,
+    work_dir: Path,
+    *,
+    batches: list[Any],
+    norm: tuple[int, int],
+    mean_advantage: float,
+    champion_dir: Path,
+    base_dir: Path | None,
+    out_dir: Path,
+    lineage: dict[str, Any],
+    optimizer_from: Path | None,
+    optimizer_to: Path | None,
+    stopping: Callable[[], bool] = lambda: False,
+) -> dict[str, Any]:
+    """Train on ``cfg.ranks`` rank processes (see the module docstring); returns ``result.json``:
+    ``{"steps": [StepMetrics...], "kl_stop": int | None, "optimizer_carried": bool}``, with the
+    checkpoint written to `out_dir`. Raises Abandoned when `stopping` answers True, RanksFailed
+    when a rank fails."""
+    import torch
+
+    from trainer.engine import _free_port
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / RESULT).unlink(missing_ok=True)
+    torch.save({
+        "batches": [{f.name: getattr(mb, f.name) for f in fields(mb)} for mb in batches],
+        "norm": list(norm), "mean_advantage": mean_advantage, "champion_dir": str(champion_dir),
+        "base_dir": None if base_dir is None else str(base_dir), "out_dir": str(out_dir),
+        "lineage": json.dumps(lineage, default=str),
+        "optimizer_from": None if optimizer_from is None else str(optimizer_from),
+        "optimizer_to": None if optimizer_to is None else str(optimizer_to),
+    }, work_dir / JOB)  # fmt: skip
+    (work_dir / SETTINGS).write_text(cfg.model_dump_json())
+    # The worker's own single-process rendezvous must not reach the ranks: the launcher sets theirs.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT", "LOCAL_WORLD_SIZE")}  # fmt: skip
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.ranks),
+               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+               "-m", "trainer.ranks", str(work_dir)]  # fmt: skip
+    with (work_dir / LOG).open("wb") as sink:
+        proc = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)  # fmt: skip
+    try:
+        while proc.poll() is None:
+            if stopping():
+                raise Abandoned("the worker is stopping; cycle abandoned while its ranks trained")
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            _stop_group(proc)
+    if proc.returncode != 0 or not (work_dir / RESULT).is_file():
+        tail = (work_dir / LOG).read_text(errors="replace")[-3000:]
+        raise RanksFailed(f"the {cfg.ranks} training ranks failed (exit {proc.returncode}); "
+                          f"{work_dir / LOG} ends with:\n{tail}")  # fmt: skip
+    result: dict[str, Any] = json.loads((work_dir / RESULT).read_text())
+    return result
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def main(work_dir: Path) -> None:
+    """One rank of a multi-rank cycle (launched by `train_on_ranks`)."""
+    import torch
+
+    from trainer.engine import (
+        MicroBatch,
+        close_engine,
+        load_optimizer_state,
+        save_optimizer_state,
+        start_engine,
+        state_dict,
+    )
+    from trainer.losses import Normaliser, loss_function
+    from trainer.steps import rank_batches, run_steps, world
+
+    job = torch.load(work_dir / JOB, weights_only=True)
+    cfg = TrainerSettings.model_validate_json((work_dir / SETTINGS).read_text())
+    batches = [MicroBatch(**fields_) for fields_ in job["batches"]]
+    champion_dir = Path(job["champion_dir"])
+    base_dir = None if job["base_dir"] is None else Path(job["base_dir"])
+    size = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    mine = rank_batches(batches, rank, size)
+    engine = start_engine(champion_dir, cfg, accumulation=len(mine), base_dir=base_dir)
+    assert world() == (rank, size), f"process group {world()} is not the launcher's ({rank}, {size})"
+    carried = False
+    if job["optimizer_from"] is not None:
+        loaded = 1
+        try:
+            load_optimizer_state(engine, Path(job["optimizer_from"]), cfg.learning_rate)
+        except Exception:  # noqa: BLE001 - a damaged state starts a fresh optimizer, on every rank alike
+            log.exception("rank %d: the optimizer state in %s does not load", rank, job["optimizer_from"])
+            loaded = 0
+        agreed = torch.tensor([loaded])
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        carried = bool(agreed.item())
+        if not carried:
+            close_engine(engine)
+            engine = start_engine(champion_dir, cfg, accumulation=len(mine), base_dir=base_dir)
+    tokens, sequences = job["norm"]
+    trained = run_steps(engine, mine, cfg, loss_function(cfg.loss), Normaliser(tokens=tokens, sequences=sequences),
+                        mean_advantage=float(job["mean_advantage"]))  # fmt: skip
+    if job["optimizer_to"] is not None:
+        save_optimizer_state(engine, Path(job["optimizer_to"]))  # every rank writes its part
+    weights = state_dict(engine)  # gathered from every rank at ZeRO 3
+    if rank == 0:
+        checkpoint.save(weights, Path(job["out_dir"]), champion_dir, json.loads(job["lineage"]))
+        result = {"steps": [m.model_dump() for m in trained.steps], "kl_stop": trained.kl_stop,
+                  "optimizer_carried": carried}  # fmt: skip
+        (work_dir / f"{RESULT}.tmp").write_text(json.dumps(result))
+        os.replace(work_dir / f"{RESULT}.tmp", work_dir / RESULT)
+    close_engine(engine)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank %(process)d %(levelname)s %(name)s %(message)s")
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m trainer.ranks WORK_DIR (launched by trainer/ranks.py train_on_ranks)")
+    main(Path(sys.argv[1]))

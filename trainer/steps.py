@@ -1,0 +1,156 @@
+"""The optimizer steps of one training cycle, on one rank or on each of several.
+
+`run_steps` is the inner loop of trainer/cycle.py: every step runs forward and backward over the
+cycle's micro-batches (π_old from the first step's forward passes), stops at the trust region,
+and steps the optimizer once. It runs in the worker process for a world of one, and in each rank
+process of a multi-rank cycle (trainer/ranks.py). With more than one rank each rank takes every
+world-th micro-batch (`rank_batches`); DeepSpeed averages the ranks' gradients, so each rank's loss
+is scaled by the world size to keep the step's loss a sum over all of the cycle's tokens; the
+step's sums are all-reduced before the trust-region decision, so every rank decides the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+from pydantic import BaseModel, Field
+
+from schemas.settings import TrainerSettings
+from trainer.engine import MicroBatch, grad_norm_after_step, grad_norm_before_step, token_logprobs
+from trainer.losses import LossFn, Normaliser, TokenBatch, beyond_trust_region
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+
+class StepMetrics(BaseModel):
+    """What one optimizer step saw, averaged over its trainable tokens."""
+
+    step: int
+    loss: float
+    mean_ratio: float = Field(description="Mean π_θ/π_old over tokens (1.0 on the first step).")
+    clip_fraction: float = Field(description="Fraction of tokens whose ratio is outside the clip range.")
+    kl_k1: float = Field(description="k1 estimate of KL(π_old ‖ π_θ): mean of −log(π_θ/π_old).")
+    kl_k3: float = Field(0.0, description="k3 estimate of KL(π_old ‖ π_θ): mean of r − 1 − log r, r = π_θ/π_old "
+                         "(≥ 0; what trainer.max_kl is compared with).")
+    is_weight: float = Field(description="Mean truncated behaviour weight min(π_old/μ, C).")
+    grad_norm: float | None = Field(description="Global gradient norm before clipping.")
+    mean_advantage: float
+    tokens: int
+    impossible_tokens: int = Field(
+        0, description="Sampled tokens outside their row's truncation (top-p/top-k/min-p) under π_old or π_θ: "
+        "left out of the loss."
+    )
+    applied: bool = Field(True, description="False: the trust region stopped the cycle here (trainer.max_kl); this "
+                          "step's forward passes were measured and its update was not applied.")
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What the steps did: one record per step run, and the step the trust region stopped at."""
+
+    steps: list[StepMetrics]
+    kl_stop: int | None
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of this process (0, 1 without a process group)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def rank_batches(batches: list[MicroBatch], rank: int, size: int) -> list[MicroBatch]:
+    """Rank `rank`'s share of the cycle's micro-batches: every `size`-th one from `rank`, padded
+    with fully masked copies so that every rank runs the same number (DeepSpeed's ranks step
+    together; a masked micro-batch adds nothing to the loss)."""
+    mine = batches[rank::size]
+    per_rank = -(-len(batches) // size)
+    while len(mine) < per_rank:
+        mine.append(replace(batches[0], mask=torch.zeros_like(batches[0].mask)))
+    return mine
+
+
+def _all_reduced(totals: dict[str, float]) -> dict[str, float]:
+    keys = sorted(totals)
+    summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+    torch.distributed.all_reduce(summed)
+    return dict(zip(keys, summed.tolist(), strict=True))
+
+
+def run_steps(
+    engine: DeepSpeedEngine,
+    batches: list[MicroBatch],
+    cfg: TrainerSettings,
+    loss_fn: LossFn,
+    norm: Normaliser,
+    *,
+    mean_advantage: float,
+    before_step: Callable[[int], object] = lambda step: None,
+    after_step: Callable[[StepMetrics], object] = lambda metrics: None,
+) -> Trained:
+    """``cfg.steps`` optimizer steps over `batches` (this rank's share when there are several
+    ranks; `norm` counts the whole cycle's tokens and sequences). `before_step` may raise to
+    abandon the cycle; `after_step` gets each step's metrics (the whole cycle's, on every rank)."""
+    _, size = world()
+    steps: list[StepMetrics] = []
+    # π_old: the champion's own logprobs, taken from the first step's forward passes
+    # (the weights only change at the end of that step).
+    old_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batches)
+    norm_before: float | None = None
+    for step in range(cfg.steps):
+        before_step(step)
+        totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl_k1": 0.0, "kl_k3": 0.0, "is_weight": 0.0,
+                  "tokens": 0.0, "impossible": 0.0}  # fmt: skip
+        applied = True
+        for k, mb in enumerate(batches):
+            mb = mb.to(engine.device)
+            logprobs, possible = token_logprobs(engine, mb)  # (B, L−1) each
+            first = old_logprobs[k]
+            if first is None:
+                first = old_logprobs[k] = (logprobs.detach(), possible)
+            old, old_possible = first
+            # A token outside the row's truncation under π_old or π_θ has no ratio: it leaves the loss.
+            mask = mb.mask * (possible & old_possible)
+            totals["impossible"] += float(mb.mask.sum() - mask.sum())
+            out = loss_fn(TokenBatch(logprobs, old, mb.behaviour_logprobs, mb.advantages, mask), cfg.loss, norm)
+            totals["loss"] += float(out.loss.detach())
+            for key, value in out.sums.items():
+                totals[key] += value
+            last = k == len(batches) - 1
+            if last and size > 1:
+                totals = _all_reduced(totals)  # the whole step's sums, the same on every rank
+            if last and beyond_trust_region(totals, cfg.max_kl):
+                # The weights after the steps so far are already max_kl from the champion
+                # on this batch: keep them, and apply no more updates (this step's included).
+                applied = False
+                break
+            # The loss is already normalised over the whole step: no extra 1/accumulation; DeepSpeed
+            # averages the ranks' gradients, so each rank's share counts `size` times.
+            engine.backward(out.loss * size if size > 1 else out.loss, scale_wrt_gas=False)
+            if last:
+                norm_before = grad_norm_before_step(engine)
+            engine.step()  # the optimizer steps on the last micro-batch only
+        tokens = max(totals["tokens"], 1.0)
+        metrics = StepMetrics(
+            step=step,
+            loss=totals["loss"],
+            mean_ratio=totals["ratio"] / tokens,
+            clip_fraction=totals["clipped"] / tokens,
+            kl_k1=totals["kl_k1"] / tokens,
+            kl_k3=totals["kl_k3"] / tokens,
+            is_weight=totals["is_weight"] / tokens,
+            grad_norm=None if not applied else norm_before if norm_before is not None else grad_norm_after_step(engine),
+            mean_advantage=mean_advantage,
+            tokens=int(totals["tokens"]),
+            impossible_tokens=int(totals["impossible"]),
+            applied=applied,
+        )
+        steps.append(metrics)
+        after_step(metrics)
+        if not applied:
+            return Trained(steps, kl_stop=step)
+    return Trained(steps, kl_stop=None)
