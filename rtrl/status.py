@@ -12,12 +12,12 @@ look; ``rtrl status`` exits 1 when there is one.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rtrl.services.base import process_alive
 from schemas.settings import Settings
 
 STALE_STATE_S = 30.0  # a supervisor state file older than this: `rtrl run` is not polling any more
@@ -64,7 +64,7 @@ def _daemon(settings: Settings, problems: list[str]) -> dict[str, Any]:
         return {"running": False}
     state = json.loads(path.read_text())
     age = time.time() - float(state["updated_at"])
-    running = not state.get("stopped") and age < STALE_STATE_S and _alive(int(state["pid"]))
+    running = not state.get("stopped") and age < STALE_STATE_S and process_alive(int(state["pid"]))
     daemon = {"running": running, "pid": state["pid"], "state_age_s": round(age, 1),
               "prepared": state.get("prepared"), "children": state.get("children", {})}  # fmt: skip
     if not running:
@@ -78,16 +78,6 @@ def _daemon(settings: Settings, problems: list[str]) -> dict[str, Any]:
         elif not child.get("running") and not child.get("waiting_for_prepare"):
             problems.append(f"{name} is down, restarting (last exit code {child.get('last_exit_code')}); see {child.get('log')}")
     return daemon
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _registry(settings: Settings) -> dict[str, Any]:

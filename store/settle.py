@@ -115,7 +115,7 @@ def join_and_settle(
                 "first_event_at": min(s.created_at for s in segments),
                 "last_event_at": now,
             })  # fmt: skip
-        session.execute(insert_ignoring(dialect, Episode, ["episode_id"]).values(new_rows))
+        session.execute(insert_ignoring(dialect, Episode, ["episode_id"]), new_rows)  # executemany: see store/events.py
 
     # ---- lock the episodes this batch touches, then read what waits for them ------------------------
     # Which episode a waiting feedback joins is only known after reading it, so: read, lock what it

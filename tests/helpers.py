@@ -88,6 +88,17 @@ def run_rtrl(settings: Settings, *args: str, timeout_s: float = 600) -> subproce
     )
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists (a zombie counts until its parent reaps it)."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
     """SIGTERM the process group `proc` leads (started with ``start_new_session``), SIGKILL it
     after `grace_s`, and reap the leader."""

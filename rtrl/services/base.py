@@ -71,6 +71,11 @@ def _proc_start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
+def process_alive(pid: int) -> bool:
+    """Whether `pid` is a running process (a zombie has exited)."""
+    return _proc_start_ticks(pid) is not None
+
+
 def _group_alive(pgid: int) -> bool:
     _reap(pgid)
     try:

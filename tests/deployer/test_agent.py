@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, stop_group
 from pydantic import SecretStr
 
 from deployer.rollout import promote, rollback
@@ -44,16 +43,6 @@ TOKEN = "agent-secret-for-tests"
 def deployer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Everything the deployer writes; hidden from the server."""
     return tmp_path_factory.mktemp("deployer-host")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +73,7 @@ def hidden_server(
             server.update_weight_version(1)
         yield url
     finally:
-        _stop(proc)
+        stop_group(proc)
 
 
 @pytest.fixture
@@ -125,7 +114,7 @@ def agent(settings: Settings, tmp_path: Path) -> Iterator[str]:
         wait_until(up, timeout_s=60, interval_s=0.3, what="rtrl agent answered /healthz")
         yield url
     finally:
-        _stop(proc)
+        stop_group(proc)
 
 
 def _versions(settings: Settings, tiny_model_dir: Path) -> Registry:

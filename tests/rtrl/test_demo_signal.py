@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from factories import fresh_topics
-from helpers import REPO
+from helpers import REPO, alive
 
 from rtrl.launch import child_env, rtrl_command
 from rtrl.services.testing import free_ports
@@ -20,14 +20,6 @@ from schemas.clock import wait_until
 from schemas.settings import MetricsSettings, Settings, StoreSettings
 
 pytestmark = pytest.mark.e2e
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_sigterm_stops_the_demo_and_every_process_it_started(services: Settings, tmp_path: Path) -> None:
@@ -54,7 +46,7 @@ def test_sigterm_stops_the_demo_and_every_process_it_started(services: Settings,
         time.sleep(2)  # well inside the demo's loop
         demo.send_signal(signal.SIGTERM)
         assert demo.wait(timeout=120) != 0
-        wait_until(lambda: not any(_alive(pid) for pid in started.values()), timeout_s=30,
+        wait_until(lambda: not any(alive(pid) for pid in started.values()), timeout_s=30,
                    what=f"the demo's processes {started} stopped")  # fmt: skip
     finally:
         if demo.poll() is None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from factories import FakeMonotonic
+from helpers import alive
 from prometheus_client import REGISTRY
 
 from rtrl import supervisor as sup
@@ -41,14 +42,6 @@ def _wait_ready(url: str, timeout_s: float = 120.0) -> None:
             return False
 
     wait_until(healthy, timeout_s=timeout_s, interval_s=0.5, what=f"{url} healthy")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _gateway_without_services(tmp_path: Path) -> tuple[Settings, int, int]:
@@ -92,7 +85,7 @@ def test_killed_process_is_restarted_and_stop_leaves_nothing(
     finally:
         supervisor.stop()
     assert json.loads(supervisor.state_path.read_text())["stopped"] is True
-    assert not _alive(child.proc.pid)
+    assert not alive(child.proc.pid)
     assert (tmp_path / "run" / "logs" / "gateway.log").stat().st_size > 0
 
 
