@@ -33,7 +33,8 @@ from evals import get_task
 from rtrl.services.testing import make_run_dir, services_settings
 from rtrl.services.vllm import ensure_model
 from schemas.settings import CispoLoss, TrainerSettings
-from trainer.engine import MicroBatch, Row, close_engine, micro_batches, start_engine, token_logprobs
+from serving.sampler import MicroBatch, Row, micro_batches, token_logprobs
+from trainer.engine import close_engine, start_engine
 from trainer.losses import Normaliser, TokenBatch, cispo
 
 

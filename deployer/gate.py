@@ -1,40 +1,73 @@
-"""The eval gate: does the challenger score at least as well as the champion on held-out prompts?
+"""The eval gate: may the challenger replace the champion? (docs/gate.md)
 
-Both models generate on the *staging* vLLM server (``settings.vllm.staging_server``, never in
-front of users): the gate swaps the staging server to the challenger with the same verified
-swap the fleet gets (so a checkpoint that does not load or does not match its probe fails here,
-before any user sees it), samples the task's held-out prompts, then does the same for the
-champion. Both sample with the served model's defaults (`schemas.sampling.served_defaults`,
-what a user who sets no sampling parameters gets), and with a fixed seed, so both models see the
-same sampling noise and the comparison is not swamped by it. Each completion is scored by the oracle the simulator uses: the
-task's preference through the labeler's reward spec (evals/scoring.py).
+Suites, each an estimate of challenger − champion with a one-sided lower confidence bound
+(evals/stats.py), and behaviour alarms (deployer/alarms.py). The challenger passes when every
+*conclusive* suite is non-inferior (lower bound above ``−gate.tolerance``), at least one suite is
+conclusive, and no alarm fired. The suites (``gate.suites``, plus ``gate.offline``):
 
-The challenger passes unless ``challenger_score < champion_score - tolerance``. While it is
-loaded, the staging server's `/weight_checker` digests are recorded as the version's baseline
-for `deployer.rollout`'s swap verification. The decision is recorded in MLflow: metrics and the
-decision JSON on the challenger's run (when its run is known) and tags on the model version.
+- ``ope``: off-policy evaluation on held-out logged traffic, the one that needs no oracle. A fixed
+  slice of episodes (``gate.ope.holdout_percent`` by a hash of the episode id) is never trained on;
+  the challenger's and the champion's sequence log-probabilities of those logged completions
+  (deployer/ope.py, a transformers forward pass) reweight the users' rewards. Inconclusive below
+  ``gate.ope.min_ess`` effective samples (too little traffic, or a challenger too far from what
+  was logged: the KL alarm covers the latter).
+- ``retention``: the task's held-out questions scored by their known answers (evals/suites.py).
+- ``oracle``: the task's preference function (``gate.preference``): only where one exists, such as
+  the demo's simulated users.
+- offline JSONL suites with exact / contains / regex / function scorers.
 
-Called by the trainer chain after a cycle registers a challenger, and by ``rtrl deploy gate``.
+Prompt suites generate on the *staging* vLLM server (``settings.vllm.staging_server``, never in
+front of users): the gate swaps it to the challenger with the same verified swap the fleet gets (so
+a checkpoint that does not load or does not match its probe fails here, before any user sees it),
+samples every suite's prompts, then does the same for the champion. Both sample with the served
+model's defaults and the same seed, so both see the same sampling noise. While the challenger is
+loaded, the staging server's `/weight_checker` digests are recorded as the version's baseline for
+`deployer.rollout`'s swap verification.
+
+Every decision is kept in the store (`rtrl gate explain VERSION` prints it) and in MLflow: tags on
+the model version, and metrics and the decision JSON on the challenger's run when it is known.
+Called by the trainer chain after a cycle registers a challenger, and by ``rtrl gate run``.
 """
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
+from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 import evals
-from deployer import metrics, rollout
+from deployer import alarms, metrics, ope, rollout
+from deployer.alarms import Alarm, Behaviour
 from deployer.errors import GateError
+from evals.stats import Interval, importance_weights, off_policy, paired_interval, snips
+from evals.suites import PromptSuite, load_offline, retention_suite
 from registry import Registry
 from schemas.clock import utcnow
 from schemas.rewards import get_spec
 from schemas.sampling import served_defaults
 from schemas.settings import Settings
-from serving import VllmClient
+from serving import AdapterError, Generation, VllmClient
+from store import Store
 
-# Same seed for both models: identical sampling noise, so score differences come from the weights.
-GATE_SEED = 20240917
+
+class SuiteResult(BaseModel):
+    """One suite's verdict: both models' figures, the difference's interval, and whether it decides."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    kind: Literal["ope", "prompts"]
+    challenger: float | None
+    champion: float | None
+    difference: Interval | None
+    conclusive: bool
+    passed: bool | None = Field(description="None when inconclusive (it does not decide).")
+    n: int = Field(description="Prompts (prompt suites) or usable held-out episodes (ope).")
+    ess: float | None = Field(None, description="ope: the smaller effective sample size of the two models.")
+    note: str = ""
 
 
 class GateDecision(BaseModel):
@@ -46,122 +79,266 @@ class GateDecision(BaseModel):
     challenger_version: int
     champion_version: int
     challenger_score: float | None = Field(
-        description="Mean reward over prompts x samples; None if it never ran."
+        description="The first suite's challenger figure (the headline; every suite is in `suites`)."
     )
     champion_score: float | None
     tolerance: float
-    n_prompts: int
+    confidence: float
+    n_prompts: int = Field(description="Prompts sampled per model over all prompt suites.")
     n_samples: int = Field(description="Completions per model (prompts x samples per prompt).")
+    suites: list[SuiteResult] = Field(default_factory=list)
+    alarms: list[Alarm] = Field(default_factory=list)
+    behaviour: dict[str, Behaviour] = Field(default_factory=dict, description="challenger / champion generations.")
     reason: str
     decided_at: datetime
 
 
-def decide(challenger_score: float, champion_score: float, tolerance: float) -> tuple[bool, str]:
-    """Pass unless the challenger is worse than the champion by more than `tolerance`."""
-    margin = challenger_score - champion_score
-    if challenger_score < champion_score - tolerance:
-        return (
-            False,
-            f"challenger {challenger_score:.4f} < champion {champion_score:.4f} - tolerance {tolerance:g}",
-        )
-    return True, f"challenger {challenger_score:.4f} vs champion {champion_score:.4f} (margin {margin:+.4f})"
+def decide(suites: list[SuiteResult], fired: list[Alarm], tolerance: float) -> tuple[bool, str]:
+    """Pass when at least one suite is conclusive, every conclusive one is non-inferior, no alarm fired."""
+    problems = [f"alarm {a.name}: {a.detail} (threshold {a.threshold:.3g})" for a in fired]
+    for suite in suites:
+        if suite.conclusive and not suite.passed and suite.difference is not None:
+            problems.append(f"suite {suite.name}: challenger - champion {suite.difference.estimate:+.4f}, lower bound "
+                            f"{suite.difference.low:+.4f} <= -{tolerance:g}")  # fmt: skip
+    if not any(s.conclusive for s in suites):
+        problems.append("no suite was conclusive: " + "; ".join(f"{s.name}: {s.note}" for s in suites))
+    if problems:
+        return False, "; ".join(problems)
+    parts = [f"{s.name} {s.difference.estimate:+.4f} (lower bound {s.difference.low:+.4f})"
+             for s in suites if s.conclusive and s.difference is not None]  # fmt: skip
+    return True, "non-inferior on " + ", ".join(parts) + "; no alarm"
 
 
-def mean(values: list[float]) -> float:
-    if not values:
-        raise GateError("no completions were scored")
-    return sum(values) / len(values)
+def _prompt_suites(settings: Settings) -> list[tuple[PromptSuite, bool]]:
+    """(suite, oracle?) for every configured prompt suite; raises GateError on a bad suite."""
+    cfg = settings.gate
+    suites: list[tuple[PromptSuite, bool]] = []
+    try:
+        task = evals.get_task(cfg.task)
+        if "retention" in cfg.suites:
+            suites.append((retention_suite(task, cfg.eval_prompts), False))
+        if "oracle" in cfg.suites:
+            preference = evals.load_preference(cfg.preference) if cfg.preference else task.preference
+            reward = evals.scorer(preference, get_spec(settings.labeler.reward_spec))
+            suites.append((PromptSuite(
+                name="oracle", prompts=tuple(task.heldout_prompts(cfg.eval_prompts)), lines=(),
+                scorer=lambda prompt, completion, _line: reward(prompt, completion),
+                max_tokens=task.max_tokens, stop=task.stop,
+            ), True))  # fmt: skip
+        suites.extend((load_offline(offline), False) for offline in cfg.offline)
+    except evals.TaskError as exc:
+        raise GateError(str(exc)) from exc
+    return suites
 
 
-def _score_version(
-    settings: Settings, registry: Registry, server: VllmClient, version: int, prompts: list[str]
-) -> tuple[float, dict[str, str]]:
-    """Swap the staging server to `version` (verified), sample, score; returns (mean, digests)."""
-    task = evals.get_task(settings.gate.task)
-    target = rollout.target(settings, registry, version)
+def _score_prompts(
+    suite: PromptSuite, challenger: list[list[Generation]], champion: list[list[Generation]], settings: Settings
+) -> SuiteResult:
+    cfg = settings.gate
+
+    def per_prompt(generations: list[list[Generation]]) -> list[float]:
+        return [sum(suite.score(i, g.text) for g in gens) / len(gens) for i, gens in enumerate(generations)]
+
+    ours, theirs = per_prompt(challenger), per_prompt(champion)
+    interval = paired_interval(ours, theirs, confidence=cfg.confidence, resamples=cfg.bootstrap_resamples,
+                               seed=cfg.seed)  # fmt: skip
+    return SuiteResult(name=suite.name, kind="prompts", challenger=float(np.mean(ours)), champion=float(np.mean(theirs)),
+                       difference=interval, conclusive=True, passed=interval.low > -cfg.tolerance, n=len(ours))  # fmt: skip
+
+
+def _generate(server: VllmClient, settings: Settings, suites: list[PromptSuite]) -> list[list[list[Generation]]]:
+    """Every suite's prompts sampled on `server`; suites with the same prompts share one request."""
+    cache: dict[tuple[tuple[str, ...], int, tuple[str, ...]], list[list[Generation]]] = {}
+    out = []
+    for suite in suites:
+        key = (suite.prompts, suite.max_tokens, suite.stop)
+        if key not in cache:
+            cache[key] = server.sample(list(suite.prompts), max_tokens=suite.max_tokens,
+                                       n=settings.gate.samples_per_prompt, seed=settings.gate.seed,
+                                       stop=list(suite.stop), sampling=served_defaults(settings))  # fmt: skip
+        out.append(cache[key])
+    return out
+
+
+def _load(server: VllmClient, target: rollout.Target, settings: Settings) -> None:
     step, digests = rollout.swap_server(server, target, settings, restore=None)
     if not step.verified:
-        raise GateError(f"v{version} does not load correctly on the staging server: {step.error}")
-    samples = server.complete(
-        prompts,
-        max_tokens=task.max_tokens,
-        n=settings.gate.samples_per_prompt,
-        seed=GATE_SEED,
-        sampling=served_defaults(settings),  # as users are served when they set nothing themselves
-        stop=list(task.stop),
-    )
-    scorer = evals.scorer(task.preference, get_spec(settings.labeler.reward_spec))
-    return mean(
-        [scorer(p, c) for p, completions in zip(prompts, samples, strict=True) for c in completions]
-    ), digests
+        raise GateError(f"v{target.version} does not load correctly on the staging server: {step.error}")
+    if digests:  # none for an adapter (rollout._digests)
+        rollout.save_digests(settings, target.version, digests)
 
 
-def evaluate(settings: Settings, registry: Registry, version: int) -> GateDecision:
-    """Score challenger `version` against the champion on the staging server and record the decision.
+def _ope(
+    settings: Settings, store: Store, challenger: rollout.Target, champion: rollout.Target
+) -> tuple[SuiteResult, list[Alarm]]:
+    """The off-policy suite and the alarms it feeds (kl, no_feedback)."""
+    cfg = settings.gate
+    spec_id = get_spec(settings.labeler.reward_spec).spec_id
+    episodes = store.select_heldout(cfg.ope.max_episodes, spec_id=spec_id, holdout_percent=cfg.ope.holdout_percent)
+    logged, skipped = ope.usable(episodes)
+    skipped_note = f"; {skipped} held-out episodes could not be rescored" if skipped else ""
+    if len(logged) < 2:
+        note = f"{len(logged)} usable held-out episodes under {spec_id}{skipped_note}"
+        return SuiteResult(name="ope", kind="ope", challenger=None, champion=None, difference=None, conclusive=False,
+                           passed=None, n=len(logged), note=note), []  # fmt: skip
+    chal = ope.sequence_logprobs(challenger.path, challenger.base, logged)
+    champ = ope.sequence_logprobs(champion.path, champion.base, logged)
+    behaviour = [e.behaviour for e in logged]
+    estimate = off_policy([e.reward for e in logged], behaviour, chal, champ, clip=cfg.ope.clip,
+                          confidence=cfg.confidence, resamples=cfg.bootstrap_resamples, seed=cfg.seed)  # fmt: skip
+    ess = min(estimate.ess_challenger, estimate.ess_champion)
+    conclusive = ess >= cfg.ope.min_ess
+    note = (f"{len(logged)} held-out episodes, effective sample size challenger {estimate.ess_challenger:.1f}, "
+            f"champion {estimate.ess_champion:.1f} (min {cfg.ope.min_ess:g}){skipped_note}")  # fmt: skip
+    suite = SuiteResult(name="ope", kind="ope", challenger=estimate.challenger, champion=estimate.champion,
+                        difference=estimate.difference, conclusive=conclusive,
+                        passed=(estimate.difference.low > -cfg.tolerance) if conclusive else None, n=len(logged),
+                        ess=ess, note=note)  # fmt: skip
+    found: list[Alarm] = []
+    w0 = importance_weights(champ, behaviour, cfg.ope.clip)
+    w1 = importance_weights(chal, behaviour, cfg.ope.clip)
+    if estimate.ess_champion >= cfg.ope.min_ess:
+        # KL(champion || challenger) per token: champion-weighted log-ratio over champion-weighted tokens.
+        gap = np.asarray(champ) - np.asarray(chal)
+        kept = np.isfinite(np.asarray(champ))
+        kl = math.inf if bool(np.isinf(gap[kept]).any()) else snips(w0[kept], gap[kept]) / max(
+            snips(w0[kept], np.asarray([e.tokens for e in logged], dtype=np.float64)[kept]), 1.0)
+        found.append(alarms.kl_alarm(kl, cfg.alarms))
+    if conclusive:
+        silent = np.asarray([float(e.no_feedback) for e in logged])
+        found.append(alarms.no_feedback_alarm(snips(w1, silent), snips(w0, silent), cfg.alarms))
+    return suite, found
+
+
+def evaluate(settings: Settings, registry: Registry, version: int, store: Store | None = None) -> GateDecision:
+    """Judge challenger `version` against the champion and record the decision (docs/gate.md).
 
     A challenger that does not load and verify on staging fails the gate (recorded, no raise).
-    Raises GateError when the gate cannot run at all (no staging server, the champion fails to load).
+    Raises GateError when the gate cannot run at all (no staging server, a suite that cannot be
+    loaded, the champion fails to load). Without `store` the ope suite is not run (it needs the
+    held-out traffic) and says so.
     """
+    cfg = settings.gate
     staging = settings.vllm.staging_server
     if staging is None:
         raise GateError("settings.vllm.staging_server is not set; the gate never generates on serving servers")
     champion = registry.champion()
-    prompts = evals.get_task(settings.gate.task).heldout_prompts(settings.gate.eval_prompts)
-    n_samples = len(prompts) * settings.gate.samples_per_prompt
-    tolerance = settings.gate.tolerance
-    challenger_score: float | None = None
+    prompt_suites = _prompt_suites(settings)
+    suites = [s for s, _ in prompt_suites]
+    generated: dict[str, list[list[list[Generation]]]] = {}
+    targets: dict[str, rollout.Target] = {}
     load_failure: str | None = None
     with rollout.rollout_lock(settings, "staging"):
         with rollout.server_client(settings, staging) as server:
             try:
-                challenger_score, digests = _score_version(settings, registry, server, version, prompts)
-                if digests:  # none for an adapter (rollout._digests)
-                    rollout.save_digests(settings, version, digests)
-            except GateError as exc:
+                targets["challenger"] = rollout.target(settings, registry, version)
+                _load(server, targets["challenger"], settings)
+                generated["challenger"] = _generate(server, settings, suites)
+            except (GateError, AdapterError) as exc:
                 load_failure = str(exc)  # a challenger that does not load fails the gate; recorded below
             # The champion runs last so the staging server ends on it, matching the fleet.
-            champion_score, _ = _score_version(settings, registry, server, champion, prompts)
-    if challenger_score is None:
-        passed, reason = False, load_failure or "challenger was not scored"
+            targets["champion"] = rollout.target(settings, registry, champion)
+            _load(server, targets["champion"], settings)
+            generated["champion"] = _generate(server, settings, suites)
+
+    results: list[SuiteResult] = []
+    found: list[Alarm] = []
+    behaviour: dict[str, Behaviour] = {}
+    if load_failure is None:
+        for index, suite in enumerate(suites):
+            results.append(_score_prompts(suite, generated["challenger"][index], generated["champion"][index], settings))
+        if suites:
+            for model in ("challenger", "champion"):
+                flat = [g for per_suite in generated[model] for per_prompt in per_suite for g in per_prompt]
+                behaviour[model] = alarms.behaviour(flat, cfg.alarms.no_action_pattern)
+            found.extend(alarms.generation_alarms(behaviour["challenger"], behaviour["champion"], cfg.alarms))
+        if "ope" in cfg.suites:
+            if store is None:
+                results.append(SuiteResult(name="ope", kind="ope", challenger=None, champion=None, difference=None,
+                                           conclusive=False, passed=None, n=0, note="no store was given"))  # fmt: skip
+            else:
+                estimate, ope_alarms = _ope(settings, store, targets["challenger"], targets["champion"])
+                results.append(estimate)
+                found.extend(ope_alarms)
+        order: dict[str, int] = {name: i for i, name in enumerate(cfg.suites)}
+        results.sort(key=lambda s: order.get(s.name, len(order)))
+        passed, reason = decide(results, [a for a in found if a.fired], cfg.tolerance)
     else:
-        passed, reason = decide(challenger_score, champion_score, tolerance)
+        passed, reason = False, load_failure
+    headline = next((s for s in results if s.challenger is not None), None)
+    n_prompts = sum(len(s.prompts) for s in suites)
     decision = GateDecision(
         passed=passed,
         challenger_version=version,
         champion_version=champion,
-        challenger_score=challenger_score,
-        champion_score=champion_score,
-        tolerance=tolerance,
-        n_prompts=len(prompts),
-        n_samples=n_samples,
+        challenger_score=headline.challenger if headline else None,
+        champion_score=headline.champion if headline else None,
+        tolerance=cfg.tolerance,
+        confidence=cfg.confidence,
+        n_prompts=n_prompts,
+        n_samples=n_prompts * cfg.samples_per_prompt,
+        suites=results,
+        alarms=found,
+        behaviour=behaviour,
         reason=reason,
         decided_at=utcnow(),
     )
-    metrics.record_gate(passed, challenger_score, champion_score)
-    record(settings, registry, decision)
+    metrics.record_gate(passed, cause(decision), decision.challenger_score, decision.champion_score)
+    record(settings, registry, decision, store)
     return decision
 
 
-def record(settings: Settings, registry: Registry, decision: GateDecision) -> None:
-    """Model version tags always; metrics, the decision and the digests on the version's run if known."""
+def cause(decision: GateDecision) -> str:
+    """Why, in one word: non_inferior, alarm, inferior, inconclusive or challenger_not_loaded."""
+    if decision.passed:
+        return "non_inferior"
+    if not decision.suites:
+        return "challenger_not_loaded"
+    if any(a.fired for a in decision.alarms):
+        return "alarm"
+    if any(s.conclusive and not s.passed for s in decision.suites):
+        return "inferior"
+    return "inconclusive"
+
+
+def record(settings: Settings, registry: Registry, decision: GateDecision, store: Store | None = None) -> None:
+    """The decision in the store (when given), as model version tags, and on the version's run."""
     version = decision.challenger_version
+    if store is not None:
+        store.record_gate_decision(version, decision.champion_version, decision.passed, decision.reason,
+                                   decision.model_dump(mode="json"), decision.decided_at)  # fmt: skip
     tags = {
         "gate": "pass" if decision.passed else "fail",
+        "gate_cause": cause(decision),
         "gate_reason": decision.reason[:4000],
         "gate_champion_version": str(decision.champion_version),
         "gate_challenger_score": f"{decision.challenger_score}",
         "gate_champion_score": f"{decision.champion_score}",
         "gate_decided_at": decision.decided_at.isoformat(),
+        "gate_alarms": ",".join(a.name for a in decision.alarms if a.fired),
     }
+    for suite in decision.suites:
+        verdict = "inconclusive" if not suite.conclusive else "pass" if suite.passed else "fail"
+        interval = suite.difference
+        tags[f"gate_suite_{suite.name}"] = verdict + (
+            f" {interval.estimate:+.4f} [{interval.low:+.4f}, {interval.high:+.4f}]" if interval else "")
     registry.tag_version(version, tags)
     run_id = registry.version_run_id(version)
     if run_id is None:
         return
     figures = {"gate/passed": float(decision.passed)}
-    for key, value in (
-        ("gate/challenger_score", decision.challenger_score),
-        ("gate/champion_score", decision.champion_score),
-    ):
+    for suite in decision.suites:
+        for key, value in ((f"gate/{suite.name}/challenger", suite.challenger),
+                           (f"gate/{suite.name}/champion", suite.champion),
+                           (f"gate/{suite.name}/low", suite.difference.low if suite.difference else None),
+                           (f"gate/{suite.name}/ess", suite.ess)):  # fmt: skip
+            if value is not None and math.isfinite(value):
+                figures[key] = value
+    for alarm in decision.alarms:
+        if math.isfinite(alarm.value):
+            figures[f"gate/alarm/{alarm.name}"] = alarm.value
+    for key, value in (("gate/challenger_score", decision.challenger_score),
+                       ("gate/champion_score", decision.champion_score)):  # fmt: skip
         if value is not None:
             figures[key] = value
     registry.log_metrics(run_id, figures)

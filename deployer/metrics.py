@@ -12,8 +12,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 GATE_DECISIONS = Counter(
     "rtrl_gate_decisions_total",
-    "Eval gate decisions, by decision (pass, fail) and cause (within_tolerance, worse_than_champion, "
-    "challenger_not_loaded).",
+    "Eval gate decisions, by decision (pass, fail) and cause (non_inferior, inferior, alarm, inconclusive, "
+    "challenger_not_loaded; docs/gate.md).",
     ["decision", "cause"],
 )
 GATE_SCORE = Gauge(
@@ -72,7 +72,8 @@ RESTARTS = Counter(
 
 
 # Every outcome of the counters exists from the start (at 0): a first failure is an increase a rule sees.
-for _decision, _cause in (("pass", "within_tolerance"), ("fail", "worse_than_champion"), ("fail", "challenger_not_loaded")):
+for _decision, _cause in (("pass", "non_inferior"), ("fail", "inferior"), ("fail", "alarm"), ("fail", "inconclusive"),
+                          ("fail", "challenger_not_loaded")):
     GATE_DECISIONS.labels(_decision, _cause)
 for _outcome in ("verified", "restored", "failed"):
     SWAPS.labels(_outcome)
@@ -87,8 +88,8 @@ for _unset in (GATE_LAST, GATE_LAST_AT, CHAMPION, FLEET_AGREES):
     _unset.set(math.nan)
 
 
-def record_gate(passed: bool, challenger_score: float | None, champion_score: float | None) -> None:
-    cause = "within_tolerance" if passed else "challenger_not_loaded" if challenger_score is None else "worse_than_champion"
+def record_gate(passed: bool, cause: str, challenger_score: float | None, champion_score: float | None) -> None:
+    """One decision of the gate; `cause` as deployer/gate.py `cause`."""
     GATE_DECISIONS.labels("pass" if passed else "fail", cause).inc()
     GATE_LAST.set(1 if passed else 0)
     GATE_LAST_AT.set(time.time())

@@ -67,7 +67,7 @@ def config_show() -> None:
     typer.echo(load_settings().model_dump_json(indent=2))
 
 
-for _name in ("services", "model", "gateway", "labeler", "keys", "dlq", "store", "trainer", "deploy", "simulate", "demo", "report",
+for _name in ("services", "model", "gateway", "labeler", "keys", "dlq", "store", "trainer", "deploy", "gate", "simulate", "demo", "report",
               "daemon", "agent"):
     importlib.import_module(f"rtrl.commands.{_name}").register(app)
 

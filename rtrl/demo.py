@@ -69,9 +69,14 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     from rtrl.supervisor import Supervisor, prepare
     from store import Store
 
-    settings = settings.model_copy(
-        update={"labeler": settings.labeler.model_copy(update={"settle_window_s": options.settle_window_s})}
-    )
+    # The simulated users are an oracle the demo has: the gate asks it too (the oracle suite), with the
+    # preference the users hold, on the task they bring (docs/gate.md, The demo's oracle).
+    suites = settings.gate.suites if "oracle" in settings.gate.suites else ("oracle", *settings.gate.suites)
+    settings = settings.model_copy(update={
+        "labeler": settings.labeler.model_copy(update={"settle_window_s": options.settle_window_s}),
+        "gate": settings.gate.model_copy(update={"suites": suites, "task": options.task,
+                                                 "preference": options.preference or settings.gate.preference}),
+    })  # fmt: skip
     # Mistakes in the options and the settings fail now, before any service starts.
     task = get_task(options.task)
     preference = load_preference(options.preference) if options.preference else None
@@ -161,13 +166,13 @@ def _one_cycle(
 ) -> dict[str, Any]:
     from rtrl.simulate import simulate
     from trainer.celery_app import CYCLE_TASK, configure
-    from trainer.selection import count_trainable
+    from trainer.selection import count_labelled
 
     champion = registry.champion()
     gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
 
     # Users: requests through the gateway, feedback by the preference function.
-    before = count_trainable(settings, store, champion)
+    before = count_labelled(settings, store, champion)
     report = simulate(settings, gateway, options.requests_per_cycle, task, preference=preference,
                       concurrency=options.concurrency, seed=cycle, api_key=api_key)
     # The labeler settles each episode when its terminal feedback arrives (or its window passes); the
@@ -176,12 +181,12 @@ def _one_cycle(
 
     def settled() -> bool:
         _check_children(supervisor, settings)
-        return count_trainable(settings, store, champion) >= target
+        return count_labelled(settings, store, champion) >= target
 
     try:
         wait_until(settled, timeout_s=options.cycle_timeout_s, interval_s=0.5, what=f"cycle {cycle}: episodes unsettled")
     except TimeoutError as exc:
-        have = count_trainable(settings, store, champion)
+        have = count_labelled(settings, store, champion)
         raise DemoError(f"{exc} ({have}/{target} settled); see the labeler log in {settings.services.run_dir}/logs") from None
 
     # Train → gate → deploy, on the worker.

@@ -525,17 +525,101 @@ class TrainerSettings(_Section):
         return value
 
 
+GateSuite = Literal["ope", "retention", "oracle"]
+
+
+class OpeSettings(_Section):
+    """The gate's off-policy estimate on held-out logged traffic (docs/gate.md, Off-policy evaluation)."""
+
+    holdout_percent: int = Field(
+        10, ge=0, le=50,
+        description="Percent of episodes (by a hash of the episode id) kept for the gate and never trained on; "
+        "0 turns the held-out slice, and so the suite, off.",
+    )
+    max_episodes: int = Field(512, ge=1, description="Newest held-out episodes the estimate uses.")
+    min_ess: float = Field(
+        32.0, gt=0,
+        description="Below this effective sample size (of the challenger's or the champion's weights) the "
+        "estimate is inconclusive and does not decide.",
+    )
+    clip: float = Field(10.0, gt=1, description="Importance weights are clipped at this value.")
+
+
+class AlarmSettings(_Section):
+    """Behaviour alarms on the challenger (docs/gate.md, Alarms): any alarm blocks promotion."""
+
+    length_ratio: float = Field(
+        2.0, gt=1, description="Challenger's mean completion length above this multiple of the champion's (+2 tokens)."
+    )
+    entropy_ratio: float = Field(
+        0.2, ge=0, lt=1,
+        description="Challenger's per-token entropy (estimated from its sampled tokens' logprobs) below this "
+        "fraction of the champion's.",
+    )
+    repetition_rate: float = Field(
+        0.2, gt=0, le=1, description="Share of repetitive completions up by more than this over the champion's."
+    )
+    kl_budget: float = Field(
+        1.0, gt=0, description="Per-token KL(champion || challenger) on held-out logged traffic above this (nats)."
+    )
+    no_action_rate: float = Field(
+        0.1, gt=0, le=1,
+        description="Share of non-answers (no_action_pattern) in the challenger's completions, or its estimated "
+        "share of episodes without feedback on held-out traffic, up by more than this over the champion's.",
+    )
+    no_action_pattern: str = Field(
+        r"^[^\w]*$|\?\s*$",
+        description="Regular expression (Python, searched) that marks a completion as a non-answer: by default "
+        "nothing alphanumeric, or a question.",
+    )
+
+
+class OfflineSuiteSettings(_Section):
+    """A prompt set with a verifiable scorer (docs/gate.md, Offline suites)."""
+
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    path: Path = Field(..., description='JSONL: one {"prompt": ..., "answers": [...]} or {"prompt": ..., '
+                       '"pattern": ...} object per line.')  # fmt: skip
+    scorer: Literal["exact", "contains", "regex", "function"] = Field(
+        "contains",
+        description="exact: the stripped completion equals an answer; contains: an answer appears as a whole "
+        "word; regex: the line's pattern matches; function: `function` decides.",
+    )
+    function: str | None = Field(
+        None, description='"module:function" called as f(prompt, completion, line) -> float in [0, 1] (scorer=function).'
+    )
+    max_tokens: int = Field(32, ge=1, le=4096)
+    stop: tuple[str, ...] = ("\n",)
+
+
 class GateSettings(_Section):
-    """The eval gate between @challenger and @champion."""
+    """The eval gate between @challenger and @champion (deployer/gate.py, docs/gate.md)."""
 
     tolerance: float = Field(
-        0.05, ge=0, description="Fail when challenger < champion - tolerance (mean reward)."
+        0.05, ge=0,
+        description="Non-inferiority margin: a suite passes when the lower confidence bound of challenger minus "
+        "champion is above -tolerance (in the suite's units: mean reward, or share of correct answers).",
     )
-    eval_prompts: int = Field(48, ge=1, description="Held-out prompts scored per model.")
-    samples_per_prompt: int = Field(2, ge=1, description="Completions per held-out prompt.")
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="One-sided confidence of each suite's lower bound.")
+    bootstrap_resamples: int = Field(1000, ge=100, description="Bootstrap resamples per interval.")
+    seed: int = Field(20240917, description="Sampling seed (the same for both models) and bootstrap seed.")
+    suites: tuple[GateSuite, ...] = Field(
+        ("ope", "retention"),
+        description="ope: off-policy estimate on held-out logged traffic (no oracle); retention: the task's "
+        "held-out questions scored by their known answers; oracle: the task's preference function (only where "
+        "one exists: the demo's simulated users). Offline JSONL suites are added with `offline`.",
+    )
+    offline: tuple[OfflineSuiteSettings, ...] = Field((), description="Extra prompt sets with verifiable scorers.")
+    eval_prompts: int = Field(48, ge=1, description="Held-out prompts of the task (retention, oracle) per model.")
+    samples_per_prompt: int = Field(2, ge=1, description="Completions per prompt.")
     task: str = Field(
-        "exclaim", description="Task (evals/tasks.py) whose held-out prompts and preference score the gate."
+        "exclaim", description="Task (evals/tasks.py) whose held-out questions the retention and oracle suites use."
     )
+    preference: str | None = Field(
+        None, description='The oracle suite\'s preference, "module:function" (default: the task\'s own).'
+    )
+    ope: OpeSettings = OpeSettings()
+    alarms: AlarmSettings = AlarmSettings()
 
 
 class DeployerSettings(_Section):

@@ -7,6 +7,7 @@ reading of weight versions; see serving/client.py for the endpoints.
 
 from serving.client import (
     EMPTY_DIGEST,
+    Generation,
     PauseMode,
     ServerState,
     VllmClient,
@@ -18,6 +19,7 @@ from serving.errors import AdapterError, ServerError, ServingError, VersionUnkno
 __all__ = [
     "AdapterError",
     "EMPTY_DIGEST",
+    "Generation",
     "PauseMode",
     "ServerError",
     "ServerState",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -77,6 +78,15 @@ class ServerState(BaseModel):
     weight_version: int | None = None
     paused: bool | None = None
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled completion: its text, the logprob of each of its tokens, why it stopped."""
+
+    text: str
+    logprobs: tuple[float, ...]
+    finish_reason: str | None
 
 
 class VllmClient:
@@ -239,6 +249,35 @@ class VllmClient:
         if not isinstance(logprobs, list) or not logprobs:
             raise ServerError(self.url, f"no token logprobs in {str(choice)[:500]}")
         return [float(lp) for lp in logprobs]
+
+    def sample(
+        self,
+        prompts: list[str],
+        *,
+        max_tokens: int,
+        n: int,
+        seed: int,
+        stop: list[str],
+        sampling: Mapping[str, Any],
+    ) -> list[list[Generation]]:
+        """``n`` completions per prompt with the logprob of each sampled token (the eval gate's
+        generations: text for the scorers, tokens and logprobs for its behaviour alarms)."""
+        body: dict[str, Any] = {"model": self.model, "prompt": prompts, "max_tokens": max_tokens, "n": n,
+                                "stop": stop, "seed": seed, "logprobs": 0, **sampling}  # fmt: skip
+        choices = self._json("POST", "/v1/completions", json=body)["choices"]
+        if len(choices) != len(prompts) * n:
+            raise ServerError(self.url, f"asked for {len(prompts)}x{n} completions, got {len(choices)}")
+        result: list[list[Generation]] = [[] for _ in prompts]
+        for choice in sorted(choices, key=lambda c: int(c["index"])):
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+            if not isinstance(logprobs, list):
+                raise ServerError(self.url, f"no token logprobs in {str(choice)[:500]}")
+            result[int(choice["index"]) // n].append(Generation(
+                text=str(choice["text"]),
+                logprobs=tuple(float(lp) if lp is not None else float("nan") for lp in logprobs),
+                finish_reason=choice.get("finish_reason"),
+            ))  # fmt: skip
+        return result
 
     def complete(
         self,

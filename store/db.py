@@ -41,7 +41,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from schemas.clock import Clock, utcnow
 from schemas.events import FeedbackEvent, InteractionEvent, SamplingParams
 from schemas.keys import check_tenant, hash_key, key_prefix, new_key
-from schemas.rewards import RewardSpec
+from schemas.rewards import NO_FEEDBACK, RewardSpec
 from schemas.versions import format_version, parse_version
 from store import events, settle
 from store.errors import (
@@ -60,6 +60,7 @@ from store.models import (
     DeadLetter,
     Episode,
     Feedback,
+    GateDecisionRow,
     Interaction,
     LabelerProgress,
     ServerRotation,
@@ -100,6 +101,7 @@ class TrainingEpisode:
     policy_version: int
     created_at: datetime
     segments: list[TrainingSegment]
+    no_feedback: bool = False  # settled by the window with no signal at all (reward component no_feedback)
 
 
 @dataclass(frozen=True)
@@ -460,7 +462,8 @@ class Store:
     # ---- training data --------------------------------------------------------------------------
 
     def _trainable(
-        self, champion_number: int, max_lag: int, spec_id: str | None, settle_window_s: float | None
+        self, champion_number: int, max_lag: int, spec_id: str | None, settle_window_s: float | None,
+        holdout_percent: int = 0,
     ) -> Any:
         tenant_off = exists(select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False)))
         condition = (
@@ -471,6 +474,8 @@ class Store:
         )
         if spec_id is not None:  # rewards of different spec versions never share a batch
             condition &= Episode.reward_spec == spec_id
+        if holdout_percent > 0:  # the eval gate's held-out traffic (`select_heldout`) never trains
+            condition &= Episode.eval_bucket.is_(None) | (Episode.eval_bucket >= holdout_percent)
         if settle_window_s is not None:
             # Every episode becomes trainable by the same rule whatever its outcome: the settle window
             # after its last event. Terminal feedback (a rejection) settles an episode early, a plain
@@ -491,14 +496,16 @@ class Store:
         return Episode.policy_number.in_([champion_number, *served[:max_lag]])
 
     def count_trainable(
-        self, champion_number: int, max_lag: int, *, spec_id: str | None = None, settle_window_s: float | None = None
+        self, champion_number: int, max_lag: int, *, spec_id: str | None = None, settle_window_s: float | None = None,
+        holdout_percent: int = 0,
     ) -> int:
         """Settled, unused episodes whose policy is at most ``max_lag`` versions behind the champion;
         with `spec_id`, labelled under that reward spec only; with `settle_window_s`, only those
-        whose last event is at least that old (the trainer passes both)."""
+        whose last event is at least that old; never the held-out buckets below `holdout_percent`
+        (the trainer passes all three)."""
         with self.transaction() as session:
             query = select(func.count()).select_from(Episode).where(
-                self._trainable(champion_number, max_lag, spec_id, settle_window_s)
+                self._trainable(champion_number, max_lag, spec_id, settle_window_s, holdout_percent)
             )
             return int(session.scalar(query) or 0)
 
@@ -510,55 +517,94 @@ class Store:
         *,
         spec_id: str | None = None,
         settle_window_s: float | None = None,
+        holdout_percent: int = 0,
     ) -> list[TrainingEpisode]:
         """The newest ``limit`` trainable episodes (as `count_trainable`) with their segments (late
         segments excluded)."""
         with self.transaction() as session:
             episodes = session.scalars(
                 select(Episode)
-                .where(self._trainable(champion_number, max_lag, spec_id, settle_window_s))
+                .where(self._trainable(champion_number, max_lag, spec_id, settle_window_s, holdout_percent))
                 .order_by(Episode.first_event_at.desc(), Episode.episode_id)
                 .limit(limit)
             ).all()
-            ids = [e.episode_id for e in episodes]
-            segments: dict[str, list[TrainingSegment]] = {i: [] for i in ids}
-            redacted_ok = set(
-                session.scalars(
-                    select(Tenant.tenant).where(
-                        Tenant.tenant.in_({e.tenant for e in episodes}), Tenant.train_redacted.is_(True)
-                    )
+            return self._with_segments(session, list(episodes))
+
+    def select_heldout(self, limit: int, *, spec_id: str, holdout_percent: int) -> list[TrainingEpisode]:
+        """The newest ``limit`` settled episodes of the eval gate's held-out buckets (below
+        `holdout_percent`, never trained on), labelled under `spec_id`, of tenants that train, with
+        their segments: the logged traffic the gate's off-policy estimate reweights."""
+        if holdout_percent <= 0:
+            return []
+        tenant_off = exists(select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False)))
+        with self.transaction() as session:
+            episodes = session.scalars(
+                select(Episode)
+                .where(
+                    Episode.status == "settled",
+                    Episode.reward_spec == spec_id,
+                    Episode.eval_bucket < holdout_percent,
+                    Episode.used_in_cycle.is_(None),
+                    ~tenant_off,
+                )
+                .order_by(Episode.first_event_at.desc(), Episode.episode_id)
+                .limit(limit)
+            ).all()
+            return self._with_segments(session, list(episodes))
+
+    def count_heldout(self, *, spec_id: str, holdout_percent: int) -> int:
+        """Settled episodes of the held-out buckets labelled under `spec_id` (as `select_heldout`)."""
+        if holdout_percent <= 0:
+            return 0
+        with self.transaction() as session:
+            query = select(func.count()).select_from(Episode).where(
+                Episode.status == "settled", Episode.reward_spec == spec_id, Episode.eval_bucket < holdout_percent,
+                Episode.used_in_cycle.is_(None),
+            )  # fmt: skip
+            return int(session.scalar(query) or 0)
+
+    def _with_segments(self, session: Session, episodes: list[Episode]) -> list[TrainingEpisode]:
+        """`episodes` as TrainingEpisodes with their segments (late segments excluded)."""
+        ids = [e.episode_id for e in episodes]
+        segments: dict[str, list[TrainingSegment]] = {i: [] for i in ids}
+        redacted_ok = set(
+            session.scalars(
+                select(Tenant.tenant).where(
+                    Tenant.tenant.in_({e.tenant for e in episodes}), Tenant.train_redacted.is_(True)
                 )
             )
-            rows = session.scalars(
-                select(Interaction)
-                .where(Interaction.episode_id.in_(ids), Interaction.late.is_(False))
-                .order_by(Interaction.episode_id, Interaction.segment_index)
-            ).all()
-            for row in rows:
-                # Redacted text still lives in the token ids: such a segment trains only where allowed.
-                trainable = row.trainable and (not row.redacted or row.tenant in redacted_ok)
-                segments[row.episode_id].append(
-                    TrainingSegment(
-                        prompt=row.prompt,
-                        prompt_token_ids=list(row.prompt_token_ids),
-                        completion_token_ids=list(row.completion_token_ids),
-                        completion_logprobs=list(row.completion_logprobs),
-                        trainable=trainable,
-                        role=row.role,
-                        policy_version=row.policy_number,
-                        sampling=SamplingParams.model_validate(row.sampling or {}),
-                    )
+        )
+        rows = session.scalars(
+            select(Interaction)
+            .where(Interaction.episode_id.in_(ids), Interaction.late.is_(False))
+            .order_by(Interaction.episode_id, Interaction.segment_index)
+        ).all()
+        for row in rows:
+            # Redacted text still lives in the token ids: such a segment trains only where allowed.
+            trainable = row.trainable and (not row.redacted or row.tenant in redacted_ok)
+            segments[row.episode_id].append(
+                TrainingSegment(
+                    prompt=row.prompt,
+                    prompt_token_ids=list(row.prompt_token_ids),
+                    completion_token_ids=list(row.completion_token_ids),
+                    completion_logprobs=list(row.completion_logprobs),
+                    trainable=trainable,
+                    role=row.role,
+                    policy_version=row.policy_number,
+                    sampling=SamplingParams.model_validate(row.sampling or {}),
                 )
-            return [
-                TrainingEpisode(
-                    episode_id=e.episode_id,
-                    reward=float(e.reward if e.reward is not None else 0.0),
-                    policy_version=e.policy_number,
-                    created_at=e.first_event_at,
-                    segments=segments[e.episode_id],
-                )
-                for e in episodes
-            ]
+            )
+        return [
+            TrainingEpisode(
+                episode_id=e.episode_id,
+                reward=float(e.reward if e.reward is not None else 0.0),
+                policy_version=e.policy_number,
+                created_at=e.first_event_at,
+                segments=segments[e.episode_id],
+                no_feedback=NO_FEEDBACK in (e.reward_components or {}),
+            )
+            for e in episodes
+        ]
 
     def mark_used(self, cycle_id: int, episode_ids: Sequence[str]) -> None:
         """Claim episodes for an active cycle, all or none; raises EpisodesUnavailable or LeaseLost."""
@@ -586,6 +632,26 @@ class Store:
                     f"cycle {cycle_id}: only {claimed} of {len(wanted)} episodes are settled and unused"
                 )
             cycle.episode_ids = [*(cycle.episode_ids or []), *wanted]
+
+    # ---- eval gate decisions ---------------------------------------------------------------------
+
+    def record_gate_decision(
+        self, challenger: int, champion: int, passed: bool, reason: str, record: dict[str, Any], decided_at: datetime
+    ) -> None:
+        """Keep one decision of the eval gate (every run of the gate adds one)."""
+        with self.transaction() as session:
+            session.add(GateDecisionRow(challenger_version=challenger, champion_version=champion, passed=passed,
+                                        reason=reason, record=record, decided_at=decided_at))  # fmt: skip
+
+    def gate_decisions(self, challenger: int) -> list[dict[str, Any]]:
+        """The gate's decision records for version `challenger`, newest first."""
+        with self.transaction() as session:
+            rows = session.scalars(
+                select(GateDecisionRow)
+                .where(GateDecisionRow.challenger_version == challenger)
+                .order_by(GateDecisionRow.id.desc())
+            ).all()
+            return [dict(row.record) for row in rows]
 
     # ---- server rotation ---------------------------------------------------------------------------
 

@@ -130,6 +130,10 @@ class Episode(Base):
     reward_components: Mapped[dict[str, float] | None] = mapped_column(JSON)
     reward_spec: Mapped[str | None] = mapped_column(String(120))
     used_in_cycle: Mapped[int | None] = mapped_column(Integer)
+    # 0..99 from a hash of episode_id (store/settle.py `eval_bucket`): episodes below
+    # ``gate.ope.holdout_percent`` are kept for the eval gate and never trained on. None on rows
+    # older than the column (trainable, never held out).
+    eval_bucket: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (
         Index("ix_episodes_open", "status", "last_event_at"),
@@ -213,6 +217,21 @@ class VersionHistory(Base):
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     first_served_at: Mapped[datetime] = mapped_column(UtcDateTime)
     last_served_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class GateDecisionRow(Base):
+    """Every decision of the eval gate: the verdict and the record behind it (suites with their
+    intervals, alarms, reasons; deployer/gate.py `GateDecision`). `rtrl gate explain` reads it."""
+
+    __tablename__ = "gate_decisions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    challenger_version: Mapped[int] = mapped_column(Integer, index=True)
+    champion_version: Mapped[int] = mapped_column(Integer)
+    passed: Mapped[bool] = mapped_column(Boolean)
+    reason: Mapped[str] = mapped_column(Text)
+    record: Mapped[dict[str, Any]] = mapped_column(JSON)
+    decided_at: Mapped[datetime] = mapped_column(UtcDateTime)
 
 
 class Tenant(Base):

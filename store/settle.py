@@ -43,6 +43,7 @@ Concurrency (several labeler replicas on one PostgreSQL store, READ COMMITTED):
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -59,6 +60,13 @@ from store.models import Episode, Feedback, Interaction
 
 # Settle at most this many expired episodes per pass, so one pass cannot make a huge transaction.
 WINDOW_BATCH = 1000
+
+
+def eval_bucket(episode_id: str) -> int:
+    """0..99, from SHA-256 of the episode id: the same on every replica and in every run. Episodes
+    whose bucket is below ``gate.ope.holdout_percent`` are the eval gate's held-out traffic and
+    are never trained on (`Store.select_heldout`, `Store.select_episodes`)."""
+    return int.from_bytes(hashlib.sha256(episode_id.encode()).digest()[:8], "big") % 100
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,7 @@ def join_and_settle(
                 "status": "open",
                 "first_event_at": min(s.created_at for s in segments),
                 "last_event_at": now,
+                "eval_bucket": eval_bucket(episode_id),
             })  # fmt: skip
         session.execute(insert_ignoring(dialect, Episode, ["episode_id"]), new_rows)  # executemany: see store/events.py
 

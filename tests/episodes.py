@@ -26,7 +26,7 @@ def sample_episodes(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from evals import get_task
-    from trainer.engine import Sampling, processed_log_softmax
+    from serving.sampler import Sampling, processed_log_softmax
 
     sampling = sampling or SamplingParams(logprobs_mode="processed")
     how = Sampling.of(sampling)

@@ -32,15 +32,13 @@ from registry import CHALLENGER, Registry, flatten
 from schemas.clock import utcnow
 from schemas.sampling import trainer_can_reproduce
 from schemas.settings import DapoLoss, Settings, TrainerSettings
+from serving.sampler import Row, Sampling, micro_batches
 from store import Store, TrainingEpisode
 from trainer import checkpoint
 from trainer.advantages import BaselineState, compute_advantages, overlong_penalty, prompt_key
 from trainer.engine import (
-    Row,
-    Sampling,
     close_engine,
     load_optimizer_state,
-    micro_batches,
     precision,
     save_optimizer_state,
     start_engine,

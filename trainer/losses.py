@@ -15,7 +15,7 @@ Three log-probabilities per completion token:
   policy lag when ``max_policy_lag > 0``; truncated importance sampling min(π_old/μ, C) corrects
   for it (https://fengyao.notion.site/off-policy-rl), per token, or per sequence for GSPO.
 
-π_old and π_θ are computed under each row's own sampling (`trainer.engine.token_logprobs`), and
+π_old and π_θ are computed under each row's own sampling (`serving.sampler.token_logprobs`), and
 tokens that are impossible under it are already out of ``mask``.
 
 Every loss may add β·KL(π_θ ‖ π_old), the k1 or k3 estimator (http://joschu.net/blog/kl-approx.html)

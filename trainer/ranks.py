@@ -119,8 +119,8 @@ def main(work_dir: Path) -> None:
     """One rank of a multi-rank cycle (launched by `train_on_ranks`)."""
     import torch
 
+    from serving.sampler import MicroBatch
     from trainer.engine import (
-        MicroBatch,
         close_engine,
         load_optimizer_state,
         save_optimizer_state,

@@ -1,11 +1,12 @@
 """Which settled episodes a cycle may learn from: one rule, shared by the cycle, beat and the demo.
 
 An episode of the champion (or of the ``trainer.max_policy_lag`` versions that served users most
-recently before it, `store.Store.served_versions`), unused by
-any cycle, of a tenant that trains, labelled under the *current* reward spec version (rewards of
-different versions never share a batch or a baseline), and whose last event is at least the
-labeler's settle window old. The last condition makes every episode eligible by the same rule
-whatever its outcome: a rejection settles an episode at once and an acceptance waits for the
+recently before it, `store.Store.served_versions`), unused by any cycle, of a tenant that trains,
+labelled under the *current* reward spec version (rewards of different versions never share a
+batch or a baseline), outside the eval gate's held-out slice (``gate.ope.holdout_percent`` of
+episodes by a hash of their id, docs/gate.md), and whose last event is at least the labeler's
+settle window old. The last condition makes every episode eligible by the same rule whatever its
+outcome: a rejection settles an episode at once and an acceptance waits for the
 window, so selecting on settlement alone would feed the newest batch more rejections than users
 gave (docs/algorithms.md, Leak-free data).
 """
@@ -29,7 +30,15 @@ def count_trainable(settings: Settings, store: Store, champion: int) -> int:
         settings.trainer.max_policy_lag,
         spec_id=current_spec_id(settings),
         settle_window_s=settings.labeler.settle_window_s,
+        holdout_percent=settings.gate.ope.holdout_percent,
     )
+
+
+def count_labelled(settings: Settings, store: Store, champion: int) -> int:
+    """`count_trainable` plus the settled episodes of the eval gate's held-out slice: every
+    episode the labeler has finished with, wherever it goes (the demo waits on this)."""
+    held_out = store.count_heldout(spec_id=current_spec_id(settings), holdout_percent=settings.gate.ope.holdout_percent)
+    return count_trainable(settings, store, champion) + held_out
 
 
 def select_trainable(settings: Settings, store: Store, champion: int) -> list[TrainingEpisode]:
@@ -40,4 +49,5 @@ def select_trainable(settings: Settings, store: Store, champion: int) -> list[Tr
         settings.trainer.max_episodes,
         spec_id=current_spec_id(settings),
         settle_window_s=settings.labeler.settle_window_s,
+        holdout_percent=settings.gate.ope.holdout_percent,
     )

@@ -19,7 +19,8 @@ import torch
 from pydantic import BaseModel, Field
 
 from schemas.settings import TrainerSettings
-from trainer.engine import MicroBatch, grad_norm_after_step, grad_norm_before_step, token_logprobs
+from serving.sampler import MicroBatch, token_logprobs
+from trainer.engine import grad_norm_after_step, grad_norm_before_step
 from trainer.losses import LossFn, Normaliser, TokenBatch, beyond_trust_region
 
 if TYPE_CHECKING:

@@ -198,7 +198,7 @@ def _chain(
         return out
     try:
         gate_started = time.monotonic()
-        decision = gate.evaluate(settings, registry, result.challenger_version)
+        decision = gate.evaluate(settings, registry, result.challenger_version, store)
         out["gate_s"] = round(time.monotonic() - gate_started, 3)
         out.update(gate="pass" if decision.passed else "fail", gate_reason=decision.reason,
                    challenger_score=decision.challenger_score, champion_score=decision.champion_score)

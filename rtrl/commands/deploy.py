@@ -2,7 +2,7 @@
 
     rtrl deploy bootstrap [MODEL_DIR]   register the base model as v1 @champion, set server versions
     rtrl deploy status                  champion/challenger and every server's version and pause state
-    rtrl deploy gate VERSION            challenger vs champion on the staging server
+    rtrl deploy gate VERSION            the eval gate on VERSION (as `rtrl gate run`)
     rtrl deploy promote VERSION         rolling verified swap, then move @champion
     rtrl deploy rollback [--to VERSION] swap back to the previous champion
     rtrl deploy rotation [URL --in|--out] which servers the gateways route users to
@@ -88,14 +88,10 @@ def status() -> None:
 def gate(
     version: int = typer.Argument(..., min=1, help="Registered version to evaluate against @champion."),
 ) -> None:
-    """Score VERSION against the champion on the staging server; exit 1 when it fails the gate."""
-    from deployer.gate import evaluate
+    """Judge VERSION against the champion (as `rtrl gate run`); exit 1 when it fails the gate."""
+    from rtrl.commands.gate import run_gate
 
-    settings, registry = _open()
-    decision = evaluate(settings, registry, version)
-    typer.echo(decision.model_dump_json(indent=2))
-    if not decision.passed:
-        raise typer.Exit(1)
+    run_gate(version)
 
 
 @deploy_app.command("promote")

@@ -1,4 +1,4 @@
-"""Unit tests of the deployer's decisions: gate tolerance, swap verification, probe comparison, result shapes."""
+"""Unit tests of the deployer's decisions: the gate's rule, swap verification, probe comparison, result shapes."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ from datetime import UTC, datetime
 
 import pytest
 
-from deployer.gate import GateDecision, decide, mean
+from deployer.alarms import Alarm
+from deployer.gate import GateDecision, SuiteResult, cause, decide
 from deployer.probe import max_abs_diff
 from deployer.rollout import ServerSwap, SwapResult, digests_agree, verdict
+from evals.stats import Interval
+from rtrl.commands.gate import explain_text
 from serving import EMPTY_DIGEST, meaningful_digests
 
 pytestmark = pytest.mark.unit
@@ -19,32 +22,49 @@ pytestmark = pytest.mark.unit
 # ---- gate -------------------------------------------------------------------------------------
 
 
-def test_gate_passes_within_tolerance_and_fails_below_it() -> None:
-    # champion 0.75, tolerance 0.25 -> the bar is 0.5 (all exact in binary floating point)
-    assert decide(0.5, 0.75, 0.25)[0] is True  # exactly at the bar: not below it
-    assert decide(0.875, 0.75, 0.25)[0] is True  # better than the champion
-    passed, reason = decide(0.25, 0.75, 0.25)
-    assert passed is False
-    assert "0.2500 < champion 0.7500 - tolerance 0.25" in reason
+def suite(name: str, low: float | None, *, conclusive: bool = True, estimate: float = 0.0) -> SuiteResult:
+    difference = None if low is None else Interval(estimate=estimate, low=low, high=estimate + 0.1, n=48)
+    passed = None if not conclusive or low is None else low > -0.05
+    return SuiteResult(name=name, kind="prompts", challenger=0.5, champion=0.5, difference=difference,
+                       conclusive=conclusive, passed=passed, n=48, note="few episodes" if not conclusive else "")  # fmt: skip
 
 
-def test_gate_zero_tolerance_rejects_any_regression() -> None:
-    assert decide(0.75, 0.75, 0.0)[0] is True
-    assert decide(0.6875, 0.75, 0.0)[0] is False
+def test_gate_passes_when_every_conclusive_suite_is_non_inferior() -> None:
+    passed, reason = decide([suite("retention", -0.04), suite("ope", None, conclusive=False)], [], 0.05)
+    assert passed and reason.startswith("non-inferior on retention")
 
 
-def test_gate_mean() -> None:
-    assert mean([1.0, -1.0, 0.5, 0.5]) == 0.25
+def test_gate_fails_a_suite_whose_lower_bound_is_below_the_margin() -> None:
+    passed, reason = decide([suite("retention", 0.0), suite("oracle", -0.06, estimate=-0.02)], [], 0.05)
+    assert not passed
+    assert "suite oracle: challenger - champion -0.0200, lower bound -0.0600 <= -0.05" in reason
 
 
-def test_gate_decision_shape() -> None:
+def test_gate_fails_when_no_suite_is_conclusive() -> None:
+    passed, reason = decide([suite("ope", None, conclusive=False)], [], 0.05)
+    assert not passed and "no suite was conclusive: ope: few episodes" in reason
+
+
+def test_gate_fails_on_any_alarm() -> None:
+    alarm = Alarm(name="no_action", fired=True, value=0.3, threshold=0.1, detail="non-answers 30.0% vs champion 0.0%")
+    passed, reason = decide([suite("retention", 0.0)], [alarm], 0.05)
+    assert not passed and reason.startswith("alarm no_action: non-answers 30.0%")
+
+
+def test_gate_decision_shape_and_cause() -> None:
     decision = GateDecision(
         passed=False, challenger_version=3, champion_version=2, challenger_score=-0.5, champion_score=0.25,
-        tolerance=0.05, n_prompts=48, n_samples=96, reason="worse", decided_at=datetime(2026, 1, 1, tzinfo=UTC),
+        tolerance=0.05, confidence=0.95, n_prompts=48, n_samples=96, suites=[suite("oracle", -0.5)], reason="worse",
+        decided_at=datetime(2026, 1, 1, tzinfo=UTC),
     )  # fmt: skip
     data = decision.model_dump(mode="json")
     assert data["decided_at"] == "2026-01-01T00:00:00Z"
     assert GateDecision.model_validate_json(decision.model_dump_json()) == decision
+    assert cause(decision) == "inferior"
+    assert cause(decision.model_copy(update={"suites": []})) == "challenger_not_loaded"
+    assert cause(decision.model_copy(update={"passed": True})) == "non_inferior"
+    text = explain_text(data)
+    assert "v3 against champion v2: FAIL" in text and "suite oracle" in text and "FAIL" in text
 
 
 # ---- swap verification ------------------------------------------------------------------------

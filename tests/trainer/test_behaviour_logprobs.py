@@ -15,7 +15,7 @@ import torch
 from evals import get_task
 from schemas.events import SamplingParams
 from schemas.settings import Settings
-from trainer.engine import Row, Sampling, collate, token_logprobs
+from serving.sampler import Row, Sampling, collate, token_logprobs
 
 pytestmark = pytest.mark.integration
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from schemas.settings import CispoLoss, DapoLoss, DrGrpoLoss, GrpoLoss, GspoLoss, PpoLoss
+from serving.sampler import Row, collate
 from trainer.advantages import overlong_penalty
-from trainer.engine import Row, collate
 from trainer.losses import LOSSES, Normaliser, TokenBatch, cispo, dapo, dr_grpo, grpo, gspo, ppo
 
 pytestmark = pytest.mark.unit

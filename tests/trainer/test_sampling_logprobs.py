@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from schemas.events import SamplingParams
-from trainer.engine import Row, Sampling, apply_penalties, collate, processed_log_softmax, token_logprobs
+from serving.sampler import Row, Sampling, apply_penalties, collate, processed_log_softmax, token_logprobs
 
 pytestmark = pytest.mark.unit
 

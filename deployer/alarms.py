@@ -1,0 +1,123 @@
+"""The eval gate's behaviour alarms: what a reward number alone does not show (docs/gate.md, Alarms).
+
+Computed on the completions both models generated for the gate (same prompts, same seed) and on
+the off-policy statistics of held-out logged traffic. Each alarm compares the challenger with the
+champion, so a base model that already rambles or asks questions is not an alarm; a challenger
+that learnt to do so more is:
+
+- ``length``: mean completion tokens above ``length_ratio`` x the champion's (+2 tokens);
+- ``entropy``: per-token entropy, estimated as the mean −log p of the sampled tokens (an unbiased
+  estimate of the entropy of what it samples), below ``entropy_ratio`` x the champion's: collapse;
+- ``repetition``: share of completions that repeat themselves (a 3-token n-gram three times, or
+  one word four times in a row) up by more than ``repetition_rate``;
+- ``no_action``: share of non-answers (``no_action_pattern``: nothing alphanumeric, or a question)
+  up by more than ``no_action_rate``: the first of Cursor's reward hacks (a model that stops
+  answering is never rejected);
+- ``kl``: per-token KL(champion || challenger) on held-out logged traffic above ``kl_budget``;
+- ``no_feedback``: the estimated share of episodes without any feedback, reweighted to each model,
+  up by more than ``no_action_rate`` (only when the off-policy estimate is conclusive).
+
+Any alarm blocks promotion (deployer/gate.py).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict
+
+from schemas.settings import AlarmSettings
+from serving import Generation
+
+
+class Behaviour(BaseModel):
+    """Statistics of one model's gate generations."""
+
+    model_config = ConfigDict(frozen=True)
+
+    completions: int
+    mean_tokens: float
+    entropy: float  # nats per token, mean −log p of sampled tokens
+    repetition: float  # share
+    no_action: float  # share
+    truncated: float  # share stopped by max_tokens
+
+
+class Alarm(BaseModel):
+    """One alarm check: the figure, the threshold it is held to, whether it fired, in words."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    fired: bool
+    value: float
+    threshold: float
+    detail: str
+
+
+_WORD_RUN = re.compile(r"\b(\w+)(?:\W+\1\b){3}", re.IGNORECASE)
+
+
+def repetitive(text: str) -> bool:
+    """A 3-word n-gram three times or more, or one word four times in a row."""
+    if _WORD_RUN.search(text):
+        return True
+    words = re.findall(r"\w+", text.lower())
+    counts: dict[tuple[str, ...], int] = {}
+    for i in range(len(words) - 2):
+        gram = tuple(words[i : i + 3])
+        counts[gram] = counts.get(gram, 0) + 1
+        if counts[gram] >= 3:
+            return True
+    return False
+
+
+def behaviour(generations: Sequence[Generation], no_action_pattern: str) -> Behaviour:
+    """Length, entropy estimate, repetition, non-answers and truncation over `generations`."""
+    pattern = re.compile(no_action_pattern)
+    n = len(generations)
+    if n == 0:
+        return Behaviour(completions=0, mean_tokens=0.0, entropy=0.0, repetition=0.0, no_action=0.0, truncated=0.0)
+    tokens = [lp for g in generations for lp in g.logprobs if math.isfinite(lp)]
+    return Behaviour(
+        completions=n,
+        mean_tokens=sum(len(g.logprobs) for g in generations) / n,
+        entropy=-sum(tokens) / len(tokens) if tokens else 0.0,
+        repetition=sum(repetitive(g.text) for g in generations) / n,
+        no_action=sum(pattern.search(g.text.strip()) is not None for g in generations) / n,
+        truncated=sum(g.finish_reason == "length" for g in generations) / n,
+    )
+
+
+def generation_alarms(challenger: Behaviour, champion: Behaviour, cfg: AlarmSettings) -> list[Alarm]:
+    """length, entropy, repetition and no_action, challenger against champion."""
+    length_limit = cfg.length_ratio * champion.mean_tokens + 2.0
+    entropy_floor = cfg.entropy_ratio * champion.entropy
+    return [
+        Alarm(name="length", fired=challenger.mean_tokens > length_limit, value=challenger.mean_tokens,
+              threshold=length_limit,
+              detail=f"mean completion tokens {challenger.mean_tokens:.1f} vs champion {champion.mean_tokens:.1f}"),
+        Alarm(name="entropy", fired=challenger.entropy < entropy_floor, value=challenger.entropy,
+              threshold=entropy_floor,
+              detail=f"entropy {challenger.entropy:.3f} vs champion {champion.entropy:.3f} nats/token"),
+        Alarm(name="repetition", fired=challenger.repetition - champion.repetition > cfg.repetition_rate,
+              value=challenger.repetition - champion.repetition, threshold=cfg.repetition_rate,
+              detail=f"repetitive completions {challenger.repetition:.1%} vs champion {champion.repetition:.1%}"),
+        Alarm(name="no_action", fired=challenger.no_action - champion.no_action > cfg.no_action_rate,
+              value=challenger.no_action - champion.no_action, threshold=cfg.no_action_rate,
+              detail=f"non-answers {challenger.no_action:.1%} vs champion {champion.no_action:.1%}"),
+    ]  # fmt: skip
+
+
+def kl_alarm(kl_per_token: float, cfg: AlarmSettings) -> Alarm:
+    fired = not math.isfinite(kl_per_token) or kl_per_token > cfg.kl_budget
+    return Alarm(name="kl", fired=fired, value=kl_per_token, threshold=cfg.kl_budget,
+                 detail=f"KL(champion || challenger) {kl_per_token:.3f} nats/token on held-out traffic")  # fmt: skip
+
+
+def no_feedback_alarm(challenger: float, champion: float, cfg: AlarmSettings) -> Alarm:
+    return Alarm(name="no_feedback", fired=challenger - champion > cfg.no_action_rate, value=challenger - champion,
+                 threshold=cfg.no_action_rate,
+                 detail=f"estimated episodes without feedback {challenger:.1%} vs champion {champion:.1%}")  # fmt: skip

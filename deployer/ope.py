@@ -1,0 +1,109 @@
+"""Log-probabilities of logged episodes under a registered version: the eval gate's off-policy input.
+
+For each held-out episode (store `select_heldout`), the sequence log-probability of what its
+trainable segments generated, under the version's weights and each segment's own sampling
+(`serving.sampler.token_logprobs`: penalties, temperature, truncation, as vLLM applied them when the
+behaviour logprobs were recorded). The two are then directly comparable: the importance weight of
+an episode is exp(log π − log μ) (evals/stats.py `off_policy`).
+
+Computed with transformers in float32 (a GPU when the process has one), never on a serving or
+staging vLLM server: a LoRA server must not be asked for prompt logprobs (docs/platform.md), and
+vLLM's prompt logprobs are raw, not processed by each request's sampling. Segments the recorded
+logprobs cannot be compared on (misaligned, or raw logprobs under non-neutral sampling:
+schemas/sampling.py `trainer_can_reproduce`) make their episode unusable; the gate counts those.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from schemas.sampling import trainer_can_reproduce
+from store import TrainingEpisode
+
+
+@dataclass(frozen=True)
+class Logged:
+    """One usable held-out episode: reward, behaviour sequence logprob, tokens, and its rows' inputs."""
+
+    episode_id: str
+    reward: float
+    no_feedback: bool
+    behaviour: float  # Σ log μ over its trainable segments' tokens
+    tokens: int
+    segments: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...], object], ...]  # ids, ids, μ, Sampling
+
+
+def usable(episodes: list[TrainingEpisode]) -> tuple[list[Logged], int]:
+    """The episodes whose every trainable segment can be rescored, and how many could not."""
+    from serving.sampler import Sampling
+
+    kept: list[Logged] = []
+    skipped = 0
+    for episode in episodes:
+        trainable = [s for s in episode.segments if s.trainable]
+        if not trainable or any(
+            not s.completion_token_ids or not s.prompt_token_ids
+            or len(s.completion_logprobs) != len(s.completion_token_ids)
+            or not all(math.isfinite(lp) for lp in s.completion_logprobs)
+            or not trainer_can_reproduce(s.sampling)
+            for s in trainable
+        ):  # fmt: skip
+            skipped += 1
+            continue
+        kept.append(Logged(
+            episode_id=episode.episode_id,
+            reward=episode.reward,
+            no_feedback=episode.no_feedback,
+            behaviour=sum(sum(s.completion_logprobs) for s in trainable),
+            tokens=sum(len(s.completion_token_ids) for s in trainable),
+            segments=tuple((tuple(s.prompt_token_ids), tuple(s.completion_token_ids), tuple(s.completion_logprobs),
+                            Sampling.of(s.sampling)) for s in trainable),
+        ))  # fmt: skip
+    return kept, skipped
+
+
+def sequence_logprobs(path: Path, base: Path | None, logged: list[Logged], micro_batch: int = 16) -> list[float]:
+    """Σ log π over each logged episode's trainable tokens, under the checkpoint at `path` (a LoRA
+    adapter on `base` when given); −inf where a token is impossible under the segment's sampling."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from serving.sampler import Row, Sampling, collate, token_logprobs
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model: Any
+    if base is None:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    else:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32),
+                                          str(path))  # fmt: skip
+    model.to(device).eval()
+    pad_id = int(getattr(model.config, "pad_token_id", None) or getattr(model.config, "eos_token_id", None) or 0)
+    rows: list[tuple[int, Row]] = []
+    for index, episode in enumerate(logged):
+        for prompt_ids, completion_ids, behaviour, sampling in episode.segments:
+            assert isinstance(sampling, Sampling)
+            rows.append((index, Row(input_ids=[*prompt_ids, *completion_ids], prompt_len=len(prompt_ids),
+                                    behaviour_logprobs=list(behaviour), advantage=0.0, sampling=sampling)))  # fmt: skip
+    totals = [0.0] * len(logged)
+    rows.sort(key=lambda item: len(item[1].input_ids))  # similar lengths together: less padding
+    try:
+        with torch.no_grad():
+            for start in range(0, len(rows), micro_batch):
+                chunk = rows[start : start + micro_batch]
+                batch = collate([row for _, row in chunk], pad_id).to(device)
+                logp, possible = token_logprobs(model, batch)
+                impossible = ((~possible) & (batch.mask > 0)).any(dim=1)
+                sums = (logp * batch.mask).sum(dim=1)
+                for (index, _), total, bad in zip(chunk, sums.tolist(), impossible.tolist(), strict=True):
+                    totals[index] = -math.inf if bad or totals[index] == -math.inf else totals[index] + total
+    finally:
+        del model
+        gc.collect()
+    return totals

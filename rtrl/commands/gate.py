@@ -1,0 +1,102 @@
+"""`rtrl gate`: run the eval gate on a version, and explain a decision it made (docs/gate.md).
+
+    rtrl gate run VERSION        challenger VERSION against @champion; JSON; exit 1 when it fails
+    rtrl gate explain VERSION    the latest decision on VERSION: suites, intervals, alarms, reasons
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+
+gate_app = typer.Typer(no_args_is_help=True, help="The eval gate: run it on a version, explain its decisions.")
+
+
+def run_gate(version: int) -> None:
+    """Judge VERSION against @champion, print the decision as JSON, exit 1 when it fails."""
+    from deployer.gate import evaluate
+    from registry import Registry
+    from schemas.settings import load_settings
+    from store import Store
+
+    settings = load_settings()
+    store = Store(settings.store.url)
+    try:
+        store.check_schema()
+        decision = evaluate(settings, Registry.from_settings(settings), version, store)
+    finally:
+        store.close()
+    typer.echo(decision.model_dump_json(indent=2))
+    if not decision.passed:
+        raise typer.Exit(1)
+
+
+@gate_app.command("run")
+def run(version: int = typer.Argument(..., min=1, help="Registered version to judge against @champion.")) -> None:
+    """Judge VERSION against @champion (staging server, held-out traffic); exit 1 when it fails."""
+    run_gate(version)
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def explain_text(record: dict[str, Any]) -> str:
+    """A decision record (deployer/gate.py GateDecision as JSON) in words, one fact per line."""
+    lines = [
+        f"v{record['challenger_version']} against champion v{record['champion_version']}: "
+        f"{'PASS' if record['passed'] else 'FAIL'} ({record['decided_at']})",
+        f"  reason: {record['reason']}",
+        f"  rule: every conclusive suite's {record['confidence']:.0%} lower bound of challenger - champion "
+        f"> -{record['tolerance']:g}, at least one conclusive suite, no alarm",
+    ]
+    for suite in record.get("suites", []):
+        verdict = "inconclusive" if not suite["conclusive"] else "pass" if suite["passed"] else "FAIL"
+        diff = suite.get("difference")
+        interval = (f"{diff['estimate']:+.4f} [{diff['low']:+.4f}, {diff['high']:+.4f}]" if diff else "-")
+        lines.append(f"  suite {suite['name']:<12} {verdict:<12} challenger {_figure(suite['challenger'])} "
+                     f"champion {_figure(suite['champion'])} difference {interval} n={suite['n']}"
+                     + (f" ess={suite['ess']:.1f}" if suite.get("ess") is not None else ""))  # fmt: skip
+        if suite.get("note"):
+            lines.append(f"        {suite['note']}")
+    for alarm in record.get("alarms", []):
+        lines.append(f"  alarm {alarm['name']:<12} {'FIRED' if alarm['fired'] else 'ok':<12} {alarm['detail']} "
+                     f"(threshold {alarm['threshold']:.4g})")  # fmt: skip
+    for model, figures in record.get("behaviour", {}).items():
+        lines.append(f"  {model:<10} {figures['completions']} completions, {figures['mean_tokens']:.1f} tokens, "
+                     f"entropy {figures['entropy']:.3f}, repetitive {figures['repetition']:.1%}, "
+                     f"non-answers {figures['no_action']:.1%}, truncated {figures['truncated']:.1%}")  # fmt: skip
+    return "\n".join(lines)
+
+
+@gate_app.command("explain")
+def explain(
+    version: int = typer.Argument(..., min=1, help="Version the gate judged."),
+    as_json: bool = typer.Option(False, "--json", help="The full decision record as JSON."),
+    every: bool = typer.Option(False, "--all", help="Every decision on VERSION, newest first (default: the latest)."),
+) -> None:
+    """Why the gate passed or failed VERSION: each suite's interval, each alarm, the reason."""
+    from schemas.settings import load_settings
+    from store import Store
+
+    store = Store(load_settings().store.url)
+    try:
+        store.check_schema()
+        records = store.gate_decisions(version)
+    finally:
+        store.close()
+    if not records:
+        typer.echo(f"no gate decision is recorded for v{version}; run `rtrl gate run {version}`", err=True)
+        raise typer.Exit(1)
+    shown = records if every else records[:1]
+    if as_json:
+        typer.echo(json.dumps(shown if every else shown[0], indent=2))
+        return
+    typer.echo("\n\n".join(explain_text(r) for r in shown))
+
+
+def register(app: typer.Typer) -> None:
+    """Add `rtrl gate ...` to the root app."""
+    app.add_typer(gate_app, name="gate")
