@@ -67,6 +67,7 @@ class SuiteResult(BaseModel):
     passed: bool | None = Field(description="None when inconclusive (it does not decide).")
     n: int = Field(description="Prompts (prompt suites) or usable held-out episodes (ope).")
     ess: float | None = Field(None, description="ope: the smaller effective sample size of the two models.")
+    margin: float = Field(0.0, description="Its non-inferiority margin (`gate.margins` or `gate.tolerance`).")
     note: str = ""
 
 
@@ -93,13 +94,19 @@ class GateDecision(BaseModel):
     decided_at: datetime
 
 
-def decide(suites: list[SuiteResult], fired: list[Alarm], tolerance: float) -> tuple[bool, str]:
-    """Pass when at least one suite is conclusive, every conclusive one is non-inferior, no alarm fired."""
+def margin(settings: Settings, suite: str) -> float:
+    """The non-inferiority margin of `suite`: ``gate.margins[suite]``, else ``gate.tolerance``."""
+    return settings.gate.margins.get(suite, settings.gate.tolerance)
+
+
+def decide(suites: list[SuiteResult], fired: list[Alarm]) -> tuple[bool, str]:
+    """Pass when at least one suite is conclusive, every conclusive one is non-inferior (lower bound
+    above −its margin), no alarm fired."""
     problems = [f"alarm {a.name}: {a.detail} (threshold {a.threshold:.3g})" for a in fired]
     for suite in suites:
         if suite.conclusive and not suite.passed and suite.difference is not None:
             problems.append(f"suite {suite.name}: challenger - champion {suite.difference.estimate:+.4f}, lower bound "
-                            f"{suite.difference.low:+.4f} <= -{tolerance:g}")  # fmt: skip
+                            f"{suite.difference.low:+.4f} <= -{suite.margin:g}")  # fmt: skip
     if not any(s.conclusive for s in suites):
         problems.append("no suite was conclusive: " + "; ".join(f"{s.name}: {s.note}" for s in suites))
     if problems:
@@ -120,8 +127,9 @@ def _prompt_suites(settings: Settings) -> list[tuple[PromptSuite, bool]]:
         if "oracle" in cfg.suites:
             preference = evals.load_preference(cfg.preference) if cfg.preference else task.preference
             reward = evals.scorer(preference, get_spec(settings.labeler.reward_spec))
+            prompts = tuple(task.heldout_prompts(cfg.eval_prompts))
             suites.append((PromptSuite(
-                name="oracle", prompts=tuple(task.heldout_prompts(cfg.eval_prompts)), lines=(),
+                name="oracle", prompts=prompts, lines=tuple({} for _ in prompts),
                 scorer=lambda prompt, completion, _line: reward(prompt, completion),
                 max_tokens=task.max_tokens, stop=task.stop,
             ), True))  # fmt: skip
@@ -142,8 +150,10 @@ def _score_prompts(
     ours, theirs = per_prompt(challenger), per_prompt(champion)
     interval = paired_interval(ours, theirs, confidence=cfg.confidence, resamples=cfg.bootstrap_resamples,
                                seed=cfg.seed)  # fmt: skip
+    allowed = margin(settings, suite.name)
     return SuiteResult(name=suite.name, kind="prompts", challenger=float(np.mean(ours)), champion=float(np.mean(theirs)),
-                       difference=interval, conclusive=True, passed=interval.low > -cfg.tolerance, n=len(ours))  # fmt: skip
+                       difference=interval, conclusive=True, passed=interval.low > -allowed, n=len(ours),
+                       margin=allowed)  # fmt: skip
 
 
 def _generate(server: VllmClient, settings: Settings, suites: list[PromptSuite]) -> list[list[list[Generation]]]:
@@ -180,7 +190,7 @@ def _ope(
     if len(logged) < 2:
         note = f"{len(logged)} usable held-out episodes under {spec_id}{skipped_note}"
         return SuiteResult(name="ope", kind="ope", challenger=None, champion=None, difference=None, conclusive=False,
-                           passed=None, n=len(logged), note=note), []  # fmt: skip
+                           passed=None, n=len(logged), margin=margin(settings, "ope"), note=note), []  # fmt: skip
     chal = ope.sequence_logprobs(challenger.path, challenger.base, logged)
     champ = ope.sequence_logprobs(champion.path, champion.base, logged)
     behaviour = [e.behaviour for e in logged]
@@ -192,8 +202,8 @@ def _ope(
             f"champion {estimate.ess_champion:.1f} (min {cfg.ope.min_ess:g}){skipped_note}")  # fmt: skip
     suite = SuiteResult(name="ope", kind="ope", challenger=estimate.challenger, champion=estimate.champion,
                         difference=estimate.difference, conclusive=conclusive,
-                        passed=(estimate.difference.low > -cfg.tolerance) if conclusive else None, n=len(logged),
-                        ess=ess, note=note)  # fmt: skip
+                        passed=(estimate.difference.low > -margin(settings, "ope")) if conclusive else None,
+                        n=len(logged), ess=ess, margin=margin(settings, "ope"), note=note)  # fmt: skip
     found: list[Alarm] = []
     w0 = importance_weights(champ, behaviour, cfg.ope.clip)
     w1 = importance_weights(chal, behaviour, cfg.ope.clip)
@@ -255,14 +265,15 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store 
         if "ope" in cfg.suites:
             if store is None:
                 results.append(SuiteResult(name="ope", kind="ope", challenger=None, champion=None, difference=None,
-                                           conclusive=False, passed=None, n=0, note="no store was given"))  # fmt: skip
+                                           conclusive=False, passed=None, n=0, margin=margin(settings, "ope"),
+                                           note="no store was given"))  # fmt: skip
             else:
                 estimate, ope_alarms = _ope(settings, store, targets["challenger"], targets["champion"])
                 results.append(estimate)
                 found.extend(ope_alarms)
         order: dict[str, int] = {name: i for i, name in enumerate(cfg.suites)}
         results.sort(key=lambda s: order.get(s.name, len(order)))
-        passed, reason = decide(results, [a for a in found if a.fired], cfg.tolerance)
+        passed, reason = decide(results, [a for a in found if a.fired])
     else:
         passed, reason = False, load_failure
     headline = next((s for s in results if s.challenger is not None), None)

@@ -58,6 +58,14 @@ class DemoOptions:
     # The exclaim users only accept or reject; "accepted" is not terminal under tab-v1 (an
     # edit_persisted / edit_reverted may follow), so accepted episodes settle after this window.
     settle_window_s: float = 5.0
+    # What share of the simulated users give feedback, and what share of those say the opposite.
+    feedback_rate: float = 1.0
+    flip_rate: float = 0.0
+    # The simulated users are an oracle the demo has: the gate asks it too (the oracle suite).
+    gate_oracle: bool = True
+    # After the cycles, one more round of users on the final champion, without training (a row with
+    # cycle "final"): what the last promotion did for users.
+    final_round: bool = False
 
 
 def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
@@ -71,7 +79,9 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
 
     # The simulated users are an oracle the demo has: the gate asks it too (the oracle suite), with the
     # preference the users hold, on the task they bring (docs/gate.md, The demo's oracle).
-    suites = settings.gate.suites if "oracle" in settings.gate.suites else ("oracle", *settings.gate.suites)
+    suites = settings.gate.suites
+    if options.gate_oracle and "oracle" not in suites:
+        suites = ("oracle", *suites)
     settings = settings.model_copy(update={
         "labeler": settings.labeler.model_copy(update={"settle_window_s": options.settle_window_s}),
         "gate": settings.gate.model_copy(update={"suites": suites, "task": options.task,
@@ -102,6 +112,9 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
         with simulation_key(store, gateway) as api_key:  # the users' key, made the way a user would
             for cycle in range(1, options.cycles + 1):
                 rows.append(_one_cycle(settings, store, registry, task, preference, options, cycle, supervisor, api_key))
+                _print_row(rows[-1])
+            if options.final_round:
+                rows.append(_final_round(settings, registry, task, preference, options, api_key))
                 _print_row(rows[-1])
     finally:
         supervisor.stop()
@@ -174,7 +187,8 @@ def _one_cycle(
     # Users: requests through the gateway, feedback by the preference function.
     before = count_labelled(settings, store, champion)
     report = simulate(settings, gateway, options.requests_per_cycle, task, preference=preference,
-                      concurrency=options.concurrency, seed=cycle, api_key=api_key)
+                      concurrency=options.concurrency, seed=cycle, api_key=api_key,
+                      feedback_rate=options.feedback_rate, flip_rate=options.flip_rate)  # fmt: skip
     # The labeler settles each episode when its terminal feedback arrives (or its window passes); the
     # trainer takes it once its window has passed either way (trainer/selection.py).
     target = before + report.ok
@@ -207,9 +221,30 @@ def _one_cycle(
         "challenger": None if result.get("challenger_version") is None
         else format_version(int(result["challenger_version"])),
         "acceptance": report.acceptance_rate,
+        "ok": report.ok,
+        "accepted": report.accepted,
+        "feedback_sent": report.feedback_sent,
         "challenger_score": result.get("challenger_score"),
         "champion_score": result.get("champion_score"),
     }
+
+
+def _final_round(
+    settings: Settings, registry: Registry, task: Task, preference: Preference | None, options: DemoOptions,
+    api_key: str,
+) -> dict[str, Any]:
+    """The users once more, on the final champion, without a cycle."""
+    from rtrl.simulate import simulate
+
+    champion = format_version(registry.champion())
+    gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
+    report = simulate(settings, gateway, options.requests_per_cycle, task, preference=preference,
+                      concurrency=options.concurrency, seed=options.cycles + 1, api_key=api_key,
+                      feedback_rate=options.feedback_rate, flip_rate=options.flip_rate)  # fmt: skip
+    return {"cycle": "final", "version_before": champion, "version_after": champion, "episodes": 0,
+            "mean_reward": round(report.mean_reward or 0.0, 4), "gate": "-", "swap_ms": None, "data_to_deploy_s": None,
+            "challenger": None, "acceptance": report.acceptance_rate, "ok": report.ok, "accepted": report.accepted,
+            "feedback_sent": report.feedback_sent, "challenger_score": None, "champion_score": None}  # fmt: skip
 
 
 def _print_row(row: dict[str, Any]) -> None:
@@ -241,6 +276,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [r for r in rows if isinstance(r["cycle"], int)]  # not the final round's
     cycles = [r["cycle"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(cycles, [r["mean_reward"] for r in rows], marker="o", label="mean reward of the batch")

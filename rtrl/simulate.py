@@ -12,6 +12,7 @@ per serving policy version.
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 from collections import Counter
@@ -69,6 +70,18 @@ class _Outcome:
     error: str | None = None
 
 
+def _what_the_user_says(
+    signals: list[FeedbackSignal], accepted: bool, rng: random.Random, feedback_rate: float, flip_rate: float
+) -> list[FeedbackSignal]:
+    """The signals a user sends: nothing (1 − feedback_rate), the opposite verdict (flip_rate of
+    the rest), or what they think."""
+    if rng.random() >= feedback_rate:
+        return []
+    if signals and rng.random() < flip_rate:
+        return [FeedbackSignal(kind=FeedbackKind.rejected if accepted else FeedbackKind.accepted)]
+    return signals
+
+
 @contextmanager
 def simulation_key(store: Store, gateway_url: str, timeout_s: float = 60.0) -> Iterator[str]:
     """A key of tenant `TENANT` for one simulation, revoked when the block ends. Waits until the
@@ -101,13 +114,22 @@ def simulate(
     seed: int = 0,
     *,
     api_key: str,
+    feedback_rate: float = 1.0,
+    flip_rate: float = 0.0,
 ) -> SimulationReport:
     """Send `n_requests` of `task`'s training prompts through the gateway and feedback on each.
 
     `preference` defaults to the task's. Requests are sampled with temperature 1.0 and a
     per-request seed derived from `seed`, so a run is reproducible for fixed weights. `api_key` is
     a tenant key of the gateway (any string when its auth is open).
+
+    Real users are less obliging: only `feedback_rate` of them say anything, and `flip_rate` of
+    those say the opposite of what they think (an accepted answer rejected, anything else accepted).
+    Both draws are seeded per request. The report's acceptance is what the users *think* (the
+    preference's verdict on every answer), whatever they sent.
     """
+    if not (0.0 <= feedback_rate <= 1.0 and 0.0 <= flip_rate <= 1.0):
+        raise ValueError(f"feedback_rate and flip_rate are in [0, 1]; got {feedback_rate}, {flip_rate}")
     from openai import OpenAI, OpenAIError
 
     task = get_task(task) if isinstance(task, str) else task
@@ -143,8 +165,10 @@ def simulate(
             return _Outcome(ok=False, error=f"request {index}: no x-rtrl-request-id header (not an rtrl gateway?)")
         text = completion.choices[0].text
         signals: list[FeedbackSignal] = preference(prompt, text)
+        accepted = any(s.kind == FeedbackKind.accepted for s in signals)
+        said = _what_the_user_says(signals, accepted, random.Random(seed * 1_000_003 + index), feedback_rate, flip_rate)
         events = [{"event_id": new_id(), "request_id": request_id, "kind": s.kind.value, "value": s.value}
-                  for s in signals]  # fmt: skip
+                  for s in said]  # fmt: skip
         sent = failed = 0
         if events:
             body = json.dumps(events)
@@ -159,7 +183,7 @@ def simulate(
         return _Outcome(
             ok=True,
             version=version,
-            accepted=any(s.kind == FeedbackKind.accepted for s in signals),
+            accepted=accepted,
             reward=score(spec, signals).reward,
             feedback_sent=sent,
             feedback_failed=failed,

@@ -50,14 +50,15 @@ def explain_text(record: dict[str, Any]) -> str:
         f"{'PASS' if record['passed'] else 'FAIL'} ({record['decided_at']})",
         f"  reason: {record['reason']}",
         f"  rule: every conclusive suite's {record['confidence']:.0%} lower bound of challenger - champion "
-        f"> -{record['tolerance']:g}, at least one conclusive suite, no alarm",
+        f"above -(its margin), at least one conclusive suite, no alarm",
     ]
     for suite in record.get("suites", []):
         verdict = "inconclusive" if not suite["conclusive"] else "pass" if suite["passed"] else "FAIL"
         diff = suite.get("difference")
         interval = (f"{diff['estimate']:+.4f} [{diff['low']:+.4f}, {diff['high']:+.4f}]" if diff else "-")
         lines.append(f"  suite {suite['name']:<12} {verdict:<12} challenger {_figure(suite['challenger'])} "
-                     f"champion {_figure(suite['champion'])} difference {interval} n={suite['n']}"
+                     f"champion {_figure(suite['champion'])} difference {interval} margin {suite.get('margin', 0):g} "
+                     f"n={suite['n']}"
                      + (f" ess={suite['ess']:.1f}" if suite.get("ess") is not None else ""))  # fmt: skip
         if suite.get("note"):
             lines.append(f"        {suite['note']}")

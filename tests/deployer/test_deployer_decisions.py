@@ -26,28 +26,28 @@ def suite(name: str, low: float | None, *, conclusive: bool = True, estimate: fl
     difference = None if low is None else Interval(estimate=estimate, low=low, high=estimate + 0.1, n=48)
     passed = None if not conclusive or low is None else low > -0.05
     return SuiteResult(name=name, kind="prompts", challenger=0.5, champion=0.5, difference=difference,
-                       conclusive=conclusive, passed=passed, n=48, note="few episodes" if not conclusive else "")  # fmt: skip
+                       conclusive=conclusive, passed=passed, n=48, margin=0.05, note="few episodes" if not conclusive else "")  # fmt: skip
 
 
 def test_gate_passes_when_every_conclusive_suite_is_non_inferior() -> None:
-    passed, reason = decide([suite("retention", -0.04), suite("ope", None, conclusive=False)], [], 0.05)
+    passed, reason = decide([suite("retention", -0.04), suite("ope", None, conclusive=False)], [])
     assert passed and reason.startswith("non-inferior on retention")
 
 
 def test_gate_fails_a_suite_whose_lower_bound_is_below_the_margin() -> None:
-    passed, reason = decide([suite("retention", 0.0), suite("oracle", -0.06, estimate=-0.02)], [], 0.05)
+    passed, reason = decide([suite("retention", 0.0), suite("oracle", -0.06, estimate=-0.02)], [])
     assert not passed
     assert "suite oracle: challenger - champion -0.0200, lower bound -0.0600 <= -0.05" in reason
 
 
 def test_gate_fails_when_no_suite_is_conclusive() -> None:
-    passed, reason = decide([suite("ope", None, conclusive=False)], [], 0.05)
+    passed, reason = decide([suite("ope", None, conclusive=False)], [])
     assert not passed and "no suite was conclusive: ope: few episodes" in reason
 
 
 def test_gate_fails_on_any_alarm() -> None:
     alarm = Alarm(name="no_action", fired=True, value=0.3, threshold=0.1, detail="non-answers 30.0% vs champion 0.0%")
-    passed, reason = decide([suite("retention", 0.0)], [alarm], 0.05)
+    passed, reason = decide([suite("retention", 0.0)], [alarm])
     assert not passed and reason.startswith("alarm no_action: non-answers 30.0%")
 
 

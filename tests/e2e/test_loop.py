@@ -51,9 +51,11 @@ def loop_settings(request: pytest.FixtureRequest, services: Settings, tmp_path: 
             "trainer": services.trainer.model_copy(
                 update={"min_samples": 16, "checkpoint_dir": tmp_path / "checkpoints"}
             ),
-            # This test is about the loop closing, not about the gate's judgement (its own tests
-            # cover pass and fail): let any challenger that is not catastrophically worse through.
-            "gate": services.gate.model_copy(update={"tolerance": 1.0, "eval_prompts": 16}),
+            # The real gate: default suites and alarms, the demo's users as the oracle suite. Retention
+            # gets a wider margin: the tiny base answers ~10 % of held-out questions correctly and
+            # this test's 48-request cycles move that by a few points either way (the gate's own
+            # tests, tests/deployer, hold it to the default).
+            "gate": services.gate.model_copy(update={"margins": {"retention": 0.15}}),
             "metrics": MetricsSettings(**dict(zip(
                 ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
                 strict=True))),  # fmt: skip
@@ -140,14 +142,19 @@ def test_two_cycles_swap_the_served_weights_twice(
     logs = Path(settings.services.run_dir) / "logs"
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\nlogs in {logs}"
     rows = json.loads(out.read_text())
-    check_metrics_moved(scraper, settings)
-    assert out.with_suffix(".png").stat().st_size > 1000
-
-    # The served weight version changed twice, and the table says so.
+    for version in (2, 3):  # the gate's decisions, in the test's output
+        explain = subprocess.run(rtrl_command("gate", "explain", str(version)), cwd=REPO, env=child_env(settings),
+                                 capture_output=True, text=True, timeout=120)  # fmt: skip
+        print(explain.stdout, explain.stderr)
+    print(rows)
     assert [(r["version_before"], r["version_after"], r["gate"]) for r in rows] == [
         ("v1", "v2", "pass"),
         ("v2", "v3", "pass"),
     ]
+    check_metrics_moved(scraper, settings)
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+    # The served weight version changed twice (above), and the table says so.
     assert all(r["episodes"] >= 16 and r["swap_ms"] > 0 and r["data_to_deploy_s"] > 0 for r in rows)
     server = VllmClient(settings.vllm.servers[0], model=settings.vllm.served_model_name)
     assert server.weight_version() == 3

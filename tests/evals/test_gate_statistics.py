@@ -181,3 +181,16 @@ def test_kl_alarm() -> None:
     cfg = AlarmSettings(kl_budget=0.5)
     assert not kl_alarm(0.1, cfg).fired
     assert kl_alarm(0.6, cfg).fired and kl_alarm(math.inf, cfg).fired and kl_alarm(math.nan, cfg).fired
+
+
+def test_the_gates_prompt_suites_score_every_prompt() -> None:
+    from deployer.gate import _prompt_suites
+    from schemas.settings import Settings
+
+    settings = Settings()
+    settings = settings.model_copy(update={"gate": settings.gate.model_copy(update={"suites": ("oracle", "retention", "ope")})})
+    suites = {suite.name: suite for suite, _ in _prompt_suites(settings)}
+    assert set(suites) == {"oracle", "retention"}  # ope is not a prompt suite
+    assert suites["oracle"].prompts == suites["retention"].prompts  # generated once, scored twice
+    oracle = suites["oracle"]
+    assert all(oracle.score(i, " 7!") > oracle.score(i, " 7.") for i in range(len(oracle.prompts)))

@@ -57,3 +57,23 @@ def test_rtrl_simulate_sends_interactions_and_feedback(services: Settings, tmp_p
     assert {f.request_id for f in sent} == {e.request_id for e in events}
     accepted = {f.request_id for f in sent if f.kind == "accepted"}
     assert len(accepted) == report["accepted"]
+
+
+@pytest.mark.unit
+def test_sparse_and_flipped_feedback_is_seeded_and_keeps_what_users_think() -> None:
+    """Of simulated users only `feedback_rate` say anything, and `flip_rate` of those the opposite."""
+    import random
+
+    from rtrl.simulate import _what_the_user_says
+    from schemas.events import FeedbackKind, FeedbackSignal
+
+    accept = [FeedbackSignal(kind=FeedbackKind.accepted)]
+    reject = [FeedbackSignal(kind=FeedbackKind.rejected), FeedbackSignal(kind=FeedbackKind.followup_dissatisfied)]
+    assert _what_the_user_says(accept, True, random.Random(0), 1.0, 0.0) == accept  # the default: everyone, honestly
+    said = [_what_the_user_says(accept, True, random.Random(i), 0.3, 0.1) for i in range(4000)]
+    silent = sum(s == [] for s in said) / len(said)
+    flipped = sum(s == [FeedbackSignal(kind=FeedbackKind.rejected)] for s in said) / sum(s != [] for s in said)
+    assert 0.67 < silent < 0.73 and 0.07 < flipped < 0.13
+    assert [_what_the_user_says(accept, True, random.Random(i), 0.3, 0.1) for i in range(50)] == said[:50]  # seeded
+    assert _what_the_user_says(reject, False, random.Random(1), 1.0, 1.0) == accept  # a rejection flipped: accepted
+    assert _what_the_user_says([], False, random.Random(1), 1.0, 1.0) == []  # nothing to flip

@@ -284,6 +284,33 @@ def test_reward_spec_versions_are_never_mixed(store: Store) -> None:
     assert [e.episode_id for e in store.select_episodes(1, 0, 10, spec_id="tab-v1@1")] == ["old"]
 
 
+def test_the_gates_held_out_slice_is_never_trained_on(store: Store) -> None:
+    """Episodes below the held-out percent (by a hash of their id) are the gate's: never selected
+    for training, selected by `select_heldout`; together the two are every settled episode."""
+    from store.settle import eval_bucket
+
+    feeder = Feeder(store)
+    ids = [f"e{i}" for i in range(40)]
+    feeder.send(*[interaction(i) for i in ids], *[feedback(f"r-{i}-0", "thumbs_up") for i in ids])
+    held = {i for i in ids if eval_bucket(i) < 30}
+    assert 0 < len(held) < 40 and eval_bucket("e1") == eval_bucket("e1")
+    assert store.count_trainable(1, 0, holdout_percent=30) == 40 - len(held)
+    assert {e.episode_id for e in store.select_episodes(1, 0, 100, holdout_percent=30)} == set(ids) - held
+    heldout = store.select_heldout(100, spec_id="tab-v1@1", holdout_percent=30)
+    assert {e.episode_id for e in heldout} == held and store.count_heldout(spec_id="tab-v1@1", holdout_percent=30) == len(held)
+    assert all(e.segments and not e.no_feedback for e in heldout)
+    assert store.select_heldout(100, spec_id="other@1", holdout_percent=30) == []
+    assert store.select_heldout(100, spec_id="tab-v1@1", holdout_percent=0) == []
+    assert store.count_trainable(1, 0) == 40  # without a held-out slice every episode trains
+
+
+def test_gate_decisions_are_kept_newest_first(store: Store) -> None:
+    store.record_gate_decision(3, 2, False, "worse", {"passed": False, "n": 1}, at(0))
+    store.record_gate_decision(3, 2, True, "fine", {"passed": True, "n": 2}, at(1))
+    assert [r["n"] for r in store.gate_decisions(3)] == [2, 1]
+    assert store.gate_decisions(4) == []
+
+
 def test_an_episode_is_never_used_by_two_cycles(store: Store) -> None:
     settled_episodes(Feeder(store))
     first = store.acquire_cycle("w1", 60, 3)

@@ -30,6 +30,8 @@ def settings(redis_service: Settings, mlflow_service: Settings, tmp_path: Path) 
             ),
             # Episodes fed here are trainable at once (the window rule: tests/store/test_store.py).
             "labeler": services.labeler.model_copy(update={"settle_window_s": 0.0}),
+            # Every episode fed here trains: the held-out slice is the gate's (tests/deployer, tests/e2e).
+            "gate": services.gate.model_copy(update={"ope": services.gate.ope.model_copy(update={"holdout_percent": 0})}),
         }
     )
 
