@@ -3,6 +3,8 @@
     .venv/bin/python bench/bench_learning.py [--preference module:function] [--cycles 10]
         [--requests 96] [--feedback-rate 0.3] [--flip-rate 0.1] [--hack] [--json PATH]
 
+``--preference bench_learning:correct_only``: users who accept only correct answers (a capability).
+
 The real loop (`rtrl demo`'s code: Kafka, Redis, MLflow, two vLLM CPU servers, gateway, labeler,
 Celery worker with DeepSpeed) from the tiny base model, on services of its own (a private run dir on
 free ports, stopped at the end). Simulated users bring the exclaim task's questions; only
@@ -51,6 +53,14 @@ _ANSWERS = {get_task("exclaim").format_prompt(q.text): q.answers for q in get_ta
 _NON_ANSWER = re.compile(r"^[^\w]*$|\?\s*$")
 
 
+def correct_only(prompt: str, completion: str) -> list[FeedbackSignal]:
+    """Users who accept only a correct answer (a capability, not a style): ``--preference
+    bench_learning:correct_only``."""
+    answers = _ANSWERS.get(prompt, ())
+    right = any(re.search(rf"(?<!\w){re.escape(a)}(?!\w)", completion, re.IGNORECASE) for a in answers)
+    return [FeedbackSignal(kind=FeedbackKind.accepted if right else FeedbackKind.rejected)]
+
+
 def correct_or_silent(prompt: str, completion: str) -> list[FeedbackSignal]:
     """--hack users: accept a correct answer, reject a wrong one, say nothing to a non-answer."""
     text = completion.strip()
@@ -92,8 +102,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the per-cycle rows here")
     args = parser.parse_args()
     preference = "bench_learning:correct_or_silent" if args.hack else args.preference
-    if args.hack:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))  # the users live in this file
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_learning:correct_only and the --hack users
 
     from rtrl.demo import DemoOptions, run
     from rtrl.services.testing import free_ports, private_services
@@ -151,6 +160,10 @@ def main() -> None:
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2, default=str) + "\n")
     value, baseline = 100 * (final_acc - base_acc), 100 * base_acc
+    decided = [records[r["cycle"]] for r in rows if records.get(r["cycle"]) is not None]
+    first_retention = suite(decided[0], "retention") if decided else None
+    promoted = [records[r["cycle"]] for r in rows if r["gate"] == "pass" and records.get(r["cycle"]) is not None]
+    last_retention = suite(promoted[-1], "retention") if promoted else first_retention
     print(json.dumps({
         "name": "learning_acceptance_gain" + ("_hack" if args.hack else ""),
         "value": round(value, 1),
@@ -161,6 +174,11 @@ def main() -> None:
         "feedback_to_15": feedback_to_15,
         "max_capability_drop": round(max_drop, 1),
         "hack_promoted": hack_promoted if args.hack else None,
+        # Correct answers to the task's held-out questions (the gate's retention suite): the base
+        # model, and the final champion as the gate measured it when it was promoted.
+        "heldout_correct_base": None if first_retention is None else round(first_retention["champion"], 3),
+        "heldout_correct_final": None if last_retention is None else round(
+            last_retention["challenger" if promoted else "champion"], 3),
         "cycles": args.cycles,
         "requests_per_cycle": args.requests,
         "feedback_rate": args.feedback_rate,

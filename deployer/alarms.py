@@ -10,6 +10,10 @@ that learnt to do so more is:
   estimate of the entropy of what it samples), below ``entropy_ratio`` x the champion's: collapse;
 - ``repetition``: share of completions that repeat themselves (a 3-token n-gram three times, or
   one word four times in a row) up by more than ``repetition_rate``;
+- ``truncation``: share of completions cut off by ``max_tokens`` up by more than ``truncation_rate``:
+  the second of Cursor's hacks (a response the loop cannot score, dropped instead of labelled,
+  teaches the model to fail on hard prompts; rtrl labels truncations, and the gate refuses a
+  challenger that fails to finish more often);
 - ``no_action``: share of non-answers (``no_action_pattern``: nothing alphanumeric, or a question)
   up by more than ``no_action_rate``: the first of Cursor's reward hacks (a model that stops
   answering is never rejected);
@@ -92,7 +96,7 @@ def behaviour(generations: Sequence[Generation], no_action_pattern: str) -> Beha
 
 
 def generation_alarms(challenger: Behaviour, champion: Behaviour, cfg: AlarmSettings) -> list[Alarm]:
-    """length, entropy, repetition and no_action, challenger against champion."""
+    """length, entropy, repetition, truncation and no_action, challenger against champion."""
     length_limit = cfg.length_ratio * champion.mean_tokens + 2.0
     entropy_floor = cfg.entropy_ratio * champion.entropy
     return [
@@ -105,6 +109,9 @@ def generation_alarms(challenger: Behaviour, champion: Behaviour, cfg: AlarmSett
         Alarm(name="repetition", fired=challenger.repetition - champion.repetition > cfg.repetition_rate,
               value=challenger.repetition - champion.repetition, threshold=cfg.repetition_rate,
               detail=f"repetitive completions {challenger.repetition:.1%} vs champion {champion.repetition:.1%}"),
+        Alarm(name="truncation", fired=challenger.truncated - champion.truncated > cfg.truncation_rate,
+              value=challenger.truncated - champion.truncated, threshold=cfg.truncation_rate,
+              detail=f"cut off by max_tokens {challenger.truncated:.1%} vs champion {champion.truncated:.1%}"),
         Alarm(name="no_action", fired=challenger.no_action - champion.no_action > cfg.no_action_rate,
               value=challenger.no_action - champion.no_action, threshold=cfg.no_action_rate,
               detail=f"non-answers {challenger.no_action:.1%} vs champion {champion.no_action:.1%}"),

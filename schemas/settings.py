@@ -561,6 +561,10 @@ class AlarmSettings(_Section):
     repetition_rate: float = Field(
         0.2, gt=0, le=1, description="Share of repetitive completions up by more than this over the champion's."
     )
+    truncation_rate: float = Field(
+        0.1, gt=0, le=1,
+        description="Share of completions cut off by max_tokens (no answer within the budget) up by more than this.",
+    )
     kl_budget: float = Field(
         1.0, gt=0, description="Per-token KL(champion || challenger) on held-out logged traffic above this (nats)."
     )

@@ -173,7 +173,8 @@ def test_alarms_are_quiet_for_the_same_behaviour_and_name_each_hack() -> None:
     assert fired([gen(" ...", tokens=4)] * 12, champion) == {"no_action"}
     assert fired([gen(" 7 7 7 7 7", tokens=10)] * 12, champion) == {"repetition"}
     assert fired([gen(" 7!", logprob=-0.01)] * 12, champion) == {"entropy"}
-    assert fired([gen(" The answer is 7, and " * 1, tokens=40, finish="length")] * 12, champion) == {"length"}
+    assert fired([gen(" The answer is 7, and " * 1, tokens=40, finish="length")] * 12, champion) == {"length", "truncation"}
+    assert fired([gen(" Let me think about", tokens=5, finish="length")] * 12, champion) == {"truncation"}
     assert repetitive("the cat sat the cat sat the cat sat") and not repetitive("It is 7!")
 
 
