@@ -223,6 +223,7 @@ def _one_cycle(
         "acceptance": report.acceptance_rate,
         "ok": report.ok,
         "accepted": report.accepted,
+        "silent": report.silent,
         "feedback_sent": report.feedback_sent,
         "challenger_score": result.get("challenger_score"),
         "champion_score": result.get("champion_score"),
@@ -244,7 +245,7 @@ def _final_round(
     return {"cycle": "final", "version_before": champion, "version_after": champion, "episodes": 0,
             "mean_reward": round(report.mean_reward or 0.0, 4), "gate": "-", "swap_ms": None, "data_to_deploy_s": None,
             "challenger": None, "acceptance": report.acceptance_rate, "ok": report.ok, "accepted": report.accepted,
-            "feedback_sent": report.feedback_sent, "challenger_score": None, "champion_score": None}  # fmt: skip
+            "silent": report.silent, "feedback_sent": report.feedback_sent, "challenger_score": None, "champion_score": None}  # fmt: skip
 
 
 def _print_row(row: dict[str, Any]) -> None:

@@ -48,6 +48,7 @@ class SimulationReport:
     feedback_sent: int = 0
     feedback_failed: int = 0
     accepted: int = 0
+    silent: int = 0  # answers the preference had nothing to say about (a non-answer, to most users)
     acceptance_rate: float = 0.0  # accepted / ok
     mean_reward: float | None = None  # under settings.labeler.reward_spec
     per_version: dict[str, int] = field(default_factory=dict)  # ok requests by serving policy version
@@ -64,6 +65,7 @@ class _Outcome:
     ok: bool
     version: str | None = None
     accepted: bool = False
+    silent: bool = False
     reward: float | None = None
     feedback_sent: int = 0
     feedback_failed: int = 0
@@ -184,6 +186,7 @@ def simulate(
             ok=True,
             version=version,
             accepted=accepted,
+            silent=not signals,
             reward=score(spec, signals).reward,
             feedback_sent=sent,
             feedback_failed=failed,
@@ -210,6 +213,7 @@ def simulate(
             continue
         report.ok += 1
         versions[outcome.version or "unknown"] += 1
+        report.silent += outcome.silent
         if outcome.accepted:
             report.accepted += 1
             accepted_versions[outcome.version or "unknown"] += 1
