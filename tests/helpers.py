@@ -13,7 +13,7 @@ from typing import Any
 import streams
 from rtrl.launch import child_env, rtrl_command
 from schemas.clock import wait_until
-from schemas.settings import KafkaSettings, Settings
+from schemas.settings import AlarmSettings, GateSettings, KafkaSettings, Settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -147,3 +147,11 @@ def open_in_browser(path: Path, timeout_s: float = 60) -> tuple[str, list[str]]:
     records = [proc.stderr[a:b].strip() for a, b in zip(starts, [*starts[1:], len(proc.stderr)], strict=True)]
     console = [m.group(1) for m in (re.match(r"^\[[^\]]*:CONSOLE[:(]\d+\)?\] (.*)", r, re.DOTALL) for r in records) if m]
     return proc.stdout, console
+
+
+def gate_without_judgement(gate: GateSettings, **update: Any) -> GateSettings:
+    """The gate with no margin and no alarm: for tests about the loop closing, not about the gate's
+    judgement (tests/deployer and bench/bench_learning.py cover that)."""
+    alarms = AlarmSettings(length_ratio=1000, entropy_ratio=0, repetition_rate=1, truncation_rate=1, kl_budget=1e9,
+                           no_action_rate=1)  # fmt: skip
+    return gate.model_copy(update={"tolerance": 1.0, "alarms": alarms, **update})

@@ -25,6 +25,7 @@ from registry import Registry
 from rtrl.services.testing import free_ports
 from schemas.settings import GateSettings, MlflowSettings, ServicesSettings, Settings, VllmSettings
 from serving import VllmClient, meaningful_digests
+from store import Store
 
 pytestmark = pytest.mark.integration
 
@@ -258,18 +259,22 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
     store.close()
 
 
-def test_gate_rejects_a_challenger_that_stops_finishing_its_answers(
-    deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """Planted reward hack: a challenger whose answers run past max_tokens (never scorable) is
-    rejected with the truncation alarm named in the decision record."""
-    from store import Store
-
+def hack_setup(deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path) -> tuple[Store, Settings, Registry]:
+    """A store of the test's own (no held-out traffic), the gate's settings, the base as v1 @champion."""
     store = Store(f"sqlite:///{tmp_path / 'gate.db'}")
     store.migrate()
     settings = gate_settings(deploy_settings, store.url)
     registry = Registry.from_settings(settings)
     rollout.bootstrap(settings, registry, tiny_model_dir)
+    return store, settings, registry
+
+
+def test_gate_rejects_a_challenger_that_stops_finishing_its_answers(
+    deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Planted reward hack: a challenger whose answers run past max_tokens (never scorable) is
+    rejected with the truncation alarm named in the decision record."""
+    store, settings, registry = hack_setup(deploy_settings, tiny_model_dir, tmp_path)
     rambling = registry.register_checkpoint(tuned_copy(tiny_model_dir, tmp_path / "rambling", RAMBLING))
     decision = gate.evaluate(settings, registry, rambling, store)
     print("gate rambling:", decision.model_dump_json())
@@ -289,13 +294,7 @@ def test_gate_rejects_a_challenger_that_stopped_answering_and_explains_why(
     import subprocess
     import sys
 
-    from store import Store
-
-    store = Store(f"sqlite:///{tmp_path / 'gate.db'}")
-    store.migrate()
-    settings = gate_settings(deploy_settings, store.url)
-    registry = Registry.from_settings(settings)
-    rollout.bootstrap(settings, registry, tiny_model_dir)
+    store, settings, registry = hack_setup(deploy_settings, tiny_model_dir, tmp_path)
     asking = registry.register_checkpoint(tuned_copy(tiny_model_dir, tmp_path / "asking", ASKING))
     decision = gate.evaluate(settings, registry, asking, store)
     print("gate asking:", decision.model_dump_json())

@@ -19,13 +19,13 @@ import httpx
 import pytest
 import sqlalchemy as sa
 from factories import fresh_topics
-from helpers import REPO, open_in_browser, run_rtrl
+from helpers import REPO, gate_without_judgement, open_in_browser, run_rtrl
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file
 
 from rtrl.launch import child_env, rtrl_command
 from rtrl.services.testing import free_ports
-from schemas.settings import AlarmSettings, MetricsSettings, Settings, StoreSettings
+from schemas.settings import MetricsSettings, Settings, StoreSettings
 from store import Store
 
 pytestmark = pytest.mark.e2e
@@ -55,11 +55,7 @@ def loop_settings(request: pytest.FixtureRequest, services: Settings, tmp_path: 
             # bench/bench_learning.py cover that): no margin, no alarm. With the real gate the second
             # challenger of these 48-request cycles is sometimes a small regression and is rightly
             # rejected (in CI: users' reward -0.031, lower bound -0.057 against a 0.05 margin).
-            "gate": services.gate.model_copy(update={
-                "tolerance": 1.0,
-                "alarms": AlarmSettings(length_ratio=1000, entropy_ratio=0, repetition_rate=1, truncation_rate=1,
-                                        kl_budget=1e9, no_action_rate=1),
-            }),
+            "gate": gate_without_judgement(services.gate),
             "metrics": MetricsSettings(**dict(zip(
                 ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
                 strict=True))),  # fmt: skip

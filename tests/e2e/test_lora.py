@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from factories import fresh_topics
-from helpers import REPO, run_rtrl
+from helpers import REPO, gate_without_judgement, run_rtrl
 
 from deployer.probe import ADAPTER_PROBE_TOKENS, adapter_reference, build_probe, max_abs_diff
 from registry import Registry
 from rtrl.launch import child_env, rtrl_command
 from rtrl.services.testing import free_ports, make_run_dir, start_reaper
-from schemas.settings import AlarmSettings, MetricsSettings, Settings, StoreSettings
+from schemas.settings import MetricsSettings, Settings, StoreSettings
 from serving import VllmClient
 from serving.adapters import base_model_name, is_adapter
 
@@ -73,11 +73,7 @@ def test_lora_cycles_train_register_swap_verify_and_serve(lora_fleet: Settings, 
         # it): no margin, no alarm. (The gate does judge LoRA challengers here: on 48-request
         # cycles at trainer.lora.lr its alarms have rejected the second one for answering with
         # punctuation alone, 25 % vs 6 %.)
-        "gate": lora_fleet.gate.model_copy(update={
-            "tolerance": 1.0, "eval_prompts": 16,
-            "alarms": AlarmSettings(length_ratio=1000, entropy_ratio=0, repetition_rate=1, truncation_rate=1,
-                                    kl_budget=1e9, no_action_rate=1),
-        }),
+        "gate": gate_without_judgement(lora_fleet.gate, eval_prompts=16),
         "metrics": MetricsSettings(**dict(zip(
             ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
             strict=True))),
