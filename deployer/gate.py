@@ -178,10 +178,10 @@ def _load(server: VllmClient, target: rollout.Target, settings: Settings) -> Non
         rollout.save_digests(settings, target.version, digests)
 
 
-def _ope(
-    settings: Settings, store: Store, challenger: rollout.Target, champion: rollout.Target
+def ope_suite(
+    settings: Settings, store: Store, challenger: ope.Weights, champion: ope.Weights
 ) -> tuple[SuiteResult, list[Alarm]]:
-    """The off-policy suite and the alarms it feeds (kl, no_feedback)."""
+    """The off-policy suite on the store's held-out traffic and the alarms it feeds (kl, no_feedback)."""
     cfg = settings.gate
     spec_id = get_spec(settings.labeler.reward_spec).spec_id
     episodes = store.select_heldout(cfg.ope.max_episodes, spec_id=spec_id, holdout_percent=cfg.ope.holdout_percent)
@@ -191,8 +191,8 @@ def _ope(
         note = f"{len(logged)} usable held-out episodes under {spec_id}{skipped_note}"
         return SuiteResult(name="ope", kind="ope", challenger=None, champion=None, difference=None, conclusive=False,
                            passed=None, n=len(logged), margin=margin(settings, "ope"), note=note), []  # fmt: skip
-    chal = ope.sequence_logprobs(challenger.path, challenger.base, logged)
-    champ = ope.sequence_logprobs(champion.path, champion.base, logged)
+    chal = ope.sequence_logprobs(challenger, logged)
+    champ = ope.sequence_logprobs(champion, logged)
     behaviour = [e.behaviour for e in logged]
     estimate = off_policy([e.reward for e in logged], behaviour, chal, champ, clip=cfg.ope.clip,
                           confidence=cfg.confidence, resamples=cfg.bootstrap_resamples, seed=cfg.seed)  # fmt: skip
@@ -268,7 +268,9 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store 
                                            conclusive=False, passed=None, n=0, margin=margin(settings, "ope"),
                                            note="no store was given"))  # fmt: skip
             else:
-                estimate, ope_alarms = _ope(settings, store, targets["challenger"], targets["champion"])
+                chal, champ = targets["challenger"], targets["champion"]
+                estimate, ope_alarms = ope_suite(settings, store, ope.Weights(chal.path, chal.base),
+                                                 ope.Weights(champ.path, champ.base))  # fmt: skip
                 results.append(estimate)
                 found.extend(ope_alarms)
         order: dict[str, int] = {name: i for i, name in enumerate(cfg.suites)}

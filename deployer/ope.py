@@ -26,6 +26,15 @@ from store import TrainingEpisode
 
 
 @dataclass(frozen=True)
+class Weights:
+    """A version's weights as the off-policy estimate loads them: full weights at `path`, or a LoRA
+    adapter at `path` on the base model at `base`."""
+
+    path: Path
+    base: Path | None = None
+
+
+@dataclass(frozen=True)
 class Logged:
     """One usable held-out episode: reward, behaviour sequence logprob, tokens, and its rows' inputs."""
 
@@ -66,9 +75,9 @@ def usable(episodes: list[TrainingEpisode]) -> tuple[list[Logged], int]:
     return kept, skipped
 
 
-def sequence_logprobs(path: Path, base: Path | None, logged: list[Logged], micro_batch: int = 16) -> list[float]:
-    """Σ log π over each logged episode's trainable tokens, under the checkpoint at `path` (a LoRA
-    adapter on `base` when given); −inf where a token is impossible under the segment's sampling."""
+def sequence_logprobs(weights: Weights, logged: list[Logged], micro_batch: int = 16) -> list[float]:
+    """Σ log π over each logged episode's trainable tokens under `weights`; −inf where a token is
+    impossible under the segment's sampling."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -76,13 +85,13 @@ def sequence_logprobs(path: Path, base: Path | None, logged: list[Logged], micro
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model: Any
-    if base is None:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    if weights.base is None:
+        model = AutoModelForCausalLM.from_pretrained(str(weights.path), dtype=torch.float32)
     else:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32),
-                                          str(path))  # fmt: skip
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(weights.base), dtype=torch.float32),
+                                          str(weights.path))  # fmt: skip
     model.to(device).eval()
     pad_id = int(getattr(model.config, "pad_token_id", None) or getattr(model.config, "eos_token_id", None) or 0)
     rows: list[tuple[int, Row]] = []

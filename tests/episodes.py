@@ -1,8 +1,10 @@
-"""Training data for the trainer's tests (not a test module): episodes sampled from a model the
-way vLLM samples them, fed through the labeler's own store code."""
+"""Training data for the trainer's and the gate's tests (not a test module): episodes sampled from a
+model the way vLLM samples them, fed through the labeler's own store code, and copies of the tiny
+model tuned to answer in given shapes."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -67,3 +69,21 @@ def feed(store: Store, pairs: list[tuple[InteractionEvent, FeedbackEvent]]) -> N
     feeder.offsets.update({"interactions": store.stats()["interactions"], "feedback": store.stats()["feedback"]})
     written, _ = feeder.send(*[event for pair in pairs for event in pair])
     assert not written.rejected, [r.reason for r in written.rejected]
+
+
+def tuned_copy(base: Path, out: Path, shapes: tuple[str, ...], steps: int = 60) -> Path:
+    """The base model fine-tuned to answer every question in one of `shapes`."""
+    import dataclasses
+
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from evals import get_task
+    from rtrl.tinymodel import SftConfig, supervise
+
+    shutil.copytree(base, out)
+    task = dataclasses.replace(get_task("exclaim"), plain_shapes=shapes, preferred_shapes=shapes)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    supervise(model, Tokenizer.from_file(str(out / "tokenizer.json")), task, seed=5, cfg=SftConfig(steps=steps))
+    model.save_pretrained(out, safe_serialization=True)
+    return out

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from episodes import tuned_copy
 from safetensors.torch import load_file, save_file
 
 from deployer import gate, rollout
@@ -172,24 +173,6 @@ def test_failed_verification_restores_previous_weights(
 ASKING = ("Do you mean {answer}?", "Which one?", "Which one do you mean?")
 RAMBLING = ("Let me think about this question step by step, carefully, before I answer it with {answer} "
             "and then explain why that is so",)  # fmt: skip
-
-
-def tuned_copy(base: Path, out: Path, shapes: tuple[str, ...], steps: int = 60) -> Path:
-    """The base model fine-tuned to answer every question in one of `shapes`."""
-    import dataclasses
-
-    from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
-
-    from evals import get_task
-    from rtrl.tinymodel import SftConfig, supervise
-
-    shutil.copytree(base, out)
-    task = dataclasses.replace(get_task("exclaim"), plain_shapes=shapes, preferred_shapes=shapes)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    supervise(model, Tokenizer.from_file(str(out / "tokenizer.json")), task, seed=5, cfg=SftConfig(steps=steps))
-    model.save_pretrained(out, safe_serialization=True)
-    return out
 
 
 def gate_settings(settings: Settings, store_url: str) -> Settings:
