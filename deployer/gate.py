@@ -42,13 +42,14 @@ import evals
 from deployer import alarms, metrics, ope, rollout
 from deployer.alarms import Alarm, Behaviour
 from deployer.errors import GateError
+from evals.judge import Judge
 from evals.stats import Interval, importance_weights, off_policy, paired_interval, snips
-from evals.suites import PromptSuite, load_offline, retention_suite
+from evals.suites import PromptSuite, judge_suite, load_offline, retention_suite
 from registry import Registry
 from schemas.clock import utcnow
 from schemas.rewards import get_spec
 from schemas.sampling import served_defaults
-from schemas.settings import Settings
+from schemas.settings import JudgeSettings, Settings
 from serving import AdapterError, Generation, VllmClient
 from store import Store
 
@@ -104,9 +105,12 @@ def decide(suites: list[SuiteResult], fired: list[Alarm]) -> tuple[bool, str]:
     above −its margin), no alarm fired."""
     problems = [f"alarm {a.name}: {a.detail} (threshold {a.threshold:.3g})" for a in fired]
     for suite in suites:
-        if suite.conclusive and not suite.passed and suite.difference is not None:
-            problems.append(f"suite {suite.name}: challenger - champion {suite.difference.estimate:+.4f}, lower bound "
-                            f"{suite.difference.low:+.4f} <= -{suite.margin:g}")  # fmt: skip
+        if suite.conclusive and not suite.passed:
+            if suite.difference is None:  # it could not measure and its policy is to block (a judge outage)
+                problems.append(f"suite {suite.name}: {suite.note}")
+            else:
+                problems.append(f"suite {suite.name}: challenger - champion {suite.difference.estimate:+.4f}, "
+                                f"lower bound {suite.difference.low:+.4f} <= -{suite.margin:g}")  # fmt: skip
     if not any(s.conclusive for s in suites):
         problems.append("no suite was conclusive: " + "; ".join(f"{s.name}: {s.note}" for s in suites))
     if problems:
@@ -133,6 +137,9 @@ def _prompt_suites(settings: Settings) -> list[tuple[PromptSuite, bool]]:
                 scorer=lambda prompt, completion, _line: reward(prompt, completion),
                 max_tokens=task.max_tokens, stop=task.stop,
             ), True))  # fmt: skip
+        if "judge" in cfg.suites:
+            assert cfg.judge is not None  # GateSettings refuses "judge" without it
+            suites.append((judge_suite(task, cfg.eval_prompts, cfg.judge), False))
         suites.extend((load_offline(offline), False) for offline in cfg.offline)
     except evals.TaskError as exc:
         raise GateError(str(exc)) from exc
@@ -142,16 +149,53 @@ def _prompt_suites(settings: Settings) -> list[tuple[PromptSuite, bool]]:
 def _score_prompts(
     suite: PromptSuite, challenger: list[list[Generation]], champion: list[list[Generation]], settings: Settings
 ) -> SuiteResult:
-    cfg = settings.gate
+    if suite.judge is not None:
+        return _score_judged(suite, suite.judge, challenger, champion, settings)
 
     def per_prompt(generations: list[list[Generation]]) -> list[float]:
         return [sum(suite.score(i, g.text) for g in gens) / len(gens) for i, gens in enumerate(generations)]
 
-    ours, theirs = per_prompt(challenger), per_prompt(champion)
+    return _paired(suite.name, per_prompt(challenger), per_prompt(champion), settings)
+
+
+def _score_judged(
+    suite: PromptSuite, judge: JudgeSettings, challenger: list[list[Generation]], champion: list[list[Generation]],
+    settings: Settings,
+) -> SuiteResult:
+    """Both models' generations graded by the judge; prompts without a grade on either side are left
+    out, and an outage follows `gate.judge.outage` (docs/gate.md, Judge)."""
+    items = [(suite.prompts[i], g.text) for model in (challenger, champion) for i, gens in enumerate(model)
+             for g in gens]  # fmt: skip
+    with Judge(judge) as grader:
+        judged = grader.score_many(items)
+    verdicts = iter(judged.verdicts)
+    means: list[list[float | None]] = []
+    for model in (challenger, champion):
+        per_prompt: list[float | None] = []
+        for gens in model:
+            scores = [v.score for v in (next(verdicts) for _ in gens) if v.score is not None]
+            per_prompt.append(sum(scores) / len(scores) if scores else None)
+        means.append(per_prompt)
+    pairs = [(a, b) for a, b in zip(*means, strict=True) if a is not None and b is not None]
+    failed = f"{judged.failed} of {len(items)} judgements failed" + (
+        f" (first: {judged.first_error()})" if judged.failed else "")
+    if judged.outage or len(pairs) < 2:
+        block = judge.outage == "block"
+        return SuiteResult(name=suite.name, kind="prompts", challenger=None, champion=None, difference=None,
+                           conclusive=block, passed=False if block else None, n=len(pairs),
+                           margin=margin(settings, suite.name),
+                           note=f"judge out ({judge.outage}): {failed}")  # fmt: skip
+    result = _paired(suite.name, [a for a, _ in pairs], [b for _, b in pairs], settings)
+    return result.model_copy(update={"note": f"{len(pairs)} prompts graded by {judge.model}; {failed}"})
+
+
+def _paired(name: str, ours: list[float], theirs: list[float], settings: Settings) -> SuiteResult:
+    """A prompt suite's verdict from per-prompt mean scores of both models (paired bootstrap)."""
+    cfg = settings.gate
     interval = paired_interval(ours, theirs, confidence=cfg.confidence, resamples=cfg.bootstrap_resamples,
                                seed=cfg.seed)  # fmt: skip
-    allowed = margin(settings, suite.name)
-    return SuiteResult(name=suite.name, kind="prompts", challenger=float(np.mean(ours)), champion=float(np.mean(theirs)),
+    allowed = margin(settings, name)
+    return SuiteResult(name=name, kind="prompts", challenger=float(np.mean(ours)), champion=float(np.mean(theirs)),
                        difference=interval, conclusive=True, passed=interval.low > -allowed, n=len(ours),
                        margin=allowed)  # fmt: skip
 

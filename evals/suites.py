@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evals.tasks import Task, TaskError
-from schemas.settings import OfflineSuiteSettings
+from schemas.settings import JudgeSettings, OfflineSuiteSettings
 
 ItemScorer = Callable[[str, str, Mapping[str, Any]], float]
 
@@ -47,6 +47,7 @@ class PromptSuite:
     scorer: ItemScorer
     max_tokens: int
     stop: tuple[str, ...] = field(default=("\n",))
+    judge: JudgeSettings | None = None  # graded by this judge (evals/judge.py) instead of `scorer`
 
     def score(self, index: int, completion: str) -> float:
         return self.scorer(self.prompts[index], completion, self.lines[index])
@@ -80,6 +81,17 @@ def retention_suite(task: Task, n: int) -> PromptSuite:
         max_tokens=task.max_tokens,
         stop=task.stop,
     )
+
+
+def judge_suite(task: Task, n: int, judge: JudgeSettings) -> PromptSuite:
+    """The task's first `n` held-out prompts, graded by `judge`."""
+    prompts = tuple(task.heldout_prompts(n))
+
+    def unused(prompt: str, completion: str, line: Mapping[str, Any]) -> float:
+        raise SuiteError("the judge suite is graded by its judge (Judge.score_many), not item by item")
+
+    return PromptSuite(name="judge", prompts=prompts, lines=tuple({} for _ in prompts), scorer=unused,
+                       max_tokens=task.max_tokens, stop=task.stop, judge=judge)  # fmt: skip
 
 
 def _function(spec: str) -> ItemScorer:
