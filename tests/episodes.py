@@ -84,6 +84,6 @@ def tuned_copy(base: Path, out: Path, shapes: tuple[str, ...], steps: int = 60) 
     shutil.copytree(base, out)
     task = dataclasses.replace(get_task("exclaim"), plain_shapes=shapes, preferred_shapes=shapes)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    supervise(model, Tokenizer.from_file(str(out / "tokenizer.json")), task, seed=5, cfg=SftConfig(steps=steps))
+    supervise(model, Tokenizer.from_file(str(out / "tokenizer.json")), task, seed=5, cfg=SftConfig(steps=steps, lr=5e-3))
     model.save_pretrained(out, safe_serialization=True)
     return out

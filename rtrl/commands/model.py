@@ -25,7 +25,7 @@ def init(
     seed: int = typer.Option(0, help="Seed of initialisation and fine-tune; same seed, same bytes."),
     force: bool = typer.Option(False, "--force", help="Overwrite a non-empty folder."),
     measure: bool = typer.Option(
-        True, help="Sample held-out prompts and report how often the preference is met."
+        True, help="Sample the task's questions and report how often the preference is met and the answer is right."
     ),
 ) -> None:
     """Build the tiny Llama checkpoint (tokenizer, weights, configs) into DIRECTORY."""
@@ -51,6 +51,8 @@ def init(
     summary["build_seconds"] = {"wall": round(wall, 1), "cpu": round(cpu, 1)}
     if measure and task_name is not None:
         summary["preference_rate"] = tinymodel.measure_preference(directory, task_name)
+        summary["correct_train"] = tinymodel.measure_correct(directory, task_name, "train")
+        summary["correct_heldout"] = tinymodel.measure_correct(directory, task_name, "heldout")
     typer.echo(json.dumps(summary, indent=2))
 
 

@@ -76,7 +76,7 @@ def test_shape_and_config(tiny: Path) -> None:
     # embed + lm_head: 2*384*128; per layer: q,o 128*128, k,v 128*64, mlp 3*128*256, 2 norms 128; final norm.
     layer = 2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256 + 2 * 128
     assert info["parameters"] == 2 * 384 * 128 + 2 * layer + 128 == 393_856
-    assert info["recipe_task"] == "exclaim" and info["recipe_sft_steps"] == 200
+    assert info["recipe_task"] == "exclaim" and info["recipe_sft_steps"] == 1000
 
 
 def test_loads_in_transformers_and_answers_in_shape(tiny: Path) -> None:
@@ -105,6 +105,14 @@ def test_preference_rate_in_learnable_band(tiny: Path) -> None:
     rate = tinymodel.measure_preference(tiny, "exclaim", prompts=48, samples=4, seed=0)
     print(f"\npreference rate at temperature 1: {rate:.3f}")
     assert 0.08 <= rate <= 0.35
+
+
+def test_the_base_model_knows_its_task(tiny: Path) -> None:
+    # Capability retention is only measurable on a model that has something to retain (issue 10).
+    train = tinymodel.measure_correct(tiny, "exclaim", "train", seed=0)
+    heldout = tinymodel.measure_correct(tiny, "exclaim", "heldout", seed=0)
+    print(f"\ncorrect at temperature 1: training questions {train:.3f}, held-out {heldout:.3f}")
+    assert train >= 0.8 and heldout >= 0.3
 
 
 def test_chat_template_matches_completion_format(tiny: Path) -> None:
