@@ -80,6 +80,7 @@ class GateDecision(BaseModel):
     passed: bool
     challenger_version: int
     champion_version: int
+    anchor_version: int | None = Field(None, description="The fixed version also compared on `gate.anchor_suites`.")
     challenger_score: float | None = Field(
         description="The first suite's challenger figure (the headline; every suite is in `suites`)."
     )
@@ -264,6 +265,29 @@ def ope_suite(
     return suite, found
 
 
+def anchor_version(settings: Settings, registry: Registry, champion: int) -> int | None:
+    """The version `gate.anchor` names, unless it is the champion itself (or none is configured)."""
+    spec = settings.gate.anchor
+    if spec == "none":
+        return None
+    versions = registry.versions()
+    anchor = min(versions) if spec == "base" else int(spec)
+    if anchor not in versions:
+        raise GateError(f"gate.anchor names v{anchor}, which is not registered under {settings.mlflow.model_name!r}")
+    return None if anchor == champion else anchor
+
+
+def _against_anchor(result: SuiteResult, anchor: int, settings: Settings) -> SuiteResult:
+    """A prompt suite's challenger-vs-anchor verdict, under `gate.anchor_margin`."""
+    allowed = settings.gate.anchor_margin
+    passed = None if not result.conclusive else result.difference is not None and result.difference.low > -allowed
+    return result.model_copy(update={
+        "name": f"{result.name}_anchor", "margin": allowed, "passed": passed,
+        "note": (f"challenger vs the anchor v{anchor} (the champion column is the anchor's)"
+                 + (f"; {result.note}" if result.note else "")),
+    })  # fmt: skip
+
+
 def evaluate(settings: Settings, registry: Registry, version: int, store: Store | None = None) -> GateDecision:
     """Judge challenger `version` against the champion and record the decision (docs/gate.md).
 
@@ -277,8 +301,10 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store 
     if staging is None:
         raise GateError("settings.vllm.staging_server is not set; the gate never generates on serving servers")
     champion = registry.champion()
+    anchor = anchor_version(settings, registry, champion)
     prompt_suites = _prompt_suites(settings)
     suites = [s for s, _ in prompt_suites]
+    anchored = [i for i, s in enumerate(suites) if s.name in cfg.anchor_suites] if anchor is not None else []
     generated: dict[str, list[list[list[Generation]]]] = {}
     targets: dict[str, rollout.Target] = {}
     load_failure: str | None = None
@@ -290,6 +316,10 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store 
                 generated["challenger"] = _generate(server, settings, suites)
             except (GateError, AdapterError) as exc:
                 load_failure = str(exc)  # a challenger that does not load fails the gate; recorded below
+            if anchor is not None and anchored and load_failure is None:
+                targets["anchor"] = rollout.target(settings, registry, anchor)
+                _load(server, targets["anchor"], settings)
+                generated["anchor"] = _generate(server, settings, [suites[i] for i in anchored])
             # The champion runs last so the staging server ends on it, matching the fleet.
             targets["champion"] = rollout.target(settings, registry, champion)
             _load(server, targets["champion"], settings)
@@ -301,6 +331,10 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store 
     if load_failure is None:
         for index, suite in enumerate(suites):
             results.append(_score_prompts(suite, generated["challenger"][index], generated["champion"][index], settings))
+        for position, index in enumerate(anchored):
+            assert anchor is not None
+            versus = _score_prompts(suites[index], generated["challenger"][index], generated["anchor"][position], settings)
+            results.append(_against_anchor(versus, anchor, settings))
         if suites:
             for model in ("challenger", "champion"):
                 flat = [g for per_suite in generated[model] for per_prompt in per_suite for g in per_prompt]
@@ -328,6 +362,7 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store 
         passed=passed,
         challenger_version=version,
         champion_version=champion,
+        anchor_version=anchor if anchored else None,
         challenger_score=headline.challenger if headline else None,
         champion_score=headline.champion if headline else None,
         tolerance=cfg.tolerance,

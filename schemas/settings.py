@@ -680,6 +680,16 @@ class GateSettings(_Section):
     ope: OpeSettings = OpeSettings()
     alarms: AlarmSettings = AlarmSettings()
     judge: JudgeSettings | None = Field(None, description='The judge suite\'s endpoint (needed when suites has "judge").')
+    anchor: str = Field(
+        "base", pattern=r"^(base|none|[1-9][0-9]*)$",
+        description="A fixed version the challenger must also not fall below on `anchor_suites`: base (the first "
+        "registered version), a version number, or none. Non-inferiority against the champion alone lets small "
+        "losses add up over promotions; the anchor bounds their sum by `anchor_margin`.",
+    )
+    anchor_suites: tuple[str, ...] = Field(
+        ("retention",), description="Prompt suites (by name) on which the challenger is also compared with the anchor."
+    )
+    anchor_margin: float = Field(0.05, ge=0, description="Non-inferiority margin against the anchor.")
 
     @model_validator(mode="after")
     def _judge_configured(self) -> GateSettings:

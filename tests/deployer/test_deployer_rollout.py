@@ -302,6 +302,33 @@ def test_gate_rejects_a_challenger_that_stopped_answering_and_explains_why(
     store.close()
 
 
+def test_gate_holds_the_line_at_the_anchor_when_the_champion_has_slipped(
+    deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Non-inferiority against the champion alone ratchets: each promotion may lose a little. Here the
+    champion has already lost its arithmetic (v2, noised weights, promoted without the gate); a
+    challenger with v2's very weights is non-inferior to it, and is still rejected, because it falls
+    below the anchor (the base, v1) on retention."""
+    store, settings, registry = hack_setup(deploy_settings, tiny_model_dir, tmp_path)
+    slipped = registry.register_checkpoint(perturbed_copy(tiny_model_dir, tmp_path / "slipped", std=0.3, seed=4))
+    rollout.promote(settings, registry, slipped)
+    same = registry.register_checkpoint(perturbed_copy(tmp_path / "slipped", tmp_path / "same", std=0.0, seed=0))
+    decision = gate.evaluate(settings, registry, same, store)
+    print("gate at the anchor:", decision.model_dump_json())
+    suites = {s.name: s for s in decision.suites}
+    assert decision.champion_version == slipped and decision.anchor_version == 1
+    assert suites["retention"].passed and suites["retention"].difference.estimate == 0.0  # type: ignore[union-attr]
+    anchor = suites["retention_anchor"]
+    assert anchor.conclusive and not anchor.passed and anchor.champion is not None and anchor.champion > 0.5
+    assert not decision.passed and "suite retention_anchor" in decision.reason
+    assert registry.version_tags(same)["gate_suite_retention_anchor"].startswith("fail")
+    # Anchored at the champion itself ("none", or its own number), the same challenger passes.
+    unanchored = settings.model_copy(update={"gate": settings.gate.model_copy(update={"anchor": str(slipped)})})
+    again = gate.evaluate(unanchored, registry, same, store)
+    assert again.passed and again.anchor_version is None and "retention_anchor" not in {s.name for s in again.suites}
+    store.close()
+
+
 def gateway_counts(gateway: str, admin: str) -> dict[str, dict[str, float]]:
     """The gateway's requests sent to, and now on, each server: {"sent": {url: n}, "on": {url: n}}."""
     text = httpx.get(f"{gateway}/metrics", headers={"authorization": f"Bearer {admin}"}, timeout=30).text
