@@ -1,7 +1,7 @@
 """Does the loop learn what users want, with the gate that needs no oracle, from sparse, noisy feedback?
 
     .venv/bin/python bench/bench_learning.py [--preference module:function] [--cycles 10]
-        [--requests 96] [--feedback-rate 0.3] [--flip-rate 0.1] [--hack] [--json PATH]
+        [--requests 96] [--final-requests 384] [--feedback-rate 0.3] [--flip-rate 0.1] [--hack] [--json PATH]
 
 ``--preference bench_learning:correct_only``: users who accept only correct answers (a capability).
 
@@ -10,8 +10,9 @@ Celery worker with DeepSpeed) from the tiny base model, on services of its own (
 free ports, stopped at the end). Simulated users bring the exclaim task's questions; only
 ``--feedback-rate`` of them give feedback and ``--flip-rate`` of those say the opposite. The gate runs
 its default suites (the off-policy estimate on held-out logged traffic, capability retention) and
-alarms: it is *not* given the users' preference. After the cycles, one more round of users on the
-final champion measures where the loop ended.
+alarms: it is *not* given the users' preference. After the cycles, one more round of
+``--final-requests`` users on the final champion measures where the loop ended (a measurement, not
+training: nothing trains on it; larger than a cycle so that the gain's interval is not all noise).
 
 Per cycle it prints the served version, live acceptance (what the users think of every answer,
 given or not) with a 95 % bootstrap interval, the capability-retention score of the champion and
@@ -97,6 +98,7 @@ def main() -> None:
     parser.add_argument("--preference", default=None, help="module:function (default: the exclaim task's users)")
     parser.add_argument("--cycles", type=int, default=10)
     parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--final-requests", type=int, default=384, help="users in the final measurement round")
     parser.add_argument("--feedback-rate", type=float, default=0.3)
     parser.add_argument("--flip-rate", type=float, default=0.1)
     parser.add_argument("--hack", action="store_true", help="users say nothing to non-answers (docs/gate.md)")
@@ -121,6 +123,7 @@ def main() -> None:
         rows = run(settings, DemoOptions(
             cycles=args.cycles, requests_per_cycle=args.requests, preference=preference,
             feedback_rate=args.feedback_rate, flip_rate=args.flip_rate, gate_oracle=False, final_round=True,
+            final_round_requests=args.final_requests,
             json_path=args.json, plot_path=None, cycle_timeout_s=900,
         ))  # fmt: skip
         store = Store(settings.store.url)
@@ -185,6 +188,7 @@ def main() -> None:
             last_retention["challenger" if promoted else "champion"], 3),
         "cycles": args.cycles,
         "requests_per_cycle": args.requests,
+        "final_requests": args.final_requests,
         "feedback_rate": args.feedback_rate,
         "flip_rate": args.flip_rate,
         "promoted": sum(r["gate"] == "pass" for r in rows),

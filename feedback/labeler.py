@@ -359,6 +359,8 @@ def _count_settled(settled: list[Settled]) -> None:
         metrics.SETTLED_BY_VERSION.labels(episode.policy_version, sign).inc()
         if sign != "zero":
             metrics.REWARD_SUM.labels(episode.policy_version, sign).inc(abs(episode.reward))
+        if episode.unfinished:
+            metrics.SETTLED_UNFINISHED.labels(episode.policy_version).inc()
         metrics.SETTLE_LATENCY.observe(episode.latency_s)
 
 

@@ -49,6 +49,12 @@ REWARD_SUM = Counter(
     "rtrl_labeler_settled_by_version_total summed over signs.",
     ["version", "sign"],
 )
+SETTLED_UNFINISHED = Counter(
+    "rtrl_labeler_settled_unfinished_total",
+    "Episodes settled that the model left unfinished (cut off by max_tokens), by the version that served them: "
+    "labelled with the reward spec's negative 'unfinished' component, never dropped.",
+    ["version"],
+)
 SETTLE_LATENCY = Histogram(
     "rtrl_labeler_settle_latency_seconds",
     "From an episode's first event to its settlement (seconds).",

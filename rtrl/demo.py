@@ -66,6 +66,7 @@ class DemoOptions:
     # After the cycles, one more round of users on the final champion, without training (a row with
     # cycle "final"): what the last promotion did for users.
     final_round: bool = False
+    final_round_requests: int | None = None  # default: requests_per_cycle (a measurement, not training)
 
 
 def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
@@ -239,7 +240,8 @@ def _final_round(
 
     champion = format_version(registry.champion())
     gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
-    report = simulate(settings, gateway, options.requests_per_cycle, task, preference=preference,
+    requests = options.final_round_requests or options.requests_per_cycle
+    report = simulate(settings, gateway, requests, task, preference=preference,
                       concurrency=options.concurrency, seed=options.cycles + 1, api_key=api_key,
                       feedback_rate=options.feedback_rate, flip_rate=options.flip_rate)  # fmt: skip
     return {"cycle": "final", "version_before": champion, "version_after": champion, "episodes": 0,

@@ -18,6 +18,11 @@ How signals combine (``score``):
   re-judged episode uses the newest judgement.
 * No signals at all gives reward 0 with the explicit component ``no_feedback`` - an unlabelled
   episode is a labelled zero, never silently dropped.
+* An episode the model did not finish (a trainable segment cut off by ``max_tokens``: finish reason
+  ``length``) gets the spec's ``unfinished`` weight as one more component, with or without
+  feedback. A response the loop cannot score is a negative example, never dropped and never a
+  neutral zero: otherwise failing on a hard prompt would beat answering it and being rejected, and
+  the loop would learn to fail (Cursor's second reward hack; docs/gate.md, Alarms).
 * A spec may declare ``reward_range``: a sum outside it is clamped into it, and the component
   ``clamped`` records by how much (components always add up to the reward), so that one episode
   with every positive signal cannot outweigh a batch. tab-v1 declares none.
@@ -43,6 +48,7 @@ from schemas.events import SCORED_KINDS, FeedbackKind
 
 NO_FEEDBACK = "no_feedback"
 CLAMPED = "clamped"
+UNFINISHED = "unfinished"
 
 
 class RewardSpecError(OperatorError, ValueError):
@@ -79,6 +85,11 @@ class RewardSpec(BaseModel):
         None,
         description="Declared [low, high] of an episode's reward: a sum of components outside is clamped into it, "
         "the difference recorded as the component 'clamped'. None: unbounded (the sum of the weights).",
+    )
+    unfinished: float | None = Field(
+        None,
+        description="Added when a trainable segment of the episode was cut off by max_tokens (component "
+        "'unfinished'); None: not counted.",
     )
     description: str = Field("", description="What the spec is for.")
 
@@ -124,7 +135,8 @@ class RewardResult:
 
 TAB_V1 = RewardSpec(
     name="tab-v1",
-    version=1,
+    # 2: `unfinished` (-0.5). Episodes labelled under @1 are not trained on by @2 cycles.
+    version=2,
     description="Code-completion (Cursor Tab style) feedback: acceptance, persistence of edits, tool errors.",
     weights={
         FeedbackKind.accepted: 0.75,
@@ -142,6 +154,8 @@ TAB_V1 = RewardSpec(
         FeedbackKind.task_outcome: 1.0,  # x value (e.g. 1 = tests pass, 0 = fail)
         FeedbackKind.judge_score: 0.5,  # x value; the judge is weaker evidence than the user
     },
+    # Worse than a rejection (-0.25): running out of tokens must never pay better than answering.
+    unfinished=-0.5,
     terminal=frozenset(
         {
             FeedbackKind.rejected,
@@ -177,8 +191,9 @@ def load_spec(path: Path) -> RewardSpec:
         raise RewardSpecError(f"reward spec {path}: {exc}") from None
 
 
-def score(spec: RewardSpec, signals: Iterable[Signal]) -> RewardResult:
-    """Reward of one episode from its feedback signals (see the module docstring for the rules)."""
+def score(spec: RewardSpec, signals: Iterable[Signal], unfinished: bool = False) -> RewardResult:
+    """Reward of one episode from its feedback signals and whether the model left it unfinished (see
+    the module docstring for the rules)."""
     event_kinds: set[FeedbackKind] = set()
     last_value: dict[FeedbackKind, float] = {}
     for signal in signals:
@@ -196,6 +211,8 @@ def score(spec: RewardSpec, signals: Iterable[Signal]) -> RewardResult:
             components[kind.value] = spec.weights[kind] * last_value[kind]
     if not components:
         components[NO_FEEDBACK] = 0.0
+    if unfinished and spec.unfinished is not None:
+        components[UNFINISHED] = spec.unfinished
     reward = sum(components.values())
     if spec.reward_range is not None:
         low, high = spec.reward_range

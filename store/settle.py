@@ -77,6 +77,7 @@ class Settled:
     reward: float
     reason: str
     latency_s: float  # from the episode's first event to its settlement
+    unfinished: bool = False  # a trainable segment was cut off by max_tokens (schemas/rewards.py)
 
 
 @dataclass
@@ -232,8 +233,14 @@ def settle(
     for row in rows:
         assert row.joined_episode_id is not None
         signals[row.joined_episode_id].append(row)
+    unfinished = set(session.scalars(
+        select(Interaction.episode_id).where(
+            Interaction.episode_id.in_([e.episode_id for e in episodes]), Interaction.trainable.is_(True),
+            Interaction.finish_reason == "length", Interaction.late.is_(False),
+        )
+    ))  # fmt: skip
     for episode in episodes:
-        result = score(spec, signals[episode.episode_id])
+        result = score(spec, signals[episode.episode_id], unfinished=episode.episode_id in unfinished)
         episode.status = "settled"
         episode.settled_at = now
         episode.settle_reason = reason
@@ -247,6 +254,7 @@ def settle(
             float(e.reward or 0.0),
             reason,
             max(0.0, (now - e.first_event_at).total_seconds()),
+            e.episode_id in unfinished,
         )
         for e in episodes
     ]

@@ -30,7 +30,7 @@ def test_kinds_add_up_and_repeats_count_once() -> None:
     result = score(TAB_V1, [sig(K.accepted), sig(K.accepted), sig(K.edit_reverted)])
     assert result.reward == pytest.approx(0.25)
     assert result.components == {"accepted": 0.75, "edit_reverted": -0.5}
-    assert result.spec_id == "tab-v1@1"
+    assert result.spec_id == "tab-v1@2"
 
 
 def test_scored_kinds_use_value_times_weight_of_the_last_signal() -> None:
@@ -100,7 +100,7 @@ def test_rewards_module_is_import_light() -> None:
 def test_scored_values_outside_the_declared_range_are_refused_not_clamped() -> None:
     assert TAB_V1.value_problem(K.task_outcome, 1.0) is None
     assert TAB_V1.value_problem(K.accepted, 5.0) is None  # event kinds ignore their value
-    assert TAB_V1.value_problem(K.judge_score, 1e6) == "judge_score value 1e+06 is outside [-1, 1] of reward spec tab-v1@1"
+    assert TAB_V1.value_problem(K.judge_score, 1e6) == "judge_score value 1e+06 is outside [-1, 1] of reward spec tab-v1@2"
     with pytest.raises(ValueError, match="value_range"):
         RewardSpec(name="x", version=1, weights=TAB_V1.weights, terminal=frozenset(), value_range={K.task_outcome: (0, 1)})
 
@@ -115,3 +115,12 @@ def test_a_declared_reward_range_clamps_and_says_by_how_much() -> None:
     assert score(TAB_V1, [sig(K.accepted), sig(K.edit_persisted)]).reward == 1.75  # tab-v1 declares none
     with pytest.raises(ValueError, match="reward_range"):
         RewardSpec.model_validate(TAB_V1.model_dump() | {"reward_range": (1.0, 1.0)})
+
+
+def test_unfinished_adds_its_weight_with_or_without_feedback() -> None:
+    assert TAB_V1.unfinished == -0.5 and TAB_V1.spec_id == "tab-v1@2"
+    alone = score(TAB_V1, [], unfinished=True)
+    assert (alone.reward, alone.components) == (-0.5, {"no_feedback": 0.0, "unfinished": -0.5})
+    assert score(TAB_V1, [sig(K.accepted)], unfinished=True).reward == 0.25
+    # A spec that does not count it leaves the reward alone.
+    assert score(TAB_V1.model_copy(update={"unfinished": None}), [], unfinished=True).reward == 0.0

@@ -276,12 +276,12 @@ def test_every_episode_becomes_trainable_by_the_same_rule_whatever_its_outcome(s
 def test_reward_spec_versions_are_never_mixed(store: Store) -> None:
     from schemas.rewards import TAB_V1
 
-    v2 = TAB_V1.model_copy(update={"version": 2})
+    v3 = TAB_V1.model_copy(update={"version": 3})
     Feeder(store).send(interaction("old"), feedback("r-old-0", "thumbs_up"))
-    Feeder(store, spec=v2).send(interaction("new"), feedback("r-new-0", "thumbs_up"), now=at(1))
+    Feeder(store, spec=v3).send(interaction("new"), feedback("r-new-0", "thumbs_up"), now=at(1))
     assert store.count_trainable(1, 0) == 2
-    assert store.count_trainable(1, 0, spec_id="tab-v1@2") == 1
-    assert [e.episode_id for e in store.select_episodes(1, 0, 10, spec_id="tab-v1@1")] == ["old"]
+    assert store.count_trainable(1, 0, spec_id="tab-v1@3") == 1
+    assert [e.episode_id for e in store.select_episodes(1, 0, 10, spec_id=TAB_V1.spec_id)] == ["old"]
 
 
 def test_the_gates_held_out_slice_is_never_trained_on(store: Store) -> None:
@@ -296,11 +296,11 @@ def test_the_gates_held_out_slice_is_never_trained_on(store: Store) -> None:
     assert 0 < len(held) < 40 and eval_bucket("e1") == eval_bucket("e1")
     assert store.count_trainable(1, 0, holdout_percent=30) == 40 - len(held)
     assert {e.episode_id for e in store.select_episodes(1, 0, 100, holdout_percent=30)} == set(ids) - held
-    heldout = store.select_heldout(100, spec_id="tab-v1@1", holdout_percent=30)
-    assert {e.episode_id for e in heldout} == held and store.count_heldout(spec_id="tab-v1@1", holdout_percent=30) == len(held)
+    heldout = store.select_heldout(100, spec_id="tab-v1@2", holdout_percent=30)
+    assert {e.episode_id for e in heldout} == held and store.count_heldout(spec_id="tab-v1@2", holdout_percent=30) == len(held)
     assert all(e.segments and not e.no_feedback for e in heldout)
     assert store.select_heldout(100, spec_id="other@1", holdout_percent=30) == []
-    assert store.select_heldout(100, spec_id="tab-v1@1", holdout_percent=0) == []
+    assert store.select_heldout(100, spec_id="tab-v1@2", holdout_percent=0) == []
     assert store.count_trainable(1, 0) == 40  # without a held-out slice every episode trains
 
 

@@ -32,7 +32,30 @@ def test_feedback_before_its_interaction_joins_when_it_arrives(store: Store) -> 
     )
     assert settled.reward == 1.75  # accepted 0.75 + edit_persisted 1.0
     assert settled.reward_components == {"accepted": 0.75, "edit_persisted": 1.0}
-    assert settled.reward_spec == "tab-v1@1"
+    assert settled.reward_spec == "tab-v1@2"
+
+
+def test_an_unfinished_answer_is_labelled_negative_never_dropped_or_neutral(store: Store) -> None:
+    """Cursor's second reward hack: a response the loop cannot score (here cut off by max_tokens)
+    must not pay better than answering and being rejected (-0.25), with or without feedback."""
+    feeder = Feeder(store)
+    feeder.send(interaction("cut", finish_reason="length"), interaction("done", finish_reason="stop"),
+                interaction("cut-rejected", finish_reason="length"), feedback("r-cut-rejected-0", "rejected"),
+                now=at(0))  # fmt: skip
+    assert feeder.settle_window(at(31)) == 2
+    cut, done, rejected = (episode(store, e) for e in ("cut", "done", "cut-rejected"))
+    assert cut.reward == -0.5 and cut.reward_components == {"no_feedback": 0.0, "unfinished": -0.5}
+    assert done.reward == 0.0 and done.reward_components == {"no_feedback": 0.0}
+    assert rejected.reward == -0.75 and rejected.reward_components == {"rejected": -0.25, "unfinished": -0.5}
+    assert cut.reward < -0.25  # failing never beats a rejected answer
+
+
+def test_an_untrainable_unfinished_segment_does_not_count(store: Store) -> None:
+    # A stream the client hung up on is published truncated and untrainable: not the model's failure.
+    feeder = Feeder(store)
+    feeder.send(interaction("gone", finish_reason="length", trainable=False, truncated=True), now=at(0))
+    assert feeder.settle_window(at(31)) == 1
+    assert episode(store, "gone").reward_components == {"no_feedback": 0.0}
 
 
 def test_non_terminal_feedback_settles_when_the_window_passes(store: Store) -> None:

@@ -83,7 +83,7 @@ def test_cycles_train_save_and_register_challengers(
     assert set(cycle.episode_ids) == used
     assert store.count_trainable(champion, 0) == 0
     # The cycle's baselines are staged, not committed: its episodes are not spent until it ends.
-    committed = baselines_path(settings.trainer.checkpoint_dir, "tab-v1@1")
+    committed = baselines_path(settings.trainer.checkpoint_dir, "tab-v1@2")
     assert not committed.exists()
     assert list(settings.trainer.checkpoint_dir.glob(f"baselines-*.cycle-{result.cycle_id}.json"))
 
@@ -194,7 +194,7 @@ def test_a_cycle_whose_promotion_fails_leaves_the_baselines_as_they_were(
     first = run_cycle(settings, store, registry, owner="test")
     assert first.status == "registered"
     end_cycle(settings, store, first.cycle_id or 0, "failed", error="swap failed: test")
-    committed = baselines_path(settings.trainer.checkpoint_dir, "tab-v1@1")
+    committed = baselines_path(settings.trainer.checkpoint_dir, "tab-v1@2")
     assert not committed.exists() and not list(settings.trainer.checkpoint_dir.glob("baselines-*.cycle-*.json"))
     assert store.count_trainable(champion, 0) == 16, "the episodes went back to the pool"
 
@@ -202,7 +202,7 @@ def test_a_cycle_whose_promotion_fails_leaves_the_baselines_as_they_were(
     assert second.status == "registered" and second.episodes == 16
     assert [s.mean_advantage for s in second.steps] == pytest.approx([s.mean_advantage for s in first.steps])
     end_cycle(settings, store, second.cycle_id or 0, "promoted")
-    assert load_baselines(settings.trainer.checkpoint_dir, "tab-v1@1").prompts  # committed on promotion
+    assert load_baselines(settings.trainer.checkpoint_dir, "tab-v1@2").prompts  # committed on promotion
 
 
 def test_a_batch_without_signal_is_skipped_not_shipped(
@@ -226,7 +226,7 @@ def test_a_batch_without_signal_is_skipped_not_shipped(
     assert cycle is not None and cycle.status == "skipped"
     assert store.count_trainable(champion, 0) == 0, "the episodes are spent"
     assert registry.challenger() is None
-    assert baselines_path(settings.trainer.checkpoint_dir, "tab-v1@1").is_file()
+    assert baselines_path(settings.trainer.checkpoint_dir, "tab-v1@2").is_file()
 
 
 def test_the_optimizer_state_carries_over_to_the_cycle_that_trains_the_promoted_version(
