@@ -46,8 +46,9 @@ def _figure(value: float | None) -> str:
 def explain_text(record: dict[str, Any]) -> str:
     """A decision record (deployer/gate.py GateDecision as JSON) in words, one fact per line."""
     lines = [
-        f"v{record['challenger_version']} against champion v{record['champion_version']}: "
-        f"{'PASS' if record['passed'] else 'FAIL'} ({record['decided_at']})",
+        f"v{record['challenger_version']} against champion v{record['champion_version']}"
+        + (f" and anchor v{record['anchor_version']}" if record.get("anchor_version") else "")
+        + f": {'PASS' if record['passed'] else 'FAIL'} ({record['decided_at']})",
         f"  reason: {record['reason']}",
         f"  rule: every conclusive suite's {record['confidence']:.0%} lower bound of challenger - champion "
         f"above -(its margin), at least one conclusive suite, no alarm",

@@ -65,6 +65,8 @@ def test_gate_decision_shape_and_cause() -> None:
     assert cause(decision.model_copy(update={"passed": True})) == "non_inferior"
     text = explain_text(data)
     assert "v3 against champion v2: FAIL" in text and "suite oracle" in text and "FAIL" in text
+    anchored = explain_text(decision.model_copy(update={"anchor_version": 1}).model_dump(mode="json"))
+    assert "v3 against champion v2 and anchor v1: FAIL" in anchored
 
 
 # ---- swap verification ------------------------------------------------------------------------

@@ -322,6 +322,7 @@ def test_gate_holds_the_line_at_the_anchor_when_the_champion_has_slipped(
     assert anchor.conclusive and not anchor.passed and anchor.champion is not None and anchor.champion > 0.5
     assert not decision.passed and "suite retention_anchor" in decision.reason
     assert registry.version_tags(same)["gate_suite_retention_anchor"].startswith("fail")
+    assert store.gate_decisions(same)[0]["anchor_version"] == 1
     # Anchored at the champion itself ("none", or its own number), the same challenger passes.
     unanchored = settings.model_copy(update={"gate": settings.gate.model_copy(update={"anchor": str(slipped)})})
     again = gate.evaluate(unanchored, registry, same, store)
