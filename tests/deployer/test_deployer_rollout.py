@@ -328,6 +328,11 @@ def test_gate_holds_the_line_at_the_anchor_when_the_champion_has_slipped(
     again = gate.evaluate(unanchored, registry, same, store)
     assert again.passed and again.anchor_version is None and "retention_anchor" not in {s.name for s in again.suites}
     store.close()
+    # The gate left staging on the champion (v2); the fixture expects every server back on v1.
+    assert rollout.promote(settings, registry, 1).ok
+    assert settings.vllm.staging_server is not None
+    with rollout.server_client(settings, settings.vllm.staging_server) as staging:
+        gate._load(staging, rollout.target(settings, registry, 1), settings)
 
 
 def gateway_counts(gateway: str, admin: str) -> dict[str, dict[str, float]]:

@@ -51,7 +51,9 @@ def test_two_ranks_train_what_one_rank_trains_and_the_version_serves(
     assert [s.tokens for s in double.steps] == [s.tokens for s in single.steps]  # the whole batch, summed over ranks
     for a, b in zip(single.steps, double.steps, strict=True):
         assert b.loss == pytest.approx(a.loss, abs=1e-5) and b.kl_k3 == pytest.approx(a.kl_k3, abs=1e-6)
-        assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
+        assert b.applied == a.applied  # both stop at the same step when the trust region is reached
+        if a.applied:
+            assert a.grad_norm is not None and b.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
     base = load_file(tiny_model_dir / "model.safetensors")
     w1 = load_file(Path(single.checkpoint_dir or "") / "model.safetensors")
     w2 = load_file(Path(double.checkpoint_dir or "") / "model.safetensors")
