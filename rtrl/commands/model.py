@@ -24,6 +24,9 @@ def init(
     ),
     seed: int = typer.Option(0, help="Seed of initialisation and fine-tune; same seed, same bytes."),
     force: bool = typer.Option(False, "--force", help="Overwrite a non-empty folder."),
+    recipe: str = typer.Option(
+        "v1", help="v1: learns the answers' shapes (the demo's base); v2: also learns the answers (docs/algorithms.md)."
+    ),
     measure: bool = typer.Option(
         True, help="Sample the task's questions and report how often the preference is met and the answer is right."
     ),
@@ -45,7 +48,10 @@ def init(
             get_task(task_name)
         except TaskError as exc:
             raise typer.BadParameter(str(exc), param_hint="--task") from None
-    tinymodel.build(directory, task=task_name, seed=seed)
+    if recipe not in tinymodel.RECIPES:
+        raise typer.BadParameter(f"unknown recipe {recipe!r}; known: {', '.join(sorted(tinymodel.RECIPES))}",
+                                 param_hint="--recipe")  # fmt: skip
+    tinymodel.build(directory, task=task_name, seed=seed, recipe=recipe)
     summary = tinymodel.info(directory)
     wall, cpu = tinymodel.build_seconds(directory) or (0.0, 0.0)
     summary["build_seconds"] = {"wall": round(wall, 1), "cpu": round(cpu, 1)}

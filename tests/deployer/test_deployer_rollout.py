@@ -24,7 +24,14 @@ from safetensors.torch import load_file, save_file
 from deployer import gate, rollout
 from registry import Registry
 from rtrl.services.testing import free_ports
-from schemas.settings import GateSettings, MlflowSettings, ServicesSettings, Settings, VllmSettings
+from schemas.settings import (
+    GateSettings,
+    MlflowSettings,
+    OfflineSuiteSettings,
+    ServicesSettings,
+    Settings,
+    VllmSettings,
+)
 from serving import VllmClient, meaningful_digests
 from store import Store
 
@@ -306,10 +313,20 @@ def test_gate_holds_the_line_at_the_anchor_when_the_champion_has_slipped(
     deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Non-inferiority against the champion alone ratchets: each promotion may lose a little. Here the
-    champion has already lost its arithmetic (v2, noised weights, promoted without the gate); a
-    challenger with v2's very weights is non-inferior to it, and is still rejected, because it falls
-    below the anchor (the base, v1) on retention."""
+    champion has already lost what the base could do (v2, noised weights, promoted without the gate:
+    its answers are no longer in the task's shape); a challenger with v2's very weights is
+    non-inferior to it, and is still rejected, because it falls below the anchor (the base, v1) on
+    the anchored suite (an offline suite: answers in the task's shape)."""
+    from evals import get_task
+
     store, settings, registry = hack_setup(deploy_settings, tiny_model_dir, tmp_path)
+    shape = tmp_path / "shape.jsonl"
+    shape.write_text("".join(json.dumps({"prompt": p, "pattern": r"^\s*(It is |The answer is )?\w+[.!]\s*$"}) + "\n"
+                             for p in get_task("exclaim").heldout_prompts(16)))  # fmt: skip
+    settings = settings.model_copy(update={"gate": settings.gate.model_copy(update={
+        "offline": (OfflineSuiteSettings(name="shape", path=shape, scorer="regex", max_tokens=16),),
+        "anchor_suites": ("shape",),
+    })})  # fmt: skip
     slipped = registry.register_checkpoint(perturbed_copy(tiny_model_dir, tmp_path / "slipped", std=0.3, seed=4))
     rollout.promote(settings, registry, slipped)
     same = registry.register_checkpoint(perturbed_copy(tmp_path / "slipped", tmp_path / "same", std=0.0, seed=0))
@@ -317,16 +334,16 @@ def test_gate_holds_the_line_at_the_anchor_when_the_champion_has_slipped(
     print("gate at the anchor:", decision.model_dump_json())
     suites = {s.name: s for s in decision.suites}
     assert decision.champion_version == slipped and decision.anchor_version == 1
-    assert suites["retention"].passed and suites["retention"].difference.estimate == 0.0  # type: ignore[union-attr]
-    anchor = suites["retention_anchor"]
+    assert suites["shape"].passed and suites["shape"].difference.estimate == 0.0  # type: ignore[union-attr]
+    anchor = suites["shape_anchor"]
     assert anchor.conclusive and not anchor.passed and anchor.champion is not None and anchor.champion > 0.5
-    assert not decision.passed and "suite retention_anchor" in decision.reason
-    assert registry.version_tags(same)["gate_suite_retention_anchor"].startswith("fail")
+    assert not decision.passed and "suite shape_anchor" in decision.reason
+    assert registry.version_tags(same)["gate_suite_shape_anchor"].startswith("fail")
     assert store.gate_decisions(same)[0]["anchor_version"] == 1
-    # Anchored at the champion itself ("none", or its own number), the same challenger passes.
+    # Anchored at the champion itself (its own number, or "none"), the same challenger passes.
     unanchored = settings.model_copy(update={"gate": settings.gate.model_copy(update={"anchor": str(slipped)})})
     again = gate.evaluate(unanchored, registry, same, store)
-    assert again.passed and again.anchor_version is None and "retention_anchor" not in {s.name for s in again.suites}
+    assert again.passed and again.anchor_version is None and "shape_anchor" not in {s.name for s in again.suites}
     store.close()
     # The gate left staging on the champion (v2); the fixture expects every server back on v1.
     assert rollout.promote(settings, registry, 1).ok

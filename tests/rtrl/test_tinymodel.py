@@ -76,7 +76,7 @@ def test_shape_and_config(tiny: Path) -> None:
     # embed + lm_head: 2*384*128; per layer: q,o 128*128, k,v 128*64, mlp 3*128*256, 2 norms 128; final norm.
     layer = 2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256 + 2 * 128
     assert info["parameters"] == 2 * 384 * 128 + 2 * layer + 128 == 393_856
-    assert info["recipe_task"] == "exclaim" and info["recipe_sft_steps"] == 1000
+    assert info["recipe_task"] == "exclaim" and info["recipe_sft_steps"] == 200
 
 
 def test_loads_in_transformers_and_answers_in_shape(tiny: Path) -> None:
@@ -107,12 +107,16 @@ def test_preference_rate_in_learnable_band(tiny: Path) -> None:
     assert 0.08 <= rate <= 0.35
 
 
-def test_the_base_model_knows_its_task(tiny: Path) -> None:
+def test_the_v2_recipe_knows_its_task(tiny: Path, tmp_path: Path) -> None:
     # Capability retention is only measurable on a model that has something to retain (issue 10).
-    train = tinymodel.measure_correct(tiny, "exclaim", "train", seed=0)
-    heldout = tinymodel.measure_correct(tiny, "exclaim", "heldout", seed=0)
-    print(f"\ncorrect at temperature 1: training questions {train:.3f}, held-out {heldout:.3f}")
+    capable = tinymodel.build(tmp_path / "v2", task="exclaim", seed=0, recipe="v2")
+    train = tinymodel.measure_correct(capable, "exclaim", "train", seed=0)
+    heldout = tinymodel.measure_correct(capable, "exclaim", "heldout", seed=0)
+    print(f"\nv2 correct at temperature 1: training questions {train:.3f}, held-out {heldout:.3f}")
     assert train >= 0.8 and heldout >= 0.3
+    assert tinymodel.info(capable)["recipe_recipe"] == "rtrl-tiny-llama-v2"
+    assert tinymodel.measure_correct(tiny, "exclaim", "train", seed=0) < 0.3  # v1 learns the shapes only
+    assert tinymodel.measure_preference(capable, "exclaim") >= 0.08  # and still meets the preference sometimes
 
 
 def test_chat_template_matches_completion_format(tiny: Path) -> None:
