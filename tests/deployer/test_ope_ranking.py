@@ -72,7 +72,7 @@ def test_ope_on_held_out_traffic_ranks_a_better_and_a_worse_challenger_correctly
     values = {name: suite.challenger for name, suite in estimates.items()}
     assert values["better"] is not None and values["champion"] is not None and values["worse"] is not None
     assert values["better"] > values["champion"] > values["worse"], values
-    # Each estimate lands near its truth (measured: within 0.04 for every model; reward in [-1, 1]).
+    # Each estimate lands near its truth (measured: within 0.011 on recipe v1, 0.034 on v2; reward in [-1, 1]).
     for name in ("champion", "better", "worse"):
         assert abs(values[name] - truth[name]) < 0.1, (name, values, truth)
     store.close()
