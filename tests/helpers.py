@@ -150,8 +150,8 @@ def open_in_browser(path: Path, timeout_s: float = 60) -> tuple[str, list[str]]:
 
 
 def gate_without_judgement(gate: GateSettings, **update: Any) -> GateSettings:
-    """The gate with no margin and no alarm: for tests about the loop closing, not about the gate's
-    judgement (tests/deployer and bench/bench_learning.py cover that)."""
+    """The gate with no margin, no anchor and no alarm: for tests about the loop closing, not about
+    the gate's judgement (tests/deployer and bench/bench_learning.py cover that)."""
     alarms = AlarmSettings(length_ratio=1000, entropy_ratio=0, repetition_rate=1, truncation_rate=1, kl_budget=1e9,
                            no_action_rate=1)  # fmt: skip
-    return gate.model_copy(update={"tolerance": 1.0, "alarms": alarms, **update})
+    return gate.model_copy(update={"tolerance": 1.0, "anchor": "none", "alarms": alarms, **update})
