@@ -14,7 +14,8 @@ the time (about one sample in five for ``exclaim``). Two recipes (``--recipe``):
   default update (lr 1e-3) costs such a model a quarter of its answers in one cycle, and the gate
   rightly rejects every such challenger (docs/algorithms.md, Calibration on the tiny model).
 
-`measure_preference` and `measure_correct` sample the model to check. Same seed, same software, same bytes: the tokenizer trainer is deterministic, the model is
+`measure_preference` and `measure_correct` sample the model to check. Same seed, same software,
+same bytes: the tokenizer trainer is deterministic, the model is
 initialised and tuned under a fixed seed on one thread, and every file is written in a fixed
 order with sorted keys. A different CPU or torch build may differ in the last bits of the weights.
 
