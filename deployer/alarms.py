@@ -14,9 +14,13 @@ that learnt to do so more is:
   the second of Cursor's hacks (a response the loop cannot score, dropped instead of labelled,
   teaches the model to fail on hard prompts; rtrl labels truncations, and the gate refuses a
   challenger that fails to finish more often);
-- ``no_action``: share of non-answers (``no_action_pattern``: nothing alphanumeric, or a question)
-  up by more than ``no_action_rate``: the first of Cursor's reward hacks (a model that stops
-  answering is never rejected);
+- ``no_action``: share of non-answers up by more than ``no_action_rate``: the first of Cursor's
+  reward hacks (a model that stops answering is never rejected). A non-answer matches
+  ``no_action_pattern`` (nothing alphanumeric, or a question) or, to a prompt whose known answers
+  are all numbers, contains no number at all (`non_answer`: "It is red." answers no arithmetic);
+- ``no_action_anchor``: the same share against the anchor version's (deployer/gate.py
+  `anchor_version`), on the anchored suites: per-promotion steps under ``no_action_rate`` do not add
+  up to a model that stopped answering;
 - ``kl``: per-token KL(champion || challenger) on held-out logged traffic above ``kl_budget``;
 - ``no_feedback``: the estimated share of episodes without any feedback, reweighted to each model,
   up by more than ``no_action_rate`` (only when the off-policy estimate is conclusive).
@@ -78,10 +82,29 @@ def repetitive(text: str) -> bool:
     return False
 
 
-def behaviour(generations: Sequence[Generation], no_action_pattern: str) -> Behaviour:
-    """Length, entropy estimate, repetition, non-answers and truncation over `generations`."""
+_NUMBER = re.compile(r"\d")
+
+
+def non_answer(text: str, pattern: re.Pattern[str], answers: Sequence[str] = ()) -> bool:
+    """Whether `text` does not try to answer: it matches `pattern`, or every known answer of its prompt
+    (`answers`, empty when none is known) is a number and the text has no digit."""
+    text = text.strip()
+    if pattern.search(text) is not None:
+        return True
+    numeric = bool(answers) and all(str(a).strip().lstrip("+-").replace(".", "", 1).isdigit() for a in answers)
+    return numeric and _NUMBER.search(text) is None
+
+
+def behaviour(
+    generations: Sequence[Generation], no_action_pattern: str, answers: Sequence[Sequence[str]] | None = None
+) -> Behaviour:
+    """Length, entropy estimate, repetition, non-answers and truncation over `generations`;
+    `answers[i]` are the known answers to generation i's prompt (`non_answer`)."""
     pattern = re.compile(no_action_pattern)
     n = len(generations)
+    if answers is not None and len(answers) != n:
+        raise ValueError(f"{n} generations but {len(answers)} answer lists")
+    known = answers if answers is not None else [()] * n
     if n == 0:
         return Behaviour(completions=0, mean_tokens=0.0, entropy=0.0, repetition=0.0, no_action=0.0, truncated=0.0)
     tokens = [lp for g in generations for lp in g.logprobs if math.isfinite(lp)]
@@ -90,7 +113,7 @@ def behaviour(generations: Sequence[Generation], no_action_pattern: str) -> Beha
         mean_tokens=sum(len(g.logprobs) for g in generations) / n,
         entropy=-sum(tokens) / len(tokens) if tokens else 0.0,
         repetition=sum(repetitive(g.text) for g in generations) / n,
-        no_action=sum(pattern.search(g.text.strip()) is not None for g in generations) / n,
+        no_action=sum(non_answer(g.text, pattern, a) for g, a in zip(generations, known, strict=True)) / n,
         truncated=sum(g.finish_reason == "length" for g in generations) / n,
     )
 
@@ -116,6 +139,13 @@ def generation_alarms(challenger: Behaviour, champion: Behaviour, cfg: AlarmSett
               value=challenger.no_action - champion.no_action, threshold=cfg.no_action_rate,
               detail=f"non-answers {challenger.no_action:.1%} vs champion {champion.no_action:.1%}"),
     ]  # fmt: skip
+
+
+def no_action_anchor_alarm(challenger: Behaviour, anchor: Behaviour, anchor_version: int, cfg: AlarmSettings) -> Alarm:
+    """no_action against the anchor, on the anchored suites' generations of both."""
+    return Alarm(name="no_action_anchor", fired=challenger.no_action - anchor.no_action > cfg.no_action_rate,
+                 value=challenger.no_action - anchor.no_action, threshold=cfg.no_action_rate,
+                 detail=f"non-answers {challenger.no_action:.1%} vs anchor v{anchor_version} {anchor.no_action:.1%}")  # fmt: skip
 
 
 def kl_alarm(kl_per_token: float, cfg: AlarmSettings) -> Alarm:

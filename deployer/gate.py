@@ -91,7 +91,10 @@ class GateDecision(BaseModel):
     n_samples: int = Field(description="Completions per model (prompts x samples per prompt).")
     suites: list[SuiteResult] = Field(default_factory=list)
     alarms: list[Alarm] = Field(default_factory=list)
-    behaviour: dict[str, Behaviour] = Field(default_factory=dict, description="challenger / champion generations.")
+    behaviour: dict[str, Behaviour] = Field(
+        default_factory=dict,
+        description="challenger / champion: their generations; anchor: the anchor's on the anchored suites.",
+    )
     reason: str
     decided_at: datetime
 
@@ -213,6 +216,13 @@ def _generate(server: VllmClient, settings: Settings, suites: list[PromptSuite])
                                        stop=list(suite.stop), sampling=served_defaults(settings))  # fmt: skip
         out.append(cache[key])
     return out
+
+
+def _behaviour(suites: list[PromptSuite], generated: list[list[list[Generation]]], settings: Settings) -> Behaviour:
+    """One model's behaviour over every suite's generations, each judged with its prompt's known answers."""
+    flat = [(g, suite.lines[i].get("answers", ())) for suite, per_suite in zip(suites, generated, strict=True)
+            for i, per_prompt in enumerate(per_suite) for g in per_prompt]  # fmt: skip
+    return alarms.behaviour([g for g, _ in flat], settings.gate.alarms.no_action_pattern, [a for _, a in flat])
 
 
 def _load(server: VllmClient, target: rollout.Target, settings: Settings) -> None:
@@ -337,9 +347,14 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store 
             results.append(_against_anchor(versus, anchor, settings))
         if suites:
             for model in ("challenger", "champion"):
-                flat = [g for per_suite in generated[model] for per_prompt in per_suite for g in per_prompt]
-                behaviour[model] = alarms.behaviour(flat, cfg.alarms.no_action_pattern)
+                behaviour[model] = _behaviour(suites, generated[model], settings)
             found.extend(alarms.generation_alarms(behaviour["challenger"], behaviour["champion"], cfg.alarms))
+        if anchored:
+            assert anchor is not None
+            on_anchored = [suites[i] for i in anchored]
+            behaviour["anchor"] = _behaviour(on_anchored, generated["anchor"], settings)
+            challenger_anchored = _behaviour(on_anchored, [generated["challenger"][i] for i in anchored], settings)
+            found.append(alarms.no_action_anchor_alarm(challenger_anchored, behaviour["anchor"], anchor, cfg.alarms))
         if "ope" in cfg.suites:
             if store is None:
                 results.append(SuiteResult(name="ope", kind="ope", challenger=None, champion=None, difference=None,

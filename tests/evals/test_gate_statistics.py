@@ -4,12 +4,20 @@ off-policy estimator against exact values, suite files, scorers and behaviour al
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from deployer.alarms import behaviour, generation_alarms, kl_alarm, repetitive
+from deployer.alarms import (
+    behaviour,
+    generation_alarms,
+    kl_alarm,
+    no_action_anchor_alarm,
+    non_answer,
+    repetitive,
+)
 from evals import get_task
 from evals.stats import effective_sample_size, importance_weights, off_policy, paired_interval
 from evals.suites import SuiteError, load_offline, retention_suite
@@ -176,6 +184,29 @@ def test_alarms_are_quiet_for_the_same_behaviour_and_name_each_hack() -> None:
     assert fired([gen(" The answer is 7, and " * 1, tokens=40, finish="length")] * 12, champion) == {"length", "truncation"}
     assert fired([gen(" Let me think about", tokens=5, finish="length")] * 12, champion) == {"truncation"}
     assert repetitive("the cat sat the cat sat the cat sat") and not repetitive("It is 7!")
+
+
+def test_an_answer_of_the_wrong_kind_is_a_non_answer_and_the_anchor_sees_the_ratchet() -> None:
+    """To a question whose known answers are numbers, "It is red." does not answer (the --hack run's
+    users said nothing to such answers and the default pattern did not see them); and steps under the
+    threshold against each champion add up against the anchor."""
+    cfg = AlarmSettings()
+    pattern = re.compile(cfg.no_action_pattern)
+    assert non_answer(" It is red.", pattern, ["7"]) and non_answer(" Seven?", pattern, ["7"])
+    assert not non_answer(" It is 8.", pattern, ["7"])  # wrong, but an answer
+    assert not non_answer(" It is red.", pattern, ["red", "blue"]) and not non_answer(" It is red.", pattern, ())
+    assert non_answer(" ...", pattern, ())
+    numeric = [["7"], ["12"], ["3"], ["0"]] * 5
+    anchor = behaviour([gen(" 7!")] * 20, cfg.no_action_pattern, numeric)
+    step1 = behaviour([gen(" It is red.")] * 2 + [gen(" 7!")] * 18, cfg.no_action_pattern, numeric)
+    step2 = behaviour([gen(" It is red.")] * 4 + [gen(" 7!")] * 16, cfg.no_action_pattern, numeric)
+    assert (anchor.no_action, step1.no_action, step2.no_action) == (0.0, 0.1, 0.2)
+    assert "no_action" not in {a.name for a in generation_alarms(step2, step1, cfg) if a.fired}
+    alarm = no_action_anchor_alarm(step2, anchor, 1, cfg)
+    assert alarm.fired and alarm.detail == "non-answers 20.0% vs anchor v1 0.0%"
+    assert not no_action_anchor_alarm(step1, anchor, 1, cfg).fired
+    with pytest.raises(ValueError, match="answer lists"):
+        behaviour([gen(" 7!")], cfg.no_action_pattern, [])
 
 
 def test_kl_alarm() -> None:
