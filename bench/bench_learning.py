@@ -1,7 +1,8 @@
 """Does the loop learn what users want, with the gate that needs no oracle, from sparse, noisy feedback?
 
     .venv/bin/python bench/bench_learning.py [--preference module:function] [--cycles 10]
-        [--requests 96] [--final-requests 384] [--feedback-rate 0.3] [--flip-rate 0.1] [--hack] [--json PATH]
+        [--requests 96] [--final-requests 384] [--feedback-rate 0.3] [--flip-rate 0.1] [--hack]
+        [--lr LR] [--steps N] [--kl-coef BETA] [--json PATH]
 
 ``--preference bench_learning:correct_only``: users who accept only correct answers (a capability).
 
@@ -102,6 +103,9 @@ def main() -> None:
     parser.add_argument("--feedback-rate", type=float, default=0.3)
     parser.add_argument("--flip-rate", type=float, default=0.1)
     parser.add_argument("--hack", action="store_true", help="users say nothing to non-answers (docs/gate.md)")
+    parser.add_argument("--lr", type=float, default=None, help="trainer.lr (default: the trainer's)")
+    parser.add_argument("--steps", type=int, default=None, help="trainer.steps per cycle (default: the trainer's)")
+    parser.add_argument("--kl-coef", type=float, default=None, help="trainer.loss.kl_coef (default: the loss's)")
     parser.add_argument("--json", type=Path, default=None, help="write the per-cycle rows here")
     args = parser.parse_args()
     preference = "bench_learning:correct_or_silent" if args.hack else args.preference
@@ -114,8 +118,15 @@ def main() -> None:
 
     started = time.monotonic()
     with private_services("bench-learning") as base:
+        trainer: dict[str, Any] = {"min_samples": 16}
+        if args.lr is not None:
+            trainer["lr"] = args.lr
+        if args.steps is not None:
+            trainer["steps"] = args.steps
+        if args.kl_coef is not None:
+            trainer["loss"] = base.trainer.loss.model_copy(update={"kl_coef": args.kl_coef})
         settings = base.model_copy(update={
-            "trainer": base.trainer.model_copy(update={"min_samples": 16}),
+            "trainer": base.trainer.model_copy(update=trainer),
             "metrics": MetricsSettings(**dict(zip(
                 ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
                 strict=True))),
@@ -186,6 +197,9 @@ def main() -> None:
         "heldout_correct_base": None if first_retention is None else round(first_retention["champion"], 3),
         "heldout_correct_final": None if last_retention is None else round(
             last_retention["challenger" if promoted else "champion"], 3),
+        "trainer_lr": settings.trainer.lr,
+        "trainer_steps": settings.trainer.steps,
+        "kl_coef": settings.trainer.loss.kl_coef,
         "cycles": args.cycles,
         "requests_per_cycle": args.requests,
         "final_requests": args.final_requests,
