@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_learning.py [--preference module:function] [--cycles 10]
         [--requests 96] [--final-requests 384] [--feedback-rate 0.3] [--flip-rate 0.1] [--hack]
-        [--lr LR] [--steps N] [--kl-coef BETA] [--json PATH]
+        [--lr LR] [--steps N] [--kl-coef BETA] [--warmup-steps N] [--seed S] [--json PATH]
 
 ``--preference bench_learning:correct_only``: users who accept only correct answers (a capability).
 
@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=None, help="trainer.lr (default: the trainer's)")
     parser.add_argument("--steps", type=int, default=None, help="trainer.steps per cycle (default: the trainer's)")
     parser.add_argument("--kl-coef", type=float, default=None, help="trainer.loss.kl_coef (default: the loss's)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="trainer.warmup_steps (default: the trainer's)")
+    parser.add_argument("--seed", type=int, default=0, help="draws other users (and trainer.seed)")
     parser.add_argument("--json", type=Path, default=None, help="write the per-cycle rows here")
     args = parser.parse_args()
     preference = "bench_learning:correct_or_silent" if args.hack else args.preference
@@ -123,6 +125,10 @@ def main() -> None:
             trainer["lr"] = args.lr
         if args.steps is not None:
             trainer["steps"] = args.steps
+        if args.warmup_steps is not None:
+            trainer["warmup_steps"] = args.warmup_steps
+        if args.seed:
+            trainer["seed"] = args.seed
         if args.kl_coef is not None:
             trainer["loss"] = base.trainer.loss.model_copy(update={"kl_coef": args.kl_coef})
         settings = base.model_copy(update={
@@ -134,7 +140,7 @@ def main() -> None:
         rows = run(settings, DemoOptions(
             cycles=args.cycles, requests_per_cycle=args.requests, preference=preference,
             feedback_rate=args.feedback_rate, flip_rate=args.flip_rate, gate_oracle=False, final_round=True,
-            final_round_requests=args.final_requests,
+            final_round_requests=args.final_requests, seed=args.seed,
             json_path=args.json, plot_path=None, cycle_timeout_s=900,
         ))  # fmt: skip
         store = Store(settings.store.url)
@@ -200,6 +206,8 @@ def main() -> None:
         "trainer_lr": settings.trainer.lr,
         "trainer_steps": settings.trainer.steps,
         "kl_coef": settings.trainer.loss.kl_coef,
+        "warmup_steps": settings.trainer.warmup_steps,
+        "seed": args.seed,
         "cycles": args.cycles,
         "requests_per_cycle": args.requests,
         "final_requests": args.final_requests,

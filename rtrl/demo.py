@@ -67,6 +67,8 @@ class DemoOptions:
     # cycle "final"): what the last promotion did for users.
     final_round: bool = False
     final_round_requests: int | None = None  # default: requests_per_cycle (a measurement, not training)
+    # The users of cycle c are drawn with seed 1000 x seed + c (0: the seeds every run used so far).
+    seed: int = 0
 
 
 def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
@@ -188,7 +190,7 @@ def _one_cycle(
     # Users: requests through the gateway, feedback by the preference function.
     before = count_labelled(settings, store, champion)
     report = simulate(settings, gateway, options.requests_per_cycle, task, preference=preference,
-                      concurrency=options.concurrency, seed=cycle, api_key=api_key,
+                      concurrency=options.concurrency, seed=1000 * options.seed + cycle, api_key=api_key,
                       feedback_rate=options.feedback_rate, flip_rate=options.flip_rate)  # fmt: skip
     # The labeler settles each episode when its terminal feedback arrives (or its window passes); the
     # trainer takes it once its window has passed either way (trainer/selection.py).
@@ -242,7 +244,7 @@ def _final_round(
     gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
     requests = options.final_round_requests or options.requests_per_cycle
     report = simulate(settings, gateway, requests, task, preference=preference,
-                      concurrency=options.concurrency, seed=options.cycles + 1, api_key=api_key,
+                      concurrency=options.concurrency, seed=1000 * options.seed + options.cycles + 1, api_key=api_key,
                       feedback_rate=options.feedback_rate, flip_rate=options.flip_rate)  # fmt: skip
     return {"cycle": "final", "version_before": champion, "version_after": champion, "episodes": 0,
             "mean_reward": round(report.mean_reward or 0.0, 4), "gate": "-", "swap_ms": None, "data_to_deploy_s": None,

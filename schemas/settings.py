@@ -455,6 +455,14 @@ class TrainerSettings(_Section):
         "them (same ZeRO stage and precision): a fresh AdamW takes steps of about lr whatever the size of the "
         "gradient. Off: every cycle starts a fresh optimizer.",
     )
+    warmup_steps: int = Field(
+        8,
+        ge=0,
+        description="Linear learning-rate warm-up over the optimizer's first N steps: step t (counted over the "
+        "optimizer's life, carried ones included) runs at lr x min(1, t / N). A fresh AdamW's first step moves "
+        "every weight by about lr whatever its gradient; the warm-up keeps a fresh cycle from costing what the "
+        "model knew (docs/algorithms.md, Warm-up). 0: none.",
+    )
     keep_optimizer_states: int = Field(
         3, ge=1, description="Optimizer states kept on the worker's disk (the newest cycles'); each is about 2x the weights."
     )

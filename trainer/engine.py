@@ -144,8 +144,36 @@ def load_optimizer_state(engine: DeepSpeedEngine, directory: Path, lr: float) ->
     )  # fmt: skip
     if path is None:
         raise FileNotFoundError(f"no optimizer state under {directory}")
+    set_lr(engine, lr)
+
+
+def _torch_optimizer(engine: DeepSpeedEngine) -> torch.optim.Optimizer:
+    """The torch optimizer under DeepSpeed's wrappers (ZeRO keeps the real one as ``.optimizer``)."""
+    optimizer: Any = engine.optimizer
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"no torch optimizer under {type(engine.optimizer).__name__}")
+    return optimizer
+
+
+def optimizer_steps(engine: DeepSpeedEngine) -> int:
+    """Steps the engine's optimizer has taken over its life (carried ones included): Adam's own
+    step count, 0 for a fresh optimizer."""
+    counts = [state["step"] for state in _torch_optimizer(engine).state.values() if "step" in state]
+    return int(max(float(c) for c in counts)) if counts else 0
+
+
+def set_lr(engine: DeepSpeedEngine, lr: float) -> None:
+    """The learning rate of the engine's next optimizer step."""
     for group in engine.optimizer.param_groups:
         group["lr"] = lr
+
+
+def warmup_lr(lr: float, step: int, warmup_steps: int) -> float:
+    """The learning rate of the optimizer's `step`-th step (1-based) under a linear warm-up of
+    `warmup_steps` (``trainer.warmup_steps``; 0: none)."""
+    return lr if warmup_steps <= 0 else lr * min(1.0, step / warmup_steps)
 
 
 def close_engine(engine: DeepSpeedEngine) -> None:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 
 from schemas.settings import TrainerSettings
 from serving.sampler import MicroBatch, token_logprobs
-from trainer.engine import grad_norm_after_step, grad_norm_before_step
+from trainer.engine import grad_norm_after_step, grad_norm_before_step, optimizer_steps, set_lr, warmup_lr
 from trainer.losses import LossFn, Normaliser, TokenBatch, beyond_trust_region
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ class StepMetrics(BaseModel):
         0, description="Sampled tokens outside their row's truncation (top-p/top-k/min-p) under π_old or π_θ: "
         "left out of the loss."
     )
+    lr: float | None = Field(None, description="Learning rate of this step's update (trainer.warmup_steps).")
     applied: bool = Field(True, description="False: the trust region stopped the cycle here (trainer.max_kl); this "
                           "step's forward passes were measured and its update was not applied.")
 
@@ -102,7 +103,9 @@ def run_steps(
     # (the weights only change at the end of that step).
     old_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batches)
     norm_before: float | None = None
+    taken = optimizer_steps(engine)  # a carried optimizer may be past its warm-up
     for step in range(cfg.steps):
+        lr = warmup_lr(cfg.learning_rate, taken + step + 1, cfg.warmup_steps)
         before_step(step)
         totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl_k1": 0.0, "kl_k3": 0.0, "is_weight": 0.0,
                   "tokens": 0.0, "impossible": 0.0}  # fmt: skip
@@ -134,6 +137,7 @@ def run_steps(
             engine.backward(out.loss * size if size > 1 else out.loss, scale_wrt_gas=False)
             if last:
                 norm_before = grad_norm_before_step(engine)
+                set_lr(engine, lr)
             engine.step()  # the optimizer steps on the last micro-batch only
         tokens = max(totals["tokens"], 1.0)
         metrics = StepMetrics(
@@ -148,6 +152,7 @@ def run_steps(
             mean_advantage=mean_advantage,
             tokens=int(totals["tokens"]),
             impossible_tokens=int(totals["impossible"]),
+            lr=lr if applied else None,
             applied=applied,
         )
         steps.append(metrics)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -233,13 +234,24 @@ def test_the_optimizer_state_carries_over_to_the_cycle_that_trains_the_promoted_
     settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path
 ) -> None:
     """A fresh AdamW takes steps of about lr whatever the gradient; the next cycle continues the
-    moments of the cycle that produced its champion, unless the ZeRO stage or precision changed."""
+    moments of the cycle that produced its champion, unless the ZeRO stage or precision changed.
+    The learning rate warms up over the optimizer's life (trainer.warmup_steps): a fresh one from
+    lr / N, a carried one where the last cycle left it."""
     from trainer.checkpoint import optimizer_dir
     from trainer.cycle import end_cycle, run_cycle
+    from trainer.engine import warmup_lr
+
+    lr, warmup = settings.trainer.learning_rate, settings.trainer.warmup_steps
+    assert warmup > settings.trainer.steps  # so the second cycle is still warming up
+
+    def lrs(steps: list[Any]) -> list[float | None]:
+        return [s.lr for s in steps if s.applied]
 
     feed(store, sample_episodes(tiny_model_dir, 16, seed=8, alternate=True))
     first = run_cycle(settings, store, registry, owner="test")
     assert first.status == "registered" and first.optimizer_from_cycle is None  # from the base model: fresh
+    taken = len(lrs(first.steps))
+    assert lrs(first.steps) == pytest.approx([warmup_lr(lr, t, warmup) for t in range(1, taken + 1)])
     assert optimizer_dir(settings.trainer.checkpoint_dir, first.cycle_id or 0).is_dir()
     end_cycle(settings, store, first.cycle_id or 0, "promoted")
     registry.set_alias(CHAMPION, first.challenger_version or 0)
@@ -250,12 +262,14 @@ def test_the_optimizer_state_carries_over_to_the_cycle_that_trains_the_promoted_
     assert second.status == "registered" and second.optimizer_from_cycle == first.cycle_id
     # Loading the state kept the champion's weights: its own samples' behaviour weights are 1.
     assert second.steps[0].is_weight == pytest.approx(1.0, abs=1e-3)
+    assert second.steps[0].lr == pytest.approx(warmup_lr(lr, taken + 1, warmup))
     end_cycle(settings, store, second.cycle_id or 0, "rejected")
 
     feed(store, sample_episodes(champion_dir, 16, seed=10, version=version, alternate=True))
     other = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"zero_stage": 2})})
     third = run_cycle(other, store, registry, owner="test")
     assert third.status == "registered" and third.optimizer_from_cycle is None  # saved at stage 0: fresh
+    assert third.steps[0].lr == pytest.approx(lr / warmup)  # ZeRO 2's fresh optimizer warms up again
 
 
 def test_the_trust_region_stops_a_cycle_before_the_step_that_would_leave_it(
