@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/bench_learning.py [--preference module:function] [--cycles 10]
         [--requests 96] [--final-requests 384] [--feedback-rate 0.3] [--flip-rate 0.1] [--hack]
-        [--lr LR] [--steps N] [--kl-coef BETA] [--warmup-steps N] [--seed S] [--json PATH]
+        [--lr LR] [--steps N] [--kl-coef BETA] [--warmup-steps N] [--recipe v1|v2] [--seed S]
+        [--json PATH]
 
 ``--preference bench_learning:correct_only``: users who accept only correct answers (a capability).
 
@@ -39,9 +40,11 @@ no promoted version more than 2 points worse on retention, no hacking challenger
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -107,6 +110,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="trainer.steps per cycle (default: the trainer's)")
     parser.add_argument("--kl-coef", type=float, default=None, help="trainer.loss.kl_coef (default: the loss's)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="trainer.warmup_steps (default: the trainer's)")
+    parser.add_argument("--recipe", default="v1", help="the tiny base model's recipe (rtrl model init --recipe)")
     parser.add_argument("--seed", type=int, default=0, help="draws other users (and trainer.seed)")
     parser.add_argument("--json", type=Path, default=None, help="write the per-cycle rows here")
     args = parser.parse_args()
@@ -118,8 +122,14 @@ def main() -> None:
     from schemas.settings import MetricsSettings
     from store import Store
 
-    started = time.monotonic()
-    with private_services("bench-learning") as base:
+    with contextlib.ExitStack() as stack:
+        model_dir = None
+        if args.recipe != "v1":  # v1 is what the services build by default
+            from rtrl.tinymodel import build
+
+            model_dir = build(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "tiny", recipe=args.recipe)
+        started = time.monotonic()  # the loop's wall time, not the base model's build
+        base = stack.enter_context(private_services("bench-learning", model_dir=model_dir))
         trainer: dict[str, Any] = {"min_samples": 16}
         if args.lr is not None:
             trainer["lr"] = args.lr
@@ -208,6 +218,7 @@ def main() -> None:
         "kl_coef": settings.trainer.loss.kl_coef,
         "warmup_steps": settings.trainer.warmup_steps,
         "seed": args.seed,
+        "recipe": args.recipe,
         "cycles": args.cycles,
         "requests_per_cycle": args.requests,
         "final_requests": args.final_requests,
