@@ -323,6 +323,13 @@ class CispoLoss(_Loss):
     type: Literal["cispo"] = "cispo"
     eps_low: float = Field(1.0, ge=0, le=1, description="Lower clip of the ratio weight (1.0 = no lower bound).")
     eps_high: float = Field(0.28, gt=0, description="Upper clip of the ratio weight.")
+    # rtrl's default loss keeps each cycle near the champion: without the penalty, bench_learning's
+    # gate rejected most challengers for lost held-out answers (docs/algorithms.md, Keeping what the
+    # model knows).
+    kl_coef: float = Field(
+        0.5, ge=0, description="Weight beta of KL(pi_theta || pi_old), pi_old being the champion the cycle "
+        "started from; 0 = no penalty."
+    )
 
 
 class PpoLoss(_Loss):
@@ -460,8 +467,8 @@ class TrainerSettings(_Section):
         ge=0,
         description="Linear learning-rate warm-up over the optimizer's first N steps: step t (counted over the "
         "optimizer's life, carried ones included) runs at lr x min(1, t / N). A fresh AdamW's first step moves "
-        "every weight by about lr whatever its gradient; the warm-up keeps a fresh cycle from costing what the "
-        "model knew (docs/algorithms.md, Warm-up). 0: none.",
+        "every weight by about lr whatever its gradient (docs/algorithms.md, Keeping what the model knows). "
+        "0: none.",
     )
     keep_optimizer_states: int = Field(
         3, ge=1, description="Optimizer states kept on the worker's disk (the newest cycles'); each is about 2x the weights."

@@ -13,7 +13,7 @@ from trainer.losses import LOSSES, Normaliser, TokenBatch, cispo, dapo, dr_grpo,
 
 pytestmark = pytest.mark.unit
 
-CFG = CispoLoss(eps_low=1.0, eps_high=0.28, is_cap=2.0)
+CFG = CispoLoss(eps_low=1.0, eps_high=0.28, is_cap=2.0, kl_coef=0.0)  # the surrogate alone; the penalty: test_the_kl_penalty_to_the_champion
 PPO_CFG = PpoLoss(eps_low=0.2, eps_high=0.2, is_cap=2.0)
 
 
@@ -37,7 +37,7 @@ def grad_of(out_loss: torch.Tensor, b: TokenBatch) -> list[float]:
 
 def test_registry_has_every_loss_and_each_has_its_papers_defaults() -> None:
     assert LOSSES == {"cispo": cispo, "ppo": ppo, "grpo": grpo, "dapo": dapo, "dr_grpo": dr_grpo, "gspo": gspo}
-    assert (CispoLoss().eps_low, CispoLoss().eps_high) == (1.0, 0.28)  # no lower bound
+    assert (CispoLoss().eps_low, CispoLoss().eps_high, CispoLoss().kl_coef) == (1.0, 0.28, 0.5)  # no lower bound
     assert (PpoLoss().eps_low, PpoLoss().eps_high, PpoLoss().kl_coef) == (0.2, 0.2, 0.0)
     assert (GrpoLoss().eps_low, GrpoLoss().kl_coef, GrpoLoss().kl_estimator) == (0.2, 0.04, "k3")
     assert (DapoLoss().eps_low, DapoLoss().eps_high, DapoLoss().dynamic_sampling) == (0.2, 0.28, True)
