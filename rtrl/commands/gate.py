@@ -57,14 +57,14 @@ def explain_text(record: dict[str, Any]) -> str:
         verdict = "inconclusive" if not suite["conclusive"] else "pass" if suite["passed"] else "FAIL"
         diff = suite.get("difference")
         interval = (f"{diff['estimate']:+.4f} [{diff['low']:+.4f}, {diff['high']:+.4f}]" if diff else "-")
-        lines.append(f"  suite {suite['name']:<12} {verdict:<12} challenger {_figure(suite['challenger'])} "
+        lines.append(f"  suite {suite['name']:<16} {verdict:<12} challenger {_figure(suite['challenger'])} "
                      f"champion {_figure(suite['champion'])} difference {interval} margin {suite.get('margin', 0):g} "
                      f"n={suite['n']}"
                      + (f" ess={suite['ess']:.1f}" if suite.get("ess") is not None else ""))  # fmt: skip
         if suite.get("note"):
             lines.append(f"        {suite['note']}")
     for alarm in record.get("alarms", []):
-        lines.append(f"  alarm {alarm['name']:<12} {'FIRED' if alarm['fired'] else 'ok':<12} {alarm['detail']} "
+        lines.append(f"  alarm {alarm['name']:<16} {'FIRED' if alarm['fired'] else 'ok':<12} {alarm['detail']} "
                      f"(threshold {alarm['threshold']:.4g})")  # fmt: skip
     for model, figures in record.get("behaviour", {}).items():
         lines.append(f"  {model:<10} {figures['completions']} completions, {figures['mean_tokens']:.1f} tokens, "
