@@ -185,7 +185,7 @@ def _continue_optimizer(
         return engine, None
     directory, source = found
     try:
-        load_optimizer_state(engine, directory, cfg.learning_rate)
+        load_optimizer_state(engine, directory)
     except Exception:  # noqa: BLE001 - a damaged state must not stop training: start fresh instead
         log.exception("v%d: the optimizer state of cycle %s does not load; a fresh optimizer", champion, source)
         close_engine(engine)

@@ -134,9 +134,9 @@ def save_optimizer_state(engine: DeepSpeedEngine, directory: Path) -> None:
     engine.save_checkpoint(str(directory), tag=OPTIMIZER_TAG, save_latest=False)
 
 
-def load_optimizer_state(engine: DeepSpeedEngine, directory: Path, lr: float) -> None:
-    """Continue the optimizer saved by `save_optimizer_state` (Adam's moments and step count),
-    with this cycle's learning rate. The module weights saved alongside are the ones the engine
+def load_optimizer_state(engine: DeepSpeedEngine, directory: Path) -> None:
+    """Continue the optimizer saved by `save_optimizer_state` (Adam's moments and step count; each
+    step's learning rate is set by trainer/steps.py `run_steps`). The module weights saved alongside are the ones the engine
     was built from (the cycle that saved them produced this champion). Raises on any mismatch."""
     path, _ = engine.load_checkpoint(
         str(directory), tag=OPTIMIZER_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
@@ -144,7 +144,6 @@ def load_optimizer_state(engine: DeepSpeedEngine, directory: Path, lr: float) ->
     )  # fmt: skip
     if path is None:
         raise FileNotFoundError(f"no optimizer state under {directory}")
-    set_lr(engine, lr)
 
 
 def _torch_optimizer(engine: DeepSpeedEngine) -> torch.optim.Optimizer:

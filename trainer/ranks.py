@@ -144,7 +144,7 @@ def main(work_dir: Path) -> None:
     if job["optimizer_from"] is not None:
         loaded = 1
         try:
-            load_optimizer_state(engine, Path(job["optimizer_from"]), cfg.learning_rate)
+            load_optimizer_state(engine, Path(job["optimizer_from"]))
         except Exception:  # noqa: BLE001 - a damaged state starts a fresh optimizer, on every rank alike
             log.exception("rank %d: the optimizer state in %s does not load", rank, job["optimizer_from"])
             loaded = 0
