@@ -9,7 +9,8 @@ Replicas). The loop is ``Labeler.step``:
 
     poll -> parse/validate -> write events (idempotent on event_id) -> dead-letter the rejects
     (DLQ topic, flushed, and the dead_letters table) -> join/settle -> commit the DB transaction
-    -> commit the offsets
+    -> commit the offsets -> (a reward spec with a judge term) a judge pass: grade closed episodes
+    and settle them (feedback/judging.py)
 
 Error policy: no single record can stop the labeler.
 
@@ -29,7 +30,9 @@ Error policy: no single record can stop the labeler.
   dead-lettered ``poison: ...`` without being processed again;
 * the offset commit fails (group rebalance) -> the batch is already in the DB; whoever reads the
   partition next re-reads it and every record is a no-op replay;
-* broker connection errors -> kafka-python reconnects inside ``poll``.
+* broker connection errors -> kafka-python reconnects inside ``poll``;
+* the judge is out -> its episodes are labelled without the judge term and flagged (feedback/judging.py);
+  the store fails during a judge pass -> the episodes stay ``judging`` for the next pass.
 
 A crash between the DB commit and the offset commit re-delivers the batch: interactions and
 feedback are recognised as replays by event_id + source offset, dead letters by their id
@@ -50,6 +53,7 @@ from typing import Any
 
 import streams
 from feedback import metrics
+from feedback.judging import judge_for, judge_pass
 from feedback.records import Checks, parse_record
 from schemas.clock import Clock, Sleep, utcnow
 from schemas.events import DEAD_LETTER_SCHEMA, FeedbackEvent, InteractionEvent
@@ -82,6 +86,7 @@ class StepReport:
     replayed: int = 0
     settle: SettleReport = field(default_factory=SettleReport)
     settled_window: int = 0
+    judged: int = 0  # settled by a judge pass (feedback/judging.py)
     one_by_one: bool = False  # the batch was written a record at a time (see the error policy)
 
 
@@ -116,6 +121,7 @@ class Labeler:
         self.producer = producer
         self.spec = spec or get_spec(settings.labeler.reward_spec)
         self.checks = Checks(spec=self.spec, limits=settings.limits)
+        self.judge = judge_for(self.spec, settings.labeler.judge)  # None unless the spec has a judge term
         self.clock = clock
         self.sleep = sleep
         # Test hooks: after the DB commit and before the offset commit (the crash window), and
@@ -174,6 +180,8 @@ class Labeler:
                 report.settled_window = len(expired)
                 _count_settled(expired)
                 self._last_window_check = now
+            if self.judge is not None and (window_due or report.settle.settled_terminal):
+                report.judged = self._judge(now)
         except (Transient, DatabaseUnavailable) as exc:
             # Nothing uncommitted is lost: read it again after a pause (committed records are replays).
             cause = exc.__cause__ if isinstance(exc, Transient) else exc
@@ -195,6 +203,23 @@ class Labeler:
         if records or report.settled_window:
             log.debug("%s", report)
         return report
+
+    def _judge(self, now: datetime) -> int:
+        """A judge pass (feedback/judging.py); the episodes it settled. A store failure leaves them
+        waiting for the next pass (the batch before it is committed already)."""
+        assert self.judge is not None
+        try:
+            settled = judge_pass(self.store, self.spec, self.judge, self.settings.labeler.judge_batch, now)
+        except DatabaseUnavailable as exc:
+            log.warning("judge pass not stored (%s); the episodes wait for the next pass", exc)
+            return 0
+        _count_settled(settled)
+        return len(settled)
+
+    def close(self) -> None:
+        """Release the judge's connections (the consumer and producer are the caller's)."""
+        if self.judge is not None:
+            self.judge.close()
 
     def _measure_lag(self) -> None:
         """Lag per assigned partition: the high watermark the last fetch saw minus the position."""
@@ -395,9 +420,13 @@ def run(settings: Settings, stop: threading.Event | None = None, readiness: Read
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
+    labeler = None
     try:
-        Labeler(settings, store, consumer, producer, readiness=readiness).run(stop)
+        labeler = Labeler(settings, store, consumer, producer, readiness=readiness)
+        labeler.run(stop)
     finally:
+        if labeler is not None:
+            labeler.close()
         consumer.close(autocommit=False)  # offsets are only ever committed after a DB commit
         producer.close()
         store.close()

@@ -55,6 +55,26 @@ SETTLED_UNFINISHED = Counter(
     "labelled with the reward spec's negative 'unfinished' component, never dropped.",
     ["version"],
 )
+JUDGED = Counter(
+    "rtrl_labeler_judged_total",
+    "Episodes settled under a reward spec with a judge term, by outcome: scored (the judge's grade is a term of the "
+    "reward) or unavailable (the judge failed after its retries: labelled without the judge term and flagged "
+    "judge_unavailable, never dropped).",
+    ["outcome"],
+)
+JUDGE_COMPARED = Counter(
+    "rtrl_labeler_judge_compared_total",
+    "Judged episodes whose feedback also gave an outcome (non-zero) to compare the judge's grade with.",
+)
+JUDGE_DISAGREED = Counter(
+    "rtrl_labeler_judge_disagreed_total",
+    "Of the compared episodes, those where the judge's grade (good: >= 0.5) and the feedback's outcome (positive) "
+    "disagree; the disagreement rate is this over rtrl_labeler_judge_compared_total.",
+)
+JUDGE_WAITING = Gauge(
+    "rtrl_labeler_judge_waiting",
+    "Episodes closed and waiting for the judge, as this labeler's last judge pass found them (at most labeler.judge_batch).",
+)
 SETTLE_LATENCY = Histogram(
     "rtrl_labeler_settle_latency_seconds",
     "From an episode's first event to its settlement (seconds).",
@@ -78,6 +98,8 @@ REASONS = ("schema", "content", "duplicate", "record", "poison")
 # Every known series exists from the start (at 0), so the first increment is an increase a rule sees.
 for _reason in (*REASONS, "other"):
     DEAD_LETTERS.labels(_reason)
+for _outcome in ("scored", "unavailable"):
+    JUDGED.labels(_outcome)
 for _kind in ("interaction", "feedback"):
     EVENTS.labels(_kind)
 for _how in ("terminal_feedback", "window"):

@@ -39,6 +39,7 @@ CAPTURE_HEADERS = {
     "episode_id": "x-rtrl-episode-id",
     "segment_index": "x-rtrl-segment-index",
     "role": "x-rtrl-role",
+    "agent": "x-rtrl-agent",
     "trainable": "x-rtrl-trainable",
 }
 _ID = TypeAdapter(Id)
@@ -63,6 +64,7 @@ class Capture:
     episode_id: str | None = None  # as the client named it, before namespacing by tenant
     segment_index: int = 0
     role: Role = Role.policy
+    agent: str | None = None  # which agent of the episode made the call (a PARL sub-agent); None: the main one
     trainable: bool | None = None  # None: the default for the role
 
 
@@ -93,7 +95,7 @@ class Generation:
 def _parse_field(name: str, raw: Any) -> Any:
     if name == "tenant":
         raise RequestError("rtrl tenant is not accepted: the tenant comes from the API key", status_code=400)
-    if name in ("session_id", "episode_id"):
+    if name in ("session_id", "episode_id", "agent"):
         try:
             return _ID.validate_python(raw)
         except ValidationError as exc:
@@ -404,6 +406,7 @@ def build_interaction(
         episode_id=episode_id,
         segment_index=capture.segment_index,
         role=capture.role,
+        agent=capture.agent,
         # A call that straddled a weight swap may mix tokens of two policies, so its logprobs are
         # not the behaviour policy of any one version: keep it (stored, auditable), never train on it.
         # A truncated stream's completion is a prefix the policy did not choose to end there.

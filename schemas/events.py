@@ -122,6 +122,11 @@ class InteractionEvent(_Message):
     episode_id: Id = Field(description="Episode this segment belongs to (= request_id for single calls).")
     segment_index: int = Field(0, ge=0, le=10_000, description="Position of the segment in its episode.")
     role: Role = Field(Role.policy, description="What the segment is; subagent segments are not trained.")
+    agent: Id | None = Field(
+        None,
+        description="Which agent of the episode made the call: a PARL sub-agent's id (the critical-steps metric "
+        "counts each sub-agent's calls per stage; docs/methods.md); None: the episode's main agent.",
+    )
     trainable: bool = Field(True, description="Whether the completion tokens enter the loss.")
     untrainable_reason: Annotated[str, Field(min_length=1, max_length=64)] | None = Field(
         None,
@@ -179,10 +184,14 @@ class FeedbackKind(StrEnum):
     tool_call_error = "tool_call_error"
     task_outcome = "task_outcome"
     judge_score = "judge_score"
+    episode_end = "episode_end"
 
 
 # Kinds whose value is a score the sender chooses; the others are events and ignore value.
 SCORED_KINDS = frozenset({FeedbackKind.task_outcome, FeedbackKind.judge_score})
+# Kinds that steer the labeler and carry no reward: `episode_end` says the client's episode is over
+# and settles it at once (docs/methods.md, Episodes). Reward specs give them no weight.
+CONTROL_KINDS = frozenset({FeedbackKind.episode_end})
 
 
 class FeedbackEvent(_Message):

@@ -27,6 +27,13 @@ How signals combine (``score``):
   ``clamped`` records by how much (components always add up to the reward), so that one episode
   with every positive signal cannot outweigh a batch. tab-v1 declares none.
 
+* Two terms come from the labeler's measurements of the episode, not from feedback (`Shaping`):
+  PARL's shaping (``parl``: component ``parl_parallel`` = λ₁·r_parallel and ``parl_finish`` =
+  λ₂·r_finish, λ annealed linearly to 0 over ``anneal_cycles`` training cycles) and the judge
+  (``judge``: component ``judge`` = weight · (2·grade − 1), the grade in [0, 1]; a judge that could
+  not be asked leaves the component ``judge_unavailable`` = 0 instead). docs/methods.md has both.
+  They are not feedback: an episode with only these still carries ``no_feedback``.
+
 ``terminal`` names the kinds that close an episode at once (the labeler settles it without waiting
 for the window). ``accepted`` and ``edited`` are not terminal under tab-v1: in the tab flow the
 editor later reports whether the accepted text persisted or was reverted, which is the stronger
@@ -44,11 +51,26 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.errors import OperatorError
-from schemas.events import SCORED_KINDS, FeedbackKind
+from schemas.events import CONTROL_KINDS, SCORED_KINDS, FeedbackKind
 
 NO_FEEDBACK = "no_feedback"
 CLAMPED = "clamped"
 UNFINISHED = "unfinished"
+PARL_PARALLEL = "parl_parallel"
+PARL_FINISH = "parl_finish"
+JUDGE = "judge"
+JUDGE_UNAVAILABLE = "judge_unavailable"
+# The components that do not come from feedback signals (everything else is a FeedbackKind's).
+SHAPING_COMPONENTS = frozenset({NO_FEEDBACK, CLAMPED, UNFINISHED, PARL_PARALLEL, PARL_FINISH, JUDGE, JUDGE_UNAVAILABLE})
+
+DEFAULT_EPISODE_RUBRIC = (
+    "You grade the work of an AI assistant on a user's task.\n"
+    "Task:\n{prompt}\n"
+    "Everything the assistant wrote while working on it, in order:\n{completion}\n"
+    "Did it solve the task correctly and completely? Reply with one digit from 1 (not at all) to {scale} "
+    "(fully) and nothing else.\n"
+    "Grade:"
+)
 
 
 class RewardSpecError(OperatorError, ValueError):
@@ -65,8 +87,58 @@ class Signal(Protocol):
     def value(self) -> float: ...
 
 
+class ParlShaping(BaseModel):
+    """Kimi PARL's shaping terms and their schedule (docs/methods.md, PARL).
+
+    r_parallel = min(sub-agents, `parallel_target`) / `parallel_target` counters serial collapse
+    (an orchestrator that does everything itself); r_finish = finished sub-agents / sub-agents
+    counters spurious parallelism (sub-agents spawned and left unfinished). Both are in [0, 1].
+    λ(k) = λ(0) · max(0, 1 − k / `anneal_cycles`), k the number of training cycles before the
+    episode settled: the shaping fades and the task's own reward is what remains."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lambda_parallel: float = Field(ge=0, le=10, description="λ₁ at cycle 0 (weight of r_parallel).")
+    lambda_finish: float = Field(ge=0, le=10, description="λ₂ at cycle 0 (weight of r_finish).")
+    anneal_cycles: int = Field(ge=1, le=100_000, description="Training cycles after which λ₁ and λ₂ are 0.")
+    parallel_target: int = Field(4, ge=1, le=1000, description="Sub-agents at which r_parallel reaches 1.")
+
+    def lambdas(self, cycle: int) -> tuple[float, float]:
+        """(λ₁, λ₂) for an episode settled after `cycle` training cycles."""
+        left = max(0.0, 1.0 - max(cycle, 0) / self.anneal_cycles)
+        return self.lambda_parallel * left, self.lambda_finish * left
+
+    def terms(self, subagents: int, finished: int) -> tuple[float, float]:
+        """(r_parallel, r_finish) of an episode with `subagents` sub-agents, `finished` of them finished."""
+        r_parallel = min(subagents, self.parallel_target) / self.parallel_target
+        r_finish = finished / subagents if subagents else 0.0
+        return r_parallel, r_finish
+
+
+class JudgeTerm(BaseModel):
+    """A judge's grade of the whole episode as a reward term (feedback/judging.py; docs/methods.md, Judged
+    rewards). The endpoint is the deployment's (``labeler.judge``); what it is asked is the spec's."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    weight: float = Field(ge=0, le=100, description="Component judge = weight · (2·grade − 1), grade in [0, 1].")
+    rubric: str = Field(
+        DEFAULT_EPISODE_RUBRIC, max_length=20_000,
+        description="The judge's instructions: {prompt} (the episode's first prompt), {completion} (every completion "
+        "of the episode, in order, nothing pruned) and {scale} are replaced.",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _placeholders(self) -> JudgeTerm:
+        missing = [p for p in ("{prompt}", "{completion}") if p not in self.rubric]
+        if missing:
+            raise ValueError(f"the judge rubric must contain {' and '.join(missing)}")
+        return self
+
+
 class RewardSpec(BaseModel):
-    """A named, versioned weighting of feedback kinds. Every FeedbackKind must have a weight."""
+    """A named, versioned weighting of feedback kinds. Every FeedbackKind must have a weight (but the
+    control kinds, which carry no reward)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -91,14 +163,19 @@ class RewardSpec(BaseModel):
         description="Added when a trainable segment of the episode was cut off by max_tokens (component "
         "'unfinished'); None: not counted.",
     )
+    parl: ParlShaping | None = Field(None, description="PARL's shaping terms and their λ schedule; None: none.")
+    judge: JudgeTerm | None = Field(None, description="A judge's grade of each episode as a term; None: no judge.")
     description: str = Field("", description="What the spec is for.")
 
     @model_validator(mode="after")
     def _complete(self) -> RewardSpec:
         # A kind without a weight would be ignored silently; make every spec say what it does with it.
-        missing = sorted(set(FeedbackKind) - set(self.weights))
+        missing = sorted(set(FeedbackKind) - CONTROL_KINDS - set(self.weights))
         if missing:
             raise ValueError(f"reward spec {self.name!r} gives no weight for {missing}")
+        weighted = sorted(k.value for k in CONTROL_KINDS if self.weights.get(k, 0.0) != 0.0)
+        if weighted:
+            raise ValueError(f"reward spec {self.name!r}: {weighted} carry no reward (weight 0 or none)")
         unranged = sorted(SCORED_KINDS - set(self.value_range))
         if unranged:
             raise ValueError(f"reward spec {self.name!r} gives no value_range for the scored kinds {unranged}")
@@ -122,6 +199,19 @@ class RewardSpec(BaseModel):
     @property
     def spec_id(self) -> str:
         return f"{self.name}@{self.version}"
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """What the labeler measured of an episode besides its feedback (the module docstring)."""
+
+    parl: tuple[int, int] | None = None  # (sub-agents, finished sub-agents) of a PARL episode
+    cycle: int = 0  # training cycles before this settlement: where PARL's λ schedule is
+    judge: float | None = None  # the judge's grade in [0, 1]
+    judge_unavailable: bool = False  # the spec has a judge term and the judge could not be asked
+
+
+NO_SHAPING = Shaping()
 
 
 @dataclass(frozen=True)
@@ -168,7 +258,20 @@ TAB_V1 = RewardSpec(
     ),
 )
 
-SPECS: dict[str, RewardSpec] = {TAB_V1.name: TAB_V1}
+PARL_V1 = TAB_V1.model_copy(update={
+    "name": "parl-v1", "version": 1,
+    "description": "tab-v1's feedback weights plus Kimi PARL's shaping: r_parallel and r_finish, each weighted 0.2 "
+    "at first and annealed to 0 over 10 training cycles (docs/methods.md, PARL).",
+    "parl": ParlShaping(lambda_parallel=0.2, lambda_finish=0.2, anneal_cycles=10, parallel_target=4),
+})  # fmt: skip
+JUDGED_V1 = TAB_V1.model_copy(update={
+    "name": "judged-v1", "version": 1,
+    "description": "tab-v1's feedback weights plus a judge's grade of the whole episode, nothing pruned, weighted "
+    "0.25 (docs/methods.md, Judged rewards); needs labeler.judge.",
+    "judge": JudgeTerm(weight=0.25),
+})  # fmt: skip
+
+SPECS: dict[str, RewardSpec] = {spec.name: spec for spec in (TAB_V1, PARL_V1, JUDGED_V1)}
 
 
 def get_spec(name: str) -> RewardSpec:
@@ -191,13 +294,17 @@ def load_spec(path: Path) -> RewardSpec:
         raise RewardSpecError(f"reward spec {path}: {exc}") from None
 
 
-def score(spec: RewardSpec, signals: Iterable[Signal], unfinished: bool = False) -> RewardResult:
-    """Reward of one episode from its feedback signals and whether the model left it unfinished (see
-    the module docstring for the rules)."""
+def score(
+    spec: RewardSpec, signals: Iterable[Signal], unfinished: bool = False, shaping: Shaping = NO_SHAPING
+) -> RewardResult:
+    """Reward of one episode from its feedback signals, whether the model left it unfinished and what
+    the labeler measured of it (see the module docstring for the rules)."""
     event_kinds: set[FeedbackKind] = set()
     last_value: dict[FeedbackKind, float] = {}
     for signal in signals:
         kind = FeedbackKind(signal.kind)
+        if kind in CONTROL_KINDS:
+            continue
         if kind in SCORED_KINDS:
             last_value[kind] = float(signal.value)
         else:
@@ -213,6 +320,16 @@ def score(spec: RewardSpec, signals: Iterable[Signal], unfinished: bool = False)
         components[NO_FEEDBACK] = 0.0
     if unfinished and spec.unfinished is not None:
         components[UNFINISHED] = spec.unfinished
+    if spec.parl is not None and shaping.parl is not None:
+        lambda_parallel, lambda_finish = spec.parl.lambdas(shaping.cycle)
+        r_parallel, r_finish = spec.parl.terms(*shaping.parl)
+        components[PARL_PARALLEL] = lambda_parallel * r_parallel
+        components[PARL_FINISH] = lambda_finish * r_finish
+    if spec.judge is not None:
+        if shaping.judge is not None:
+            components[JUDGE] = spec.judge.weight * (2.0 * shaping.judge - 1.0)
+        elif shaping.judge_unavailable:
+            components[JUDGE_UNAVAILABLE] = 0.0
     reward = sum(components.values())
     if spec.reward_range is not None:
         low, high = spec.reward_range
@@ -221,3 +338,20 @@ def score(spec: RewardSpec, signals: Iterable[Signal], unfinished: bool = False)
             components[CLAMPED] = clamped - reward  # the components still add up to the reward
             reward = clamped
     return RewardResult(reward=reward, components=components, spec_id=spec.spec_id)
+
+
+def outcome_of(components: dict[str, float]) -> float | None:
+    """The part of a reward that came from feedback signals (users, the app), None when there was none:
+    what the judge's grade is compared with (`judge_disagrees`)."""
+    signal = [v for k, v in components.items() if k not in SHAPING_COMPONENTS]
+    return sum(signal) if signal else None
+
+
+def judge_disagrees(components: dict[str, float], grade: float | None) -> bool | None:
+    """Whether the judge's grade and the feedback's outcome disagree: the grade says good (≥ 0.5) and
+    the outcome is negative, or the grade says bad and the outcome is positive. None when either is
+    missing or the outcome is exactly 0 (no verdict to compare)."""
+    outcome = outcome_of(components)
+    if grade is None or outcome is None or outcome == 0:
+        return None
+    return (grade >= 0.5) != (outcome > 0)

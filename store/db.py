@@ -90,6 +90,7 @@ class TrainingSegment:
     role: str
     policy_version: int
     sampling: SamplingParams = field(default_factory=SamplingParams)  # how it was sampled (schemas/sampling.py)
+    agent: str | None = None  # the PARL sub-agent that made the call; None: the main agent
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ class TrainingEpisode:
     created_at: datetime
     segments: list[TrainingSegment]
     no_feedback: bool = False  # settled by the window with no signal at all (reward component no_feedback)
+    components: dict[str, float] = field(default_factory=dict)  # the reward's components (schemas/rewards.py)
+    metrics: dict[str, Any] = field(default_factory=dict)  # what its structure says (schemas/episodes.py)
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,14 @@ class Labelling:
     def settle_expired(self, spec: RewardSpec, window_s: float) -> list[settle.Settled]:
         """Settle open episodes whose last event is older than the window; returns them."""
         return settle.settle_expired(self._session, spec, self.now, window_s)
+
+    def awaiting_judge(self, limit: int) -> list[settle.ToJudge]:
+        """Closed episodes waiting for the judge of the reward spec; see store/settle.py."""
+        return settle.awaiting_judge(self._session, limit)
+
+    def settle_judged(self, spec: RewardSpec, grades: dict[str, float | None]) -> list[settle.Settled]:
+        """Settle judging episodes with their grades (None: the judge failed); see store/settle.py."""
+        return settle.settle_judged(self._session, spec, self.now, grades)
 
 
 class Store:
@@ -309,6 +320,11 @@ class Store:
             yield Labelling(session, self.dialect, now)
 
     # ---- training cycles ------------------------------------------------------------------------
+
+    def trained_cycles(self) -> int:
+        """Cycles that trained a version (registered, promoted or rejected): the k of PARL's λ schedule."""
+        with self.transaction() as session:
+            return settle.trained_cycles(session)
 
     def acquire_cycle(self, owner: str, ttl_s: float, champion: int) -> int | None:
         """Start a cycle training from version `champion`; its id, or None when another cycle holds the lease."""
@@ -592,6 +608,7 @@ class Store:
                     role=row.role,
                     policy_version=row.policy_number,
                     sampling=SamplingParams.model_validate(row.sampling or {}),
+                    agent=row.agent,
                 )
             )
         return [
@@ -602,6 +619,8 @@ class Store:
                 created_at=e.first_event_at,
                 segments=segments[e.episode_id],
                 no_feedback=NO_FEEDBACK in (e.reward_components or {}),
+                components=dict(e.reward_components or {}),
+                metrics=dict(e.metrics or {}),
             )
             for e in episodes
         ]
@@ -841,6 +860,7 @@ class Store:
                 "feedback_late": count(Feedback, Feedback.late.is_(True)),
                 "feedback_unjoined": count(Feedback, Feedback.joined_episode_id.is_(None)),
                 "episodes_open": count(Episode, Episode.status == "open"),
+                "episodes_judging": count(Episode, Episode.status == "judging"),
                 "episodes_settled": count(Episode, Episode.status == "settled"),
                 "episodes_settled_terminal": count(Episode, Episode.settle_reason == "terminal_feedback"),
                 "episodes_settled_window": count(Episode, Episode.settle_reason == "window"),

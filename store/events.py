@@ -218,6 +218,7 @@ def _interaction_row(record: SourceRecord, event: InteractionEvent, now: datetim
         "finish_reason": event.finish_reason,
         "sampling": event.sampling.model_dump(mode="json"),
         "role": event.role.value,
+        "agent": event.agent,
         "trainable": event.trainable,
         "redacted": list(event.redacted),
         "late": False,

@@ -69,6 +69,8 @@ class Interaction(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
     role: Mapped[str] = mapped_column(String(32))
+    # Which agent of the episode made the call (a PARL sub-agent's id); None: the main agent.
+    agent: Mapped[str | None] = mapped_column(ID)
     trainable: Mapped[bool] = mapped_column(Boolean)
     # Kinds of text the gateway redacted; trained only where the tenant allows (Tenant.train_redacted).
     redacted: Mapped[list[str] | None] = mapped_column(JSON, default=list)  # None on rows older than it
@@ -121,7 +123,7 @@ class Episode(Base):
     # The oldest policy among its segments: lag is measured from the most off-policy tokens.
     policy_version: Mapped[str] = mapped_column(ID)
     policy_number: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16))  # open | settled
+    status: Mapped[str] = mapped_column(String(16))  # open | judging (closed, waiting for the judge) | settled
     first_event_at: Mapped[datetime] = mapped_column(UtcDateTime)  # earliest segment created_at
     last_event_at: Mapped[datetime] = mapped_column(UtcDateTime)  # latest ingest of a joined event
     settled_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
@@ -129,6 +131,9 @@ class Episode(Base):
     reward: Mapped[float | None] = mapped_column(Float)
     reward_components: Mapped[dict[str, float] | None] = mapped_column(JSON)
     reward_spec: Mapped[str | None] = mapped_column(String(120))
+    # What its structure says (schemas/episodes.py) and, under a judged spec, the judge's grade and
+    # whether it disagrees with the feedback. Set when it closes; None on rows older than the column.
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     used_in_cycle: Mapped[int | None] = mapped_column(Integer)
     # 0..99 from a hash of episode_id (store/settle.py `eval_bucket`): episodes below
     # ``gate.ope.holdout_percent`` are kept for the eval gate and never trained on. None on rows

@@ -14,7 +14,16 @@ Rules (docs/runbooks/labeler.md has the operator's view):
 * An episode settles when feedback of a terminal kind of the reward spec joins it
   (``terminal_feedback``), or when ``settle_window_s`` passes after its last joined event
   (``window``) with the reward of what arrived - reward 0 and component ``no_feedback`` if nothing.
-* After settlement nothing changes the reward: late feedback is stored with ``late = true`` and
+  An episode of several segments (PARL, self-summarization, self-editing; docs/methods.md) ends
+  when the client says so: ``episode_end`` feedback, or terminal feedback that names the episode
+  (``episode_id``); terminal feedback about one of its requests joins it without ending it. The
+  window is its timeout. (An episode of one call - its only segment so far is segment 0 - ends on
+  terminal feedback about that call, as always.)
+* Settling measures the episode's structure (schemas/episodes.py, stored as ``episodes.metrics``)
+  and gives it one reward, with PARL's shaping when the spec has it. Under a spec with a judge
+  term the episode first closes as ``judging`` (nothing joins it any more) and settles once the
+  judge has graded it, or could not (`awaiting_judge`, `settle_judged`; feedback/judging.py).
+* After it closes nothing changes the reward: late feedback is stored with ``late = true`` and
   late segments likewise (they are excluded from training, as the reward never judged them).
   Re-labelling needs a new reward spec version, not a silent edit.
 
@@ -49,14 +58,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
-from schemas.events import FeedbackEvent, InteractionEvent
-from schemas.rewards import RewardSpec, score
+from schemas.episodes import SegmentShape, episode_metrics, is_parl
+from schemas.events import CONTROL_KINDS, FeedbackEvent, InteractionEvent
+from schemas.rewards import RewardResult, RewardSpec, Shaping, judge_disagrees, score
 from schemas.versions import parse_version
 from store.events import insert_ignoring
-from store.models import Episode, Feedback, Interaction
+from store.models import Cycle, Episode, Feedback, Interaction
 
 # Settle at most this many expired episodes per pass, so one pass cannot make a huge transaction.
 WINDOW_BATCH = 1000
@@ -78,6 +88,8 @@ class Settled:
     reason: str
     latency_s: float  # from the episode's first event to its settlement
     unfinished: bool = False  # a trainable segment was cut off by max_tokens (schemas/rewards.py)
+    judge: str | None = None  # under a judged spec: "scored", or "unavailable" (labelled without the judge)
+    judge_disagrees: bool | None = None  # the judge's grade against the feedback's outcome (schemas/rewards.py)
 
 
 @dataclass
@@ -149,7 +161,7 @@ def join_and_settle(
         episode = episodes.get(episode_id)
         if episode is None:
             continue  # deleted by retention since the insert above: the segments stay stored, unlabelled
-        if episode.status == "settled":
+        if episode.status != "open":  # settled, or closed and waiting for its judge
             session.execute(
                 update(Interaction)
                 .where(Interaction.event_id.in_([s.event_id for s in segments]))
@@ -173,7 +185,7 @@ def join_and_settle(
         if episode is None or episode.tenant != row.tenant:
             continue  # its interaction has not arrived (yet): stays unjoined, orphaned after the window
         row.joined_episode_id = episode.episode_id
-        if episode.status == "settled":
+        if episode.status != "open":
             row.late = True
             report.late_feedback += 1
         else:
@@ -184,17 +196,23 @@ def join_and_settle(
 
     # ---- settle episodes that received terminal feedback -------------------------------------------
     if touched:
-        terminal = {
-            episode_id
-            for episode_id in session.scalars(
-                select(Feedback.joined_episode_id).where(
-                    Feedback.joined_episode_id.in_(sorted(touched)),
-                    Feedback.late.is_(False),
-                    Feedback.kind.in_([k.value for k in spec.terminal]),
-                )
+        # episode_end ends any episode; other terminal feedback ends an episode of one call, or an
+        # episode of several when it names the episode (the module docstring).
+        ending = session.execute(
+            select(Feedback.joined_episode_id, Feedback.kind, Feedback.episode_id).where(
+                Feedback.joined_episode_id.in_(sorted(touched)), Feedback.late.is_(False),
+                Feedback.kind.in_([k.value for k in spec.terminal | CONTROL_KINDS]),
             )
-            if episode_id is not None
-        }
+        ).all()  # fmt: skip
+        terminal = {r.joined_episode_id for r in ending if r.kind in CONTROL_KINDS or r.episode_id is not None}
+        per_call = {r.joined_episode_id for r in ending} - terminal
+        if per_call:
+            calls = session.execute(
+                select(Interaction.episode_id, func.count(), func.max(Interaction.segment_index))
+                .where(Interaction.episode_id.in_(sorted(per_call)), Interaction.late.is_(False))
+                .group_by(Interaction.episode_id)
+            ).all()  # fmt: skip
+            terminal |= {episode_id for episode_id, count, last in calls if count == 1 and last == 0}
         report.settled += settle(
             session, spec, now, [episodes[e] for e in sorted(terminal)], "terminal_feedback"
         )
@@ -221,43 +239,168 @@ def settle_expired(session: Session, spec: RewardSpec, now: datetime, window_s: 
 def settle(
     session: Session, spec: RewardSpec, now: datetime, episodes: list[Episode], reason: str
 ) -> list[Settled]:
-    """Score each episode from its joined, non-late feedback (oldest first) and mark it settled."""
+    """Close each episode: measure its segments and score it from its joined, non-late feedback
+    (oldest first), or, under a judged spec, leave it ``judging`` for `settle_judged` (not returned)."""
     if not episodes:
         return []
+    ids = [e.episode_id for e in episodes]
+    shapes = _segment_shapes(session, ids)
+    cycle = trained_cycles(session) if spec.parl is not None else 0
+    scored: list[Episode] = []
+    for episode in episodes:
+        segments = shapes.get(episode.episode_id, [])
+        metrics: dict[str, Any] = episode_metrics(segments)
+        metrics["unfinished"] = int(any(s.trainable and s.finish_reason == "length" for s in segments))
+        if spec.parl is not None and is_parl(segments):
+            metrics["cycle"] = cycle
+            metrics["lambda_parallel"], metrics["lambda_finish"] = spec.parl.lambdas(cycle)
+        episode.metrics = metrics
+        episode.settled_at = now
+        episode.settle_reason = reason
+        if spec.judge is not None:
+            episode.status = "judging"  # closed: what joins now is late; the judge settles it
+        else:
+            scored.append(episode)
+    signals = _signals(session, [e.episode_id for e in scored])
+    settled = [_score(episode, spec, signals[episode.episode_id], None, now) for episode in scored]
+    session.flush()
+    return settled
+
+
+def trained_cycles(session: Session) -> int:
+    """Training cycles that trained a version (registered, then promoted or rejected): where PARL's λ
+    schedule is for the episodes settled now (schemas/rewards.py, ParlShaping)."""
+    query = select(func.count()).select_from(Cycle).where(Cycle.status.in_(("registered", "promoted", "rejected")))
+    return int(session.scalar(query) or 0)
+
+
+@dataclass(frozen=True)
+class ToJudge:
+    """An episode waiting for its judge: its first prompt and everything the model wrote in it, in
+    segment order, nothing pruned (schemas/rewards.py, JudgeTerm)."""
+
+    episode_id: str
+    prompt: str
+    trajectory: str
+
+
+def awaiting_judge(session: Session, limit: int) -> list[ToJudge]:
+    """At most `limit` episodes waiting for the judge, those closed first first."""
+    ids = list(session.scalars(
+        select(Episode.episode_id).where(Episode.status == "judging")
+        .order_by(Episode.settled_at, Episode.episode_id).limit(limit)
+    ))  # fmt: skip
+    if not ids:
+        return []
+    parts: dict[str, list[tuple[str, str, str | None, str]]] = defaultdict(list)
+    for row in session.execute(
+        select(Interaction.episode_id, Interaction.prompt, Interaction.role, Interaction.agent, Interaction.completion)
+        .where(Interaction.episode_id.in_(ids), Interaction.late.is_(False))
+        .order_by(Interaction.episode_id, Interaction.segment_index)
+    ):
+        parts[row.episode_id].append((row.prompt, row.role, row.agent, row.completion))
+    out = []
+    for episode_id in ids:
+        segments = parts.get(episode_id, [])
+        lines = [f"[{role}{'' if agent is None else ' ' + agent}] {completion.strip()}"
+                 for _, role, agent, completion in segments] if len(segments) > 1 else \
+                [completion.strip() for _, _, _, completion in segments]  # fmt: skip
+        out.append(ToJudge(episode_id, segments[0][0] if segments else "", "\n".join(lines)))
+    return out
+
+
+def settle_judged(
+    session: Session, spec: RewardSpec, now: datetime, grades: dict[str, float | None]
+) -> list[Settled]:
+    """Settle the judging episodes of `grades` with the judge's grade, or without the judge term and
+    flagged ``judge_unavailable`` where the grade is None. Episodes another replica settled first
+    are left alone (locked, then checked)."""
+    if not grades:
+        return []
+    episodes = [e for e in _lock_episodes(session, set(grades)).values() if e.status == "judging"]
+    signals = _signals(session, [e.episode_id for e in episodes])
+    settled = [_score(e, spec, signals[e.episode_id], grades[e.episode_id], now, judged=True) for e in episodes]
+    session.flush()
+    return settled
+
+
+def _score(
+    episode: Episode, spec: RewardSpec, signals: list[Feedback], grade: float | None, now: datetime,
+    judged: bool = False,
+) -> Settled:
+    """Give a closed episode its reward (its metrics measured) and mark it settled."""
+    metrics = dict(episode.metrics or {})
+    shaping = Shaping(
+        parl=(metrics["subagents"], metrics["subagents_finished"]) if "lambda_parallel" in metrics else None,
+        cycle=int(metrics.get("cycle", 0)), judge=grade, judge_unavailable=judged and grade is None,
+    )  # fmt: skip
+    result: RewardResult = score(spec, signals, unfinished=bool(metrics.get("unfinished")), shaping=shaping)
+    disagrees = judge_disagrees(result.components, grade) if judged else None
+    if judged:
+        metrics["judge"] = grade
+        metrics["judge_disagrees"] = disagrees
+        episode.metrics = metrics
+    episode.status = "settled"
+    episode.reward = result.reward
+    episode.reward_components = result.components
+    episode.reward_spec = result.spec_id
+    return Settled(
+        episode.policy_version, float(result.reward), episode.settle_reason or "window",
+        max(0.0, (now - episode.first_event_at).total_seconds()), bool(metrics.get("unfinished")),
+        judge=None if not judged else ("scored" if grade is not None else "unavailable"), judge_disagrees=disagrees,
+    )  # fmt: skip
+
+
+def _signals(session: Session, episode_ids: list[str]) -> dict[str, list[Feedback]]:
+    """Each episode's joined, non-late feedback, oldest first."""
     signals: dict[str, list[Feedback]] = defaultdict(list)
+    if not episode_ids:
+        return signals
     rows = session.scalars(
         select(Feedback)
-        .where(Feedback.joined_episode_id.in_([e.episode_id for e in episodes]), Feedback.late.is_(False))
+        .where(Feedback.joined_episode_id.in_(episode_ids), Feedback.late.is_(False))
         .order_by(Feedback.created_at, Feedback.event_id)
     )
     for row in rows:
         assert row.joined_episode_id is not None
         signals[row.joined_episode_id].append(row)
-    unfinished = set(session.scalars(
-        select(Interaction.episode_id).where(
-            Interaction.episode_id.in_([e.episode_id for e in episodes]), Interaction.trainable.is_(True),
-            Interaction.finish_reason == "length", Interaction.late.is_(False),
-        )
-    ))  # fmt: skip
-    for episode in episodes:
-        result = score(spec, signals[episode.episode_id], unfinished=episode.episode_id in unfinished)
-        episode.status = "settled"
-        episode.settled_at = now
-        episode.settle_reason = reason
-        episode.reward = result.reward
-        episode.reward_components = result.components
-        episode.reward_spec = result.spec_id
-    session.flush()
-    return [
-        Settled(
-            e.policy_version,
-            float(e.reward or 0.0),
-            reason,
-            max(0.0, (now - e.first_event_at).total_seconds()),
-            e.episode_id in unfinished,
-        )
-        for e in episodes
-    ]
+    return signals
+
+
+def _segment_shapes(session: Session, episode_ids: list[str]) -> dict[str, list[SegmentShape]]:
+    """Each episode's non-late segments in order, as schemas/episodes.py measures them. Token ids are
+    read only for episodes of several segments (one segment's lengths suffice), and lengths are
+    counted by the database (``json_array_length``, on SQLite and PostgreSQL alike)."""
+    rows = session.execute(
+        select(Interaction.episode_id, Interaction.segment_index, Interaction.role, Interaction.agent,
+               Interaction.finish_reason, Interaction.trainable,
+               func.json_array_length(Interaction.prompt_token_ids).label("prompt_len"),
+               func.json_array_length(Interaction.completion_token_ids).label("completion_len"))
+        .where(Interaction.episode_id.in_(episode_ids), Interaction.late.is_(False))
+        .order_by(Interaction.episode_id, Interaction.segment_index)
+    ).all()  # fmt: skip
+    per_episode: dict[str, list[Any]] = defaultdict(list)
+    for row in rows:
+        per_episode[row.episode_id].append(row)
+    several = sorted(e for e, segs in per_episode.items() if len(segs) > 1)
+    ids: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+    if several:
+        for row in session.execute(
+            select(Interaction.episode_id, Interaction.segment_index, Interaction.prompt_token_ids,
+                   Interaction.completion_token_ids)
+            .where(Interaction.episode_id.in_(several), Interaction.late.is_(False))
+        ):  # fmt: skip
+            ids[(row.episode_id, row.segment_index)] = (row.prompt_token_ids, row.completion_token_ids)
+    return {
+        episode_id: [
+            SegmentShape(role=r.role, agent=r.agent, prompt_len=int(r.prompt_len or 0),
+                         completion_len=int(r.completion_len or 0), finish_reason=r.finish_reason,
+                         trainable=bool(r.trainable), prompt_token_ids=ids.get((episode_id, r.segment_index), ((), ()))[0],
+                         completion_token_ids=ids.get((episode_id, r.segment_index), ((), ()))[1])
+            for r in segs
+        ]
+        for episode_id, segs in per_episode.items()
+    }  # fmt: skip
 
 
 def _waiting_feedback(

@@ -30,6 +30,8 @@ from pydantic import BaseModel, Field
 
 from registry import CHALLENGER, Registry, flatten
 from schemas.clock import utcnow
+from schemas.episodes import batch_metrics
+from schemas.rewards import get_spec
 from schemas.sampling import trainer_can_reproduce
 from schemas.settings import DapoLoss, Settings, TrainerSettings
 from serving.sampler import Row, Sampling, micro_batches
@@ -94,6 +96,11 @@ class CycleResult(BaseModel):
     kl_stopped_at_step: int | None = Field(
         None, description="The step at which the trust region (trainer.max_kl) stopped the cycle, its update not "
         "applied; None: every step ran."
+    )
+    episode_metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="The batch's episodes as the labeler measured them (schemas/episodes.py batch_metrics) and, "
+        "under a PARL spec, the λ schedule at this cycle (parl_cycle, parl_lambda_parallel, parl_lambda_finish).",
     )
     steps: list[StepMetrics] = Field(default_factory=list)
     mlflow_run_id: str | None = None
@@ -244,6 +251,29 @@ def episode_prompt_key(episode: TrainingEpisode) -> str:
     return prompt_key(episode.segments[0].prompt_token_ids)
 
 
+def _reward_params(settings: Settings) -> dict[str, str]:
+    """The reward spec as MLflow params: its id, PARL's λ schedule, the judge term's weight."""
+    spec = get_spec(settings.labeler.reward_spec)
+    params = {"reward.spec": spec.spec_id}
+    if spec.parl is not None:
+        flatten("reward.parl", spec.parl.model_dump(mode="json"), params)
+    if spec.judge is not None:
+        params["reward.judge.weight"] = str(spec.judge.weight)
+    return params
+
+
+def _method_metrics(settings: Settings, store: Store, episodes: list[TrainingEpisode]) -> dict[str, float]:
+    """What the batch's episodes say about the seed methods (schemas/episodes.py) and, under a PARL
+    spec, where its λ schedule is at this cycle (k = the cycles that trained before it)."""
+    out = batch_metrics([(e.metrics, e.components) for e in episodes])
+    spec = get_spec(settings.labeler.reward_spec)
+    if spec.parl is not None:
+        k = store.trained_cycles()
+        out["parl_cycle"] = float(k)
+        out["parl_lambda_parallel"], out["parl_lambda_finish"] = spec.parl.lambdas(k)
+    return out
+
+
 def run_cycle(
     settings: Settings, store: Store, registry: Registry, *, owner: str, takeover_suffix: str | None = None,
     stopping: Callable[[], bool] = lambda: False,
@@ -290,6 +320,7 @@ def run_cycle(
         episode_ids = [e.episode_id for e in episodes]
         store.mark_used(cycle_id, episode_ids)
         rewards = [e.reward for e in episodes]
+        method_metrics = _method_metrics(settings, store, episodes)
 
         # ---- advantages ---------------------------------------------------------------------------
         baselines = checkpoint.load_baselines(cfg.checkpoint_dir, spec_id)
@@ -322,8 +353,11 @@ def run_cycle(
         run_id = registry.start_run(
             f"cycle-{cycle_id}",
             tags={"rtrl.kind": "training_cycle", "rtrl.cycle_id": str(cycle_id), "rtrl.parent_version": str(champion)},
-            params=flatten("trainer", settings.trainer.model_dump(mode="json"), {"model_name": registry.model_name}),
+            params=flatten("trainer", settings.trainer.model_dump(mode="json"),
+                           _reward_params(settings) | {"model_name": registry.model_name}),
         )
+        if method_metrics:
+            registry.log_metrics(run_id, method_metrics)
         train_started = time.monotonic()
         pad_id = 0  # padded positions are masked out of attention and loss; any id works
         batches = micro_batches(rows, cfg.micro_batch, pad_id)
@@ -394,6 +428,7 @@ def run_cycle(
             checkpoint_dir=str(out_dir),
             optimizer_from_cycle=carried_from,
             kl_stopped_at_step=kl_stop,
+            episode_metrics=method_metrics,
         )
         # The run's lineage: which episodes it learnt from, and the cycle summary.
         registry.log_json(run_id, {"episodes.json": sorted(episode_ids),

@@ -80,6 +80,7 @@ def test_feedback_kinds_are_a_closed_set() -> None:
         "tool_call_error",
         "task_outcome",
         "judge_score",
+        "episode_end",
     }
     with pytest.raises(ValidationError):
         FeedbackEvent(event_id="f1", request_id="r", kind="loved_it")  # type: ignore[arg-type]

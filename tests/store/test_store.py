@@ -223,7 +223,8 @@ def settled_episodes(feeder: Feeder) -> None:
     feeder.send(
         interaction("e-v3b", 1, version="v3", created_at=at(11)),
         interaction("e-v3b", 0, version="v3", created_at=at(10), role="summary"),
-        feedback("r-e-v3b-1", "rejected"),
+        feedback("r-e-v3b-1", "rejected"),  # about one call of a two-call episode: joins, does not end it
+        feedback("r-e-v3b-1", "episode_end", episode_id="e-v3b"),  # the client ends it
     )
     feeder.send(interaction("e-v3b", 2, version="v3"))  # after settlement: late, not trained
 

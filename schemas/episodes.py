@@ -1,0 +1,176 @@
+"""What an episode's structure says: the per-episode measurements of the seed methods.
+
+Pure functions of an episode's segments in segment order, no SQL or torch. The labeler computes
+them when it settles an episode (store/settle.py) and stores them on it (``episodes.metrics``); the
+reward spec's PARL shaping reads two of them (schemas/rewards.py); the trainer summarises them per
+cycle in the cycle's MLflow run (trainer/cycle.py). docs/methods.md describes each method.
+
+Every episode gets:
+
+* ``segments``, ``trainable_segments``, ``summaries`` (segments of role ``summary``: Cursor's
+  self-summarization), ``max_context_tokens`` (the longest context one call saw: its prompt plus
+  its completion), ``completion_tokens`` (everything the model generated in the episode);
+* ``context_edits`` and ``rewritten_tokens``: how often an agent's next call did not continue its
+  previous context (prompt + completion) as a prefix — the context was pruned (Chroma's
+  self-editing agent) or replaced by a summary — and how many tokens of those previous contexts
+  the next call did not carry over as a prefix. Calls are compared within one agent (a PARL
+  sub-agent has its own context).
+
+An episode with orchestrator or sub-agent segments (Kimi PARL) also gets:
+
+* ``stages``: a stage begins at each orchestrator call; the sub-agent calls after it, up to the
+  next orchestrator call, run in that stage (sub-agent calls before the first orchestrator call
+  form a stage of their own);
+* ``critical_steps`` C = Σ_stages (orchestrator calls + the most calls of one sub-agent): the cost
+  of the longest branch of each stage (docs/methods.md, PARL);
+* ``subagents`` (distinct sub-agent ids; a sub-agent call without an ``agent`` id counts as its own
+  sub-agent) and ``subagents_finished`` (those whose last call stopped by itself, finish reason
+  ``stop``, rather than at ``max_tokens`` or cut off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+ORCHESTRATOR = "orchestrator"
+SUBAGENT = "subagent"
+SUMMARY = "summary"
+
+
+@dataclass(frozen=True)
+class SegmentShape:
+    """What the measurements need of one segment. The token ids are needed only to compare one call's
+    context with the next (an episode of one segment can leave them out: its lengths suffice)."""
+
+    role: str
+    agent: str | None
+    prompt_len: int
+    completion_len: int
+    finish_reason: str | None
+    trainable: bool
+    prompt_token_ids: Sequence[int] = ()
+    completion_token_ids: Sequence[int] = ()
+
+
+def is_parl(segments: Sequence[SegmentShape]) -> bool:
+    """Whether the episode is a PARL episode (it has orchestrator or sub-agent calls)."""
+    return any(s.role in (ORCHESTRATOR, SUBAGENT) for s in segments)
+
+
+def episode_metrics(segments: Sequence[SegmentShape]) -> dict[str, int]:
+    """The measurements of the module docstring for one episode's segments (in segment order)."""
+    metrics = {
+        "segments": len(segments),
+        "trainable_segments": sum(s.trainable for s in segments),
+        "summaries": sum(s.role == SUMMARY for s in segments),
+        "max_context_tokens": max((s.prompt_len + s.completion_len for s in segments), default=0),
+        "completion_tokens": sum(s.completion_len for s in segments),
+    }
+    metrics |= _context_edits(segments)
+    if is_parl(segments):
+        metrics |= parl_metrics(segments)
+    return metrics
+
+
+def _agent_key(index: int, segment: SegmentShape) -> str:
+    if segment.role == SUBAGENT:
+        return f"sub:{segment.agent}" if segment.agent is not None else f"sub#{index}"
+    return f"main:{segment.agent}" if segment.agent is not None else "main"
+
+
+def _context_edits(segments: Sequence[SegmentShape]) -> dict[str, int]:
+    previous: dict[str, list[int]] = {}  # agent -> its last call's context (prompt + completion)
+    edits = rewritten = 0
+    for index, segment in enumerate(segments):
+        key = _agent_key(index, segment)
+        prompt = list(segment.prompt_token_ids)
+        before = previous.get(key)
+        if before is not None and prompt[: len(before)] != before:
+            edits += 1
+            rewritten += len(before) - _common_prefix(before, prompt)
+        previous[key] = prompt + list(segment.completion_token_ids)
+    return {"context_edits": edits, "rewritten_tokens": rewritten}
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def parl_metrics(segments: Sequence[SegmentShape]) -> dict[str, int]:
+    """Stages, critical steps and sub-agents of a PARL episode (module docstring)."""
+    stages: list[tuple[int, dict[str, int]]] = []  # (orchestrator calls, calls per sub-agent)
+    last_call: dict[str, SegmentShape] = {}
+    for index, segment in enumerate(segments):
+        if segment.role == SUBAGENT:
+            if not stages:
+                stages.append((0, {}))
+            key = _agent_key(index, segment)
+            stages[-1][1][key] = stages[-1][1].get(key, 0) + 1
+            last_call[key] = segment
+        else:
+            if segment.role == ORCHESTRATOR or not stages:
+                stages.append((0, {}))
+            main, subs = stages[-1]
+            stages[-1] = (main + 1, subs)
+    return {
+        "stages": len(stages),
+        "critical_steps": sum(main + max(subs.values(), default=0) for main, subs in stages),
+        "subagents": len(last_call),
+        "subagents_finished": sum(s.finish_reason == "stop" for s in last_call.values()),
+    }
+
+
+def batch_metrics(episodes: Sequence[tuple[Mapping[str, Any], Mapping[str, float]]]) -> dict[str, float]:
+    """A training batch's measurements for its MLflow run: each episode's (metrics, reward components).
+
+    Means over the episodes that have the measurement (rows older than it have none): segments,
+    summaries, context length and edits; for PARL episodes the critical steps, sub-agents, the share
+    finished, the λ they were labelled with and the shaping they got; for judged episodes how many
+    the judge could not grade and how often grade and feedback disagreed."""
+    measured = [(m, c) for m, c in episodes if m]
+    out: dict[str, float] = {}
+    if not measured:
+        return out
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    metrics = [m for m, _ in measured]
+    out["episode_segments_mean"] = mean([m["segments"] for m in metrics])
+    out["episode_summaries_mean"] = mean([m["summaries"] for m in metrics])
+    out["episode_context_tokens_mean"] = mean([m["max_context_tokens"] for m in metrics])
+    out["episode_context_tokens_max"] = float(max(m["max_context_tokens"] for m in metrics))
+    out["episode_context_edits_mean"] = mean([m.get("context_edits", 0) for m in metrics])
+    parl = [(m, c) for m, c in measured if "critical_steps" in m]
+    if parl:
+        out["parl_episodes"] = float(len(parl))
+        out["parl_critical_steps_mean"] = mean([m["critical_steps"] for m, _ in parl])
+        out["parl_critical_steps_max"] = float(max(m["critical_steps"] for m, _ in parl))
+        out["parl_subagents_mean"] = mean([m["subagents"] for m, _ in parl])
+        spawned = sum(m["subagents"] for m, _ in parl)
+        out["parl_subagents_finished_share"] = sum(m["subagents_finished"] for m, _ in parl) / spawned if spawned else 0.0
+        shaped = [(m, c) for m, c in parl if "lambda_parallel" in m]
+        if shaped:
+            out["parl_episode_lambda_parallel_mean"] = mean([m["lambda_parallel"] for m, _ in shaped])
+            out["parl_episode_lambda_finish_mean"] = mean([m["lambda_finish"] for m, _ in shaped])
+            out["parl_parallel_reward_mean"] = mean([c.get("parl_parallel", 0.0) for _, c in shaped])
+            out["parl_finish_reward_mean"] = mean([c.get("parl_finish", 0.0) for _, c in shaped])
+    judged = [m for m in metrics if "judge" in m]
+    if judged:
+        out["judge_episodes"] = float(len(judged))
+        out["judge_unavailable"] = float(sum(m["judge"] is None for m in judged))
+        grades = [m["judge"] for m in judged if m["judge"] is not None]
+        if grades:
+            out["judge_grade_mean"] = mean(grades)
+        compared = [m["judge_disagrees"] for m in judged if m.get("judge_disagrees") is not None]
+        out["judge_compared"] = float(len(compared))
+        if compared:
+            out["judge_disagreement_rate"] = sum(compared) / len(compared)
+    return out
