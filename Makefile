@@ -6,7 +6,7 @@ VENV := .venv
 UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps test-deps demo test lint bench lock clean
+.PHONY: install system-deps test-deps demo demo-methods test lint bench lock clean
 
 install: $(STAMP)
 
@@ -26,6 +26,12 @@ lock:  ## re-resolve requirements/lock.txt from requirements/base.in (+ override
 
 demo: install system-deps
 	$(VENV)/bin/rtrl demo --cycles 3 --json .rtrl/demo/cycles.json
+
+METHODS := parl summarize self-edit
+
+demo-methods: install system-deps  ## the loop on each RL method's simulated agents in turn (docs/methods.md)
+	@set -e; for m in $(METHODS); do echo "== $$m"; \
+	  $(VENV)/bin/rtrl demo --scenario $$m --cycles 2 --requests 48 --json .rtrl/demo/$$m.json; done
 
 lint: install  ## style, the layer contract (docs/architecture.md, Layers), strict types on every package
 	$(VENV)/bin/ruff check .

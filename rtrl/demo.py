@@ -6,9 +6,11 @@ What it does, in order:
    ``services.enabled`` is taken to run elsewhere, at the address its client settings give;
 2. migrates the store, creates the topics, registers the base model as v1 @champion;
 3. starts the loop's processes under the supervisor: gateway, labeler, Celery worker;
-4. per cycle: simulated users send requests through the gateway and give feedback; once the
-   labeler has settled them, a training cycle runs on the worker (lease → select → CISPO on
-   DeepSpeed → MLflow @challenger → eval gate → hot-swap → @champion);
+4. per cycle: simulated users send requests through the gateway and give feedback (with
+   ``scenario``, simulated agents send multi-segment episodes of one RL method instead:
+   rtrl/agents.py, docs/methods.md); once the labeler has settled them, a training cycle runs on
+   the worker (lease → select → CISPO on DeepSpeed → MLflow @challenger → eval gate → hot-swap →
+   @champion);
 5. prints a table per cycle, writes the figures as JSON and a PNG plot of reward per cycle.
 
 It stops the processes it started, and the services too when it was the one that started them.
@@ -38,6 +40,8 @@ log = logging.getLogger("rtrl.demo")
 
 JSON_KEYS = ("cycle", "version_before", "version_after", "episodes", "mean_reward", "gate", "swap_ms",
              "data_to_deploy_s")
+# With a scenario, what its agents did too: the figures that tell the methods apart.
+SCENARIO_JSON_KEYS = ("scenario", "acceptance", "ok", "segments", "summaries", "subagents", "prunes")
 
 
 class DemoError(OperatorError, RuntimeError):
@@ -69,6 +73,9 @@ class DemoOptions:
     final_round_requests: int | None = None  # default: requests_per_cycle (a measurement, not training)
     # The users of cycle c are drawn with seed 1000 x seed + c (0: the seeds every run used so far).
     seed: int = 0
+    # One of rtrl.agents.SCENARIOS: simulated agents run that RL method's multi-segment episodes, each
+    # `requests_per_cycle` an episode, labelled with its reward spec. None: the ordinary one-call users.
+    scenario: str | None = None
 
 
 def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
@@ -78,6 +85,7 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     from rtrl import services
     from rtrl.simulate import simulation_key
     from rtrl.supervisor import Supervisor, prepare
+    from schemas.events import new_id
     from store import Store
 
     # The simulated users are an oracle the demo has: the gate asks it too (the oracle suite), with the
@@ -85,8 +93,11 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     suites = settings.gate.suites
     if options.gate_oracle and "oracle" not in suites:
         suites = ("oracle", *suites)
+    labeler: dict[str, Any] = {"settle_window_s": options.settle_window_s}
+    if options.scenario is not None:
+        labeler |= _scenario_labeler(settings, options.scenario)
     settings = settings.model_copy(update={
-        "labeler": settings.labeler.model_copy(update={"settle_window_s": options.settle_window_s}),
+        "labeler": settings.labeler.model_copy(update=labeler),
         "gate": settings.gate.model_copy(update={"suites": suites, "task": options.task,
                                                  "preference": options.preference or settings.gate.preference}),
     })  # fmt: skip
@@ -113,11 +124,14 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
         _wait_for_loop(settings, supervisor)
         gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
         with simulation_key(store, gateway) as api_key:  # the users' key, made the way a user would
+            # Agents' episode ids repeat with the seeds: this run's own tag keeps them apart from the
+            # episodes of an earlier run in the same store (rtrl.agents.episode_id).
+            users = _Users(settings, task, preference, options, api_key, run_tag=new_id()[:12])
             for cycle in range(1, options.cycles + 1):
-                rows.append(_one_cycle(settings, store, registry, task, preference, options, cycle, supervisor, api_key))
+                rows.append(_one_cycle(settings, store, registry, users, options, cycle, supervisor))
                 _print_row(rows[-1])
             if options.final_round:
-                rows.append(_final_round(settings, registry, task, preference, options, api_key))
+                rows.append(_final_round(settings, registry, users, options))
                 _print_row(rows[-1])
     finally:
         supervisor.stop()
@@ -127,7 +141,8 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     _print_table(rows)
     if options.json_path is not None:
         options.json_path.parent.mkdir(parents=True, exist_ok=True)
-        options.json_path.write_text(json.dumps([{k: r[k] for k in JSON_KEYS} for r in rows], indent=2) + "\n")
+        keys = JSON_KEYS + (SCENARIO_JSON_KEYS if options.scenario is not None else ())
+        options.json_path.write_text(json.dumps([{k: r[k] for k in keys} for r in rows], indent=2) + "\n")
         print(f"wrote {options.json_path}")
     plot_path = options.plot_path or (options.json_path.with_suffix(".png") if options.json_path else None)
     if plot_path is not None:
@@ -169,32 +184,75 @@ def _wait_for_loop(settings: Settings, supervisor: Supervisor, timeout_s: float 
         raise DemoError(f"{exc} ({ready}); see {settings.services.run_dir}/logs") from None
 
 
+def _scenario_labeler(settings: Settings, scenario: str) -> dict[str, Any]:
+    """The labeler settings a scenario's episodes need: its reward spec, and for self-edit (judged-v1) a
+    judge, the serving vLLM server unless one is configured (docs/methods.md, Judged rewards)."""
+    from rtrl.agents import SCENARIO_SPECS, check_scenario
+    from schemas.settings import JudgeSettings
+
+    update: dict[str, Any] = {"reward_spec": SCENARIO_SPECS[check_scenario(scenario)]}
+    if scenario == "self-edit" and settings.labeler.judge is None:
+        update["judge"] = JudgeSettings(url=f"{settings.vllm.servers[0].rstrip('/')}/v1",
+                                        model=settings.vllm.served_model_name)  # fmt: skip
+    return update
+
+
+@dataclass(frozen=True)
+class _Users:
+    """Who sends traffic each round: the one-call users of rtrl/simulate.py, or with a scenario the
+    agents of rtrl/agents.py. `send` gives the round's figures for the row."""
+
+    settings: Settings
+    task: Task
+    preference: Preference | None
+    options: DemoOptions
+    api_key: str
+    run_tag: str
+
+    def send(self, n: int, seed: int) -> dict[str, Any]:
+        from rtrl.agents import run_agents
+        from rtrl.simulate import simulate
+
+        gateway = f"http://{self.settings.gateway.host}:{self.settings.gateway.port}"
+        options = self.options
+        if options.scenario is None:
+            report = simulate(self.settings, gateway, n, self.task, preference=self.preference,
+                              concurrency=options.concurrency, seed=seed, api_key=self.api_key,
+                              feedback_rate=options.feedback_rate, flip_rate=options.flip_rate)  # fmt: skip
+            return {"scenario": None, "acceptance": report.acceptance_rate, "ok": report.ok, "accepted": report.accepted,
+                    "silent": report.silent, "feedback_sent": report.feedback_sent, "segments": report.ok,
+                    "summaries": 0, "subagents": 0, "prunes": 0, "users_reward": report.mean_reward}  # fmt: skip
+        # Each of the n is an episode of several calls; its feedback is the method's, always sent.
+        agents = run_agents(self.settings, gateway, options.scenario, n, self.task, api_key=self.api_key,
+                            concurrency=options.concurrency, seed=seed, preference=self.preference,
+                            run=self.run_tag)  # fmt: skip
+        return {"scenario": options.scenario, "acceptance": agents.acceptance_rate, "ok": agents.ok,
+                "accepted": agents.accepted, "silent": 0, "feedback_sent": agents.feedback_sent,
+                "segments": agents.segments, "summaries": agents.summaries, "subagents": agents.subagents,
+                "prunes": agents.prunes, "users_reward": agents.mean_outcome}  # fmt: skip
+
+
 def _one_cycle(
     settings: Settings,
     store: Store,
     registry: Registry,
-    task: Task,
-    preference: Preference | None,
+    users: _Users,
     options: DemoOptions,
     cycle: int,
     supervisor: Supervisor,
-    api_key: str,
 ) -> dict[str, Any]:
-    from rtrl.simulate import simulate
     from trainer.celery_app import CYCLE_TASK, configure
     from trainer.selection import count_labelled
 
     champion = registry.champion()
-    gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
 
-    # Users: requests through the gateway, feedback by the preference function.
+    # Users (or agents): requests through the gateway, feedback by the preference function.
     before = count_labelled(settings, store, champion)
-    report = simulate(settings, gateway, options.requests_per_cycle, task, preference=preference,
-                      concurrency=options.concurrency, seed=1000 * options.seed + cycle, api_key=api_key,
-                      feedback_rate=options.feedback_rate, flip_rate=options.flip_rate)  # fmt: skip
+    sent = users.send(options.requests_per_cycle, seed=1000 * options.seed + cycle)
     # The labeler settles each episode when its terminal feedback arrives (or its window passes); the
-    # trainer takes it once its window has passed either way (trainer/selection.py).
-    target = before + report.ok
+    # trainer takes it once its window has passed either way (trainer/selection.py). An agent's episode
+    # is one labelled episode however many calls it made.
+    target = before + int(sent["ok"])
 
     def settled() -> bool:
         _check_children(supervisor, settings)
@@ -211,6 +269,7 @@ def _one_cycle(
     result: dict[str, Any] = app.send_task(CYCLE_TASK).get(timeout=options.cycle_timeout_s)
     if result.get("status") not in ("promoted", "rejected"):
         raise DemoError(f"cycle {cycle} ended with status {result.get('status')!r}: {result}")
+    sent.pop("users_reward")  # the row's mean reward is the trained batch's
     return {
         "cycle": cycle,
         "version_before": format_version(champion),
@@ -223,33 +282,21 @@ def _one_cycle(
         else round(float(result["data_to_deploy_s"]), 1),
         "challenger": None if result.get("challenger_version") is None
         else format_version(int(result["challenger_version"])),
-        "acceptance": report.acceptance_rate,
-        "ok": report.ok,
-        "accepted": report.accepted,
-        "silent": report.silent,
-        "feedback_sent": report.feedback_sent,
+        **sent,
         "challenger_score": result.get("challenger_score"),
         "champion_score": result.get("champion_score"),
     }
 
 
-def _final_round(
-    settings: Settings, registry: Registry, task: Task, preference: Preference | None, options: DemoOptions,
-    api_key: str,
-) -> dict[str, Any]:
+def _final_round(settings: Settings, registry: Registry, users: _Users, options: DemoOptions) -> dict[str, Any]:
     """The users once more, on the final champion, without a cycle."""
-    from rtrl.simulate import simulate
-
     champion = format_version(registry.champion())
-    gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
     requests = options.final_round_requests or options.requests_per_cycle
-    report = simulate(settings, gateway, requests, task, preference=preference,
-                      concurrency=options.concurrency, seed=1000 * options.seed + options.cycles + 1, api_key=api_key,
-                      feedback_rate=options.feedback_rate, flip_rate=options.flip_rate)  # fmt: skip
+    sent = users.send(requests, seed=1000 * options.seed + options.cycles + 1)
+    reward = sent.pop("users_reward")  # no batch was trained: the row's mean reward is the users'
     return {"cycle": "final", "version_before": champion, "version_after": champion, "episodes": 0,
-            "mean_reward": round(report.mean_reward or 0.0, 4), "gate": "-", "swap_ms": None, "data_to_deploy_s": None,
-            "challenger": None, "acceptance": report.acceptance_rate, "ok": report.ok, "accepted": report.accepted,
-            "silent": report.silent, "feedback_sent": report.feedback_sent, "challenger_score": None, "champion_score": None}  # fmt: skip
+            "mean_reward": round(reward or 0.0, 4), "gate": "-", "swap_ms": None, "data_to_deploy_s": None,
+            "challenger": None, **sent, "challenger_score": None, "champion_score": None}  # fmt: skip
 
 
 def _print_row(row: dict[str, Any]) -> None:

@@ -10,10 +10,12 @@ Every episode gets:
 * ``segments``, ``trainable_segments``, ``summaries`` (segments of role ``summary``: Cursor's
   self-summarization), ``max_context_tokens`` (the longest context one call saw: its prompt plus
   its completion), ``completion_tokens`` (everything the model generated in the episode);
-* ``context_edits`` and ``rewritten_tokens``: how often an agent's next call did not continue its
-  previous context (prompt + completion) as a prefix — the context was pruned (Chroma's
-  self-editing agent) or replaced by a summary — and how many tokens of those previous contexts
-  the next call did not carry over as a prefix. Calls are compared within one agent (a PARL
+* ``context_edits`` and ``rewritten_chars``: how often an agent's next call did not continue its
+  previous context (prompt + completion text) as a prefix — the context was pruned (Chroma's
+  self-editing agent) or replaced by a summary — and how many characters of those previous
+  contexts the next call did not carry over as a prefix. Compared as text, not token ids: a
+  client that continues a context re-sends it as text, and the server may tokenize the seam
+  differently from how the completion was sampled. Calls are compared within one agent (a PARL
   sub-agent has its own context).
 
 An episode with orchestrator or sub-agent segments (Kimi PARL) also gets:
@@ -41,8 +43,8 @@ SUMMARY = "summary"
 
 @dataclass(frozen=True)
 class SegmentShape:
-    """What the measurements need of one segment. The token ids are needed only to compare one call's
-    context with the next (an episode of one segment can leave them out: its lengths suffice)."""
+    """What the measurements need of one segment: lengths in tokens; the text only to compare one
+    call's context with the next (an episode of one segment can leave it out)."""
 
     role: str
     agent: str | None
@@ -50,8 +52,8 @@ class SegmentShape:
     completion_len: int
     finish_reason: str | None
     trainable: bool
-    prompt_token_ids: Sequence[int] = ()
-    completion_token_ids: Sequence[int] = ()
+    prompt: str = ""
+    completion: str = ""
 
 
 def is_parl(segments: Sequence[SegmentShape]) -> bool:
@@ -81,20 +83,19 @@ def _agent_key(index: int, segment: SegmentShape) -> str:
 
 
 def _context_edits(segments: Sequence[SegmentShape]) -> dict[str, int]:
-    previous: dict[str, list[int]] = {}  # agent -> its last call's context (prompt + completion)
+    previous: dict[str, str] = {}  # agent -> its last call's context (prompt + completion)
     edits = rewritten = 0
     for index, segment in enumerate(segments):
         key = _agent_key(index, segment)
-        prompt = list(segment.prompt_token_ids)
         before = previous.get(key)
-        if before is not None and prompt[: len(before)] != before:
+        if before is not None and not segment.prompt.startswith(before):
             edits += 1
-            rewritten += len(before) - _common_prefix(before, prompt)
-        previous[key] = prompt + list(segment.completion_token_ids)
-    return {"context_edits": edits, "rewritten_tokens": rewritten}
+            rewritten += len(before) - _common_prefix(before, segment.prompt)
+        previous[key] = segment.prompt + segment.completion
+    return {"context_edits": edits, "rewritten_chars": rewritten}
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_prefix(a: str, b: str) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

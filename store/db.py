@@ -862,8 +862,10 @@ class Store:
                 "episodes_open": count(Episode, Episode.status == "open"),
                 "episodes_judging": count(Episode, Episode.status == "judging"),
                 "episodes_settled": count(Episode, Episode.status == "settled"),
-                "episodes_settled_terminal": count(Episode, Episode.settle_reason == "terminal_feedback"),
-                "episodes_settled_window": count(Episode, Episode.settle_reason == "window"),
+                "episodes_settled_terminal": count(
+                    Episode, (Episode.status == "settled") & (Episode.settle_reason == "terminal_feedback")
+                ),
+                "episodes_settled_window": count(Episode, (Episode.status == "settled") & (Episode.settle_reason == "window")),
                 "episodes_used": count(Episode, Episode.used_in_cycle.is_not(None)),
                 "dead_letters": count(DeadLetter),
             }

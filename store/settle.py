@@ -368,8 +368,8 @@ def _signals(session: Session, episode_ids: list[str]) -> dict[str, list[Feedbac
 
 
 def _segment_shapes(session: Session, episode_ids: list[str]) -> dict[str, list[SegmentShape]]:
-    """Each episode's non-late segments in order, as schemas/episodes.py measures them. Token ids are
-    read only for episodes of several segments (one segment's lengths suffice), and lengths are
+    """Each episode's non-late segments in order, as schemas/episodes.py measures them. The text is
+    read only for episodes of several segments (one segment's lengths suffice), and token counts are
     counted by the database (``json_array_length``, on SQLite and PostgreSQL alike)."""
     rows = session.execute(
         select(Interaction.episode_id, Interaction.segment_index, Interaction.role, Interaction.agent,
@@ -383,20 +383,19 @@ def _segment_shapes(session: Session, episode_ids: list[str]) -> dict[str, list[
     for row in rows:
         per_episode[row.episode_id].append(row)
     several = sorted(e for e, segs in per_episode.items() if len(segs) > 1)
-    ids: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+    text: dict[tuple[str, int], tuple[str, str]] = {}
     if several:
         for row in session.execute(
-            select(Interaction.episode_id, Interaction.segment_index, Interaction.prompt_token_ids,
-                   Interaction.completion_token_ids)
+            select(Interaction.episode_id, Interaction.segment_index, Interaction.prompt, Interaction.completion)
             .where(Interaction.episode_id.in_(several), Interaction.late.is_(False))
         ):  # fmt: skip
-            ids[(row.episode_id, row.segment_index)] = (row.prompt_token_ids, row.completion_token_ids)
+            text[(row.episode_id, row.segment_index)] = (row.prompt, row.completion)
     return {
         episode_id: [
             SegmentShape(role=r.role, agent=r.agent, prompt_len=int(r.prompt_len or 0),
                          completion_len=int(r.completion_len or 0), finish_reason=r.finish_reason,
-                         trainable=bool(r.trainable), prompt_token_ids=ids.get((episode_id, r.segment_index), ((), ()))[0],
-                         completion_token_ids=ids.get((episode_id, r.segment_index), ((), ()))[1])
+                         trainable=bool(r.trainable), prompt=text.get((episode_id, r.segment_index), ("", ""))[0],
+                         completion=text.get((episode_id, r.segment_index), ("", ""))[1])
             for r in segs
         ]
         for episode_id, segs in per_episode.items()

@@ -142,6 +142,7 @@ def _skip(
     with_signal: int,
     baselines: BaselineState,
     started: float,
+    method_metrics: dict[str, float],
 ) -> CycleResult:
     """End a cycle whose batch carries too little signal: nothing trained or registered, the
     episodes spent (a later cycle would see the same rewards), the baselines updated with them."""
@@ -151,6 +152,7 @@ def _skip(
         trainable_rows=len(rows), no_signal_rows=len(rows) - with_signal,
         mean_reward=sum(e.reward for e in episodes) / len(episodes),
         first_interaction_at=min(e.created_at for e in episodes), cycle_s=round(time.monotonic() - started, 3),
+        episode_metrics=method_metrics,
     )  # fmt: skip
     log.warning("cycle %d skipped: %d of %d rows have a non-zero advantage (trainer.min_signal %g); "
                 "are users' feedback events arriving and joining?", cycle_id, with_signal, len(rows),
@@ -336,7 +338,8 @@ def run_cycle(
         if rows and with_signal <= cfg.min_signal * len(rows):
             # Nothing (or almost nothing) to learn: every reward equals its baseline, e.g. traffic
             # without feedback. Training would only move the weights by optimizer noise.
-            return _skip(settings, store, cycle_id, champion, episodes, rows, with_signal, next_baselines, started)
+            return _skip(settings, store, cycle_id, champion, episodes, rows, with_signal, next_baselines, started,
+                         method_metrics)
         no_signal = 0
         if isinstance(cfg.loss, DapoLoss) and cfg.loss.dynamic_sampling:
             kept = [r for r in rows if abs(r.advantage) > NO_SIGNAL]

@@ -19,7 +19,9 @@ def register(app: typer.Typer) -> None:
     @app.command("demo")
     def demo(
         cycles: int = typer.Option(3, min=1, help="Full cycles to run."),
-        requests: int = typer.Option(96, min=1, help="Simulated requests per cycle."),
+        requests: int = typer.Option(
+            96, min=1, help="Simulated requests per cycle; with --scenario, episodes per cycle (several calls each)."
+        ),
         concurrency: int = typer.Option(4, min=1, help="Simulated users sending at once."),
         task: str = typer.Option("exclaim", help="Synthetic task the simulated users bring."),
         preference: str | None = typer.Option(
@@ -30,6 +32,12 @@ def register(app: typer.Typer) -> None:
         keep_services: bool = typer.Option(False, help="Leave the services up that the demo started."),
         settle_window: float = typer.Option(
             5.0, help="Labeler settle window (s) for episodes without terminal feedback (accepted ones)."
+        ),
+        scenario: str | None = typer.Option(
+            None,
+            help="Simulated agents of one RL method instead of one-call users: parl (Kimi PARL orchestrator and "
+            "sub-agents), summarize (Cursor self-summarization) or self-edit (Chroma's self-editing agent, judged by "
+            "the serving model unless labeler.judge is set); each labelled with its reward spec (docs/methods.md).",
         ),
     ) -> None:
         """Run the whole loop N times: users → gateway → Kafka → labeler → trainer → gate → hot-swap."""
@@ -53,5 +61,6 @@ def register(app: typer.Typer) -> None:
                 plot_path=plot,
                 keep_services=keep_services,
                 settle_window_s=settle_window,
+                scenario=scenario,
             ),
         )

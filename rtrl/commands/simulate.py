@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from evals import Preference
+    from schemas.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
@@ -26,17 +31,25 @@ def register(app: typer.Typer) -> None:
             help="A tenant key of the gateway. Default: a key of tenant 'sim' is made in the store for this run "
             "and revoked after it.",
         ),
+        scenario: str | None = typer.Option(
+            None,
+            help="Send multi-segment episodes of simulated agents instead, --requests of them: parl, summarize or "
+            "self-edit (rtrl/agents.py, docs/methods.md); prints the report as JSON.",
+        ),
     ) -> None:
         """Send N requests through the gateway, give feedback on each, print acceptance per policy version."""
         from contextlib import nullcontext
 
         from evals import load_preference
+        from rtrl.agents import check_scenario
         from rtrl.simulate import simulate as run_simulation
         from rtrl.simulate import simulation_key
         from schemas.settings import load_settings
         from store import Store
 
         settings = load_settings()
+        if scenario is not None:
+            check_scenario(scenario)  # before a key is made for it
         chosen = load_preference(preference) if preference else None
         url = gateway or f"http://{settings.gateway.host}:{settings.gateway.port}"
         store = None if api_key or settings.gateway.auth == "open" else Store(settings.store.url)
@@ -44,6 +57,9 @@ def register(app: typer.Typer) -> None:
             store.migrate()  # the key is written to the store, like `rtrl keys create` does
         try:
             with nullcontext(api_key or "open") if store is None else simulation_key(store, url) as key:
+                if scenario is not None:
+                    _agents(settings, url, scenario, requests, task, key, concurrency, seed, chosen, json_out)
+                    return
                 report = run_simulation(settings, url, requests, task, preference=chosen, concurrency=concurrency,
                                         seed=seed, api_key=key)  # fmt: skip
         finally:
@@ -65,3 +81,24 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"  error: {error}", err=True)
         if report.failed:
             raise typer.Exit(1)
+
+
+def _agents(
+    settings: Settings, url: str, scenario: str, episodes: int, task: str, key: str, concurrency: int, seed: int,
+    preference: Preference | None, json_out: Path | None,
+) -> None:
+    """`rtrl simulate --scenario`: one run of simulated agents, its report printed as JSON."""
+    from rtrl.agents import run_agents
+    from schemas.events import new_id
+
+    # A fresh tag in the episode ids: the same seed sent again must not extend the episodes it settled.
+    report = run_agents(settings, url, scenario, episodes, task, api_key=key, concurrency=concurrency, seed=seed,
+                        preference=preference, run=new_id()[:12])  # fmt: skip
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(report.to_json() + "\n")
+    typer.echo(report.to_json())
+    for error in report.errors[:5]:
+        typer.echo(f"  error: {error}", err=True)
+    if report.failed:
+        raise typer.Exit(1)

@@ -6,7 +6,21 @@ import pytest
 
 from schemas.errors import OperatorError
 from schemas.events import FeedbackEvent, FeedbackKind, FeedbackSignal
-from schemas.rewards import NO_FEEDBACK, TAB_V1, RewardSpec, RewardSpecError, get_spec, score
+from schemas.rewards import (
+    JUDGED_V1,
+    NO_FEEDBACK,
+    PARL_V1,
+    TAB_V1,
+    JudgeTerm,
+    ParlShaping,
+    RewardSpec,
+    RewardSpecError,
+    Shaping,
+    get_spec,
+    judge_disagrees,
+    outcome_of,
+    score,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -124,3 +138,120 @@ def test_unfinished_adds_its_weight_with_or_without_feedback() -> None:
     assert score(TAB_V1, [sig(K.accepted)], unfinished=True).reward == 0.25
     # A spec that does not count it leaves the reward alone.
     assert score(TAB_V1.model_copy(update={"unfinished": None}), [], unfinished=True).reward == 0.0
+
+
+# ---- PARL shaping and the judge term ---------------------------------------------------------------
+
+
+def test_parl_lambdas_anneal_linearly_to_zero() -> None:
+    shaping = ParlShaping(lambda_parallel=0.2, lambda_finish=0.4, anneal_cycles=10)
+    assert shaping.lambdas(0) == (0.2, 0.4)
+    assert shaping.lambdas(5) == pytest.approx((0.1, 0.2))  # half-way
+    assert shaping.lambdas(10) == (0.0, 0.0)
+    assert shaping.lambdas(25) == (0.0, 0.0)  # past the schedule: never negative
+    assert shaping.lambdas(-3) == (0.2, 0.4)
+
+
+def test_parl_terms_cap_parallelism_at_the_target() -> None:
+    shaping = ParlShaping(lambda_parallel=0.2, lambda_finish=0.2, anneal_cycles=10, parallel_target=4)
+    assert shaping.terms(2, 1) == (0.5, 0.5)
+    assert shaping.terms(4, 3) == (1.0, 0.75)
+    assert shaping.terms(6, 6) == (1.0, 1.0)  # more sub-agents than the target earn no more
+    assert shaping.terms(0, 0) == (0.0, 0.0)  # nothing spawned: nothing finished either
+
+
+def test_parl_shaping_adds_components_that_sum_into_the_reward() -> None:
+    # parl-v1 at cycle 5: λ₁ = λ₂ = 0.2 · (1 − 5/10) = 0.1; 2 sub-agents of target 4, 1 finished: 0.5 and 0.5.
+    result = score(PARL_V1, [sig(K.rejected)], shaping=Shaping(parl=(2, 1), cycle=5))
+    assert result.components == pytest.approx({"rejected": -0.25, "parl_parallel": 0.05, "parl_finish": 0.05})
+    assert result.reward == pytest.approx(-0.15)
+    assert result.spec_id == "parl-v1@1"
+    # Not a PARL episode, or a spec without the shaping: no components.
+    assert score(PARL_V1, [sig(K.rejected)]).components == {"rejected": -0.25}
+    assert score(TAB_V1, [sig(K.rejected)], shaping=Shaping(parl=(2, 1))).components == {"rejected": -0.25}
+
+
+def test_parl_shaping_is_inside_the_clamp_of_the_reward_range() -> None:
+    spec = PARL_V1.model_copy(update={"name": "parl-clamped", "reward_range": (-1.0, 1.0)})
+    assert "clamped" not in score(spec, [sig(K.edit_persisted)]).components  # 1.0 alone is inside
+    result = score(spec, [sig(K.edit_persisted)], shaping=Shaping(parl=(4, 4), cycle=0))  # 1.0 + 0.2 + 0.2
+    assert result.reward == 1.0
+    assert result.components["clamped"] == pytest.approx(-0.4)
+    assert sum(result.components.values()) == pytest.approx(result.reward)
+
+
+def test_the_judge_term_is_weight_times_two_grade_minus_one() -> None:
+    assert JUDGED_V1.judge is not None and JUDGED_V1.judge.weight == 0.25
+    result = score(JUDGED_V1, [sig(K.accepted)], shaping=Shaping(judge=0.75))
+    assert result.components == {"accepted": 0.75, "judge": 0.125}  # 0.25 · (2 · 0.75 − 1)
+    assert result.reward == 0.875
+    assert score(JUDGED_V1, [], shaping=Shaping(judge=0.0)).components == {"no_feedback": 0.0, "judge": -0.25}
+    assert score(JUDGED_V1, [], shaping=Shaping(judge=1.0)).reward == 0.25
+    # The judge could not be asked: flagged, worth nothing.
+    unavailable = score(JUDGED_V1, [sig(K.rejected)], shaping=Shaping(judge_unavailable=True))
+    assert (unavailable.reward, unavailable.components) == (-0.25, {"rejected": -0.25, "judge_unavailable": 0.0})
+    # A spec without a judge has no judge component whatever the labeler measured.
+    assert score(TAB_V1, [sig(K.accepted)], shaping=Shaping(judge=0.9)).components == {"accepted": 0.75}
+    assert score(TAB_V1, [], shaping=Shaping(judge_unavailable=True)).components == {NO_FEEDBACK: 0.0}
+
+
+def test_shaping_alone_is_not_feedback() -> None:
+    parl = score(PARL_V1, [], shaping=Shaping(parl=(1, 1), cycle=0))  # 0.2 · 1/4 and 0.2 · 1
+    assert parl.components == {NO_FEEDBACK: 0.0, "parl_parallel": 0.05, "parl_finish": 0.2}
+    assert parl.reward == pytest.approx(0.25)
+    judged = score(JUDGED_V1, [], shaping=Shaping(judge=0.75))
+    assert judged.components == {NO_FEEDBACK: 0.0, "judge": 0.125}
+
+
+def test_episode_end_carries_no_reward() -> None:
+    assert score(TAB_V1, [sig(K.episode_end)]).components == {NO_FEEDBACK: 0.0}
+    assert score(TAB_V1, [sig(K.rejected), sig(K.episode_end)]).components == {"rejected": -0.25}
+    assert K.episode_end not in TAB_V1.weights  # the control kinds need no weight
+
+
+def test_a_json_spec_may_give_episode_end_weight_zero_but_no_other(tmp_path) -> None:
+    weights = {kind.value: 0.0 for kind in K} | {"accepted": 1.0}
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps({"name": "zero", "version": 1, "weights": weights, "terminal": ["rejected"]}))
+    assert score(get_spec(str(path)), [sig(K.accepted), sig(K.episode_end)]).reward == 1.0
+    path = tmp_path / "paid.json"
+    path.write_text(json.dumps({"name": "paid", "version": 1, "weights": weights | {"episode_end": 0.5},
+                                "terminal": ["rejected"]}))  # fmt: skip
+    with pytest.raises(RewardSpecError, match=r"(?s)paid.json.*\['episode_end'\] carry no reward"):
+        get_spec(str(path))
+    with pytest.raises(ValueError, match="carry no reward"):
+        RewardSpec.model_validate(TAB_V1.model_dump() | {"weights": TAB_V1.weights | {K.episode_end: -1.0}})
+
+
+def test_outcome_is_the_feedback_part_of_the_reward() -> None:
+    assert outcome_of({"rejected": -0.25, "judge": 0.15, "parl_parallel": 0.2, "unfinished": -0.5}) == -0.25
+    assert outcome_of({"accepted": 0.75, "edit_reverted": -0.5}) == 0.25
+    assert outcome_of({NO_FEEDBACK: 0.0, "judge": 0.1}) is None
+    assert outcome_of({"edited": 0.0}) == 0.0
+
+
+def test_judge_disagrees_truth_table() -> None:
+    assert judge_disagrees({"rejected": -0.25}, 0.8) is True
+    assert judge_disagrees({"task_outcome": 1.0}, 0.8) is False
+    assert judge_disagrees({"accepted": 0.75}, 0.2) is True
+    assert judge_disagrees({"rejected": -0.25, "judge": -0.15}, 0.2) is False
+    assert judge_disagrees({"rejected": -0.25}, 0.5) is True  # 0.5 counts as good
+    assert judge_disagrees({"edited": 0.0}, 0.8) is None  # an outcome of exactly 0: no verdict
+    assert judge_disagrees({NO_FEEDBACK: 0.0, "judge": 0.15}, 0.8) is None  # no feedback
+    assert judge_disagrees({"rejected": -0.25}, None) is None  # no grade
+
+
+def test_the_parl_and_judged_specs_are_built_in() -> None:
+    assert get_spec("parl-v1") is PARL_V1 and PARL_V1.spec_id == "parl-v1@1"
+    assert get_spec("judged-v1") is JUDGED_V1 and JUDGED_V1.spec_id == "judged-v1@1"
+    for spec in (PARL_V1, JUDGED_V1):  # tab-v1's feedback weights, plus one term each
+        assert (spec.weights, spec.terminal, spec.unfinished) == (TAB_V1.weights, TAB_V1.terminal, TAB_V1.unfinished)
+        assert RewardSpec.model_validate(spec.model_dump()) == spec  # valid as a JSON spec would be
+    assert PARL_V1.parl == ParlShaping(lambda_parallel=0.2, lambda_finish=0.2, anneal_cycles=10, parallel_target=4)
+    assert PARL_V1.judge is None and JUDGED_V1.parl is None and TAB_V1.parl is None and TAB_V1.judge is None
+
+
+def test_a_judge_rubric_must_show_the_judge_the_episode() -> None:
+    with pytest.raises(ValueError, match=r"\{completion\}"):
+        JudgeTerm(weight=0.25, rubric="Grade {prompt} from 1 to {scale}")
+    assert "{completion}" in JudgeTerm(weight=0.25).rubric

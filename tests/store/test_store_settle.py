@@ -4,6 +4,8 @@ import pytest
 from factories import FakeClock, Feeder, at, feedback, interaction
 from sqlalchemy import select
 
+from schemas.events import InteractionEvent
+from schemas.rewards import JUDGED_V1, PARL_V1
 from store import Store
 from store.models import Episode, Feedback
 
@@ -138,3 +140,197 @@ def test_feedback_and_its_interaction_in_one_batch(store: Store) -> None:
     )
     assert report.settled_terminal == 1
     assert episode(store, "e1").reward == -1.25  # tool_call_error -1 + rejected -0.25
+
+
+# ---- episodes of several segments: when they end -----------------------------------------------------
+
+
+def test_terminal_feedback_about_one_request_joins_a_multi_segment_episode_without_ending_it(store: Store) -> None:
+    feeder = Feeder(store)
+    feeder.send(interaction("agent", 0), interaction("agent", 1), now=at(0))
+    _, report = feeder.send(feedback("r-agent-0", "rejected"), now=at(1))  # about the first call only
+    assert (report.joined, report.settled_terminal) == (1, 0)
+    assert episode(store, "agent").status == "open"
+    # The client says the episode is over, naming one of its requests (no episode id).
+    _, report = feeder.send(feedback("r-agent-1", "episode_end"), now=at(2))
+    assert (report.joined, report.settled_terminal) == (1, 1)
+    assert [(s.reward, s.reason) for s in report.settled] == [(-0.25, "terminal_feedback")]
+    settled = episode(store, "agent")
+    assert (settled.status, settled.settle_reason, settled.settled_at) == ("settled", "terminal_feedback", at(2))
+    assert settled.reward_components == {"rejected": -0.25}  # episode_end carries no reward
+
+
+def test_terminal_feedback_naming_the_episode_ends_it(store: Store) -> None:
+    feeder = Feeder(store)
+    feeder.send(interaction("agent", 0), interaction("agent", 1), now=at(0))
+    _, report = feeder.send(feedback("r-agent-0", "accepted", episode_id="agent"), now=at(1))  # not terminal
+    assert (report.joined, report.settled_terminal) == (1, 0)
+    _, report = feeder.send(feedback("r-agent-0", "task_outcome", value=0.5, episode_id="agent"), now=at(2))
+    assert report.settled_terminal == 1
+    settled = episode(store, "agent")
+    assert (settled.status, settled.reward, settled.reward_components) == (
+        "settled", 1.25, {"accepted": 0.75, "task_outcome": 0.5},
+    )  # fmt: skip
+
+
+def test_episode_end_naming_the_episode_ends_it_without_any_of_its_requests(store: Store) -> None:
+    feeder = Feeder(store)
+    feeder.send(interaction("agent", 0), interaction("agent", 1), now=at(0))
+    _, report = feeder.send(feedback("r-app", "episode_end", episode_id="agent"), now=at(1))
+    assert report.settled_terminal == 1
+    assert episode(store, "agent").reward_components == {"no_feedback": 0.0}
+
+
+def test_a_single_call_episode_still_ends_on_terminal_feedback_about_its_call(store: Store) -> None:
+    feeder = Feeder(store)
+    feeder.send(interaction("one"), now=at(0))
+    _, report = feeder.send(feedback("r-one-0", "rejected"), now=at(1))
+    assert report.settled_terminal == 1
+    assert (episode(store, "one").status, episode(store, "one").reward) == ("settled", -0.25)
+    # An episode whose only segment so far is not segment 0 is a multi-segment episode in progress.
+    feeder.send(interaction("later", 1), now=at(0))
+    _, report = feeder.send(feedback("r-later-1", "rejected"), now=at(1))
+    assert (report.joined, report.settled_terminal) == (1, 0)
+    assert episode(store, "later").status == "open"
+
+
+def test_settled_episodes_carry_their_measurements(store: Store) -> None:
+    feeder = Feeder(store)
+    feeder.send(
+        interaction("one"),
+        interaction("chain", 0),  # "def f(" + "x):": 5 tokens
+        interaction("chain", 1, role="summary", prompt="def f(x): summarize", completion=" f takes x",
+                    prompt_token_ids=[1, 2, 3, 4, 5, 6], completion_token_ids=[7, 8],
+                    completion_logprobs=[-0.1, -0.2]),  # continues it: 8 tokens, 29 characters
+        interaction("chain", 2, prompt="f takes x. Go on", prompt_token_ids=[7, 8, 9],
+                    finish_reason="length"),  # the summary replaces all 29 characters
+        now=at(0),
+    )  # fmt: skip
+    assert feeder.settle_window(at(31)) == 2
+    assert episode(store, "one").metrics == {
+        "segments": 1, "trainable_segments": 1, "summaries": 0, "max_context_tokens": 5, "completion_tokens": 2,
+        "context_edits": 0, "rewritten_chars": 0, "unfinished": 0,
+    }  # fmt: skip
+    chain = episode(store, "chain")
+    assert chain.metrics == {
+        "segments": 3, "trainable_segments": 3, "summaries": 1, "max_context_tokens": 8, "completion_tokens": 6,
+        "context_edits": 1, "rewritten_chars": 29, "unfinished": 1,
+    }  # fmt: skip
+    assert chain.reward_components == {"no_feedback": 0.0, "unfinished": -0.5}
+    # The trainer reads them with the episode.
+    selected = {e.episode_id: e for e in store.select_episodes(1, 0, 10)}
+    assert selected["chain"].metrics == chain.metrics
+    assert selected["chain"].components == {"no_feedback": 0.0, "unfinished": -0.5}
+
+
+# ---- PARL shaping under parl-v1 ---------------------------------------------------------------------
+
+
+def parl_episode(episode_id: str) -> list[InteractionEvent]:
+    """Orchestrator, sub-agents A (stopped) and B (cut off) in its stage, orchestrator: 2 stages, 3 critical steps."""
+    return [
+        interaction(episode_id, 0, role="orchestrator"),
+        interaction(episode_id, 1, role="subagent", agent="A", trainable=False, finish_reason="stop"),
+        interaction(episode_id, 2, role="subagent", agent="B", trainable=False, finish_reason="length"),
+        interaction(episode_id, 3, role="orchestrator", prompt="def f(x): and then", finish_reason="stop"),
+    ]
+
+
+def test_parl_episodes_get_the_shaping_of_the_cycles_trained_so_far(store: Store) -> None:
+    feeder = Feeder(store, spec=PARL_V1)
+    feeder.send(*parl_episode("p0"), interaction("plain"), now=at(0))
+    feeder.send(feedback("r-p0-3", "task_outcome", episode_id="p0"), feedback("r-plain-0", "rejected"), now=at(1))
+    p0 = episode(store, "p0")
+    # cycle 0: λ = 0.2; r_parallel = 2/4, r_finish = 1/2 (B's last call hit max_tokens).
+    assert p0.reward_components == {"task_outcome": 1.0, "parl_parallel": 0.1, "parl_finish": 0.1}
+    assert p0.reward == pytest.approx(1.2) and p0.reward_spec == "parl-v1@1"
+    assert {k: p0.metrics[k] for k in ("stages", "critical_steps", "subagents", "subagents_finished", "cycle",
+                                       "lambda_parallel", "lambda_finish", "unfinished", "context_edits")} == {
+        "context_edits": 0,  # the orchestrator continues its context; each sub-agent has its own
+        "stages": 2, "critical_steps": 3, "subagents": 2, "subagents_finished": 1, "cycle": 0,
+        "lambda_parallel": 0.2, "lambda_finish": 0.2, "unfinished": 0,  # B is not trainable: not unfinished
+    }  # fmt: skip
+    plain = episode(store, "plain")  # not a PARL episode: no shaping, no schedule
+    assert plain.reward_components == {"rejected": -0.25}
+    assert not {"cycle", "lambda_parallel", "stages"} & set(plain.metrics)
+
+    # Cycles that trained a version count (rejected, promoted, registered); a failed one does not.
+    for final in (("rejected",), ("registered", "promoted"), ("failed",), ("registered",)):
+        cycle = store.acquire_cycle("w", ttl_s=60, champion=1)
+        assert cycle is not None
+        for status in final:
+            store.finish_cycle(cycle, status, challenger=2)
+    assert store.trained_cycles() == 3
+
+    feeder.send(*parl_episode("p3"), now=at(2))
+    feeder.send(feedback("r-p3-3", "episode_end"), now=at(3))
+    p3 = episode(store, "p3")
+    # cycle 3 of 10: λ = 0.2 · 0.7 = 0.14; 0.14 · 1/2 each.
+    assert (p3.metrics["cycle"], p3.metrics["lambda_parallel"], p3.metrics["lambda_finish"]) == (
+        3, pytest.approx(0.14), pytest.approx(0.14),
+    )  # fmt: skip
+    assert p3.reward_components == {"no_feedback": 0.0, "parl_parallel": pytest.approx(0.07),
+                                    "parl_finish": pytest.approx(0.07)}  # fmt: skip
+    assert p3.reward == pytest.approx(0.14)
+
+
+# ---- judged episodes under judged-v1 -----------------------------------------------------------------
+
+
+def test_a_judged_episode_closes_waits_for_its_judge_and_settles_once(store: Store) -> None:
+    feeder = Feeder(store, spec=JUDGED_V1)
+    feeder.send(
+        interaction("j", 0, prompt="Fix the bug", completion="step one "),
+        interaction("j", 1, role="summary", prompt="Fix the bug step one Summarize", completion="summary"),
+        interaction("j", 2, prompt="summary Continue", prompt_token_ids=[9], completion="done"),  # pruned
+        interaction("one", completion="  x):\n"),
+        now=at(0),
+    )  # fmt: skip
+    feeder.send(feedback("r-j-0", "rejected"), now=at(1))  # joins; the episode goes on
+    _, report = feeder.send(feedback("r-j-2", "episode_end"), now=at(2))
+    assert (report.settled_terminal, report.settled) == (1, [])  # closed, not yet settled
+    closed = episode(store, "j")
+    assert (closed.status, closed.reward, closed.settle_reason) == ("judging", None, "terminal_feedback")
+    assert closed.metrics["segments"] == 3 and closed.metrics["summaries"] == 1
+    stats = store.stats()
+    assert (stats["episodes_judging"], stats["episodes_settled"], stats["episodes_open"]) == (1, 0, 1)
+    assert store.count_trainable(1, 0) == 0
+
+    # Closed means closed: what arrives now is late.
+    _, report = feeder.send(feedback("r-j-1", "thumbs_up"), interaction("j", 3, completion="after"), now=at(3))
+    assert (report.late_feedback, report.late_segments, report.joined) == (1, 1, 0)
+    assert feeder.settle_window(at(40)) == 0  # "one" closes for its judge too
+    assert store.stats()["episodes_judging"] == 2
+
+    with store.labelling(at(41)) as tx:
+        waiting = tx.awaiting_judge(10)
+        assert [(w.episode_id, w.prompt, w.trajectory) for w in waiting] == [
+            ("j", "Fix the bug", "[policy] step one\n[summary] summary\n[policy] done"),  # no late segment
+            ("one", "def f(", "x):"),
+        ]
+        assert [w.episode_id for w in tx.awaiting_judge(1)] == ["j"]  # closed first, judged first
+        judged = tx.settle_judged(JUDGED_V1, {"j": 0.75})
+    assert [(s.reward, s.reason, s.judge, s.judge_disagrees) for s in judged] == [
+        (-0.125, "terminal_feedback", "scored", True),  # the judge liked what the user rejected
+    ]
+    settled = episode(store, "j")
+    assert settled.status == "settled" and settled.reward_spec == "judged-v1@1"
+    assert settled.reward_components == {"rejected": -0.25, "judge": 0.125}  # 0.25 · (2 · 0.75 − 1)
+    metrics = settled.metrics
+    assert (metrics["judge"], metrics["judge_disagrees"], metrics["segments"]) == (0.75, True, 3)
+
+    with store.labelling(at(42)) as tx:
+        unavailable = tx.settle_judged(JUDGED_V1, {"one": None})
+    assert [(s.reward, s.reason, s.judge, s.judge_disagrees) for s in unavailable] == [
+        (0.0, "window", "unavailable", None),
+    ]
+    one = episode(store, "one")
+    assert one.reward_components == {"no_feedback": 0.0, "judge_unavailable": 0.0}
+    assert (one.metrics["judge"], one.metrics["judge_disagrees"]) == (None, None)
+
+    with store.labelling(at(43)) as tx:
+        assert tx.settle_judged(JUDGED_V1, {"j": 0.0, "one": 1.0, "unknown": 0.5}) == []  # settled once
+        assert tx.awaiting_judge(10) == []
+    assert episode(store, "j").reward == -0.125
+    assert store.stats()["episodes_judging"] == 0
+    assert store.count_trainable(1, 0, spec_id="judged-v1@1") == 2
