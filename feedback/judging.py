@@ -45,15 +45,21 @@ class JudgeNotConfigured(OperatorError, ValueError):
     """The reward spec has a judge term and no endpoint is configured for it."""
 
 
-def judge_for(spec: RewardSpec, endpoint: JudgeSettings | None) -> Judge | None:
-    """The judge of `spec`'s judge term at `endpoint`, with the spec's rubric; None for a spec without one."""
-    if spec.judge is None:
-        return None
-    if endpoint is None:
+def require_endpoint(spec: RewardSpec, endpoint: JudgeSettings | None) -> None:
+    """Raise JudgeNotConfigured when `spec` has a judge term and `endpoint` is None (checked by the
+    labeler and, before anything starts, by ``rtrl run``)."""
+    if spec.judge is not None and endpoint is None:
         raise JudgeNotConfigured(
             f"reward spec {spec.spec_id} has a judge term but no judge endpoint is set: set RTRL_LABELER__JUDGE__URL "
             "and RTRL_LABELER__JUDGE__MODEL (an OpenAI-compatible API), or use a spec without a judge"
         )
+
+
+def judge_for(spec: RewardSpec, endpoint: JudgeSettings | None) -> Judge | None:
+    """The judge of `spec`'s judge term at `endpoint`, with the spec's rubric; None for a spec without one."""
+    require_endpoint(spec, endpoint)
+    if spec.judge is None or endpoint is None:
+        return None
     return Judge(endpoint.model_copy(update={"rubric": spec.judge.rubric}))
 
 

@@ -104,13 +104,15 @@ def _labeler(settings: Settings, problems: list[str]) -> dict[str, Any]:
     try:
         store.check_schema()
         counts = reconcile(settings, store)
+        judging = store.count_judging()
     finally:
         store.close()
     if counts.pending == 0 and not counts.balanced:
         problems.append(f"labeler: {counts.produced} records produced but {counts.stored} stored + "
                         f"{counts.dead_lettered} dead-lettered (see docs/runbooks/labeler.md)")  # fmt: skip
     return {"pending": counts.pending, "produced": counts.produced, "stored": counts.stored,
-            "dead_lettered": counts.dead_lettered, "balanced": counts.balanced}  # fmt: skip
+            "dead_lettered": counts.dead_lettered, "balanced": counts.balanced,
+            "judging": judging}  # fmt: skip
 
 
 def _trainer(settings: Settings) -> dict[str, Any]:
@@ -207,7 +209,8 @@ def render(report: dict[str, Any]) -> str:
     if not failed("labeler"):
         lab = report["labeler"]
         lines.append(f"labeler   lag {lab['pending']} · produced {lab['produced']} = stored {lab['stored']} + "
-                     f"dead-lettered {lab['dead_lettered']} ({'balanced' if lab['balanced'] else 'NOT balanced'})")  # fmt: skip
+                     f"dead-lettered {lab['dead_lettered']} ({'balanced' if lab['balanced'] else 'NOT balanced'})"
+                     + (f" · {lab['judging']} waiting for the judge" if lab.get("judging") else ""))  # fmt: skip
     if not failed("trainer"):
         tr = report["trainer"]
         paused = tr["paused"]

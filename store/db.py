@@ -321,6 +321,11 @@ class Store:
 
     # ---- training cycles ------------------------------------------------------------------------
 
+    def count_judging(self) -> int:
+        """Episodes closed and waiting for the judge of a judged reward spec (feedback/judging.py)."""
+        with self.transaction() as session:
+            return int(session.scalar(select(func.count()).select_from(Episode).where(Episode.status == "judging")) or 0)
+
     def trained_cycles(self) -> int:
         """Cycles that trained a version (registered, promoted or rejected): the k of PARL's λ schedule."""
         with self.transaction() as session:

@@ -21,9 +21,11 @@ def register(app: typer.Typer) -> None:
         dependency is down; the other processes start once that is done. The services (Kafka, Redis,
         MLflow, vLLM, ...) are not started here: run `rtrl services up` first, or point RTRL_* at your own.
         """
+        from feedback.judging import require_endpoint
         from registry import Registry
         from rtrl.logs import setup_logging
         from rtrl.supervisor import PROCESSES, Supervisor, prepare
+        from schemas.rewards import get_spec
         from schemas.settings import load_settings
         from store import Store
 
@@ -33,6 +35,8 @@ def register(app: typer.Typer) -> None:
         if unknown:
             raise typer.BadParameter(f"unknown process(es) {unknown}; choose from {sorted(PROCESSES)}")
         settings = load_settings()
+        # An unknown spec, or a judged one without its endpoint, is a mistake to fix now, not to retry.
+        require_endpoint(get_spec(settings.labeler.reward_spec), settings.labeler.judge)
         Store(settings.store.url).close()  # a malformed store URL is a mistake to fix now, not to retry
         Registry.from_settings(settings)
 

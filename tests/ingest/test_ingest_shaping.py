@@ -21,6 +21,7 @@ from ingest.shaping import (
     sampling_params,
     shape_chat_response,
     shape_completion_response,
+    trainable_for,
     with_rtrl,
 )
 from schemas.events import Role
@@ -215,6 +216,9 @@ def test_parse_capture_from_headers_and_body() -> None:
     )
     # the same value both ways is fine
     assert parse_capture({"x-rtrl-episode-id": "e"}, {"episode_id": "e"}).episode_id == "e"
+    # a PARL sub-agent names itself; it is frozen unless it says otherwise (and it may not)
+    sub = parse_capture({"x-rtrl-role": "subagent", "x-rtrl-agent": "searcher-2"})
+    assert (sub.agent, sub.role) == ("searcher-2", Role.subagent) and not trainable_for(sub)
 
 
 @pytest.mark.parametrize(
@@ -225,6 +229,8 @@ def test_parse_capture_from_headers_and_body() -> None:
         ({"x-rtrl-role": "boss"}, None, "role must be one of"),
         ({"x-rtrl-trainable": "maybe"}, None, "trainable must be true or false"),
         ({"x-rtrl-episode-id": "has space"}, None, "not a valid id"),
+        ({"x-rtrl-agent": "a" * 201}, None, "rtrl agent .* is not a valid id"),
+        ({}, {"agent": ["a"]}, "rtrl agent .* is not a valid id"),
         ({}, {"colour": "red"}, "unknown rtrl field 'colour'"),
         ({}, ["episode_id"], "must be an object"),
         ({"x-rtrl-episode-id": "a"}, {"episode_id": "b"}, "'a' in the x-rtrl-episode-id header but 'b' in the body"),

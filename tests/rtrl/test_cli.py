@@ -67,6 +67,14 @@ def test_rtrl_run_refuses_a_malformed_store_url_at_once(tmp_path: Path) -> None:
     assert "unsupported store URL 'nosuchdialect:///x'" in line and not (tmp_path / "logs").exists()
 
 
+def test_rtrl_run_refuses_a_judged_reward_spec_without_its_judge_at_once(tmp_path: Path) -> None:
+    line = one_line_error(rtrl("run", RTRL_LABELER__REWARD_SPEC="judged-v1", RTRL_SERVICES__RUN_DIR=str(tmp_path)))
+    assert "judged-v1@1 has a judge term" in line and "RTRL_LABELER__JUDGE__URL" in line
+    assert not (tmp_path / "logs").exists()
+    line = one_line_error(rtrl("run", RTRL_LABELER__REWARD_SPEC="nope", RTRL_SERVICES__RUN_DIR=str(tmp_path)))
+    assert "unknown reward spec 'nope'" in line
+
+
 def test_a_store_that_was_never_migrated_is_one_line(tmp_path: Path) -> None:
     line = one_line_error(rtrl("train", "status", RTRL_STORE__URL=f"sqlite:///{tmp_path}/none.db"))
     assert "run `rtrl labeler migrate`" in line and not (tmp_path / "none.db").exists()
