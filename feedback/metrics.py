@@ -64,12 +64,12 @@ JUDGED = Counter(
 )
 JUDGE_COMPARED = Counter(
     "rtrl_labeler_judge_compared_total",
-    "Judged episodes whose feedback also gave an outcome (non-zero) to compare the judge's grade with.",
+    "Judged episodes that also had feedback, whose outcome the judge's grade is compared with.",
 )
 JUDGE_DISAGREED = Counter(
     "rtrl_labeler_judge_disagreed_total",
-    "Of the compared episodes, those where the judge's grade (good: >= 0.5) and the feedback's outcome (positive) "
-    "disagree; the disagreement rate is this over rtrl_labeler_judge_compared_total.",
+    "Of the compared episodes, those where the judge's grade (good: >= 0.5) and the feedback's outcome (good: "
+    "positive) disagree; the disagreement rate is this over rtrl_labeler_judge_compared_total.",
 )
 JUDGE_WAITING = Gauge(
     "rtrl_labeler_judge_waiting",

@@ -349,9 +349,9 @@ def outcome_of(components: dict[str, float]) -> float | None:
 
 def judge_disagrees(components: dict[str, float], grade: float | None) -> bool | None:
     """Whether the judge's grade and the feedback's outcome disagree: the grade says good (≥ 0.5) and
-    the outcome is negative, or the grade says bad and the outcome is positive. None when either is
-    missing or the outcome is exactly 0 (no verdict to compare)."""
+    the outcome is not positive (a rejection, a task_outcome of 0: a failed task), or the grade says
+    bad and the outcome is positive. None when either is missing (no grade, or no feedback at all)."""
     outcome = outcome_of(components)
-    if grade is None or outcome is None or outcome == 0:
+    if grade is None or outcome is None:
         return None
     return (grade >= 0.5) != (outcome > 0)

@@ -236,7 +236,8 @@ def test_judge_disagrees_truth_table() -> None:
     assert judge_disagrees({"accepted": 0.75}, 0.2) is True
     assert judge_disagrees({"rejected": -0.25, "judge": -0.15}, 0.2) is False
     assert judge_disagrees({"rejected": -0.25}, 0.5) is True  # 0.5 counts as good
-    assert judge_disagrees({"edited": 0.0}, 0.8) is None  # an outcome of exactly 0: no verdict
+    assert judge_disagrees({"task_outcome": 0.0}, 0.8) is True  # a failed task (0) is not good
+    assert judge_disagrees({"task_outcome": 0.0}, 0.3) is False
     assert judge_disagrees({NO_FEEDBACK: 0.0, "judge": 0.15}, 0.8) is None  # no feedback
     assert judge_disagrees({"rejected": -0.25}, None) is None  # no grade
 

@@ -56,6 +56,7 @@ class Loop:
     registry: Registry
     url: str
     http: httpx.Client
+    key: str
 
     def call(self, prompt: str, episode: str, segment: int, role: str = "policy", agent: str | None = None,
              seed: int = 0, max_tokens: int = 8) -> tuple[str, str]:
@@ -73,7 +74,7 @@ class Loop:
         response = self.http.post(f"{self.url}/v1/feedback", json=list(items))
         assert response.status_code == 202, response.text
 
-    def label(self, settled: int, timeout_s: float = 120.0, **labeler: Any) -> Labeler:
+    def label(self, settled: int, timeout_s: float = 180.0, **labeler: Any) -> Labeler:
         """Run a labeler (this loop's settings, `labeler` overrides) until `settled` episodes are settled."""
         settings = self.settings.model_copy(update={"labeler": self.settings.labeler.model_copy(update=labeler)})
         worker = Labeler(settings, self.store, make_consumer(settings), make_producer(settings))
@@ -84,6 +85,17 @@ class Loop:
 
         try:
             wait_until(done, timeout_s=timeout_s, interval_s=0.0, what=f"{settled} episodes settled")
+        except TimeoutError as exc:
+            with self.store.transaction() as session:
+                from sqlalchemy import select
+
+                from store.models import Feedback
+
+                state = {"episodes": [(e.episode_id, e.status) for e in session.scalars(select(Episode))],
+                         "segments": [(i.episode_id, i.segment_index, i.late) for i in session.scalars(select(Interaction))],
+                         "feedback": [(f.kind, f.request_id[:8], f.episode_id, f.joined_episode_id, f.late)
+                                      for f in session.scalars(select(Feedback))]}  # fmt: skip
+            raise AssertionError(f"{exc}; assigned {worker.consumer.assignment()}; the store: {state}") from None
         finally:
             worker.consumer.close(autocommit=False)
             worker.producer.close()
@@ -141,7 +153,7 @@ def make_loop(services: Settings, tiny_model_dir: Path, tmp_path: Path) -> Calla
         http = httpx.Client(timeout=60, headers={"authorization": f"Bearer {key}"})
         try:
             with gateway_process(settings, tmp_path / f"gateway-{tag}.log") as url:
-                yield Loop(settings, store, registry, url, http)
+                yield Loop(settings, store, registry, url, http, key)
         finally:
             http.close()
             store.close()
@@ -458,3 +470,32 @@ def test_the_judge_term_grades_whole_episodes_on_the_local_vllm_server(make_loop
             assert components["judge"] == pytest.approx(0.25 * (2 * grade - 1))
             assert episode.reward == pytest.approx(sum(components.values()))
         assert compared() - before == 4  # every episode had an outcome to compare
+
+
+# ---- the simulated agents of `rtrl demo --scenario` ---------------------------------------------------
+
+
+@pytest.mark.parametrize("scenario", ["parl", "summarize", "self-edit"])
+def test_the_demo_agents_episodes_end_on_their_signal_with_their_structure(
+    make_loop: Callable[..., Any], services: Settings, scenario: str
+) -> None:
+    from rtrl.agents import SCENARIO_SPECS, run_agents
+
+    judge = JudgeSettings(url=f"{services.vllm.servers[0]}/v1", model=services.vllm.served_model_name)
+    with make_loop(SCENARIO_SPECS[scenario], judge=judge if scenario == "self-edit" else None) as loop:
+        report = run_agents(loop.settings, loop.url, scenario, 3, "exclaim", api_key=loop.key, seed=5)
+        assert (report.ok, report.failed, report.feedback_failed) == (3, 0, 0), report.errors
+        loop.label(settled=3)
+        episodes = loop.episodes()
+        assert len(episodes) == 3 and {e.settle_reason for e in episodes.values()} == {"terminal_feedback"}
+        metrics = [e.metrics or {} for e in episodes.values()]
+        assert sum(m["segments"] for m in metrics) == report.segments
+        if scenario == "parl":
+            assert sum(m["subagents"] for m in metrics) == report.subagents
+            assert all(m["stages"] == 2 and m["critical_steps"] >= 3 for m in metrics)
+        elif scenario == "summarize":
+            assert sum(m["summaries"] for m in metrics) == report.summaries
+        else:
+            assert all(m["context_edits"] >= 1 for m in metrics)  # the last call saw the pruned context
+            assert all("judge" in (e.reward_components or {}) or "judge_unavailable" in (e.reward_components or {})
+                       for e in episodes.values())  # fmt: skip
