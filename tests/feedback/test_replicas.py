@@ -202,15 +202,15 @@ def test_two_window_passes_settle_an_episode_once(pg_store: Store) -> None:
 
 
 def test_terminal_feedback_from_two_replicas_settles_once(pg_store: Store) -> None:
-    """Two terminal signals for one episode, about requests on different partitions, written at once:
-    the first settles the episode, the second waits and is late (it used to settle it again, with a
-    different reward)."""
+    """Two terminal signals for one episode (naming it: it has two calls), about requests on different
+    partitions, written at once: the first settles the episode, the second waits and is late (it used
+    to settle it again, with a different reward)."""
     one, two = Feeder(pg_store), Feeder(pg_store)
     one.send(interaction("e", 0), interaction("e", 1))
     with pg_store.labelling(T0) as tx:
-        written = tx.write_events([(r := one.record(feedback("r-e-0", "thumbs_up")), one_parse(r))])
+        written = tx.write_events([(r := one.record(feedback("r-e-0", "thumbs_up", episode_id="e")), one_parse(r))])
         assert tx.join_and_settle(TAB_V1, written.interactions, written.feedback).settled_terminal == 1
-        other = Concurrently(lambda: two.send(feedback("r-e-1", "thumbs_down"), now=T0))
+        other = Concurrently(lambda: two.send(feedback("r-e-1", "thumbs_down", episode_id="e"), now=T0))
         other.waiting()
     _, report = other.outcome()
     assert (report.settled_terminal, report.late_feedback) == (0, 1)
