@@ -39,7 +39,8 @@ def test_status_reports_every_part_and_the_problems(services: Settings, tiny_mod
     assert [p for p in report["problems"] if "rtrl run is not running" not in p] == [], report["problems"]
     assert {s["name"] for s in report["services"] if s["healthy"]} >= {"kafka", "postgres", "redis", "mlflow", "vllm"}
     assert report["registry"]["champion"] == 1
-    assert report["labeler"] == {"pending": 0, "produced": 0, "stored": 0, "dead_lettered": 0, "balanced": True}
+    assert report["labeler"] == {"pending": 0, "produced": 0, "stored": 0, "dead_lettered": 0, "balanced": True,
+                                 "judging": 0}
     assert [(r["role"], r["version"], r["paused"]) for r in report["fleet"]] == [("serving", 1, False), ("staging", 1, False)]
     assert report["trainer"]["running"] == [] and report["trainer"]["paused"] is False
 
