@@ -90,7 +90,6 @@ class TrainingSegment:
     role: str
     policy_version: int
     sampling: SamplingParams = field(default_factory=SamplingParams)  # how it was sampled (schemas/sampling.py)
-    agent: str | None = None  # the PARL sub-agent that made the call; None: the main agent
 
 
 @dataclass(frozen=True)
@@ -320,11 +319,6 @@ class Store:
             yield Labelling(session, self.dialect, now)
 
     # ---- training cycles ------------------------------------------------------------------------
-
-    def count_judging(self) -> int:
-        """Episodes closed and waiting for the judge of a judged reward spec (feedback/judging.py)."""
-        with self.transaction() as session:
-            return int(session.scalar(select(func.count()).select_from(Episode).where(Episode.status == "judging")) or 0)
 
     def trained_cycles(self) -> int:
         """Cycles that trained a version (registered, promoted or rejected): the k of PARL's λ schedule."""
@@ -613,7 +607,6 @@ class Store:
                     role=row.role,
                     policy_version=row.policy_number,
                     sampling=SamplingParams.model_validate(row.sampling or {}),
-                    agent=row.agent,
                 )
             )
         return [
@@ -848,6 +841,11 @@ class Store:
         return died
 
     # ---- observability --------------------------------------------------------------------------
+
+    def count_judging(self) -> int:
+        """Episodes closed and waiting for the judge of a judged reward spec (feedback/judging.py)."""
+        with self.transaction() as session:
+            return int(session.scalar(select(func.count()).select_from(Episode).where(Episode.status == "judging")) or 0)
 
     def stats(self, orphan_after_s: float | None = None) -> dict[str, int]:
         """Row counts per table and status. Feedback still unjoined after ``orphan_after_s`` is orphaned."""

@@ -302,9 +302,11 @@ def awaiting_judge(session: Session, limit: int) -> list[ToJudge]:
     out = []
     for episode_id in ids:
         segments = parts.get(episode_id, [])
-        lines = [f"[{role}{'' if agent is None else ' ' + agent}] {completion.strip()}"
-                 for _, role, agent, completion in segments] if len(segments) > 1 else \
-                [completion.strip() for _, _, _, completion in segments]  # fmt: skip
+        if len(segments) == 1:
+            lines = [segments[0][3].strip()]
+        else:  # which call wrote what: the judge reads the whole trajectory
+            lines = [f"[{role}{'' if agent is None else ' ' + agent}] {completion.strip()}"
+                     for _, role, agent, completion in segments]  # fmt: skip
         out.append(ToJudge(episode_id, segments[0][0] if segments else "", "\n".join(lines)))
     return out
 
