@@ -21,8 +21,9 @@ front of users): the gate swaps it to the challenger with the same verified swap
 a checkpoint that does not load or does not match its probe fails here, before any user sees it),
 samples every suite's prompts, then does the same for the champion. Both sample with the served
 model's defaults and the same seed, so both see the same sampling noise. While the challenger is
-loaded, the staging server's `/weight_checker` digests are recorded as the version's baseline for
-`deployer.rollout`'s swap verification.
+loaded, the staging server's `/weight_checker` digests are recorded in the store as the version's
+baseline for `deployer.rollout`'s swap verification. One gate run at a time per store, on any host:
+the staging server is held by the store's "staging" lock (`rollout.rollout_lock`).
 
 Every decision is kept in the store (`rtrl gate explain VERSION` prints it) and in MLflow: tags on
 the model version, and metrics and the decision JSON on the challenger's run when it is known.
@@ -225,12 +226,12 @@ def _behaviour(suites: list[PromptSuite], generated: list[list[list[Generation]]
     return alarms.behaviour([g for g, _ in flat], settings.gate.alarms.no_action_pattern, [a for _, a in flat])
 
 
-def _load(server: VllmClient, target: rollout.Target, settings: Settings) -> None:
+def _load(server: VllmClient, target: rollout.Target, settings: Settings, store: Store) -> None:
     step, digests = rollout.swap_server(server, target, settings, restore=None)
     if not step.verified:
         raise GateError(f"v{target.version} does not load correctly on the staging server: {step.error}")
     if digests:  # none for an adapter (rollout._digests)
-        rollout.save_digests(settings, target.version, digests)
+        rollout.save_digests(settings, store, target.version, digests)
 
 
 def ope_suite(
@@ -298,13 +299,14 @@ def _against_anchor(result: SuiteResult, anchor: int, settings: Settings) -> Sui
     })  # fmt: skip
 
 
-def evaluate(settings: Settings, registry: Registry, version: int, store: Store | None = None) -> GateDecision:
+def evaluate(settings: Settings, registry: Registry, version: int, store: Store) -> GateDecision:
     """Judge challenger `version` against the champion and record the decision (docs/gate.md).
 
     A challenger that does not load and verify on staging fails the gate (recorded, no raise).
     Raises GateError when the gate cannot run at all (no staging server, a suite that cannot be
-    loaded, the champion fails to load). Without `store` the ope suite is not run (it needs the
-    held-out traffic) and says so.
+    loaded, the champion fails to load), and RolloutBusy when another gate run holds the staging
+    server. The `store` holds the staging lock, the recorded digests, the held-out traffic of the
+    ope suite and the decision.
     """
     cfg = settings.gate
     staging = settings.vllm.staging_server
@@ -318,21 +320,21 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store 
     generated: dict[str, list[list[list[Generation]]]] = {}
     targets: dict[str, rollout.Target] = {}
     load_failure: str | None = None
-    with rollout.rollout_lock(settings, "staging"):
+    with rollout.rollout_lock(store, "staging", f"gate v{version}"):
         with rollout.server_client(settings, staging) as server:
             try:
-                targets["challenger"] = rollout.target(settings, registry, version)
-                _load(server, targets["challenger"], settings)
+                targets["challenger"] = rollout.target(settings, registry, store, version)
+                _load(server, targets["challenger"], settings, store)
                 generated["challenger"] = _generate(server, settings, suites)
             except (GateError, AdapterError) as exc:
                 load_failure = str(exc)  # a challenger that does not load fails the gate; recorded below
             if anchor is not None and anchored and load_failure is None:
-                targets["anchor"] = rollout.target(settings, registry, anchor)
-                _load(server, targets["anchor"], settings)
+                targets["anchor"] = rollout.target(settings, registry, store, anchor)
+                _load(server, targets["anchor"], settings, store)
                 generated["anchor"] = _generate(server, settings, [suites[i] for i in anchored])
             # The champion runs last so the staging server ends on it, matching the fleet.
-            targets["champion"] = rollout.target(settings, registry, champion)
-            _load(server, targets["champion"], settings)
+            targets["champion"] = rollout.target(settings, registry, store, champion)
+            _load(server, targets["champion"], settings, store)
             generated["champion"] = _generate(server, settings, suites)
 
     results: list[SuiteResult] = []
@@ -356,16 +358,11 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store 
             challenger_anchored = _behaviour(on_anchored, [generated["challenger"][i] for i in anchored], settings)
             found.append(alarms.no_action_anchor_alarm(challenger_anchored, behaviour["anchor"], anchor, cfg.alarms))
         if "ope" in cfg.suites:
-            if store is None:
-                results.append(SuiteResult(name="ope", kind="ope", challenger=None, champion=None, difference=None,
-                                           conclusive=False, passed=None, n=0, margin=margin(settings, "ope"),
-                                           note="no store was given"))  # fmt: skip
-            else:
-                chal, champ = targets["challenger"], targets["champion"]
-                estimate, ope_alarms = ope_suite(settings, store, ope.Weights(chal.path, chal.base),
-                                                 ope.Weights(champ.path, champ.base))  # fmt: skip
-                results.append(estimate)
-                found.extend(ope_alarms)
+            chal, champ = targets["challenger"], targets["champion"]
+            estimate, ope_alarms = ope_suite(settings, store, ope.Weights(chal.path, chal.base),
+                                             ope.Weights(champ.path, champ.base))  # fmt: skip
+            results.append(estimate)
+            found.extend(ope_alarms)
         order: dict[str, int] = {name: i for i, name in enumerate(cfg.suites)}
         results.sort(key=lambda s: order.get(s.name, len(order)))
         passed, reason = decide(results, [a for a in found if a.fired])
@@ -450,7 +447,7 @@ def record(settings: Settings, registry: Registry, decision: GateDecision, store
             figures[key] = value
     registry.log_metrics(run_id, figures)
     files: dict[str, object] = {f"gate/decision-v{version}.json": decision.model_dump(mode="json")}
-    digests = rollout.load_digests(settings, version)
+    digests = rollout.load_digests(settings, store, version) if store is not None else None
     if digests is not None:
         files[f"gate/weight_digests-v{version}.json"] = digests
     registry.log_json(run_id, files)

@@ -25,8 +25,9 @@ alias where it was and returns ``ok=False`` with the reason. Only a fully verifi
 `rollback` is a promotion of the previous champion. `align_fleet` brings servers that restarted (or
 were never given a version) back to the champion, and resumes and puts back what a deployer that
 died mid-swap left paused or out of rotation; `bootstrap` registers the base model as v1
-@champion when the registry is empty and then aligns the fleet. One rollout at a time per run
-directory (a file lock).
+@champion when the registry is empty and then aligns the fleet. One rollout (and one gate run
+on the staging server) at a time per store, whichever host it runs on (`rollout_lock`: a lock in
+the store, store/locks.py); the digests the swaps are verified against are kept in the store too.
 
 Called by the trainer chain after a passing gate, by ``rtrl run`` / the demo before the loop
 starts (`bootstrap`), by the fleet reconciler (deployer/reconcile.py, a child of ``rtrl run``),
@@ -35,13 +36,11 @@ and by ``rtrl deploy bootstrap|promote|rollback|reconcile``.
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
 import math
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -68,7 +67,7 @@ from schemas.settings import Settings
 from schemas.versions import format_version
 from serving import AdapterError, ServerError, ServingError, VersionUnknown, VllmClient, meaningful_digests
 from serving.adapters import check_servable, is_adapter, server_max_rank, write_identity_adapter
-from store import Store, StoreError
+from store import LockBusy, Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -166,13 +165,14 @@ class Target:
 
 
 def deploy_dir(settings: Settings) -> Path:
-    """Local working directory of the deployer (digests, lock files), absolute."""
+    """Local working directory of the deployer (its probe cache, a LoRA registry's v1 adapter), absolute.
+    Its locks and the recorded digests are in the store (`rollout_lock`, `load_digests`)."""
     path = (settings.services.run_dir / "deploy").expanduser().resolve()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def target(settings: Settings, registry: Registry, version: int) -> Target:
+def target(settings: Settings, registry: Registry, store: Store, version: int) -> Target:
     """`version`, downloaded, with its probe. Raises AdapterError when the version is not what the
     fleet loads: an adapter for a full-weight fleet, full weights for a LoRA fleet (whose base
     weights never change), or an adapter above the servers' rank."""
@@ -187,7 +187,7 @@ def target(settings: Settings, registry: Registry, version: int) -> Target:
         base = settings.vllm.model_dir.expanduser().resolve()
         return Target(version, path, adapter_probe(base), [], None, base=base)
     probe, reference = cached_reference(path, deploy_dir(settings) / "probes" / f"{format_version(version)}.json")
-    return Target(version, path, probe, reference, load_digests(settings, version))
+    return Target(version, path, probe, reference, load_digests(settings, store, version))
 
 
 _adapter_probes: dict[Path, Probe] = {}
@@ -200,22 +200,15 @@ def adapter_probe(base: Path) -> Probe:
     return _adapter_probes[base]
 
 
-def digests_path(settings: Settings, version: int) -> Path:
-    return deploy_dir(settings) / "digests" / f"{format_version(version)}.json"
+def load_digests(settings: Settings, store: Store, version: int) -> dict[str, str] | None:
+    """The digests recorded for `version` of the registry model (``mlflow.model_name``); None: none yet."""
+    return store.recorded_digests(settings.mlflow.model_name, version)
 
 
-def load_digests(settings: Settings, version: int) -> dict[str, str] | None:
-    path = digests_path(settings, version)
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def save_digests(settings: Settings, version: int, digests: dict[str, str]) -> Path:
-    path = digests_path(settings, version)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(digests, indent=1, sort_keys=True))
-    tmp.replace(path)
-    return path
+def save_digests(settings: Settings, store: Store, version: int, digests: dict[str, str]) -> None:
+    """Record `digests` as `version`'s baseline, replacing any recorded before; every deployer
+    and gate sharing the store reads it."""
+    store.record_digests(settings.mlflow.model_name, version, digests)
 
 
 def host_path(settings: Settings, server: VllmClient, want: Target) -> Path:
@@ -431,18 +424,16 @@ def swap_window(
 
 
 @contextmanager
-def rollout_lock(settings: Settings, name: str = "rollout") -> Iterator[None]:
-    """One rollout (or gate run on the staging server) at a time; fails fast when held."""
-    path = deploy_dir(settings) / f"{name}.lock"
-    with path.open("a") as handle:
+def rollout_lock(store: Store, name: str = "rollout", purpose: str = "") -> Iterator[None]:
+    """One rollout ("rollout") or gate run on the staging server ("staging") at a time, across every
+    host that shares the store (`Store.exclusive`); raises RolloutBusy at once, naming the holder,
+    when it is held. The two names never block each other."""
+    with ExitStack() as stack:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RolloutBusy(f"another {name} holds {path}") from None
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            stack.enter_context(store.exclusive(name, purpose))
+        except LockBusy as exc:
+            raise RolloutBusy(f"another {name} is under way: {exc}") from None
+        yield
 
 
 def server_client(settings: Settings, url: str) -> VllmClient:
@@ -457,15 +448,10 @@ def _failed_step(url: str, version: int, exc: Exception) -> ServerSwap:
     )  # fmt: skip
 
 
-def _swap_fleet(settings: Settings, registry: Registry, version: int, previous: int) -> SwapResult:
-    want = target(settings, registry, version)
-    back = want if previous == version else target(settings, registry, previous)
-    store = Store(settings.store.url)
-    try:
-        store.check_schema()  # the swap is announced there: StoreNotMigrated says how to fix it
-        return _swap_servers(settings, registry, store, want, back, previous)
-    finally:
-        store.close()
+def _swap_fleet(settings: Settings, registry: Registry, store: Store, version: int, previous: int) -> SwapResult:
+    want = target(settings, registry, store, version)
+    back = want if previous == version else target(settings, registry, store, previous)
+    return _swap_servers(settings, registry, store, want, back, previous)
 
 
 def _swap_one(
@@ -514,8 +500,8 @@ def _swap_servers(
         done.append(url)
         if want.digests is None and meaningful_digests(digests):
             # The canary passed the probe: its digests vouch for this version on the rest.
-            save_digests(settings, version, digests)
-            want = target(settings, registry, version)
+            save_digests(settings, store, version, digests)
+            want = target(settings, registry, store, version)
 
     rolled_back = False
     if failure is not None and done:
@@ -538,9 +524,18 @@ def _swap_servers(
 
 def promote(settings: Settings, registry: Registry, version: int) -> SwapResult:
     """Swap the fleet to `version` and, when every server verified, move @champion to it."""
-    with rollout_lock(settings):
+    store = Store(settings.store.url)
+    try:
+        store.check_schema()  # the lock, the digests and the swap's announcements are there
+        return _promote(settings, registry, store, version)
+    finally:
+        store.close()
+
+
+def _promote(settings: Settings, registry: Registry, store: Store, version: int) -> SwapResult:
+    with rollout_lock(store, "rollout", f"promote v{version}"):
         previous = registry.champion()
-        result = _swap_fleet(settings, registry, version, previous)
+        result = _swap_fleet(settings, registry, store, version, previous)
         metrics.ROLLOUTS.labels("ok" if result.ok else "failed").inc()
         if result.ok:
             registry.set_alias(CHAMPION, version)
@@ -614,13 +609,13 @@ def align_fleet(settings: Settings, registry: Registry, *, keep_going: bool = Fa
     Raises RolloutBusy when a rollout holds the fleet.
     """
     report = FleetReport()
-    with rollout_lock(settings):
-        version = registry.champion()
-        report.champion = version
-        want = target(settings, registry, version)
-        store = Store(settings.store.url)
-        try:
-            store.check_schema()  # what each server serves is announced there
+    store = Store(settings.store.url)
+    try:
+        store.check_schema()  # the lock, the digests and what each server serves are there
+        with rollout_lock(store, "rollout", "align the fleet to @champion"):
+            version = registry.champion()
+            report.champion = version
+            want = target(settings, registry, store, version)
             rotation = store.rotation()
             drain = len(settings.vllm.servers) > 1
             for url in settings.vllm.servers:
@@ -629,14 +624,15 @@ def align_fleet(settings: Settings, registry: Registry, *, keep_going: bool = Fa
                 if row is not None and not row.in_rotation and row.reason.startswith(DEPLOYER_MARK):
                     store.set_rotation(url, True, f"reconciled: back after {row.reason[len(DEPLOYER_MARK):]}")
                     report.returned_to_rotation.append(url.rstrip("/"))
-        finally:
-            store.close()
-    if settings.vllm.staging_server is not None:  # no gateway routes to it: nothing to announce
-        try:
-            with rollout_lock(settings, "staging"):
-                _align_one(settings, settings.vllm.staging_server, want, None, False, report, keep_going)
-        except RolloutBusy:
-            report.skipped.append(settings.vllm.staging_server.rstrip("/"))  # the gate is using it
+        if settings.vllm.staging_server is not None:  # no gateway routes to it: nothing to announce
+            try:
+                with rollout_lock(store, "staging", "align staging to @champion"):
+                    _align_one(settings, settings.vllm.staging_server, want, store, False, report, keep_going,
+                               announce=False)  # fmt: skip
+            except RolloutBusy:
+                report.skipped.append(settings.vllm.staging_server.rstrip("/"))  # the gate is using it
+    finally:
+        store.close()
     return report
 
 
@@ -663,8 +659,8 @@ class FleetReport(BaseModel):
 
 
 def _align_one(
-    settings: Settings, url: str, want: Target, store: Store | None, drain: bool, report: FleetReport,
-    keep_going: bool,
+    settings: Settings, url: str, want: Target, store: Store, drain: bool, report: FleetReport,
+    keep_going: bool, *, announce: bool = True,
 ) -> None:
     try:
         with server_client(settings, url) as server:
@@ -672,7 +668,7 @@ def _align_one(
                 log.warning("%s was paused outside any swap (a deployer died mid-swap?): resuming it", server.url)
                 server.resume()
                 report.resumed.append(server.url)
-            done, step = _align(settings, server, want, store, drain)
+            done, step = _align(settings, server, want, store, drain, announce=announce)
     except (ServingError, httpx.HTTPError) as exc:
         if not keep_going:
             raise
@@ -686,28 +682,28 @@ def _align_one(
 
 
 def _align(
-    settings: Settings, server: VllmClient, want: Target, store: Store | None, drain: bool = False
+    settings: Settings, server: VllmClient, want: Target, store: Store, drain: bool = False, *, announce: bool = True
 ) -> tuple[Literal["aligned", "relabelled", "swapped"], ServerSwap | None]:
     """Bring one server to `want` (see `align_fleet`): what it took, and the swap record when it
-    was swapped. With a `store` (a serving server), what it serves is announced to the gateways,
-    and with `drain` it leaves their rotation while it changes."""
+    was swapped. With `announce` (a serving server), what it serves is announced to the gateways
+    in the store, and with `drain` it leaves their rotation while it changes."""
     version = want.version
     try:
         label: int | None = server.weight_version()
     except VersionUnknown:
         label = None  # a label that is not "vN" is as good as none: probe, relabel or swap
     if label == version:
-        if store is not None:
+        if announce:
             store.set_serving_version(server.url, version, f"aligned: serving v{version}")
         return "aligned", None
     changing: AbstractContextManager[Drain] = (
-        nullcontext(Drain(drained=False)) if store is None
+        nullcontext(Drain(drained=False)) if not announce
         else swap_window(settings, store, server, f"align to v{version}", drain=drain)
     )  # fmt: skip
     with changing as window:
         if probe_diff(server, want) <= settings.deployer.probe_tolerance:
             if want.digests is None and not want.adapter:
-                save_digests(settings, version, server.weight_digests())
+                save_digests(settings, store, version, server.weight_digests())
             server.update_weight_version(version)  # verified by the probe just now
             window.serving = version
             return "relabelled", None

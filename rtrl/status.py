@@ -4,8 +4,8 @@ Each part is read on its own, with short timeouts, and a part that cannot be rea
 of failing the rest: the local services (what ``rtrl services status`` shows), the daemon's
 processes (the state file ``rtrl run``'s supervisor rewrites every poll, `rtrl.supervisor`), the
 labeler's lag and reconciliation (`feedback.reconcile`), the trainer (paused or not, the cycle
-under way, the last one and its gate decision), the registry's champion, and every server's
-weight version, pause and rotation. ``problems`` lists what needs an operator, each with where to
+under way, the last one and its gate decision), the registry's champion, every server's
+weight version, pause and rotation, and who holds the deployer's locks (store/locks.py). ``problems`` lists what needs an operator, each with where to
 look; ``rtrl status`` exits 1 when there is one.
 """
 
@@ -42,6 +42,7 @@ def collect(settings: Settings) -> dict[str, Any]:
     part("labeler", lambda: _labeler(settings, problems))
     part("trainer", lambda: _trainer(settings))
     part("fleet", lambda: _fleet(settings, champion, problems))
+    part("locks", lambda: _locks(settings))
     return report
 
 
@@ -181,6 +182,21 @@ def _fleet(settings: Settings, champion: int | None, problems: list[str]) -> lis
     return rows
 
 
+def _locks(settings: Settings) -> list[dict[str, Any]]:
+    """The deploy locks' recorded holders; ``held`` False: a row left by a holder that was killed
+    (the lock is free, the next holder overwrites it), None: cannot be told here."""
+    from store import Store
+
+    store = Store(settings.store.url)
+    try:
+        store.check_schema()
+        holders = store.lock_holders()
+    finally:
+        store.close()
+    return [{"name": h.name, "holder": h.holder, "purpose": h.purpose, "since": h.acquired_at.isoformat(),
+             "held": h.held} for h in holders]  # fmt: skip
+
+
 def render(report: dict[str, Any]) -> str:
     """The report as a screen of text."""
     lines: list[str] = []
@@ -235,6 +251,11 @@ def render(report: dict[str, Any]) -> str:
                 f"v{row['version']}" + (" PAUSED" if row.get("paused") else "")
                 + ("" if row.get("in_rotation") in (None, True) else f", out of rotation ({row.get('rotation_reason')})"))  # fmt: skip
             lines.append(f"fleet     {row['role']:<8} {row['url']}  {state}")
+    if "locks" in report and not failed("locks"):
+        held = [f"{lock['name']} held by {lock['holder']} ({lock['purpose']}) since {lock['since']}"
+                + (" (held: unknown)" if lock["held"] is None else "")
+                for lock in report["locks"] if lock["held"] is not False]  # fmt: skip
+        lines.append("locks     " + (" · ".join(held) or "none held"))
     problems = report["problems"]
     lines.append("problems  " + ("none" if not problems else f"{len(problems)}"))
     lines.extend(f"  - {p}" for p in problems)

@@ -6,7 +6,8 @@ migrations in ``store/migrations``. Open one `Store` per process and pass it dow
 - the labeler writes a batch through `Store.labelling` (events, dead letters, join, settle);
 - the trainer leases cycles and reads batches (`Store.acquire_cycle`, `Store.select_episodes`, ...);
 - the deployer takes servers out of rotation and the gateways read it (`Store.set_rotation`,
-  `Store.rotation`);
+  `Store.rotation`), holds its locks across hosts (`Store.exclusive`, store/locks.py) and keeps
+  the weight digests it verifies swaps against (`Store.record_digests`);
 - operators read `Store.stats`, `Store.recent_cycles` and the reconciliation counts.
 
 Importing this package imports SQLAlchemy but neither torch nor Kafka.
@@ -16,6 +17,7 @@ from store.db import (
     ApiKeyRecord,
     CycleRecord,
     DeadLetterEntry,
+    LockHolder,
     RotationRecord,
     Store,
     TenantRecord,
@@ -27,6 +29,7 @@ from store.errors import (
     DatabaseUnavailable,
     EpisodesUnavailable,
     LeaseLost,
+    LockBusy,
     StoreError,
     StoreNotMigrated,
     UnsupportedStoreUrl,
@@ -43,6 +46,8 @@ __all__ = [
     "DeadLetterEntry",
     "EpisodesUnavailable",
     "LeaseLost",
+    "LockBusy",
+    "LockHolder",
     "Rejected",
     "RotationRecord",
     "SettleReport",

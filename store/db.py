@@ -26,14 +26,16 @@ The trainer's contract (docs/internals.md):
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, exists, func, select, update
+from sqlalchemy import Engine, create_engine, delete, event, exists, func, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -43,12 +45,14 @@ from schemas.events import FeedbackEvent, InteractionEvent, SamplingParams
 from schemas.keys import check_tenant, hash_key, key_prefix, new_key
 from schemas.rewards import NO_FEEDBACK, RewardSpec
 from schemas.versions import format_version, parse_version
-from store import events, settle
+from store import events, locks, settle
 from store.errors import (
     DatabaseError,
     DatabaseUnavailable,
     EpisodesUnavailable,
     LeaseLost,
+    LockBusy,
+    StoreError,
     StoreNotMigrated,
     UnsupportedStoreUrl,
 )
@@ -58,15 +62,19 @@ from store.models import (
     ApiKey,
     Cycle,
     DeadLetter,
+    DeployLockHolder,
     Episode,
     Feedback,
     GateDecisionRow,
     Interaction,
     LabelerProgress,
+    RecordedDigests,
     ServerRotation,
     Tenant,
     VersionHistory,
 )
+
+log = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 CYCLE_STATUSES = ACTIVE_CYCLE_STATUSES + FINAL_CYCLE_STATUSES
@@ -157,6 +165,20 @@ class RotationRecord:
 
 
 @dataclass(frozen=True)
+class LockHolder:
+    """Who holds a deploy lock, as it recorded itself (`Store.exclusive`, `Store.lock_holders`)."""
+
+    name: str
+    holder: str  # host:pid
+    purpose: str
+    acquired_at: datetime
+    held: bool | None = None  # lock_holders: whether the lock is held now (False: a stale row); None: unknown
+
+    def __str__(self) -> str:
+        return f"{self.holder}" + (f" ({self.purpose})" if self.purpose else "") + f" since {self.acquired_at.isoformat()}"
+
+
+@dataclass(frozen=True)
 class DeadLetterEntry:
     """A stored dead letter (what `rtrl dlq` lists and shows)."""
 
@@ -226,13 +248,21 @@ class Store:
             self.engine: Engine = create_engine(url, connect_args={"timeout": busy_timeout_s})
             _configure_sqlite(self.engine, busy_timeout_s)
         elif self.dialect == "postgresql":
-            self.engine = create_engine(url, pool_pre_ping=True)
+            # No server-side prepared statements: a prepared IN-list query gets a generic plan that
+            # cannot hash the list and scans the table (the labeler's lookups went from 5 ms to 200 ms
+            # as the tables grew; bench/bench_labeler.py), and a pooler in transaction mode (PgBouncer)
+            # cannot hold them anyway.
+            self.engine = create_engine(url, pool_pre_ping=True, connect_args={"prepare_threshold": None})
+            # A batch's rows go as multi-row INSERTs (one statement per page of rows) rather than
+            # psycopg's one statement per row: what the psycopg2 dialect does by default.
+            self.engine.dialect.use_insertmanyvalues_wo_returning = True
         else:
             raise UnsupportedStoreUrl(
                 f"unsupported store URL {parsed.render_as_string(hide_password=True)!r}; set RTRL_STORE__URL "
                 "to sqlite:///PATH or postgresql+psycopg://USER@HOST:PORT/DB"
             )
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._local_locks: dict[str, threading.Lock] = {}  # an in-memory SQLite store's locks (store/locks.py)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -670,6 +700,69 @@ class Store:
             ).all()
             return [dict(row.record) for row in rows]
 
+    # ---- deploy state: recorded weight digests, deploy locks ---------------------------------------
+
+    def record_digests(self, model: str, version: int, digests: dict[str, str]) -> None:
+        """Keep the weight digests a verified server reported for `version` of registry model
+        `model`, the baseline later swaps to it are checked against; recording again replaces them."""
+        values = {"model": model, "version": version, "digests": dict(digests), "recorded_at": self.clock()}
+        with self.transaction() as session:
+            session.execute(_upsert(self.dialect, RecordedDigests, values, ["model", "version"]))
+
+    def recorded_digests(self, model: str, version: int) -> dict[str, str] | None:
+        """The digests recorded for `version` of `model`; None when none were."""
+        with self.transaction() as session:
+            row = session.get(RecordedDigests, (model, version))
+            return None if row is None else dict(row.digests)
+
+    @contextmanager
+    def exclusive(self, name: str, purpose: str = "") -> Iterator[LockHolder]:
+        """Hold lock `name` for the block, for every process on every host of this store (a
+        PostgreSQL advisory lock, or an flock beside the SQLite file: store/locks.py), recording
+        this process as its holder. Raises LockBusy at once, naming the holder, when it is held."""
+        try:
+            release = locks.try_lock(self.engine, self.url, name, self._local_locks)
+        except DBAPIError as exc:
+            raise self._database_error(exc) from exc
+        if release is None:
+            raise LockBusy(name, self._holder_text(name))
+        try:
+            holder = LockHolder(name, locks.this_process(), purpose[:500], self.clock())
+            values = {"name": name, "holder": holder.holder, "purpose": holder.purpose, "acquired_at": holder.acquired_at}
+            with self.transaction() as session:  # overwrites a row a killed holder left
+                session.execute(_upsert(self.dialect, DeployLockHolder, values, ["name"]))
+            try:
+                yield holder
+            finally:
+                try:
+                    with self.transaction() as session:  # before the lock is released: the next holder's row stays
+                        session.execute(delete(DeployLockHolder).where(DeployLockHolder.name == name,
+                                                                       DeployLockHolder.holder == holder.holder))  # fmt: skip
+                except StoreError as exc:
+                    log.warning("the %s lock's holder row stays (%s); the next holder overwrites it", name, exc)
+        finally:
+            release()
+
+    def _holder_text(self, name: str) -> str | None:
+        """The recorded holder of lock `name`, for a LockBusy message (best effort)."""
+        try:
+            with self.transaction() as session:
+                row = session.get(DeployLockHolder, name)
+                return None if row is None else str(LockHolder(row.name, row.holder, row.purpose, row.acquired_at))
+        except StoreError:
+            return None
+
+    def lock_holders(self) -> list[LockHolder]:
+        """Every recorded lock holder, with whether its lock is held now (`rtrl status`). A row whose
+        lock is free (held False) was left by a holder that was killed; the next holder replaces it."""
+        with self.transaction() as session:
+            rows = session.scalars(select(DeployLockHolder).order_by(DeployLockHolder.name)).all()
+            found = [LockHolder(r.name, r.holder, r.purpose, r.acquired_at) for r in rows]
+        try:
+            return [replace(h, held=locks.held(self.engine, self.url, h.name, self._local_locks)) for h in found]
+        except DBAPIError as exc:
+            raise self._database_error(exc) from exc
+
     # ---- server rotation ---------------------------------------------------------------------------
 
     def set_rotation(self, url: str, in_rotation: bool, reason: str) -> None:
@@ -931,6 +1024,20 @@ def _record(cycle: Cycle) -> CycleRecord:
         metrics=dict(cycle.metrics or {}),
         error=cycle.error,
     )
+
+
+def _upsert(dialect: str, model: Any, values: dict[str, Any], keys: list[str]) -> Any:
+    """INSERT `values`, or on a conflict over `keys` UPDATE the row to them (SQLite and PostgreSQL)."""
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        statement: Any = pg_insert(model).values(values)
+    else:
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        statement = sqlite_insert(model).values(values)
+    changed = {name: statement.excluded[name] for name in values if name not in keys}
+    return statement.on_conflict_do_update(index_elements=keys, set_=changed)
 
 
 def _configure_sqlite(engine: Engine, busy_timeout_s: float) -> None:

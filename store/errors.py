@@ -32,3 +32,16 @@ class LeaseLost(StoreError):
 
 class EpisodesUnavailable(StoreError):
     """Episodes asked for by a cycle are unknown, not settled, or already used by another cycle."""
+
+
+class LockBusy(StoreError):
+    """Another process, on this host or another, holds the lock (`Store.exclusive`); it is never
+    waited for. `holder` says who holds it ("host:pid, purpose, since when") when it is recorded."""
+
+    def __init__(self, name: str, holder: str | None) -> None:
+        self.name, self.holder = name, holder
+        super().__init__(f"the {name} lock is held by {holder}" if holder else
+                         f"the {name} lock is held (its holder has not recorded itself yet)")  # fmt: skip
+
+    def __reduce__(self) -> tuple[type[LockBusy], tuple[str, str | None]]:
+        return LockBusy, (self.name, self.holder)  # pickled (Celery results) with its own arguments

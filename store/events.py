@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, tuple_
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from schemas.events import DeadLetterRecord, FeedbackEvent, InteractionEvent
@@ -125,12 +125,15 @@ def write_events(
     segment_keys = [(e.episode_id, e.segment_index) for _, e in valid if isinstance(e, InteractionEvent)]
     segments: dict[tuple[str, int], str] = {}
     if segment_keys:
+        # By episode id (the unique index's leading column), not a (episode, segment) tuple IN,
+        # which PostgreSQL answers with a scan of the whole table.
+        wanted = set(segment_keys)
         segment_rows = session.execute(
             select(Interaction.episode_id, Interaction.segment_index, Interaction.event_id).where(
-                tuple_(Interaction.episode_id, Interaction.segment_index).in_(segment_keys)
+                Interaction.episode_id.in_(sorted({episode for episode, _ in wanted}))
             )
         )
-        segments = {(row[0], row[1]): row[2] for row in segment_rows}
+        segments = {(row[0], row[1]): row[2] for row in segment_rows if (row[0], row[1]) in wanted}
 
     interaction_rows: list[dict[str, Any]] = []
     feedback_rows: list[dict[str, Any]] = []
@@ -175,7 +178,7 @@ def write_events(
     # clause took about a third of the labeler's time (bench/bench_labeler.py --profile).
     for model, rows_ in ((Interaction, interaction_rows), (Feedback, feedback_rows)):
         if rows_:
-            session.execute(insert_ignoring(dialect, model, ["event_id"]), rows_)
+            session.execute(insert_ignoring(dialect, model.__table__, ["event_id"]), rows_)  # Core: no ORM bulk bookkeeping
     if out.rejected:
         # A record dead-lettered before a crash is re-read too: it is a replay, not a new dead letter
         # (and is not produced to the DLQ topic a second time).
@@ -184,19 +187,20 @@ def write_events(
         out.replayed += len(known)
         out.rejected = [r for r in out.rejected if r.event_id not in known]
     if out.rejected:
-        session.execute(insert_ignoring(dialect, DeadLetter, ["event_id"]), [r.to_row(now) for r in out.rejected])
+        session.execute(insert_ignoring(dialect, DeadLetter.__table__, ["event_id"]), [r.to_row(now) for r in out.rejected])
     return out
 
 
-def insert_ignoring(dialect: str, model: Any, index_elements: list[str]) -> Any:
-    """INSERT .. ON CONFLICT (index_elements) DO NOTHING, for SQLite and PostgreSQL."""
+def insert_ignoring(dialect: str, table: Any, index_elements: list[str]) -> Any:
+    """INSERT .. ON CONFLICT (index_elements) DO NOTHING into `table` (a Table: Core, not the ORM's
+    bulk insert), for SQLite and PostgreSQL."""
     if dialect == "postgresql":
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-        return pg_insert(model).on_conflict_do_nothing(index_elements=index_elements)
+        return pg_insert(table).on_conflict_do_nothing(index_elements=index_elements)
     from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-    return sqlite_insert(model).on_conflict_do_nothing(index_elements=index_elements)
+    return sqlite_insert(table).on_conflict_do_nothing(index_elements=index_elements)
 
 
 def _interaction_row(record: SourceRecord, event: InteractionEvent, now: datetime) -> dict[str, Any]:

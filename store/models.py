@@ -239,6 +239,35 @@ class GateDecisionRow(Base):
     decided_at: Mapped[datetime] = mapped_column(UtcDateTime)
 
 
+class RecordedDigests(Base):
+    """A version's `/weight_checker` digests as a server that loaded and verified it reported them
+    (the staging server during the gate, or the canary): the baseline every later swap to that
+    version is checked against (deployer/rollout.py). Keyed by the registry model's name too: a
+    store can outlive a registry (or hold several models' tests), and v2 of another model is
+    another checkpoint."""
+
+    __tablename__ = "recorded_digests"
+
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digests: Mapped[dict[str, str]] = mapped_column(JSON)  # tensor name -> sha256 hex
+    recorded_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class DeployLockHolder(Base):
+    """Who holds a deploy lock ("rollout", "staging"), for `RolloutBusy` and `rtrl status`. The lock
+    itself is a PostgreSQL advisory lock or a file lock beside the SQLite file (store/locks.py); this
+    row is written inside it and deleted before it is released, so a row left by a holder that was
+    killed is stale, and the next holder overwrites it."""
+
+    __tablename__ = "deploy_locks"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(300))  # host:pid
+    purpose: Mapped[str] = mapped_column(String(500))  # what it is doing ("promote v3")
+    acquired_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
 class Tenant(Base):
     """An application whose traffic the gateway accepts under its keys, and what of it trains."""
 

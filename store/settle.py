@@ -54,19 +54,24 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import Table, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from schemas.episodes import SegmentShape, episode_metrics, is_parl
 from schemas.events import CONTROL_KINDS, FeedbackEvent, InteractionEvent
 from schemas.rewards import RewardResult, RewardSpec, Shaping, judge_disagrees, score
 from schemas.versions import parse_version
+from store.bulk import update_rows
 from store.events import insert_ignoring
 from store.models import Cycle, Episode, Feedback, Interaction
+
+EPISODES: Table = Episode.__table__  # type: ignore[assignment]
+FEEDBACK: Table = Feedback.__table__  # type: ignore[assignment]
 
 # Settle at most this many expired episodes per pass, so one pass cannot make a huge transaction.
 WINDOW_BATCH = 1000
@@ -100,6 +105,51 @@ class SettleReport:
     settled_terminal: int = 0
     settled_window: int = 0
     settled: list[Settled] = field(default_factory=list)
+
+
+# What of an episodes row settling reads and writes (not used_in_cycle, eval_bucket).
+_COLUMNS = ("episode_id", "tenant", "policy_version", "policy_number", "status", "first_event_at", "last_event_at",
+            "settled_at", "settle_reason", "reward", "reward_components", "reward_spec", "metrics")  # fmt: skip
+
+
+@dataclass
+class _Episode:
+    """An episodes row as this transaction read (and locked) it, and what it changed since: the rows
+    are read and written as a batch (`_save`, store/bulk.py), not one ORM object at a time."""
+
+    episode_id: str
+    tenant: str
+    policy_version: str
+    policy_number: int
+    status: str
+    first_event_at: datetime
+    last_event_at: datetime
+    settled_at: datetime | None
+    settle_reason: str | None
+    reward: float | None
+    reward_components: dict[str, float] | None
+    reward_spec: str | None
+    metrics: dict[str, Any] | None
+    changed: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, row: Any) -> _Episode:
+        return cls(**{name: getattr(row, name) for name in _COLUMNS})
+
+    def set(self, **values: Any) -> None:
+        for name, value in values.items():
+            if getattr(self, name) != value:
+                setattr(self, name, value)
+                self.changed[name] = value
+
+
+def _save(session: Session, episodes: Iterable[_Episode]) -> None:
+    """Write what changed in `episodes` (each once, however often it changed)."""
+    episodes = list(episodes)
+    rows = [{"episode_id": e.episode_id, **e.changed} for e in episodes if e.changed]
+    update_rows(session, EPISODES, "episode_id", rows)
+    for episode in episodes:
+        episode.changed = {}
 
 
 def join_and_settle(
@@ -137,13 +187,13 @@ def join_and_settle(
                 "last_event_at": now,
                 "eval_bucket": eval_bucket(episode_id),
             })  # fmt: skip
-        session.execute(insert_ignoring(dialect, Episode, ["episode_id"]), new_rows)  # executemany: see store/events.py
+        session.execute(insert_ignoring(dialect, EPISODES, ["episode_id"]), new_rows)  # executemany: see store/events.py
 
     # ---- lock the episodes this batch touches, then read what waits for them ------------------------
     # Which episode a waiting feedback joins is only known after reading it, so: read, lock what it
     # names, read again (what another replica committed meanwhile), until nothing new is named.
     # SQLite has one writer at a time (BEGIN IMMEDIATE): one read suffices there.
-    episodes: dict[str, Episode] = {}
+    episodes: dict[str, _Episode] = {}
     asked: set[str] = set()
     while True:
         pending, by_request = _waiting_feedback(session, interactions, feedback, set(segments_by_episode))
@@ -157,42 +207,39 @@ def join_and_settle(
             break
 
     # ---- extend the episodes of the new segments (or mark the segments late) --------------------------
+    late_segments: list[str] = []
     for episode_id, segments in sorted(segments_by_episode.items()):
         episode = episodes.get(episode_id)
         if episode is None:
             continue  # deleted by retention since the insert above: the segments stay stored, unlabelled
         if episode.status != "open":  # settled, or closed and waiting for its judge
-            session.execute(
-                update(Interaction)
-                .where(Interaction.event_id.in_([s.event_id for s in segments]))
-                .values(late=True)
-            )
+            late_segments += [s.event_id for s in segments]
             report.late_segments += len(segments)
             continue
         oldest = min(segments, key=lambda s: parse_version(s.policy_version))
         if parse_version(oldest.policy_version) < episode.policy_number:
-            episode.policy_version = oldest.policy_version
-            episode.policy_number = parse_version(oldest.policy_version)
-        episode.first_event_at = min(episode.first_event_at, min(s.created_at for s in segments))
-        episode.last_event_at = now
+            episode.set(policy_version=oldest.policy_version, policy_number=parse_version(oldest.policy_version))
+        episode.set(first_event_at=min(episode.first_event_at, min(s.created_at for s in segments)), last_event_at=now)
         touched.add(episode_id)
-    session.flush()
+    if late_segments:
+        session.execute(update(Interaction).where(Interaction.event_id.in_(late_segments)).values(late=True))
 
     # ---- join feedback that was waiting for these requests / episodes --------------------------------
+    joins: list[dict[str, Any]] = []
     for row in pending:
         target = row.episode_id or by_request.get((row.request_id, row.tenant))
         episode = episodes.get(target) if target else None
         if episode is None or episode.tenant != row.tenant:
             continue  # its interaction has not arrived (yet): stays unjoined, orphaned after the window
-        row.joined_episode_id = episode.episode_id
-        if episode.status != "open":
-            row.late = True
+        late = episode.status != "open"
+        joins.append({"event_id": row.event_id, "joined_episode_id": episode.episode_id, "late": late})
+        if late:
             report.late_feedback += 1
         else:
-            episode.last_event_at = now
+            episode.set(last_event_at=now)
             touched.add(episode.episode_id)
             report.joined += 1
-    session.flush()
+    update_rows(session, FEEDBACK, "event_id", joins)  # before the reads below, which see the joins
 
     # ---- settle episodes that received terminal feedback -------------------------------------------
     if touched:
@@ -217,6 +264,7 @@ def join_and_settle(
             session, spec, now, [episodes[e] for e in sorted(terminal)], "terminal_feedback"
         )
         report.settled_terminal += len(terminal)
+    _save(session, episodes.values())
     return report
 
 
@@ -225,28 +273,30 @@ def settle_expired(session: Session, spec: RewardSpec, now: datetime, window_s: 
 
     On PostgreSQL the episodes are locked, skipping those another transaction holds (a replica
     joining to or settling them now): they are settled by a later pass if still expired then."""
-    expired = session.scalars(
-        select(Episode)
-        .where(Episode.status == "open", Episode.last_event_at < now - timedelta(seconds=window_s))
-        .order_by(Episode.last_event_at)
+    expired = [_Episode.of(row) for row in session.execute(
+        select(*(EPISODES.c[name] for name in _COLUMNS))
+        .where(EPISODES.c.status == "open", EPISODES.c.last_event_at < now - timedelta(seconds=window_s))
+        .order_by(EPISODES.c.last_event_at)
         .limit(WINDOW_BATCH)
         .with_for_update(skip_locked=True)
-        .execution_options(populate_existing=True)
-    ).all()
-    return settle(session, spec, now, list(expired), "window")
+    )]  # fmt: skip
+    settled = settle(session, spec, now, expired, "window")
+    _save(session, expired)
+    return settled
 
 
 def settle(
-    session: Session, spec: RewardSpec, now: datetime, episodes: list[Episode], reason: str
+    session: Session, spec: RewardSpec, now: datetime, episodes: list[_Episode], reason: str
 ) -> list[Settled]:
     """Close each episode: measure its segments and score it from its joined, non-late feedback
-    (oldest first), or, under a judged spec, leave it ``judging`` for `settle_judged` (not returned)."""
+    (oldest first), or, under a judged spec, leave it ``judging`` for `settle_judged` (not returned).
+    The caller writes the changes (`_save`)."""
     if not episodes:
         return []
     ids = [e.episode_id for e in episodes]
     shapes = _segment_shapes(session, ids)
     cycle = trained_cycles(session) if spec.parl is not None else 0
-    scored: list[Episode] = []
+    scored: list[_Episode] = []
     for episode in episodes:
         segments = shapes.get(episode.episode_id, [])
         metrics: dict[str, Any] = episode_metrics(segments)
@@ -254,17 +304,13 @@ def settle(
         if spec.parl is not None and is_parl(segments):
             metrics["cycle"] = cycle
             metrics["lambda_parallel"], metrics["lambda_finish"] = spec.parl.lambdas(cycle)
-        episode.metrics = metrics
-        episode.settled_at = now
-        episode.settle_reason = reason
+        episode.set(metrics=metrics, settled_at=now, settle_reason=reason)
         if spec.judge is not None:
-            episode.status = "judging"  # closed: what joins now is late; the judge settles it
+            episode.set(status="judging")  # closed: what joins now is late; the judge settles it
         else:
             scored.append(episode)
     signals = _signals(session, [e.episode_id for e in scored])
-    settled = [_score(episode, spec, signals[episode.episode_id], None, now) for episode in scored]
-    session.flush()
-    return settled
+    return [_score(episode, spec, signals[episode.episode_id], None, now) for episode in scored]
 
 
 def trained_cycles(session: Session) -> int:
@@ -322,12 +368,12 @@ def settle_judged(
     episodes = [e for e in _lock_episodes(session, set(grades)).values() if e.status == "judging"]
     signals = _signals(session, [e.episode_id for e in episodes])
     settled = [_score(e, spec, signals[e.episode_id], grades[e.episode_id], now, judged=True) for e in episodes]
-    session.flush()
+    _save(session, episodes)
     return settled
 
 
 def _score(
-    episode: Episode, spec: RewardSpec, signals: list[Feedback], grade: float | None, now: datetime,
+    episode: _Episode, spec: RewardSpec, signals: list[Any], grade: float | None, now: datetime,
     judged: bool = False,
 ) -> Settled:
     """Give a closed episode its reward (its metrics measured) and mark it settled."""
@@ -341,11 +387,8 @@ def _score(
     if judged:
         metrics["judge"] = grade
         metrics["judge_disagrees"] = disagrees
-        episode.metrics = metrics
-    episode.status = "settled"
-    episode.reward = result.reward
-    episode.reward_components = result.components
-    episode.reward_spec = result.spec_id
+        episode.set(metrics=metrics)
+    episode.set(status="settled", reward=result.reward, reward_components=result.components, reward_spec=result.spec_id)
     return Settled(
         episode.policy_version, float(result.reward), episode.settle_reason or "window",
         max(0.0, (now - episode.first_event_at).total_seconds()), bool(metrics.get("unfinished")),
@@ -353,18 +396,17 @@ def _score(
     )  # fmt: skip
 
 
-def _signals(session: Session, episode_ids: list[str]) -> dict[str, list[Feedback]]:
-    """Each episode's joined, non-late feedback, oldest first."""
-    signals: dict[str, list[Feedback]] = defaultdict(list)
+def _signals(session: Session, episode_ids: list[str]) -> dict[str, list[Any]]:
+    """Each episode's joined, non-late feedback (kind, value), oldest first."""
+    signals: dict[str, list[Any]] = defaultdict(list)
     if not episode_ids:
         return signals
-    rows = session.scalars(
-        select(Feedback)
+    rows = session.execute(
+        select(Feedback.joined_episode_id, Feedback.kind, Feedback.value)
         .where(Feedback.joined_episode_id.in_(episode_ids), Feedback.late.is_(False))
         .order_by(Feedback.created_at, Feedback.event_id)
     )
     for row in rows:
-        assert row.joined_episode_id is not None
         signals[row.joined_episode_id].append(row)
     return signals
 
@@ -406,19 +448,18 @@ def _segment_shapes(session: Session, episode_ids: list[str]) -> dict[str, list[
 
 def _waiting_feedback(
     session: Session, interactions: list[InteractionEvent], feedback: list[FeedbackEvent], episode_ids: set[str]
-) -> tuple[list[Feedback], dict[tuple[str, str], str]]:
+) -> tuple[list[Any], dict[tuple[str, str], str]]:
     """Unjoined feedback for the batch's requests and episodes (as committed now, oldest first), and
     the episode of each (request, tenant) such feedback names without an episode id."""
     request_ids = {e.request_id for e in interactions} | {f.request_id for f in feedback}
     episode_ids = episode_ids | {f.episode_id for f in feedback if f.episode_id}
-    pending = session.scalars(
-        select(Feedback)
+    pending = session.execute(
+        select(Feedback.event_id, Feedback.request_id, Feedback.episode_id, Feedback.tenant)
         .where(
             Feedback.joined_episode_id.is_(None),
             or_(Feedback.request_id.in_(sorted(request_ids)), Feedback.episode_id.in_(sorted(episode_ids))),
         )
         .order_by(Feedback.created_at, Feedback.event_id)
-        .execution_options(populate_existing=True)
     ).all()
     by_request = {
         (row.request_id, row.tenant): row.episode_id
@@ -431,15 +472,14 @@ def _waiting_feedback(
     return list(pending), by_request
 
 
-def _lock_episodes(session: Session, ids: set[str]) -> dict[str, Episode]:
+def _lock_episodes(session: Session, ids: set[str]) -> dict[str, _Episode]:
     """The episodes `ids` as committed now, locked until the transaction ends (in episode id order,
     so replicas locking overlapping sets queue instead of deadlocking). No lock on SQLite, where the
     transaction already holds the database's only write lock."""
     query = (
-        select(Episode)
-        .where(Episode.episode_id.in_(sorted(ids)))
-        .order_by(Episode.episode_id)
+        select(*(EPISODES.c[name] for name in _COLUMNS))
+        .where(EPISODES.c.episode_id.in_(sorted(ids)))
+        .order_by(EPISODES.c.episode_id)
         .with_for_update()
-        .execution_options(populate_existing=True)
     )
-    return {e.episode_id: e for e in session.scalars(query)}
+    return {row.episode_id: _Episode.of(row) for row in session.execute(query)}

@@ -5,16 +5,19 @@ from __future__ import annotations
 import hashlib
 import math
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
 from deployer.alarms import Alarm
+from deployer.errors import RolloutBusy
 from deployer.gate import GateDecision, SuiteResult, cause, decide
 from deployer.probe import max_abs_diff
-from deployer.rollout import ServerSwap, SwapResult, digests_agree, verdict
+from deployer.rollout import ServerSwap, SwapResult, digests_agree, rollout_lock, verdict
 from evals.stats import Interval
 from rtrl.commands.gate import explain_text
 from serving import EMPTY_DIGEST, meaningful_digests
+from store import Store
 
 pytestmark = pytest.mark.unit
 
@@ -126,3 +129,21 @@ def test_swap_result_shape() -> None:
     assert data["servers"][0]["error"] is None
     assert data["error"] is None
     assert SwapResult.model_validate_json(result.model_dump_json()) == result
+
+
+# ---- one rollout at a time ---------------------------------------------------------------------
+
+
+def test_a_held_rollout_lock_is_rollout_busy_naming_its_holder(tmp_path: Path) -> None:
+    store = Store(f"sqlite:///{tmp_path / 'rtrl.db'}")
+    store.migrate()
+    with rollout_lock(store, "rollout", "promote v3"):
+        with pytest.raises(RolloutBusy, match=r"^another rollout is under way: the rollout lock is held by "
+                                              r"[^ ]+:\d+ \(promote v3\) since "):  # fmt: skip
+            with rollout_lock(store, "rollout", "align the fleet to @champion"):
+                pass
+        with rollout_lock(store, "staging", "gate v4"):  # a gate run on staging meanwhile
+            pass
+    with rollout_lock(store):  # released
+        pass
+    store.close()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import sqlalchemy as sa
 import torch
 from episodes import tuned_copy
 from safetensors.torch import load_file, save_file
@@ -34,6 +35,7 @@ from schemas.settings import (
 )
 from serving import VllmClient, meaningful_digests
 from store import Store
+from store.models import RecordedDigests
 
 pytestmark = pytest.mark.integration
 
@@ -136,7 +138,8 @@ def test_failed_verification_restores_previous_weights(
     v2 = registry.register_checkpoint(perturbed_copy(tiny_model_dir, tmp_path / "v2", std=0.05, seed=3))
     # Digests recorded for v2 that the checkpoint on disk does not match: what the deployer sees
     # when a checkpoint changed between the gate and the deploy.
-    rollout.save_digests(settings, v2, {name: "0" * 64 for name in meaningful_digests(digests)})
+    store = Store(settings.store.url)  # the session's store, where the gate would have recorded them
+    rollout.save_digests(settings, store, v2, {name: "0" * 64 for name in meaningful_digests(digests)})
 
     result = rollout.promote(settings, registry, v2)
     print("tampered promote:", result.model_dump_json())
@@ -151,7 +154,10 @@ def test_failed_verification_restores_previous_weights(
         assert greedy(server) == base_text
 
     # A fleet whose second server is down: the canary is swapped, then swapped back.
-    rollout.digests_path(settings, v2).unlink()
+    with store.transaction() as session:  # forget them: the canary records v2's own
+        session.execute(sa.delete(RecordedDigests).where(RecordedDigests.model == settings.mlflow.model_name,
+                                                         RecordedDigests.version == v2))  # fmt: skip
+    store.close()
     (dead_port,) = free_ports(1)
     fleet = settings.model_copy(
         update={
@@ -221,7 +227,7 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
             outcomes[version].append(decision.passed)
             if seed == 0:
                 print(f"gate v{version}:", decision.model_dump_json())
-                assert rollout.load_digests(settings, version)  # recorded on staging for the swap verification
+                assert rollout.load_digests(settings, store, version)  # recorded on staging for the swap verification
                 ope = next(s for s in decision.suites if s.name == "ope")
                 assert ope.n > 20, ope
                 if version == same:
@@ -344,12 +350,12 @@ def test_gate_holds_the_line_at_the_anchor_when_the_champion_has_slipped(
     unanchored = settings.model_copy(update={"gate": settings.gate.model_copy(update={"anchor": str(slipped)})})
     again = gate.evaluate(unanchored, registry, same, store)
     assert again.passed and again.anchor_version is None and "shape_anchor" not in {s.name for s in again.suites}
-    store.close()
     # The gate left staging on the champion (v2); the fixture expects every server back on v1.
     assert rollout.promote(settings, registry, 1).ok
     assert settings.vllm.staging_server is not None
     with rollout.server_client(settings, settings.vllm.staging_server) as staging:
-        gate._load(staging, rollout.target(settings, registry, 1), settings)
+        gate._load(staging, rollout.target(settings, registry, store, 1), settings, store)
+    store.close()
 
 
 def gateway_counts(gateway: str, admin: str) -> dict[str, dict[str, float]]:

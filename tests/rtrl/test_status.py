@@ -74,3 +74,18 @@ def test_a_part_that_cannot_be_read_is_shown_as_such() -> None:
     assert "services  cannot read: boom" in text and "daemon    not running" in text
     assert "lag 3" in text and "NOT balanced" in text and "PAUSED since 2026-12-01T00:00:00Z (maintenance)" in text
     assert "registry  empty" in text and "problems  1\n  - x" in text
+
+
+@pytest.mark.unit
+def test_the_deploy_locks_held_are_shown_and_stale_rows_are_not() -> None:
+    down = {"error": "down"}
+    report = {"services": down, "daemon": down, "labeler": down, "trainer": down, "registry": down, "fleet": down,
+              "problems": [],
+              "locks": [{"name": "rollout", "holder": "node-a:41", "purpose": "promote v3",
+                         "since": "2026-12-03T10:00:00+00:00", "held": True},
+                        {"name": "staging", "holder": "node-b:7", "purpose": "gate v3",
+                         "since": "2026-12-02T09:00:00+00:00", "held": False}]}  # fmt: skip
+    text = render(report)
+    assert "locks     rollout held by node-a:41 (promote v3) since 2026-12-03T10:00:00+00:00\n" in text
+    assert "node-b" not in text  # its holder was killed: the lock is free
+    assert "locks     none held" in render({**report, "locks": []})
