@@ -101,12 +101,21 @@ with store.exclusive("rollout", "doomed"):
 """
 
 
-def test_a_lock_whose_holder_process_is_sigkilled_is_released(any_store: Store, url: str) -> None:
+def holding_child(url: str) -> subprocess.Popen[str]:
+    """A process that holds the "rollout" lock of the store at `url` (purpose "doomed") until killed."""
     child = subprocess.Popen([sys.executable, "-c", HOLD, url], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    ready, _, _ = select.select([child.stdout], [], [], 60)
+    if not (ready and child.stdout.readline().strip() == "held"):
+        child.kill()
+        child.wait()
+        pytest.fail("the child did not take the lock")
+    return child
+
+
+def test_a_lock_whose_holder_process_is_sigkilled_is_released(any_store: Store, url: str) -> None:
+    child = holding_child(url)
     try:
-        assert child.stdout is not None
-        ready, _, _ = select.select([child.stdout], [], [], 60)
-        assert ready and child.stdout.readline().strip() == "held", "the child did not take the lock"
         with pytest.raises(LockBusy, match=f":{child.pid} \\(doomed\\)"):
             with any_store.exclusive("rollout"):
                 pass
@@ -129,11 +138,8 @@ def test_a_lock_whose_holder_process_is_sigkilled_is_released(any_store: Store, 
 
 
 def test_a_stale_holder_row_is_reported_as_not_held(any_store: Store, url: str) -> None:
-    child = subprocess.Popen([sys.executable, "-c", HOLD, url], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    child = holding_child(url)
     try:
-        assert child.stdout is not None
-        ready, _, _ = select.select([child.stdout], [], [], 60)
-        assert ready and child.stdout.readline().strip() == "held"
         ((name, held),) = [(h.name, h.held) for h in any_store.lock_holders()]
         assert (name, held) == ("rollout", True)
     finally:
