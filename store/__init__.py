@@ -1,7 +1,8 @@
 """The SQL store of events, labelled episodes and training cycles: the only code that speaks SQL.
 
-SQLite by default, PostgreSQL by URL (``settings.store.url``); the schema is the Alembic
-migrations in ``store/migrations``. Open one `Store` per process and pass it down:
+PostgreSQL or SQLite by URL (``settings.store.url``: by default the local PostgreSQL of
+``rtrl services up`` for ``rtrl run`` and the operator commands, a SQLite file for ``rtrl demo``);
+the schema is the Alembic migrations in ``store/migrations``. Open one `Store` per process and pass it down:
 
 - the labeler writes a batch through `Store.labelling` (events, dead letters, join, settle);
 - the trainer leases cycles and reads batches (`Store.acquire_cycle`, `Store.select_episodes`, ...);

@@ -1,83 +1,142 @@
-"""Set-based writes of one labeler batch: many rows, one statement.
+"""Set-based statements of one labeler batch: many rows, one statement, a few parameters.
 
-The labeler writes a few hundred rows per table per batch (bench/bench_labeler.py). Sent one
-statement per row, PostgreSQL spends its time parsing and planning the same UPDATE hundreds of
-times; the ORM's unit of work adds its own bookkeeping per object. Here an UPDATE of many rows is
-one statement on PostgreSQL (``UPDATE .. FROM unnest(array, ...)``: one array parameter per
-column, whatever the number of rows) and an executemany on SQLite (in-process, where a statement
-per row costs microseconds). Inserts are `insert_ignoring` (store/events.py), which the engine
-sends as multi-row INSERTs (store/db.py).
+The labeler writes and looks up a few hundred rows per table per batch (bench/bench_labeler.py).
+How PostgreSQL gets them decides its rate:
+
+* Rows as one parameter set each (an executemany) cost a parse and a plan per row on the server.
+  SQLAlchemy sends an INSERT with an ON CONFLICT clause that way whatever the dialect options (its
+  multi-row "insertmanyvalues" form skips such statements), and an UPDATE always.
+* Rows as an array parameter per column (``unnest``) are one statement, but psycopg adapts every
+  element of a list in Python: a third of the labeler's time went there.
+* Rows as one JSON document (``json_to_recordset``), what :func:`insert_rows` and
+  :func:`update_rows` send, are one statement and one parameter, encoded by the json module's C
+  encoder and decoded by the server's; the record's column definitions are the table's own
+  types, so a value the table would refuse (a string too long, an integer out of range) fails the
+  statement as it would an INSERT of it.
+* An ``IN`` list is rendered as one placeholder per value, which psycopg parses out of the query
+  text again on every call (its cache skips long queries); :func:`among` sends one array instead.
+
+On SQLite (in-process, where a statement per row costs microseconds) each is the plain
+executemany or ``IN``.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Table, bindparam, text, update
+from sqlalchemy import ColumnElement, Table, any_, bindparam, text, update
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
-from sqlalchemy.types import JSON, TypeDecorator
+from sqlalchemy.types import ARRAY, JSON, DateTime, LargeBinary, TypeDecorator
 
 _PG = postgresql.dialect()  # type: ignore[no-untyped-call]
+_quote = _PG.identifier_preparer.quote
+
+
+def insert_rows(session: Session, table: Table, rows: Sequence[dict[str, Any]], conflict: Sequence[str]) -> None:
+    """``INSERT INTO table`` every row, skipping a row that conflicts with a stored one on the
+    unique columns `conflict` (``ON CONFLICT (..) DO NOTHING``).
+
+    Rows may give different columns; each set of columns is one statement. A column a row leaves
+    out gets its server default (or NULL): the table's Python-side defaults are not applied, so a
+    column that has one must be given."""
+    postgres = session.get_bind().dialect.name == "postgresql"
+    for columns, group in _by_columns(rows, lambda row: tuple(row)).items():
+        missing = [c.name for c in table.columns if c.name not in columns and c.default is not None]
+        if missing:
+            raise ValueError(f"insert_rows into {table.name}: give {', '.join(missing)} (Python-side defaults)")
+        if not postgres:
+            session.execute(sqlite_insert(table).on_conflict_do_nothing(index_elements=list(conflict)), group)
+            continue
+        names = ", ".join(_quote(name) for name in columns)
+        session.execute(
+            text(f"INSERT INTO {_quote(table.name)} ({names}) SELECT {names} FROM {_recordset(table, columns)} "
+                 f"ON CONFLICT ({', '.join(_quote(name) for name in conflict)}) DO NOTHING"),
+            {"rows": _document(table, columns, group)},
+        )  # fmt: skip
 
 
 def update_rows(session: Session, table: Table, key: str, rows: Sequence[dict[str, Any]]) -> None:
     """``UPDATE table SET <the other columns of each row> WHERE key = row[key]`` for every row.
 
     Rows may set different columns; each set of columns is one statement."""
-    dialect = session.get_bind().dialect.name
-    groups: dict[tuple[str, ...], list[dict[str, Any]]] = defaultdict(list)
-    for row in rows:
-        groups[tuple(sorted(name for name in row if name != key))].append(row)
-    for columns, group in groups.items():
+    postgres = session.get_bind().dialect.name == "postgresql"
+    for columns, group in _by_columns(rows, lambda row: tuple(sorted(name for name in row if name != key))).items():
         if not columns:
             continue
-        if dialect == "postgresql":
-            _update_unnest(session, table, key, columns, group)
-        else:
+        if not postgres:
             statement = (
                 update(table)
                 .where(table.c[key] == bindparam("_key"))
                 .values({name: bindparam(f"_v_{name}") for name in columns})
             )
             session.execute(statement, [{"_key": r[key], **{f"_v_{n}": r[n] for n in columns}} for r in group])
+            continue
+        sets = ", ".join(f"{_quote(name)} = v.{_quote(name)}" for name in columns)
+        session.execute(
+            text(f"UPDATE {_quote(table.name)} AS t SET {sets} FROM {_recordset(table, (key, *columns))} "
+                 f"WHERE t.{_quote(key)} = v.{_quote(key)}"),
+            {"rows": _document(table, (key, *columns), group)},
+        )  # fmt: skip
 
 
-def _update_unnest(session: Session, table: Table, key: str, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
-    names = (key, *columns)
-    arrays = {f"a{i}": [_bind(table, name, row[name]) for row in rows] for i, name in enumerate(names)}
-    unnest = ", ".join(f"CAST(:a{i} AS {_array_type(table, name)})" for i, name in enumerate(names))
-    sets = ", ".join(f"{name} = {_value(table, name)}" for name in columns)
-    session.execute(
-        text(f"UPDATE {table.name} AS t SET {sets} FROM unnest({unnest}) AS v({', '.join(names)}) "
-             f"WHERE t.{key} = v.{key}"),
-        arrays,
-    )  # fmt: skip
+def among(session: Session, column: Any, values: Collection[Any]) -> ColumnElement[bool]:
+    """``column IN values``; on PostgreSQL ``column = ANY(:array)``, one parameter however many
+    values (planned the same: an index scan per value)."""
+    if session.get_bind().dialect.name != "postgresql":
+        return column.in_(values)  # type: ignore[no-any-return]
+    return column == any_(bindparam(None, list(values), type_=ARRAY(column.type)))  # type: ignore[no-any-return]
 
 
-def _array_type(table: Table, name: str) -> str:
+def _by_columns(
+    rows: Sequence[dict[str, Any]], columns_of: Callable[[dict[str, Any]], tuple[str, ...]]
+) -> dict[tuple[str, ...], list[dict[str, Any]]]:
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        groups[columns_of(row)].append(row)
+    return groups
+
+
+def _recordset(table: Table, columns: Sequence[str]) -> str:
+    """``json_to_recordset(:rows) AS v(<column> <the table's type>, ...)``."""
+    types = ", ".join(f"{_quote(name)} {table.c[name].type.compile(dialect=_PG)}" for name in columns)
+    return f"json_to_recordset(CAST(:rows AS JSON)) AS v({types})"
+
+
+def _document(table: Table, columns: Sequence[str], rows: list[dict[str, Any]]) -> str:
+    """The rows as one JSON array of objects, each value as the column's type would send it.
+
+    NaN and infinite floats raise ValueError (JSON has none; the statement would fail anyway)."""
+    converters = [(name, convert) for name in columns if (convert := _converter(table, name)) is not None]
+    plain = [name for name in columns if name not in dict(converters)]
+    document = [
+        {**{name: row[name] for name in plain},
+         **{name: None if row[name] is None else convert(row[name]) for name, convert in converters}}
+        for row in rows
+    ]  # fmt: skip
+    return json.dumps(document, allow_nan=False, separators=(",", ":"))
+
+
+def _converter(table: Table, name: str) -> Callable[[Any], Any] | None:
+    """How a value of column `name` becomes JSON the server reads as the column's type (None: as is)."""
     column_type = table.c[name].type
     if isinstance(column_type, JSON):
-        return "TEXT[]"  # sent as JSON text, cast in the SET clause (`_value`)
-    return f"{column_type.compile(dialect=_PG)}[]"
-
-
-def _value(table: Table, name: str) -> str:
-    """The unnested column as the table's type (JSON arrives as text: no implicit cast from it)."""
-    column_type = table.c[name].type
-    return f"CAST(v.{name} AS {column_type.compile(dialect=_PG)})" if isinstance(column_type, JSON) else f"v.{name}"
-
-
-def _bind(table: Table, name: str, value: Any) -> Any:
-    """`value` as the column's type would send it (JSON as text, UTC datetimes)."""
-    if value is None:
-        return None
-    column_type = table.c[name].type
-    if isinstance(column_type, JSON):
-        return json.dumps(value)
+        return None  # nested in the document; the record's JSON column takes it whole
     if isinstance(column_type, TypeDecorator):
-        return column_type.process_bind_param(value, _PG)
-    return value
+        process = column_type.process_bind_param
+
+        def decorated(value: Any) -> Any:
+            value = process(value, _PG)
+            return value.isoformat() if isinstance(value, datetime) else value
+
+        return decorated
+    if isinstance(column_type, LargeBinary):
+        return lambda value: "\\x" + bytes(value).hex()  # bytea's hex input format
+    if isinstance(column_type, DateTime):
+        return lambda value: value.isoformat()
+    return None

@@ -204,7 +204,7 @@ class Labelling:
         self, parsed: Sequence[tuple[events.SourceRecord, events.Event | events.Rejected]]
     ) -> events.BatchWrite:
         """Insert the valid events idempotently and the dead letters; see store/events.py."""
-        return events.write_events(self._session, self._dialect, parsed, self.now)
+        return events.write_events(self._session, parsed, self.now)
 
     def join_and_settle(
         self, spec: RewardSpec, interactions: list[InteractionEvent], feedback: list[FeedbackEvent]
@@ -253,8 +253,9 @@ class Store:
             # as the tables grew; bench/bench_labeler.py), and a pooler in transaction mode (PgBouncer)
             # cannot hold them anyway.
             self.engine = create_engine(url, pool_pre_ping=True, connect_args={"prepare_threshold": None})
-            # A batch's rows go as multi-row INSERTs (one statement per page of rows) rather than
-            # psycopg's one statement per row: what the psycopg2 dialect does by default.
+            # An executemany INSERT without ON CONFLICT goes as multi-row INSERTs (one statement per
+            # page of rows) rather than psycopg's one statement per row, as the psycopg2 dialect does;
+            # the labeler's batches (with ON CONFLICT) go through store/bulk.py instead.
             self.engine.dialect.use_insertmanyvalues_wo_returning = True
         else:
             raise UnsupportedStoreUrl(

@@ -23,17 +23,22 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Table, select
 from sqlalchemy.orm import Session
 
 from schemas.events import DeadLetterRecord, FeedbackEvent, InteractionEvent
 from schemas.versions import parse_version
+from store.bulk import among, insert_rows
 from store.models import DeadLetter, Feedback, Interaction
 
 # What of a rejected payload travels on the DLQ topic: the broker's default message limit is 1 MB
 # and a dead letter that cannot be produced would block the partition forever. The SQL row keeps
 # the full original bytes.
 DLQ_PAYLOAD_CHARS = 64 * 1024
+
+INTERACTIONS: Table = Interaction.__table__  # type: ignore[assignment]
+FEEDBACK: Table = Feedback.__table__  # type: ignore[assignment]
+DEAD_LETTERS: Table = DeadLetter.__table__  # type: ignore[assignment]
 
 Event = InteractionEvent | FeedbackEvent
 
@@ -105,7 +110,7 @@ class BatchWrite:
 
 
 def write_events(
-    session: Session, dialect: str, parsed: Sequence[tuple[SourceRecord, Event | Rejected]], now: datetime
+    session: Session, parsed: Sequence[tuple[SourceRecord, Event | Rejected]], now: datetime
 ) -> BatchWrite:
     """Insert the valid events of a batch (idempotently) and collect everything to dead-letter."""
     out = BatchWrite()
@@ -118,7 +123,7 @@ def write_events(
     for model in (Interaction, Feedback):
         rows = session.execute(
             select(model.event_id, model.source_topic, model.source_partition, model.source_offset).where(
-                model.event_id.in_(ids)
+                among(session, model.event_id, ids)
             )
         )
         stored.update({row[0]: f"{row[1]}:{row[2]}:{row[3]}" for row in rows})
@@ -130,7 +135,7 @@ def write_events(
         wanted = set(segment_keys)
         segment_rows = session.execute(
             select(Interaction.episode_id, Interaction.segment_index, Interaction.event_id).where(
-                Interaction.episode_id.in_(sorted({episode for episode, _ in wanted}))
+                among(session, Interaction.episode_id, sorted({episode for episode, _ in wanted}))
             )
         )
         segments = {(row[0], row[1]): row[2] for row in segment_rows if (row[0], row[1]) in wanted}
@@ -172,35 +177,20 @@ def write_events(
 
     # ON CONFLICT DO NOTHING is the backstop for a concurrent replica that inserted the same
     # event_id since the read above; a concurrent (episode, segment) conflict raises and the batch
-    # is retried, when the read above sees it and dead-letters it.
-    # Rows as execute parameters, not one multi-VALUES statement: the statement compiles once and
-    # is cached, and SQLAlchemy batches the rows ("insertmanyvalues"); compiling a 500-row VALUES
-    # clause took about a third of the labeler's time (bench/bench_labeler.py --profile).
-    for model, rows_ in ((Interaction, interaction_rows), (Feedback, feedback_rows)):
-        if rows_:
-            session.execute(insert_ignoring(dialect, model.__table__, ["event_id"]), rows_)  # Core: no ORM bulk bookkeeping
+    # is retried, when the read above sees it and dead-letters it. One statement per table and
+    # batch on PostgreSQL (store/bulk.py).
+    insert_rows(session, INTERACTIONS, interaction_rows, ["event_id"])
+    insert_rows(session, FEEDBACK, feedback_rows, ["event_id"])
     if out.rejected:
         # A record dead-lettered before a crash is re-read too: it is a replay, not a new dead letter
         # (and is not produced to the DLQ topic a second time).
         dead_ids = [r.event_id for r in out.rejected]
-        known = set(session.scalars(select(DeadLetter.event_id).where(DeadLetter.event_id.in_(dead_ids))))
+        known = set(session.scalars(select(DeadLetter.event_id).where(among(session, DeadLetter.event_id, dead_ids))))
         out.replayed += len(known)
         out.rejected = [r for r in out.rejected if r.event_id not in known]
     if out.rejected:
-        session.execute(insert_ignoring(dialect, DeadLetter.__table__, ["event_id"]), [r.to_row(now) for r in out.rejected])
+        insert_rows(session, DEAD_LETTERS, [r.to_row(now) for r in out.rejected], ["event_id"])
     return out
-
-
-def insert_ignoring(dialect: str, table: Any, index_elements: list[str]) -> Any:
-    """INSERT .. ON CONFLICT (index_elements) DO NOTHING into `table` (a Table: Core, not the ORM's
-    bulk insert), for SQLite and PostgreSQL."""
-    if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-        return pg_insert(table).on_conflict_do_nothing(index_elements=index_elements)
-    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-
-    return sqlite_insert(table).on_conflict_do_nothing(index_elements=index_elements)
 
 
 def _interaction_row(record: SourceRecord, event: InteractionEvent, now: datetime) -> dict[str, Any]:

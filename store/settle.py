@@ -66,8 +66,7 @@ from schemas.episodes import SegmentShape, episode_metrics, is_parl
 from schemas.events import CONTROL_KINDS, FeedbackEvent, InteractionEvent
 from schemas.rewards import RewardResult, RewardSpec, Shaping, judge_disagrees, score
 from schemas.versions import parse_version
-from store.bulk import update_rows
-from store.events import insert_ignoring
+from store.bulk import among, insert_rows, update_rows
 from store.models import Cycle, Episode, Feedback, Interaction
 
 EPISODES: Table = Episode.__table__  # type: ignore[assignment]
@@ -187,7 +186,7 @@ def join_and_settle(
                 "last_event_at": now,
                 "eval_bucket": eval_bucket(episode_id),
             })  # fmt: skip
-        session.execute(insert_ignoring(dialect, EPISODES, ["episode_id"]), new_rows)  # executemany: see store/events.py
+        insert_rows(session, EPISODES, new_rows, ["episode_id"])
 
     # ---- lock the episodes this batch touches, then read what waits for them ------------------------
     # Which episode a waiting feedback joins is only known after reading it, so: read, lock what it
@@ -222,7 +221,7 @@ def join_and_settle(
         episode.set(first_event_at=min(episode.first_event_at, min(s.created_at for s in segments)), last_event_at=now)
         touched.add(episode_id)
     if late_segments:
-        session.execute(update(Interaction).where(Interaction.event_id.in_(late_segments)).values(late=True))
+        session.execute(update(Interaction).where(among(session, Interaction.event_id, late_segments)).values(late=True))
 
     # ---- join feedback that was waiting for these requests / episodes --------------------------------
     joins: list[dict[str, Any]] = []
@@ -247,7 +246,7 @@ def join_and_settle(
         # episode of several when it names the episode (the module docstring).
         ending = session.execute(
             select(Feedback.joined_episode_id, Feedback.kind, Feedback.episode_id).where(
-                Feedback.joined_episode_id.in_(sorted(touched)), Feedback.late.is_(False),
+                among(session, Feedback.joined_episode_id, sorted(touched)), Feedback.late.is_(False),
                 Feedback.kind.in_([k.value for k in spec.terminal | CONTROL_KINDS]),
             )
         ).all()  # fmt: skip
@@ -256,7 +255,7 @@ def join_and_settle(
         if per_call:
             calls = session.execute(
                 select(Interaction.episode_id, func.count(), func.max(Interaction.segment_index))
-                .where(Interaction.episode_id.in_(sorted(per_call)), Interaction.late.is_(False))
+                .where(among(session, Interaction.episode_id, sorted(per_call)), Interaction.late.is_(False))
                 .group_by(Interaction.episode_id)
             ).all()  # fmt: skip
             terminal |= {episode_id for episode_id, count, last in calls if count == 1 and last == 0}
@@ -341,7 +340,7 @@ def awaiting_judge(session: Session, limit: int) -> list[ToJudge]:
     parts: dict[str, list[tuple[str, str, str | None, str]]] = defaultdict(list)
     for row in session.execute(
         select(Interaction.episode_id, Interaction.prompt, Interaction.role, Interaction.agent, Interaction.completion)
-        .where(Interaction.episode_id.in_(ids), Interaction.late.is_(False))
+        .where(among(session, Interaction.episode_id, ids), Interaction.late.is_(False))
         .order_by(Interaction.episode_id, Interaction.segment_index)
     ):
         parts[row.episode_id].append((row.prompt, row.role, row.agent, row.completion))
@@ -403,7 +402,7 @@ def _signals(session: Session, episode_ids: list[str]) -> dict[str, list[Any]]:
         return signals
     rows = session.execute(
         select(Feedback.joined_episode_id, Feedback.kind, Feedback.value)
-        .where(Feedback.joined_episode_id.in_(episode_ids), Feedback.late.is_(False))
+        .where(among(session, Feedback.joined_episode_id, episode_ids), Feedback.late.is_(False))
         .order_by(Feedback.created_at, Feedback.event_id)
     )
     for row in rows:
@@ -420,7 +419,7 @@ def _segment_shapes(session: Session, episode_ids: list[str]) -> dict[str, list[
                Interaction.finish_reason, Interaction.trainable,
                func.json_array_length(Interaction.prompt_token_ids).label("prompt_len"),
                func.json_array_length(Interaction.completion_token_ids).label("completion_len"))
-        .where(Interaction.episode_id.in_(episode_ids), Interaction.late.is_(False))
+        .where(among(session, Interaction.episode_id, episode_ids), Interaction.late.is_(False))
         .order_by(Interaction.episode_id, Interaction.segment_index)
     ).all()  # fmt: skip
     per_episode: dict[str, list[Any]] = defaultdict(list)
@@ -431,7 +430,7 @@ def _segment_shapes(session: Session, episode_ids: list[str]) -> dict[str, list[
     if several:
         for row in session.execute(
             select(Interaction.episode_id, Interaction.segment_index, Interaction.prompt, Interaction.completion)
-            .where(Interaction.episode_id.in_(several), Interaction.late.is_(False))
+            .where(among(session, Interaction.episode_id, several), Interaction.late.is_(False))
         ):  # fmt: skip
             text[(row.episode_id, row.segment_index)] = (row.prompt, row.completion)
     return {
@@ -457,7 +456,7 @@ def _waiting_feedback(
         select(Feedback.event_id, Feedback.request_id, Feedback.episode_id, Feedback.tenant)
         .where(
             Feedback.joined_episode_id.is_(None),
-            or_(Feedback.request_id.in_(sorted(request_ids)), Feedback.episode_id.in_(sorted(episode_ids))),
+            or_(among(session, Feedback.request_id, sorted(request_ids)), among(session, Feedback.episode_id, sorted(episode_ids))),
         )
         .order_by(Feedback.created_at, Feedback.event_id)
     ).all()
@@ -465,7 +464,7 @@ def _waiting_feedback(
         (row.request_id, row.tenant): row.episode_id
         for row in session.execute(
             select(Interaction.request_id, Interaction.tenant, Interaction.episode_id).where(
-                Interaction.request_id.in_(sorted({f.request_id for f in pending if f.episode_id is None}))
+                among(session, Interaction.request_id, sorted({f.request_id for f in pending if f.episode_id is None}))
             )
         )
     }
@@ -478,7 +477,7 @@ def _lock_episodes(session: Session, ids: set[str]) -> dict[str, _Episode]:
     transaction already holds the database's only write lock."""
     query = (
         select(*(EPISODES.c[name] for name in _COLUMNS))
-        .where(EPISODES.c.episode_id.in_(sorted(ids)))
+        .where(among(session, EPISODES.c.episode_id, sorted(ids)))
         .order_by(EPISODES.c.episode_id)
         .with_for_update()
     )
