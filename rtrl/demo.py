@@ -3,7 +3,9 @@
 What it does, in order:
 1. starts the local services it needs (Kafka, Redis, MLflow, vLLM serving + staging) unless they
    are already up, building the tiny model on first use; a service left out of
-   ``services.enabled`` is taken to run elsewhere, at the address its client settings give;
+   ``services.enabled`` is taken to run elsewhere, at the address its client settings give. The
+   store and MLflow's backend are SQLite files in the run dir unless set (embedded_databases), so
+   the demo needs no PostgreSQL, unlike ``rtrl run``;
 2. migrates the store, creates the topics, registers the base model as v1 @champion;
 3. starts the loop's processes under the supervisor: gateway, labeler, Celery worker;
 4. per cycle: simulated users send requests through the gateway and give feedback (with
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from schemas.clock import wait_until
 from schemas.errors import OperatorError
-from schemas.settings import Settings
+from schemas.settings import Settings, embedded_databases
 from schemas.versions import format_version
 
 if TYPE_CHECKING:
@@ -88,6 +90,7 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     from schemas.events import new_id
     from store import Store
 
+    settings = embedded_databases(settings)
     # The simulated users are an oracle the demo has: the gate asks it too (the oracle suite), with the
     # preference the users hold, on the task they bring (docs/gate.md, The demo's oracle).
     suites = settings.gate.suites
@@ -110,9 +113,9 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     # is an external service the client settings point at, and is not started.
     needed = [name for name in ("kafka", "redis", "mlflow", "vllm") if name in settings.services.enabled]
     already_up = {s.name for s in services.status(settings) if s.healthy}
-    started_services = [name for name in needed if name not in already_up]
     t0 = time.monotonic()
-    services.up(settings, only=needed)  # stops what it started when it fails
+    ready = services.up(settings, only=needed)  # and what they require; stops what it started when it fails
+    started_services = [s.name for s in ready if s.name not in already_up]
     log.info("services ready in %.1fs", time.monotonic() - t0)
     # The supervisor hands the children (gateway, labeler, worker) these settings.
     supervisor = Supervisor(settings, names=("gateway", "labeler", "worker"))

@@ -3,8 +3,10 @@
 Every variable is prefixed ``RTRL_`` and nested with ``__``; for example
 ``RTRL_KAFKA__BOOTSTRAP_SERVERS=broker:9092`` or ``RTRL_TRAINER__MIN_SAMPLES=256``.
 The value ``null`` sets an optional setting to None (``RTRL_TRAINER__MAX_KL=null``). A ``.env``
-file in the working directory is read too. The defaults are the embedded, one-machine
-deployment that ``rtrl services up`` starts on loopback under ``.rtrl/``.
+file in the working directory is read too. The defaults are the one-machine deployment that
+``rtrl services up`` starts on loopback under ``.rtrl/``: the store and MLflow's backend are its
+PostgreSQL's databases (:func:`local_postgres_url`), which ``rtrl run`` and the operator commands
+use; ``rtrl demo`` swaps the ones left unset for SQLite files (:func:`embedded_databases`).
 
 Nothing else in rtrl reads the environment: processes build ``Settings()`` at start-up and pass
 it (or the section they need) down.
@@ -140,16 +142,20 @@ class StoreSettings(_Section):
     """The SQL store of events and labelled episodes."""
 
     url: str = Field(
-        "sqlite:///.rtrl/run/rtrl.db",
-        description="SQLAlchemy URL: sqlite:///path or postgresql+psycopg://user@host:port/db.",
+        "postgresql+psycopg://rtrl@127.0.0.1:15432/rtrl",
+        description="SQLAlchemy URL: sqlite:///path or postgresql+psycopg://user@host:port/db. Unset: the "
+        "postgres.database database of the local PostgreSQL (`rtrl services up`) at "
+        "services.host:services.postgres_port as postgres.user (the default shown is that with the default "
+        "ports); `rtrl demo` makes it sqlite:///<services.run_dir>/rtrl.db instead.",
     )
 
 
 class PostgresSettings(_Section):
-    """The local PostgreSQL server that `rtrl services` runs (scale-out store)."""
+    """The local PostgreSQL server that `rtrl services` runs: the store and MLflow's backend by default."""
 
-    user: str = Field("rtrl", description="Role created for rtrl.")
-    database: str = Field("rtrl", description="Database created for rtrl.")
+    user: str = Field("rtrl", description="Role created for rtrl (owner of both databases).")
+    database: str = Field("rtrl", description="Database created for rtrl's store.")
+    mlflow_database: str = Field("mlflow", description="Database created for the local MLflow server's backend.")
 
 
 class CelerySettings(_Section):
@@ -164,7 +170,10 @@ class MlflowSettings(_Section):
 
     tracking_uri: str = Field("http://127.0.0.1:15000", description="MLflow tracking server URI.")
     backend_store_uri: str = Field(
-        "sqlite:///.rtrl/run/mlflow/mlflow.db", description="Database of the local MLflow server."
+        "postgresql+psycopg://rtrl@127.0.0.1:15432/mlflow",
+        description="Database of the local MLflow server (SQLAlchemy URL). Unset: the postgres.mlflow_database "
+        "database of the local PostgreSQL (`rtrl services up` starts MLflow once it is up; the default shown is "
+        "that with the default ports); `rtrl demo` makes it sqlite:///<services.run_dir>/mlflow/mlflow.db instead.",
     )
     artifact_root: Path = Field(
         Path(".rtrl/run/mlflow/artifacts"), description="Artifact root of the local server."
@@ -817,6 +826,46 @@ class Settings(BaseSettings):
     deployer: DeployerSettings = DeployerSettings()
     agent: AgentSettings = AgentSettings()
     metrics: MetricsSettings = MetricsSettings()
+
+    @model_validator(mode="after")
+    def _local_databases(self) -> Settings:
+        # Unset databases follow services and postgres: the local PostgreSQL on its port, as its user.
+        _default(self, "store", "url", local_postgres_url(self))
+        _default(self, "mlflow", "backend_store_uri", local_postgres_url(self, self.postgres.mlflow_database))
+        return self
+
+
+def local_postgres_url(settings: Settings, database: str | None = None) -> str:
+    """SQLAlchemy URL of `database` (default: postgres.database, the store's) on the local PostgreSQL
+    that `rtrl services up` runs, as postgres.user (trusted on loopback: no password)."""
+    s = settings.services
+    return f"postgresql+psycopg://{settings.postgres.user}@{s.host}:{s.postgres_port}/{database or settings.postgres.database}"
+
+
+def embedded_databases(settings: Settings) -> Settings:
+    """`settings` with the store and MLflow's backend, where not set, as SQLite files in the run dir
+    (``sqlite:///<services.run_dir>/rtrl.db`` and ``.../mlflow/mlflow.db``) instead of the local
+    PostgreSQL's databases: the embedded deployment of ``rtrl demo``, which needs no PostgreSQL.
+    What the operator set is left alone."""
+    run_dir = settings.services.run_dir
+    embedded = settings.model_copy()
+    _default(embedded, "store", "url", f"sqlite:///{run_dir / 'rtrl.db'}")
+    _default(embedded, "mlflow", "backend_store_uri", f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}")
+    return embedded
+
+
+def _default(settings: Settings, section: str, field: str, value: str) -> None:
+    """Give `section.field` a default that depends on other sections, unless the operator set it.
+
+    The field still counts as not set (the section's ``model_fields_set``), so that a later default
+    (:func:`embedded_databases`) may replace it. Settings are frozen: this is the one place a
+    section is replaced, while they are validated or on a copy no one holds yet.
+    """
+    current = getattr(settings, section)
+    if field in current.model_fields_set:
+        return
+    values = {**dict(current), field: value}
+    settings.__dict__[section] = type(current).model_construct(_fields_set=set(current.model_fields_set), **values)
 
 
 def to_env(settings: Settings) -> dict[str, str]:

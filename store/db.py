@@ -339,7 +339,7 @@ class Store:
         if isinstance(exc, OperationalError | InterfaceError):
             return DatabaseUnavailable(
                 f"the store at {where} is unreachable or locked ({detail}); is it up? "
-                "(`rtrl services status`, RTRL_STORE__URL)"
+                "(`rtrl services up` starts the local one; `rtrl services status`; or set RTRL_STORE__URL)"
             )
         return DatabaseError(detail)
 

@@ -27,7 +27,7 @@ import pytest
 from factories import FakeClock
 
 from rtrl.services.testing import private_services
-from schemas.settings import KafkaSettings, Settings
+from schemas.settings import KafkaSettings, Settings, local_postgres_url
 from store import Store
 
 MUST_NOT_SKIP = ("integration", "e2e")
@@ -121,9 +121,7 @@ def kafka_settings(kafka_service: Settings) -> KafkaSettings:
 @pytest.fixture(scope="session")
 def postgres_url(postgres_service: Settings) -> str:
     """SQLAlchemy URL of the session's PostgreSQL database."""
-    from rtrl.services import sqlalchemy_url
-
-    return sqlalchemy_url(postgres_service)
+    return local_postgres_url(postgres_service)
 
 
 @pytest.fixture

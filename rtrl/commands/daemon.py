@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
+
+if TYPE_CHECKING:
+    from schemas.settings import Settings
+    from store import Store
 
 
 def register(app: typer.Typer) -> None:
@@ -18,8 +24,10 @@ def register(app: typer.Typer) -> None:
 
         The gateway starts at once. Meanwhile it migrates the store, creates the topics and registers
         the base model as v1 @champion if the registry is empty (idempotent), retrying while a
-        dependency is down; the other processes start once that is done. The services (Kafka, Redis,
-        MLflow, vLLM, ...) are not started here: run `rtrl services up` first, or point RTRL_* at your own.
+        dependency is down; the other processes start once that is done. The services (Kafka, PostgreSQL,
+        Redis, MLflow, vLLM, ...) are not started here: run `rtrl services up` first, or point RTRL_* at your
+        own. The store is the local PostgreSQL's unless RTRL_STORE__URL says otherwise; when that server does
+        not answer and this run dir has not started it, nothing would, so `rtrl run` stops at once saying so.
         """
         from feedback.judging import require_endpoint
         from registry import Registry
@@ -37,7 +45,11 @@ def register(app: typer.Typer) -> None:
         settings = load_settings()
         # An unknown spec, or a judged one without its endpoint, is a mistake to fix now, not to retry.
         require_endpoint(get_spec(settings.labeler.reward_spec), settings.labeler.judge)
-        Store(settings.store.url).close()  # a malformed store URL is a mistake to fix now, not to retry
+        store = Store(settings.store.url)  # a malformed store URL is a mistake to fix now, not to retry
+        try:
+            _require_local_store(settings, store)
+        finally:
+            store.close()
         Registry.from_settings(settings)
 
         def prepared() -> int:
@@ -63,3 +75,26 @@ def register(app: typer.Typer) -> None:
         typer.echo(json.dumps(report, indent=2, default=str) if as_json else render(report))
         if report["problems"]:
             raise typer.Exit(1)
+
+
+def _require_local_store(settings: Settings, store: Store) -> None:
+    """Raise DatabaseUnavailable, saying how to fix it, when the store is the local PostgreSQL
+    (`rtrl services up`) and that does not answer because this run dir never started it: waiting for
+    it would be waiting for nothing. Any other store that is down is waited for (the supervisor
+    retries `prepare`)."""
+    from rtrl.services.postgres import Postgres
+    from schemas.settings import local_postgres_url
+    from store import DatabaseUnavailable, StoreNotMigrated
+
+    if "postgres" not in settings.services.enabled or settings.store.url != local_postgres_url(settings):
+        return
+    try:
+        store.check_schema()
+    except StoreNotMigrated:
+        return  # it answers; `prepare` migrates it
+    except DatabaseUnavailable:
+        if Postgres(settings).pid() is not None:
+            return  # started, not up yet (or restarting): waited for
+        raise DatabaseUnavailable(
+            f"store {settings.store.url} unreachable: start it with `rtrl services up` or set RTRL_STORE__URL"
+        ) from None

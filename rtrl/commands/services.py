@@ -28,7 +28,10 @@ def _print_table(rows: list) -> None:  # type: ignore[type-arg]
 
 @services_app.command("up")
 def up(only: str | None = _ONLY) -> None:
-    """Install what is missing, start the services that are not running and wait until all are healthy."""
+    """Install what is missing, start the services that are not running and wait until all are healthy.
+
+    MLflow on the local PostgreSQL (its default backend) starts once PostgreSQL is healthy and has made
+    the databases of the store and of MLflow; `--only mlflow` starts PostgreSQL too."""
     import logging
 
     from rtrl.services import up as services_up

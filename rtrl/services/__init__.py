@@ -7,7 +7,8 @@ Kafka's jars are cached in ``services.cache_dir``; Debian packages come from inf
 (``make demo`` and ``make test`` run it).
 
 Service names (for ``only``): kafka, postgres, redis, mlflow, vllm (the serving server and, when
-``services.vllm_staging_port`` is set, vllm-staging), vllm-staging.
+``services.vllm_staging_port`` is set, vllm-staging), vllm-staging. MLflow on the local PostgreSQL
+(its default backend) requires postgres: it starts once PostgreSQL is healthy and has its database.
 """
 
 from __future__ import annotations
@@ -48,39 +49,75 @@ def services(settings: Settings, only: Sequence[str] | None = None) -> list[Serv
 def up(settings: Settings, only: Sequence[str] | None = None) -> list[ServiceStatus]:
     """Start the selected services that are not running and wait until all are healthy.
 
-    Idempotent: a healthy service is left alone. All missing services start at once, then each is
-    waited for (up to services.start_timeout_s); a service that exits or stays unhealthy raises
-    ServiceError with the tail of its log. When anything fails, the services this call started are
-    stopped again before the error propagates: a failed ``up`` leaves nothing running that it
-    started. Returns the final status of the selected services.
+    Idempotent: a healthy service is left alone. The services a selected one requires
+    (`Service.requires`: MLflow on the local PostgreSQL needs it) are selected too. Each missing
+    service starts as soon as those it requires are healthy, so most start at once; then each is
+    waited for (up to services.start_timeout_s) and its `after_start` run, requirements first. A
+    service that exits or stays unhealthy raises ServiceError with the tail of its log. When
+    anything fails, the services this call started are stopped again before the error propagates:
+    a failed ``up`` leaves nothing running that it started. Returns the final status of the
+    selected services.
     """
-    units = services(settings, only)
+    units = _with_requirements(settings, services(settings, only))
     to_start = [unit for unit in units if unit.pid() is None]
     for unit in units:
         if unit not in to_start:
             log.info("%s: already running (pid %s)", unit.name, unit.pid())
     # Fail before starting anything rather than half-way through.
+    order = _requirements_first(units)
     for unit in to_start:
         unit.check_ports()
     started: list[Service] = []
-    try:
+    healthy: set[str] = set()
+
+    def start_ready() -> None:
         for unit in to_start:
-            t0 = time.monotonic()
-            started.append(unit)  # before start(): a start that fails half-way may leave a process
-            pid = unit.start()
-            log.info("%s: started pid %s in %.1f s, log %s", unit.name, pid, time.monotonic() - t0, unit.log_path)
+            if unit not in started and set(unit.requires()) <= healthy:
+                t0 = time.monotonic()
+                started.append(unit)  # before start(): a start that fails half-way may leave a process
+                pid = unit.start()
+                log.info("%s: started pid %s in %.1f s, log %s", unit.name, pid, time.monotonic() - t0, unit.log_path)
+
+    try:
+        start_ready()
         t_start = time.monotonic()
-        for unit in units:
+        for unit in order:  # each was started once what it requires was healthy
             detail = unit.wait_healthy(settings.services.start_timeout_s)
             unit.after_start()
+            healthy.add(unit.name)
             log.info("%s: healthy at %s (%s) after %.1f s", unit.name, unit.address, detail,
                      time.monotonic() - t_start)
+            start_ready()  # those that required it
     except BaseException:
         for unit in reversed(started):
             if unit.stop():
                 log.info("%s: stopped again (services up failed)", unit.name)
         raise
     return [unit.status() for unit in units]
+
+
+def _with_requirements(settings: Settings, units: list[Service]) -> list[Service]:
+    """`units` and every service they require, directly or not."""
+    while missing := {name for unit in units for name in unit.requires()} - {unit.name for unit in units}:
+        more = services(settings, [*(unit.name for unit in units), *missing])
+        if len(more) == len(units):
+            raise ServiceError(f"{', '.join(sorted(missing))} required but not configured (RTRL_SERVICES__*)")
+        units = more
+    return units
+
+
+def _requirements_first(units: list[Service]) -> list[Service]:
+    """`units` in their order, except that each comes after the services it requires."""
+    ordered: list[Service] = []
+    pending = list(units)
+    while pending:
+        placed = {unit.name for unit in ordered}
+        ready = next((unit for unit in pending if set(unit.requires()) <= placed), None)
+        if ready is None:
+            raise ServiceError(f"services {', '.join(unit.name for unit in pending)} require each other")
+        ordered.append(ready)
+        pending.remove(ready)
+    return ordered
 
 
 def status(settings: Settings, only: Sequence[str] | None = None) -> list[ServiceStatus]:

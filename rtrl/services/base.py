@@ -180,6 +180,11 @@ class Service(ABC):
         """Runs once the service is healthy after `up` (create roles, topics, warm up); must be idempotent."""
         return None
 
+    def requires(self) -> tuple[str, ...]:
+        """Services that must be healthy, their `after_start` done, before this one starts (`up` starts
+        them too)."""
+        return ()
+
     # --- the shared mechanics -----------------------------------------------------------------
 
     def _read_pid(self) -> _PidRecord | None:

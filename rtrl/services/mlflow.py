@@ -2,10 +2,12 @@
 
 Started by `rtrl services up` as ``python -m mlflow server`` from the rtrl virtualenv, one worker,
 on ``services.host:services.mlflow_port``. Runs and registered models go to
-``mlflow.backend_store_uri`` (SQLite under the run dir by default); artifacts are proxied by the
-server (``mlflow-artifacts:/``) into ``mlflow.artifact_root``, so clients never need the server's
-file system. Relative paths in both settings are relative to the working directory, as for any
-SQLite URL.
+``mlflow.backend_store_uri``: by default the ``postgres.mlflow_database`` database of the local
+PostgreSQL, so `up` starts MLflow once PostgreSQL is healthy and has created it (:meth:`requires`;
+the URL is passed as it is: MLflow takes ``postgresql+psycopg://``, psycopg 3, like the store);
+``rtrl demo`` uses a SQLite file under the run dir instead. Artifacts are proxied by the server
+(``mlflow-artifacts:/``) into ``mlflow.artifact_root``, so clients never need the server's file
+system. Relative paths (the artifact root, a SQLite file) are relative to the working directory.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ class Mlflow(Service):
     @property
     def address(self) -> str:
         return f"http://{self.host}:{self.settings.services.mlflow_port}"
+
+    def requires(self) -> tuple[str, ...]:
+        # On a PostgreSQL that rtrl runs, the server needs it up with its database made (Postgres.after_start);
+        # one that rtrl does not run (postgres not in services.enabled) is someone else's to start.
+        on_postgres = self.settings.mlflow.backend_store_uri.startswith("postgresql")
+        return ("postgres",) if on_postgres and "postgres" in self.settings.services.enabled else ()
 
     def command(self) -> list[str]:
         m = self.settings.mlflow

@@ -3,8 +3,10 @@
 Started by `rtrl services up`. ``initdb`` runs once into ``<run_dir>/postgres/data``; the server
 listens on ``services.host:services.postgres_port`` with its unix socket in ``<run_dir>/postgres``,
 trusts loopback connections (a local development service, never exposed), and gets the role
-``postgres.user`` and database ``postgres.database`` that :func:`sqlalchemy_url` points at.
-PostgreSQL refuses to run as root, so as root it runs as the ``postgres`` system user.
+``postgres.user`` owning two databases: ``postgres.database``, the store of ``rtrl run`` and the
+operator commands, and ``postgres.mlflow_database``, the local MLflow server's backend (both by
+default: ``schemas.settings.local_postgres_url``). PostgreSQL refuses to run as root, so as root
+it runs as the ``postgres`` system user.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from schemas.settings import Settings
+from schemas.settings import Settings, local_postgres_url
 
 from .base import Service, ServiceError
 
@@ -36,9 +38,8 @@ def bin_dir() -> Path:
 
 
 def sqlalchemy_url(settings: Settings) -> str:
-    """SQLAlchemy URL of the local server's rtrl database (for StoreSettings.url)."""
-    s = settings.services
-    return f"postgresql+psycopg://{settings.postgres.user}@{s.host}:{s.postgres_port}/{settings.postgres.database}"
+    """SQLAlchemy URL of the local server's store database: ``local_postgres_url(settings)``."""
+    return local_postgres_url(settings)
 
 
 class Postgres(Service):
@@ -110,12 +111,14 @@ class Postgres(Service):
         return f"PostgreSQL {row[0].split()[0]}"
 
     def after_start(self) -> None:
-        """Create the rtrl role and database when missing (idempotent)."""
+        """Create the rtrl role, the store's database and MLflow's when missing (idempotent)."""
         from psycopg import sql
 
-        user, database = self.settings.postgres.user, self.settings.postgres.database
+        pg = self.settings.postgres
         with self._connect(SUPERUSER, "postgres") as conn:
-            if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (user,)).fetchone() is None:
-                conn.execute(sql.SQL("CREATE ROLE {} LOGIN CREATEDB").format(sql.Identifier(user)))
-            if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,)).fetchone() is None:
-                conn.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(database), sql.Identifier(user)))
+            if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (pg.user,)).fetchone() is None:
+                conn.execute(sql.SQL("CREATE ROLE {} LOGIN CREATEDB").format(sql.Identifier(pg.user)))
+            for database in dict.fromkeys((pg.database, pg.mlflow_database)):
+                if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,)).fetchone() is None:
+                    conn.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(database),
+                                                                              sql.Identifier(pg.user)))

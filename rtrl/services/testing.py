@@ -27,9 +27,9 @@ from schemas.settings import (
     MlflowSettings,
     ServicesSettings,
     Settings,
-    StoreSettings,
     TrainerSettings,
     VllmSettings,
+    embedded_databases,
 )
 
 from .base import run_dir
@@ -53,8 +53,14 @@ def make_run_dir(prefix: str) -> Path:
     return path
 
 
-def services_settings(run_dir: Path, model_dir: Path, enabled: tuple[str, ...] | None = None) -> Settings:
-    """Settings for services under `run_dir` on free ports, every client section pointing at them."""
+def services_settings(
+    run_dir: Path, model_dir: Path, enabled: tuple[str, ...] | None = None, embedded: bool = True
+) -> Settings:
+    """Settings for services under `run_dir` on free ports, every client section pointing at them.
+
+    `embedded`: the store and MLflow's backend are SQLite files in the run dir, as under `rtrl demo`
+    (what the test sessions use); False: the databases of the run dir's PostgreSQL, as under `rtrl run`.
+    """
     kafka, controller, pg, redis, mlflow, vllm, staging = free_ports(7)
     services = ServicesSettings(
         run_dir=run_dir, host=HOST, kafka_port=kafka, kafka_controller_port=controller, postgres_port=pg,
@@ -62,22 +68,18 @@ def services_settings(run_dir: Path, model_dir: Path, enabled: tuple[str, ...] |
         start_timeout_s=600.0,  # a loaded 2-core CI machine starts two vLLM servers slowly
         **({} if enabled is None else {"enabled": enabled}),
     )
-    return Settings(
+    settings = Settings(
         services=services,
         kafka=KafkaSettings(bootstrap_servers=f"{HOST}:{kafka}", partitions=3),
-        store=StoreSettings(url=f"sqlite:///{run_dir / 'rtrl.db'}"),
         celery=CelerySettings(broker_url=f"redis://{HOST}:{redis}/0", result_backend=f"redis://{HOST}:{redis}/1"),
-        mlflow=MlflowSettings(
-            tracking_uri=f"http://{HOST}:{mlflow}",
-            backend_store_uri=f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}",
-            artifact_root=run_dir / "mlflow" / "artifacts",
-        ),
+        mlflow=MlflowSettings(tracking_uri=f"http://{HOST}:{mlflow}", artifact_root=run_dir / "mlflow" / "artifacts"),
         vllm=VllmSettings(
             servers=(f"http://{HOST}:{vllm}",), staging_server=f"http://{HOST}:{staging}", model_dir=model_dir,
         ),
         gateway=GatewaySettings(port=free_ports(1)[0], spool_dir=run_dir / "spool"),
         trainer=TrainerSettings(checkpoint_dir=run_dir / "checkpoints"),
     )
+    return embedded_databases(settings) if embedded else settings
 
 
 def start_reaper(settings: Settings, owner_pid: int) -> subprocess.Popen[bytes]:
@@ -98,14 +100,17 @@ def start_reaper(settings: Settings, owner_pid: int) -> subprocess.Popen[bytes]:
 
 
 @contextmanager
-def private_services(prefix: str, model_dir: Path | None = None, enabled: tuple[str, ...] | None = None) -> Iterator[Settings]:
+def private_services(
+    prefix: str, model_dir: Path | None = None, enabled: tuple[str, ...] | None = None, embedded: bool = True
+) -> Iterator[Settings]:
     """Settings for a private deployment (fresh run dir, free ports; `model_dir` defaults to one in
-    the run dir), watched by a reaper; on exit every service started under it is stopped and the run
-    dir removed. Starts nothing itself: call `rtrl.services.up` with the settings."""
+    the run dir; `embedded` as for `services_settings`), watched by a reaper; on exit every service
+    started under it is stopped and the run dir removed. Starts nothing itself: call
+    `rtrl.services.up` with the settings."""
     from rtrl.services import down
 
     run_dir = make_run_dir(prefix)
-    settings = services_settings(run_dir, model_dir or run_dir / "models" / "tiny", enabled)
+    settings = services_settings(run_dir, model_dir or run_dir / "models" / "tiny", enabled, embedded)
     reaper = start_reaper(settings, os.getpid())
     try:
         yield settings

@@ -67,6 +67,19 @@ def test_rtrl_run_refuses_a_malformed_store_url_at_once(tmp_path: Path) -> None:
     assert "unsupported store URL 'nosuchdialect:///x'" in line and not (tmp_path / "logs").exists()
 
 
+def test_rtrl_run_without_the_local_postgres_says_how_to_start_it(tmp_path: Path) -> None:
+    """The default store is the local PostgreSQL: when this run dir never started it, nothing will,
+    so `rtrl run` says what to do at once instead of waiting."""
+    (closed,) = free_ports(1)
+    line = one_line_error(rtrl("run", RTRL_SERVICES__POSTGRES_PORT=str(closed), RTRL_SERVICES__RUN_DIR=str(tmp_path)))
+    assert line == (f"rtrl: store postgresql+psycopg://rtrl@127.0.0.1:{closed}/rtrl unreachable: start it with "
+                    "`rtrl services up` or set RTRL_STORE__URL")  # fmt: skip
+    assert not (tmp_path / "logs").exists()
+    # The operator commands share the default, and say so in one line too.
+    store = one_line_error(rtrl("train", "status", RTRL_SERVICES__POSTGRES_PORT=str(closed)))
+    assert f"postgresql+psycopg://rtrl@127.0.0.1:{closed}/rtrl is unreachable" in store and "RTRL_STORE__URL" in store
+
+
 def test_rtrl_run_refuses_a_judged_reward_spec_without_its_judge_at_once(tmp_path: Path) -> None:
     line = one_line_error(rtrl("run", RTRL_LABELER__REWARD_SPEC="judged-v1", RTRL_SERVICES__RUN_DIR=str(tmp_path)))
     assert "judged-v1@1 has a judge term" in line and "RTRL_LABELER__JUDGE__URL" in line

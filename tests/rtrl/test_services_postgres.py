@@ -1,4 +1,5 @@
-"""The local PostgreSQL server is real: a SQLAlchemy round trip through psycopg 3."""
+"""The local PostgreSQL server is real: a SQLAlchemy round trip through psycopg 3, and the databases
+it makes for the store and for MLflow."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import uuid
 
 import pytest
 import sqlalchemy as sa
+
+from rtrl.services.postgres import Postgres
+from schemas.settings import Settings, local_postgres_url
 
 pytestmark = pytest.mark.integration
 
@@ -30,3 +34,17 @@ def test_sqlalchemy_round_trip(postgres_url: str) -> None:
     finally:
         meta.drop_all(engine)
         engine.dispose()
+
+
+def test_the_store_and_mlflow_get_their_databases_owned_by_rtrl(postgres_service: Settings) -> None:
+    pg = postgres_service.postgres
+    Postgres(postgres_service).after_start()  # again: idempotent
+    engine = sa.create_engine(local_postgres_url(postgres_service, "postgres"))
+    try:
+        with engine.connect() as conn:
+            owners = dict(conn.execute(sa.text(
+                "SELECT datname, pg_get_userbyid(datdba) FROM pg_database WHERE datname IN (:store, :mlflow)"
+            ), {"store": pg.database, "mlflow": pg.mlflow_database}).all())  # fmt: skip
+    finally:
+        engine.dispose()
+    assert owners == {pg.database: pg.user, pg.mlflow_database: pg.user}

@@ -1,5 +1,6 @@
 """Settings: nested environment variables, one-line errors that name the variable, Kafka security,
-and handing a configuration to a child process."""
+handing a configuration to a child process, and the default databases (the local PostgreSQL's,
+or SQLite files for the demo)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,16 @@ from pydantic import SecretStr, ValidationError
 from schemas.errors import OperatorError
 from schemas.settings import (
     KafkaSettings,
+    MlflowSettings,
+    PostgresSettings,
     ServicesSettings,
     Settings,
     SettingsError,
+    StoreSettings,
     VllmSettings,
+    embedded_databases,
     load_settings,
+    local_postgres_url,
     to_env,
 )
 
@@ -82,3 +88,56 @@ def test_a_bad_secret_setting_never_prints_the_secret(monkeypatch: pytest.Monkey
         load_settings()
     assert "RTRL_KAFKA: Value error, security_protocol SASL_SSL needs sasl_mechanism" in str(caught.value)
     assert "hunter2" not in str(caught.value)
+
+
+def test_unset_databases_are_the_local_postgres_of_the_services_settings() -> None:
+    settings = Settings(
+        services=ServicesSettings(host="10.1.2.3", postgres_port=5433),
+        postgres=PostgresSettings(user="loop", database="events", mlflow_database="runs"),
+    )
+    assert settings.store.url == "postgresql+psycopg://loop@10.1.2.3:5433/events"
+    assert settings.mlflow.backend_store_uri == "postgresql+psycopg://loop@10.1.2.3:5433/runs"
+    assert local_postgres_url(settings, "other") == "postgresql+psycopg://loop@10.1.2.3:5433/other"
+    # With the default services and postgres settings: the defaults the fields document.
+    plain = Settings(services=ServicesSettings(), postgres=PostgresSettings(), store=StoreSettings(),
+                     mlflow=MlflowSettings())  # fmt: skip
+    assert plain.store.url == StoreSettings().url == "postgresql+psycopg://rtrl@127.0.0.1:15432/rtrl"
+    assert plain.mlflow.backend_store_uri == MlflowSettings().backend_store_uri == (
+        "postgresql+psycopg://rtrl@127.0.0.1:15432/mlflow")
+
+
+def test_a_database_that_is_set_wins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    given = Settings(store=StoreSettings(url=f"sqlite:///{tmp_path}/mine.db"),
+                     mlflow=MlflowSettings(backend_store_uri="postgresql+psycopg://u@db:5432/ml"))  # fmt: skip
+    assert given.store.url == f"sqlite:///{tmp_path}/mine.db"
+    assert given.mlflow.backend_store_uri == "postgresql+psycopg://u@db:5432/ml"
+    monkeypatch.setenv("RTRL_SERVICES__POSTGRES_PORT", "5999")
+    monkeypatch.setenv("RTRL_STORE__URL", "postgresql+psycopg://rtrl@db.internal:5432/rtrl")
+    from_env = load_settings()
+    assert from_env.store.url == "postgresql+psycopg://rtrl@db.internal:5432/rtrl"
+    assert from_env.mlflow.backend_store_uri == "postgresql+psycopg://rtrl@127.0.0.1:5999/mlflow"  # unset: follows
+    assert embedded_databases(from_env).store.url == "postgresql+psycopg://rtrl@db.internal:5432/rtrl"
+
+
+def test_a_child_process_gets_the_same_databases(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for settings in (Settings(services=ServicesSettings(postgres_port=6543, run_dir=tmp_path)),
+                     embedded_databases(Settings(services=ServicesSettings(run_dir=tmp_path)))):  # fmt: skip
+        for key, value in to_env(settings).items():
+            monkeypatch.setenv(key, value)
+        child = load_settings()
+        assert child == settings
+        assert (child.store.url, child.mlflow.backend_store_uri) == (settings.store.url, settings.mlflow.backend_store_uri)
+
+
+def test_embedded_databases_are_sqlite_files_in_the_run_dir(tmp_path: Path) -> None:
+    settings = Settings(services=ServicesSettings(run_dir=tmp_path / "run"))
+    embedded = embedded_databases(settings)
+    assert embedded.store.url == f"sqlite:///{tmp_path}/run/rtrl.db"
+    assert embedded.mlflow.backend_store_uri == f"sqlite:///{tmp_path}/run/mlflow/mlflow.db"
+    assert settings.store.url == local_postgres_url(settings)  # the settings given are left as they were
+    relative = embedded_databases(Settings(services=ServicesSettings(run_dir=Path(".rtrl/run"))))
+    assert relative.store.url == "sqlite:///.rtrl/run/rtrl.db"  # the demo's files, as before PostgreSQL
+    assert relative.mlflow.backend_store_uri == "sqlite:///.rtrl/run/mlflow/mlflow.db"
+    mine = Settings(store=StoreSettings(url="postgresql+psycopg://u@db:5432/rtrl"))
+    assert embedded_databases(mine).store.url == "postgresql+psycopg://u@db:5432/rtrl"  # set: left alone
+    assert embedded_databases(mine).mlflow.backend_store_uri.startswith("sqlite:///")
