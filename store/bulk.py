@@ -34,31 +34,50 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 from sqlalchemy.types import ARRAY, JSON, DateTime, LargeBinary, TypeDecorator
 
+from store.models import UtcDateTime
+
 _PG = postgresql.dialect()  # type: ignore[no-untyped-call]
 _quote = _PG.identifier_preparer.quote
 
 
-def insert_rows(session: Session, table: Table, rows: Sequence[dict[str, Any]], conflict: Sequence[str]) -> None:
-    """``INSERT INTO table`` every row, skipping a row that conflicts with a stored one on the
-    unique columns `conflict` (``ON CONFLICT (..) DO NOTHING``).
+def insert_rows(
+    session: Session,
+    table: Table,
+    rows: Sequence[dict[str, Any]],
+    *,
+    conflict: Sequence[str] | None = None,
+    returning: str | None = None,
+) -> set[Any]:
+    """``INSERT INTO table`` every row, skipping a row that conflicts with a stored one
+    (``ON CONFLICT DO NOTHING``): on the unique columns `conflict`, or on any unique index when
+    None. Returns the `returning` column of the rows inserted (empty when None).
 
     Rows may give different columns; each set of columns is one statement. A column a row leaves
     out gets its server default (or NULL): the table's Python-side defaults are not applied, so a
     column that has one must be given."""
     postgres = session.get_bind().dialect.name == "postgresql"
+    inserted: set[Any] = set()
     for columns, group in _by_columns(rows, lambda row: tuple(row)).items():
         missing = [c.name for c in table.columns if c.name not in columns and c.default is not None]
         if missing:
             raise ValueError(f"insert_rows into {table.name}: give {', '.join(missing)} (Python-side defaults)")
         if not postgres:
-            session.execute(sqlite_insert(table).on_conflict_do_nothing(index_elements=list(conflict)), group)
+            statement = sqlite_insert(table).on_conflict_do_nothing(index_elements=conflict)
+            if returning is None:
+                session.execute(statement, group)
+            else:
+                inserted.update(session.scalars(statement.returning(table.c[returning]), group))
             continue
         names = ", ".join(_quote(name) for name in columns)
-        session.execute(
+        target = "" if conflict is None else f"({', '.join(_quote(name) for name in conflict)}) "
+        result = session.execute(
             text(f"INSERT INTO {_quote(table.name)} ({names}) SELECT {names} FROM {_recordset(table, columns)} "
-                 f"ON CONFLICT ({', '.join(_quote(name) for name in conflict)}) DO NOTHING"),
+                 f"ON CONFLICT {target}DO NOTHING" + ("" if returning is None else f" RETURNING {_quote(returning)}")),
             {"rows": _document(table, columns, group)},
         )  # fmt: skip
+        if returning is not None:
+            inserted.update(result.scalars())
+    return inserted
 
 
 def update_rows(session: Session, table: Table, key: str, rows: Sequence[dict[str, Any]]) -> None:
@@ -109,17 +128,21 @@ def _recordset(table: Table, columns: Sequence[str]) -> str:
 
 
 def _document(table: Table, columns: Sequence[str], rows: list[dict[str, Any]]) -> str:
-    """The rows as one JSON array of objects, each value as the column's type would send it.
+    """The rows (each giving exactly `columns`) as one JSON array of objects, each value as the
+    column's type would send it.
 
     NaN and infinite floats raise ValueError (JSON has none; the statement would fail anyway)."""
     converters = [(name, convert) for name in columns if (convert := _converter(table, name)) is not None]
-    plain = [name for name in columns if name not in dict(converters)]
-    document = [
-        {**{name: row[name] for name in plain},
-         **{name: None if row[name] is None else convert(row[name]) for name, convert in converters}}
-        for row in rows
-    ]  # fmt: skip
-    return json.dumps(document, allow_nan=False, separators=(",", ":"))
+    if converters:
+        converted = []
+        for row in rows:
+            row = dict(row)
+            for name, convert in converters:
+                if row[name] is not None:
+                    row[name] = convert(row[name])
+            converted.append(row)
+        rows = converted
+    return json.dumps(rows, allow_nan=False, separators=(",", ":"))
 
 
 def _converter(table: Table, name: str) -> Callable[[Any], Any] | None:
@@ -127,6 +150,8 @@ def _converter(table: Table, name: str) -> Callable[[Any], Any] | None:
     column_type = table.c[name].type
     if isinstance(column_type, JSON):
         return None  # nested in the document; the record's JSON column takes it whole
+    if isinstance(column_type, UtcDateTime):
+        return _utc_iso
     if isinstance(column_type, TypeDecorator):
         process = column_type.process_bind_param
 
@@ -140,3 +165,11 @@ def _converter(table: Table, name: str) -> Callable[[Any], Any] | None:
     if isinstance(column_type, DateTime):
         return lambda value: value.isoformat()
     return None
+
+
+def _utc_iso(value: datetime) -> str:
+    """A UtcDateTime value as ISO 8601 with its offset (the server keeps the instant); naive
+    datetimes are refused as UtcDateTime refuses them."""
+    if value.utcoffset() is None:
+        raise ValueError("naive datetime given to the store; use UTC-aware datetimes")
+    return value.isoformat()

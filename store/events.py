@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from schemas.events import DeadLetterRecord, FeedbackEvent, InteractionEvent
 from schemas.versions import parse_version
 from store.bulk import among, insert_rows
+from store.errors import DatabaseUnavailable
 from store.models import DeadLetter, Feedback, Interaction
 
 # What of a rejected payload travels on the DLQ topic: the broker's default message limit is 1 MB
@@ -112,75 +113,76 @@ class BatchWrite:
 def write_events(
     session: Session, parsed: Sequence[tuple[SourceRecord, Event | Rejected]], now: datetime
 ) -> BatchWrite:
-    """Insert the valid events of a batch (idempotently) and collect everything to dead-letter."""
+    """Insert the valid events of a batch (idempotently) and collect everything to dead-letter.
+
+    Optimistic: the batch's events are inserted at once, skipping any that conflicts with a stored
+    row (its event_id, or an interaction's episode and segment, stored before or by a concurrent
+    replica meanwhile); only the skipped ones are looked up, to tell a replay (stored from the same
+    offset) from a duplicate. Nothing is read first when nothing conflicts, the usual case."""
     out = BatchWrite()
-    valid = [(r, e) for r, e in parsed if not isinstance(e, Rejected)]
     out.rejected.extend(e for _, e in parsed if isinstance(e, Rejected))
+    valid = [(r, e) for r, e in parsed if not isinstance(e, Rejected)]
+    duplicates: list[tuple[int, Rejected]] = []  # (position in the batch, dead letter)
 
-    # Where each event_id / segment already lives, so replays are told apart from duplicates.
-    ids = [e.event_id for _, e in valid]
-    stored: dict[str, str] = {}
-    for model in (Interaction, Feedback):
-        rows = session.execute(
-            select(model.event_id, model.source_topic, model.source_partition, model.source_offset).where(
-                among(session, model.event_id, ids)
-            )
-        )
-        stored.update({row[0]: f"{row[1]}:{row[2]}:{row[3]}" for row in rows})
-    segment_keys = [(e.episode_id, e.segment_index) for _, e in valid if isinstance(e, InteractionEvent)]
-    segments: dict[tuple[str, int], str] = {}
-    if segment_keys:
-        # By episode id (the unique index's leading column), not a (episode, segment) tuple IN,
-        # which PostgreSQL answers with a scan of the whole table.
-        wanted = set(segment_keys)
-        segment_rows = session.execute(
-            select(Interaction.episode_id, Interaction.segment_index, Interaction.event_id).where(
-                among(session, Interaction.episode_id, sorted({episode for episode, _ in wanted}))
-            )
-        )
-        segments = {(row[0], row[1]): row[2] for row in segment_rows if (row[0], row[1]) in wanted}
+    # ---- duplicates inside the batch: the first occurrence is the one inserted -------------------
+    first: dict[str, str] = {}  # event_id -> source
+    segments: dict[tuple[str, int], str] = {}  # (episode, segment) -> event_id
+    candidates: list[tuple[int, SourceRecord, Event]] = []
+    again: list[tuple[int, SourceRecord, Event]] = []  # a second occurrence: named once the first is known
+    for position, (record, event) in enumerate(valid):
+        if event.event_id in first or (
+            isinstance(event, InteractionEvent) and (event.episode_id, event.segment_index) in segments
+        ):
+            again.append((position, record, event))
+            continue
+        if isinstance(event, InteractionEvent):
+            segments[(event.episode_id, event.segment_index)] = event.event_id
+        first[event.event_id] = record.source
+        candidates.append((position, record, event))
 
-    interaction_rows: list[dict[str, Any]] = []
-    feedback_rows: list[dict[str, Any]] = []
-    for record, event in valid:
+    # ---- an event_id is unique across both tables: one already in the other table is a duplicate --
+    ids = {"interactions": [e.event_id for _, _, e in candidates if isinstance(e, InteractionEvent)],
+           "feedback": [e.event_id for _, _, e in candidates if isinstance(e, FeedbackEvent)]}  # fmt: skip
+    elsewhere = {**_sources(session, Feedback, ids["interactions"]), **_sources(session, Interaction, ids["feedback"])}
+
+    # ---- insert, skipping conflicts with stored rows (ON CONFLICT DO NOTHING on every unique index) --
+    rows: dict[str, list[dict[str, Any]]] = {"interactions": [], "feedback": []}
+    for _, record, event in candidates:
+        if event.event_id not in elsewhere:
+            if isinstance(event, InteractionEvent):
+                rows["interactions"].append(_interaction_row(record, event, now))
+            else:
+                rows["feedback"].append(_feedback_row(record, event, now))
+    inserted = insert_rows(session, INTERACTIONS, rows["interactions"], returning="event_id")
+    inserted |= insert_rows(session, FEEDBACK, rows["feedback"], returning="event_id")
+
+    # ---- the skipped ones: replays, or duplicates of what is stored ------------------------------
+    skipped = [(p, r, e) for p, r, e in candidates if e.event_id not in inserted]
+    stored = {**elsewhere, **_sources(session, Interaction, [e.event_id for _, _, e in skipped if e.event_id not in elsewhere]),
+              **_sources(session, Feedback, [e.event_id for _, _, e in skipped if e.event_id not in elsewhere])}  # fmt: skip
+    segment_of = _stored_segments(session, [e for _, _, e in skipped if e.event_id not in stored])
+    for position, record, event in skipped:
         if event.event_id in stored:
             if stored[event.event_id] == record.source:
                 out.replayed += 1  # re-read after a crash before the offset commit: already done
             else:
-                out.rejected.append(
-                    Rejected(
-                        record,
-                        f"duplicate: event_id already stored from {stored[event.event_id]}",
-                        event.event_id,
-                    )
-                )
-            continue
-        if isinstance(event, InteractionEvent):
+                duplicates.append((position, _duplicate_event(record, event, stored[event.event_id])))
+        elif isinstance(event, InteractionEvent) and (event.episode_id, event.segment_index) in segment_of:
             key = (event.episode_id, event.segment_index)
-            if key in segments:
-                out.rejected.append(
-                    Rejected(
-                        record,
-                        f"duplicate: segment {event.segment_index} of episode {event.episode_id} "
-                        f"already stored as event {segments[key]}",
-                        event.event_id,
-                    )
-                )
-                continue
-            segments[key] = event.event_id
-            interaction_rows.append(_interaction_row(record, event, now))
-            out.interactions.append(event)
+            duplicates.append((position, _duplicate_segment(record, event, segment_of[key])))
+        else:  # the conflicting row is gone again (retention): the batch's retry will insert it
+            raise DatabaseUnavailable(f"event {event.event_id} conflicted with a row that is gone; retrying the batch")
+    for position, record, event in again:  # what the first occurrence turned out to be, or stored
+        if event.event_id in first:
+            duplicates.append((position, _duplicate_event(record, event, stored.get(event.event_id, first[event.event_id]))))
         else:
-            feedback_rows.append(_feedback_row(record, event, now))
-            out.feedback.append(event)
-        stored[event.event_id] = record.source
+            assert isinstance(event, InteractionEvent)
+            key = (event.episode_id, event.segment_index)
+            duplicates.append((position, _duplicate_segment(record, event, segment_of.get(key, segments[key]))))
+    out.interactions = [e for _, _, e in candidates if isinstance(e, InteractionEvent) and e.event_id in inserted]
+    out.feedback = [e for _, _, e in candidates if isinstance(e, FeedbackEvent) and e.event_id in inserted]
+    out.rejected.extend(rejected for _, rejected in sorted(duplicates, key=lambda item: item[0]))
 
-    # ON CONFLICT DO NOTHING is the backstop for a concurrent replica that inserted the same
-    # event_id since the read above; a concurrent (episode, segment) conflict raises and the batch
-    # is retried, when the read above sees it and dead-letters it. One statement per table and
-    # batch on PostgreSQL (store/bulk.py).
-    insert_rows(session, INTERACTIONS, interaction_rows, ["event_id"])
-    insert_rows(session, FEEDBACK, feedback_rows, ["event_id"])
     if out.rejected:
         # A record dead-lettered before a crash is re-read too: it is a replay, not a new dead letter
         # (and is not produced to the DLQ topic a second time).
@@ -189,8 +191,47 @@ def write_events(
         out.replayed += len(known)
         out.rejected = [r for r in out.rejected if r.event_id not in known]
     if out.rejected:
-        insert_rows(session, DEAD_LETTERS, [r.to_row(now) for r in out.rejected], ["event_id"])
+        insert_rows(session, DEAD_LETTERS, [r.to_row(now) for r in out.rejected], conflict=["event_id"])
     return out
+
+
+def _sources(session: Session, model: type[Interaction] | type[Feedback], event_ids: list[str]) -> dict[str, str]:
+    """Where each of `event_ids` stored in `model`'s table came from (topic:partition:offset)."""
+    if not event_ids:
+        return {}
+    rows = session.execute(
+        select(model.event_id, model.source_topic, model.source_partition, model.source_offset).where(
+            among(session, model.event_id, event_ids)
+        )
+    )
+    return {row[0]: f"{row[1]}:{row[2]}:{row[3]}" for row in rows}
+
+
+def _stored_segments(session: Session, events: list[Event]) -> dict[tuple[str, int], str]:
+    """The stored event of each (episode, segment) of the interactions among `events`."""
+    wanted = {(e.episode_id, e.segment_index) for e in events if isinstance(e, InteractionEvent)}
+    if not wanted:
+        return {}
+    # By episode id (the unique index's leading column), not a (episode, segment) tuple IN,
+    # which PostgreSQL answers with a scan of the whole table.
+    rows = session.execute(
+        select(Interaction.episode_id, Interaction.segment_index, Interaction.event_id).where(
+            among(session, Interaction.episode_id, sorted({episode for episode, _ in wanted}))
+        )
+    )
+    return {(row[0], row[1]): row[2] for row in rows if (row[0], row[1]) in wanted}
+
+
+def _duplicate_event(record: SourceRecord, event: Event, stored_from: str) -> Rejected:
+    return Rejected(record, f"duplicate: event_id already stored from {stored_from}", event.event_id)
+
+
+def _duplicate_segment(record: SourceRecord, event: InteractionEvent, stored_as: str) -> Rejected:
+    return Rejected(
+        record,
+        f"duplicate: segment {event.segment_index} of episode {event.episode_id} already stored as event {stored_as}",
+        event.event_id,
+    )
 
 
 def _interaction_row(record: SourceRecord, event: InteractionEvent, now: datetime) -> dict[str, Any]:

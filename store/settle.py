@@ -186,7 +186,7 @@ def join_and_settle(
                 "last_event_at": now,
                 "eval_bucket": eval_bucket(episode_id),
             })  # fmt: skip
-        insert_rows(session, EPISODES, new_rows, ["episode_id"])
+        insert_rows(session, EPISODES, new_rows, conflict=["episode_id"])
 
     # ---- lock the episodes this batch touches, then read what waits for them ------------------------
     # Which episode a waiting feedback joins is only known after reading it, so: read, lock what it
