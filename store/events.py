@@ -118,7 +118,8 @@ def write_events(
     Optimistic: the batch's events are inserted at once, skipping any that conflicts with a stored
     row (its event_id, or an interaction's episode and segment, stored before or by a concurrent
     replica meanwhile); only the skipped ones are looked up, to tell a replay (stored from the same
-    offset) from a duplicate. Nothing is read first when nothing conflicts, the usual case."""
+    offset) from a duplicate. The one read before the insert is whether the batch's event ids are
+    in the other table (an event_id is unique across interactions and feedback)."""
     out = BatchWrite()
     out.rejected.extend(e for _, e in parsed if isinstance(e, Rejected))
     valid = [(r, e) for r, e in parsed if not isinstance(e, Rejected)]
