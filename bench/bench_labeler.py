@@ -36,10 +36,10 @@ import sqlalchemy as sa
 
 import streams
 from feedback.labeler import Labeler, make_consumer, make_producer
-from rtrl.services import sqlalchemy_url, up
+from rtrl.services import up
 from rtrl.services.testing import private_services
 from schemas.events import FeedbackEvent, InteractionEvent
-from schemas.settings import Settings, StoreSettings
+from schemas.settings import Settings, StoreSettings, local_postgres_url
 from store import Store
 
 
@@ -165,7 +165,7 @@ def main() -> None:
             "dlq_topic": f"bench.{tag}.dlq", "labeler_group": f"bench.{tag}.labeler"})  # fmt: skip
         settings = base.model_copy(update={
             "kafka": kafka,
-            "store": StoreSettings(url=sqlalchemy_url(base)),
+            "store": StoreSettings(url=local_postgres_url(base)),
             # Episodes settle by their terminal feedback; the window never fires during the run.
             "labeler": base.labeler.model_copy(update={"settle_window_s": 3600.0}),
         })  # fmt: skip

@@ -152,14 +152,8 @@ def _converter(table: Table, name: str) -> Callable[[Any], Any] | None:
         return None  # nested in the document; the record's JSON column takes it whole
     if isinstance(column_type, UtcDateTime):
         return _utc_iso
-    if isinstance(column_type, TypeDecorator):
-        process = column_type.process_bind_param
-
-        def decorated(value: Any) -> Any:
-            value = process(value, _PG)
-            return value.isoformat() if isinstance(value, datetime) else value
-
-        return decorated
+    if isinstance(column_type, TypeDecorator):  # UtcDateTime is the store's only one
+        raise TypeError(f"{table.name}.{name}: no JSON form for {type(column_type).__name__}")
     if isinstance(column_type, LargeBinary):
         return lambda value: "\\x" + bytes(value).hex()  # bytea's hex input format
     if isinstance(column_type, DateTime):

@@ -22,11 +22,11 @@ from schemas.settings import Settings
 from .base import Service, ServiceError, ServiceStatus, run_dir
 from .kafka import Kafka
 from .mlflow import Mlflow
-from .postgres import Postgres, sqlalchemy_url
+from .postgres import Postgres
 from .redis import Redis
 from .vllm import servers as vllm_servers
 
-__all__ = ["ServiceError", "ServiceStatus", "down", "run_dir", "services", "sqlalchemy_url", "status", "up"]
+__all__ = ["ServiceError", "ServiceStatus", "down", "run_dir", "services", "status", "up"]
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,6 @@ import signal
 import subprocess
 from pathlib import Path
 
-from schemas.settings import Settings, local_postgres_url
-
 from .base import Service, ServiceError
 
 SUPERUSER = "postgres"  # bootstrap superuser created by initdb; rtrl itself connects as postgres.user
@@ -35,11 +33,6 @@ def bin_dir() -> Path:
     if not found:
         raise ServiceError("postgres: no /usr/lib/postgresql/<ver>/bin/postgres; run `bash infra/system-deps.sh`")
     return found[-1].parent
-
-
-def sqlalchemy_url(settings: Settings) -> str:
-    """SQLAlchemy URL of the local server's store database: ``local_postgres_url(settings)``."""
-    return local_postgres_url(settings)
 
 
 class Postgres(Service):
