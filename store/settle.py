@@ -32,10 +32,13 @@ Concurrency (several labeler replicas on one PostgreSQL store, READ COMMITTED):
 * An episode is created with ``INSERT .. ON CONFLICT DO NOTHING``, so two replicas that receive
   segments of one episode at once both go on (the second waits for the first to commit).
 * Every change to an episode - extending it, joining feedback to it, settling it on terminal
-  feedback - happens under its row lock (``SELECT .. FOR UPDATE``, taken in episode id order so
-  that replicas queue instead of deadlocking) and is decided on the row and the unjoined feedback
-  as committed once the lock is held. So an episode settles once, and feedback joins either
-  before it settles (and is in the reward) or after (``late``), never in between.
+  feedback - happens under its row lock and is decided on the row and the unjoined feedback as
+  committed once the lock is held. The lock is the insert's, for an episode the batch creates (no
+  other transaction sees the row before the commit), else ``SELECT .. FOR UPDATE``, taken in
+  episode id order so that replicas queue instead of deadlocking. The waiting feedback is read
+  after the locks are taken, and read again after any further lock its rows call for. So an
+  episode settles once, and feedback joins either before it settles (and is in the reward) or
+  after (``late``), never in between.
 * The window settle locks the expired episodes with ``SKIP LOCKED``: an episode that a replica is
   joining to or settling right now is left for a later pass (by then it is settled, or its last
   event is new). Two replicas' window passes settle disjoint sets.
@@ -135,6 +138,12 @@ class _Episode:
     def of(cls, row: Any) -> _Episode:
         return cls(**{name: getattr(row, name) for name in _COLUMNS})
 
+    @classmethod
+    def new(cls, row: dict[str, Any]) -> _Episode:
+        """The episode as `row` (an insert's values) creates it."""
+        values: dict[str, Any] = {name: row.get(name) for name in _COLUMNS}
+        return cls(**values)
+
     def set(self, **values: Any) -> None:
         for name, value in values.items():
             if getattr(self, name) != value:
@@ -166,6 +175,7 @@ def join_and_settle(
     if not interactions and not feedback:
         return report
     touched: set[str] = set()
+    episodes: dict[str, _Episode] = {}
 
     # ---- episodes for the new segments: created unless there (another replica may race us to it) --
     segments_by_episode: dict[str, list[InteractionEvent]] = defaultdict(list)
@@ -186,24 +196,33 @@ def join_and_settle(
                 "last_event_at": now,
                 "eval_bucket": eval_bucket(episode_id),
             })  # fmt: skip
-        insert_rows(session, EPISODES, new_rows, conflict=["episode_id"])
+        created = insert_rows(session, EPISODES, new_rows, conflict=["episode_id"], returning="episode_id")
+        # An episode this transaction inserted is what it inserted, and its row stays locked by the
+        # insert until the commit (no other transaction sees it before): it needs no read or lock.
+        episodes.update((row["episode_id"], _Episode.new(row)) for row in new_rows if row["episode_id"] in created)
 
-    # ---- lock the episodes this batch touches, then read what waits for them ------------------------
-    # Which episode a waiting feedback joins is only known after reading it, so: read, lock what it
-    # names, read again (what another replica committed meanwhile), until nothing new is named.
-    # SQLite has one writer at a time (BEGIN IMMEDIATE): one read suffices there.
-    episodes: dict[str, _Episode] = {}
-    asked: set[str] = set()
+    # ---- lock the episodes this batch touches, then read the feedback that waits for them ------------
+    # Which episode a waiting feedback joins is only known after reading it, so: lock what the batch
+    # names, read what waits (as committed once the locks are held), lock what that names in turn,
+    # read again, until nothing new is named. SQLite has one writer at a time (BEGIN IMMEDIATE):
+    # one read suffices there.
+    by_request = _episodes_of_requests(session, interactions, feedback)
+    request_ids = sorted({e.request_id for e in interactions} | {f.request_id for f in feedback})
+    episode_ids = sorted(set(segments_by_episode) | {f.episode_id for f in feedback if f.episode_id})
+    wanted: set[str | None] = {*segments_by_episode, *(_target(f, by_request) for f in feedback)}
+    asked = set(episodes)
+    pending: list[Any] | None = None
     while True:
-        pending, by_request = _waiting_feedback(session, interactions, feedback, set(segments_by_episode))
-        targets = {f.episode_id or by_request.get((f.request_id, f.tenant)) for f in pending}
-        wanted = (set(segments_by_episode) | {t for t in targets if t}) - asked
-        if not wanted:
-            break
-        asked |= wanted
-        episodes.update(_lock_episodes(session, wanted))
-        if dialect != "postgresql":
-            break
+        new = {e for e in wanted if e is not None} - asked
+        if new:
+            asked |= new
+            episodes.update(_lock_episodes(session, new))
+        if pending is not None:
+            if not new or dialect != "postgresql":
+                break  # the last read came after the last locks (or needs no repeating: SQLite)
+            by_request = _episodes_of_requests(session, interactions, feedback)  # as committed now
+        pending = _waiting_feedback(session, request_ids, episode_ids)
+        wanted = {_target(f, by_request) for f in pending}
 
     # ---- extend the episodes of the new segments (or mark the segments late) --------------------------
     late_segments: list[str] = []
@@ -226,7 +245,7 @@ def join_and_settle(
     # ---- join feedback that was waiting for these requests / episodes --------------------------------
     joins: list[dict[str, Any]] = []
     for row in pending:
-        target = row.episode_id or by_request.get((row.request_id, row.tenant))
+        target = _target(row, by_request)
         episode = episodes.get(target) if target else None
         if episode is None or episode.tenant != row.tenant:
             continue  # its interaction has not arrived (yet): stays unjoined, orphaned after the window
@@ -244,24 +263,19 @@ def join_and_settle(
     if touched:
         # episode_end ends any episode; other terminal feedback ends an episode of one call, or an
         # episode of several when it names the episode (the module docstring).
-        ending = session.execute(
-            select(Feedback.joined_episode_id, Feedback.kind, Feedback.episode_id).where(
-                among(session, Feedback.joined_episode_id, sorted(touched)), Feedback.late.is_(False),
-                Feedback.kind.in_([k.value for k in spec.terminal | CONTROL_KINDS]),
-            )
-        ).all()  # fmt: skip
-        terminal = {r.joined_episode_id for r in ending if r.kind in CONTROL_KINDS or r.episode_id is not None}
-        per_call = {r.joined_episode_id for r in ending} - terminal
-        if per_call:
-            calls = session.execute(
-                select(Interaction.episode_id, func.count(), func.max(Interaction.segment_index))
-                .where(among(session, Interaction.episode_id, sorted(per_call)), Interaction.late.is_(False))
-                .group_by(Interaction.episode_id)
-            ).all()  # fmt: skip
-            terminal |= {episode_id for episode_id, count, last in calls if count == 1 and last == 0}
+        signals = _signals(session, sorted(touched))
+        ending_kinds = {k.value for k in spec.terminal | CONTROL_KINDS}
+        control = {k.value for k in CONTROL_KINDS}
+        ending = {e for e, rows in signals.items() if any(r.kind in ending_kinds for r in rows)}
+        terminal = {e for e in ending
+                    if any(r.kind in control or (r.kind in ending_kinds and r.episode_id is not None) for r in signals[e])}  # fmt: skip
+        segments_of = _segments(session, sorted(ending))
+        # An episode of one call: its only (non-late) segment is segment 0.
+        terminal |= {e for e in ending - terminal if [s.segment_index for s in segments_of.get(e, [])] == [0]}
         report.settled += settle(
-            session, spec, now, [episodes[e] for e in sorted(terminal)], "terminal_feedback"
-        )
+            session, spec, now, [episodes[e] for e in sorted(terminal)], "terminal_feedback",
+            segments_of=segments_of, signals=signals,
+        )  # fmt: skip
         report.settled_terminal += len(terminal)
     _save(session, episodes.values())
     return report
@@ -285,15 +299,23 @@ def settle_expired(session: Session, spec: RewardSpec, now: datetime, window_s: 
 
 
 def settle(
-    session: Session, spec: RewardSpec, now: datetime, episodes: list[_Episode], reason: str
+    session: Session,
+    spec: RewardSpec,
+    now: datetime,
+    episodes: list[_Episode],
+    reason: str,
+    *,
+    segments_of: dict[str, list[Any]] | None = None,
+    signals: dict[str, list[Any]] | None = None,
 ) -> list[Settled]:
     """Close each episode: measure its segments and score it from its joined, non-late feedback
     (oldest first), or, under a judged spec, leave it ``judging`` for `settle_judged` (not returned).
-    The caller writes the changes (`_save`)."""
+    `segments_of` (`_segments`) and `signals` (`_signals`) are what the caller read of these
+    episodes already in this transaction; read here when None. The caller writes the changes (`_save`)."""
     if not episodes:
         return []
     ids = [e.episode_id for e in episodes]
-    shapes = _segment_shapes(session, ids)
+    shapes = _segment_shapes(session, ids, _segments(session, ids) if segments_of is None else segments_of)
     cycle = trained_cycles(session) if spec.parl is not None else 0
     scored: list[_Episode] = []
     for episode in episodes:
@@ -308,8 +330,9 @@ def settle(
             episode.set(status="judging")  # closed: what joins now is late; the judge settles it
         else:
             scored.append(episode)
-    signals = _signals(session, [e.episode_id for e in scored])
-    return [_score(episode, spec, signals[episode.episode_id], None, now) for episode in scored]
+    if signals is None:
+        signals = _signals(session, [e.episode_id for e in scored])
+    return [_score(episode, spec, signals.get(episode.episode_id, []), None, now) for episode in scored]
 
 
 def trained_cycles(session: Session) -> int:
@@ -396,12 +419,13 @@ def _score(
 
 
 def _signals(session: Session, episode_ids: list[str]) -> dict[str, list[Any]]:
-    """Each episode's joined, non-late feedback (kind, value), oldest first."""
+    """Each episode's joined, non-late feedback (kind, value, and the episode id the sender named),
+    oldest first."""
     signals: dict[str, list[Any]] = defaultdict(list)
     if not episode_ids:
         return signals
     rows = session.execute(
-        select(Feedback.joined_episode_id, Feedback.kind, Feedback.value)
+        select(Feedback.joined_episode_id, Feedback.kind, Feedback.value, Feedback.episode_id)
         .where(among(session, Feedback.joined_episode_id, episode_ids), Feedback.late.is_(False))
         .order_by(Feedback.created_at, Feedback.event_id)
     )
@@ -410,10 +434,13 @@ def _signals(session: Session, episode_ids: list[str]) -> dict[str, list[Any]]:
     return signals
 
 
-def _segment_shapes(session: Session, episode_ids: list[str]) -> dict[str, list[SegmentShape]]:
-    """Each episode's non-late segments in order, as schemas/episodes.py measures them. The text is
-    read only for episodes of several segments (one segment's lengths suffice), and token counts are
-    counted by the database (``json_array_length``, on SQLite and PostgreSQL alike)."""
+def _segments(session: Session, episode_ids: list[str]) -> dict[str, list[Any]]:
+    """Each episode's non-late segments in order, without their text: index, role, agent, finish
+    reason, trainable, and token counts counted by the database (``json_array_length``, on SQLite
+    and PostgreSQL alike)."""
+    segments: dict[str, list[Any]] = defaultdict(list)
+    if not episode_ids:
+        return segments
     rows = session.execute(
         select(Interaction.episode_id, Interaction.segment_index, Interaction.role, Interaction.agent,
                Interaction.finish_reason, Interaction.trainable,
@@ -421,10 +448,19 @@ def _segment_shapes(session: Session, episode_ids: list[str]) -> dict[str, list[
                func.json_array_length(Interaction.completion_token_ids).label("completion_len"))
         .where(among(session, Interaction.episode_id, episode_ids), Interaction.late.is_(False))
         .order_by(Interaction.episode_id, Interaction.segment_index)
-    ).all()  # fmt: skip
-    per_episode: dict[str, list[Any]] = defaultdict(list)
+    )  # fmt: skip
     for row in rows:
-        per_episode[row.episode_id].append(row)
+        segments[row.episode_id].append(row)
+    return segments
+
+
+def _segment_shapes(
+    session: Session, episode_ids: list[str], segments_of: dict[str, list[Any]]
+) -> dict[str, list[SegmentShape]]:
+    """The segments of `episode_ids` (from `segments_of`, `_segments`) as schemas/episodes.py
+    measures them. The text is read only for episodes of several segments (one segment's lengths
+    suffice)."""
+    per_episode = {e: segments_of[e] for e in episode_ids if segments_of.get(e)}
     several = sorted(e for e, segs in per_episode.items() if len(segs) > 1)
     text: dict[tuple[str, int], tuple[str, str]] = {}
     if several:
@@ -445,30 +481,39 @@ def _segment_shapes(session: Session, episode_ids: list[str]) -> dict[str, list[
     }  # fmt: skip
 
 
-def _waiting_feedback(
-    session: Session, interactions: list[InteractionEvent], feedback: list[FeedbackEvent], episode_ids: set[str]
-) -> tuple[list[Any], dict[tuple[str, str], str]]:
-    """Unjoined feedback for the batch's requests and episodes (as committed now, oldest first), and
-    the episode of each (request, tenant) such feedback names without an episode id."""
-    request_ids = {e.request_id for e in interactions} | {f.request_id for f in feedback}
-    episode_ids = episode_ids | {f.episode_id for f in feedback if f.episode_id}
-    pending = session.execute(
+def _target(feedback: Any, by_request: dict[tuple[str, str], str]) -> str | None:
+    """The episode a feedback joins: the one it names, else the one of its (request, tenant)."""
+    return feedback.episode_id or by_request.get((feedback.request_id, feedback.tenant))
+
+
+def _episodes_of_requests(
+    session: Session, interactions: list[InteractionEvent], feedback: list[FeedbackEvent]
+) -> dict[tuple[str, str], str]:
+    """The episode of each (request, tenant) of the batch: its own interaction's for a request it
+    carries, else the stored interaction's."""
+    by_request = {(e.request_id, e.tenant): e.episode_id for e in interactions}
+    others = sorted({f.request_id for f in feedback if (f.request_id, f.tenant) not in by_request})
+    if others:
+        rows = session.execute(
+            select(Interaction.request_id, Interaction.tenant, Interaction.episode_id).where(
+                among(session, Interaction.request_id, others)
+            )
+        )
+        for row in rows:
+            by_request.setdefault((row.request_id, row.tenant), row.episode_id)
+    return by_request
+
+
+def _waiting_feedback(session: Session, request_ids: list[str], episode_ids: list[str]) -> list[Any]:
+    """Unjoined feedback about `request_ids` or naming `episode_ids`, as committed now, oldest first."""
+    return list(session.execute(
         select(Feedback.event_id, Feedback.request_id, Feedback.episode_id, Feedback.tenant)
         .where(
             Feedback.joined_episode_id.is_(None),
-            or_(among(session, Feedback.request_id, sorted(request_ids)), among(session, Feedback.episode_id, sorted(episode_ids))),
+            or_(among(session, Feedback.request_id, request_ids), among(session, Feedback.episode_id, episode_ids)),
         )
         .order_by(Feedback.created_at, Feedback.event_id)
-    ).all()
-    by_request = {
-        (row.request_id, row.tenant): row.episode_id
-        for row in session.execute(
-            select(Interaction.request_id, Interaction.tenant, Interaction.episode_id).where(
-                among(session, Interaction.request_id, sorted({f.request_id for f in pending if f.episode_id is None}))
-            )
-        )
-    }
-    return list(pending), by_request
+    ).all())  # fmt: skip
 
 
 def _lock_episodes(session: Session, ids: set[str]) -> dict[str, _Episode]:
