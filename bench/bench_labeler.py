@@ -1,7 +1,8 @@
 """The labeler's sustained rate from Kafka through join and reward into PostgreSQL, against a raw
 kafka-python consumer of the same topics, in the same run.
 
-    .venv/bin/python bench/bench_labeler.py [--interactions 20000] [--feedback 20000] [--profile]
+    .venv/bin/python bench/bench_labeler.py [--interactions 20000] [--feedback 20000]
+        [--replicas N (default: the partition count)] [--profile]
 
 Starts its own Kafka and PostgreSQL (a private run dir on free ports; both stopped at the end),
 creates fresh topics with the default partition count, and produces N interactions (single-segment
@@ -11,14 +12,21 @@ reward spec). Then, one after the other on the same records:
 
 * baseline: a raw kafka-python consumer in a group of its own reads both topics to the end
   (records fetched, nothing parsed): records/s from its first batch to its last;
-* rtrl: one `feedback.labeler.Labeler` (the code of ``rtrl labeler``), in a group of its own, reads
-  the same records and parses, checks, stores, joins and rewards them in a fresh PostgreSQL
-  database: records/s from its first batch (both clocks start once the consumer has joined its
-  group) until its steps report every interaction and feedback stored and every feedback joined,
-  which the store is then checked to hold.
+* one labeler: one `feedback.labeler.Labeler` (the code of ``rtrl labeler``), in a group of its
+  own, reads the same records and parses, checks, stores, joins and rewards them in a fresh
+  PostgreSQL database: records/s from its first batch (both clocks start once the consumer has
+  joined its group) until its steps report every interaction and feedback stored and every
+  feedback joined, which the store is then checked to hold;
+* the labeler group: N replicas of it (processes, as ``rtrl labeler`` scales out; default one per
+  partition, the most that get work) in a group of their own, on another fresh database. The
+  records are already in the topics, so the replicas hold their partitions paused until the group
+  is stable with every partition assigned (the broker rebalances at each join: a start-up cost,
+  not the sustained rate); then records/s from the first batch any replica gets until their steps
+  report every record stored and joined, checked in the store as above.
 
-Target (issue 14): value ≥ 5,000 records/s and ratio ≥ 0.25. The last line is one JSON object:
-``{"name", "value": labeler records/s, "baseline": raw records/s, "ratio", "records", ...}``.
+`value` is the labeler group's rate (the stage as deployed), with the one labeler's rate beside it
+(`single`, `single_ratio`). Target (issue 14): value >= 5,000 records/s and ratio >= 0.25. The last
+line is one JSON object: ``{"name", "value", "baseline": raw records/s, "ratio", "records", ...}``.
 """
 
 from __future__ import annotations
@@ -26,7 +34,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import multiprocessing
+import os
 import pstats
+import queue
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -41,6 +52,8 @@ from rtrl.services.testing import private_services
 from schemas.events import FeedbackEvent, InteractionEvent
 from schemas.settings import Settings, StoreSettings, local_postgres_url
 from store import Store
+
+STABLE_S = 2.0  # the replicas' assignments unchanged this long: the group is stable
 
 
 def events(n_interactions: int, n_feedback: int, tag: str) -> tuple[list[InteractionEvent], list[FeedbackEvent]]:
@@ -137,11 +150,7 @@ def labeler_rate(
         if profiler is not None:
             profiler.disable()
             pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
-        with store.engine.connect() as conn:
-            counted = (conn.execute(sa.text("SELECT COUNT(*) FROM interactions")).scalar_one(),
-                       conn.execute(sa.text("SELECT COUNT(*) FROM feedback WHERE joined_episode_id IS NOT NULL")).scalar_one())  # fmt: skip
-        if counted != (n_interactions, n_feedback):
-            raise RuntimeError(f"the store holds {counted} (interactions, joined feedback), expected {(n_interactions, n_feedback)}")
+        check_store(store, n_interactions, n_feedback)
     finally:
         labeler.consumer.close(autocommit=False)
         labeler.producer.close()
@@ -149,14 +158,154 @@ def labeler_rate(
     return (n_interactions + n_feedback) / elapsed, elapsed
 
 
+def check_store(store: Store, n_interactions: int, n_feedback: int) -> None:
+    """The store holds exactly the records the steps reported: every interaction, every feedback joined."""
+    with store.engine.connect() as conn:
+        counted = (conn.execute(sa.text("SELECT COUNT(*) FROM interactions")).scalar_one(),
+                   conn.execute(sa.text("SELECT COUNT(*) FROM feedback WHERE joined_episode_id IS NOT NULL")).scalar_one())  # fmt: skip
+    if counted != (n_interactions, n_feedback):
+        raise RuntimeError(f"the store holds {counted} (interactions, joined feedback), expected {(n_interactions, n_feedback)}")
+
+
+def replica(settings: Settings, go: Any, stop: Any, reports: Any) -> None:
+    """One labeler replica (a process): joins the group with its partitions paused, reports its
+    assignment, consumes once `go` is set, and reports each step (wall time, what it stored) until
+    `stop`."""
+    from kafka import ConsumerRebalanceListener
+
+    store = Store(settings.store.url)
+    labeler = Labeler(settings, store, make_consumer(settings), make_producer(settings))
+    consumer = labeler.consumer
+
+    class Hold(ConsumerRebalanceListener):  # type: ignore[misc]
+        def on_partitions_revoked(self, revoked: Any) -> None:
+            pass
+
+        def on_partitions_assigned(self, assigned: Any) -> None:
+            if not go.is_set():
+                consumer.pause(*assigned)
+            reports.put(("assigned", os.getpid(), sorted((tp.topic, tp.partition) for tp in assigned)))
+
+    consumer.subscribe(topics=sorted(labeler.expected), listener=Hold())
+    poll = consumer.poll
+    started: list[float] = []
+
+    def timed_poll(**kwargs: Any) -> Any:
+        batch = poll(**kwargs)
+        if batch and not started:
+            started.append(time.time())
+            reports.put(("first", os.getpid(), started[0]))
+        return batch
+
+    try:
+        while not go.is_set():
+            poll(timeout_ms=100)  # joins the group and heartbeats; paused partitions are not fetched
+        consumer.resume(*consumer.assignment())
+        consumer.poll = timed_poll
+        while not stop.is_set():
+            report = labeler.step()
+            if report is not None and report.records:
+                reports.put(("step", os.getpid(), time.time(), report.interactions, report.feedback, report.settle.joined))
+    finally:
+        consumer.close(autocommit=False)
+        labeler.producer.close()
+        store.close()
+
+
+def replicas_rate(settings: Settings, n_interactions: int, n_feedback: int, replicas: int) -> tuple[float, float, list[int]]:
+    """(records/s, seconds, records stored per replica) of `replicas` labeler processes in one
+    group, timed from the first batch any of them got (once the group was stable) until their
+    steps reported every record stored and joined; the store is checked afterwards."""
+    store = Store(settings.store.url)
+    store.migrate()
+    context = multiprocessing.get_context("spawn")
+    go, stop, reports = context.Event(), context.Event(), context.Queue()
+    processes = [context.Process(target=replica, args=(settings, go, stop, reports), daemon=True) for _ in range(replicas)]
+    partitions = {(topic, p) for topic in (settings.kafka.interactions_topic, settings.kafka.feedback_topic)
+                  for p in range(settings.kafka.partitions)}  # fmt: skip
+    try:
+        for process in processes:
+            process.start()
+        assigned: dict[int, list[tuple[str, int]]] = {}
+        changed, deadline = time.monotonic(), time.monotonic() + 300
+        while True:  # ---- until every partition is assigned, to every replica some, for STABLE_S ----
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the labeler group did not settle on an assignment: {assigned}")
+            try:
+                kind, pid, *rest = reports.get(timeout=0.2)
+                assigned[pid] = rest[0]
+                changed = time.monotonic()
+            except queue.Empty:
+                pass
+            owned = [tp for tps in assigned.values() for tp in tps]
+            busy = min(replicas, len(partitions) // 2)  # the range assignor gives extra replicas nothing
+            if (len(owned) == len(set(owned)) and set(owned) == partitions and sum(1 for tps in assigned.values() if tps) == busy
+                    and time.monotonic() - changed >= STABLE_S):  # fmt: skip
+                break
+        go.set()
+        first: list[float] = []
+        per: dict[int, int] = {}
+        stored = feedback = joined = 0
+        end = 0.0
+        deadline = time.monotonic() + 1800
+        while stored < n_interactions or feedback < n_feedback or joined < n_feedback:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the labeler group did not store every record within 30 minutes")
+            if not any(process.is_alive() for process in processes):
+                raise RuntimeError("every labeler replica exited")
+            try:
+                kind, pid, *rest = reports.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if kind == "first":
+                first.append(rest[0])
+            elif kind == "step":
+                end = max(end, rest[0])
+                stored, feedback, joined = stored + rest[1], feedback + rest[2], joined + rest[3]
+                per[pid] = per.get(pid, 0) + rest[1] + rest[2]
+            elif kind == "assigned" and go.is_set():
+                raise RuntimeError("the labeler group rebalanced during the run")
+        stop.set()
+        for process in processes:
+            process.join(timeout=60)
+        check_store(store, n_interactions, n_feedback)
+    finally:
+        stop.set()
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        store.close()
+    seconds = end - min(first)
+    return (n_interactions + n_feedback) / seconds, seconds, sorted(per.values(), reverse=True)
+
+
+def fresh(settings: Settings, name: str) -> Settings:
+    """`settings` with a labeler group and a PostgreSQL database of their own (the database created)."""
+    database = f"{settings.postgres.database}_{name}"
+    engine = sa.create_engine(local_postgres_url(settings), isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{database}"'))
+    finally:
+        engine.dispose()
+    return settings.model_copy(update={
+        "kafka": settings.kafka.model_copy(update={"labeler_group": f"{settings.kafka.labeler_group}.{name}"}),
+        "store": StoreSettings(url=local_postgres_url(settings, database)),
+    })  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--interactions", type=int, default=20_000)
     parser.add_argument("--feedback", type=int, default=20_000)
-    parser.add_argument("--profile", action="store_true", help="Print where the labeler's thread spends its time.")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="Labeler processes in the group run (default: the partition count).")  # fmt: skip
+    parser.add_argument("--profile", action="store_true", help="Print where the one labeler's thread spends its time.")
     args = parser.parse_args()
     if args.interactions < 1 or args.feedback < 0:
         parser.error("--interactions must be >= 1 and --feedback >= 0")
+    if args.replicas is not None and args.replicas < 1:
+        parser.error("--replicas must be >= 1")
     with private_services("rtrl-bench-labeler-", enabled=("kafka", "postgres")) as base:
         up(base)
         tag = uuid.uuid4().hex[:8]
@@ -165,18 +314,20 @@ def main() -> None:
             "dlq_topic": f"bench.{tag}.dlq", "labeler_group": f"bench.{tag}.labeler"})  # fmt: skip
         settings = base.model_copy(update={
             "kafka": kafka,
-            "store": StoreSettings(url=local_postgres_url(base)),
             # Episodes settle by their terminal feedback; the window never fires during the run.
             "labeler": base.labeler.model_copy(update={"settle_window_s": 3600.0}),
         })  # fmt: skip
+        replicas = args.replicas or settings.kafka.partitions
         streams.ensure_topics(settings.kafka)
         interactions, feedback = events(args.interactions, args.feedback, tag)
         produce(settings, interactions, feedback)
         total = len(interactions) + len(feedback)
         raw = raw_rate(settings, total)
-        rate, seconds = labeler_rate(settings, len(interactions), len(feedback), args.profile)
-    print(f"raw kafka-python consume: {raw:,.0f} records/s; labeler into PostgreSQL: {rate:,.0f} records/s "
-          f"({seconds:.1f} s for {total:,} records)")  # fmt: skip
+        single, seconds = labeler_rate(fresh(settings, "single"), len(interactions), len(feedback), args.profile)
+        rate, group_s, per = replicas_rate(fresh(settings, "group"), len(interactions), len(feedback), replicas)
+    print(f"raw kafka-python consume: {raw:,.0f} records/s; into PostgreSQL: one labeler {single:,.0f} records/s "
+          f"({seconds:.1f} s), {replicas} replicas {rate:,.0f} records/s ({group_s:.1f} s; per replica {per}), "
+          f"{total:,} records, {os.cpu_count()} CPUs")  # fmt: skip
     print(json.dumps({
         "name": "labeler_records_per_s",
         "value": round(rate, 1),
@@ -185,9 +336,15 @@ def main() -> None:
         "records": total,
         "interactions": len(interactions),
         "feedback": len(feedback),
-        "labeler_s": round(seconds, 2),
+        "replicas": replicas,
+        "replicas_s": round(group_s, 2),
+        "per_replica": per,
+        "single": round(single, 1),
+        "single_ratio": round(single / raw, 4),
+        "single_s": round(seconds, 2),
         "store": "postgresql",
         "partitions": settings.kafka.partitions,
+        "cpus": os.cpu_count(),
         "target_value": 5000,
         "target_ratio": 0.25,
     }))
