@@ -162,3 +162,51 @@ def test_event_time_window() -> None:
     assert "before" in (event_time_problem(now - timedelta(days=2), now, 300, 86400) or "")
     far_future = datetime.fromisoformat("9999-12-31T23:59:59-01:00")  # overflows if converted to UTC
     assert "ahead" in (event_time_problem(far_future, now, 300, 86400) or "")
+
+
+def _variants() -> list[bytes]:
+    """A valid interaction and feedback on the wire, and ways of bending each."""
+    wire = json.loads(interaction().model_dump_json())
+    feedback = json.loads(FeedbackEvent(event_id="f1", request_id="r", kind=FeedbackKind.accepted).model_dump_json())
+    bent: list[dict[str, object] | str] = [
+        wire, feedback,
+        {k: v for k, v in wire.items() if k != "schema_version"},
+        {**wire, "prompt_token_ids": ["1", "2"]}, {**wire, "prompt_token_ids": [1.0, 2.0]},
+        {**wire, "prompt_token_ids": [True]}, {**wire, "prompt_token_ids": [10**30]},
+        {**wire, "prompt_token_ids": None}, {**wire, "created_at": 1764690000},
+        {**wire, "created_at": "2026-12-02 10:00:00+05:30"}, {**wire, "created_at": "2026-12-02T10:00:00"},
+        {**wire, "role": "Agent"}, {**wire, "trainable": "yes"}, {**wire, "trainable": 1},
+        {**wire, "segment_index": "3"}, {**wire, "sampling": {"temperature": "0.5"}},
+        {**wire, "completion_logprobs": [-0.5, "-0.1"]}, {**wire, "unexpected": 1},
+        {**feedback, "value": "0.5"}, {**feedback, "kind": "ACCEPTED"}, {**feedback, "episode_id": 7},
+    ]  # fmt: skip
+    raws = [json.dumps(b).encode() for b in bent]
+    text = json.dumps(wire)
+    raws += [
+        text[:-1].encode() + b', "event_id": "other"}',  # a key twice: the last one counts
+        text.replace('"schema_version": "rtrl.interaction.v1"', '"schema_version": "rtrl.interaction.v1 "').encode(),
+        text.replace(f'"{wire["request_id"]}"', '"r\\ud800"', 1).encode(),  # a lone surrogate
+        text.replace(f'"{wire["request_id"]}"', '"r\\u0000"', 1).encode(),
+        json.dumps(wire, ensure_ascii=False).encode("utf-16"),
+        text.encode()[:-1], b"NaN", b'{"schema_version": "rtrl.interaction.v1", "completion_logprobs": [NaN]}',
+        b"[" * 5000, b"{}" , b"",
+    ]  # fmt: skip
+    return raws
+
+
+@pytest.mark.parametrize("raw", _variants())
+def test_the_fast_reader_accepts_and_refuses_what_the_full_one_does(raw: bytes) -> None:
+    """parse_event with the topic's model reads a record in one pass with pydantic's JSON reader and
+    falls back to json.loads for the reason; the two must agree on every record."""
+    expected = FeedbackEvent if b"rtrl.feedback.v1" in raw else InteractionEvent
+    try:
+        full: object = parse_event(raw)
+        if type(full) is not expected:
+            full = SchemaError
+    except SchemaError:
+        full = SchemaError
+    try:
+        fast: object = parse_event(raw, expected)
+    except SchemaError:
+        fast = SchemaError
+    assert fast == full
