@@ -206,7 +206,10 @@ def join_and_settle(
     # names, read what waits (as committed once the locks are held), lock what that names in turn,
     # read again, until nothing new is named. SQLite has one writer at a time (BEGIN IMMEDIATE):
     # one read suffices there.
-    by_request = _episodes_of_requests(session, interactions, feedback)
+    # The episode of each (request, tenant): the batch's own interaction's (the last, should two of
+    # the batch carry one), else the stored interaction's, looked up for what needs it.
+    by_request: dict[tuple[str, str], str | None] = {(e.request_id, e.tenant): e.episode_id for e in interactions}
+    _add_stored_requests(session, by_request, feedback)
     request_ids = sorted({e.request_id for e in interactions} | {f.request_id for f in feedback})
     episode_ids = sorted(set(segments_by_episode) | {f.episode_id for f in feedback if f.episode_id})
     wanted: set[str | None] = {*segments_by_episode, *(_target(f, by_request) for f in feedback)}
@@ -217,11 +220,10 @@ def join_and_settle(
         if new:
             asked |= new
             episodes.update(_lock_episodes(session, new))
-        if pending is not None:
-            if not new or dialect != "postgresql":
-                break  # the last read came after the last locks (or needs no repeating: SQLite)
-            by_request = _episodes_of_requests(session, interactions, feedback)  # as committed now
+        if pending is not None and (not new or dialect != "postgresql"):
+            break  # the last read came after the last locks (or needs no repeating: SQLite)
         pending = _waiting_feedback(session, request_ids, episode_ids)
+        _add_stored_requests(session, by_request, pending)  # e.g. waiting feedback of another tenant
         wanted = {_target(f, by_request) for f in pending}
 
     # ---- extend the episodes of the new segments (or mark the segments late) --------------------------
@@ -481,27 +483,29 @@ def _segment_shapes(
     }  # fmt: skip
 
 
-def _target(feedback: Any, by_request: dict[tuple[str, str], str]) -> str | None:
+def _target(feedback: Any, by_request: dict[tuple[str, str], str | None]) -> str | None:
     """The episode a feedback joins: the one it names, else the one of its (request, tenant)."""
     return feedback.episode_id or by_request.get((feedback.request_id, feedback.tenant))
 
 
-def _episodes_of_requests(
-    session: Session, interactions: list[InteractionEvent], feedback: list[FeedbackEvent]
-) -> dict[tuple[str, str], str]:
-    """The episode of each (request, tenant) of the batch: its own interaction's for a request it
-    carries, else the stored interaction's."""
-    by_request = {(e.request_id, e.tenant): e.episode_id for e in interactions}
-    others = sorted({f.request_id for f in feedback if (f.request_id, f.tenant) not in by_request})
-    if others:
-        rows = session.execute(
-            select(Interaction.request_id, Interaction.tenant, Interaction.episode_id).where(
-                among(session, Interaction.request_id, others)
-            )
+def _add_stored_requests(
+    session: Session, by_request: dict[tuple[str, str], str | None], feedback: Iterable[Any]
+) -> None:
+    """Add to `by_request` the stored interactions' episode of each (request, tenant) that a
+    feedback without an episode id of `feedback` names and `by_request` lacks (None: no
+    interaction carries it, so it is not looked up again)."""
+    keys = {(f.request_id, f.tenant) for f in feedback if not f.episode_id} - by_request.keys()
+    if not keys:
+        return
+    rows = session.execute(
+        select(Interaction.request_id, Interaction.tenant, Interaction.episode_id).where(
+            among(session, Interaction.request_id, sorted({request for request, _ in keys}))
         )
-        for row in rows:
-            by_request.setdefault((row.request_id, row.tenant), row.episode_id)
-    return by_request
+    )
+    for row in rows:
+        by_request.setdefault((row.request_id, row.tenant), row.episode_id)
+    for key in keys:
+        by_request.setdefault(key, None)
 
 
 def _waiting_feedback(session: Session, request_ids: list[str], episode_ids: list[str]) -> list[Any]:

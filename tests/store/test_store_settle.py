@@ -334,3 +334,21 @@ def test_a_judged_episode_closes_waits_for_its_judge_and_settles_once(store: Sto
     assert episode(store, "j").reward == -0.125
     assert store.stats()["episodes_judging"] == 0
     assert store.count_trainable(1, 0, spec_id="judged-v1@1") == 2
+
+
+def test_waiting_feedback_joins_its_tenants_episode_when_another_tenant_reuses_the_request(store: Store) -> None:
+    """Feedback left waiting (its episode was gone when it came, as retention leaves it) is found
+    again through a batch whose interaction of another tenant carries the same request id: it joins
+    its own tenant's episode (looked up in the store), never the batch's."""
+    feeder = Feeder(store)
+    feeder.send(interaction("eb", request="r-shared", tenant="beta"), now=at(0))
+    with store.transaction() as session:
+        session.delete(session.get(Episode, "eb"))  # as retention deletes a closed episode
+    feeder.send(feedback("r-shared", "thumbs_up", tenant="beta"), now=at(1))
+    assert store.stats()["feedback_unjoined"] == 1
+    feeder.send(interaction("eb", 1, tenant="beta"), now=at(2))  # a later segment opens eb again
+    _, report = feeder.send(interaction("ea", request="r-shared", tenant="alpha"), now=at(3))
+    assert report.joined == 1
+    with store.transaction() as session:
+        joined = session.scalars(select(Feedback.joined_episode_id).where(Feedback.tenant == "beta")).all()
+    assert joined == ["eb"]
