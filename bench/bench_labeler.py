@@ -40,6 +40,7 @@ import pstats
 import queue
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -48,6 +49,7 @@ import sqlalchemy as sa
 import streams
 from feedback.labeler import Labeler, make_consumer, make_producer
 from rtrl.services import up
+from rtrl.services.postgres import Postgres
 from rtrl.services.testing import private_services
 from schemas.events import FeedbackEvent, InteractionEvent
 from schemas.settings import Settings, StoreSettings, local_postgres_url
@@ -122,17 +124,8 @@ def labeler_rate(
     labeler = Labeler(settings, store, make_consumer(settings), make_producer(settings))
     profiler = cProfile.Profile() if profile else None
     stored = feedback = joined = 0
-    started: float | None = None
-    poll = labeler.consumer.poll
-
-    def timed_poll(**kwargs: Any) -> Any:  # the clock starts as the raw consumer's does
-        nonlocal started
-        batch = poll(**kwargs)
-        if batch and started is None:
-            started = time.perf_counter()
-        return batch
-
-    labeler.consumer.poll = timed_poll
+    first: list[float] = []
+    on_first_batch(labeler.consumer, lambda: first.append(time.perf_counter()))  # as the raw consumer's clock
     deadline = time.monotonic() + 1800
     try:
         if profiler is not None:
@@ -146,7 +139,7 @@ def labeler_rate(
             stored += report.interactions
             feedback += report.feedback
             joined += report.settle.joined
-        elapsed = time.perf_counter() - (started or time.perf_counter())
+        elapsed = time.perf_counter() - (first[0] if first else time.perf_counter())
         if profiler is not None:
             profiler.disable()
             pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
@@ -156,6 +149,22 @@ def labeler_rate(
         labeler.producer.close()
         store.close()
     return (n_interactions + n_feedback) / elapsed, elapsed
+
+
+def on_first_batch(consumer: Any, call: Callable[[], None]) -> None:
+    """Make `consumer.poll` run `call` once, when it first returns records (where a clock starts)."""
+    poll = consumer.poll
+    called = False
+
+    def polled(**kwargs: Any) -> Any:
+        nonlocal called
+        batch = poll(**kwargs)
+        if batch and not called:
+            called = True
+            call()
+        return batch
+
+    consumer.poll = polled
 
 
 def check_store(store: Store, n_interactions: int, n_feedback: int) -> None:
@@ -187,21 +196,11 @@ def replica(settings: Settings, go: Any, stop: Any, reports: Any) -> None:
             reports.put(("assigned", os.getpid(), sorted((tp.topic, tp.partition) for tp in assigned)))
 
     consumer.subscribe(topics=sorted(labeler.expected), listener=Hold())
-    poll = consumer.poll
-    started: list[float] = []
-
-    def timed_poll(**kwargs: Any) -> Any:
-        batch = poll(**kwargs)
-        if batch and not started:
-            started.append(time.time())
-            reports.put(("first", os.getpid(), started[0]))
-        return batch
-
     try:
         while not go.is_set():
-            poll(timeout_ms=100)  # joins the group and heartbeats; paused partitions are not fetched
+            consumer.poll(timeout_ms=100)  # joins the group and heartbeats; paused partitions are not fetched
         consumer.resume(*consumer.assignment())
-        consumer.poll = timed_poll
+        on_first_batch(consumer, lambda: reports.put(("first", os.getpid(), time.time())))
         while not stop.is_set():
             report = labeler.step()
             if report is not None and report.records:
@@ -282,12 +281,7 @@ def replicas_rate(settings: Settings, n_interactions: int, n_feedback: int, repl
 def fresh(settings: Settings, name: str) -> Settings:
     """`settings` with a labeler group and a PostgreSQL database of their own (the database created)."""
     database = f"{settings.postgres.database}_{name}"
-    engine = sa.create_engine(local_postgres_url(settings), isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as conn:
-            conn.execute(sa.text(f'CREATE DATABASE "{database}"'))
-    finally:
-        engine.dispose()
+    Postgres(settings).create_database(database)
     return settings.model_copy(update={
         "kafka": settings.kafka.model_copy(update={"labeler_group": f"{settings.kafka.labeler_group}.{name}"}),
         "store": StoreSettings(url=local_postgres_url(settings, database)),

@@ -202,10 +202,6 @@ def join_and_settle(
         episodes.update((row["episode_id"], _Episode.new(row)) for row in new_rows if row["episode_id"] in created)
 
     # ---- lock the episodes this batch touches, then read the feedback that waits for them ------------
-    # Which episode a waiting feedback joins is only known after reading it, so: lock what the batch
-    # names, read what waits (as committed once the locks are held), lock what that names in turn,
-    # read again, until nothing new is named. SQLite has one writer at a time (BEGIN IMMEDIATE):
-    # one read suffices there.
     # The episode of each (request, tenant): the batch's own interaction's (the last, should two of
     # the batch carry one), else the stored interaction's, looked up for what needs it.
     by_request: dict[tuple[str, str], str | None] = {(e.request_id, e.tenant): e.episode_id for e in interactions}
@@ -215,6 +211,10 @@ def join_and_settle(
     wanted: set[str | None] = {*segments_by_episode, *(_target(f, by_request) for f in feedback)}
     asked = set(episodes)
     pending: list[Any] | None = None
+    # Which episode a waiting feedback joins is only known after reading it, so: lock what the batch
+    # names, read what waits (as committed once the locks are held), lock what that names in turn,
+    # read again, until nothing new is named. SQLite has one writer at a time (BEGIN IMMEDIATE):
+    # one read suffices there.
     while True:
         new = {e for e in wanted if e is not None} - asked
         if new:

@@ -111,7 +111,14 @@ class Postgres(Service):
         with self._connect(SUPERUSER, "postgres") as conn:
             if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (pg.user,)).fetchone() is None:
                 conn.execute(sql.SQL("CREATE ROLE {} LOGIN CREATEDB").format(sql.Identifier(pg.user)))
-            for database in dict.fromkeys((pg.database, pg.mlflow_database)):
-                if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,)).fetchone() is None:
-                    conn.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(database),
-                                                                              sql.Identifier(pg.user)))
+        for database in dict.fromkeys((pg.database, pg.mlflow_database)):
+            self.create_database(database)
+
+    def create_database(self, database: str) -> None:
+        """Create `database`, owned by postgres.user, unless it exists (the server is running)."""
+        from psycopg import sql
+
+        with self._connect(SUPERUSER, "postgres") as conn:
+            if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,)).fetchone() is None:
+                conn.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(
+                    sql.Identifier(database), sql.Identifier(self.settings.postgres.user)))
