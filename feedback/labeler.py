@@ -176,7 +176,9 @@ class Labeler:
                     self._one_by_one(batch, now, report, count_attempts=False)
             if window_due:
                 with self.store.labelling(now) as tx:
+                    stranded = tx.join_stranded(self.spec, labeler.settle_window_s)
                     expired = tx.settle_expired(self.spec, labeler.settle_window_s)
+                _count_stranded(stranded, report)
                 report.settled_window = len(expired)
                 _count_settled(expired)
                 self._last_window_check = now
@@ -375,6 +377,21 @@ class Labeler:
 def _count_dead_letters(rejected: list[Rejected]) -> None:
     for item in rejected:
         metrics.DEAD_LETTERS.labels(metrics.reason_label(item.reason)).inc()
+
+
+def _count_stranded(stranded: SettleReport, report: StepReport) -> None:
+    """Count what the window pass joined of feedback two replicas' writes left unjoined."""
+    found = stranded.joined + stranded.late_feedback
+    if not found:
+        return
+    log.info("joined %d feedback stored unjoined while another replica created its episode "
+             "(%d late, %d episodes settled)", found, stranded.late_feedback, stranded.settled_terminal)  # fmt: skip
+    for name in ("joined", "late_feedback", "settled_terminal"):
+        setattr(report.settle, name, getattr(report.settle, name) + getattr(stranded, name))
+    metrics.FEEDBACK_STRANDED.inc(found)
+    metrics.FEEDBACK_JOINED.inc(stranded.joined)
+    metrics.FEEDBACK_LATE.inc(stranded.late_feedback)
+    _count_settled(stranded.settled)
 
 
 def _count_settled(settled: list[Settled]) -> None:

@@ -31,6 +31,11 @@ FEEDBACK_LATE = Counter(
     "rtrl_labeler_feedback_late_total",
     "Feedback events that arrived after their episode settled (stored, not part of its reward).",
 )
+FEEDBACK_STRANDED = Counter(
+    "rtrl_labeler_feedback_stranded_total",
+    "Feedback naming an episode that another replica was creating at the same moment, stored unjoined "
+    "and joined by a later window pass (also counted as joined or late).",
+)
 SETTLED = Counter(
     "rtrl_labeler_settled_total",
     "Episodes settled (labelled with a reward), by how: terminal_feedback or window.",

@@ -212,6 +212,10 @@ class Labelling:
         """Open episodes, join feedback, settle on terminal feedback; see store/settle.py."""
         return settle.join_and_settle(self._session, self._dialect, spec, self.now, interactions, feedback)
 
+    def join_stranded(self, spec: RewardSpec, window_s: float) -> settle.SettleReport:
+        """Join feedback left unjoined by two replicas' concurrent writes; see store/settle.py."""
+        return settle.join_stranded(self._session, self._dialect, spec, self.now, window_s)
+
     def settle_expired(self, spec: RewardSpec, window_s: float) -> list[settle.Settled]:
         """Settle open episodes whose last event is older than the window; returns them."""
         return settle.settle_expired(self._session, spec, self.now, window_s)

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, Index, Integer, LargeBinary, String, Text
+from sqlalchemy import text as sql_text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -90,6 +91,9 @@ class Interaction(Base):
     )
 
 
+_NAMED_UNJOINED = sql_text("joined_episode_id IS NULL AND episode_id IS NOT NULL")
+
+
 class Feedback(Base):
     """One feedback signal, stored as received; ``joined_episode_id`` is set once it is joined."""
 
@@ -110,7 +114,11 @@ class Feedback(Base):
     source_partition: Mapped[int] = mapped_column(Integer)
     source_offset: Mapped[int] = mapped_column(BigInteger)
 
-    __table_args__ = (Index("ix_feedback_source", "source_topic", "source_partition", "source_offset"),)
+    __table_args__ = (
+        Index("ix_feedback_source", "source_topic", "source_partition", "source_offset"),
+        # Unjoined feedback that names an episode, for the window pass (store/settle.py, join_stranded).
+        Index("ix_feedback_named_unjoined", "ingested_at", postgresql_where=_NAMED_UNJOINED, sqlite_where=_NAMED_UNJOINED),
+    )
 
 
 class Episode(Base):

@@ -49,6 +49,12 @@ Concurrency (several labeler replicas on one PostgreSQL store, READ COMMITTED):
   and both topics have the same partition count, so with the range assignor (kafka-python's
   default) partition p of both topics belongs to the same consumer (docs/runbooks/labeler.md,
   Replicas). Segments of one episode may be on any partition: the locks above order them.
+* One case the partitioning cannot order: feedback that names a multi-call episode (an
+  ``episode_id``) and whose own call is not stored (yet), written while another replica's
+  transaction creates that episode. Each misses the other's row and the feedback is stored
+  unjoined although its episode exists. Every window pass (`join_stranded`, before the window
+  settle) looks for such feedback of the last two windows and joins it through `join_and_settle`,
+  under the same locks: in the reward when the episode is still open, else ``late``.
   SQLite has a single writer (``BEGIN IMMEDIATE``), so none of this arises there and the lock
   clauses are not emitted.
 """
@@ -57,16 +63,16 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
-from sqlalchemy import Table, func, or_, select, update
+from sqlalchemy import Table, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from schemas.episodes import SegmentShape, episode_metrics, is_parl
-from schemas.events import CONTROL_KINDS, FeedbackEvent, InteractionEvent
+from schemas.events import CONTROL_KINDS, InteractionEvent
 from schemas.rewards import RewardResult, RewardSpec, Shaping, judge_disagrees, score
 from schemas.versions import parse_version
 from store.bulk import among, insert_rows, update_rows
@@ -160,13 +166,24 @@ def _save(session: Session, episodes: Iterable[_Episode]) -> None:
         episode.changed = {}
 
 
+class _FeedbackKey(Protocol):
+    """What joining reads of a feedback: a FeedbackEvent of the batch, or a stored row."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def episode_id(self) -> str | None: ...
+    @property
+    def tenant(self) -> str: ...
+
+
 def join_and_settle(
     session: Session,
     dialect: str,
     spec: RewardSpec,
     now: datetime,
     interactions: list[InteractionEvent],
-    feedback: list[FeedbackEvent],
+    feedback: Sequence[_FeedbackKey],
 ) -> SettleReport:
     """Open/extend episodes for new segments, join waiting feedback, settle on terminal feedback.
 
@@ -281,6 +298,28 @@ def join_and_settle(
         report.settled_terminal += len(terminal)
     _save(session, episodes.values())
     return report
+
+
+def join_stranded(session: Session, dialect: str, spec: RewardSpec, now: datetime, window_s: float) -> SettleReport:
+    """Join feedback stored unjoined although the episode it names exists (at most WINDOW_BATCH,
+    ingested in the last two windows): what two replicas writing the feedback and creating its
+    episode at once leave behind (the module docstring, Concurrency). The labeler's window pass
+    runs it before `settle_expired`. Only PostgreSQL has concurrent writers; on SQLite it reads
+    nothing."""
+    if dialect != "postgresql":
+        return SettleReport()
+    stranded = session.execute(
+        select(Feedback.request_id, Feedback.episode_id, Feedback.tenant)
+        .where(
+            Feedback.joined_episode_id.is_(None),
+            Feedback.episode_id.is_not(None),
+            Feedback.ingested_at >= now - timedelta(seconds=2 * window_s),
+            exists().where(EPISODES.c.episode_id == Feedback.episode_id, EPISODES.c.tenant == Feedback.tenant),
+        )
+        .order_by(Feedback.ingested_at)
+        .limit(WINDOW_BATCH)
+    ).all()  # fmt: skip
+    return join_and_settle(session, dialect, spec, now, [], stranded) if stranded else SettleReport()
 
 
 def settle_expired(session: Session, spec: RewardSpec, now: datetime, window_s: float) -> list[Settled]:

@@ -219,6 +219,70 @@ def test_terminal_feedback_from_two_replicas_settles_once(pg_store: Store) -> No
     assert (episode.reward, episode.settle_reason) == (0.5, "terminal_feedback")
 
 
+def strand(store: Store, *items: FeedbackEvent, now: datetime = T0) -> None:
+    """Write `items` while another transaction creates episode "e" (segment 0, not committed yet):
+    neither sees the other's row, so feedback naming "e" is stored unjoined."""
+    one, two = Feeder(store), Feeder(store)
+    with store.labelling(now) as tx:
+        written = tx.write_events([(r := one.record(interaction("e", 0)), one_parse(r))])
+        tx.join_and_settle(TAB_V1, written.interactions, written.feedback)
+        other = Concurrently(lambda: two.send(*items, now=now))
+        assert not other.waiting(10)  # nothing of ours to wait for
+        _, report = other.outcome()
+    assert report.joined == 0
+
+
+def test_feedback_naming_an_episode_being_created_is_joined_by_the_next_window_pass(pg_store: Store) -> None:
+    """Terminal feedback naming episode "e" about a call of it not stored, written while another
+    replica creates "e": stored unjoined (nothing can order the two), then joined by the next window
+    pass and the episode settled on it, once (it used to stay unjoined: orphaned, and the episode
+    settled by window with reward 0)."""
+    strand(pg_store, feedback("r-e-1", "thumbs_up", episode_id="e"))
+    assert feedback_rows(pg_store) == {"thumbs_up": (None, False)}
+    with pg_store.labelling(T0 + timedelta(seconds=1)) as tx:
+        report = tx.join_stranded(TAB_V1, 60)
+        assert tx.settle_expired(TAB_V1, 60) == []
+    assert (report.joined, report.late_feedback, report.settled_terminal) == (1, 0, 1)
+    assert feedback_rows(pg_store) == {"thumbs_up": ("e", False)}
+    episode = episode_row(pg_store, "e")
+    assert (episode.status, episode.settle_reason, episode.reward) == ("settled", "terminal_feedback", 0.5)
+    with pg_store.labelling(T0 + timedelta(seconds=2)) as tx:
+        assert tx.join_stranded(TAB_V1, 60).joined == 0  # found once
+
+
+def test_stranded_feedback_is_late_once_its_episode_settled_and_never_joins_another_tenant(pg_store: Store) -> None:
+    """A stranded feedback whose episode settled by window meanwhile joins it late (kept, not in the
+    reward); one of another tenant naming the episode is left alone, as any join would."""
+    strand(pg_store, feedback("r-e-1", "accepted", episode_id="e"),
+           feedback("r-x-0", "rejected", episode_id="e", tenant="other"))  # fmt: skip
+    later = T0 + timedelta(seconds=61)
+    with pg_store.labelling(later) as tx:
+        assert len(tx.settle_expired(TAB_V1, 60)) == 1
+    with pg_store.labelling(later) as tx:
+        report = tx.join_stranded(TAB_V1, 60)
+    assert (report.joined, report.late_feedback) == (0, 1)
+    assert feedback_rows(pg_store) == {"accepted": ("e", True), "rejected": (None, False)}
+    episode = episode_row(pg_store, "e")
+    assert (episode.settle_reason, episode.reward) == ("window", 0.0)
+
+
+def test_the_labelers_window_pass_joins_stranded_feedback(pg_store: Store, kafka_service: Settings) -> None:
+    """The labeler runs the join in its window pass and counts it (rtrl_labeler_feedback_stranded_total)."""
+    strand(pg_store, feedback("r-e-1", "thumbs_up", episode_id="e"))
+    settings = replica_settings(kafka_service, pg_store.url, 60)
+    before = counted("rtrl_labeler_feedback_stranded_total")
+    consumer, producer = make_consumer(settings), make_producer(settings)
+    try:
+        labeler = Labeler(settings, pg_store, consumer, producer, clock=lambda: T0 + timedelta(seconds=1))
+        report = labeler.step()  # the first step is a window pass
+    finally:
+        consumer.close()
+        producer.close()
+    assert report is not None and (report.settle.joined, report.settle.settled_terminal) == (1, 1)
+    assert counted("rtrl_labeler_feedback_stranded_total") == before + 1
+    assert episode_row(pg_store, "e").settle_reason == "terminal_feedback"
+
+
 def one_parse(record: SourceRecord) -> Any:
     return parse_record(record, TOPICS[record.topic], Checks(spec=TAB_V1, limits=LimitsSettings()), T0)
 
