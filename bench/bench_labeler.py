@@ -25,7 +25,9 @@ reward spec). Then, one after the other on the same records:
   report every record stored and joined, checked in the store as above.
 
 `value` is the labeler group's rate (the stage as deployed), with the one labeler's rate beside it
-(`single`, `single_ratio`). Target (issue 14): value >= 5,000 records/s and ratio >= 0.25. The last
+(`single`, `single_ratio`). `group_cpu_s` is the CPU time (user + system, from /proc) each part of
+the machine spent during the group's run: the replicas, PostgreSQL's processes, the Kafka broker,
+everything else; `group_cpu_us_per_record` is their sum per record (what the cores bound). Target (issue 14): value >= 5,000 records/s and ratio >= 0.25. The last
 line is one JSON object: ``{"name", "value", "baseline": raw records/s, "ratio", "records", ...}``.
 """
 
@@ -40,7 +42,7 @@ import pstats
 import queue
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -211,10 +213,14 @@ def replica(settings: Settings, go: Any, stop: Any, reports: Any) -> None:
         store.close()
 
 
-def replicas_rate(settings: Settings, n_interactions: int, n_feedback: int, replicas: int) -> tuple[float, float, list[int]]:
-    """(records/s, seconds, records stored per replica) of `replicas` labeler processes in one
-    group, timed from the first batch any of them got (once the group was stable) until their
-    steps reported every record stored and joined; the store is checked afterwards."""
+def replicas_rate(
+    settings: Settings, n_interactions: int, n_feedback: int, replicas: int
+) -> tuple[float, float, list[int], dict[str, float]]:
+    """(records/s, seconds, records stored per replica, CPU seconds by part) of `replicas` labeler
+    processes in one group, timed from the first batch any of them got (once the group was stable)
+    until their steps reported every record stored and joined; the store is checked afterwards.
+    The CPU seconds are read when the partitions are resumed and when the last record is reported
+    (the replicas idle, paused, before; the first batch follows within milliseconds)."""
     store = Store(settings.store.url)
     store.migrate()
     context = multiprocessing.get_context("spawn")
@@ -241,6 +247,8 @@ def replicas_rate(settings: Settings, n_interactions: int, n_feedback: int, repl
             if (len(owned) == len(set(owned)) and set(owned) == partitions and sum(1 for tps in assigned.values() if tps) == busy
                     and time.monotonic() - changed >= STABLE_S):  # fmt: skip
                 break
+        pids = {process.pid for process in processes if process.pid is not None}
+        cpu_before = cpu_seconds(pids)
         go.set()
         first: list[float] = []
         per: dict[int, int] = {}
@@ -264,6 +272,7 @@ def replicas_rate(settings: Settings, n_interactions: int, n_feedback: int, repl
                 per[pid] = per.get(pid, 0) + rest[1] + rest[2]
             elif kind == "assigned" and go.is_set():
                 raise RuntimeError("the labeler group rebalanced during the run")
+        cpu_after = cpu_seconds(pids)
         stop.set()
         for process in processes:
             process.join(timeout=60)
@@ -275,7 +284,30 @@ def replicas_rate(settings: Settings, n_interactions: int, n_feedback: int, repl
                 process.kill()
         store.close()
     seconds = end - min(first)
-    return (n_interactions + n_feedback) / seconds, seconds, sorted(per.values(), reverse=True)
+    cpu = {part: round(cpu_after[part] - cpu_before[part], 2) for part in cpu_after}
+    return (n_interactions + n_feedback) / seconds, seconds, sorted(per.values(), reverse=True), cpu
+
+
+def cpu_seconds(labelers: Collection[int]) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the processes of this machine, by part: the
+    `labelers` (pids), PostgreSQL's processes, the Kafka broker (java), the rest. A process that
+    exited between two readings is missing from the later one (the bench's parts all live on)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parts = dict.fromkeys(("labelers", "postgres", "kafka", "other"), 0.0)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                line = stat.read()
+        except OSError:
+            continue  # exited meanwhile, or not ours to read
+        name, fields = line[line.index("(") + 1 : line.rindex(")")], line[line.rindex(")") + 2 :].split()
+        seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (proc(5) fields 14, 15)
+        part = ("labelers" if int(entry.name) in labelers else "postgres" if name == "postgres"
+                else "kafka" if name == "java" else "other")  # fmt: skip
+        parts[part] += seconds
+    return parts
 
 
 def fresh(settings: Settings, name: str) -> Settings:
@@ -318,9 +350,9 @@ def main() -> None:
         total = len(interactions) + len(feedback)
         raw = raw_rate(settings, total)
         single, seconds = labeler_rate(fresh(settings, "single"), len(interactions), len(feedback), args.profile)
-        rate, group_s, per = replicas_rate(fresh(settings, "group"), len(interactions), len(feedback), replicas)
+        rate, group_s, per, cpu = replicas_rate(fresh(settings, "group"), len(interactions), len(feedback), replicas)
     print(f"raw kafka-python consume: {raw:,.0f} records/s; into PostgreSQL: one labeler {single:,.0f} records/s "
-          f"({seconds:.1f} s), {replicas} replicas {rate:,.0f} records/s ({group_s:.1f} s; per replica {per}), "
+          f"({seconds:.1f} s), {replicas} replicas {rate:,.0f} records/s ({group_s:.1f} s; per replica {per}; CPU s {cpu}), "
           f"{total:,} records, {os.cpu_count()} CPUs")  # fmt: skip
     print(json.dumps({
         "name": "labeler_records_per_s",
@@ -333,6 +365,8 @@ def main() -> None:
         "replicas": replicas,
         "replicas_s": round(group_s, 2),
         "per_replica": per,
+        "group_cpu_s": cpu,
+        "group_cpu_us_per_record": round(sum(cpu.values()) / total * 1e6, 1),
         "single": round(single, 1),
         "single_ratio": round(single / raw, 4),
         "single_s": round(seconds, 2),
