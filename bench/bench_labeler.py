@@ -25,9 +25,10 @@ reward spec). Then, one after the other on the same records:
   report every record stored and joined, checked in the store as above.
 
 `value` is the labeler group's rate (the stage as deployed), with the one labeler's rate beside it
-(`single`, `single_ratio`). `group_cpu_s` is the CPU time (user + system, from /proc) each part of
-the machine spent during the group's run: the replicas, PostgreSQL's processes, the Kafka broker,
-everything else; `group_cpu_us_per_record` is their sum per record (what the cores bound). Target (issue 14): value >= 5,000 records/s and ratio >= 0.25. The last
+(`single`, `single_ratio`). `group_cpu_s` is the CPU time (user + system) each part of the machine
+spent during the group's run: the replicas, PostgreSQL's processes, the Kafka broker, everything
+else; `group_cpu_us_per_record` is their sum per record (what the cores bound). Target (issue 14):
+value >= 5,000 records/s and ratio >= 0.25. The last
 line is one JSON object: ``{"name", "value", "baseline": raw records/s, "ratio", "records", ...}``.
 """
 
@@ -46,6 +47,7 @@ from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psutil
 import sqlalchemy as sa
 
 import streams
@@ -292,21 +294,15 @@ def cpu_seconds(labelers: Collection[int]) -> dict[str, float]:
     """CPU seconds (user + system) used so far by the processes of this machine, by part: the
     `labelers` (pids), PostgreSQL's processes, the Kafka broker (java), the rest. A process that
     exited between two readings is missing from the later one (the bench's parts all live on)."""
-    tick = os.sysconf("SC_CLK_TCK")
     parts = dict.fromkeys(("labelers", "postgres", "kafka", "other"), 0.0)
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as stat:
-                line = stat.read()
-        except OSError:
+    for process in psutil.process_iter(["name", "cpu_times"]):
+        times = process.info["cpu_times"]
+        if times is None:
             continue  # exited meanwhile, or not ours to read
-        name, fields = line[line.index("(") + 1 : line.rindex(")")], line[line.rindex(")") + 2 :].split()
-        seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (proc(5) fields 14, 15)
-        part = ("labelers" if int(entry.name) in labelers else "postgres" if name == "postgres"
+        name = process.info["name"]
+        part = ("labelers" if process.pid in labelers else "postgres" if name == "postgres"
                 else "kafka" if name == "java" else "other")  # fmt: skip
-        parts[part] += seconds
+        parts[part] += times.user + times.system
     return parts
 
 
