@@ -14,6 +14,7 @@ from typing import Any
 
 from schemas.errors import OperatorError
 from schemas.settings import KafkaSettings
+from streams.joins import fix_join_race
 
 
 class StreamsError(Exception):
@@ -75,9 +76,10 @@ def producer(kafka: KafkaSettings, client_id: str, **options: Any) -> Any:
 def consumer(kafka: KafkaSettings, client_id: str, *topics: str, **options: Any) -> Any:
     """A `kafka.KafkaConsumer` (subscribed to `topics` when given) that can fetch records of
     ``kafka.max_message_bytes``. Offsets are never auto-committed unless the caller says so: rtrl
-    commits after its own writes."""
+    commits after its own writes. kafka-python's group join is fixed first (streams/joins.py)."""
     from kafka import KafkaConsumer
 
+    fix_join_race()
     options = {"enable_auto_commit": False, "max_partition_fetch_bytes": kafka.max_message_bytes, **options}
     return _create(kafka, KafkaConsumer, *topics, **connection_config(kafka), client_id=client_id, **options)
 

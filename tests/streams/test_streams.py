@@ -3,6 +3,7 @@ outlive a consumer, the loop's topics), and the connection settings it hands eve
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -122,3 +123,78 @@ def test_committed_offsets_survive_a_consumer_restart(kafka_service: Settings) -
     finally:
         second.close()
     assert rest == [b"m4", b"m5"]
+
+
+def _poll_until_assigned(consumer: KafkaConsumer, partitions: set[TopicPartition], polls: int) -> set[TopicPartition]:
+    """Poll as a consumer busy between polls may: non-blocking polls 100 ms apart, so that every
+    group join outlives the poll that starts it and finishes between two (streams/joins.py).
+    Returns the assignment once it is `partitions`, or the last one seen."""
+    for _ in range(polls):
+        consumer.poll(timeout_ms=0)
+        if consumer.assignment() == partitions:
+            break
+        time.sleep(0.1)
+    return set(consumer.assignment())
+
+
+def _members(kafka: KafkaSettings, group: str) -> list[str]:
+    admin = streams.admin(kafka, "rtrl-tests")
+    try:
+        described = admin.describe_groups([group])[group]
+    finally:
+        admin.close()
+    return sorted(member["member_id"] for member in described["members"])
+
+
+def test_a_consumer_whose_short_polls_are_spaced_by_work_joins_its_group(kafka_service: Settings) -> None:
+    # Unfixed, every poll replaced the join that had finished since the last one with a new
+    # JoinGroup: never joined in 40 polls.
+    topic = _topic(kafka_service.kafka, partitions=3)
+    consumer = streams.consumer(kafka_service.kafka, "rtrl-tests", topic, group_id=f"g-{uuid.uuid4().hex[:6]}")
+    try:
+        assert _poll_until_assigned(consumer, {TopicPartition(topic, p) for p in range(3)}, polls=40) == {
+            TopicPartition(topic, p) for p in range(3)}  # fmt: skip
+    finally:
+        consumer.close()
+
+
+def test_a_leader_whose_rejoin_finishes_between_polls_applies_it_and_stays_in_the_group(
+    kafka_service: Settings,
+) -> None:
+    # A new partition makes the leader rejoin; it assigns inside the join, so unfixed its next
+    # poll saw nothing to do: the new assignment was never applied, heartbeats stayed off and the
+    # broker dropped the member after its session timeout.
+    kafka = kafka_service.kafka
+    topic, group = _topic(kafka, partitions=1), f"g-{uuid.uuid4().hex[:6]}"
+    consumer = streams.consumer(kafka, "rtrl-tests", topic, group_id=group, metadata_max_age_ms=500,
+                                session_timeout_ms=6000, heartbeat_interval_ms=1000)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not consumer.assignment() and time.monotonic() < deadline:
+            consumer.poll(timeout_ms=200)
+        assert consumer.assignment() == {TopicPartition(topic, 0)}
+        admin = streams.admin(kafka, "rtrl-tests")
+        try:
+            admin.create_partitions({topic: 2})
+        finally:
+            admin.close()
+        both = {TopicPartition(topic, 0), TopicPartition(topic, 1)}
+        assert _poll_until_assigned(consumer, both, polls=100) == both
+        members = _members(kafka, group)
+        deadline = time.monotonic() + 9  # past the 6 s session timeout: heartbeats must be on
+        while time.monotonic() < deadline:
+            consumer.poll(timeout_ms=100)
+        assert len(members) == 1 and _members(kafka, group) == members
+        assert consumer.assignment() == both
+    finally:
+        consumer.close()
+
+
+@pytest.mark.unit
+def test_the_join_fix_is_written_for_the_pinned_kafka_python() -> None:
+    import kafka
+
+    from streams.joins import FIXED_VERSION, fix_join_race
+
+    assert kafka.__version__ == FIXED_VERSION, "re-check streams/joins.py against this kafka-python"
+    assert fix_join_race() is True
