@@ -152,9 +152,9 @@ def test_a_consumer_whose_short_polls_are_spaced_by_work_joins_its_group(kafka_s
     # broker's group.initial.rebalance.delay.ms, 0 in rtrl's and 3 s by default.)
     topic = _topic(kafka_service.kafka, partitions=3)
     consumer = streams.consumer(kafka_service.kafka, "rtrl-tests", topic, group_id=f"g-{uuid.uuid4().hex[:6]}")
+    every = {TopicPartition(topic, p) for p in range(3)}
     try:
-        assert _poll_until_assigned(consumer, {TopicPartition(topic, p) for p in range(3)}, polls=100) == {
-            TopicPartition(topic, p) for p in range(3)}  # fmt: skip
+        assert _poll_until_assigned(consumer, every, polls=100) == every
     finally:
         consumer.close()
 
