@@ -51,7 +51,7 @@ import psutil
 import sqlalchemy as sa
 
 import streams
-from feedback.labeler import Labeler, make_consumer, make_producer
+from feedback.labeler import Labeler, freeze_heap, make_consumer, make_producer
 from rtrl.services import up
 from rtrl.services.postgres import Postgres
 from rtrl.services.testing import private_services
@@ -126,6 +126,7 @@ def labeler_rate(
     store = Store(settings.store.url)
     store.migrate()
     labeler = Labeler(settings, store, make_consumer(settings), make_producer(settings))
+    freeze_heap()  # as `feedback.labeler.run` does before its loop
     profiler = cProfile.Profile() if profile else None
     stored = feedback = joined = 0
     first: list[float] = []
@@ -189,6 +190,7 @@ def replica(settings: Settings, go: Any, stop: Any, reports: Any) -> None:
     store = Store(settings.store.url)
     labeler = Labeler(settings, store, make_consumer(settings), make_producer(settings))
     consumer = labeler.consumer
+    freeze_heap()  # as `feedback.labeler.run` does before its loop
 
     class Hold(ConsumerRebalanceListener):  # type: ignore[misc]
         def on_partitions_revoked(self, revoked: Any) -> None:
@@ -347,9 +349,10 @@ def main() -> None:
         raw = raw_rate(settings, total)
         single, seconds = labeler_rate(fresh(settings, "single"), len(interactions), len(feedback), args.profile)
         rate, group_s, per, cpu = replicas_rate(fresh(settings, "group"), len(interactions), len(feedback), replicas)
+    cpus = len(os.sched_getaffinity(0))  # the CPUs this run may use (fewer under taskset than the machine has)
     print(f"raw kafka-python consume: {raw:,.0f} records/s; into PostgreSQL: one labeler {single:,.0f} records/s "
           f"({seconds:.1f} s), {replicas} replicas {rate:,.0f} records/s ({group_s:.1f} s; per replica {per}; CPU s {cpu}), "
-          f"{total:,} records, {os.cpu_count()} CPUs")  # fmt: skip
+          f"{total:,} records, {cpus} CPUs")  # fmt: skip
     print(json.dumps({
         "name": "labeler_records_per_s",
         "value": round(rate, 1),
@@ -368,7 +371,7 @@ def main() -> None:
         "single_s": round(seconds, 2),
         "store": "postgresql",
         "partitions": settings.kafka.partitions,
-        "cpus": os.cpu_count(),
+        "cpus": cpus,
         "target_value": 5000,
         "target_ratio": 0.25,
     }))

@@ -9,8 +9,9 @@ How PostgreSQL gets them decides its rate:
 * Rows as an array parameter per column (``unnest``) are one statement, but psycopg adapts every
   element of a list in Python: a third of the labeler's time went there.
 * Rows as one JSON document (``json_to_recordset``), what :func:`insert_rows` and
-  :func:`update_rows` send, are one statement and one parameter, encoded by the json module's C
-  encoder and decoded by the server's; the record's column definitions are the table's own
+  :func:`update_rows` send, are one statement and one parameter, encoded by orjson (checked
+  first for what it would write where the statement must fail: NaN, a naive datetime) and decoded
+  by the server; the record's column definitions are the table's own
   types, so a value the table would refuse (a string too long, an integer out of range) fails the
   statement as it would an INSERT of it.
 * An ``IN`` list is rendered as one placeholder per value, which psycopg parses out of the query
@@ -22,17 +23,18 @@ executemany or ``IN``.
 
 from __future__ import annotations
 
-import json
+import math
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
 from datetime import datetime
 from typing import Any
 
+import orjson
 from sqlalchemy import ColumnElement, Table, any_, bindparam, text, update
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
-from sqlalchemy.types import ARRAY, JSON, DateTime, LargeBinary, TypeDecorator
+from sqlalchemy.types import ARRAY, DateTime, LargeBinary, String, TypeDecorator
 
 from store.models import UtcDateTime
 
@@ -129,9 +131,18 @@ def _recordset(table: Table, columns: Sequence[str]) -> str:
 
 def _document(table: Table, columns: Sequence[str], rows: list[dict[str, Any]]) -> str:
     """The rows (each giving exactly `columns`) as one JSON array of objects, each value as the
-    column's type would send it.
+    column's type would send it, encoded by orjson (a tenth of the json module's time on an
+    interaction's row, docs/scaling.md).
 
-    NaN and infinite floats raise ValueError (JSON has none; the statement would fail anyway)."""
+    orjson writes NaN and infinite floats as null and a naive datetime without an offset, where the
+    statement must fail instead: a non-finite float anywhere in a row (nested in a JSON column too)
+    raises ValueError, as does a naive datetime given to a UtcDateTime column."""
+    checks = [(name, check) for name in columns if (check := _check(table, name)) is not None]
+    for row in rows:
+        for name, check in checks:
+            value = row[name]
+            if value is not None:
+                check(name, value)
     converters = [(name, convert) for name in columns if (convert := _converter(table, name)) is not None]
     if converters:
         converted = []
@@ -142,28 +153,61 @@ def _document(table: Table, columns: Sequence[str], rows: list[dict[str, Any]]) 
                     row[name] = convert(row[name])
             converted.append(row)
         rows = converted
-    return json.dumps(rows, allow_nan=False, separators=(",", ":"))
+    return orjson.dumps(rows, default=_float_subclass, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+def _float_subclass(value: Any) -> float:
+    """orjson's fallback for what it does not encode itself: a float subclass (numpy's float64) as
+    its float (checked finite before); anything else is refused, as the json module refuses it."""
+    if isinstance(value, float):
+        return float(value)
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+
+def _check(table: Table, name: str) -> Callable[[str, Any], None] | None:
+    """What a value of column `name` is checked for before it is encoded (None: nothing)."""
+    column_type = table.c[name].type
+    if isinstance(column_type, UtcDateTime):
+        return _aware
+    if isinstance(column_type, LargeBinary | DateTime | String):
+        return None  # bytes, datetimes and text carry no float
+    return _finite
 
 
 def _converter(table: Table, name: str) -> Callable[[Any], Any] | None:
-    """How a value of column `name` becomes JSON the server reads as the column's type (None: as is)."""
+    """How a value of column `name` becomes JSON the server reads as the column's type (None: as
+    orjson writes it: numbers, strings, lists and objects as they are, an aware datetime in ISO 8601
+    with its offset, which the server keeps as the instant)."""
     column_type = table.c[name].type
-    if isinstance(column_type, JSON):
-        return None  # nested in the document; the record's JSON column takes it whole
     if isinstance(column_type, UtcDateTime):
-        return _utc_iso
+        return None
     if isinstance(column_type, TypeDecorator):  # UtcDateTime is the store's only one
         raise TypeError(f"{table.name}.{name}: no JSON form for {type(column_type).__name__}")
     if isinstance(column_type, LargeBinary):
         return lambda value: "\\x" + bytes(value).hex()  # bytea's hex input format
-    if isinstance(column_type, DateTime):
-        return lambda value: value.isoformat()
     return None
 
 
-def _utc_iso(value: datetime) -> str:
-    """A UtcDateTime value as ISO 8601 with its offset (the server keeps the instant); naive
-    datetimes are refused as UtcDateTime refuses them."""
+def _aware(name: str, value: datetime) -> None:
+    """A UtcDateTime value must carry its offset, as UtcDateTime refuses naive datetimes."""
     if value.utcoffset() is None:
-        raise ValueError("naive datetime given to the store; use UTC-aware datetimes")
-    return value.isoformat()
+        raise ValueError(f"naive datetime given to the store ({name}); use UTC-aware datetimes")
+
+
+def _finite(name: str, value: Any) -> None:
+    """Raise ValueError if `value` is or holds (in lists and dicts, at any depth) a NaN or an
+    infinite float: JSON has none, and orjson would write null."""
+    kind = type(value)
+    if kind is float:
+        if not math.isfinite(value):
+            raise ValueError(f"Out of range float value {value!r} in {name}: JSON has no NaN or infinity")
+    elif kind is list or kind is tuple or kind is dict:
+        for item in value.values() if kind is dict else value:
+            item_kind = type(item)
+            if item_kind is int or item_kind is str or item_kind is bool or item is None:
+                continue
+            if item_kind is float and math.isfinite(item):
+                continue
+            _finite(name, item)
+    elif isinstance(value, float):  # a float subclass
+        _finite(name, float(value))

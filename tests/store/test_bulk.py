@@ -101,3 +101,20 @@ def test_values_json_cannot_carry_are_refused_before_the_server(pg_store: Store)
                         conflict=["event_id"])  # fmt: skip
         with pytest.raises(ValueError, match="give late"):
             insert_rows(session, Feedback.__table__, [{k: v for k, v in row.items() if k != "late"}])  # type: ignore[arg-type]
+        # orjson would write these as null: nested in a JSON column, at any depth, they fail as well.
+        for metrics in ({"loss": float("inf")}, {"stages": [{"ratio": float("-inf")}]}, {"n": [1, (2, float("nan"))]}):
+            with pytest.raises(ValueError, match="Out of range float"):
+                update_rows(session, Episode.__table__, "episode_id", [{"episode_id": "e1", "metrics": metrics}])  # type: ignore[arg-type]
+
+
+@pytest.mark.integration
+def test_values_orjson_would_encode_differently_are_stored_as_the_json_module_would(pg_store: Store) -> None:
+    Feeder(pg_store).send(interaction())
+    float64 = type("float64", (float,), {})  # a float subclass, as numpy's float64 is one
+    with Session(pg_store.engine) as session, session.begin():
+        update_rows(session, Episode.__table__, "episode_id", [  # type: ignore[arg-type]
+            {"episode_id": "e1", "reward": float64(0.25), "metrics": {"per_stage": {0: 1, 1: float64(2.5)}, "ok": True}},
+        ])  # fmt: skip
+    with Session(pg_store.engine) as session:
+        episode = session.scalars(select(Episode)).one()
+    assert (episode.reward, episode.metrics) == (0.25, {"per_stage": {"0": 1, "1": 2.5}, "ok": True})
