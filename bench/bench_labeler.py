@@ -11,7 +11,8 @@ feedback events about them (thumbs up or down, which settle the episode at once 
 reward spec). Then, one after the other on the same records:
 
 * baseline: a raw kafka-python consumer in a group of its own reads both topics to the end
-  (records fetched, nothing parsed): records/s from its first batch to its last;
+  (records fetched, nothing parsed): records/s from its first batch to its last; the median of
+  three such passes (`baseline_passes`);
 * one labeler: one `feedback.labeler.Labeler` (the code of ``rtrl labeler``), in a group of its
   own, reads the same records and parses, checks, stores, joins and rewards them in a fresh
   PostgreSQL database: records/s from its first batch (both clocks start once the consumer has
@@ -41,6 +42,7 @@ import multiprocessing
 import os
 import pstats
 import queue
+import statistics
 import time
 import uuid
 from collections.abc import Callable, Collection
@@ -59,6 +61,7 @@ from schemas.events import FeedbackEvent, InteractionEvent
 from schemas.settings import Settings, StoreSettings, local_postgres_url
 from store import Store
 
+RAW_PASSES = 3  # the baseline is the median of this many raw consumer passes
 STABLE_S = 2.0  # the replicas' assignments unchanged this long: the group is stable
 
 
@@ -346,17 +349,21 @@ def main() -> None:
         interactions, feedback = events(args.interactions, args.feedback, tag)
         produce(settings, interactions, feedback)
         total = len(interactions) + len(feedback)
-        raw = raw_rate(settings, total)
+        # A pass takes a fraction of a second, and its rate moved 2x between runs on this machine:
+        # the median of three passes (each a group of its own) is the baseline, all three reported.
+        raw_passes = [raw_rate(settings, total) for _ in range(RAW_PASSES)]
+        raw = statistics.median(raw_passes)
         single, seconds = labeler_rate(fresh(settings, "single"), len(interactions), len(feedback), args.profile)
         rate, group_s, per, cpu = replicas_rate(fresh(settings, "group"), len(interactions), len(feedback), replicas)
     cpus = len(os.sched_getaffinity(0))  # the CPUs this run may use (fewer under taskset than the machine has)
-    print(f"raw kafka-python consume: {raw:,.0f} records/s; into PostgreSQL: one labeler {single:,.0f} records/s "
+    print(f"raw kafka-python consume: {raw:,.0f} records/s (median of {', '.join(f'{r:,.0f}' for r in raw_passes)}); into PostgreSQL: one labeler {single:,.0f} records/s "
           f"({seconds:.1f} s), {replicas} replicas {rate:,.0f} records/s ({group_s:.1f} s; per replica {per}; CPU s {cpu}), "
           f"{total:,} records, {cpus} CPUs")  # fmt: skip
     print(json.dumps({
         "name": "labeler_records_per_s",
         "value": round(rate, 1),
         "baseline": round(raw, 1),
+        "baseline_passes": [round(rate, 1) for rate in raw_passes],
         "ratio": round(rate / raw, 4),
         "records": total,
         "interactions": len(interactions),

@@ -432,10 +432,10 @@ def freeze_heap() -> None:
 
     A batch allocates thousands of containers that live until it is written (events, their lists,
     rows), so they are promoted to the oldest generation and make the collector run full passes,
-    each over every object of the process; on the labeler's heap those passes took more than half
-    of parsing and row building (docs/scaling.md, Labeler). Reference counting still frees a frozen
-    object, but one left in a reference cycle is never freed: so this runs once, when the process
-    is set up, after a collection (no garbage is frozen)."""
+    each over every object of the process: more than half of the time of parsing and building rows
+    went there (docs/platform.md, A batch's objects and Python's garbage collector). Reference
+    counting still frees a frozen object, but one left in a reference cycle is never freed: so
+    this runs once, when the process is set up, after a collection (no garbage is frozen)."""
     gc.collect()
     gc.freeze()
 

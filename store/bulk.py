@@ -131,8 +131,8 @@ def _recordset(table: Table, columns: Sequence[str]) -> str:
 
 def _document(table: Table, columns: Sequence[str], rows: list[dict[str, Any]]) -> str:
     """The rows (each giving exactly `columns`) as one JSON array of objects, each value as the
-    column's type would send it, encoded by orjson (a tenth of the json module's time on an
-    interaction's row, docs/scaling.md).
+    column's type would send it, encoded by orjson (docs/platform.md, JSON documents for
+    PostgreSQL: orjson and what it writes differently).
 
     orjson writes NaN and infinite floats as null and a naive datetime without an offset, where the
     statement must fail instead: a non-finite float anywhere in a row (nested in a JSON column too)
