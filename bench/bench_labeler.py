@@ -348,13 +348,17 @@ def main() -> None:
         streams.ensure_topics(settings.kafka)
         interactions, feedback = events(args.interactions, args.feedback, tag)
         produce(settings, interactions, feedback)
-        total = len(interactions) + len(feedback)
+        n_interactions, n_feedback = len(interactions), len(feedback)
+        total = n_interactions + n_feedback
+        # The one labeler runs in this process: produced events kept alive here would be in its heap
+        # (frozen, or scanned by the collector's passes), where `rtrl labeler` holds nothing like them.
+        del interactions, feedback
         # A pass takes a fraction of a second, and its rate moved 2x between runs on this machine:
         # the median of three passes (each a group of its own) is the baseline, all three reported.
         raw_passes = [raw_rate(settings, total) for _ in range(RAW_PASSES)]
         raw = statistics.median(raw_passes)
-        single, seconds = labeler_rate(fresh(settings, "single"), len(interactions), len(feedback), args.profile)
-        rate, group_s, per, cpu = replicas_rate(fresh(settings, "group"), len(interactions), len(feedback), replicas)
+        single, seconds = labeler_rate(fresh(settings, "single"), n_interactions, n_feedback, args.profile)
+        rate, group_s, per, cpu = replicas_rate(fresh(settings, "group"), n_interactions, n_feedback, replicas)
     cpus = len(os.sched_getaffinity(0))  # the CPUs this run may use (fewer under taskset than the machine has)
     print(f"raw kafka-python consume: {raw:,.0f} records/s (median of {', '.join(f'{r:,.0f}' for r in raw_passes)}); into PostgreSQL: one labeler {single:,.0f} records/s "
           f"({seconds:.1f} s), {replicas} replicas {rate:,.0f} records/s ({group_s:.1f} s; per replica {per}; CPU s {cpu}), "
@@ -363,11 +367,11 @@ def main() -> None:
         "name": "labeler_records_per_s",
         "value": round(rate, 1),
         "baseline": round(raw, 1),
-        "baseline_passes": [round(rate, 1) for rate in raw_passes],
+        "baseline_passes": [round(passed, 1) for passed in raw_passes],
         "ratio": round(rate / raw, 4),
         "records": total,
-        "interactions": len(interactions),
-        "feedback": len(feedback),
+        "interactions": n_interactions,
+        "feedback": n_feedback,
         "replicas": replicas,
         "replicas_s": round(group_s, 2),
         "per_replica": per,

@@ -442,20 +442,24 @@ def freeze_heap() -> None:
 
 def run(settings: Settings, stop: threading.Event | None = None, readiness: Readiness | None = None) -> None:
     """Run the labeler until SIGTERM/SIGINT (or ``stop``): migrate, create topics, consume.
-    `readiness` (the exporter's, `rtrl labeler`) hears whether the store and Kafka work."""
+    `readiness` (the exporter's, `rtrl labeler`) hears whether the store and Kafka work. On the
+    main thread, where the process is the labeler's, it also handles the signals and freezes the
+    set-up heap before consuming (`freeze_heap`); on another thread (a test's) it does neither."""
     stop = stop or threading.Event()
     store = Store(settings.store.url)
     store.migrate()
     streams.ensure_topics(settings.kafka)
     consumer = make_consumer(settings)
     producer = make_producer(settings)
-    if threading.current_thread() is threading.main_thread():
+    owns_process = threading.current_thread() is threading.main_thread()  # rtrl labeler, not a test's thread
+    if owns_process:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
     labeler = None
     try:
         labeler = Labeler(settings, store, consumer, producer, readiness=readiness)
-        freeze_heap()
+        if owns_process:
+            freeze_heap()
         labeler.run(stop)
     finally:
         if labeler is not None:

@@ -9,9 +9,9 @@ How PostgreSQL gets them decides its rate:
 * Rows as an array parameter per column (``unnest``) are one statement, but psycopg adapts every
   element of a list in Python: a third of the labeler's time went there.
 * Rows as one JSON document (``json_to_recordset``), what :func:`insert_rows` and
-  :func:`update_rows` send, are one statement and one parameter, encoded by orjson (checked
-  first for what it would write where the statement must fail: NaN, a naive datetime) and decoded
-  by the server; the record's column definitions are the table's own
+  :func:`update_rows` send, are one statement and one parameter, encoded by orjson (the floats
+  checked first, which it would write as null when NaN; what it refuses left to the json module)
+  and decoded by the server; the record's column definitions are the table's own
   types, so a value the table would refuse (a string too long, an integer out of range) fails the
   statement as it would an INSERT of it.
 * An ``IN`` list is rendered as one placeholder per value, which psycopg parses out of the query
@@ -23,6 +23,7 @@ executemany or ``IN``.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
@@ -34,7 +35,7 @@ from sqlalchemy import ColumnElement, Table, any_, bindparam, text, update
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
-from sqlalchemy.types import ARRAY, DateTime, LargeBinary, String, TypeDecorator
+from sqlalchemy.types import ARRAY, JSON, DateTime, LargeBinary, TypeDecorator
 
 from store.models import UtcDateTime
 
@@ -129,85 +130,98 @@ def _recordset(table: Table, columns: Sequence[str]) -> str:
     return f"json_to_recordset(CAST(:rows AS JSON)) AS v({types})"
 
 
+# What orjson is left to encode itself: str, int, float, bool, None, list, tuple, dict with str keys
+# (and enums, UUIDs, dates). Datetimes, subclasses of the builtin types and dataclasses go to
+# `_aware_iso`, which writes an aware datetime as the json module's path does and refuses the rest.
+_ORJSON_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS
+
+
 def _document(table: Table, columns: Sequence[str], rows: list[dict[str, Any]]) -> str:
     """The rows (each giving exactly `columns`) as one JSON array of objects, each value as the
-    column's type would send it, encoded by orjson (docs/platform.md, JSON documents for
-    PostgreSQL: orjson and what it writes differently).
+    column's type would send it (docs/platform.md, JSON documents for PostgreSQL).
 
-    orjson writes NaN and infinite floats as null and a naive datetime without an offset, where the
-    statement must fail instead: a non-finite float anywhere in a row (nested in a JSON column too)
-    raises ValueError, as does a naive datetime given to a UtcDateTime column."""
-    checks = [(name, check) for name in columns if (check := _check(table, name)) is not None]
-    for row in rows:
-        for name, check in checks:
-            value = row[name]
-            if value is not None:
-                check(name, value)
+    Encoded by orjson, once every float of the rows (nested in JSON columns too) is checked
+    finite: orjson writes NaN and infinities as null, where the statement must fail, so they raise
+    ValueError as the json module does. Rows orjson refuses (an integer beyond 64 bits, a dict key
+    that is not a string, a subclass of a builtin type, a naive datetime, ...) are encoded by the
+    json module instead, which writes or refuses each such value as it always did: a naive
+    datetime given to a UtcDateTime column raises ValueError."""
     converters = [(name, convert) for name in columns if (convert := _converter(table, name)) is not None]
-    if converters:
-        converted = []
-        for row in rows:
-            row = dict(row)
-            for name, convert in converters:
-                if row[name] is not None:
-                    row[name] = convert(row[name])
-            converted.append(row)
-        rows = converted
-    return orjson.dumps(rows, default=_float_subclass, option=orjson.OPT_NON_STR_KEYS).decode()
+    for row in rows:
+        for name in columns:
+            _finite(name, row[name])
+    binary = [(name, convert) for name, convert in converters if isinstance(table.c[name].type, LargeBinary)]
+    try:
+        return orjson.dumps(_converted(rows, binary), default=_aware_iso, option=_ORJSON_OPTIONS).decode()
+    except orjson.JSONEncodeError:
+        return json.dumps(_converted(rows, converters), allow_nan=False, separators=(",", ":"))
 
 
-def _float_subclass(value: Any) -> float:
-    """orjson's fallback for what it does not encode itself: a float subclass (numpy's float64) as
-    its float (checked finite before); anything else is refused, as the json module refuses it."""
-    if isinstance(value, float):
-        return float(value)
-    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+def _converted(rows: list[dict[str, Any]], converters: list[tuple[str, Callable[[Any], Any]]]) -> list[dict[str, Any]]:
+    """`rows` with each converter applied to its column's non-null values (copies; `rows` itself
+    when there is nothing to convert)."""
+    if not converters:
+        return rows
+    converted = []
+    for row in rows:
+        row = dict(row)
+        for name, convert in converters:
+            if row[name] is not None:
+                row[name] = convert(row[name])
+        converted.append(row)
+    return converted
 
 
-def _check(table: Table, name: str) -> Callable[[str, Any], None] | None:
-    """What a value of column `name` is checked for before it is encoded (None: nothing)."""
-    column_type = table.c[name].type
-    if isinstance(column_type, UtcDateTime):
-        return _aware
-    if isinstance(column_type, LargeBinary | DateTime | String):
-        return None  # bytes, datetimes and text carry no float
-    return _finite
+def _aware_iso(value: Any) -> str:
+    """orjson's fallback: an aware datetime in ISO 8601 with its offset, as `isoformat` writes it;
+    anything else (a naive datetime, a subclass, a dataclass) is refused, so the json module
+    encodes the rows."""
+    if type(value) is datetime and value.utcoffset() is not None:
+        return value.isoformat()
+    raise TypeError(f"left to the json module: {type(value).__name__}")
 
 
 def _converter(table: Table, name: str) -> Callable[[Any], Any] | None:
     """How a value of column `name` becomes JSON the server reads as the column's type (None: as
-    orjson writes it: numbers, strings, lists and objects as they are, an aware datetime in ISO 8601
-    with its offset, which the server keeps as the instant)."""
+    the encoder writes it)."""
     column_type = table.c[name].type
+    if isinstance(column_type, JSON):
+        return None  # nested in the document; the record's JSON column takes it whole
     if isinstance(column_type, UtcDateTime):
-        return None
+        return _utc_iso
     if isinstance(column_type, TypeDecorator):  # UtcDateTime is the store's only one
         raise TypeError(f"{table.name}.{name}: no JSON form for {type(column_type).__name__}")
     if isinstance(column_type, LargeBinary):
         return lambda value: "\\x" + bytes(value).hex()  # bytea's hex input format
+    if isinstance(column_type, DateTime):
+        return lambda value: value.isoformat()
     return None
 
 
-def _aware(name: str, value: datetime) -> None:
-    """A UtcDateTime value must carry its offset, as UtcDateTime refuses naive datetimes."""
+def _utc_iso(value: datetime) -> str:
+    """A UtcDateTime value as ISO 8601 with its offset (the server keeps the instant); naive
+    datetimes are refused as UtcDateTime refuses them."""
     if value.utcoffset() is None:
-        raise ValueError(f"naive datetime given to the store ({name}); use UTC-aware datetimes")
+        raise ValueError("naive datetime given to the store; use UTC-aware datetimes")
+    return value.isoformat()
 
 
 def _finite(name: str, value: Any) -> None:
-    """Raise ValueError if `value` is or holds (in lists and dicts, at any depth) a NaN or an
-    infinite float: JSON has none, and orjson would write null."""
+    """Raise ValueError if `value` is or holds (in lists, tuples and dicts, at any depth) a NaN or
+    an infinite float. Subclasses are not looked into: orjson leaves them to the json module,
+    whose ``allow_nan=False`` refuses them."""
     kind = type(value)
     if kind is float:
         if not math.isfinite(value):
             raise ValueError(f"Out of range float value {value!r} in {name}: JSON has no NaN or infinity")
-    elif kind is list or kind is tuple or kind is dict:
-        for item in value.values() if kind is dict else value:
-            item_kind = type(item)
-            if item_kind is int or item_kind is str or item_kind is bool or item is None:
-                continue
-            if item_kind is float and math.isfinite(item):
-                continue
+    elif kind is list or kind is tuple:
+        try:
+            if math.isfinite(sum(value)):
+                return  # numbers only, none of them NaN or infinite (token ids, logprobs): no walk
+        except (TypeError, OverflowError):
+            pass  # not numbers only, or an integer too large for a float
+        for item in value:
             _finite(name, item)
-    elif isinstance(value, float):  # a float subclass
-        _finite(name, float(value))
+    elif kind is dict:
+        for item in value.values():
+            _finite(name, item)

@@ -1,8 +1,11 @@
 """The labeler's set-based writes (store/bulk.py, store/events.py) on SQLite and on PostgreSQL, where
 a batch is one `json_to_recordset` statement per table and conflicts are classified after the insert."""
 
+import collections
+import json
 from collections.abc import Iterator
 from datetime import timedelta, timezone
+from decimal import Decimal
 
 import pytest
 from factories import T0, FakeClock, Feeder, feedback, interaction
@@ -10,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from store import Store
-from store.bulk import insert_rows, update_rows
+from store.bulk import _document, insert_rows, update_rows
 from store.models import DeadLetter, Episode, Feedback, Interaction
 
 BACKENDS = [pytest.param("sqlite", marks=pytest.mark.unit), pytest.param("postgresql", marks=pytest.mark.integration)]
@@ -118,3 +121,27 @@ def test_values_orjson_would_encode_differently_are_stored_as_the_json_module_wo
     with Session(pg_store.engine) as session:
         episode = session.scalars(select(Episode)).one()
     assert (episode.reward, episode.metrics) == (0.25, {"per_stage": {"0": 1, "1": 2.5}, "ok": True})
+
+
+@pytest.mark.unit
+def test_a_document_orjson_would_write_differently_is_written_as_the_json_module_writes_it() -> None:
+    def document(table: object, row: dict[str, object]) -> dict[str, object]:
+        return json.loads(_document(table, tuple(row), [row]))[0]  # type: ignore[arg-type]
+
+    Point = collections.namedtuple("Point", "x y")  # a tuple subclass, as a caller might pass
+    episode = {"episode_id": "e1", "reward": 0.5, "metrics": {"seed": 2**64, "per_stage": {0: 1}, "at": Point(1, 2.5)},
+               "first_event_at": T0.astimezone(timezone(timedelta(hours=5, minutes=30, seconds=15)))}  # fmt: skip
+    assert document(Episode.__table__, episode) == {  # integers beyond 64 bits, int keys, tuple subclasses
+        "episode_id": "e1", "reward": 0.5, "metrics": {"seed": 2**64, "per_stage": {"0": 1}, "at": [1, 2.5]},
+        "first_event_at": episode["first_event_at"].isoformat(),  # type: ignore[union-attr] # its offset's seconds too
+    }  # fmt: skip
+    float64 = type("float64", (float,), {})  # a float subclass, as numpy's float64 is one
+    assert document(Episode.__table__, {"episode_id": "e1", "reward": float64(0.25)}) == {"episode_id": "e1", "reward": 0.25}
+    for hidden in (float64("nan"), collections.OrderedDict(loss=float("nan")), [collections.Counter(a=float("inf"))]):
+        with pytest.raises(ValueError, match="Out of range float"):  # inside subclasses too: the json module looks
+            _document(Episode.__table__, ("episode_id", "metrics"), [{"episode_id": "e1", "metrics": hidden}])  # type: ignore[arg-type]
+    with pytest.raises(TypeError):  # what neither encoder writes is refused, as before
+        _document(Episode.__table__, ("episode_id", "metrics"), [{"episode_id": "e1", "metrics": {"d": Decimal(1)}}])  # type: ignore[arg-type]
+    logprobs = [-0.5] * 4096 + [float("-inf")]
+    with pytest.raises(ValueError, match="Out of range float value -inf in completion_logprobs"):
+        _document(Interaction.__table__, ("event_id", "completion_logprobs"), [{"event_id": "i", "completion_logprobs": logprobs}])  # type: ignore[arg-type]
