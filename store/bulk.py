@@ -28,6 +28,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
 from datetime import datetime
+from enum import Enum
 from typing import Any
 
 import orjson
@@ -130,9 +131,10 @@ def _recordset(table: Table, columns: Sequence[str]) -> str:
     return f"json_to_recordset(CAST(:rows AS JSON)) AS v({types})"
 
 
-# What orjson is left to encode itself: str, int, float, bool, None, list, tuple, dict with str keys
-# (and enums, UUIDs, dates). Datetimes, subclasses of the builtin types and dataclasses go to
-# `_aware_iso`, which writes an aware datetime as the json module's path does and refuses the rest.
+# What orjson is left to encode itself: str, int, float, bool, None, list, tuple, dict with str keys,
+# enums (as their value) and UUIDs. Datetimes, dates and times, subclasses of the builtin types and
+# dataclasses go to `_aware_iso`, which writes an aware datetime as the json module's path does and
+# refuses the rest.
 _ORJSON_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS
 
 
@@ -147,9 +149,13 @@ def _document(table: Table, columns: Sequence[str], rows: list[dict[str, Any]]) 
     json module instead, which writes or refuses each such value as it always did: a naive
     datetime given to a UtcDateTime column raises ValueError."""
     converters = [(name, convert) for name in columns if (convert := _converter(table, name)) is not None]
+    instants = [name for name in columns if isinstance(table.c[name].type, UtcDateTime)]
     for row in rows:
         for name in columns:
             _finite(name, row[name])
+        for name in instants:  # orjson would pass a string on, read in the server's time zone
+            if row[name] is not None and not isinstance(row[name], datetime):
+                raise TypeError(f"{table.name}.{name}: a datetime, not {type(row[name]).__name__}")
     binary = [(name, convert) for name, convert in converters if isinstance(table.c[name].type, LargeBinary)]
     try:
         return orjson.dumps(_converted(rows, binary), default=_aware_iso, option=_ORJSON_OPTIONS).decode()
@@ -207,9 +213,10 @@ def _utc_iso(value: datetime) -> str:
 
 
 def _finite(name: str, value: Any) -> None:
-    """Raise ValueError if `value` is or holds (in lists, tuples and dicts, at any depth) a NaN or
-    an infinite float. Subclasses are not looked into: orjson leaves them to the json module,
-    whose ``allow_nan=False`` refuses them."""
+    """Raise ValueError if `value` is or holds (in lists, tuples and dicts, at any depth, and as an
+    enum's value, which orjson writes) a NaN or an infinite float. Other subclasses of the builtin
+    types are not looked into: orjson leaves them to the json module, whose ``allow_nan=False``
+    refuses them."""
     kind = type(value)
     if kind is float:
         if not math.isfinite(value):
@@ -218,10 +225,12 @@ def _finite(name: str, value: Any) -> None:
         try:
             if math.isfinite(sum(value)):
                 return  # numbers only, none of them NaN or infinite (token ids, logprobs): no walk
-        except (TypeError, OverflowError):
-            pass  # not numbers only, or an integer too large for a float
+        except Exception:  # noqa: BLE001 - not numbers only, an integer too large for a float, a Decimal's own errors
+            pass
         for item in value:
             _finite(name, item)
     elif kind is dict:
         for item in value.values():
             _finite(name, item)
+    elif isinstance(value, Enum):
+        _finite(name, value.value)

@@ -2,6 +2,7 @@
 a batch is one `json_to_recordset` statement per table and conflicts are classified after the insert."""
 
 import collections
+import enum
 import json
 from collections.abc import Iterator
 from datetime import timedelta, timezone
@@ -140,8 +141,14 @@ def test_a_document_orjson_would_write_differently_is_written_as_the_json_module
     for hidden in (float64("nan"), collections.OrderedDict(loss=float("nan")), [collections.Counter(a=float("inf"))]):
         with pytest.raises(ValueError, match="Out of range float"):  # inside subclasses too: the json module looks
             _document(Episode.__table__, ("episode_id", "metrics"), [{"episode_id": "e1", "metrics": hidden}])  # type: ignore[arg-type]
-    with pytest.raises(TypeError):  # what neither encoder writes is refused, as before
-        _document(Episode.__table__, ("episode_id", "metrics"), [{"episode_id": "e1", "metrics": {"d": Decimal(1)}}])  # type: ignore[arg-type]
+    Bad = enum.Enum("Bad", {"NAN": float("nan")}, type=float)  # orjson writes an enum's value itself
+    with pytest.raises(ValueError, match="Out of range float"):
+        _document(Feedback.__table__, ("event_id", "value"), [{"event_id": "f", "value": Bad.NAN}])  # type: ignore[arg-type]
+    for unwritable in ({"d": Decimal(1)}, [Decimal("Infinity"), Decimal("-Infinity")]):  # refused, as before
+        with pytest.raises(TypeError):
+            _document(Episode.__table__, ("episode_id", "metrics"), [{"episode_id": "e1", "metrics": unwritable}])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="episodes.first_event_at: a datetime, not str"):  # not read in the server's zone
+        _document(Episode.__table__, ("episode_id", "first_event_at"), [{"episode_id": "e1", "first_event_at": "2026-01-01 00:00"}])  # type: ignore[arg-type]
     logprobs = [-0.5] * 4096 + [float("-inf")]
     with pytest.raises(ValueError, match="Out of range float value -inf in completion_logprobs"):
         _document(Interaction.__table__, ("event_id", "completion_logprobs"), [{"event_id": "i", "completion_logprobs": logprobs}])  # type: ignore[arg-type]
