@@ -30,7 +30,9 @@ Error policy: no single record can stop the labeler.
   dead-lettered ``poison: ...`` without being processed again;
 * the offset commit fails (group rebalance) -> the batch is already in the DB; whoever reads the
   partition next re-reads it and every record is a no-op replay;
-* broker connection errors -> kafka-python reconnects inside ``poll``;
+* broker connection errors -> kafka-python reconnects inside ``poll``; a poll that raises one
+  (kafka-python 3.0.12 lets a failed metadata refresh out of it while no broker answers) is
+  retried after ``POLL_RETRY_S``, nothing read, the readiness check ``kafka`` failing meanwhile;
 * the judge is out -> its episodes are labelled without the judge term and flagged (feedback/judging.py);
   the store fails during a judge pass -> the episodes stay ``judging`` for the next pass.
 
@@ -71,6 +73,7 @@ BACKOFF_MAX_S = 30.0
 WINDOW_CHECK = timedelta(seconds=1)  # how often open episodes are checked against the settle window
 LAG_EVERY_S = 5.0  # how often the consumer lag per partition is measured (feedback/metrics.py)
 DLQ_FLUSH_TIMEOUT_S = 30.0
+POLL_RETRY_S = 1.0  # after a poll that raised a Kafka error (kafka-python's own reconnect backoff is at most 1 s)
 # A record started this many times by labeler processes that then died is dead-lettered unprocessed.
 # With a first death in batch mode that is 3 deaths in all: the supervisor's 5 restarts suffice.
 POISON_AFTER = 2
@@ -150,8 +153,17 @@ class Labeler:
 
     def step(self) -> StepReport | None:
         """One poll -> store -> commit round; None when nothing was done (idle, or backing off)."""
+        from kafka.errors import KafkaError
+
         labeler = self.settings.labeler
-        batch = self.consumer.poll(timeout_ms=labeler.poll_timeout_ms, max_records=labeler.max_poll_records)
+        try:
+            batch = self.consumer.poll(timeout_ms=labeler.poll_timeout_ms, max_records=labeler.max_poll_records)
+        except KafkaError as exc:  # no broker answers (the module docstring): nothing was read
+            log.warning("poll failed (%r); polling again in %.1fs", exc, POLL_RETRY_S)
+            metrics.POLL_FAILURES.inc()
+            self.readiness.set("kafka", False, f"poll failing: {exc!r}"[:500])
+            self.sleep(POLL_RETRY_S)
+            return None
         records = [SourceRecord(r.topic, r.partition, r.offset, r.value) for rs in batch.values() for r in rs]
         now = self.clock()
         since = None if self._last_window_check is None else now - self._last_window_check

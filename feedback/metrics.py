@@ -17,6 +17,10 @@ REPLAYED = Counter(
     "rtrl_labeler_replayed_total",
     "Records read again after a crash or rebalance and recognised as already stored (no-ops).",
 )
+POLL_FAILURES = Counter(
+    "rtrl_labeler_poll_failures_total",
+    "Kafka polls that raised a Kafka error (no broker answered); each is retried after a second.",
+)
 DEAD_LETTERS = Counter(
     "rtrl_labeler_dead_letters_total",
     "Records dead-lettered (DLQ topic and dead_letters table), by reason: schema, content, duplicate, record "
