@@ -213,6 +213,41 @@ def test_a_join_that_finished_before_its_consumer_left_the_group_is_not_applied(
         consumer.close()
 
 
+def test_a_join_that_failed_between_polls_raises_its_error_from_the_next_poll(kafka_service: Settings) -> None:
+    # A member whose only assignor the group's member does not support is refused by the broker
+    # (INCONSISTENT_GROUP_PROTOCOL, not retriable). With polls that return before the JoinGroup
+    # answer, the join fails between two polls: the next poll raises its error, where dropping it
+    # would send the same refused JoinGroup on every poll for good.
+    from kafka import errors
+    from kafka.coordinator.assignors.range import RangePartitionAssignor
+    from kafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
+
+    kafka = kafka_service.kafka
+    topic, group = _topic(kafka, partitions=1), f"g-{uuid.uuid4().hex[:6]}"
+    member = streams.consumer(kafka, "rtrl-tests", topic, group_id=group,
+                              partition_assignment_strategy=[RangePartitionAssignor])  # fmt: skip
+    other = streams.consumer(kafka, "rtrl-tests", topic, group_id=group,
+                             partition_assignment_strategy=[RoundRobinPartitionAssignor])  # fmt: skip
+    coordinator = other._coordinator  # the join task is kafka-python's own state (streams/joins.py)
+    try:
+        deadline = time.monotonic() + 30
+        while not member.assignment() and time.monotonic() < deadline:
+            member.poll(timeout_ms=200)  # joins within its polls
+        assert member.assignment() == {TopicPartition(topic, 0)}
+        failed_between_polls = False
+        with pytest.raises(errors.InconsistentGroupProtocolError):
+            for _ in range(100):
+                task = coordinator._join_task
+                failed_between_polls = task is not None and task.is_done and task.failed()
+                other.poll(timeout_ms=0)
+                time.sleep(0.3)
+        assert failed_between_polls, "the refused join was not seen failed before the poll that raised"
+        assert member.assignment() == {TopicPartition(topic, 0)}  # the group's member is unaffected
+    finally:
+        other.close()
+        member.close()
+
+
 @pytest.mark.unit
 def test_the_join_fix_is_written_for_the_pinned_kafka_python() -> None:
     import kafka
