@@ -2,13 +2,14 @@
 kafka-python consumer of the same topics, in the same run.
 
     .venv/bin/python bench/bench_labeler.py [--interactions 20000] [--feedback 20000]
-        [--replicas N (default: the partition count)] [--profile]
+        [--partitions P (default: the topics' default)] [--replicas N (default: P)] [--profile]
 
 Starts its own Kafka and PostgreSQL (a private run dir on free ports; both stopped at the end),
-creates fresh topics with the default partition count, and produces N interactions (single-segment
-episodes, as the gateway writes them: 64-token prompts, 16-token completions with logprobs) and M
-feedback events about them (thumbs up or down, which settle the episode at once under the default
-reward spec). Then, one after the other on the same records:
+creates fresh topics with the default partition count (`--partitions` for more: a partition is
+read by one replica at most, so more cores need more partitions), and produces N interactions
+(single-segment episodes, as the gateway writes them: 64-token prompts, 16-token completions with
+logprobs) and M feedback events about them (thumbs up or down, which settle the episode at once
+under the default reward spec). Then, one after the other on the same records:
 
 * baseline: a raw kafka-python consumer in a group of its own reads both topics to the end
   (records fetched, nothing parsed): records/s from its first batch to its last; the median of
@@ -325,12 +326,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--interactions", type=int, default=20_000)
     parser.add_argument("--feedback", type=int, default=20_000)
+    parser.add_argument("--partitions", type=int, default=None,
+                        help="Partitions of each topic (default: RTRL_KAFKA__PARTITIONS's default); more cores need more.")  # fmt: skip
     parser.add_argument("--replicas", type=int, default=None,
                         help="Labeler processes in the group run (default: the partition count).")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="Print where the one labeler's thread spends its time.")
     args = parser.parse_args()
     if args.interactions < 1 or args.feedback < 0:
         parser.error("--interactions must be >= 1 and --feedback >= 0")
+    if args.partitions is not None and args.partitions < 1:
+        parser.error("--partitions must be >= 1")
     if args.replicas is not None and args.replicas < 1:
         parser.error("--replicas must be >= 1")
     with private_services("rtrl-bench-labeler-", enabled=("kafka", "postgres")) as base:
@@ -338,7 +343,8 @@ def main() -> None:
         tag = uuid.uuid4().hex[:8]
         kafka = base.kafka.model_copy(update={
             "interactions_topic": f"bench.{tag}.interactions", "feedback_topic": f"bench.{tag}.feedback",
-            "dlq_topic": f"bench.{tag}.dlq", "labeler_group": f"bench.{tag}.labeler"})  # fmt: skip
+            "dlq_topic": f"bench.{tag}.dlq", "labeler_group": f"bench.{tag}.labeler",
+            "partitions": args.partitions or base.kafka.partitions})  # fmt: skip
         settings = base.model_copy(update={
             "kafka": kafka,
             # Episodes settle by their terminal feedback; the window never fires during the run.
