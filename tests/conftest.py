@@ -142,16 +142,12 @@ def store(tmp_path: Path, clock: FakeClock) -> Iterator[Store]:
 @pytest.fixture
 def postgres_database(postgres_service: Settings) -> Iterator[str]:
     """The SQLAlchemy URL of a throw-away database on the session's PostgreSQL server."""
-    import psycopg
+    from rtrl.services.postgres import Postgres
 
-    services, pg = postgres_service.services, postgres_service.postgres
-    name = f"rtrl_test_{uuid.uuid4().hex[:10]}"
-    admin = {"host": services.host, "port": services.postgres_port, "user": pg.user, "dbname": pg.database}
-    with psycopg.connect(**admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield f"postgresql+psycopg://{pg.user}@{services.host}:{services.postgres_port}/{name}"
-    with psycopg.connect(**admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    server, name = Postgres(postgres_service), f"rtrl_test_{uuid.uuid4().hex[:10]}"
+    server.create_database(name)
+    yield local_postgres_url(postgres_service, name)
+    server.drop_database(name)
 
 
 @pytest.hookimpl(hookwrapper=True)

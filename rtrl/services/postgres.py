@@ -122,3 +122,10 @@ class Postgres(Service):
             if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,)).fetchone() is None:
                 conn.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(
                     sql.Identifier(database), sql.Identifier(self.settings.postgres.user)))
+
+    def drop_database(self, database: str) -> None:
+        """Drop `database` if it exists, closing its clients' connections (the server is running)."""
+        from psycopg import sql
+
+        with self._connect(SUPERUSER, "postgres") as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database)))

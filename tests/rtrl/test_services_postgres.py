@@ -1,5 +1,5 @@
-"""The local PostgreSQL server is real: a SQLAlchemy round trip through psycopg 3, and the databases
-it makes for the store and for MLflow."""
+"""The local PostgreSQL server is real: a SQLAlchemy round trip through psycopg 3, the databases
+it makes for the store and for MLflow, and throw-away ones created and dropped."""
 
 from __future__ import annotations
 
@@ -48,3 +48,25 @@ def test_the_store_and_mlflow_get_their_databases_owned_by_rtrl(postgres_service
     finally:
         engine.dispose()
     assert owners == {pg.database: pg.user, pg.mlflow_database: pg.user}
+
+
+def test_a_database_is_created_once_and_dropped_with_its_connections_closed(postgres_service: Settings) -> None:
+    server, name = Postgres(postgres_service), f"rtrl_test_{uuid.uuid4().hex[:10]}"
+    server.create_database(name)
+    server.create_database(name)  # exists: left as it is
+    engine = sa.create_engine(local_postgres_url(postgres_service, name))
+    listing = sa.create_engine(local_postgres_url(postgres_service, "postgres"))
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("CREATE TABLE kept (x int)"))
+            conn.commit()
+        held = engine.connect()  # a client still connected when the database is dropped
+        held.execute(sa.text("SELECT 1"))
+        server.drop_database(name)
+        held.invalidate()  # the server closed it: not handed back to the pool
+        server.drop_database(name)  # gone: nothing to do
+        with listing.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM pg_database WHERE datname = :n"), {"n": name}).scalar() == 0
+    finally:
+        engine.dispose()
+        listing.dispose()
