@@ -214,7 +214,8 @@ def _utc_iso(value: datetime) -> str:
     return value.isoformat()
 
 
-# The exact types `_finite` finds nothing in (its subclasses are looked into, or left to the json module).
+# Values of exactly these types hold no float, so `_document` skips `_finite` for them (subclasses of
+# them, enums among them, are still checked).
 _NO_FLOATS = frozenset({str, int, bool, type(None), datetime})
 
 
