@@ -110,7 +110,8 @@ def update_rows(session: Session, table: Table, key: str, rows: Sequence[dict[st
 
 def among(session: Session, column: Any, values: Collection[Any]) -> ColumnElement[bool]:
     """``column IN values``; on PostgreSQL ``column = ANY(:array)``, one parameter however many
-    values (planned the same: an index scan per value)."""
+    values (planned the same: an index scan per value once the table is analyzed and large enough;
+    docs/scaling.md, Labeler)."""
     if session.get_bind().dialect.name != "postgresql":
         return column.in_(values)  # type: ignore[no-any-return]
     return column == any_(bindparam(None, list(values), type_=ARRAY(column.type)))  # type: ignore[no-any-return]

@@ -52,21 +52,27 @@ def test_the_store_and_mlflow_get_their_databases_owned_by_rtrl(postgres_service
 
 def test_a_database_is_created_once_and_dropped_with_its_connections_closed(postgres_service: Settings) -> None:
     server, name = Postgres(postgres_service), f"rtrl_test_{uuid.uuid4().hex[:10]}"
-    server.create_database(name)
-    server.create_database(name)  # exists: left as it is
     engine = sa.create_engine(local_postgres_url(postgres_service, name))
     listing = sa.create_engine(local_postgres_url(postgres_service, "postgres"))
+    found = sa.text("SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = :name")
     try:
+        server.create_database(name)
         with engine.connect() as conn:
             conn.execute(sa.text("CREATE TABLE kept (x int)"))
             conn.commit()
+        server.create_database(name)  # exists: left as it is
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT to_regclass('kept') IS NOT NULL")).scalar() is True
+        with listing.connect() as conn:
+            assert conn.execute(found, {"name": name}).scalar() == postgres_service.postgres.user
         held = engine.connect()  # a client still connected when the database is dropped
         held.execute(sa.text("SELECT 1"))
         server.drop_database(name)
         held.invalidate()  # the server closed it: not handed back to the pool
         server.drop_database(name)  # gone: nothing to do
         with listing.connect() as conn:
-            assert conn.execute(sa.text("SELECT count(*) FROM pg_database WHERE datname = :n"), {"n": name}).scalar() == 0
+            assert conn.execute(found, {"name": name}).first() is None
     finally:
         engine.dispose()
         listing.dispose()
+        server.drop_database(name)
