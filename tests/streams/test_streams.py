@@ -137,6 +137,15 @@ def _poll_until_assigned(consumer: KafkaConsumer, partitions: set[TopicPartition
     return set(consumer.assignment())
 
 
+def _join(consumer: KafkaConsumer, timeout_s: float = 30) -> set[TopicPartition]:
+    """Poll with 200 ms polls, in which a join finishes, until the consumer has partitions (or the
+    timeout passes); returns its assignment."""
+    deadline = time.monotonic() + timeout_s
+    while not consumer.assignment() and time.monotonic() < deadline:
+        consumer.poll(timeout_ms=200)
+    return set(consumer.assignment())
+
+
 def _members(kafka: KafkaSettings, group: str) -> list[str]:
     admin = streams.admin(kafka, "rtrl-tests")
     try:
@@ -170,10 +179,7 @@ def test_a_leader_whose_rejoin_finishes_between_polls_applies_it_and_stays_in_th
     consumer = streams.consumer(kafka, "rtrl-tests", topic, group_id=group, metadata_max_age_ms=500,
                                 session_timeout_ms=6000, heartbeat_interval_ms=1000)  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while not consumer.assignment() and time.monotonic() < deadline:
-            consumer.poll(timeout_ms=200)
-        assert consumer.assignment() == {TopicPartition(topic, 0)}
+        assert _join(consumer) == {TopicPartition(topic, 0)}
         admin = streams.admin(kafka, "rtrl-tests")
         try:
             admin.create_partitions({topic: 2})
@@ -230,10 +236,7 @@ def test_a_join_that_failed_between_polls_raises_its_error_from_the_next_poll(ka
                              partition_assignment_strategy=[RoundRobinPartitionAssignor])  # fmt: skip
     coordinator = other._coordinator  # the join task is kafka-python's own state (streams/joins.py)
     try:
-        deadline = time.monotonic() + 30
-        while not member.assignment() and time.monotonic() < deadline:
-            member.poll(timeout_ms=200)  # joins within its polls
-        assert member.assignment() == {TopicPartition(topic, 0)}
+        assert _join(member) == {TopicPartition(topic, 0)}
         failed_between_polls = False
         with pytest.raises(errors.InconsistentGroupProtocolError):
             for _ in range(100):
