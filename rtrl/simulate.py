@@ -161,11 +161,13 @@ def simulate(
         except OpenAIError as exc:  # a failed user request is counted and reported, not fatal
             return _Outcome(ok=False, error=f"request {index}: {exc!r}")
         request_id = raw.headers.get("x-rtrl-request-id")
-        rtrl = (completion.model_extra or {}).get("rtrl") or {}
-        version = rtrl.get("policy_version")
         if not request_id:
             return _Outcome(ok=False, error=f"request {index}: no x-rtrl-request-id header (not an rtrl gateway?)")
-        text = completion.choices[0].text
+        try:  # the client parses leniently: an answer without the fields a completion has fails here
+            text = completion.choices[0].text
+            version = ((completion.model_extra or {}).get("rtrl") or {}).get("policy_version")
+        except (AttributeError, IndexError, TypeError) as exc:
+            return _Outcome(ok=False, error=f"request {index}: not a completion ({exc!r}): {raw.http_response.text[:200]!r}")
         signals: list[FeedbackSignal] = preference(prompt, text)
         accepted = any(s.kind == FeedbackKind.accepted for s in signals)
         said = _what_the_user_says(signals, accepted, random.Random(seed * 1_000_003 + index), feedback_rate, flip_rate)

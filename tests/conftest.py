@@ -154,14 +154,46 @@ def postgres_database(postgres_service: Settings) -> Iterator[str]:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pluggy.Result[pytest.TestReport], None]:
-    """Report a skipped integration or e2e test as failed: every service-backed test must execute."""
+    """Report a skipped integration or e2e test as failed: every service-backed test must execute.
+    A failed one carries the end of every log its services and processes wrote while it ran (the
+    run dir is removed with the session, so this is all that is left of them in CI's output)."""
     outcome = yield
     report = outcome.get_result()
     tier = next((m for m in MUST_NOT_SKIP if item.get_closest_marker(m)), None)
+    if call.when == "setup":
+        item.stash[_STARTED] = call.start
     if tier and report.skipped and not hasattr(report, "wasxfail") and os.environ.get("RTRL_ALLOW_SKIP") != "1":
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"{tier} test skipped ({reason}); service-backed tests must run, not skip"
+    if tier and report.failed:
+        for path, tail in _log_tails(item, since=item.stash.get(_STARTED, call.start)):
+            report.sections.append((f"{path} (last {LOG_TAIL_LINES} lines)", tail))
+
+
+_STARTED = pytest.StashKey[float]()
+LOG_TAIL_LINES = 60
+
+
+def _log_tails(item: pytest.Item, since: float) -> list[tuple[Path, str]]:
+    """The last lines of each ``*.log`` written since `since` in the logs dir of every Settings the
+    test was given and in its tmp_path."""
+    funcargs = getattr(item, "funcargs", {})
+    dirs = {Path(v.services.run_dir) / "logs" for v in funcargs.values() if isinstance(v, Settings)}
+    if isinstance(funcargs.get("tmp_path"), Path):
+        dirs.add(funcargs["tmp_path"])
+    tails = []
+    for path in sorted(p for d in dirs if d.is_dir() for p in d.rglob("*.log")):
+        try:
+            if path.stat().st_mtime < since:
+                continue
+            with path.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * 1024))  # the end is enough
+                lines = f.read().decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        except OSError:
+            continue
+        tails.append((path, "\n".join(lines)))
+    return tails
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

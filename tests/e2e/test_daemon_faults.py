@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import threading
+import traceback
 import uuid
 from pathlib import Path
 
@@ -46,6 +47,7 @@ class Traffic:
         self.ok = self.failed = self.probes = 0
         self.unanswered: list[str] = []  # probes or requests that got no HTTP answer at all
         self.errors: list[str] = []
+        self.crashed: str | None = None  # the simulated users' thread ended on this exception
         self.threads = [threading.Thread(target=self._users), threading.Thread(target=self._probe)]
 
     def __enter__(self) -> Traffic:
@@ -62,13 +64,31 @@ class Traffic:
         from rtrl.simulate import simulate
 
         seed = 0
-        while not self.stop.is_set():
-            seed += 1
-            report = simulate(self.settings, self.gateway, 8, "exclaim", concurrency=2, seed=seed, api_key=self.key)
-            self.ok += report.ok
-            self.failed += report.failed
-            self.errors.extend(report.errors)
-            self.unanswered.extend(e for e in report.errors if "APIConnectionError" in e or "APITimeoutError" in e)
+        try:
+            while not self.stop.is_set():
+                seed += 1
+                report = simulate(self.settings, self.gateway, 8, "exclaim", concurrency=2, seed=seed,
+                                  api_key=self.key)  # fmt: skip
+                self.ok += report.ok
+                self.failed += report.failed
+                self.errors.extend(report.errors)
+                self.unanswered.extend(e for e in report.errors if "APIConnectionError" in e or "APITimeoutError" in e)
+        except BaseException:
+            self.crashed = traceback.format_exc()
+            raise
+
+    def served(self, at_least: int, what: str, timeout_s: float) -> None:
+        """Wait until the users have had `at_least` answers; the timeout says what they got instead."""
+
+        def enough() -> bool:
+            assert self.crashed is None, f"the simulated users' thread died:\n{self.crashed}"
+            return self.ok >= at_least
+
+        try:
+            wait_until(enough, timeout_s=timeout_s, what=what)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}: {self.ok} answered (waiting for {at_least}), {self.failed} failed; "
+                               f"last errors {self.errors[-5:]}") from None  # fmt: skip
 
     def _probe(self) -> None:
         while not self.stop.wait(0.2):
@@ -145,7 +165,7 @@ def test_rtrl_run_heals_a_killed_labeler_worker_and_vllm_server(
         with simulation_key(store, gateway, timeout_s=120) as key, Traffic(settings, gateway, key) as traffic:
             # The labeler, three times: the supervisor starts it again each time.
             for _ in range(3):
-                wait_until(lambda: traffic.ok >= 8 * (len(killed) + 1), timeout_s=300, what="traffic flowing")
+                traffic.served(8 * (len(killed) + 1), "traffic flowing", timeout_s=300)
                 labeler = _child(log_path, "labeler")
                 _kill_group(labeler)
                 killed[f"labeler-{len(killed)}"] = labeler
@@ -168,8 +188,7 @@ def test_rtrl_run_heals_a_killed_labeler_worker_and_vllm_server(
             wait_until(lambda: serving_unit.pid() not in (None, vllm_pid), timeout_s=300, what="vLLM restarted")
             wait_until(lambda: _version(settings.vllm.servers[0], settings) == registry.champion(), timeout_s=600,
                        what="the restarted server back on @champion")  # fmt: skip
-            served = traffic.ok
-            wait_until(lambda: traffic.ok >= served + 16, timeout_s=300, what="users served after the restart")
+            traffic.served(traffic.ok + 16, "users served after the restart", timeout_s=300)
 
         print(f"killed {killed}; users: {traffic.ok} ok, {traffic.failed} failed {traffic.errors[:5]}; "
               f"probes {traffic.probes}")  # fmt: skip

@@ -77,3 +77,37 @@ def test_sparse_and_flipped_feedback_is_seeded_and_keeps_what_users_think() -> N
     assert [_what_the_user_says(accept, True, random.Random(i), 0.3, 0.1) for i in range(50)] == said[:50]  # seeded
     assert _what_the_user_says(reject, False, random.Random(1), 1.0, 1.0) == accept  # a rejection flipped: accepted
     assert _what_the_user_says([], False, random.Random(1), 1.0, 1.0) == []  # nothing to flip
+
+
+@pytest.mark.unit
+def test_an_answer_that_is_no_completion_is_a_failed_request_not_the_end_of_the_simulation() -> None:
+    """A server that answers 200 with an rtrl request id but no choices (a broken proxy, a wrong
+    URL) fails those requests, each with what came back; the simulation runs to its report."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from rtrl.simulate import simulate
+
+    class Broken(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the http.server API
+            self.rfile.read(int(self.headers["content-length"]))
+            body = b'{"id": "cmpl-1", "object": "text_completion", "choices": []}'
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.send_header("x-rtrl-request-id", "r-1")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Broken)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        report = simulate(Settings(), f"http://127.0.0.1:{server.server_port}", 3, "exclaim", api_key="k")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (report.requests, report.ok, report.failed, report.feedback_sent) == (3, 0, 3, 0)
+    assert all("not a completion (IndexError" in e and '"choices": []' in e for e in report.errors), report.errors
