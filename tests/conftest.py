@@ -150,6 +150,29 @@ def postgres_database(postgres_service: Settings) -> Iterator[str]:
     server.drop_database(name)
 
 
+_STARTED = pytest.StashKey[float]()  # when the test's setup began; logs written since are its own
+LOG_TAIL_LINES = 60
+
+
+def _log_tails(item: pytest.Item, since: float) -> list[tuple[Path, str]]:
+    """The last lines of each ``*.log`` written since `since` in the logs dir of every Settings the
+    test was given and in its tmp_path."""
+    from rtrl.services.base import tail
+
+    funcargs = getattr(item, "funcargs", {})
+    dirs = {Path(v.services.run_dir) / "logs" for v in funcargs.values() if isinstance(v, Settings)}
+    if isinstance(funcargs.get("tmp_path"), Path):
+        dirs.add(funcargs["tmp_path"])
+    tails = []
+    for path in sorted(p for d in dirs if d.is_dir() for p in d.rglob("*.log")):
+        try:
+            if path.stat().st_mtime >= since:
+                tails.append((path, tail(path, LOG_TAIL_LINES)))
+        except OSError:
+            continue
+    return tails
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
@@ -167,33 +190,8 @@ def pytest_runtest_makereport(
         report.outcome = "failed"
         report.longrepr = f"{tier} test skipped ({reason}); service-backed tests must run, not skip"
     if tier and report.failed:
-        for path, tail in _log_tails(item, since=item.stash.get(_STARTED, call.start)):
-            report.sections.append((f"{path} (last {LOG_TAIL_LINES} lines)", tail))
-
-
-_STARTED = pytest.StashKey[float]()
-LOG_TAIL_LINES = 60
-
-
-def _log_tails(item: pytest.Item, since: float) -> list[tuple[Path, str]]:
-    """The last lines of each ``*.log`` written since `since` in the logs dir of every Settings the
-    test was given and in its tmp_path."""
-    funcargs = getattr(item, "funcargs", {})
-    dirs = {Path(v.services.run_dir) / "logs" for v in funcargs.values() if isinstance(v, Settings)}
-    if isinstance(funcargs.get("tmp_path"), Path):
-        dirs.add(funcargs["tmp_path"])
-    tails = []
-    for path in sorted(p for d in dirs if d.is_dir() for p in d.rglob("*.log")):
-        try:
-            if path.stat().st_mtime < since:
-                continue
-            with path.open("rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * 1024))  # the end is enough
-                lines = f.read().decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-        except OSError:
-            continue
-        tails.append((path, "\n".join(lines)))
-    return tails
+        for path, text in _log_tails(item, since=item.stash.get(_STARTED, call.start)):
+            report.sections.append((f"{path} (last {LOG_TAIL_LINES} lines)", text))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
