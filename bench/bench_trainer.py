@@ -67,7 +67,7 @@ def one_step(model: torch.nn.Module, batches: list[MicroBatch], norm: Normaliser
              backward: Callable[[torch.Tensor], None], step: Callable[[bool], None]) -> None:  # fmt: skip
     """The cycle's inner loop for one optimizer step (π_old = π_θ detached: the first step's case)."""
     for k, mb in enumerate(batches):
-        logprobs, possible = token_logprobs(model, mb)
+        logprobs, possible, _ = token_logprobs(model, mb)
         out = cispo(TokenBatch(logprobs, logprobs.detach(), mb.behaviour_logprobs, mb.advantages,
                                mb.mask * possible), cfg, norm)  # fmt: skip
         backward(out.loss)

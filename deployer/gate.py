@@ -247,8 +247,9 @@ def ope_suite(
         note = f"{len(logged)} usable held-out episodes under {spec_id}{skipped_note}"
         return SuiteResult(name="ope", kind="ope", challenger=None, champion=None, difference=None, conclusive=False,
                            passed=None, n=len(logged), margin=margin(settings, "ope"), note=note), []  # fmt: skip
-    chal = ope.sequence_logprobs(challenger, logged)
-    champ = ope.sequence_logprobs(champion, logged)
+    chal_scored = ope.sequence_logprobs(challenger, logged)
+    champ_scored = ope.sequence_logprobs(champion, logged)
+    chal, champ = chal_scored.processed, champ_scored.processed
     behaviour = [e.behaviour for e in logged]
     estimate = off_policy([e.reward for e in logged], behaviour, chal, champ, clip=cfg.ope.clip,
                           confidence=cfg.confidence, resamples=cfg.bootstrap_resamples, seed=cfg.seed)  # fmt: skip
@@ -264,10 +265,12 @@ def ope_suite(
     w0 = importance_weights(champ, behaviour, cfg.ope.clip)
     w1 = importance_weights(chal, behaviour, cfg.ope.clip)
     if estimate.ess_champion >= cfg.ope.min_ess:
-        # KL(champion || challenger) per token: champion-weighted log-ratio over champion-weighted tokens.
-        gap = np.asarray(champ) - np.asarray(chal)
+        # KL(champion || challenger) per token: champion-weighted log-ratio over champion-weighted tokens,
+        # on the tempered logprobs (no truncation): a logged token that left the challenger's nucleus
+        # is a large move, counted as such, not an infinite one (docs/gate.md, Alarms).
+        gap = np.asarray(champ_scored.tempered) - np.asarray(chal_scored.tempered)
         kept = np.isfinite(np.asarray(champ))
-        kl = math.inf if bool(np.isinf(gap[kept]).any()) else snips(w0[kept], gap[kept]) / max(
+        kl = snips(w0[kept], gap[kept]) / max(
             snips(w0[kept], np.asarray([e.tokens for e in logged], dtype=np.float64)[kept]), 1.0)
         found.append(alarms.kl_alarm(kl, cfg.alarms))
     if conclusive:

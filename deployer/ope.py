@@ -75,9 +75,16 @@ def usable(episodes: list[TrainingEpisode]) -> tuple[list[Logged], int]:
     return kept, skipped
 
 
-def sequence_logprobs(weights: Weights, logged: list[Logged], micro_batch: int = 16) -> list[float]:
-    """Σ log π over each logged episode's trainable tokens under `weights`; −inf where a token is
-    impossible under the segment's sampling."""
+@dataclass(frozen=True)
+class Scored:
+    """Σ log π over each logged episode's trainable tokens under one version's weights."""
+
+    processed: list[float]  # under each segment's sampling, as vLLM drew: −inf where a token is outside the nucleus
+    tempered: list[float]  # penalties and temperature, no truncation: always finite (for KL estimates)
+
+
+def sequence_logprobs(weights: Weights, logged: list[Logged], micro_batch: int = 16) -> Scored:
+    """Each logged episode's sequence logprobs under `weights` (`Scored`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -101,18 +108,22 @@ def sequence_logprobs(weights: Weights, logged: list[Logged], micro_batch: int =
             rows.append((index, Row(input_ids=[*prompt_ids, *completion_ids], prompt_len=len(prompt_ids),
                                     behaviour_logprobs=list(behaviour), advantage=0.0, sampling=sampling)))  # fmt: skip
     totals = [0.0] * len(logged)
+    tempered = [0.0] * len(logged)
     rows.sort(key=lambda item: len(item[1].input_ids))  # similar lengths together: less padding
     try:
         with torch.no_grad():
             for start in range(0, len(rows), micro_batch):
                 chunk = rows[start : start + micro_batch]
                 batch = collate([row for _, row in chunk], pad_id).to(device)
-                logp, possible = token_logprobs(model, batch)
+                logp, possible, temp = token_logprobs(model, batch)
                 impossible = ((~possible) & (batch.mask > 0)).any(dim=1)
                 sums = (logp * batch.mask).sum(dim=1)
-                for (index, _), total, bad in zip(chunk, sums.tolist(), impossible.tolist(), strict=True):
+                temp_sums = (temp * batch.mask).sum(dim=1)
+                for (index, _), total, t, bad in zip(chunk, sums.tolist(), temp_sums.tolist(), impossible.tolist(),
+                                                     strict=True):  # fmt: skip
                     totals[index] = -math.inf if bad or totals[index] == -math.inf else totals[index] + total
+                    tempered[index] += t
     finally:
         del model
         gc.collect()
-    return totals
+    return Scored(totals, tempered)

@@ -20,8 +20,14 @@ The contract between the gateway (which records it) and the trainer (which recom
   forward pass does not see: such a completion is captured but not trainable, and
   `unreproducible` names the reason (counted by the gateway).
 
-Greedy requests (temperature 0): vLLM then ignores top-p/top-k/min-p and reports the plain
-log-softmax (temperature 1), and so does the trainer.
+Greedy and near-greedy requests are captured but never trained on (reason ``greedy``, or
+``near_greedy`` below `MIN_TRAINABLE_TEMPERATURE`): a greedy token is the argmax, not a sample of
+the softmax vLLM reports for it (temperature 1, untruncated), so neither a policy gradient nor an
+importance weight may treat it as one — its behaviour probability is 1, and a ratio against the
+reported logprob is meaningless. Near-greedy sampling is a sample, but of a distribution so sharp
+that the score function is scaled by 1/T and a tiny weight change moves a token's probability by
+orders of magnitude: the importance ratios of such tokens are noise (docs/algorithms.md, Greedy and
+near-greedy requests).
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ from schemas.events import SamplingParams
 from schemas.settings import Settings
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
+# Below this temperature a sampled request is not trained on (`untrainable_sampling`): at T = 0.1
+# the score function is already scaled by 10 (docs/algorithms.md, Greedy and near-greedy requests).
+MIN_TRAINABLE_TEMPERATURE = 0.1
 
 # vLLM reads these from a model's generation_config.json (vllm.config.ModelConfig.get_diff_sampling_param).
 GENERATION_CONFIG_KEYS = (
@@ -82,7 +91,8 @@ def unreproducible(body: Mapping[str, Any]) -> str | None:
     """Why the trainer could not recompute this request's behaviour logprobs, or None if it can.
 
     The reason is a short stable name (a metric label): logit_bias, token_restriction,
-    guided_decoding, min_tokens, logits_processors, beam_search.
+    guided_decoding, min_tokens, logits_processors, beam_search, greedy, near_greedy (the module
+    docstring). A request without a temperature samples at vLLM's default, 1.
     """
     if body.get("logit_bias"):
         return "logit_bias"
@@ -102,6 +112,17 @@ def unreproducible(body: Mapping[str, Any]) -> str | None:
         return "logits_processors"
     if body.get("use_beam_search"):
         return "beam_search"
+    temperature = body.get("temperature")
+    if isinstance(temperature, int | float) and not isinstance(temperature, bool):
+        return _temperature_reason(float(temperature))
+    return None
+
+
+def _temperature_reason(temperature: float) -> str | None:
+    if temperature < GREEDY_EPS:
+        return "greedy"
+    if temperature < MIN_TRAINABLE_TEMPERATURE:
+        return "near_greedy"
     return None
 
 
@@ -124,8 +145,19 @@ def neutral(sampling: SamplingParams) -> bool:
     )
 
 
+def untrainable_sampling(sampling: SamplingParams) -> str | None:
+    """Why a captured segment's sampling rules out training on it (and weighting it in an
+    off-policy estimate), or None: ``greedy`` / ``near_greedy`` (the module docstring), or
+    ``raw_logprobs`` — raw behaviour logprobs (events captured before processed mode, or a fleet
+    started without it) of sampling where raw and processed differ."""
+    reason = _temperature_reason(sampling.temperature)
+    if reason is not None:
+        return reason
+    if sampling.logprobs_mode != "processed" and not neutral(sampling):
+        return "raw_logprobs"
+    return None
+
+
 def trainer_can_reproduce(sampling: SamplingParams) -> bool:
-    """Whether recorded behaviour logprobs are comparable with the trainer's recomputation:
-    processed logprobs always, raw ones (events captured before processed mode, or a fleet
-    started without it) only where raw and processed coincide."""
-    return sampling.logprobs_mode == "processed" or neutral(sampling)
+    """Whether recorded behaviour logprobs are samples the trainer can weigh (`untrainable_sampling`)."""
+    return untrainable_sampling(sampling) is None

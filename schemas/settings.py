@@ -443,8 +443,9 @@ class TrainerSettings(_Section):
         0.05,
         ge=0,
         le=1,
-        description="A cycle trains only when more than this fraction of its rows has a non-zero advantage; "
-        "otherwise it is skipped (its episodes are spent, nothing is registered).",
+        description="A cycle trains only when more than this fraction of its episodes carries user feedback or a "
+        "judge's grade (never decided on advantages, which a running baseline makes non-zero); otherwise it is "
+        "skipped (its episodes are spent, nothing is registered).",
     )
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate (of full-weight cycles; adapters: trainer.lora.lr).")
     max_kl: float | None = Field(

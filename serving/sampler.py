@@ -12,7 +12,7 @@ load torch (never by the gateway).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,7 +24,8 @@ from schemas.sampling import is_greedy
 class Sampling:
     """What vLLM did to the logits before drawing a segment's tokens (schemas/sampling.py): the
     trainer applies the same to compute π_old and π_θ, so they compare with the behaviour logprobs.
-    Greedy segments are recorded as temperature 1 without truncation, as vLLM reports them."""
+    Greedy segments are described as temperature 1 without truncation, as vLLM reports their
+    logprobs; they are never trained on or weighted (`schemas.sampling.untrainable_sampling`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -131,76 +132,190 @@ def micro_batches(rows: list[Row], size: int, pad_id: int) -> list[MicroBatch]:
     return [collate(ordered[i : i + size], pad_id) for i in range(0, len(ordered), size)]
 
 
+def _penalties(logits: torch.Tensor, batch: MicroBatch, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(N, V) logits of the scored positions (`rows`, `positions`: position t of row b predicts
+    token t + 1) with each row's penalties applied as vLLM applies them before sampling
+    (vllm/model_executor/layers/utils.py `apply_penalties`): the tokens generated so far are the
+    completion tokens at positions prompt_len..t. Repetition penalty p on every token seen in the
+    prompt or generated so far (a positive logit divided by p, a negative one multiplied); then
+    minus frequency × its count in the output so far and minus presence where that count is > 0.
+    The scaling factors are taken on detached values; the gradient flows through the logits. Only
+    (N, V) tensors: never one per position of the whole batch."""
+    rep, pres, freq = batch.repetition_penalty[rows], batch.presence_penalty[rows], batch.frequency_penalty[rows]
+    if not bool((rep != 1).any() | (pres != 0).any() | (freq != 0).any()):
+        return logits
+    vocab = logits.shape[-1]
+    with torch.no_grad():
+        ids = batch.input_ids[rows].clamp(max=vocab - 1)  # (N, L)
+        index = torch.arange(ids.shape[1], device=logits.device)[None, :]  # (1, L)
+        present = batch.attention_mask[rows] > 0  # (N, L)
+        start = batch.prompt_len[rows][:, None]  # (N, 1)
+        generated = present & (index >= start) & (index <= positions[:, None])  # (N, L)
+        counts = logits.new_zeros(logits.shape).scatter_add_(-1, ids, generated.float())  # (N, V)
+        in_prompt = logits.new_zeros(logits.shape).scatter_add_(-1, ids, (present & (index < start)).float())
+        seen = (counts > 0) | (in_prompt > 0)
+        p = rep[:, None]
+        scale = torch.where(seen, torch.where(logits > 0, 1 / p, p), torch.ones_like(logits))
+        shift = freq[:, None] * counts + pres[:, None] * (counts > 0)
+    return logits * scale - shift
+
+
 def apply_penalties(logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
-    """(B, L−1, V) logits with each row's penalties applied as vLLM applies them before sampling
-    (vllm/model_executor/layers/utils.py `apply_penalties`): position t predicts token t + 1, and
-    the tokens generated so far are the completion tokens at positions prompt_len..t. Repetition
-    penalty p on every token seen in the prompt or generated so far (a positive logit divided by
-    p, a negative one multiplied); then minus frequency x its count in the output so far and minus
-    presence where that count is > 0. Rows without penalties are left as they are; the scaling
-    factors are taken on detached values, the gradient flows through the logits."""
+    """(B, L−1, V) logits of every position with each row's penalties (`_penalties`); for tests and
+    small batches: the trainer scores chunks of positions instead (`token_logprobs`)."""
     if not bool((batch.repetition_penalty != 1).any() | (batch.presence_penalty != 0).any()
                 | (batch.frequency_penalty != 0).any()):  # fmt: skip
         return logits
     rows, positions, vocab = logits.shape
+    r = torch.arange(rows).repeat_interleave(positions)
+    t = torch.arange(positions).repeat(rows)
+    return _penalties(logits.reshape(rows * positions, vocab), batch, r, t).reshape(rows, positions, vocab)
+
+
+def _per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(B,) per-row parameters shaped to broadcast over (B, ..., V) logits."""
+    return values.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def truncation_mask(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor | None:
+    """Where vLLM's sampler drops a token of (B, ..., V) *tempered* logits (True = dropped), per
+    row: min-p, then top-k, then top-p, with vllm/v1/sample's tie rules (sampler.py,
+    topk_topp_sampler.py, logits_processor/builtin.py MinP): top-k keeps every logit ≥ the k-th
+    largest; top-p drops the least likely tokens while their cumulative probability stays ≤ 1 − p,
+    always keeping the most likely. None when no row truncates. No gradient."""
+    vocab = logits.shape[-1]
+    drop: torch.Tensor | None = None
     with torch.no_grad():
-        index = torch.arange(batch.input_ids.shape[1], device=logits.device)[None, :]  # (1, L)
-        generated = (index >= batch.prompt_len[:, None]) & (batch.attention_mask > 0)  # (B, L)
-        one_hot = logits.new_zeros(rows, batch.input_ids.shape[1], vocab)
-        one_hot.scatter_(-1, batch.input_ids.unsqueeze(-1).clamp(max=vocab - 1), generated.unsqueeze(-1).float())
-        counts = one_hot.cumsum(dim=1)[:, :positions]  # (B, L−1, V) output tokens up to position t
-        prompt = one_hot.new_zeros(rows, vocab)
-        in_prompt = (index < batch.prompt_len[:, None]) & (batch.attention_mask > 0)
-        prompt.scatter_add_(-1, batch.input_ids.clamp(max=vocab - 1), in_prompt.float())
-        seen = (counts > 0) | (prompt[:, None, :] > 0)  # (B, L−1, V)
-        p = batch.repetition_penalty[:, None, None]
-        scale = torch.where(seen, torch.where(logits > 0, 1 / p, p), torch.ones_like(logits))
-        shift = batch.frequency_penalty[:, None, None] * counts + batch.presence_penalty[:, None, None] * (counts > 0)
-    return logits * scale - shift
+        if bool((min_p > 0).any()):
+            probs = logits.softmax(dim=-1)
+            drop = probs < probs.amax(dim=-1, keepdim=True) * _per_row(min_p, logits)
+        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+            masked = logits if drop is None else logits.masked_fill(drop, float("-inf"))
+            ascending, order = masked.sort(dim=-1)
+            k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)  # (B,)
+            kth = ascending.gather(-1, _per_row(vocab - k, logits).expand(*ascending.shape[:-1], 1))
+            tail = ascending < kth
+            if bool((top_p < 1).any()):
+                cumulative = ascending.masked_fill(tail, float("-inf")).softmax(dim=-1).cumsum(dim=-1)
+                cut = cumulative <= _per_row(1 - top_p, logits)
+                cut[..., -1] = False  # the most likely token always stays
+                tail |= cut
+            del ascending
+            tail = torch.zeros_like(tail).scatter(-1, order, tail)
+            drop = tail if drop is None else drop | tail
+    return drop
 
 
 def processed_log_softmax(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
-    """Log-probabilities of (B, T, V) logits as vLLM's sampler draws from them, per row: divided by
-    the temperature, then min-p, top-k and top-p truncation (a truncated token gets −inf), then
-    log-softmax. The same steps and tie rules as vllm/v1/sample (sampler.py, topk_topp_sampler.py,
-    logits_processor/builtin.py MinP): top-k keeps every logit ≥ the k-th largest; top-p drops the
-    least likely tokens while their cumulative probability stays ≤ 1 − p, always keeping the
-    most likely. The truncation masks are taken on detached values; the gradient flows through
-    the logits of the kept tokens."""
-    logits = logits.float() / temperature[:, None, None]
-    vocab = logits.shape[-1]
-    if bool((min_p > 0).any()):
-        with torch.no_grad():
-            probs = logits.softmax(dim=-1)
-            drop = probs < probs.amax(dim=-1, keepdim=True) * min_p[:, None, None]
-        logits = logits.masked_fill(drop, float("-inf"))
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-        with torch.no_grad():
-            ascending, order = logits.sort(dim=-1)
-            k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)  # (B,)
-            kth = ascending.gather(-1, (vocab - k)[:, None, None].expand(*ascending.shape[:2], 1))
-            drop = ascending < kth
-            if bool((top_p < 1).any()):
-                cumulative = ascending.masked_fill(drop, float("-inf")).softmax(dim=-1).cumsum(dim=-1)
-                tail = cumulative <= (1 - top_p)[:, None, None]
-                tail[..., -1] = False  # the most likely token always stays
-                drop |= tail
-            drop = torch.zeros_like(drop).scatter(-1, order, drop)
+    """Log-probabilities of (B, ..., V) logits as vLLM's sampler draws from them, per row: divided
+    by the temperature, then min-p, top-k and top-p truncation (`truncation_mask`: a truncated
+    token gets −inf), then log-softmax. The gradient flows through the logits of the kept tokens."""
+    logits = logits.float() / _per_row(temperature, logits)
+    drop = truncation_mask(logits, top_k, top_p, min_p)
+    if drop is not None:
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.log_softmax(logits, dim=-1)
 
 
-def token_logprobs(model: Any, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log π_θ(target_t | tokens ≤ t) under each row's sampling (`apply_penalties`, then
-    `processed_log_softmax`), and
-    where that is possible), both (B, L−1). A target the row's truncation excludes has
-    probability 0: its logprob is returned as 0 with `possible` False, so that it can be masked
-    out of a loss without producing NaN. The logprobs carry the gradient."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, L, V)
-    penalised = apply_penalties(logits[:, :-1].float(), batch)
-    logp = processed_log_softmax(penalised, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
-    chosen = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)  # (B, L−1)
-    possible = torch.isfinite(chosen.detach())
-    return torch.where(possible, chosen, torch.zeros_like(chosen)), possible
+class TokenLogprobs(NamedTuple):
+    """Per-token log-probabilities of a micro-batch's targets under one model, all (B, L−1), 0 off
+    the scored (completion) positions.
+
+    ``logprobs``: as vLLM sampled them (penalties, temperature, truncation; `processed_log_softmax`),
+    comparable with the behaviour logprobs; 0 where the token is outside the row's truncation.
+    ``possible``: False where it is (probability 0 under this model's nucleus).
+    ``tempered``: penalties and temperature, no truncation: finite for every token, so a token that
+    left the nucleus still counts in a KL estimate (trainer/losses.py, the gate's KL alarm).
+    """
+
+    logprobs: torch.Tensor
+    possible: torch.Tensor
+    tempered: torch.Tensor
+
+
+# Positions scored at once: a chunk's (positions × vocabulary) float32 logits are the largest
+# tensors of a pass, about 4 × 2^25 bytes = 128 MiB each at any vocabulary (220 positions at 151,936).
+CHUNK_ELEMENTS = 1 << 25
+
+
+def _unwrapped(model: Any) -> Any:
+    """The Hugging Face model inside a DeepSpeed engine (or the model itself)."""
+    return model.module if hasattr(model, "module") and hasattr(model, "backward") else model
+
+
+def _final_logits(config: Any, logits: torch.Tensor) -> torch.Tensor:
+    """What a causal LM's forward does to lm_head's output before returning it, for the families
+    that do something: Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma 2/3's
+    ``final_logit_softcapping`` (transformers' modeling files). Others return it unchanged."""
+    if getattr(config, "logit_scale", None) is not None:
+        logits = logits * config.logit_scale
+    if getattr(config, "logits_scaling", None) is not None:
+        logits = logits / config.logits_scaling
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _score_chunk(
+    head: Any, config: Any, hidden: torch.Tensor, batch: MicroBatch, rows: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(processed, tempered) logprobs of the targets at (`rows`, `positions`), each (N,), from the
+    (N, H) hidden states there: lm_head, penalties, temperature, truncation, one (N, V) at a time."""
+    logits = _final_logits(config, head(hidden).float())  # (N, V)
+    logits = _penalties(logits, batch, rows, positions) / batch.temperature[rows][:, None]
+    targets = batch.targets[rows, positions][:, None]  # (N, 1)
+    tempered = torch.log_softmax(logits, dim=-1).gather(-1, targets)[:, 0]
+    drop = truncation_mask(logits, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
+    if drop is None:
+        return tempered, tempered
+    processed = torch.log_softmax(logits.masked_fill(drop, float("-inf")), dim=-1).gather(-1, targets)[:, 0]
+    return processed, tempered
+
+
+def token_logprobs(model: Any, batch: MicroBatch) -> TokenLogprobs:
+    """log π(target_t | tokens ≤ t) of `model` (a transformers causal LM, a PEFT model or a
+    DeepSpeed engine around one) at the batch's scored positions (``mask`` > 0), under each row's
+    sampling (`TokenLogprobs`). The logprobs carry the gradient.
+
+    Selective and chunked: the decoder runs once, and lm_head, the penalties and the log-softmax
+    run only on the scored positions, `CHUNK_ELEMENTS` logits at a time, each chunk recomputed in
+    the backward pass (activation checkpointing) instead of kept. No (batch × length × vocabulary)
+    tensor is ever built: at a real vocabulary (151,936) and 1,024 tokens it would be 622 MB per
+    row in float32, several times over for the softmax, the sort of top-p and their gradients.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    hf = _unwrapped(model)
+    hidden = hf.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask)[0]  # (B, L, H)
+    head = hf.get_output_embeddings()
+    config = hf.config
+    rows, positions = (batch.mask > 0).nonzero(as_tuple=True)  # (N,) each
+    if len(rows) == 0:
+        # A fully masked micro-batch (a rank's padding, trainer/steps.py): score one position anyway,
+        # so that the loss, 0 there, still reaches every parameter (DeepSpeed expects each to get a gradient).
+        rows = positions = torch.zeros(1, dtype=torch.long, device=hidden.device)
+    chosen = hidden[rows, positions]  # (N, H): position t predicts target t (the token at t + 1)
+    vocab = int(getattr(head, "out_features", None) or config.vocab_size)  # ZeRO-3 partitions head.weight
+    size = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    processed_parts, tempered_parts = [], []
+    for start in range(0, len(rows), size):
+        piece = slice(start, start + size)
+        args = (head, config, chosen[piece], batch, rows[piece], positions[piece])
+        if torch.is_grad_enabled():
+            p, t = checkpoint(_score_chunk, *args, use_reentrant=False)
+        else:
+            p, t = _score_chunk(*args)
+        processed_parts.append(p)
+        tempered_parts.append(t)
+    shape = batch.targets.shape
+    processed, tempered = torch.cat(processed_parts), torch.cat(tempered_parts)
+    possible_values = torch.isfinite(processed.detach())
+    zeros = torch.zeros(shape, dtype=torch.float32, device=hidden.device)
+    logprobs = zeros.index_put((rows, positions), torch.where(possible_values, processed, torch.zeros_like(processed)))
+    possible = torch.ones(shape, dtype=torch.bool, device=hidden.device).index_put((rows, positions), possible_values)
+    return TokenLogprobs(logprobs, possible, zeros.index_put((rows, positions), tempered))

@@ -31,8 +31,8 @@ from pydantic import BaseModel, Field
 from registry import CHALLENGER, Registry, flatten
 from schemas.clock import utcnow
 from schemas.episodes import batch_metrics
-from schemas.rewards import get_spec
-from schemas.sampling import trainer_can_reproduce
+from schemas.rewards import JUDGE, get_spec
+from schemas.sampling import untrainable_sampling
 from schemas.settings import DapoLoss, Settings, TrainerSettings
 from serving.sampler import Row, Sampling, micro_batches
 from store import Store, TrainingEpisode
@@ -51,7 +51,7 @@ from trainer.lease import expire_abandoned
 from trainer.losses import Normaliser, loss_function
 from trainer.ranks import train_on_ranks
 from trainer.selection import count_trainable, current_spec_id, select_trainable
-from trainer.steps import StepMetrics, run_steps
+from trainer.steps import StepMetrics, mlflow_metrics, run_steps
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -61,13 +61,27 @@ log = logging.getLogger(__name__)
 NO_SIGNAL = 1e-9  # |advantage| at or below this carries no signal (DAPO's dynamic sampling)
 
 
+def carries_signal(episode: TrainingEpisode) -> bool:
+    """Whether the episode's reward says anything: user feedback, or a judge's grade. An episode
+    settled by the window with neither has reward 0 and learns nothing, whatever its advantage:
+    once a running baseline exists every reward differs from it (trainer/advantages.py)."""
+    return not episode.no_feedback or JUDGE in episode.components
+
+
+def signal_count(episodes: list[TrainingEpisode]) -> int:
+    """How many of a batch's episodes carry signal (`carries_signal`): what decides whether a cycle
+    trains (``trainer.min_signal``), never the advantages."""
+    return sum(carries_signal(e) for e in episodes)
+
+
 class CycleResult(BaseModel):
     """The outcome of `run_cycle`, JSON-serialisable (it is the Celery task's return value)."""
 
     cycle_id: int | None = Field(description="Store id of the cycle; None when no cycle was started.")
     status: Literal["busy", "not_enough_data", "registered", "skipped"] = Field(
         description="busy: another cycle holds the lease; not_enough_data: fewer than min_samples episodes; "
-        "skipped: too few rows with a non-zero advantage (trainer.min_signal), nothing trained or registered."
+        "skipped: too few episodes carry feedback or a judge's grade (trainer.min_signal), nothing trained or "
+        "registered."
     )
     champion_version: int | None = Field(description="Registered version the cycle trained from.")
     challenger_version: int | None = Field(None, description="Registered version it produced.")
@@ -78,7 +92,14 @@ class CycleResult(BaseModel):
         0, description="Rows left out for a zero advantage (DAPO's dynamic sampling)."
     )
     unreproducible_rows: int = Field(
-        0, description="Trainable segments left out: raw behaviour logprobs of non-neutral sampling."
+        0, description="Trainable segments left out for their sampling, all reasons together (untrainable_rows)."
+    )
+    untrainable_rows: dict[str, int] = Field(
+        default_factory=dict, description="Those segments by reason (schemas/sampling.py untrainable_sampling): "
+        "greedy, near_greedy, raw_logprobs."
+    )
+    signal_episodes: int | None = Field(
+        None, description="Episodes whose reward carries user feedback or a judge's grade (trainer.min_signal)."
     )
     mean_reward: float | None = Field(None, description="Mean reward of the batch.")
     reward_std: float | None = Field(None, description="Population standard deviation of the batch's rewards.")
@@ -107,18 +128,20 @@ class CycleResult(BaseModel):
     checkpoint_dir: str | None = None
 
 
-def rows_of(episodes: list[TrainingEpisode], advantages: list[float]) -> tuple[list[Row], int]:
+def rows_of(episodes: list[TrainingEpisode], advantages: list[float]) -> tuple[list[Row], dict[str, int]]:
     """Every trainable segment with a completion becomes a row carrying its episode's advantage and
-    how it was sampled; also the number of segments left out because their behaviour logprobs
-    are raw and their sampling was not neutral (`schemas.sampling.trainer_can_reproduce`)."""
+    how it was sampled; also the segments left out for their sampling, by reason
+    (`schemas.sampling.untrainable_sampling`: greedy or near-greedy, or raw logprobs of non-neutral
+    sampling)."""
     rows = []
-    unreproducible = 0
+    left_out: dict[str, int] = {}
     for episode, advantage in zip(episodes, advantages, strict=True):
         for seg in episode.segments:
             if not (seg.trainable and seg.completion_token_ids):
                 continue
-            if not trainer_can_reproduce(seg.sampling):
-                unreproducible += 1
+            reason = untrainable_sampling(seg.sampling)
+            if reason is not None:
+                left_out[reason] = left_out.get(reason, 0) + 1
                 continue
             rows.append(
                 Row(
@@ -129,7 +152,7 @@ def rows_of(episodes: list[TrainingEpisode], advantages: list[float]) -> tuple[l
                     sampling=Sampling.of(seg.sampling),
                 )
             )
-    return rows, unreproducible
+    return rows, left_out
 
 
 def _skip(
@@ -139,7 +162,7 @@ def _skip(
     champion: int,
     episodes: list[TrainingEpisode],
     rows: list[Row],
-    with_signal: int,
+    signal: int,
     baselines: BaselineState,
     started: float,
     method_metrics: dict[str, float],
@@ -149,13 +172,13 @@ def _skip(
     checkpoint.stage_baselines(settings.trainer.checkpoint_dir, current_spec_id(settings), cycle_id, baselines)
     result = CycleResult(
         cycle_id=cycle_id, status="skipped", champion_version=champion, episodes=len(episodes),
-        trainable_rows=len(rows), no_signal_rows=len(rows) - with_signal,
+        trainable_rows=len(rows), signal_episodes=signal,
         mean_reward=sum(e.reward for e in episodes) / len(episodes),
         first_interaction_at=min(e.created_at for e in episodes), cycle_s=round(time.monotonic() - started, 3),
         episode_metrics=method_metrics,
     )  # fmt: skip
-    log.warning("cycle %d skipped: %d of %d rows have a non-zero advantage (trainer.min_signal %g); "
-                "are users' feedback events arriving and joining?", cycle_id, with_signal, len(rows),
+    log.warning("cycle %d skipped: %d of %d episodes carry feedback or a judge's grade (trainer.min_signal %g); "
+                "are users' feedback events arriving and joining?", cycle_id, signal, len(episodes),
                 settings.trainer.min_signal)  # fmt: skip
     end_cycle(settings, store, cycle_id, "skipped", metrics=result.model_dump(mode="json"))
     return result
@@ -266,11 +289,11 @@ def _reward_params(settings: Settings) -> dict[str, str]:
 
 def _method_metrics(settings: Settings, store: Store, episodes: list[TrainingEpisode]) -> dict[str, float]:
     """What the batch's episodes say about the seed methods (schemas/episodes.py) and, under a PARL
-    spec, where its λ schedule is at this cycle (k = the cycles that trained before it)."""
+    spec, where its λ schedule is at this cycle (k = the cycles that trained under that spec before it)."""
     out = batch_metrics([(e.metrics, e.components) for e in episodes])
     spec = get_spec(settings.labeler.reward_spec)
     if spec.parl is not None:
-        k = store.trained_cycles()
+        k = store.trained_cycles(spec.spec_id)
         out["parl_cycle"] = float(k)
         out["parl_lambda_parallel"], out["parl_lambda_finish"] = spec.parl.lambdas(k)
     return out
@@ -330,15 +353,18 @@ def run_cycle(
         if isinstance(cfg.loss, DapoLoss) and cfg.loss.overlong_buffer > 0:
             shaped = [r + episode_overlong_penalty(e, cfg.loss.overlong_buffer) for r, e in zip(rewards, episodes, strict=True)]
         adv, next_baselines = compute_advantages([episode_prompt_key(e) for e in episodes], shaped, baselines)
-        rows, unreproducible = rows_of(episodes, adv.values)
-        if unreproducible:
-            log.warning("cycle %d: %d segments left out: raw behaviour logprobs of non-neutral sampling "
-                        "(serve with vllm.logprobs_mode=processed)", cycle_id, unreproducible)
-        with_signal = sum(abs(r.advantage) > NO_SIGNAL for r in rows)
-        if rows and with_signal <= cfg.min_signal * len(rows):
-            # Nothing (or almost nothing) to learn: every reward equals its baseline, e.g. traffic
-            # without feedback. Training would only move the weights by optimizer noise.
-            return _skip(settings, store, cycle_id, champion, episodes, rows, with_signal, next_baselines, started,
+        rows, left_out = rows_of(episodes, adv.values)
+        unreproducible = sum(left_out.values())
+        if left_out:
+            log.warning("cycle %d: segments left out for their sampling: %s (docs/algorithms.md, Greedy and "
+                        "near-greedy requests; raw_logprobs: serve with vllm.logprobs_mode=processed)", cycle_id,
+                        ", ".join(f"{n} {reason}" for reason, n in sorted(left_out.items())))  # fmt: skip
+        signal = signal_count(episodes)
+        if signal <= cfg.min_signal * len(episodes):
+            # Nothing (or almost nothing) to learn: traffic without feedback. Its advantages are not
+            # zero once a running baseline exists, but they are the baseline's own noise: training
+            # would move the weights by it.
+            return _skip(settings, store, cycle_id, champion, episodes, rows, signal, next_baselines, started,
                          method_metrics)
         no_signal = 0
         if isinstance(cfg.loss, DapoLoss) and cfg.loss.dynamic_sampling:
@@ -379,7 +405,7 @@ def run_cycle(
                 stopping,
             )
             for metrics in steps:
-                registry.log_metrics(run_id, metrics.model_dump(exclude={"step"}, exclude_none=True), metrics.step)
+                registry.log_metrics(run_id, mlflow_metrics(metrics), metrics.step)
         else:
             engine = start_engine(champion_dir, cfg, accumulation=len(batches), base_dir=base_dir)
             carried_from = None
@@ -388,7 +414,7 @@ def run_cycle(
                                                            len(batches), base_dir)  # fmt: skip
             try:
                 def after_step(metrics: StepMetrics) -> None:
-                    registry.log_metrics(run_id, metrics.model_dump(exclude={"step"}, exclude_none=True), metrics.step)
+                    registry.log_metrics(run_id, mlflow_metrics(metrics), metrics.step)
                     store.heartbeat_cycle(cycle_id, cfg.lease_ttl_s)
 
                 trained = run_steps(engine, batches, cfg, loss_fn, norm, mean_advantage=mean_advantage,
@@ -418,6 +444,8 @@ def run_cycle(
             trainable_rows=len(rows),
             tokens=norm.tokens,
             unreproducible_rows=unreproducible,
+            untrainable_rows=left_out,
+            signal_episodes=signal,
             no_signal_rows=no_signal,
             mean_reward=sum(rewards) / len(rewards),
             reward_std=statistics.pstdev(rewards),

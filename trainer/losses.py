@@ -16,11 +16,19 @@ Three log-probabilities per completion token:
   for it (https://fengyao.notion.site/off-policy-rl), per token, or per sequence for GSPO.
 
 π_old and π_θ are computed under each row's own sampling (`serving.sampler.token_logprobs`), and
-tokens that are impossible under it are already out of ``mask``.
+tokens that are impossible under it (outside the nucleus of π_old or π_θ) are already out of
+``mask``: they have no ratio and no gradient through the truncated distribution.
 
 Every loss may add β·KL(π_θ ‖ π_old), the k1 or k3 estimator (http://joschu.net/blog/kl-approx.html)
 on the sampled tokens, normalised like its policy term: π_old is the champion the cycle started
-from, so the penalty keeps one cycle's update near the policy that serves.
+from, so the penalty keeps one cycle's update near the policy that serves. The KL penalty and the
+trust region's measurement (`beyond_trust_region`) use the *tempered* logprobs (penalties and
+temperature, no truncation) on every sampled token, ``scored``: a token pushed out of the nucleus
+is the largest move of all, and with truncated logprobs its log-ratio would be infinite
+(docs/algorithms.md, Truncated sampling).
+
+Log-ratios are masked before they are exponentiated: a masked position (padding, a token outside
+the nucleus) may hold any value, and exp of it may overflow to inf, and inf · 0 is NaN.
 
 Papers and defaults (schemas/settings.py holds the defaults, docs/algorithms.md the reasoning):
 CISPO, MiniMax-M1 §3.1 https://arxiv.org/abs/2506.13585; PPO-clip
@@ -49,6 +57,23 @@ class TokenBatch:
     behaviour_logprobs: torch.Tensor  # (B, T) log μ from the inference engine
     advantages: torch.Tensor  # (B,) one Â per sequence, shared by all its tokens
     mask: torch.Tensor  # (B, T) 1.0 where the token is a trainable completion token, else 0.0
+    # Tempered logprobs (no truncation: finite for every token) of π_θ and π_old, and the mask of
+    # every sampled completion token, in or out of the nucleus: for the KL terms. None: the above.
+    tempered: torch.Tensor | None = None  # (B, T), requires grad
+    old_tempered: torch.Tensor | None = None  # (B, T)
+    scored: torch.Tensor | None = None  # (B, T)
+
+    def kl_log_ratio(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log(π_old/π_θ) of the tempered logprobs, 0 off the scored tokens; the scored mask)."""
+        scored = self.mask if self.scored is None else self.scored
+        new = self.logprobs if self.tempered is None else self.tempered
+        old = self.old_logprobs if self.old_tempered is None else self.old_tempered
+        return _masked(old - new, scored), scored
+
+
+def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`values` where `mask` is set, 0 elsewhere: before exp, so a masked position cannot give inf · 0."""
+    return torch.where(mask > 0, values, torch.zeros_like(values))
 
 
 @dataclass(frozen=True)
@@ -62,7 +87,7 @@ class Normaliser:
 @dataclass(frozen=True)
 class LossOutput:
     loss: torch.Tensor  # () this micro-batch's share of the step loss
-    sums: dict[str, float]  # token-level sums: ratio, clipped, kl_k1, kl_k3, is_weight, tokens
+    sums: dict[str, float]  # token-level sums: ratio, clipped, is_weight, tokens; kl_k1, kl_k3 over kl_tokens
 
 
 LossFn = Callable[[TokenBatch, Any, Normaliser], LossOutput]
@@ -70,37 +95,52 @@ LossFn = Callable[[TokenBatch, Any, Normaliser], LossOutput]
 
 def _token_ratios(batch: TokenBatch, cfg: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """π_θ/π_old, the truncated behaviour weight min(π_old/μ, C), and the clip indicator, per token."""
-    ratio = torch.exp(batch.logprobs - batch.old_logprobs)  # (B, T)
-    is_weight = torch.exp(batch.old_logprobs - batch.behaviour_logprobs).clamp(max=cfg.is_cap).detach()  # (B, T)
+    ratio = torch.exp(_masked(batch.logprobs - batch.old_logprobs, batch.mask))  # (B, T)
+    is_weight = torch.exp(_masked(batch.old_logprobs - batch.behaviour_logprobs, batch.mask))
+    is_weight = is_weight.clamp(max=cfg.is_cap).detach()  # (B, T)
     clipped = (ratio < 1 - cfg.eps_low) | (ratio > 1 + cfg.eps_high)  # (B, T) bool
     return ratio, is_weight, clipped
 
 
 def _kl(batch: TokenBatch, cfg: Any) -> torch.Tensor:
-    """Per-token estimate of KL(π_θ ‖ π_old) on tokens sampled (near) π_old; zeros when β = 0.
+    """Per-token estimate of KL(π_θ ‖ π_old) on the sampled tokens (tempered logprobs, every scored
+    token: `TokenBatch.kl_log_ratio`), 0 off them; zeros when β = 0.
 
     k1 = log π_θ − log π_old (unbiased, can be negative per token); k3 = r − 1 − log r with
     r = π_old/π_θ (unbiased, always ≥ 0, lower variance; GRPO's choice).
     """
     if cfg.kl_coef == 0:
         return torch.zeros_like(batch.logprobs)
-    log_r = batch.old_logprobs - batch.logprobs  # (B, T) log(π_old/π_θ)
+    log_r, _ = batch.kl_log_ratio()  # (B, T) log(π_old/π_θ)
     if cfg.kl_estimator == "k1":
         return -log_r
     return torch.exp(log_r) - 1 - log_r
 
 
+def _kl_penalty(batch: TokenBatch, cfg: Any, norm: Normaliser) -> torch.Tensor:
+    """β · the token mean of `_kl` over every scored token of the step."""
+    if cfg.kl_coef == 0:
+        return torch.zeros((), device=batch.logprobs.device)
+    _, scored = batch.kl_log_ratio()
+    penalty: torch.Tensor = cfg.kl_coef * _token_mean(_kl(batch, cfg), scored, norm)
+    return penalty
+
+
 def _sums(batch: TokenBatch, ratio: torch.Tensor, is_weight: torch.Tensor, clipped: torch.Tensor) -> dict[str, float]:
+    """Token sums of a micro-batch. ``ratio`` is the loss's own (a sequence's for GSPO); the KL
+    estimates measure the policy itself, token by token, whatever the loss moves: they are what the
+    trust region compares with ``max_kl``."""
     mask = batch.mask
     with torch.no_grad():
-        log_ratio = batch.logprobs - batch.old_logprobs
+        log_r, scored = batch.kl_log_ratio()  # log(π_old/π_θ)
         return {
             "ratio": float((ratio * mask).sum()),
             "clipped": float((clipped.float() * mask).sum()),
             # Estimators of KL(π_old ‖ π_θ) on tokens sampled from π_old, with r = π_θ/π_old:
             # k1 = −log r (unbiased, noisy, can be negative), k3 = r − 1 − log r (unbiased, ≥ 0).
-            "kl_k1": float((-log_ratio * mask).sum()),
-            "kl_k3": float(((ratio - 1 - log_ratio) * mask).sum()),
+            "kl_k1": float((log_r * scored).sum()),
+            "kl_k3": float(((torch.exp(-log_r) - 1 + log_r) * scored).sum()),
+            "kl_tokens": float(scored.sum()),
             "is_weight": float((is_weight * mask).sum()),
             "tokens": float(mask.sum()),
         }
@@ -108,19 +148,20 @@ def _sums(batch: TokenBatch, ratio: torch.Tensor, is_weight: torch.Tensor, clipp
 
 def beyond_trust_region(sums: dict[str, float], max_kl: float | None) -> bool:
     """Whether a step's token sums (`LossOutput.sums`, added up over its micro-batches) put the
-    policy more than `max_kl` from π_old, by the k3 estimate per token (None: no trust region)."""
-    return max_kl is not None and sums["tokens"] > 0 and sums["kl_k3"] / sums["tokens"] > max_kl
+    policy more than `max_kl` from π_old, by the k3 estimate per scored token (None: no trust region)."""
+    tokens = sums.get("kl_tokens", sums["tokens"])
+    return max_kl is not None and tokens > 0 and sums["kl_k3"] / tokens > max_kl
 
 
-def _token_mean(per_token: torch.Tensor, batch: TokenBatch, norm: Normaliser) -> torch.Tensor:
+def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
     """Σ over the step's tokens / Σ_i |o_i| (every token weighs the same)."""
-    return (per_token * batch.mask).sum() / max(norm.tokens, 1)
+    return (per_token * mask).sum() / max(norm.tokens, 1)
 
 
-def _sequence_mean(per_token: torch.Tensor, batch: TokenBatch, norm: Normaliser) -> torch.Tensor:
+def _sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
     """1/G Σ_i 1/|o_i| Σ_t (every sequence weighs the same, whatever its length)."""
-    lengths = batch.mask.sum(dim=1).clamp(min=1)  # (B,)
-    return ((per_token * batch.mask).sum(dim=1) / lengths).sum() / max(norm.sequences, 1)
+    lengths = mask.sum(dim=1).clamp(min=1)  # (B,)
+    return ((per_token * mask).sum(dim=1) / lengths).sum() / max(norm.sequences, 1)
 
 
 def cispo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
@@ -132,7 +173,7 @@ def cispo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     ratio, is_weight, clipped = _token_ratios(batch, cfg)
     weight = (ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * is_weight).detach()  # (B, T)
     objective = weight * batch.advantages[:, None] * batch.logprobs  # (B, T)
-    loss = _token_mean(-objective + cfg.kl_coef * _kl(batch, cfg), batch, norm)
+    loss = _token_mean(-objective, batch.mask, norm) + _kl_penalty(batch, cfg, norm)
     return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
 
 
@@ -147,7 +188,7 @@ def _clipped_surrogate(batch: TokenBatch, cfg: Any) -> tuple[torch.Tensor, torch
 def ppo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     """PPO-clip, token-level mean: J = 1/Σ|o_i| Σ_i Σ_t min(r Â, clip(r, 1−ε_low, 1+ε_high) Â)."""
     objective, ratio, is_weight, clipped = _clipped_surrogate(batch, cfg)
-    loss = _token_mean(-objective + cfg.kl_coef * _kl(batch, cfg), batch, norm)
+    loss = _token_mean(-objective, batch.mask, norm) + _kl_penalty(batch, cfg, norm)
     return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
 
 
@@ -159,7 +200,8 @@ def grpo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     only the normalisation and the default KL differ from `ppo`.
     """
     objective, ratio, is_weight, clipped = _clipped_surrogate(batch, cfg)
-    loss = _sequence_mean(-objective + cfg.kl_coef * _kl(batch, cfg), batch, norm)
+    _, scored = batch.kl_log_ratio()
+    loss = _sequence_mean(-objective, batch.mask, norm) + cfg.kl_coef * _sequence_mean(_kl(batch, cfg), scored, norm)
     return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
 
 
@@ -175,7 +217,8 @@ def dr_grpo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     """Dr. GRPO: GRPO without its length bias, J = 1/(G · L) Σ_i Σ_t (...), with L a constant
     (``norm_tokens``, the generation budget) instead of each sequence's own length."""
     objective, ratio, is_weight, clipped = _clipped_surrogate(batch, cfg)
-    per_token = (-objective + cfg.kl_coef * _kl(batch, cfg)) * batch.mask
+    _, scored = batch.kl_log_ratio()
+    per_token = -objective * batch.mask + cfg.kl_coef * _kl(batch, cfg) * scored
     loss = per_token.sum() / (max(norm.sequences, 1) * cfg.norm_tokens)
     return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
 
@@ -186,17 +229,20 @@ def gspo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     J = 1/G Σ_i min(s_i Â_i, clip(s_i, 1 − ε_low, 1 + ε_high) Â_i).
 
     The behaviour correction is per sequence too: w_i = min((π_old(o_i)/μ(o_i))^(1/|o_i|), C).
-    The clip indicator in the metrics marks every token of a clipped sequence.
+    The clip indicator in the metrics marks every token of a clipped sequence. The KL sums (what
+    the trust region reads) are the token-level estimates of every loss: a geometric mean can stay
+    at 1 while its tokens move in opposite directions, so s_i says nothing about how far π_θ went.
     """
     mask = batch.mask
     lengths = mask.sum(dim=1).clamp(min=1)  # (B,)
-    log_s = ((batch.logprobs - batch.old_logprobs) * mask).sum(dim=1) / lengths  # (B,)
+    log_s = _masked(batch.logprobs - batch.old_logprobs, mask).sum(dim=1) / lengths  # (B,)
     s = torch.exp(log_s)  # (B,)
-    w = torch.exp(((batch.old_logprobs - batch.behaviour_logprobs) * mask).sum(dim=1) / lengths)
+    w = torch.exp(_masked(batch.old_logprobs - batch.behaviour_logprobs, mask).sum(dim=1) / lengths)
     w = w.clamp(max=cfg.is_cap).detach()  # (B,)
     adv = batch.advantages
     surrogate = torch.minimum(s * adv, s.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)  # (B,)
-    kl = (_kl(batch, cfg) * mask).sum(dim=1) / lengths  # (B,)
+    _, scored = batch.kl_log_ratio()
+    kl = (_kl(batch, cfg) * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)  # (B,)
     has_tokens = (mask.sum(dim=1) > 0).float()  # (B,) a row with no trainable token adds nothing
     loss = ((-w * surrogate + cfg.kl_coef * kl) * has_tokens).sum() / max(norm.sequences, 1)
     clipped_sequence = (s < 1 - cfg.eps_low) | (s > 1 + cfg.eps_high)  # (B,)

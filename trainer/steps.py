@@ -7,10 +7,17 @@ process of a multi-rank cycle (trainer/ranks.py). With more than one rank each r
 world-th micro-batch (`rank_batches`); DeepSpeed averages the ranks' gradients, so each rank's loss
 is scaled by the world size to keep the step's loss a sum over all of the cycle's tokens; the
 step's sums are all-reduced before the trust-region decision, so every rank decides the same.
+
+The first step also measures how far the trainer's π_old is from the behaviour logprobs μ that vLLM
+reported, token by token, before any clipping (`Mismatch`): the check that the trainer reproduces
+the sampler (temperature, truncation, penalties) and the engines' numerics agree. It goes into
+the first step's metrics, the cycle's MLflow run and the worker's Prometheus gauges.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -19,7 +26,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from schemas.settings import TrainerSettings
-from serving.sampler import MicroBatch, token_logprobs
+from serving.sampler import MicroBatch, TokenLogprobs, token_logprobs
 from trainer.engine import grad_norm_after_step, grad_norm_before_step, optimizer_steps, set_lr, warmup_lr
 from trainer.losses import LossFn, Normaliser, TokenBatch, beyond_trust_region
 
@@ -45,6 +52,12 @@ class StepMetrics(BaseModel):
         0, description="Sampled tokens outside their row's truncation (top-p/top-k/min-p) under π_old or π_θ: "
         "left out of the loss."
     )
+    kl_tokens: int = Field(0, description="Sampled tokens the KL estimates cover: every trainable completion token, "
+                           "those outside the nucleus included (tempered logprobs).")
+    mismatch: dict[str, float] | None = Field(
+        None, description="First step only: the raw ratio π_old/μ per token before clipping (`Mismatch`): "
+        "tokens, share outside [0.9, 1.1], mean, min, max, mean |log ratio|, share per bin (bin_<lo>_<hi>)."
+    )
     lr: float | None = Field(None, description="Learning rate of this step's update (trainer.warmup_steps).")
     applied: bool = Field(True, description="False: the trust region stopped the cycle here (trainer.max_kl); this "
                           "step's forward passes were measured and its update was not applied.")
@@ -56,6 +69,71 @@ class Trained:
 
     steps: list[StepMetrics]
     kl_stop: int | None
+
+
+# Bins of the raw ratio π_old/μ reported by `Mismatch` (a token lands in [lo, hi)).
+MISMATCH_EDGES = (0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 1.01, 1.05, 1.1, 1.25, 2.0, math.inf)
+MISMATCH_BAND = (0.9, 1.1)
+
+
+class Mismatch:
+    """The raw, pre-clip ratio π_old/μ of every trainable token of a step, as sums that add up
+    across micro-batches and ranks (so the distribution is reported as bins, not quantiles).
+
+    Tokens outside the trainer's truncation under π_old are counted by ``impossible_tokens``
+    instead: they have no ratio. A trainer that does not reproduce vLLM's truncation multiplies
+    every ratio by the kept mass; with the sampler reproduced, tokens outside [0.9, 1.1] come
+    only from the two engines' numerics (docs/algorithms.md, Truncated sampling)."""
+
+    def __init__(self) -> None:
+        self.sums = {"tokens": 0.0, "outside": 0.0, "ratio": 0.0, "abs_log": 0.0}
+        self.bins = [0.0] * (len(MISMATCH_EDGES) - 1)
+        self.low, self.high = math.inf, -math.inf
+
+    def add(self, old: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> None:
+        with torch.no_grad():
+            log_ratio = (old - behaviour)[mask > 0].double()
+            if log_ratio.numel() == 0:
+                return
+            ratio = log_ratio.exp()
+            self.sums["tokens"] += float(ratio.numel())
+            self.sums["outside"] += float(((ratio < MISMATCH_BAND[0]) | (ratio > MISMATCH_BAND[1])).sum())
+            self.sums["ratio"] += float(ratio.sum())
+            self.sums["abs_log"] += float(log_ratio.abs().sum())
+            self.low, self.high = min(self.low, float(ratio.min())), max(self.high, float(ratio.max()))
+            edges = torch.tensor(MISMATCH_EDGES[1:-1], dtype=ratio.dtype, device=ratio.device)
+            counts = torch.bincount(torch.bucketize(ratio, edges, right=True), minlength=len(self.bins))
+            self.bins = [b + float(c) for b, c in zip(self.bins, counts.tolist(), strict=True)]
+
+    def reduce(self) -> None:
+        """Add up every rank's sums (a no-op without a process group)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        keys = sorted(self.sums)
+        summed = torch.tensor([self.sums[k] for k in keys] + self.bins, dtype=torch.float64)
+        torch.distributed.all_reduce(summed)
+        values = summed.tolist()
+        self.sums, self.bins = dict(zip(keys, values[: len(keys)], strict=True)), values[len(keys) :]
+        extremes = torch.tensor([-self.low, self.high], dtype=torch.float64)
+        torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
+        self.low, self.high = -float(extremes[0]), float(extremes[1])
+
+    def metrics(self) -> dict[str, float]:
+        n = self.sums["tokens"]
+        if n == 0:
+            return {"tokens": 0.0}
+        out = {"tokens": n, "outside_0.9_1.1": self.sums["outside"] / n, "ratio_mean": self.sums["ratio"] / n,
+               "ratio_min": self.low, "ratio_max": self.high, "abs_log_ratio_mean": self.sums["abs_log"] / n}  # fmt: skip
+        for (lo, hi), count in zip(itertools.pairwise(MISMATCH_EDGES), self.bins, strict=True):
+            out[f"bin_{lo:g}_{hi:g}"] = count / n
+        return out
+
+
+def mlflow_metrics(metrics: StepMetrics) -> dict[str, float]:
+    """A step's metrics as MLflow takes them: flat numbers (the mismatch's as ``mismatch_<key>``)."""
+    flat = metrics.model_dump(exclude={"step", "mismatch"}, exclude_none=True)
+    flat |= {f"mismatch_{key}": value for key, value in (metrics.mismatch or {}).items()}
+    return flat
 
 
 def world() -> tuple[int, int]:
@@ -101,26 +179,30 @@ def run_steps(
     steps: list[StepMetrics] = []
     # π_old: the champion's own logprobs, taken from the first step's forward passes
     # (the weights only change at the end of that step).
-    old_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batches)
+    old_logprobs: list[TokenLogprobs | None] = [None] * len(batches)
+    mismatch = Mismatch()
     norm_before: float | None = None
     taken = optimizer_steps(engine)  # a carried optimizer may be past its warm-up
     for step in range(cfg.steps):
         lr = warmup_lr(cfg.learning_rate, taken + step + 1, cfg.warmup_steps)
         before_step(step)
-        totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl_k1": 0.0, "kl_k3": 0.0, "is_weight": 0.0,
-                  "tokens": 0.0, "impossible": 0.0}  # fmt: skip
+        totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl_k1": 0.0, "kl_k3": 0.0, "kl_tokens": 0.0,
+                  "is_weight": 0.0, "tokens": 0.0, "impossible": 0.0}  # fmt: skip
         applied = True
         for k, mb in enumerate(batches):
             mb = mb.to(engine.device)
-            logprobs, possible = token_logprobs(engine, mb)  # (B, L−1) each
-            first = old_logprobs[k]
-            if first is None:
-                first = old_logprobs[k] = (logprobs.detach(), possible)
-            old, old_possible = first
-            # A token outside the row's truncation under π_old or π_θ has no ratio: it leaves the loss.
-            mask = mb.mask * (possible & old_possible)
+            now = token_logprobs(engine, mb)  # (B, L−1) each
+            old = old_logprobs[k]
+            if old is None:
+                old = old_logprobs[k] = TokenLogprobs(now.logprobs.detach(), now.possible, now.tempered.detach())
+                mismatch.add(old.logprobs, mb.behaviour_logprobs, mb.mask * old.possible)
+            # A token outside the row's truncation under π_old or π_θ has no ratio: it leaves the
+            # policy term; the KL terms still see it, through the tempered logprobs.
+            mask = mb.mask * (now.possible & old.possible)
             totals["impossible"] += float(mb.mask.sum() - mask.sum())
-            out = loss_fn(TokenBatch(logprobs, old, mb.behaviour_logprobs, mb.advantages, mask), cfg.loss, norm)
+            out = loss_fn(TokenBatch(now.logprobs, old.logprobs, mb.behaviour_logprobs, mb.advantages, mask,
+                                     tempered=now.tempered, old_tempered=old.tempered, scored=mb.mask),
+                          cfg.loss, norm)  # fmt: skip
             totals["loss"] += float(out.loss.detach())
             for key, value in out.sums.items():
                 totals[key] += value
@@ -140,13 +222,18 @@ def run_steps(
                 set_lr(engine, lr)
             engine.step()  # the optimizer steps on the last micro-batch only
         tokens = max(totals["tokens"], 1.0)
+        kl_tokens = max(totals["kl_tokens"], 1.0)
+        if step == 0:
+            mismatch.reduce()
         metrics = StepMetrics(
             step=step,
             loss=totals["loss"],
             mean_ratio=totals["ratio"] / tokens,
             clip_fraction=totals["clipped"] / tokens,
-            kl_k1=totals["kl_k1"] / tokens,
-            kl_k3=totals["kl_k3"] / tokens,
+            kl_k1=totals["kl_k1"] / kl_tokens,
+            kl_k3=totals["kl_k3"] / kl_tokens,
+            kl_tokens=int(totals["kl_tokens"]),
+            mismatch=mismatch.metrics() if step == 0 else None,
             is_weight=totals["is_weight"] / tokens,
             grad_norm=None if not applied else norm_before if norm_before is not None else grad_norm_after_step(engine),
             mean_advantage=mean_advantage,

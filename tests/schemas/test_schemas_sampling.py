@@ -18,6 +18,7 @@ from schemas.sampling import (
     served_defaults,
     trainer_can_reproduce,
     unreproducible,
+    untrainable_sampling,
 )
 from schemas.settings import Settings, VllmSettings
 
@@ -83,14 +84,12 @@ def test_what_the_trainer_cannot_reproduce_is_named(extra: dict[str, Any], reaso
     ("params", "raw_ok"),
     [
         ({}, True),
-        ({"temperature": 0.0, "top_p": 0.5}, True),  # greedy: vLLM reports the plain softmax either way
         ({"temperature": 0.7}, False),
         ({"top_p": 0.9}, False),
         ({"top_k": 5}, False),
         ({"min_p": 0.1}, False),
         ({"top_k": 0}, True),
         ({"repetition_penalty": 1.1}, False),  # raw logprobs are taken before the penalties
-        ({"temperature": 0.0, "presence_penalty": 0.5}, False),
     ],
 )
 def test_raw_logprobs_compare_with_the_trainers_only_where_sampling_was_neutral(
@@ -98,6 +97,29 @@ def test_raw_logprobs_compare_with_the_trainers_only_where_sampling_was_neutral(
 ) -> None:
     assert trainer_can_reproduce(SamplingParams(**params, logprobs_mode="raw")) is raw_ok
     assert trainer_can_reproduce(SamplingParams(**params, logprobs_mode="processed"))
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+@pytest.mark.parametrize(
+    ("params", "reason"),
+    [
+        ({"temperature": 0.0, "top_p": 0.5}, "greedy"),
+        ({"temperature": 0.0, "presence_penalty": 0.5}, "greedy"),
+        ({"temperature": 0.05}, "near_greedy"),
+        ({"temperature": 0.1, "top_k": 20}, None),
+    ],
+)
+def test_greedy_and_near_greedy_samples_are_never_trained_on(params: dict[str, Any], reason: str | None,
+                                                            mode: str) -> None:  # fmt: skip
+    """A greedy token is the argmax, not a sample of the softmax vLLM reports: training on it (or
+    weighting it) as one biases the gradient, and its importance weight reads ≈ 1 (issue 35)."""
+    sampling = SamplingParams(**params, logprobs_mode=mode)
+    if mode == "raw" and reason is None:
+        reason = "raw_logprobs"  # T = 0.1 with top-k is not neutral: raw logprobs are not comparable
+    assert untrainable_sampling(sampling) == reason
+    assert trainer_can_reproduce(sampling) is (reason is None)
+    body = {"model": "m", "prompt": "p", **params}
+    assert unreproducible(body) == (None if reason in (None, "raw_logprobs") else reason)
 
 
 def test_events_recorded_before_the_logprobs_mode_existed_read_as_raw() -> None:

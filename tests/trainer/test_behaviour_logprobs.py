@@ -47,7 +47,7 @@ def differences(model: torch.nn.Module, rows: list[Row]) -> tuple[torch.Tensor, 
     """|trainer − vLLM| on every completion token, and how many the trainer finds impossible."""
     mb = collate(rows, pad_id=0)
     with torch.no_grad():
-        logprobs, possible = token_logprobs(model, mb)
+        logprobs, possible, _ = token_logprobs(model, mb)
     mask = mb.mask.bool()
     return (logprobs - mb.behaviour_logprobs)[mask & possible].abs(), int((mask & ~possible).sum())
 

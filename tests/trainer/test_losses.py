@@ -52,7 +52,8 @@ def test_cispo_on_policy_is_reinforce_with_token_mean() -> None:
     assert out.loss.item() == pytest.approx(-(math.log(0.5) + math.log(0.25)))
     # dloss/dlogπ = −sg(r̂)·Â/Σ|o| = −1·2/2 for every token
     assert grad_of(out.loss, b) == pytest.approx([-1.0, -1.0])
-    assert out.sums == pytest.approx({"ratio": 2.0, "clipped": 0.0, "kl_k1": 0.0, "kl_k3": 0.0, "is_weight": 2.0, "tokens": 2.0})
+    assert out.sums == pytest.approx({"ratio": 2.0, "clipped": 0.0, "kl_k1": 0.0, "kl_k3": 0.0, "kl_tokens": 2.0,
+                                     "is_weight": 2.0, "tokens": 2.0})  # fmt: skip
 
 
 def test_cispo_clips_the_weight_but_keeps_the_gradient_of_every_token() -> None:

@@ -92,23 +92,38 @@ def test_rows_with_different_sampling_match_the_reference(seed: int) -> None:
                                                                         abs=1e-5)
 
 
-def test_greedy_is_trained_as_vllm_reports_it_plain_softmax() -> None:
+def test_greedy_segments_are_described_as_vllm_reports_them_and_never_trained() -> None:
+    from schemas.sampling import untrainable_sampling
+
     assert Sampling.of(SamplingParams(temperature=0.0, top_p=0.5, top_k=3)) == Sampling()
     assert Sampling.of(SamplingParams(temperature=0.0, top_p=0.5, repetition_penalty=1.2)) == Sampling(
         repetition_penalty=1.2
     )  # penalties apply to greedy requests too
     assert Sampling.of(SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.1)) == Sampling(0.7, 0.9, 0, 0.1)
+    # A greedy token is the argmax, not a sample of the softmax vLLM reports: no gradient, no weight.
+    assert untrainable_sampling(SamplingParams(temperature=0.0, logprobs_mode="processed")) == "greedy"
+    assert untrainable_sampling(SamplingParams(temperature=0.05, logprobs_mode="processed")) == "near_greedy"
+    assert untrainable_sampling(SamplingParams(temperature=0.7, top_p=0.8, logprobs_mode="processed")) is None
 
 
 class Bigram(torch.nn.Module):
-    """A causal LM small enough to reason about: next-token logits from the current token only."""
+    """A causal LM small enough to reason about: next-token logits from the current token only,
+    with the interface `token_logprobs` uses (a decoder, an output embedding, a config): the hidden
+    state is the current token's one-hot vector and lm_head's weight is the transposed table."""
 
     def __init__(self, vocab: int = 6) -> None:
         super().__init__()
-        self.table = torch.nn.Parameter(torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0, -2.0]] * vocab))
+        self.config = SimpleNamespace(vocab_size=vocab)
+        self.head = torch.nn.Linear(vocab, vocab, bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0, -2.0]] * vocab).T)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
-        return SimpleNamespace(logits=self.table[input_ids])
+    def get_decoder(self) -> Any:
+        vocab = self.config.vocab_size
+        return lambda input_ids, attention_mask: (torch.nn.functional.one_hot(input_ids, vocab).float(),)
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head
 
 
 def test_a_token_outside_the_truncation_is_impossible_and_carries_no_gradient() -> None:
@@ -117,15 +132,17 @@ def test_a_token_outside_the_truncation_is_impossible_and_carries_no_gradient() 
     row = Row(input_ids=[1, 0, 4], prompt_len=1, behaviour_logprobs=[-0.3, -0.3], advantage=1.0,
               sampling=Sampling(top_k=2))
     mb = collate([row], pad_id=0)
-    logprobs, possible = token_logprobs(model, mb)
+    logprobs, possible, tempered = token_logprobs(model, mb)
     assert possible.tolist() == [[True, False]]
     assert logprobs[0, 0].item() == pytest.approx(math.log(1 / (1 + math.e**-1)))
     assert logprobs[0, 1].item() == 0.0
+    # Untruncated, the same token has its plain softmax probability: finite, for the KL terms.
+    assert tempered[0, 1].item() == pytest.approx(-1.0 - math.log(sum(math.exp(v) for v in (3, 2, 1, 0, -1, -2))))
     (logprobs * mb.mask * possible).sum().backward()
-    grad = model.table.grad
+    grad = model.head.weight.grad  # column j: the logits after token j
     assert grad is not None and torch.isfinite(grad).all()
-    assert grad[0].abs().sum() == 0  # the row predicting the impossible token got nothing
-    assert grad[1].abs().sum() > 0
+    assert grad[:, 0].abs().sum() == 0  # the row predicting the impossible token got nothing
+    assert grad[:, 1].abs().sum() > 0
 
 
 def test_rows_carry_their_sampling_and_raw_logprobs_of_tempered_samples_are_left_out() -> None:
@@ -147,7 +164,7 @@ def test_rows_carry_their_sampling_and_raw_logprobs_of_tempered_samples_are_left
     episode = TrainingEpisode(episode_id="e", reward=1.0, policy_version=1, created_at=datetime.now(UTC),
                               segments=segments)  # fmt: skip
     rows, left_out = rows_of([episode], [0.5])
-    assert left_out == 1
+    assert left_out == {"raw_logprobs": 1}
     assert [r.sampling for r in rows] == [Sampling(0.7, 0.9, 0, 0.0), Sampling()]
 
 
