@@ -46,6 +46,7 @@ import queue
 import statistics
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -145,6 +146,8 @@ def labeler_rate(
             report = labeler.step()
             if report is None:
                 continue
+            if report.dead_lettered:  # never stored: waiting on would only time out
+                raise RuntimeError(dead_lettered(store, report.dead_lettered))
             stored += report.interactions
             feedback += report.feedback
             joined += report.settle.joined
@@ -185,6 +188,14 @@ def check_store(store: Store, n_interactions: int, n_feedback: int) -> None:
         raise RuntimeError(f"the store holds {counted} (interactions, joined feedback), expected {(n_interactions, n_feedback)}")
 
 
+def dead_lettered(store: Store, n: int) -> str:
+    """One line: the labeler dead-lettered `n` of the bench's records (a broken bench: every record
+    it produces is valid), with the newest dead letters' reasons (``rtrl dlq list`` has them all)."""
+    reasons = Counter(" ".join(d.reason.split())[:120] for d in store.dead_letters(max(n, 1)))
+    why = "; ".join(f"{count} x {reason}" for reason, count in reasons.most_common(3))
+    return f"the labeler dead-lettered {n} records, which will never be stored: {why}"
+
+
 def replica(settings: Settings, go: Any, stop: Any, reports: Any) -> None:
     """One labeler replica (a process): joins the group with its partitions paused, reports its
     assignment, consumes once `go` is set, and reports each step (wall time, what it stored) until
@@ -214,7 +225,8 @@ def replica(settings: Settings, go: Any, stop: Any, reports: Any) -> None:
         while not stop.is_set():
             report = labeler.step()
             if report is not None and report.records:
-                reports.put(("step", os.getpid(), time.time(), report.interactions, report.feedback, report.settle.joined))
+                reports.put(("step", os.getpid(), time.time(), report.interactions, report.feedback, report.settle.joined,
+                             report.dead_lettered))  # fmt: skip
     finally:
         consumer.close(autocommit=False)
         labeler.producer.close()
@@ -275,6 +287,8 @@ def replicas_rate(
             if kind == "first":
                 first.append(rest[0])
             elif kind == "step":
+                if rest[4]:  # never stored: waiting on would only time out
+                    raise RuntimeError(dead_lettered(store, rest[4]))
                 end = max(end, rest[0])
                 stored, feedback, joined = stored + rest[1], feedback + rest[2], joined + rest[3]
                 per[pid] = per.get(pid, 0) + rest[1] + rest[2]

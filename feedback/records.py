@@ -3,7 +3,9 @@
 Pure: no Kafka client, no SQL. Beyond the wire schema (schemas/events.py) a record is refused when
 its ``created_at`` lies outside the accepted window (``settings.limits``: a skewed or hostile
 clock, or data past retention) or a scored feedback value lies outside the reward spec's range.
-The reasons' classes are listed in store/events.py, which writes the results.
+Text a model produced is never a reason: a NUL or a lone surrogate in it arrives as U+FFFD
+(`schemas.events.storable_text`). The reasons' classes are listed in store/events.py, which writes
+the results.
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 
-from schemas.events import FeedbackEvent, InteractionEvent, SchemaError, event_time_problem, parse_event
+from schemas.events import (
+    FeedbackEvent,
+    InteractionEvent,
+    SchemaError,
+    event_time_problem,
+    parse_event,
+    storable_text,
+)
 from schemas.rewards import RewardSpec
 from schemas.settings import LimitsSettings
 from schemas.versions import parse_version
@@ -43,10 +52,8 @@ def parse_record(record: SourceRecord, expected: type[Event], checks: Checks, no
         if problem is not None:
             return Rejected(record, f"content: {problem}", event.event_id)
     if isinstance(event, InteractionEvent):
-        texts = [event.prompt, event.completion, event.finish_reason or "", *event.sampling.stop]
-        if any("\x00" in text for text in texts):
-            # PostgreSQL text cannot hold NUL; reject on every backend so behaviour does not depend on it.
-            return Rejected(record, "content: text contains a NUL character", event.event_id)
+        # Its text holds no NUL and no lone surrogate: the schema replaced them (storable_text), so
+        # whatever the tokenizer produced is stored, on every backend.
         try:
             parse_version(event.policy_version)
         except ValueError as exc:
@@ -60,4 +67,8 @@ def _readable_event_id(raw: bytes) -> str | None:
     except (ValueError, RecursionError):
         return None
     event_id = data.get("event_id") if isinstance(data, dict) else None
-    return event_id if isinstance(event_id, str) and 0 < len(event_id) <= 200 else None
+    if not isinstance(event_id, str) or not 0 < len(event_id) <= 200:
+        return None
+    # Kept only when the dead letter can hold it as it is (no NUL, no lone surrogate): an id is
+    # shown to find the producer, never altered.
+    return event_id if storable_text(event_id) == event_id else None

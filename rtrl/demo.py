@@ -23,11 +23,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from schemas.clock import wait_until
+from schemas.clock import utcnow, wait_until
 from schemas.errors import OperatorError
 from schemas.settings import Settings, embedded_databases
 from schemas.versions import format_version
@@ -36,7 +39,7 @@ if TYPE_CHECKING:
     from evals import Preference, Task
     from registry import Registry
     from rtrl.supervisor import Supervisor
-    from store import Store
+    from store import DeadLetterEntry, Store
 
 log = logging.getLogger("rtrl.demo")
 
@@ -251,21 +254,18 @@ def _one_cycle(
 
     # Users (or agents): requests through the gateway, feedback by the preference function.
     before = count_labelled(settings, store, champion)
+    started = utcnow()
     sent = users.send(options.requests_per_cycle, seed=1000 * options.seed + cycle)
     # The labeler settles each episode when its terminal feedback arrives (or its window passes); the
     # trainer takes it once its window has passed either way (trainer/selection.py). An agent's episode
     # is one labelled episode however many calls it made.
-    target = before + int(sent["ok"])
-
-    def settled() -> bool:
-        _check_children(supervisor, settings)
-        return count_labelled(settings, store, champion) >= target
-
-    try:
-        wait_until(settled, timeout_s=options.cycle_timeout_s, interval_s=0.5, what=f"cycle {cycle}: episodes unsettled")
-    except TimeoutError as exc:
-        have = count_labelled(settings, store, champion)
-        raise DemoError(f"{exc} ({have}/{target} settled); see the labeler log in {settings.services.run_dir}/logs") from None
+    lost = _wait_for_round(
+        store, settings.kafka.interactions_topic, started, before + int(sent["ok"]),
+        labelled=lambda: count_labelled(settings, store, champion), check=lambda: _check_children(supervisor, settings),
+        timeout_s=options.cycle_timeout_s, what=f"cycle {cycle}", logs=settings.services.run_dir / "logs",
+    )  # fmt: skip
+    if lost:
+        print(f"cycle {cycle}: {_dead_letter_line(lost)}", flush=True)
 
     # Train → gate → deploy, on the worker.
     app = configure(settings)
@@ -286,9 +286,83 @@ def _one_cycle(
         "challenger": None if result.get("challenger_version") is None
         else format_version(int(result["challenger_version"])),
         **sent,
+        "dead_lettered": len(lost),  # interactions of the round (rtrl dlq list)
         "challenger_score": result.get("challenger_score"),
         "champion_score": result.get("champion_score"),
     }
+
+
+def _wait_for_round(
+    store: Store,
+    topic: str,
+    started: datetime,
+    target: int,
+    *,
+    labelled: Callable[[], int],
+    check: Callable[[], None],
+    timeout_s: float,
+    what: str,
+    logs: Path,
+) -> dict[str, tuple[str, str]]:
+    """Wait until `labelled()` reaches `target`, less the episodes that can never settle: those of
+    the interactions the labeler dead-lettered (from `topic`) since `started`, the round's start.
+    Returns those dead letters, id -> (episode id, reason); raises DemoError after `timeout_s`.
+
+    A ``duplicate:`` dead letter costs nothing (the first copy is stored) and is not counted. An
+    agent's episode one of whose calls was dead-lettered is counted as lost although its other calls
+    may still settle it; the wait may then end before it does, and it trains in a later cycle.
+    Interactions the gateway could not capture (its dead letters go to the DLQ topic, not the
+    store) are not seen here: the wait for them times out."""
+    lost: dict[str, tuple[str, str]] = {}
+
+    def unsettleable() -> int:
+        return len({episode for episode, _ in lost.values()})
+
+    def settled() -> bool:
+        check()
+        for letter in _dead_letters_since(store, topic, started):
+            if not letter.reason.startswith("duplicate:"):
+                lost[letter.event_id] = (_episode_of(letter), letter.reason)
+        return labelled() >= target - unsettleable()
+
+    try:
+        wait_until(settled, timeout_s=timeout_s, interval_s=0.5, what=f"{what}: episodes unsettled")
+    except TimeoutError as exc:
+        dead = f"; {_dead_letter_line(lost)}" if lost else ""
+        have = labelled()
+        raise DemoError(f"{exc} ({have}/{target - unsettleable()} settled{dead}); see the labeler log in {logs}") from None
+    return lost
+
+
+def _dead_letters_since(store: Store, topic: str, since: datetime) -> list[DeadLetterEntry]:
+    """The store's dead letters of records from `topic` dead-lettered at or after `since` (the
+    labeler's clock), newest first; read in growing pages until one reaches past `since`."""
+    limit = 64
+    while True:
+        letters = store.dead_letters(limit)
+        if len(letters) < limit or letters[-1].created_at < since:
+            return [d for d in letters if d.created_at >= since and d.source_topic == topic]
+        limit *= 4
+
+
+def _dead_letter_line(lost: dict[str, tuple[str, str]]) -> str:
+    """One line: how many interactions were dead-lettered, the episodes not waited for, the
+    commonest reasons."""
+    reasons = Counter(" ".join(reason.split())[:120] for _, reason in lost.values())
+    why = "; ".join(f"{n} x {reason}" for reason, n in reasons.most_common(3))
+    more = f"; {len(reasons) - 3} other reasons" if len(reasons) > 3 else ""
+    episodes = len({episode for episode, _ in lost.values()})
+    return f"{len(lost)} interactions dead-lettered, {episodes} episodes not waited for ({why}{more}; `rtrl dlq list`)"
+
+
+def _episode_of(letter: DeadLetterEntry) -> str:
+    """The episode a dead-lettered interaction belongs to, from its payload when readable; else the
+    dead letter's own id (one episode per unreadable record)."""
+    try:
+        episode = json.loads(letter.payload).get("episode_id")
+    except (ValueError, AttributeError, RecursionError):
+        episode = None
+    return episode if isinstance(episode, str) else letter.event_id
 
 
 def _final_round(settings: Settings, registry: Registry, users: _Users, options: DemoOptions) -> dict[str, Any]:

@@ -1,20 +1,30 @@
 """Logging of rtrl processes: the set-up every process shares (one line per record, UTC timestamps,
-to stderr) and the rotation of the log files the supervisor and `rtrl services` redirect it to.
+to stderr), the rotation of the log files the supervisor and `rtrl services` redirect it to, and
+the quiet of a client library while rtrl waits for a service it is starting itself.
 
 `setup_logging` is called by every long-running command. `rotate` is called by the supervisor of
 ``rtrl run`` every couple of seconds (`rtrl.supervisor.Supervisor.check`) for each file in
-``<run_dir>/logs/``; docs/runbooks/daemon.md, Logs.
+``<run_dir>/logs/``; docs/runbooks/daemon.md, Logs. `quiet_connection_retries` surrounds
+`rtrl.services.base.Service.wait_healthy` (``rtrl services up``, ``rtrl demo``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 COPY_CHUNK = 1024 * 1024
+
+# What kafka-python 3.0 writes about a connection attempt a broker refused: the refusal
+# (kafka.net.connection, kafka.net.manager: "... 111 ECONNREFUSED"), the backoff after it ("Bootstrap
+# bootstrap-0 not ready; waiting 2.23 secs") and the bootstrap that gave up ("Unable to bootstrap").
+REFUSED = re.compile(r"ECONNREFUSED|Connection refused|not ready; waiting|Unable to bootstrap")
 
 
 def setup_logging(level: str | None = None) -> None:
@@ -91,3 +101,42 @@ def rotate(path: Path, max_bytes: int, backups: int) -> bool:
             backup(path, n).replace(backup(path, n + 1))
     partial.replace(backup(path, 1))
     return True
+
+
+class ConnectionRetries(logging.Filter):
+    """Drops the records of `library` (a logger and its children) about refused connection
+    attempts (`REFUSED`); every other record passes."""
+
+    def __init__(self, library: str) -> None:
+        super().__init__()
+        self.library = library
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name != self.library and not record.name.startswith(f"{self.library}."):
+            return True
+        return REFUSED.search(record.getMessage()) is None
+
+
+@contextmanager
+def quiet_connection_retries(library: str) -> Iterator[None]:
+    """While the block runs, `library`'s records of refused connection attempts are dropped.
+
+    For the wait of rtrl for a service it started itself, where a refusal is the expected answer
+    until the service listens: kafka-python writes an ERROR line for each attempt, a dozen while a
+    broker starts, and the waiter says once, at INFO, what it waits for. Once the block exits
+    (the service healthy, or the wait given up) such records are shown again: a broker that goes
+    away later is never hidden. The filter sits on the root logger's handlers and on logging's last
+    resort (what prints a record where no handler is configured, as under ``rtrl services up``),
+    where every record of the library ends; records of other loggers, and the library's other
+    records, pass."""
+    retries = ConnectionRetries(library)
+    handlers = list(logging.getLogger().handlers)
+    if logging.lastResort is not None:
+        handlers.append(logging.lastResort)
+    for handler in handlers:
+        handler.addFilter(retries)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(retries)

@@ -4,7 +4,9 @@ Every message is a frozen pydantic model with a ``schema_version`` literal; a co
 version it does not know dead-letters the record instead of guessing. Validation is strict: sizes
 are bounded (a hostile client cannot make the labeler allocate gigabytes), numbers are finite and
 token ids and logprobs line up, and every event carries the ``event_id`` its producer gave it (a
-reader never invents the idempotency key). ``rtrl schemas export DIR`` writes these as JSON Schema.
+reader never invents the idempotency key). Text a model produced is the exception: whatever its
+tokenizer made is accepted, a NUL or a lone surrogate replaced by U+FFFD (`storable_text`), since
+the token ids are the truth. ``rtrl schemas export DIR`` writes these as JSON Schema.
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from schemas.clock import utcnow
 
@@ -39,9 +50,42 @@ def _finite(value: float) -> float:
     return value
 
 
+# What stands for a character a text field cannot hold: the character a UTF-8 decoder writes for
+# bytes it cannot decode.
+REPLACEMENT_CHARACTER = "\ufffd"
+
+
+def storable_text(text: str) -> str:
+    """`text` with every NUL and every lone surrogate replaced by U+FFFD; anything else unchanged.
+
+    A served call's text is the server's rendering of its tokens, and a byte-level tokenizer can
+    produce any byte: a NUL, or (through a lenient JSON reader) a surrogate code point with no
+    partner. PostgreSQL text cannot hold NUL, and a lone surrogate has no UTF-8 form (orjson,
+    psycopg and SQLite refuse it, pydantic refuses it in a str). Both are replaced, so such a call
+    is stored, never dead-lettered; its token ids, which are what trains, stay exact. Two
+    surrogates written as a pair become the one character they encode, as a JSON reader makes of
+    them. Lossy on purpose: the exact text is the tokenizer's decoding of the token ids
+    (docs/internals.md, Text of an interaction). Other control characters are kept as they are."""
+    if not text.isascii():  # O(1) on CPython: no surrogate in an ASCII string
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    return text.replace("\x00", REPLACEMENT_CHARACTER) if "\x00" in text else text
+
+
+def _storable(value: Any, info: ValidationInfo) -> Any:
+    if not isinstance(value, str):
+        return value  # refused by the str validator after this one
+    if info.mode == "json":  # pydantic's JSON reader refuses lone surrogates itself: only NUL is left
+        return value.replace("\x00", REPLACEMENT_CHARACTER) if "\x00" in value else value
+    return storable_text(value)
+
+
 # A feedback score as the wire and the gateway's intake accept it (the reward spec may bound it further).
 FeedbackValue = Annotated[float, Field(ge=-1e6, le=1e6), AfterValidator(_finite)]
-Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+# Text a model produced or was prompted with: stored whatever the tokenizer made of it (storable_text).
+Text = Annotated[str, BeforeValidator(_storable), Field(max_length=MAX_TEXT_CHARS)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=MAX_TOKENS)]
 Logprobs = Annotated[list[float], Field(max_length=MAX_TOKENS)]
 
@@ -83,7 +127,7 @@ class SamplingParams(_Message):
     frequency_penalty: float = Field(0.0, ge=-100, le=100, description="OpenAI frequency penalty, 0 for none.")
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="Completion token limit.")
     seed: int | None = Field(None, description="Sampling seed, if the client pinned one.")
-    stop: list[Annotated[str, Field(max_length=1000)]] = Field(
+    stop: list[Annotated[str, BeforeValidator(_storable), Field(max_length=1000)]] = Field(
         default_factory=list, max_length=16, description="Stop strings."
     )
     logprobs_mode: Literal["raw", "processed"] = Field(
@@ -112,12 +156,20 @@ class InteractionEvent(_Message):
     created_at: datetime = Field(default_factory=utcnow, description="When the response was served (UTC).")
     model: Id = Field(description="Served model name.")
     policy_version: Id = Field(description="Weight version of the server that generated the completion.")
-    prompt: Text = Field(description="Prompt text as sent to the model (chat templates applied).")
+    prompt: Text = Field(
+        description="Prompt text as sent to the model (chat templates applied); a NUL or a lone surrogate in it is "
+        "U+FFFD (storable_text), the prompt token ids are exact."
+    )
     prompt_token_ids: TokenIds = Field(description="Prompt token ids as the server tokenized them.")
-    completion: Text = Field(description="Completion text.")
+    completion: Text = Field(
+        description="Completion text; a NUL or a lone surrogate in it is U+FFFD (storable_text), the completion "
+        "token ids are exact."
+    )
     completion_token_ids: TokenIds = Field(description="Sampled completion token ids.")
     completion_logprobs: Logprobs = Field(description="Behaviour logprob of each sampled completion token.")
-    finish_reason: Annotated[str, Field(max_length=32)] | None = Field(None, description="stop, length, ...")
+    finish_reason: Annotated[str, BeforeValidator(_storable), Field(max_length=32)] | None = Field(
+        None, description="stop, length, ..."
+    )
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="Sampling parameters.")
     episode_id: Id = Field(description="Episode this segment belongs to (= request_id for single calls).")
     segment_index: int = Field(0, ge=0, le=10_000, description="Position of the segment in its episode.")

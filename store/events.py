@@ -11,7 +11,10 @@ Dead-letter reasons (``Rejected.reason`` starts with the class, for stats and al
 
 * ``schema: ...``     not JSON, unknown schema_version, wrong topic, failed validation (NaN
                       logprob, unknown feedback kind, oversize, ...)
-* ``content: ...``    valid per schema but not storable: NUL characters, unparseable policy version
+* ``content: ...``    valid per schema but not usable: an unparseable policy version, a created_at
+                      outside the accepted window, a feedback value outside the reward spec's range
+                      (never the text: a NUL or a lone surrogate in a prompt or completion is
+                      stored as U+FFFD, schemas.events.storable_text)
 * ``duplicate: ...``  a second record carrying an event_id already stored from another offset, or a
                       second event for an (episode_id, segment_index) that is already stored
 """

@@ -16,20 +16,25 @@ the same way for all of them:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import time
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from rtrl.logs import quiet_connection_retries
 from schemas.clock import wait_until
 from schemas.errors import OperatorError
 from schemas.settings import Settings
 
 LOG_TAIL_LINES = 40
+
+log = logging.getLogger(__name__)
 
 
 class ServiceError(OperatorError, RuntimeError):
@@ -135,6 +140,9 @@ class Service(ABC):
     stop_signal: signal.Signals = signal.SIGTERM
     #: Seconds between the stop signal and SIGKILL of the whole process group.
     stop_grace_s: float = 20.0
+    #: The logger of the client library `check` uses, when it logs each refused connection attempt
+    #: itself: those records are dropped while `wait_healthy` waits (rtrl.logs.quiet_connection_retries).
+    client_logger: str | None = None
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -257,8 +265,12 @@ class Service(ABC):
         return proc.pid
 
     def wait_healthy(self, timeout_s: float) -> str:
-        """Poll `check` until it passes; raises ServiceError with the log's tail on exit or timeout."""
-        last = ["no check yet"]
+        """Poll `check` until it passes; raises ServiceError with the log's tail on exit or timeout.
+
+        A service that does not answer yet is said once, at INFO ("waiting for kafka at ..."); the
+        refused connection attempts its client library would log meanwhile are not
+        (`client_logger`), and are again once the wait is over."""
+        last: list[str | None] = [None]
 
         def healthy() -> str | None:
             if self.pid() is None:
@@ -268,14 +280,20 @@ class Service(ABC):
             try:
                 return self.check()
             except Exception as exc:  # not up yet: keep polling until the deadline
+                if last[0] is None:
+                    log.info("waiting for %s at %s to answer", self.name, self.address)
                 last[0] = f"{type(exc).__name__}: {exc}"
                 return None
 
+        quiet: AbstractContextManager[object] = (
+            nullcontext() if self.client_logger is None else quiet_connection_retries(self.client_logger)
+        )
         try:
-            return wait_until(healthy, timeout_s=timeout_s, interval_s=0.5, what=f"{self.name} not healthy")
+            with quiet:
+                return wait_until(healthy, timeout_s=timeout_s, interval_s=0.5, what=f"{self.name} not healthy")
         except TimeoutError as exc:
             raise ServiceError(
-                f"{exc} ({last[0]}); last lines of {self.log_path}:\n{tail(self.log_path)}"
+                f"{exc} ({last[0] or 'no check yet'}); last lines of {self.log_path}:\n{tail(self.log_path)}"
             ) from None
 
     def stop(self) -> bool:

@@ -81,6 +81,8 @@ def _cluster_id() -> str:
 class Kafka(Service):
     name = "kafka"
     stop_grace_s = 30.0  # a controlled shutdown of a single node takes a few seconds
+    # kafka-python logs an ERROR line for each refused connection while the broker starts.
+    client_logger = "kafka"
 
     @property
     def ports(self) -> tuple[int, ...]:

@@ -285,6 +285,28 @@ def test_build_interaction_defaults_episode_to_request() -> None:
     assert event.completion_logprobs == [-0.5, -0.25]
 
 
+def test_a_completion_with_a_nul_or_a_lone_surrogate_is_captured_not_dead_lettered() -> None:
+    """vLLM's JSON can carry a lone surrogate (a byte-level tokenizer's output), which orjson refuses
+    and the stdlib reads (serving.aio.loads); with a NUL, the event is built with U+FFFD in their
+    place, its token ids exact, and its JSON is UTF-8 for Kafka (docs/internals.md, Text of an
+    interaction)."""
+    import json
+
+    from serving.aio import loads
+
+    raw = json.dumps(UPSTREAM_COMPLETION).replace('" 7!"', '"\\u0000 7\\ud800!"').encode()
+    upstream = loads(raw)
+    generation = extract_completion(upstream, {"prompt": "Q\x00"})
+    event = build_interaction(
+        request_id="req1", tenant="acme", episode_id="acme:req1", capture=Capture(), model="rtrl-tiny",
+        policy_version=3, generation=generation, sampling=sampling_params({}), straddled=False,
+        created_at=datetime(2025, 1, 1, tzinfo=UTC),
+    )  # fmt: skip
+    assert (event.prompt, event.completion) == ("Q\ufffd", "\ufffd 7\ufffd!")
+    assert (event.prompt_token_ids, event.completion_token_ids) == ([1, 2, 3], [41, 5])
+    assert json.loads(event.model_dump_json().encode("utf-8"))["completion"] == "\ufffd 7\ufffd!"
+
+
 def test_sampling_the_trainer_cannot_reproduce_is_captured_untrainable_with_its_reason() -> None:
     event = build_interaction(
         request_id="req1", tenant="acme", episode_id="acme:req1", capture=Capture(), model="rtrl-tiny",

@@ -1,16 +1,18 @@
 """Log rotation (rtrl/logs.py): copy-truncate under a live writer that holds the log as an O_APPEND
-stdout, as the supervisor's children and the local services do; and the supervisor rotating what
-is in ``<run_dir>/logs/``."""
+stdout, as the supervisor's children and the local services do; the supervisor rotating what
+is in ``<run_dir>/logs/``; kafka-python's refused connections quiet while rtrl waits for its broker."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from rtrl.logs import backup, rotate
+from rtrl.logs import backup, quiet_connection_retries, rotate
+from rtrl.services.base import Service
 from rtrl.supervisor import Supervisor
 from schemas.clock import wait_until
 from schemas.settings import ServicesSettings, Settings
@@ -90,3 +92,92 @@ def test_the_supervisor_rotates_every_log_of_its_run_dir(tmp_path: Path) -> None
     assert (logs / "kafka.log.1").read_bytes() == b"b" * 101 and (logs / "kafka.log").stat().st_size == 0
     assert not (logs / "redis.log.1").exists()
     assert supervisor.rotate_logs() == []
+
+
+# ---- kafka-python's refused connections while rtrl waits for its own broker -------------------------
+
+# What kafka-python 3.0.12 logged for one bootstrap attempt at a port nothing listened on (rtrl demo's
+# start-up), logger name and message as written.
+REFUSED_ATTEMPT = [
+    ("kafka.net.connection", logging.ERROR, "<KafkaConnection node_id=bootstrap-0 broker_version=unknown "
+     "(disconnected)>: Connection lost: KafkaConnectionError: 111 ECONNREFUSED"),
+    ("kafka.net.manager", logging.WARNING, "Bootstrap connection to bootstrap-0 failed: KafkaConnectionError: "
+     "111 ECONNREFUSED (backoff 2.23 secs)"),
+    ("kafka.net.manager", logging.WARNING, "Bootstrap bootstrap-0 not ready; waiting 2.23 secs"),
+    ("kafka.net.manager", logging.ERROR, "Connection failed: KafkaConnectionError: 111 ECONNREFUSED"),
+    ("kafka.net.manager", logging.ERROR, "Bootstrap failed: KafkaTimeoutError: Unable to bootstrap from "
+     "['127.0.0.1:19092']"),
+]  # fmt: skip
+
+
+def log_attempt() -> None:
+    for name, level, message in REFUSED_ATTEMPT:
+        logging.getLogger(name).log(level, message)
+
+
+def kafka_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("kafka.")]
+
+
+def test_refused_connections_are_dropped_only_while_the_wait_lasts(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    with quiet_connection_retries("kafka"):
+        log_attempt()
+        logging.getLogger("kafka.net.connection").error("SaslHandshake failed: IllegalSaslStateError")  # not a refusal
+        logging.getLogger("rtrl.labeler").error("upstream: ECONNREFUSED")  # not kafka-python's
+        logging.getLogger("kafkaesque").error("ECONNREFUSED")  # another library that only starts alike
+    assert kafka_lines(caplog) == ["SaslHandshake failed: IllegalSaslStateError"]
+    assert [r.name for r in caplog.records] == ["kafka.net.connection", "rtrl.labeler", "kafkaesque"]
+    caplog.clear()
+    log_attempt()  # the broker is up now: a refusal is news again
+    assert kafka_lines(caplog) == [message for _, _, message in REFUSED_ATTEMPT]
+    assert all(not handler.filters for handler in logging.getLogger().handlers)
+
+
+def test_where_no_handler_is_configured_the_last_resort_is_quiet_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """`rtrl services up` configures no root handler: logging's last resort prints the records."""
+    library = logging.getLogger("kafkatest")
+    library.propagate = False  # no handler up the chain: what reaches it goes to logging.lastResort
+    try:
+        with quiet_connection_retries("kafkatest"):
+            logging.getLogger("kafkatest.net").error("Connection failed: KafkaConnectionError: 111 ECONNREFUSED")
+        assert capsys.readouterr().err == ""
+        logging.getLogger("kafkatest.net").error("Connection failed: KafkaConnectionError: 111 ECONNREFUSED")
+        assert capsys.readouterr().err == "Connection failed: KafkaConnectionError: 111 ECONNREFUSED\n"
+    finally:
+        library.propagate = True
+
+
+class Starting(Service):
+    """A service whose client logs like kafka-python: refused twice, then healthy."""
+
+    name = "kafka"
+    client_logger = "kafka"
+    ports: tuple[int, ...] = ()
+    address = "127.0.0.1:19092"
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.checks = 0
+
+    def command(self) -> list[str]:
+        return []
+
+    def pid(self) -> int | None:
+        return 1
+
+    def check(self) -> str:
+        self.checks += 1
+        if self.checks <= 2:
+            log_attempt()
+            raise RuntimeError("cannot reach Kafka at 127.0.0.1:19092")
+        return "Kafka 4.1.0 KRaft"
+
+
+def test_waiting_for_a_starting_broker_is_one_info_line(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    caplog.set_level(logging.INFO)
+    unit = Starting(Settings(services=ServicesSettings(run_dir=tmp_path)))
+    assert unit.wait_healthy(timeout_s=10) == "Kafka 4.1.0 KRaft"
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "waiting for kafka at 127.0.0.1:19092 to answer")
+    ]

@@ -23,7 +23,7 @@ from schemas import (
     parse_event,
     parse_version,
 )
-from schemas.events import MAX_EVENT_BYTES
+from schemas.events import MAX_EVENT_BYTES, storable_text
 
 pytestmark = pytest.mark.unit
 
@@ -139,6 +139,34 @@ def test_schema_export_writes_json_schema(tmp_path: Path) -> None:
     assert "completion_logprobs" in interaction_schema["required"]
 
 
+@pytest.mark.parametrize(
+    ("text", "stored"),
+    [
+        ("plain ascii\ttext\n", "plain ascii\ttext\n"),
+        ("a\x00b\x00", "a\ufffdb\ufffd"),
+        ("\x01\x07\x1b\x1f\x7f\x85\u2028 kept", "\x01\x07\x1b\x1f\x7f\x85\u2028 kept"),  # other controls
+        ("é\ud800x", "é\ufffdx"),
+        ("\udfff\ud83d", "\ufffd\ufffd"),  # a low surrogate first, a high one last: neither pairs
+        ("\ud83d\ude00!", "\U0001f600!"),  # a pair written as two code points: the character it encodes
+        ("日本\x00\udc80", "日本\ufffd\ufffd"),
+    ],
+)
+def test_storable_text_replaces_only_nul_and_lone_surrogates(text: str, stored: str) -> None:
+    assert storable_text(text).encode("utf-8").decode("utf-8") == stored  # with a UTF-8 form: encode raises if not
+
+
+def test_text_a_tokenizer_produced_makes_an_event_the_gateway_can_publish() -> None:
+    """vLLM's answer is read leniently (serving.aio.loads), so its text can carry a lone surrogate:
+    the event is built, with U+FFFD, and its JSON is UTF-8 for Kafka; the token ids are untouched."""
+    event = interaction(prompt="q\x00", completion="\ud800a", finish_reason="\x00",
+                        sampling={"stop": ["\udc00", "\x00"]}, completion_token_ids=[0, 255])  # fmt: skip
+    assert (event.prompt, event.completion, event.finish_reason) == ("q\ufffd", "\ufffda", "\ufffd")
+    assert event.sampling.stop == ["\ufffd", "\ufffd"]
+    wire = event.model_dump_json().encode("utf-8")
+    assert parse_event(wire, InteractionEvent) == event
+    assert event.completion_token_ids == [0, 255]
+
+
 def test_a_wire_event_carries_its_own_event_id() -> None:
     data = json.loads(interaction().model_dump_json())
     del data["event_id"]
@@ -187,6 +215,8 @@ def _variants() -> list[bytes]:
         text.replace('"schema_version": "rtrl.interaction.v1"', '"schema_version": "rtrl.interaction.v1 "').encode(),
         text.replace(f'"{wire["request_id"]}"', '"r\\ud800"', 1).encode(),  # a lone surrogate
         text.replace(f'"{wire["request_id"]}"', '"r\\u0000"', 1).encode(),
+        text.replace(f'"{wire["prompt"]}"', '"p\\ud800\\u0000\\udfff"', 1).encode(),  # in text: U+FFFD
+        text.replace(f'"{wire["completion"]}"', '"\\ud83d\\ude00\\u0000\\u0001"', 1).encode(),
         json.dumps(wire, ensure_ascii=False).encode("utf-16"),
         text.encode()[:-1], b"NaN", b'{"schema_version": "rtrl.interaction.v1", "completion_logprobs": [NaN]}',
         b"[" * 5000, b"{}" , b"",

@@ -1,5 +1,6 @@
 """The SQL store on SQLite: migrations, idempotent writes, cycle leases, on-policy selection."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -95,22 +96,54 @@ def test_hostile_records_are_dead_lettered_with_reasons(store: Store) -> None:
         b"not json",
         b'{"schema_version": "rtrl.interaction.v9"}',
         nan,
-        interaction(episode="nul", prompt="a\x00b").model_dump_json().encode(),
         interaction(episode="badversion", version="main").model_dump_json().encode(),
         feedback("r", "accepted").model_dump_json().encode(),  # a feedback event on the interactions topic
+        json.dumps(json.loads(nan) | {"event_id": "bad\ud800"}).encode(),  # an id no store can hold
     )
     reasons = [r.reason for r in written.rejected]
     assert reasons[0].startswith("schema: not JSON")
     assert reasons[1] == "schema: unknown schema_version 'rtrl.interaction.v9'"
     assert reasons[2].startswith("schema:") and "logprobs must be finite" in reasons[2]
-    assert reasons[3] == "content: text contains a NUL character"
-    assert reasons[4].startswith("content: not an rtrl policy version")
-    assert reasons[5] == "schema: rtrl.feedback.v1 on a topic for InteractionEvent"
+    assert reasons[3].startswith("content: not an rtrl policy version")
+    assert reasons[4] == "schema: rtrl.feedback.v1 on a topic for InteractionEvent"
+    assert reasons[5].startswith("schema:")
     with store.transaction() as session:
         rows = session.scalars(select(DeadLetter).order_by(DeadLetter.source_offset)).all()
         assert [r.payload for r in rows][:2] == [b"not json", b'{"schema_version": "rtrl.interaction.v9"}']
-        assert rows[3].original_event_id == "i-nul-0"
+        assert rows[3].original_event_id == "i-badversion-0"
+        assert rows[5].original_event_id is None  # dead-lettered without it rather than not at all
         assert session.scalar(select(Interaction.event_id)) is None
+
+
+def test_any_text_a_tokenizer_can_produce_is_stored_and_its_token_ids_are_exact(store: Store) -> None:
+    """A byte-level tokenizer can produce any byte: NUL, other control characters, and (through a
+    lenient JSON writer) lone surrogates, which PostgreSQL, orjson and UTF-8 refuse. The interaction
+    is stored with each NUL and lone surrogate as U+FFFD and the rest of its text as it was; its
+    token ids and logprobs are what the gateway sent (schemas.events.storable_text)."""
+    feeder = Feeder(store)
+    sent = json.loads(interaction().model_dump_json()) | {
+        "prompt": "a\x00b\x01\x07\x1b[0m\x1f\x7f\x85\ud800\n",
+        "prompt_token_ids": [0, 1, 2**31 - 1],
+        "completion": "\udfff\x00x\ud83d\ude00\tdone\x00",  # a lone surrogate; a pair is one character
+        "completion_token_ids": [255, 0],
+        "finish_reason": "st\x00p",
+        "sampling": {"stop": ["\x00", "\udc00", "\x1b"]},
+    }
+    raw = json.dumps(sent).encode()  # as Python's json writes it: NUL as \u0000, surrogates as \udXXX
+    written, _ = feeder.send(raw, interaction(episode="e2", prompt="\x00", completion="\ud800").model_dump_json().encode())
+    assert (written.rejected, len(written.interactions)) == ([], 2)
+    with store.transaction() as session:
+        row = session.get(Interaction, "i-e1-0")
+        assert row is not None
+        assert row.prompt == "a\ufffdb\x01\x07\x1b[0m\x1f\x7f\x85\ufffd\n"
+        assert row.completion == "\ufffd\ufffdx\U0001f600\tdone\ufffd"
+        assert row.finish_reason == "st\ufffdp"
+        assert row.sampling["stop"] == ["\ufffd", "\ufffd", "\x1b"]
+        assert (row.prompt_token_ids, row.completion_token_ids) == ([0, 1, 2**31 - 1], [255, 0])
+        assert row.completion_logprobs == [-0.5, -1.25]
+        built = session.get(Interaction, "i-e2-0")  # built by the gateway in Python, as from vLLM's answer
+        assert built is not None and (built.prompt, built.completion) == ("\ufffd", "\ufffd")
+    assert store.stats()["dead_letters"] == 0
 
 
 # ---- cycles ------------------------------------------------------------------------------------------

@@ -106,11 +106,12 @@ def test_a_converged_champion_keeps_its_preference_rate_through_one_more_cycle(
 
     def cycle(version: int, model_dir: Path, seed: int) -> tuple[int, Path]:
         written, settled = feeder.send(*traffic(model_dir, version, seed))
-        # The tiny model sometimes samples a NUL: the labeler dead-letters that event, as in production.
-        assert all(r.reason.startswith("content:") for r in written.rejected), written.rejected
+        # The tiny model sometimes samples a NUL: stored as U+FFFD, its token ids exact, as in production
+        # (schemas.events.storable_text); no interaction is lost to its text.
+        assert written.rejected == [], written.rejected
         # Rejections settle at once; acceptances when the settle window has passed (tab-v1).
         stored = len(written.interactions)
-        assert settled.settled_terminal + feeder.settle_window(at(31), 30) == stored >= EPISODES - 5
+        assert settled.settled_terminal + feeder.settle_window(at(31), 30) == stored == EPISODES
         result = run_cycle(production, store, registry, owner="stability")
         print(f"cycle {seed}: v{version} -> v{result.challenger_version}, reward {result.mean_reward}, "
               f"KL {[round(s.kl_k3, 4) for s in result.steps]}, stopped at {result.kl_stopped_at_step}")  # fmt: skip
