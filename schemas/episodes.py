@@ -27,7 +27,19 @@ An episode with orchestrator or sub-agent segments (Kimi PARL) also gets:
   of the longest branch of each stage (docs/methods.md, PARL);
 * ``subagents`` (distinct sub-agent ids; a sub-agent call without an ``agent`` id counts as its own
   sub-agent) and ``subagents_finished`` (those whose last call stopped by itself, finish reason
-  ``stop``, rather than at ``max_tokens`` or cut off).
+  ``stop``, rather than at ``max_tokens`` or cut off);
+* ``subagents_used``: the finished sub-agents whose result the orchestrator used — the last answer
+  of the sub-agent (its last call's completion, stripped, not empty) is in the prompt of an
+  orchestrator call after that call, and was not already in the orchestrator's context (prompt +
+  completion of its last call before the sub-agent's first call). PARL's r_finish counts these
+  (schemas/rewards.py): a sub-agent whose answer never reached the orchestrator, or brought it
+  nothing it did not have, did no useful work. Compared as text, like the context edits; an answer
+  the orchestrator's context already held cannot be told from one it received, so it does not count;
+* ``subagent_calls_off_pin``: sub-agent calls served by another weight version than the one the
+  episode's first orchestrator call was served by (the version the sub-agents are pinned to; 0 when
+  the versions are unknown). The fleet serves the champion of the moment, so a server swapped
+  mid-episode serves the rest of it from the new version: counted here, not hidden
+  (docs/methods.md, PARL).
 """
 
 from __future__ import annotations
@@ -54,6 +66,7 @@ class SegmentShape:
     trainable: bool
     prompt: str = ""
     completion: str = ""
+    version: str | None = None  # the weight version that served the call ("v3"), None when not known
 
 
 def is_parl(segments: Sequence[SegmentShape]) -> bool:
@@ -107,25 +120,46 @@ def _common_prefix(a: str, b: str) -> int:
 def parl_metrics(segments: Sequence[SegmentShape]) -> dict[str, int]:
     """Stages, critical steps and sub-agents of a PARL episode (module docstring)."""
     stages: list[tuple[int, dict[str, int]]] = []  # (orchestrator calls, calls per sub-agent)
-    last_call: dict[str, SegmentShape] = {}
+    first_call: dict[str, int] = {}  # sub-agent -> index of its first call
+    last_call: dict[str, int] = {}  # sub-agent -> index of its last call
     for index, segment in enumerate(segments):
         if segment.role == SUBAGENT:
             if not stages:
                 stages.append((0, {}))
             key = _agent_key(index, segment)
             stages[-1][1][key] = stages[-1][1].get(key, 0) + 1
-            last_call[key] = segment
+            first_call.setdefault(key, index)
+            last_call[key] = index
         else:
             if segment.role == ORCHESTRATOR or not stages:
                 stages.append((0, {}))
             main, subs = stages[-1]
             stages[-1] = (main + 1, subs)
+    finished = {key for key, index in last_call.items() if segments[index].finish_reason == "stop"}
+    pin = next((s.version for s in segments if s.role != SUBAGENT), None)
     return {
         "stages": len(stages),
         "critical_steps": sum(main + max(subs.values(), default=0) for main, subs in stages),
         "subagents": len(last_call),
-        "subagents_finished": sum(s.finish_reason == "stop" for s in last_call.values()),
-    }
+        "subagents_finished": len(finished),
+        "subagents_used": sum(_used(segments, first_call[key], last_call[key]) for key in finished),
+        "subagent_calls_off_pin": 0 if pin is None else sum(
+            s.role == SUBAGENT and s.version is not None and s.version != pin for s in segments
+        ),
+    }  # fmt: skip
+
+
+def _used(segments: Sequence[SegmentShape], first: int, last: int) -> bool:
+    """Whether the orchestrator used the answer of the sub-agent whose calls run from segment `first`
+    to `last`: it is in a later orchestrator call's prompt and was new to the orchestrator (module
+    docstring). The main agent's calls are every call that is not a sub-agent's."""
+    answer = segments[last].completion.strip()
+    if not answer:
+        return False
+    before = next((s for s in reversed(segments[:first]) if s.role != SUBAGENT), None)
+    if before is not None and answer in before.prompt + before.completion:
+        return False
+    return any(s.role != SUBAGENT and answer in s.prompt for s in segments[last + 1 :])
 
 
 def batch_metrics(episodes: Sequence[tuple[Mapping[str, Any], Mapping[str, float]]]) -> dict[str, float]:
@@ -133,8 +167,9 @@ def batch_metrics(episodes: Sequence[tuple[Mapping[str, Any], Mapping[str, float
 
     Means over the episodes that have the measurement (rows older than it have none): segments,
     summaries, context length and edits; for PARL episodes the critical steps, sub-agents, the share
-    finished, the λ they were labelled with and the shaping they got; for judged episodes how many
-    the judge could not grade and how often grade and feedback disagreed."""
+    finished and the share used, the sub-agent calls served off the pinned version, the λ they were
+    labelled with and the shaping they got; for judged episodes how many the judge could not grade
+    and how often grade and feedback disagreed."""
     measured = [(m, c) for m, c in episodes if m]
     out: dict[str, float] = {}
     if not measured:
@@ -157,6 +192,12 @@ def batch_metrics(episodes: Sequence[tuple[Mapping[str, Any], Mapping[str, float
         out["parl_subagents_mean"] = mean([m["subagents"] for m, _ in parl])
         spawned = sum(m["subagents"] for m, _ in parl)
         out["parl_subagents_finished_share"] = sum(m["subagents_finished"] for m, _ in parl) / spawned if spawned else 0.0
+        measured_use = [m for m, _ in parl if "subagents_used" in m]  # episodes settled before it have none
+        if measured_use:
+            spawned = sum(m["subagents"] for m in measured_use)
+            used = sum(m["subagents_used"] for m in measured_use)
+            out["parl_subagents_used_share"] = used / spawned if spawned else 0.0
+            out["parl_subagent_calls_off_pin_mean"] = mean([m["subagent_calls_off_pin"] for m in measured_use])
         shaped = [(m, c) for m, c in parl if "lambda_parallel" in m]
         if shaped:
             out["parl_episode_lambda_parallel_mean"] = mean([m["lambda_parallel"] for m, _ in shaped])

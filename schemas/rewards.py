@@ -29,7 +29,7 @@ How signals combine (``score``):
 
 * Two terms come from the labeler's measurements of the episode, not from feedback (`Shaping`):
   PARL's shaping (``parl``: component ``parl_parallel`` = λ₁·r_parallel and ``parl_finish`` =
-  λ₂·r_finish, λ annealed linearly to 0 over ``anneal_cycles`` training cycles) and the judge
+  λ₂·r_finish, λ annealed linearly to 0 over ``anneal_cycles`` training cycles under the spec) and the judge
   (``judge``: component ``judge`` = weight · (2·grade − 1), the grade in [0, 1]; a judge that could
   not be asked leaves the component ``judge_unavailable`` = 0 instead). docs/methods.md has both.
   They are not feedback: an episode with only these still carries ``no_feedback``.
@@ -91,10 +91,13 @@ class ParlShaping(BaseModel):
     """Kimi PARL's shaping terms and their schedule (docs/methods.md, PARL).
 
     r_parallel = min(sub-agents, `parallel_target`) / `parallel_target` counters serial collapse
-    (an orchestrator that does everything itself); r_finish = finished sub-agents / sub-agents
-    counters spurious parallelism (sub-agents spawned and left unfinished). Both are in [0, 1].
-    λ(k) = λ(0) · max(0, 1 − k / `anneal_cycles`), k the number of training cycles before the
-    episode settled: the shaping fades and the task's own reward is what remains."""
+    (an orchestrator that does everything itself); r_finish = used sub-agents / sub-agents counters
+    spurious parallelism (sub-agents spawned whose work is not useful): a sub-agent counts when it
+    finished by itself and the orchestrator used its result (schemas/episodes.py,
+    ``subagents_used``), so spawning sub-agents that stop at once and are never heard from pays
+    r_parallel only. Both are in [0, 1]. λ(k) = λ(0) · max(0, 1 − k / `anneal_cycles`), k the
+    number of training cycles trained under this spec (its ``name@version``) before the episode
+    settled: the shaping fades and the task's own reward is what remains."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -104,14 +107,15 @@ class ParlShaping(BaseModel):
     parallel_target: int = Field(4, ge=1, le=1000, description="Sub-agents at which r_parallel reaches 1.")
 
     def lambdas(self, cycle: int) -> tuple[float, float]:
-        """(λ₁, λ₂) for an episode settled after `cycle` training cycles."""
+        """(λ₁, λ₂) for an episode settled after `cycle` training cycles under the spec."""
         left = max(0.0, 1.0 - max(cycle, 0) / self.anneal_cycles)
         return self.lambda_parallel * left, self.lambda_finish * left
 
-    def terms(self, subagents: int, finished: int) -> tuple[float, float]:
-        """(r_parallel, r_finish) of an episode with `subagents` sub-agents, `finished` of them finished."""
+    def terms(self, subagents: int, used: int) -> tuple[float, float]:
+        """(r_parallel, r_finish) of an episode with `subagents` sub-agents, `used` of them finished
+        with a result the orchestrator used."""
         r_parallel = min(subagents, self.parallel_target) / self.parallel_target
-        r_finish = finished / subagents if subagents else 0.0
+        r_finish = used / subagents if subagents else 0.0
         return r_parallel, r_finish
 
 
@@ -205,8 +209,8 @@ class RewardSpec(BaseModel):
 class Shaping:
     """What the labeler measured of an episode besides its feedback (the module docstring)."""
 
-    parl: tuple[int, int] | None = None  # (sub-agents, finished sub-agents) of a PARL episode
-    cycle: int = 0  # training cycles before this settlement: where PARL's λ schedule is
+    parl: tuple[int, int] | None = None  # (sub-agents, sub-agents used) of a PARL episode
+    cycle: int = 0  # cycles trained under the spec before this settlement: where PARL's λ schedule is
     judge: float | None = None  # the judge's grade in [0, 1]
     judge_unavailable: bool = False  # the spec has a judge term and the judge could not be asked
 
@@ -259,9 +263,12 @@ TAB_V1 = RewardSpec(
 )
 
 PARL_V1 = TAB_V1.model_copy(update={
-    "name": "parl-v1", "version": 1,
-    "description": "tab-v1's feedback weights plus Kimi PARL's shaping: r_parallel and r_finish, each weighted 0.2 "
-    "at first and annealed to 0 over 10 training cycles (docs/methods.md, PARL).",
+    # 2: r_finish counts the sub-agents whose result the orchestrator used, not every one that stopped
+    # (@1 paid for spurious parallelism); its λ schedule starts again, as it counts @2's own cycles.
+    "name": "parl-v1", "version": 2,
+    "description": "tab-v1's feedback weights plus Kimi PARL's shaping: r_parallel and r_finish (sub-agents whose "
+    "result the orchestrator used), each weighted 0.2 at first and annealed to 0 over the spec's first 10 training "
+    "cycles (docs/methods.md, PARL).",
     "parl": ParlShaping(lambda_parallel=0.2, lambda_finish=0.2, anneal_cycles=10, parallel_target=4),
 })  # fmt: skip
 JUDGED_V1 = TAB_V1.model_copy(update={

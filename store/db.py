@@ -129,6 +129,7 @@ class CycleRecord:
     episode_ids: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    reward_spec: str | None = None  # the spec of the episodes it trained on (`Store.mark_used`)
 
 
 @dataclass(frozen=True)
@@ -355,10 +356,11 @@ class Store:
 
     # ---- training cycles ------------------------------------------------------------------------
 
-    def trained_cycles(self) -> int:
-        """Cycles that trained a version (registered, promoted or rejected): the k of PARL's λ schedule."""
+    def trained_cycles(self, spec_id: str) -> int:
+        """Cycles that trained a version (registered, promoted or rejected) on episodes of the reward
+        spec `spec_id`: the k of that spec's PARL λ schedule (`settle.trained_cycles`)."""
         with self.transaction() as session:
-            return settle.trained_cycles(session)
+            return settle.trained_cycles(session, spec_id)
 
     def acquire_cycle(self, owner: str, ttl_s: float, champion: int) -> int | None:
         """Start a cycle training from version `champion`; its id, or None when another cycle holds the lease."""
@@ -659,7 +661,12 @@ class Store:
         ]
 
     def mark_used(self, cycle_id: int, episode_ids: Sequence[str]) -> None:
-        """Claim episodes for an active cycle, all or none; raises EpisodesUnavailable or LeaseLost."""
+        """Claim episodes for an active cycle, all or none; raises EpisodesUnavailable or LeaseLost.
+
+        Records on the cycle the reward spec its episodes were labelled under (``cycles.reward_spec``;
+        None when they mix specs, which the trainer's selection never does, and then the cycle counts
+        for none): what PARL's λ schedule counts (`settle.trained_cycles`), kept when retention prunes
+        the episodes."""
         wanted = sorted(set(episode_ids))
         with self.transaction() as session:
             cycle = session.get(Cycle, cycle_id, with_for_update=True)
@@ -684,6 +691,11 @@ class Store:
                     f"cycle {cycle_id}: only {claimed} of {len(wanted)} episodes are settled and unused"
                 )
             cycle.episode_ids = [*(cycle.episode_ids or []), *wanted]
+            specs = set(session.scalars(
+                select(Episode.reward_spec).where(Episode.status == "settled", Episode.used_in_cycle == cycle_id)
+                .distinct()
+            ))  # fmt: skip
+            cycle.reward_spec = specs.pop() if len(specs) == 1 else None
 
     # ---- eval gate decisions ---------------------------------------------------------------------
 
@@ -1028,6 +1040,7 @@ def _record(cycle: Cycle) -> CycleRecord:
         episode_ids=list(cycle.episode_ids or []),
         metrics=dict(cycle.metrics or {}),
         error=cycle.error,
+        reward_spec=cycle.reward_spec,
     )
 
 

@@ -194,6 +194,9 @@ class Cycle(Base):
     started_at: Mapped[datetime] = mapped_column(UtcDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
     episode_ids: Mapped[list[str] | None] = mapped_column(JSON)
+    # The reward spec (name@version) of the episodes it claimed, set when it claims them: what a PARL
+    # spec's λ schedule counts (store/settle.py `trained_cycles`). NULL when it claimed none or mixed specs.
+    reward_spec: Mapped[str | None] = mapped_column(String(120))
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     error: Mapped[str | None] = mapped_column(Text)
     # Constant while the cycle is active and NULL afterwards: the unique index on it makes "one

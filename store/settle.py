@@ -20,7 +20,8 @@ Rules (docs/runbooks/labeler.md has the operator's view):
   window is its timeout. (An episode of one call - its only segment so far is segment 0 - ends on
   terminal feedback about that call, as always.)
 * Settling measures the episode's structure (schemas/episodes.py, stored as ``episodes.metrics``)
-  and gives it one reward, with PARL's shaping when the spec has it. Under a spec with a judge
+  and gives it one reward, with PARL's shaping when the spec has it (its λ where the cycles trained
+  under that spec have taken the schedule, `trained_cycles`). Under a spec with a judge
   term the episode first closes as ``judging`` (nothing joins it any more) and settles once the
   judge has graded it, or could not (`awaiting_judge`, `settle_judged`; feedback/judging.py).
 * After it closes nothing changes the reward: late feedback is stored with ``late = true`` and
@@ -357,7 +358,7 @@ def settle(
         return []
     ids = [e.episode_id for e in episodes]
     shapes = _segment_shapes(session, ids, _segments(session, ids) if segments_of is None else segments_of)
-    cycle = trained_cycles(session) if spec.parl is not None else 0
+    cycle = trained_cycles(session, spec.spec_id) if spec.parl is not None else 0
     scored: list[_Episode] = []
     for episode in episodes:
         segments = shapes.get(episode.episode_id, [])
@@ -376,10 +377,18 @@ def settle(
     return [_score(episode, spec, signals.get(episode.episode_id, []), None, now) for episode in scored]
 
 
-def trained_cycles(session: Session) -> int:
-    """Training cycles that trained a version (registered, then promoted or rejected): where PARL's λ
-    schedule is for the episodes settled now (schemas/rewards.py, ParlShaping)."""
-    query = select(func.count()).select_from(Cycle).where(Cycle.status.in_(("registered", "promoted", "rejected")))
+def trained_cycles(session: Session, spec_id: str) -> int:
+    """Training cycles that trained a version (registered, then promoted or rejected) on episodes
+    labelled under the reward spec `spec_id` (``name@version``): where that spec's PARL λ schedule is
+    for the episodes settled now (schemas/rewards.py, ParlShaping). Cycles under other specs do not
+    move it, so a switch to a PARL spec starts at λ(0).
+
+    What a cycle trained under is recorded on it when it claims its episodes (``cycles.reward_spec``,
+    `Store.mark_used`; migration 0010 filled it in for the cycles before it), so pruning the
+    episodes later keeps the count."""
+    query = select(func.count()).select_from(Cycle).where(
+        Cycle.status.in_(("registered", "promoted", "rejected")), Cycle.reward_spec == spec_id
+    )  # fmt: skip
     return int(session.scalar(query) or 0)
 
 
@@ -441,8 +450,9 @@ def _score(
 ) -> Settled:
     """Give a closed episode its reward (its metrics measured) and mark it settled."""
     metrics = dict(episode.metrics or {})
+    # An episode closed for its judge before use was measured has no `subagents_used`: none counts.
     shaping = Shaping(
-        parl=(metrics["subagents"], metrics["subagents_finished"]) if "lambda_parallel" in metrics else None,
+        parl=(metrics["subagents"], metrics.get("subagents_used", 0)) if "lambda_parallel" in metrics else None,
         cycle=int(metrics.get("cycle", 0)), judge=grade, judge_unavailable=judged and grade is None,
     )  # fmt: skip
     result: RewardResult = score(spec, signals, unfinished=bool(metrics.get("unfinished")), shaping=shaping)
@@ -477,14 +487,14 @@ def _signals(session: Session, episode_ids: list[str]) -> dict[str, list[Any]]:
 
 def _segments(session: Session, episode_ids: list[str]) -> dict[str, list[Any]]:
     """Each episode's non-late segments in order, without their text: index, role, agent, finish
-    reason, trainable, and token counts counted by the database (``json_array_length``, on SQLite
-    and PostgreSQL alike)."""
+    reason, trainable, the version that served it, and token counts counted by the database
+    (``json_array_length``, on SQLite and PostgreSQL alike)."""
     segments: dict[str, list[Any]] = defaultdict(list)
     if not episode_ids:
         return segments
     rows = session.execute(
         select(Interaction.episode_id, Interaction.segment_index, Interaction.role, Interaction.agent,
-               Interaction.finish_reason, Interaction.trainable,
+               Interaction.finish_reason, Interaction.trainable, Interaction.policy_version,
                func.json_array_length(Interaction.prompt_token_ids).label("prompt_len"),
                func.json_array_length(Interaction.completion_token_ids).label("completion_len"))
         .where(among(session, Interaction.episode_id, episode_ids), Interaction.late.is_(False))
@@ -515,7 +525,8 @@ def _segment_shapes(
             SegmentShape(role=r.role, agent=r.agent, prompt_len=int(r.prompt_len or 0),
                          completion_len=int(r.completion_len or 0), finish_reason=r.finish_reason,
                          trainable=bool(r.trainable), prompt=text.get((episode_id, r.segment_index), ("", ""))[0],
-                         completion=text.get((episode_id, r.segment_index), ("", ""))[1])
+                         completion=text.get((episode_id, r.segment_index), ("", ""))[1],
+                         version=r.policy_version)
             for r in segs
         ]
         for episode_id, segs in per_episode.items()

@@ -61,8 +61,8 @@ def test_parl_stages_critical_steps_and_finished_subagents() -> None:
         seg("a ", "2 ", role="subagent", agent="A"),  # A stopped here ...
         seg("a 2 x ", "3 ", role="subagent", agent="A", finish_reason="length"),  # ... but its last call did not
         seg("b ", "4 ", role="subagent", agent="B"),
-        seg("o 1 y ", "5 ", role="orchestrator"),  # stage 2
-        seg("o 1 y 5 z ", "6 ", role="orchestrator"),  # stage 3
+        seg("o 1 4 ", "5 ", role="orchestrator"),  # stage 2: B's answer reaches the orchestrator
+        seg("o 1 4 5 z ", "6 ", role="orchestrator"),  # stage 3
     ]
     assert is_parl(segments)
     assert episode_metrics(segments) == {
@@ -72,7 +72,56 @@ def test_parl_stages_critical_steps_and_finished_subagents() -> None:
         "critical_steps": 5,  # (1 orchestrator + A's 2 calls) + 1 + 1
         "subagents": 2,
         "subagents_finished": 1,  # B; A's last call hit max_tokens
+        "subagents_used": 1,  # B: its "4" is in stage 2's prompt
+        "subagent_calls_off_pin": 0,  # no versions known
     }  # fmt: skip
+
+
+def test_a_subagent_counts_as_used_only_when_its_answer_reaches_the_orchestrator_as_news() -> None:
+    """r_finish pays for sub-agents whose result the orchestrator used (docs/methods.md, PARL): a
+    sub-agent that stopped by itself and whose last answer is in a later orchestrator call's prompt
+    and was not in the orchestrator's context before the sub-agent ran."""
+    segments = [
+        seg("Q ", "plan ", role="orchestrator"),  # the orchestrator's context before its sub-agents: "Q plan "
+        seg("a ", "forty two ", role="subagent", agent="A"),  # used: its answer is new in the next prompt
+        seg("b ", " ", role="subagent", agent="B"),  # stopped, answered nothing: nothing to use
+        seg("c ", "plan ", role="subagent", agent="C"),  # stopped, but repeats what the orchestrator had
+        seg("d ", "seven ", role="subagent", agent="D"),  # stopped, its answer never passed back
+        seg("e ", "nine ", role="subagent", agent="E", finish_reason="length"),  # passed back, but cut off
+        seg("Q plan Notes: forty two plan nine Q ", "done ", role="orchestrator"),
+    ]
+    metrics = parl_metrics(segments)
+    assert (metrics["subagents"], metrics["subagents_finished"], metrics["subagents_used"]) == (5, 4, 1)
+    # Four sub-agents that stopped at once and whose answers the orchestrator never saw: none used.
+    trivial = [seg("Q ", "plan ", role="orchestrator"),
+               *(seg(f"s{i} ", "ok ", role="subagent", agent=f"S{i}") for i in range(4)),
+               seg("Q plan Q ", "done ", role="orchestrator")]  # fmt: skip
+    assert (parl_metrics(trivial)["subagents_finished"], parl_metrics(trivial)["subagents_used"]) == (4, 0)
+    # An answer seen by a later stage's orchestrator call counts; one with no orchestrator call after it does not.
+    later = [seg("Q ", "plan ", role="orchestrator"), seg("a ", "forty ", role="subagent", agent="A"),
+             seg("Q plan ", "more ", role="orchestrator"), seg("b ", "two ", role="subagent", agent="B"),
+             seg("Q plan more then forty ", "done ", role="orchestrator"),
+             seg("c ", "late ", role="subagent", agent="C")]  # fmt: skip
+    assert parl_metrics(later)["subagents_used"] == 1  # A; B's "two" never came back, C ran last
+
+
+def test_subagent_calls_served_off_the_orchestrators_version_are_counted() -> None:
+    """Sub-agents are pinned to the version the episode's orchestrator started under; the calls the
+    fleet served from another version (a swap mid-episode) are counted, never hidden."""
+
+    def at(segment: SegmentShape, version: str | None) -> SegmentShape:
+        return SegmentShape(**{**segment.__dict__, "version": version})
+
+    segments = [
+        at(seg("Q ", "plan ", role="orchestrator"), "v3"),
+        at(seg("a ", "1 ", role="subagent", agent="A"), "v3"),
+        at(seg("a 1 ", "2 ", role="subagent", agent="A"), "v4"),  # the server was swapped mid-episode
+        at(seg("b ", "3 ", role="subagent", agent="B"), "v4"),
+        at(seg("Q plan 2 3 ", "done ", role="orchestrator"), "v4"),
+    ]
+    assert parl_metrics(segments)["subagent_calls_off_pin"] == 2
+    assert parl_metrics([at(s, "v3") for s in segments])["subagent_calls_off_pin"] == 0
+    assert parl_metrics([at(s, None) for s in segments])["subagent_calls_off_pin"] == 0  # versions unknown
 
 
 def test_subagent_calls_without_an_id_are_each_their_own_subagent() -> None:
@@ -80,8 +129,11 @@ def test_subagent_calls_without_an_id_are_each_their_own_subagent() -> None:
     anonymous = [seg("o ", "1 ", role="orchestrator"), sub, sub]
     named = [seg("o ", "1 ", role="orchestrator"), seg("s ", "t ", role="subagent", agent="A"),
              seg("s t ", "u ", role="subagent", agent="A")]  # fmt: skip
-    assert parl_metrics(anonymous) == {"stages": 1, "critical_steps": 2, "subagents": 2, "subagents_finished": 2}
-    assert parl_metrics(named) == {"stages": 1, "critical_steps": 3, "subagents": 1, "subagents_finished": 1}
+    # No orchestrator call after them: no answer was used.
+    assert parl_metrics(anonymous) == {"stages": 1, "critical_steps": 2, "subagents": 2, "subagents_finished": 2,
+                                       "subagents_used": 0, "subagent_calls_off_pin": 0}  # fmt: skip
+    assert parl_metrics(named) == {"stages": 1, "critical_steps": 3, "subagents": 1, "subagents_finished": 1,
+                                   "subagents_used": 0, "subagent_calls_off_pin": 0}  # fmt: skip
     # Two anonymous sub-agents are never compared with each other: no context edit (as one agent,
     # "s " would not continue "s t ").
     assert episode_metrics(anonymous)["context_edits"] == 0
@@ -94,16 +146,18 @@ def test_subagent_calls_before_the_first_orchestrator_call_form_a_stage() -> Non
         seg("o ", "3 ", role="orchestrator"),
         seg("b ", "4 ", role="subagent", agent="B", finish_reason=None),  # stage 2: 1 + 1
     ]
-    assert parl_metrics(segments) == {"stages": 2, "critical_steps": 4, "subagents": 2, "subagents_finished": 1}
+    assert parl_metrics(segments) == {"stages": 2, "critical_steps": 4, "subagents": 2, "subagents_finished": 1,
+                                      "subagents_used": 0, "subagent_calls_off_pin": 0}  # fmt: skip
 
 
 def test_batch_metrics_average_over_the_episodes_that_have_each_measurement() -> None:
     parl_shaped = (
         {"segments": 6, "summaries": 0, "max_context_tokens": 7, "context_edits": 0, "stages": 3, "critical_steps": 5,
-         "subagents": 2, "subagents_finished": 1, "cycle": 5, "lambda_parallel": 0.1, "lambda_finish": 0.05},
+         "subagents": 2, "subagents_finished": 1, "subagents_used": 1, "subagent_calls_off_pin": 2, "cycle": 5,
+         "lambda_parallel": 0.1, "lambda_finish": 0.05},
         {"rejected": -0.25, "parl_parallel": 0.05, "parl_finish": 0.025},
     )  # fmt: skip
-    parl_unshaped = (  # a PARL episode labelled under a spec without the shaping
+    parl_unshaped = (  # a PARL episode labelled under a spec without the shaping, before use was measured
         {"segments": 2, "summaries": 0, "max_context_tokens": 3, "context_edits": 1, "stages": 1, "critical_steps": 2,
          "subagents": 2, "subagents_finished": 2},
         {"accepted": 0.75},
@@ -136,6 +190,8 @@ def test_batch_metrics_average_over_the_episodes_that_have_each_measurement() ->
         "parl_critical_steps_max": 5.0,
         "parl_subagents_mean": 2.0,
         "parl_subagents_finished_share": 0.75,  # (1 + 2) / (2 + 2)
+        "parl_subagents_used_share": 0.5,  # 1 / 2: the episode that has the measurement
+        "parl_subagent_calls_off_pin_mean": 2.0,
         "parl_episode_lambda_parallel_mean": 0.1,  # the shaped episode only
         "parl_episode_lambda_finish_mean": 0.05,
         "parl_parallel_reward_mean": 0.05,

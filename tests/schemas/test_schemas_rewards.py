@@ -157,15 +157,16 @@ def test_parl_terms_cap_parallelism_at_the_target() -> None:
     assert shaping.terms(2, 1) == (0.5, 0.5)
     assert shaping.terms(4, 3) == (1.0, 0.75)
     assert shaping.terms(6, 6) == (1.0, 1.0)  # more sub-agents than the target earn no more
-    assert shaping.terms(0, 0) == (0.0, 0.0)  # nothing spawned: nothing finished either
+    assert shaping.terms(0, 0) == (0.0, 0.0)  # nothing spawned: nothing used either
+    assert shaping.terms(4, 0) == (1.0, 0.0)  # four sub-agents none of whose results was used: r_parallel only
 
 
 def test_parl_shaping_adds_components_that_sum_into_the_reward() -> None:
-    # parl-v1 at cycle 5: λ₁ = λ₂ = 0.2 · (1 − 5/10) = 0.1; 2 sub-agents of target 4, 1 finished: 0.5 and 0.5.
+    # parl-v1 at cycle 5: λ₁ = λ₂ = 0.2 · (1 − 5/10) = 0.1; 2 sub-agents of target 4, 1 used: 0.5 and 0.5.
     result = score(PARL_V1, [sig(K.rejected)], shaping=Shaping(parl=(2, 1), cycle=5))
     assert result.components == pytest.approx({"rejected": -0.25, "parl_parallel": 0.05, "parl_finish": 0.05})
     assert result.reward == pytest.approx(-0.15)
-    assert result.spec_id == "parl-v1@1"
+    assert result.spec_id == "parl-v1@2"
     # Not a PARL episode, or a spec without the shaping: no components.
     assert score(PARL_V1, [sig(K.rejected)]).components == {"rejected": -0.25}
     assert score(TAB_V1, [sig(K.rejected)], shaping=Shaping(parl=(2, 1))).components == {"rejected": -0.25}
@@ -243,7 +244,7 @@ def test_judge_disagrees_truth_table() -> None:
 
 
 def test_the_parl_and_judged_specs_are_built_in() -> None:
-    assert get_spec("parl-v1") is PARL_V1 and PARL_V1.spec_id == "parl-v1@1"
+    assert get_spec("parl-v1") is PARL_V1 and PARL_V1.spec_id == "parl-v1@2"
     assert get_spec("judged-v1") is JUDGED_V1 and JUDGED_V1.spec_id == "judged-v1@1"
     for spec in (PARL_V1, JUDGED_V1):  # tab-v1's feedback weights, plus one term each
         assert (spec.weights, spec.terminal, spec.unfinished) == (TAB_V1.weights, TAB_V1.terminal, TAB_V1.unfinished)

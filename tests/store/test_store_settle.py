@@ -1,13 +1,15 @@
 """Join and settle on SQLite: out-of-order feedback, windows, late and orphaned feedback."""
 
+from pathlib import Path
+
 import pytest
 from factories import FakeClock, Feeder, at, feedback, interaction
-from sqlalchemy import select
+from sqlalchemy import delete, select, update
 
 from schemas.events import InteractionEvent
-from schemas.rewards import JUDGED_V1, PARL_V1
+from schemas.rewards import JUDGED_V1, PARL_V1, TAB_V1
 from store import Store
-from store.models import Episode, Feedback
+from store.models import Cycle, Episode, Feedback
 
 pytestmark = pytest.mark.unit
 
@@ -227,13 +229,27 @@ def test_settled_episodes_carry_their_measurements(store: Store) -> None:
 
 
 def parl_episode(episode_id: str) -> list[InteractionEvent]:
-    """Orchestrator, sub-agents A (stopped) and B (cut off) in its stage, orchestrator: 2 stages, 3 critical steps."""
+    """Orchestrator, sub-agents A (stopped) and B (cut off) in its stage, orchestrator that sees both
+    answers: 2 stages, 3 critical steps, A's result used."""
     return [
-        interaction(episode_id, 0, role="orchestrator"),
-        interaction(episode_id, 1, role="subagent", agent="A", trainable=False, finish_reason="stop"),
-        interaction(episode_id, 2, role="subagent", agent="B", trainable=False, finish_reason="length"),
-        interaction(episode_id, 3, role="orchestrator", prompt="def f(x): and then", finish_reason="stop"),
-    ]
+        interaction(episode_id, 0, role="orchestrator", prompt="Q:", completion=" plan"),
+        interaction(episode_id, 1, role="subagent", agent="A", trainable=False, finish_reason="stop",
+                    prompt="a:", completion=" forty two"),
+        interaction(episode_id, 2, role="subagent", agent="B", trainable=False, finish_reason="length",
+                    prompt="b:", completion=" seven"),
+        interaction(episode_id, 3, role="orchestrator", prompt="Q: plan\nNotes: forty two seven\nQ:",
+                    finish_reason="stop"),
+    ]  # fmt: skip
+
+
+def train_on(store: Store, episode_ids: list[str], *statuses: str) -> int:
+    """A cycle that claims `episode_ids` and moves through `statuses`; its id."""
+    cycle = store.acquire_cycle("w", ttl_s=60, champion=1)
+    assert cycle is not None
+    store.mark_used(cycle, episode_ids)
+    for status in statuses:
+        store.finish_cycle(cycle, status, challenger=2)
+    return cycle
 
 
 def test_parl_episodes_get_the_shaping_of_the_cycles_trained_so_far(store: Store) -> None:
@@ -241,26 +257,28 @@ def test_parl_episodes_get_the_shaping_of_the_cycles_trained_so_far(store: Store
     feeder.send(*parl_episode("p0"), interaction("plain"), now=at(0))
     feeder.send(feedback("r-p0-3", "task_outcome", episode_id="p0"), feedback("r-plain-0", "rejected"), now=at(1))
     p0 = episode(store, "p0")
-    # cycle 0: λ = 0.2; r_parallel = 2/4, r_finish = 1/2 (B's last call hit max_tokens).
+    # cycle 0: λ = 0.2; r_parallel = 2/4, r_finish = 1/2 (A used; B's last call hit max_tokens).
     assert p0.reward_components == {"task_outcome": 1.0, "parl_parallel": 0.1, "parl_finish": 0.1}
-    assert p0.reward == pytest.approx(1.2) and p0.reward_spec == "parl-v1@1"
-    assert {k: p0.metrics[k] for k in ("stages", "critical_steps", "subagents", "subagents_finished", "cycle",
-                                       "lambda_parallel", "lambda_finish", "unfinished", "context_edits")} == {
+    assert p0.reward == pytest.approx(1.2) and p0.reward_spec == PARL_V1.spec_id
+    assert {k: p0.metrics[k] for k in ("stages", "critical_steps", "subagents", "subagents_finished",
+                                       "subagents_used", "subagent_calls_off_pin", "cycle", "lambda_parallel",
+                                       "lambda_finish", "unfinished", "context_edits")} == {
         "context_edits": 0,  # the orchestrator continues its context; each sub-agent has its own
-        "stages": 2, "critical_steps": 3, "subagents": 2, "subagents_finished": 1, "cycle": 0,
-        "lambda_parallel": 0.2, "lambda_finish": 0.2, "unfinished": 0,  # B is not trainable: not unfinished
+        "stages": 2, "critical_steps": 3, "subagents": 2, "subagents_finished": 1, "subagents_used": 1,
+        "subagent_calls_off_pin": 0, "cycle": 0, "lambda_parallel": 0.2, "lambda_finish": 0.2,
+        "unfinished": 0,  # B is not trainable: not unfinished
     }  # fmt: skip
     plain = episode(store, "plain")  # not a PARL episode: no shaping, no schedule
     assert plain.reward_components == {"rejected": -0.25}
     assert not {"cycle", "lambda_parallel", "stages"} & set(plain.metrics)
 
-    # Cycles that trained a version count (rejected, promoted, registered); a failed one does not.
-    for final in (("rejected",), ("registered", "promoted"), ("failed",), ("registered",)):
-        cycle = store.acquire_cycle("w", ttl_s=60, champion=1)
-        assert cycle is not None
-        for status in final:
-            store.finish_cycle(cycle, status, challenger=2)
-    assert store.trained_cycles() == 3
+    # Cycles that trained a version on this spec's episodes count (rejected, promoted, registered);
+    # a failed one does not.
+    for n in range(1, 5):
+        feeder.send(*parl_episode(f"q{n}"), feedback(f"r-q{n}-3", "episode_end"), now=at(1))
+    for n, final in enumerate((("rejected",), ("registered", "promoted"), ("failed",), ("registered",)), start=1):
+        train_on(store, [f"q{n}"], *final)
+    assert store.trained_cycles(PARL_V1.spec_id) == 3
 
     feeder.send(*parl_episode("p3"), now=at(2))
     feeder.send(feedback("r-p3-3", "episode_end"), now=at(3))
@@ -272,6 +290,76 @@ def test_parl_episodes_get_the_shaping_of_the_cycles_trained_so_far(store: Store
     assert p3.reward_components == {"no_feedback": 0.0, "parl_parallel": pytest.approx(0.07),
                                     "parl_finish": pytest.approx(0.07)}  # fmt: skip
     assert p3.reward == pytest.approx(0.14)
+
+
+def test_finishing_pays_only_for_subagents_whose_result_the_orchestrator_used(store: Store) -> None:
+    """Four trivial sub-agents that stop at once and whose answers never reach the orchestrator earn
+    r_parallel (they were spawned) but no r_finish: finishing unused work is spurious parallelism."""
+    feeder = Feeder(store, spec=PARL_V1)
+    feeder.send(
+        interaction("t", 0, role="orchestrator", prompt="Q:", completion=" plan"),
+        *(interaction("t", i, role="subagent", agent=f"S{i}", trainable=False, finish_reason="stop",
+                      prompt=f"s{i}:", completion=" ok")
+          for i in range(1, 5)),
+        interaction("t", 5, role="orchestrator", prompt="Q: plan\nQ:", completion=" done"),
+        feedback("r-t-5", "task_outcome", value=0.0, episode_id="t"),
+        now=at(0),
+    )  # fmt: skip
+    trivial = episode(store, "t")
+    # λ = 0.2: r_parallel = 4/4, r_finish = 0/4.
+    assert trivial.reward_components == {"task_outcome": 0.0, "parl_parallel": 0.2, "parl_finish": 0.0}
+    assert (trivial.metrics["subagents"], trivial.metrics["subagents_finished"], trivial.metrics["subagents_used"]) \
+        == (4, 4, 0)  # fmt: skip
+
+
+def test_the_parl_schedule_counts_the_cycles_trained_under_its_own_spec(store: Store) -> None:
+    """Ten cycles trained under tab-v1 do not move parl-v1's schedule: a switch to parl-v1 starts at
+    λ(0). What a cycle trained under is recorded on the cycle, so pruning its episodes keeps the count."""
+    tab = Feeder(store)
+    for n in range(10):
+        tab.send(interaction(f"t{n}"), feedback(f"r-t{n}-0", "rejected"), now=at(0))
+        train_on(store, [f"t{n}"], "rejected")
+    parl = Feeder(store, spec=PARL_V1)
+    parl.send(*parl_episode("p0"), feedback("r-p0-3", "episode_end"), now=at(1))
+    p0 = episode(store, "p0")
+    assert (p0.metrics["cycle"], p0.metrics["lambda_parallel"], p0.metrics["lambda_finish"]) == (0, 0.2, 0.2)
+    assert (store.trained_cycles("tab-v1@2"), store.trained_cycles(PARL_V1.spec_id)) == (10, 0)
+    assert store.get_cycle(1).reward_spec == "tab-v1@2"  # type: ignore[union-attr]
+
+    for n in range(1, 3):
+        parl.send(*parl_episode(f"q{n}"), feedback(f"r-q{n}-3", "episode_end"), now=at(1))
+        train_on(store, [f"q{n}"], "rejected")
+    assert store.trained_cycles(PARL_V1.spec_id) == 2
+    with store.transaction() as session:  # retention prunes the episodes of finished cycles
+        session.execute(delete(Episode).where(Episode.episode_id.in_(["q1", "t0", "t1"])))
+    assert (store.trained_cycles(PARL_V1.spec_id), store.trained_cycles("tab-v1@2")) == (2, 10)
+
+    parl.send(*parl_episode("p2"), feedback("r-p2-3", "episode_end"), now=at(2))
+    assert episode(store, "p2").metrics["cycle"] == 2
+
+
+def test_the_migration_records_the_spec_of_the_cycles_trained_before_it(tmp_path: Path) -> None:
+    """Migration 0010 gives each existing cycle the spec of the episodes it claimed, where they share one."""
+    store = Store(f"sqlite:///{tmp_path}/old.db")
+    store.migrate("0009")
+    other = TAB_V1.model_copy(update={"name": "other", "version": 1})  # no PARL: settling reads no cycles
+    for prefix, feeder in (("t", Feeder(store)), ("o", Feeder(store, spec=other))):
+        for n in range(2):
+            feeder.send(interaction(f"{prefix}{n}"), feedback(f"r-{prefix}{n}-0", "rejected"), now=at(0))
+    # Cycles 1 (rejected: t0), 2 (promoted: o0), 3 (rejected: t1 and o1, mixed), 4 (failed: released its episodes).
+    claims = {1: ("rejected", ["t0"]), 2: ("promoted", ["o0"]), 3: ("rejected", ["t1", "o1"]), 4: ("failed", [])}
+    with store.transaction() as session:
+        for cycle_id, (status, episodes) in claims.items():
+            session.execute(Cycle.__table__.insert().values(  # type: ignore[attr-defined]
+                id=cycle_id, status=status, owner="w", lease_expires_at=at(0), champion_version="v1", started_at=at(0),
+            ))  # fmt: skip
+            session.execute(update(Episode).where(Episode.episode_id.in_(episodes)).values(used_in_cycle=cycle_id))
+    store.migrate()
+    assert {n: store.get_cycle(n).reward_spec for n in claims} == {  # type: ignore[union-attr]
+        1: "tab-v1@2", 2: "other@1", 3: None, 4: None,
+    }  # fmt: skip
+    assert (store.trained_cycles("tab-v1@2"), store.trained_cycles("other@1")) == (1, 1)
+    store.close()
 
 
 # ---- judged episodes under judged-v1 -----------------------------------------------------------------

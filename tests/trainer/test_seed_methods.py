@@ -276,11 +276,17 @@ def test_parl_orchestrator_trains_subagents_stay_frozen_and_the_run_has_the_sche
             assert (metrics["stages"], metrics["critical_steps"], metrics["subagents"]) == (2, 4, 2)
             finished = sum(s.finish_reason == "stop" for s in (segments[2], segments[3]))
             assert metrics["subagents_finished"] == finished
+            # Used: finished, and its answer is new in the final orchestrator call's prompt (schemas/episodes.py).
+            context = segments[0].prompt + segments[0].completion
+            used = sum(s.finish_reason == "stop" and s.completion.strip() != "" and s.completion.strip() in
+                       segments[4].prompt and s.completion.strip() not in context
+                       for s in (segments[2], segments[3]))  # fmt: skip
+            assert metrics["subagents_used"] == used
             assert (metrics["cycle"], metrics["lambda_parallel"], metrics["lambda_finish"]) == (0, 0.2, 0.2)
             components = episode.reward_components or {}
             assert components["task_outcome"] == float(n % 2)
             assert components["parl_parallel"] == pytest.approx(0.2 * 2 / 4)
-            assert components["parl_finish"] == pytest.approx(0.2 * finished / 2)
+            assert components["parl_finish"] == pytest.approx(0.2 * used / 2)
             assert episode.reward == pytest.approx(sum(components.values()))
 
         # ---- rows: the orchestrator's two calls per episode, with the episode's advantage ---------------
@@ -304,13 +310,13 @@ def test_parl_orchestrator_trains_subagents_stay_frozen_and_the_run_has_the_sche
         run = loop.registry.run(result.mlflow_run_id)
         params, logged = run.data.params, run.data.metrics
         assert (params["reward.spec"], params["reward.parl.lambda_parallel"], params["reward.parl.anneal_cycles"]) \
-            == ("parl-v1@1", "0.2", "10")  # fmt: skip
+            == ("parl-v1@2", "0.2", "10")  # fmt: skip
         assert (logged["parl_cycle"], logged["parl_lambda_parallel"], logged["parl_lambda_finish"]) == (0, 0.2, 0.2)
         assert logged["parl_critical_steps_mean"] == 4.0 and logged["parl_subagents_mean"] == 2.0
         assert logged["parl_episode_lambda_parallel_mean"] == pytest.approx(0.2)
 
         # One cycle has trained: an episode settled now is labelled one step down the schedule.
-        assert loop.store.trained_cycles() == 1
+        assert loop.store.trained_cycles("parl-v1@2") == 1 and loop.store.trained_cycles("tab-v1@2") == 0
         _, plan = loop.call("Q: Name a color.\nA:", "parl-late", 0, role="orchestrator", seed=9)
         last, _ = loop.call("Q: Name a fruit.\nA:", "parl-late", 1, role="subagent", agent="a", seed=9)
         loop.feedback({"request_id": last, "episode_id": "parl-late", "kind": "episode_end"})
