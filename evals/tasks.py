@@ -84,10 +84,14 @@ class Task:
 
     def train_prompts(self, n: int, seed: int) -> list[str]:
         """`n` prompts drawn uniformly, with replacement, from the training split."""
+        return [self.format_prompt(q.text) for q in self.draw_train_questions(n, seed)]
+
+    def draw_train_questions(self, n: int, seed: int) -> list[Question]:
+        """The questions behind `train_prompts(n, seed)`, in the same order (a chat user sends the
+        question itself; the model's chat template does the formatting)."""
         if n < 0:
             raise TaskError(f"n must be >= 0, got {n}")
-        rng = random.Random(seed)
-        return [self.format_prompt(q.text) for q in rng.choices(self.train_questions(), k=n)]
+        return random.Random(seed).choices(self.train_questions(), k=n)
 
     def heldout_prompts(self, n: int) -> list[str]:
         """The first `n` held-out prompts: the same list every time, never drawn by `train_prompts`."""

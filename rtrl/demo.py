@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from schemas.clock import utcnow, wait_until
 from schemas.errors import OperatorError
@@ -81,6 +81,9 @@ class DemoOptions:
     # One of rtrl.agents.SCENARIOS: simulated agents run that RL method's multi-segment episodes, each
     # `requests_per_cycle` an episode, labelled with its reward spec. None: the ordinary one-call users.
     scenario: str | None = None
+    # How the one-call users ask: completions (the task's prompt, T = 1) or chat (the question as a
+    # user message, under the model's chat template and sampling defaults).
+    api: Literal["completions", "chat"] = "completions"
 
 
 def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
@@ -224,7 +227,8 @@ class _Users:
         if options.scenario is None:
             report = simulate(self.settings, gateway, n, self.task, preference=self.preference,
                               concurrency=options.concurrency, seed=seed, api_key=self.api_key,
-                              feedback_rate=options.feedback_rate, flip_rate=options.flip_rate)  # fmt: skip
+                              feedback_rate=options.feedback_rate, flip_rate=options.flip_rate,
+                              api=options.api)  # fmt: skip
             return {"scenario": None, "acceptance": report.acceptance_rate, "ok": report.ok, "accepted": report.accepted,
                     "silent": report.silent, "feedback_sent": report.feedback_sent, "segments": report.ok,
                     "summaries": 0, "subagents": 0, "prunes": 0, "users_reward": report.mean_reward}  # fmt: skip

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
@@ -118,12 +118,16 @@ def simulate(
     api_key: str,
     feedback_rate: float = 1.0,
     flip_rate: float = 0.0,
+    api: Literal["completions", "chat"] = "completions",
 ) -> SimulationReport:
     """Send `n_requests` of `task`'s training prompts through the gateway and feedback on each.
 
-    `preference` defaults to the task's. Requests are sampled with temperature 1.0 and a
-    per-request seed derived from `seed`, so a run is reproducible for fixed weights. `api_key` is
-    a tenant key of the gateway (any string when its auth is open).
+    `preference` defaults to the task's. With ``api="completions"`` the task's formatted prompt is
+    sent to /v1/completions, sampled at temperature 1.0; with ``api="chat"`` the question alone is
+    sent to /v1/chat/completions as one user message, as an application would, and the model's own
+    chat template and sampling defaults (its generation_config.json, which the gateway fills in)
+    apply. Either way with a per-request seed derived from `seed`, so a run is reproducible for
+    fixed weights. `api_key` is a tenant key of the gateway (any string when its auth is open).
 
     Real users are less obliging: only `feedback_rate` of them say anything, and `flip_rate` of
     those say the opposite of what they think (an accepted answer rejected, anything else accepted).
@@ -141,22 +145,27 @@ def simulate(
     timeout = settings.vllm.request_timeout_s + 10
     client = OpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=timeout)
     http = httpx.Client(timeout=timeout, headers={"authorization": f"Bearer {api_key}"})
-    prompts = task.train_prompts(n_requests, seed)
+    questions = task.draw_train_questions(n_requests, seed)
+    prompts = [task.format_prompt(q.text) for q in questions]
     lock = threading.Lock()
     errors: list[str] = []
 
     def one(index: int, prompt: str) -> _Outcome:
         user = f"sim-user-{index % USERS}"
+        model, stop, request_seed = settings.vllm.served_model_name, list(task.stop), seed * 1_000_003 + index
+        headers = {"x-rtrl-session-id": user}
+        raw: Any
         try:
-            raw = client.completions.with_raw_response.create(
-                model=settings.vllm.served_model_name,
-                prompt=prompt,
-                max_tokens=task.max_tokens,
-                stop=list(task.stop),
-                temperature=1.0,
-                seed=seed * 1_000_003 + index,
-                extra_headers={"x-rtrl-session-id": user},
-            )
+            if api == "chat":
+                raw = client.chat.completions.with_raw_response.create(
+                    model=model, messages=[{"role": "user", "content": questions[index].text}],
+                    max_tokens=task.max_tokens, stop=stop, seed=request_seed, extra_headers=headers,
+                )  # fmt: skip
+            else:
+                raw = client.completions.with_raw_response.create(
+                    model=model, prompt=prompt, max_tokens=task.max_tokens, stop=stop, temperature=1.0,
+                    seed=request_seed, extra_headers=headers,
+                )  # fmt: skip
             completion = raw.parse()
         except OpenAIError as exc:  # a failed user request is counted and reported, not fatal
             return _Outcome(ok=False, error=f"request {index}: {exc!r}")
@@ -164,7 +173,8 @@ def simulate(
         if not request_id:
             return _Outcome(ok=False, error=f"request {index}: no x-rtrl-request-id header (not an rtrl gateway?)")
         try:  # the client parses leniently: an answer without the fields a completion has fails here
-            text = completion.choices[0].text
+            choice = completion.choices[0]
+            text = (choice.message.content or "") if api == "chat" else choice.text
             version = ((completion.model_extra or {}).get("rtrl") or {}).get("policy_version")
         except (AttributeError, IndexError, TypeError) as exc:
             return _Outcome(ok=False, error=f"request {index}: not a completion ({exc!r}): {raw.http_response.text[:200]!r}")

@@ -172,53 +172,86 @@ def apply_penalties(logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
     return _penalties(logits.reshape(rows * positions, vocab), batch, r, t).reshape(rows, positions, vocab)
 
 
-def _per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """(B,) per-row parameters shaped to broadcast over (B, ..., V) logits."""
-    return values.reshape(-1, *([1] * (like.dim() - 1)))
+# Top-p alone (no top-k) is decided on this many most likely tokens, and on a full sort only for a
+# row whose nucleus is larger: a sort of 151,936 logits per position is what made it slow.
+TOP_P_CANDIDATES = 1024
 
 
-def truncation_mask(
+def truncation_threshold(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor | None:
-    """Where vLLM's sampler drops a token of (B, ..., V) *tempered* logits (True = dropped), per
-    row: min-p, then top-k, then top-p, with vllm/v1/sample's tie rules (sampler.py,
-    topk_topp_sampler.py, logits_processor/builtin.py MinP): top-k keeps every logit ≥ the k-th
-    largest; top-p drops the least likely tokens while their cumulative probability stays ≤ 1 − p,
-    always keeping the most likely. None when no row truncates. No gradient."""
-    vocab = logits.shape[-1]
-    drop: torch.Tensor | None = None
+    """Per row of (N, V) *tempered* logits, the value below which vLLM's sampler drops a token
+    (−inf: none dropped), or None when no row truncates. No gradient.
+
+    Every truncation vLLM applies is a threshold on the tempered logits, in its order
+    (vllm/v1/sample: logits_processor/builtin.py MinP, then topk_topp_sampler.py): min-p drops
+    p_i < min_p · p_max, i.e. z_i < z_max + log(min_p); top-k keeps every logit ≥ the k-th
+    largest; top-p then drops the least likely tokens while their cumulative probability stays
+    ≤ 1 − p, i.e. keeps a token while the mass ranked above it is < p, always keeping the most
+    likely. A threshold per row is all that has to be kept between a forward pass and its
+    recomputation (`token_logprobs`), and top-k and top-p need the largest values, not a sort of
+    the whole vocabulary (`TOP_P_CANDIDATES`)."""
+    need_min_p, need_k, need_p = min_p > 0, top_k > 0, top_p < 1
+    if not bool((need_min_p | need_k | need_p).any()):
+        return None
+    rows, vocab = logits.shape
     with torch.no_grad():
-        if bool((min_p > 0).any()):
-            probs = logits.softmax(dim=-1)
-            drop = probs < probs.amax(dim=-1, keepdim=True) * _per_row(min_p, logits)
-        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-            masked = logits if drop is None else logits.masked_fill(drop, float("-inf"))
-            ascending, order = masked.sort(dim=-1)
-            k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)  # (B,)
-            kth = ascending.gather(-1, _per_row(vocab - k, logits).expand(*ascending.shape[:-1], 1))
-            tail = ascending < kth
-            if bool((top_p < 1).any()):
-                cumulative = ascending.masked_fill(tail, float("-inf")).softmax(dim=-1).cumsum(dim=-1)
-                cut = cumulative <= _per_row(1 - top_p, logits)
-                cut[..., -1] = False  # the most likely token always stays
-                tail |= cut
-            del ascending
-            tail = torch.zeros_like(tail).scatter(-1, order, tail)
-            drop = tail if drop is None else drop | tail
-    return drop
+        threshold = torch.full((rows,), float("-inf"), device=logits.device)
+        if bool(need_min_p.any()):
+            floor = logits.amax(dim=-1) + torch.log(min_p.clamp(min=1e-30))
+            threshold = torch.where(need_min_p, floor, threshold)
+        if not bool((need_k | need_p).any()):
+            return threshold
+        masked = logits.masked_fill(logits < threshold[:, None], float("-inf"))
+        wanted = max(int(top_k.max()) if bool(need_k.any()) else 0,
+                     TOP_P_CANDIDATES if bool((need_p & ~need_k).any()) else 0)  # fmt: skip
+        width = min(vocab, max(wanted, 1))
+        top = masked.topk(width, dim=-1).values  # (N, width), descending
+        kth = top.gather(-1, (top_k.clamp(min=1, max=width) - 1)[:, None])[:, 0]
+        threshold = torch.where(need_k, torch.maximum(threshold, kth), threshold)
+        if bool(need_p.any()):
+            kept = top.masked_fill(top < threshold[:, None], float("-inf"))
+            # Probabilities over everything min-p and top-k kept, ties with the k-th included.
+            lse = masked.masked_fill(masked < threshold[:, None], float("-inf")).logsumexp(dim=-1)  # (N,)
+            probs = (kept - lse[:, None]).exp()
+            above = probs.cumsum(dim=-1) - probs
+            keep = (above < top_p[:, None]) & torch.isfinite(kept)
+            keep[:, 0] = True
+            nucleus = kept.masked_fill(~keep, float("inf")).amin(dim=-1)
+            # A nucleus that may reach past the candidates: decide that row on a full sort.
+            beyond = need_p & keep[:, -1] & torch.isfinite(kept[:, -1]) & (width < vocab)
+            for row in beyond.nonzero().flatten().tolist():
+                ordered = masked[row].masked_fill(masked[row] < threshold[row], float("-inf")).sort(descending=True)[0]
+                p_sorted = (ordered - lse[row]).exp()
+                inside = ((p_sorted.cumsum(0) - p_sorted) < top_p[row]) & torch.isfinite(ordered)
+                inside[0] = True
+                nucleus[row] = ordered[inside].min()
+            threshold = torch.where(need_p, torch.maximum(threshold, nucleus), threshold)
+    return threshold
+
+
+def truncate(logits: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
+    """(N, V) logits with every value below its row's threshold set to −inf."""
+    if threshold is None:
+        return logits
+    return logits.masked_fill(logits < threshold[:, None], float("-inf"))
 
 
 def processed_log_softmax(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
-    """Log-probabilities of (B, ..., V) logits as vLLM's sampler draws from them, per row: divided
-    by the temperature, then min-p, top-k and top-p truncation (`truncation_mask`: a truncated
-    token gets −inf), then log-softmax. The gradient flows through the logits of the kept tokens."""
-    logits = logits.float() / _per_row(temperature, logits)
-    drop = truncation_mask(logits, top_k, top_p, min_p)
-    if drop is not None:
-        logits = logits.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(logits, dim=-1)
+    """Log-probabilities of (B, ..., V) logits as vLLM's sampler draws from them, per row (the
+    parameters are (B,)): divided by the temperature, truncated (`truncation_threshold`: a dropped
+    token gets −inf), log-softmax. The gradient flows through the logits of the kept tokens."""
+    shape = logits.shape
+    per_row = shape[1:-1].numel()
+
+    def expand(values: torch.Tensor) -> torch.Tensor:
+        return values.repeat_interleave(per_row)
+
+    flat = logits.float().reshape(-1, shape[-1]) / expand(temperature)[:, None]
+    threshold = truncation_threshold(flat, expand(top_k), expand(top_p), expand(min_p))
+    return torch.log_softmax(truncate(flat, threshold), dim=-1).reshape(shape)
 
 
 class TokenLogprobs(NamedTuple):
@@ -262,18 +295,23 @@ def _final_logits(config: Any, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _score_chunk(
-    head: Any, config: Any, hidden: torch.Tensor, batch: MicroBatch, rows: torch.Tensor, positions: torch.Tensor
+    head: Any, config: Any, hidden: torch.Tensor, batch: MicroBatch, rows: torch.Tensor, positions: torch.Tensor,
+    thresholds: dict[int, torch.Tensor | None], key: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(processed, tempered) logprobs of the targets at (`rows`, `positions`), each (N,), from the
-    (N, H) hidden states there: lm_head, penalties, temperature, truncation, one (N, V) at a time."""
+    (N, H) hidden states there: lm_head, penalties, temperature, truncation, one (N, V) at a time.
+    The truncation thresholds are computed on the first call and kept in `thresholds` under
+    `key`, so that the recomputation in the backward pass does not search for them again."""
     logits = _final_logits(config, head(hidden).float())  # (N, V)
     logits = _penalties(logits, batch, rows, positions) / batch.temperature[rows][:, None]
     targets = batch.targets[rows, positions][:, None]  # (N, 1)
     tempered = torch.log_softmax(logits, dim=-1).gather(-1, targets)[:, 0]
-    drop = truncation_mask(logits, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
-    if drop is None:
+    if key not in thresholds:
+        thresholds[key] = truncation_threshold(logits, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
+    threshold = thresholds[key]
+    if threshold is None:
         return tempered, tempered
-    processed = torch.log_softmax(logits.masked_fill(drop, float("-inf")), dim=-1).gather(-1, targets)[:, 0]
+    processed = torch.log_softmax(truncate(logits, threshold), dim=-1).gather(-1, targets)[:, 0]
     return processed, tempered
 
 
@@ -303,9 +341,10 @@ def token_logprobs(model: Any, batch: MicroBatch) -> TokenLogprobs:
     vocab = int(getattr(head, "out_features", None) or config.vocab_size)  # ZeRO-3 partitions head.weight
     size = max(1, CHUNK_ELEMENTS // max(vocab, 1))
     processed_parts, tempered_parts = [], []
+    thresholds: dict[int, torch.Tensor | None] = {}
     for start in range(0, len(rows), size):
         piece = slice(start, start + size)
-        args = (head, config, chosen[piece], batch, rows[piece], positions[piece])
+        args = (head, config, chosen[piece], batch, rows[piece], positions[piece], thresholds, start)
         if torch.is_grad_enabled():
             p, t = checkpoint(_score_chunk, *args, use_reentrant=False)
         else:

@@ -37,7 +37,8 @@ LAST = Gauge(
     "Figures of the last cycle that trained, by stat: episodes, rows, tokens, reward_mean, reward_std, "
     "advantage_mean, advantage_abs_mean, is_weight_mean (truncated behaviour weight), clip_fraction, kl (k3, last "
     "step), steps, data_age_seconds (policy lag: the oldest episode's age when the cycle started), "
-    "data_to_deploy_seconds.",
+    "data_to_deploy_seconds, mismatch_outside_band (share of tokens whose raw pi_old/mu is outside [0.9, 1.1]), "
+    "mismatch_ratio_max, mismatch_abs_log_ratio_mean.",
     ["stat"],
 )
 LAST_AT = Gauge(
@@ -93,6 +94,10 @@ def cycle_ended(out: dict[str, Any], chain_s: float) -> None:
     if steps:
         stats.update(is_weight_mean=statistics.fmean(s["is_weight"] for s in steps),
                      clip_fraction=statistics.fmean(s["clip_fraction"] for s in steps), kl=steps[-1]["kl_k3"])  # fmt: skip
+        mismatch = steps[0].get("mismatch") or {}
+        if mismatch.get("tokens"):
+            stats.update(mismatch_outside_band=mismatch["outside_0.9_1.1"], mismatch_ratio_max=mismatch["ratio_max"],
+                         mismatch_abs_log_ratio_mean=mismatch["abs_log_ratio_mean"])  # fmt: skip
     for stat, value in stats.items():
         if value is not None:
             LAST.labels(stat).set(float(value))

@@ -5,12 +5,19 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 from types import FrameType
+from typing import Literal
 
 import typer
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _api(value: str) -> Literal["completions", "chat"]:
+    if value not in ("completions", "chat"):
+        raise typer.BadParameter(f"{value!r}: completions or chat", param_hint="--api")
+    return "chat" if value == "chat" else "completions"
 
 
 def register(app: typer.Typer) -> None:
@@ -39,6 +46,10 @@ def register(app: typer.Typer) -> None:
             "sub-agents), summarize (Cursor self-summarization) or self-edit (Chroma's self-editing agent, judged by "
             "the serving model unless labeler.judge is set); each labelled with its reward spec (docs/methods.md).",
         ),
+        api: str = typer.Option(
+            "completions", help="How the simulated users ask: completions (the task's prompt at T = 1) or chat (the "
+            "question as a user message, under the model's chat template and generation_config.json defaults).",
+        ),
     ) -> None:
         """Run the whole loop N times: users → gateway → Kafka → labeler → trainer → gate → hot-swap."""
         from rtrl.demo import DemoOptions, run
@@ -62,5 +73,6 @@ def register(app: typer.Typer) -> None:
                 keep_services=keep_services,
                 settle_window_s=settle_window,
                 scenario=scenario,
+                api=_api(api),
             ),
         )

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from schemas.events import SamplingParams
+from serving import sampler
 from serving.sampler import Row, Sampling, apply_penalties, collate, processed_log_softmax, token_logprobs
 
 pytestmark = pytest.mark.unit
@@ -71,8 +72,12 @@ def reference(logits: list[float], temperature: float, top_k: int, top_p: float,
     return [v - lse if k else -math.inf for v, k in zip(z, keep, strict=True)]
 
 
+@pytest.mark.parametrize("candidates", [1024, 2])
 @pytest.mark.parametrize("seed", range(6))
-def test_rows_with_different_sampling_match_the_reference(seed: int) -> None:
+def test_rows_with_different_sampling_match_the_reference(seed: int, candidates: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """With 2 candidates, every top-p nucleus reaches past them and is decided on a full sort."""
+    monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", candidates)
     generator = torch.Generator().manual_seed(seed)
     settings = [(1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 5, 1.0, 0.0), (0.5, 8, 0.8, 0.05), (0.9, 0, 1.0, 0.1)]
     logits = torch.randn(len(settings), 3, 32, generator=generator) * 2

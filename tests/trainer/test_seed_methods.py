@@ -177,8 +177,8 @@ def select_rows(loop: Loop) -> tuple[list[TrainingEpisode], list[Any]]:
     episodes = select_trainable(settings, loop.store, loop.registry.champion())
     adv, _ = compute_advantages([episode_prompt_key(e) for e in episodes], [e.reward for e in episodes],
                                 BaselineState())  # fmt: skip
-    rows, unreproducible = rows_of(episodes, adv.values)
-    assert unreproducible == 0
+    rows, left_out = rows_of(episodes, adv.values)
+    assert left_out == {}
     return episodes, rows
 
 
@@ -198,7 +198,7 @@ def assert_gradients_only_on_completions(tiny_model_dir: Path, settings: Setting
     loss_fn = loss_function(settings.trainer.loss)
     seen = {tuple(o): False for o in observations or []}
     for mb in batches:
-        logprobs, possible = token_logprobs(model, mb)  # (B, L−1)
+        logprobs, possible, _ = token_logprobs(model, mb)  # (B, L−1)
         logprobs.retain_grad()
         mask = mb.mask * possible
         out = loss_fn(TokenBatch(logprobs, logprobs.detach(), mb.behaviour_logprobs, mb.advantages, mask),

@@ -1,0 +1,135 @@
+"""Checkpoints rtrl did not build, end to end (issue 35): `rtrl demo --cycles 2 --api chat` on two
+checkpoints generated here, each on a serving and a staging vLLM server of its own, with the
+session's Kafka, Redis and MLflow.
+
+* ``qwen2``: Qwen2ForCausalLM, bf16 safetensors, tied embeddings, attention biases, GQA, a
+  byte-level BPE tokenizer with ChatML special tokens, the ChatML template, and Qwen's sampling
+  defaults in generation_config.json (T 0.7, top-p 0.8, top-k 20);
+* ``llama``: LlamaForCausalLM, fp32, untied, a SentencePiece-style tokenizer (byte fallback, BOS)
+  with the ``[INST]`` template, sampling defaults T 0.6, top-p 0.9.
+
+Simulated users send chat messages without sampling parameters, so the model's own template and
+defaults apply (the gateway writes them into each request); each cycle trains on exactly those
+tokens under that truncation, the staging server and the serving server load the new weights and
+verify them against transformers, and the gate promotes. The weights (random, from
+rtrl/checkpoints.py) learn nothing worth gating, so the gate's judgement is switched off
+(`gate_without_judgement`): the subject is the loop on a foreign checkpoint, not the gate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from factories import fresh_topics
+from helpers import REPO, gate_without_judgement
+
+from deployer.probe import build_probe, max_abs_diff, reference_logprobs
+from registry import Registry
+from rtrl.checkpoints import build
+from rtrl.launch import child_env, rtrl_command
+from rtrl.services.testing import free_ports, make_run_dir, start_reaper
+from schemas.settings import MetricsSettings, Settings, StoreSettings
+from serving import VllmClient
+
+pytestmark = pytest.mark.e2e
+
+REQUESTS_PER_CYCLE = 48
+TEMPLATE_MARK = {"qwen2": "<|im_start|>assistant\n", "llama": "[/INST]"}
+DEFAULTS = {"qwen2": {"temperature": 0.7, "top_p": 0.8, "top_k": 20}, "llama": {"temperature": 0.6, "top_p": 0.9}}
+
+
+@pytest.fixture(params=["qwen2", "llama"])
+def foreign_fleet(request: pytest.FixtureRequest, services: Settings) -> Iterator[tuple[str, Settings]]:
+    """A generated checkpoint of one family, served by a serving and a staging server of its own."""
+    from rtrl.services import down, up
+
+    arch = str(request.param)
+    run_dir = make_run_dir(f"rtrl-{arch}-")
+    model_dir = build(run_dir / "model", arch)
+    serving_port, staging_port = free_ports(2)
+    settings = services.model_copy(update={
+        "services": services.services.model_copy(update={
+            "run_dir": run_dir, "vllm_port": serving_port, "vllm_staging_port": staging_port, "enabled": ("vllm",)}),
+        "vllm": services.vllm.model_copy(update={
+            "model_dir": model_dir, "servers": (f"http://127.0.0.1:{serving_port}",),
+            "staging_server": f"http://127.0.0.1:{staging_port}"}),
+    })  # fmt: skip
+    reaper = start_reaper(settings, os.getpid())
+    try:
+        up(settings, ("vllm",))
+        yield arch, settings
+    finally:
+        down(settings, ("vllm",))
+        reaper.terminate()
+        reaper.wait()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_two_chat_cycles_on_a_checkpoint_rtrl_did_not_build(foreign_fleet: tuple[str, Settings], tmp_path: Path) -> None:
+    arch, fleet = foreign_fleet
+    suffix = tmp_path.name.replace("_", "-")[-24:]
+    settings = fresh_topics(fleet, prefix=arch).model_copy(update={
+        "store": StoreSettings(url=f"sqlite:///{tmp_path / 'rtrl.db'}"),
+        "mlflow": fleet.mlflow.model_copy(update={"model_name": f"rtrl-{arch}-{suffix}",
+                                                  "experiment": f"rtrl-{arch}-{suffix}"}),
+        "gateway": fleet.gateway.model_copy(update={"port": free_ports(1)[0], "spool_dir": tmp_path / "spool"}),
+        "trainer": fleet.trainer.model_copy(update={"min_samples": 16, "checkpoint_dir": tmp_path / "ckpt"}),
+        "gate": gate_without_judgement(fleet.gate, eval_prompts=16),
+        "metrics": MetricsSettings(**dict(zip(
+            ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
+            strict=True))),
+    })  # fmt: skip
+    out = tmp_path / "cycles.json"
+    proc = subprocess.run(
+        rtrl_command("demo", "--cycles", "2", "--requests", str(REQUESTS_PER_CYCLE), "--api", "chat",
+                     "--json", str(out)),
+        cwd=REPO, env=child_env(settings), capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    logs = Path(settings.services.run_dir) / "logs"
+    assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\nlogs in {logs}"
+    rows = json.loads(out.read_text())
+    print(json.dumps(rows, indent=1))
+    assert [(r["version_before"], r["version_after"], r["gate"]) for r in rows] == [("v1", "v2", "pass"),
+                                                                                  ("v2", "v3", "pass")]
+    assert all(r["swap_ms"] is not None for r in rows), "every promotion swapped the serving server"
+
+    # Users were served by v1 and then v2, through the chat template, under the model's own defaults.
+    engine = sa.create_engine(settings.store.url)
+    with engine.connect() as conn:
+        served = conn.execute(sa.text("SELECT policy_version, prompt, sampling FROM interactions")).all()
+        cycles = conn.execute(sa.text("SELECT status, metrics FROM cycles ORDER BY id")).all()
+    engine.dispose()
+    per_version: dict[str, int] = {}
+    for version, prompt, sampling in served:
+        per_version[version] = per_version.get(version, 0) + 1
+        assert prompt.endswith(TEMPLATE_MARK[arch]), prompt
+        recorded = json.loads(sampling) if isinstance(sampling, str) else sampling
+        assert {key: recorded[key] for key in DEFAULTS[arch]} == pytest.approx(DEFAULTS[arch]), recorded
+        assert recorded["logprobs_mode"] == "processed"
+    assert per_version == {"v1": REQUESTS_PER_CYCLE, "v2": REQUESTS_PER_CYCLE}
+
+    # The trainer reproduced vLLM's truncated sampling: π_old matches μ token by token.
+    assert [status for status, _ in cycles] == ["promoted", "promoted"]
+    for _, metrics in cycles:
+        data = json.loads(metrics) if isinstance(metrics, str) else metrics
+        mismatch = data["steps"][0]["mismatch"]
+        print(arch, "mismatch", mismatch)
+        assert mismatch["tokens"] > 0 and mismatch["outside_0.9_1.1"] <= 0.02, mismatch
+        assert data["unreproducible_rows"] == 0
+
+    # The serving server serves v3 exactly as transformers computes it.
+    registry = Registry.from_settings(settings)
+    assert registry.champion() == 3
+    v3 = registry.download_checkpoint(3)
+    probe = build_probe(v3)
+    with VllmClient(settings.vllm.servers[0], model=settings.vllm.served_model_name) as server:
+        assert server.weight_version() == 3
+        observed = [server.prompt_logprobs(list(ids)) for ids in probe.token_ids]
+    assert max_abs_diff(reference_logprobs(v3, probe), observed) <= 1e-3
