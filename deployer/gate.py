@@ -249,7 +249,7 @@ def ope_suite(
                            passed=None, n=len(logged), margin=margin(settings, "ope"), note=note), []  # fmt: skip
     chal_scored = ope.sequence_logprobs(challenger, logged)
     champ_scored = ope.sequence_logprobs(champion, logged)
-    chal, champ = chal_scored.processed, champ_scored.processed
+    chal, champ = ope.challenger_logprobs(chal_scored, champ_scored), champ_scored.processed
     behaviour = [e.behaviour for e in logged]
     estimate = off_policy([e.reward for e in logged], behaviour, chal, champ, clip=cfg.ope.clip,
                           confidence=cfg.confidence, resamples=cfg.bootstrap_resamples, seed=cfg.seed)  # fmt: skip

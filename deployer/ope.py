@@ -127,3 +127,21 @@ def sequence_logprobs(weights: Weights, logged: list[Logged], micro_batch: int =
         del model
         gc.collect()
     return Scored(totals, tempered)
+
+
+def challenger_logprobs(challenger: Scored, champion: Scored) -> list[float]:
+    """The challenger's sequence logprobs for its importance weights: the champion's processed
+    logprob plus the challenger's change in tempered logprobs, log π₀(y) + log π̃₁(y) − log π̃₀(y)
+    (π̃: temperature and penalties, no truncation).
+
+    Without truncation this is exactly the challenger's own processed logprob. Under top-p/top-k
+    the exact weight π₁(y)/μ(y) is 0 whenever one logged token falls outside the challenger's
+    nucleus (3 tokens of 2,048 at a change of 0.0005 nats per token), and the tokens the
+    challenger's nucleus gained were never logged: the comparison stops being paired, for the
+    challenger only. This estimate keeps the champion's nucleus and tilts it by the challenger's
+    change, continuous in the weights (docs/gate.md, Off-policy evaluation under truncated
+    sampling). An episode the champion itself cannot produce stays −inf."""
+    return [
+        p0 + (t1 - t0) if math.isfinite(p0) else -math.inf
+        for p0, t0, t1 in zip(champion.processed, champion.tempered, challenger.tempered, strict=True)
+    ]

@@ -226,3 +226,20 @@ def test_the_gates_prompt_suites_score_every_prompt() -> None:
     assert suites["oracle"].prompts == suites["retention"].prompts  # generated once, scored twice
     oracle = suites["oracle"]
     assert all(oracle.score(i, " 7!") > oracle.score(i, " 7.") for i in range(len(oracle.prompts)))
+
+
+def test_the_challengers_weight_survives_a_token_leaving_its_nucleus() -> None:
+    """Under top-k the challenger's processed logprob of an episode is −inf as soon as one logged
+    token left its nucleus: its exact weight is 0 for the challenger only. The gate tilts the
+    champion's nucleus by the challenger's tempered change instead (deployer/ope.py)."""
+    from deployer.ope import Scored, challenger_logprobs
+
+    champion = Scored(processed=[-2.0, -3.0, -math.inf], tempered=[-2.5, -3.5, -9.0])
+    challenger = Scored(processed=[-2.0, -math.inf, -1.0], tempered=[-2.5, -3.9, -8.0])
+    got = challenger_logprobs(challenger, champion)
+    assert got[0] == -2.0  # unchanged policy: the champion's own
+    assert got[1] == pytest.approx(-3.0 + (-3.9 + 3.5))  # finite: moved 0.4 nats away
+    assert got[2] == -math.inf  # the champion cannot produce it either: left out for both
+    untruncated = Scored(processed=[-2.5, -3.5], tempered=[-2.5, -3.5])
+    moved = Scored(processed=[-2.0, -4.0], tempered=[-2.0, -4.0])
+    assert challenger_logprobs(moved, untruncated) == pytest.approx(moved.processed)  # exact without truncation
