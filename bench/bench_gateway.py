@@ -1,8 +1,9 @@
 """Gateway overhead vs calling vLLM directly, measured side by side in one run.
 
-    .venv/bin/python bench/bench_gateway.py [--requests 200] [--max-tokens 8] [--concurrency 8]
+    .venv/bin/python bench/bench_gateway.py [--requests 200] [--max-tokens 8] [--concurrency 8] [--model-dir DIR]
 
-Starts its own Kafka and vLLM serving server (free ports, a temporary run dir, the tiny model)
+Starts its own Kafka and vLLM serving server (free ports, a temporary run dir, the tiny model or the
+checkpoint in ``--model-dir``, refused when `rtrl model check` rejects it)
 and one `rtrl gateway` with an API key of its own (the production path, key check included), then
 sends the same completion requests straight to vLLM and through the gateway (greedy, fixed prompts):
 
@@ -29,6 +30,7 @@ import shutil
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 
@@ -51,10 +53,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200, help="Requests per path.")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=8, help="Clients at once in the concurrent phase.")
+    parser.add_argument("--model-dir", type=Path, default=None, help="Checkpoint to serve (default: the tiny model, built).")
     args = parser.parse_args()
 
     run_dir = make_run_dir("rtrl-bench-gw-")
-    settings = services_settings(run_dir, run_dir / "model", enabled=("kafka", "vllm"))
+    settings = services_settings(run_dir, args.model_dir or run_dir / "model", enabled=("kafka", "vllm"))
     settings = settings.model_copy(update={
         "vllm": settings.vllm.model_copy(update={"staging_server": None}),
         "services": settings.services.model_copy(update={"vllm_staging_port": None}),

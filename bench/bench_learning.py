@@ -2,13 +2,14 @@
 
     .venv/bin/python bench/bench_learning.py [--preference module:function] [--cycles 10]
         [--requests 96] [--final-requests 384] [--feedback-rate 0.3] [--flip-rate 0.1] [--hack]
-        [--lr LR] [--steps N] [--kl-coef BETA] [--warmup-steps N] [--recipe v1|v2] [--seed S]
-        [--json PATH]
+        [--lr LR] [--steps N] [--kl-coef BETA] [--warmup-steps N] [--recipe v1|v2 | --model-dir DIR]
+        [--seed S] [--json PATH]
 
 ``--preference bench_learning:correct_only``: users who accept only correct answers (a capability).
 
 The real loop (`rtrl demo`'s code: Kafka, Redis, MLflow, two vLLM CPU servers, gateway, labeler,
-Celery worker with DeepSpeed) from the tiny base model, on services of its own (a private run dir on
+Celery worker with DeepSpeed) from the tiny base model (or the checkpoint in ``--model-dir``, refused
+when `rtrl model check` rejects it), on services of its own (a private run dir on
 free ports, stopped at the end). Simulated users bring the exclaim task's questions; only
 ``--feedback-rate`` of them give feedback and ``--flip-rate`` of those say the opposite. The gate runs
 its default suites (the off-policy estimate on held-out logged traffic, capability retention) and
@@ -111,6 +112,7 @@ def main() -> None:
     parser.add_argument("--kl-coef", type=float, default=None, help="trainer.loss.kl_coef (default: the loss's)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="trainer.warmup_steps (default: the trainer's)")
     parser.add_argument("--recipe", default="v1", help="the tiny base model's recipe (rtrl model init --recipe)")
+    parser.add_argument("--model-dir", type=Path, default=None, help="a checkpoint of your own instead of the tiny model")
     parser.add_argument("--seed", type=int, default=0, help="draws other users (and trainer.seed)")
     parser.add_argument("--json", type=Path, default=None, help="write the per-cycle rows here")
     args = parser.parse_args()
@@ -123,8 +125,10 @@ def main() -> None:
     from store import Store
 
     with contextlib.ExitStack() as stack:
-        model_dir = None
-        if args.recipe != "v1":  # v1 is what the services build by default
+        model_dir = args.model_dir
+        if args.model_dir is not None and args.recipe != "v1":
+            parser.error("--recipe builds the tiny model; --model-dir brings another")
+        if model_dir is None and args.recipe != "v1":  # v1 is what the services build by default
             from rtrl.tinymodel import build
 
             model_dir = build(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "tiny", recipe=args.recipe)

@@ -1,9 +1,10 @@
 """Hot-swap pause window vs a raw vLLM reload, and failed client requests during swaps under load.
 
-    .venv/bin/python bench/bench_swap.py [--swaps 10] [--clients 2]
+    .venv/bin/python bench/bench_swap.py [--swaps 10] [--clients 2] [--model-dir DIR]
 
-Starts its own vLLM serving server (free ports, a temporary run dir, the tiny model) and builds a
-second checkpoint of the same architecture (the tiny model's weights with noise), then measures
+Starts its own vLLM serving server (free ports, a temporary run dir, the tiny model or the checkpoint
+in ``--model-dir``, refused when `rtrl model check` rejects it) and builds a second checkpoint of the
+same architecture (its weights with noise, in their dtype), then measures
 side by side in one run, alternating the two checkpoints:
 
 * baseline, raw vLLM: ``/pause`` → ``reload_weights`` → ``/resume``, nothing else (the floor);
@@ -54,7 +55,8 @@ def noisy_copy(base: Path, out: Path, std: float = 0.02) -> Path:
     generator = torch.Generator().manual_seed(1)
     for path in out.glob("*.safetensors"):
         tensors = load_file(path)
-        save_file({k: (v + std * torch.randn(v.shape, generator=generator)).contiguous() for k, v in tensors.items()},
+        save_file({k: (v + std * torch.randn(v.shape, generator=generator)).to(v.dtype).contiguous()
+                   for k, v in tensors.items()},
                   str(path), metadata={"format": "pt"})  # fmt: skip
     return out
 
@@ -119,10 +121,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--swaps", type=int, default=10, help="Swaps per method (each alternates A and B).")
     parser.add_argument("--clients", type=int, default=2, help="Client threads sending completions meanwhile.")
+    parser.add_argument("--model-dir", type=Path, default=None, help="Checkpoint to serve (default: the tiny model, built).")
     args = parser.parse_args()
 
     run_dir = make_run_dir("rtrl-bench-swap-")
-    settings = services_settings(run_dir, run_dir / "model", enabled=("kafka", "vllm"))
+    settings = services_settings(run_dir, args.model_dir or run_dir / "model", enabled=("kafka", "vllm"))
     settings = settings.model_copy(update={
         "vllm": settings.vllm.model_copy(update={"staging_server": None}),
         "services": settings.services.model_copy(update={"vllm_staging_port": None}),

@@ -1,8 +1,9 @@
 """One optimizer step of the training cycle on DeepSpeed vs a plain PyTorch loop, same model, same batch.
 
-    .venv/bin/python bench/bench_trainer.py [--rows 64] [--steps 6] [--rounds 2] [--zero-stage 0]
+    .venv/bin/python bench/bench_trainer.py [--rows 64] [--steps 6] [--rounds 2] [--zero-stage 0] [--model-dir DIR]
 
-Builds the tiny model (the demo's, in a temporary directory; no services needed) and one batch of
+Builds the tiny model (the demo's, in a temporary directory; no services needed), or takes the
+checkpoint in ``--model-dir`` (refused when `rtrl model check` rejects it), and one batch of
 rows as a cycle sees them: prompts of the exclaim task with completions sampled from the model at
 T = 1, behaviour logprobs = the model's own, advantages ±1. Then, side by side in one run,
 alternating in rounds so that both see the same machine state:
@@ -216,7 +217,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds, each timing DeepSpeed then plain")
     parser.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
     parser.add_argument("--memory-child", choices=["rtrl", "plain"], help=argparse.SUPPRESS)
-    parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="checkpoint to time the steps on (default: the tiny model, built)")  # fmt: skip
     args = parser.parse_args()
     if args.memory_child:
         print(json.dumps(memory_child(args.memory_child, args.model_dir)))
@@ -224,7 +226,7 @@ def main() -> None:
 
     run_dir = make_run_dir("rtrl-bench-trainer-")
     try:
-        settings = services_settings(run_dir, run_dir / "model", enabled=())
+        settings = services_settings(run_dir, args.model_dir or run_dir / "model", enabled=())
         model_dir = ensure_model(settings)
         cfg = settings.trainer.model_copy(update={"zero_stage": args.zero_stage, "loss": CispoLoss()})
         rows = sample_rows(model_dir, args.rows)

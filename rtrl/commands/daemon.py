@@ -27,11 +27,13 @@ def register(app: typer.Typer) -> None:
         dependency is down; the other processes start once that is done. The services (Kafka, PostgreSQL,
         Redis, MLflow, vLLM, ...) are not started here: run `rtrl services up` first, or point RTRL_* at your
         own. The store is the local PostgreSQL's unless RTRL_STORE__URL says otherwise; when that server does
-        not answer and this run dir has not started it, nothing would, so `rtrl run` stops at once saying so.
+        not answer and this run dir has not started it, nothing would, so `rtrl run` stops at once saying so. So
+        does a checkpoint in RTRL_VLLM__MODEL_DIR that `rtrl model check` rejects.
         """
         from feedback.judging import require_endpoint
         from registry import Registry
         from rtrl.logs import setup_logging
+        from rtrl.modelcheck import require_usable
         from rtrl.supervisor import PROCESSES, Supervisor, prepare
         from schemas.rewards import get_spec
         from schemas.settings import load_settings
@@ -51,6 +53,7 @@ def register(app: typer.Typer) -> None:
         finally:
             store.close()
         Registry.from_settings(settings)
+        require_usable(settings)  # the base model the champion starts from: a broken one is refused now
 
         def prepared() -> int:
             store = Store(settings.store.url)

@@ -1,13 +1,16 @@
-"""``rtrl demo``: N full cycles of the loop on embedded defaults and the tiny model."""
+"""``rtrl demo``: N full cycles of the loop on embedded defaults and the tiny model (or ``--model-dir``)."""
 
 from __future__ import annotations
 
 import signal
 from pathlib import Path
 from types import FrameType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import typer
+
+if TYPE_CHECKING:
+    from schemas.settings import Settings
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -18,6 +21,13 @@ def _api(value: str) -> Literal["completions", "chat"]:
     if value not in ("completions", "chat"):
         raise typer.BadParameter(f"{value!r}: completions or chat", param_hint="--api")
     return "chat" if value == "chat" else "completions"
+
+
+def with_model_dir(settings: Settings, model_dir: Path | None) -> Settings:
+    """`settings` serving and training the checkpoint in `model_dir` (``--model-dir``), if given."""
+    if model_dir is None:
+        return settings
+    return settings.model_copy(update={"vllm": settings.vllm.model_copy(update={"model_dir": model_dir})})
 
 
 def register(app: typer.Typer) -> None:
@@ -50,18 +60,27 @@ def register(app: typer.Typer) -> None:
             "completions", help="How the simulated users ask: completions (the task's prompt at T = 1) or chat (the "
             "question as a user message, under the model's chat template and generation_config.json defaults).",
         ),
+        model_dir: Path | None = typer.Option(
+            None, help="Your own HF checkpoint to serve and train instead of the tiny model (RTRL_VLLM__MODEL_DIR); "
+            "refused in one line when `rtrl model check` rejects it.",
+        ),
     ) -> None:
         """Run the whole loop N times: users → gateway → Kafka → labeler → trainer → gate → hot-swap."""
         from rtrl.demo import DemoOptions, run
         from rtrl.logs import setup_logging
+        from rtrl.modelcheck import require_usable
         from schemas.settings import load_settings
 
         setup_logging()
+        settings = with_model_dir(load_settings(), model_dir)
+        # A checkpoint rtrl would fail on is refused before any service starts (an empty folder is
+        # where the tiny model is built, and passes).
+        require_usable(settings)
         # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C: the demo stops the processes and
         # services it started instead of leaving them running without it.
         signal.signal(signal.SIGTERM, _raise_interrupt)
         run(
-            load_settings(),
+            settings,
             DemoOptions(
                 cycles=cycles,
                 requests_per_cycle=requests,

@@ -1,7 +1,9 @@
-"""`rtrl model`: build and inspect the deterministic tiny checkpoint (`rtrl/tinymodel.py`).
+"""`rtrl model`: build, inspect and check checkpoints.
 
-rtrl model init .rtrl/models/tiny --task exclaim --seed 0
+rtrl model init .rtrl/models/tiny --task exclaim --seed 0   the deterministic tiny model (`rtrl/tinymodel.py`)
+rtrl model random DIR --arch qwen2 --size tiny              random weights in a real one's shape (`rtrl/checkpoints.py`)
 rtrl model info .rtrl/models/tiny
+rtrl model check DIR                                        what rtrl will do with it, every problem (`rtrl/modelcheck.py`)
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 import typer
 
 model_app = typer.Typer(
-    no_args_is_help=True, help="Build and inspect the tiny HF-format model the local loop serves."
+    no_args_is_help=True, help="Build, inspect and check the HF-format checkpoints the loop serves and trains."
 )
 
 
@@ -70,6 +72,64 @@ def info(
     from rtrl import tinymodel
 
     typer.echo(json.dumps(tinymodel.info(directory), indent=2))
+
+
+@model_app.command("check")
+def check(
+    directory: Path | None = typer.Argument(
+        None, help="Checkpoint folder (default: RTRL_VLLM__MODEL_DIR, the one the servers start on)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Print what rtrl will do with a checkpoint, one line each (architecture, dtype, vocabulary, chat
+    template, sampling defaults and whether requests under them are trainable), then every problem with
+    its fix. Exits 1 when a problem is an error: `rtrl run` and `rtrl demo` refuse such a checkpoint."""
+    from rtrl import modelcheck
+    from schemas.settings import load_settings
+
+    # The settings say how the checkpoint will be served: their sampling defaults and context length.
+    settings = load_settings()
+    report = modelcheck.check(directory or settings.vllm.model_dir.expanduser(),
+                              sampling_defaults=settings.vllm.sampling_defaults,
+                              max_model_len=settings.vllm.max_model_len)  # fmt: skip
+    typer.echo(json.dumps(report.to_json(), indent=2) if as_json else "\n".join(report.lines()))
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@model_app.command("random")
+def random_checkpoint(
+    directory: Path = typer.Argument(..., help="Folder to write the checkpoint into."),
+    arch: str = typer.Option("qwen2", help="Family: qwen2 (Qwen2.5's layout, bf16, tied) or llama (Llama-2's, fp32)."),
+    size: str = typer.Option("tiny", help="tiny (loads in seconds) or 0.5b (Qwen2.5-0.5B's shape)."),
+    dtype: str | None = typer.Option(None, help="bfloat16, float16 or float32 (default: the family's)."),
+    vocab_size: int | None = typer.Option(
+        None, min=1, help="Embedding rows (default: the tokenizer's rounded up to 64; Qwen's is 151936)."
+    ),
+    seed: int = typer.Option(0, help="Seed of the random weights."),
+    force: bool = typer.Option(False, "--force", help="Overwrite a non-empty folder."),
+) -> None:
+    """Write a checkpoint with random weights in the shape of a real one (files, tokenizer, chat
+    template, sampling defaults), then check it as `rtrl model check` does."""
+    from rtrl import checkpoints, modelcheck
+
+    if directory.exists() and not directory.is_dir():
+        raise typer.BadParameter(f"{directory} exists and is not a folder", param_hint="DIRECTORY")
+    if directory.is_dir() and any(directory.iterdir()) and not force:
+        raise typer.BadParameter(f"{directory} is not empty; pass --force to overwrite", param_hint="DIRECTORY")
+    for value, known, hint in ((arch, checkpoints.ARCHS, "--arch"), (size, tuple(checkpoints.SIZES), "--size"),
+                               (dtype, ("bfloat16", "float16", "float32", None), "--dtype")):  # fmt: skip
+        if value not in known:
+            raise typer.BadParameter(f"unknown {hint[2:]} {value!r}; known: {', '.join(k for k in known if k)}",
+                                     param_hint=hint)  # fmt: skip
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards": the report below says what was written
+    try:
+        checkpoints.build(directory, arch, size, dtype=dtype, vocab_size=vocab_size, seed=seed)
+    except ValueError as exc:  # a vocab_size below the tokenizer's
+        raise typer.BadParameter(str(exc), param_hint="--vocab-size") from None
+    typer.echo("\n".join(modelcheck.check(directory).lines()))
 
 
 def register(app: typer.Typer) -> None:
