@@ -11,7 +11,9 @@ session's Kafka, Redis and MLflow.
 Simulated users send chat messages without sampling parameters, so the model's own template and
 defaults apply (the gateway writes them into each request); each cycle trains on exactly those
 tokens under that truncation, the staging server and the serving server load the new weights and
-verify them against transformers, and the gate promotes. The weights (random, from
+verify them against transformers, and the gate promotes; a rollback puts v2 back, verified. The
+``qwen2-lora`` case runs the same loop in LoRA mode (``trainer.adapter=lora``): an adapter per
+version on the generated base, loaded in place and probed by greedy continuation (docs/lora.md). The weights (random, from
 rtrl/checkpoints.py) learn nothing worth gating, so the gate's judgement is switched off
 (`gate_without_judgement`): the subject is the loop on a foreign checkpoint, not the gate.
 """
@@ -28,15 +30,22 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from factories import fresh_topics
-from helpers import REPO, gate_without_judgement
+from helpers import REPO, gate_without_judgement, run_rtrl
 
-from deployer.probe import build_probe, max_abs_diff, reference_logprobs
+from deployer.probe import (
+    ADAPTER_PROBE_TOKENS,
+    adapter_reference,
+    build_probe,
+    max_abs_diff,
+    reference_logprobs,
+)
 from registry import Registry
 from rtrl.checkpoints import build
 from rtrl.launch import child_env, rtrl_command
 from rtrl.services.testing import free_ports, make_run_dir, start_reaper
 from schemas.settings import MetricsSettings, Settings, StoreSettings
 from serving import VllmClient
+from serving.adapters import is_adapter
 
 pytestmark = pytest.mark.e2e
 
@@ -45,12 +54,14 @@ TEMPLATE_MARK = {"qwen2": "<|im_start|>assistant\n", "llama": "[/INST]"}
 DEFAULTS = {"qwen2": {"temperature": 0.7, "top_p": 0.8, "top_k": 20}, "llama": {"temperature": 0.6, "top_p": 0.9}}
 
 
-@pytest.fixture(params=["qwen2", "llama"])
+@pytest.fixture(params=["qwen2", "llama", "qwen2-lora"])
 def foreign_fleet(request: pytest.FixtureRequest, services: Settings) -> Iterator[tuple[str, Settings]]:
-    """A generated checkpoint of one family, served by a serving and a staging server of its own."""
+    """A generated checkpoint of one family, served by a serving and a staging server of its own
+    (started with LoRA enabled in LoRA mode)."""
     from rtrl.services import down, up
 
-    arch = str(request.param)
+    case = str(request.param)
+    arch, lora = case.removesuffix("-lora"), case.endswith("-lora")
     run_dir = make_run_dir(f"rtrl-{arch}-")
     model_dir = build(run_dir / "model", arch)
     serving_port, staging_port = free_ports(2)
@@ -60,11 +71,12 @@ def foreign_fleet(request: pytest.FixtureRequest, services: Settings) -> Iterato
         "vllm": services.vllm.model_copy(update={
             "model_dir": model_dir, "servers": (f"http://127.0.0.1:{serving_port}",),
             "staging_server": f"http://127.0.0.1:{staging_port}"}),
+        "trainer": services.trainer.model_copy(update={"adapter": "lora" if lora else "full"}),
     })  # fmt: skip
     reaper = start_reaper(settings, os.getpid())
     try:
         up(settings, ("vllm",))
-        yield arch, settings
+        yield case, settings
     finally:
         down(settings, ("vllm",))
         reaper.terminate()
@@ -73,12 +85,13 @@ def foreign_fleet(request: pytest.FixtureRequest, services: Settings) -> Iterato
 
 
 def test_two_chat_cycles_on_a_checkpoint_rtrl_did_not_build(foreign_fleet: tuple[str, Settings], tmp_path: Path) -> None:
-    arch, fleet = foreign_fleet
+    case, fleet = foreign_fleet
+    arch, lora = case.removesuffix("-lora"), case.endswith("-lora")
     suffix = tmp_path.name.replace("_", "-")[-24:]
-    settings = fresh_topics(fleet, prefix=arch).model_copy(update={
+    settings = fresh_topics(fleet, prefix=case).model_copy(update={
         "store": StoreSettings(url=f"sqlite:///{tmp_path / 'rtrl.db'}"),
-        "mlflow": fleet.mlflow.model_copy(update={"model_name": f"rtrl-{arch}-{suffix}",
-                                                  "experiment": f"rtrl-{arch}-{suffix}"}),
+        "mlflow": fleet.mlflow.model_copy(update={"model_name": f"rtrl-{case}-{suffix}",
+                                                  "experiment": f"rtrl-{case}-{suffix}"}),
         "gateway": fleet.gateway.model_copy(update={"port": free_ports(1)[0], "spool_dir": tmp_path / "spool"}),
         "trainer": fleet.trainer.model_copy(update={"min_samples": 16, "checkpoint_dir": tmp_path / "ckpt"}),
         "gate": gate_without_judgement(fleet.gate, eval_prompts=16),
@@ -128,8 +141,24 @@ def test_two_chat_cycles_on_a_checkpoint_rtrl_did_not_build(foreign_fleet: tuple
     registry = Registry.from_settings(settings)
     assert registry.champion() == 3
     v3 = registry.download_checkpoint(3)
-    probe = build_probe(v3)
+    base = settings.vllm.model_dir
+    probe = build_probe(base)
     with VllmClient(settings.vllm.servers[0], model=settings.vllm.served_model_name) as server:
         assert server.weight_version() == 3
-        observed = [server.prompt_logprobs(list(ids)) for ids in probe.token_ids]
-    assert max_abs_diff(reference_logprobs(v3, probe), observed) <= 1e-3
+        if lora:  # never prompt logprobs on a LoRA server (docs/platform.md): a greedy continuation
+            assert is_adapter(v3)
+            prompt = list(probe.token_ids[0])
+            tokens, served_logprobs = server.greedy_logprobs(prompt, ADAPTER_PROBE_TOKENS)
+            diff = max_abs_diff(adapter_reference(base, v3, [(prompt, tokens)]), [served_logprobs])
+        else:
+            observed = [server.prompt_logprobs(list(ids)) for ids in probe.token_ids]
+            diff = max_abs_diff(reference_logprobs(v3, probe), observed)
+    assert diff <= 1e-3, diff
+
+    # A rollback puts v2 back on the serving server, verified.
+    rolled = run_rtrl(settings, "deploy", "rollback", timeout_s=300)
+    assert rolled.returncode == 0, rolled.stderr[-3000:]
+    result = json.loads(rolled.stdout)
+    assert result["ok"] and result["version"] == 2 and all(s["verified"] for s in result["servers"]), result
+    with VllmClient(settings.vllm.servers[0], model=settings.vllm.served_model_name) as server:
+        assert server.weight_version() == 2 and server.health()
