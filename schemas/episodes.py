@@ -36,7 +36,7 @@ An episode with orchestrator or sub-agent segments (Kimi PARL) also gets:
   nothing it did not have, did no useful work. Compared as text, like the context edits; an answer
   the orchestrator's context already held cannot be told from one it received, so it does not count;
 * ``subagent_calls_off_pin``: sub-agent calls served by another weight version than the one the
-  episode's first orchestrator call was served by (the version the sub-agents are pinned to; 0 when
+  episode's first call other than a sub-agent's was served by (the version the sub-agents are pinned to; 0 when
   the versions are unknown). The fleet serves the champion of the moment, so a server swapped
   mid-episode serves the rest of it from the new version: counted here, not hidden
   (docs/methods.md, PARL).

@@ -17,6 +17,11 @@ class ServerError(ServingError):
         self.url = url
 
 
+class UnsupportedModel(ServingError, OperatorError):
+    """A model whose forward does something to lm_head's output that the trainer's selective
+    logprobs do not reproduce (serving/sampler.py `_final_logits`)."""
+
+
 class VersionUnknown(ServingError):
     """A server's ``/weight_info`` did not name an rtrl policy version."""
 

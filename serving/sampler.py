@@ -177,9 +177,20 @@ def apply_penalties(logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
 TOP_P_CANDIDATES = 1024
 
 
+class Truncation(NamedTuple):
+    """How vLLM's sampler truncated each row of (N, V) tempered logits (`truncation_threshold`)."""
+
+    threshold: torch.Tensor  # (N,) a token whose logit is below it is dropped (−inf: none)
+    # (N,) log of the share of the tokens tied *at* the threshold that vLLM keeps (0: all of them).
+    # Top-p sorts, so of several equal logits at the nucleus' edge it keeps only as many as the
+    # cumulative mass allows; which ones depends on its sort, how many does not. The normaliser
+    # counts that many (`truncated_log_softmax`). Ties are common with bf16 logits.
+    tie_share: torch.Tensor
+
+
 def truncation_threshold(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-) -> torch.Tensor | None:
+) -> Truncation | None:
     """Per row of (N, V) *tempered* logits, the value below which vLLM's sampler drops a token
     (−inf: none dropped), or None when no row truncates. No gradient.
 
@@ -197,11 +208,12 @@ def truncation_threshold(
     rows, vocab = logits.shape
     with torch.no_grad():
         threshold = torch.full((rows,), float("-inf"), device=logits.device)
+        no_ties = torch.zeros((rows,), device=logits.device)
         if bool(need_min_p.any()):
             floor = logits.amax(dim=-1) + torch.log(min_p.clamp(min=1e-30))
             threshold = torch.where(need_min_p, floor, threshold)
         if not bool((need_k | need_p).any()):
-            return threshold
+            return Truncation(threshold, no_ties)
         masked = logits.masked_fill(logits < threshold[:, None], float("-inf"))
         wanted = max(int(top_k.max()) if bool(need_k.any()) else 0,
                      TOP_P_CANDIDATES if bool((need_p & ~need_k).any()) else 0)  # fmt: skip
@@ -226,15 +238,44 @@ def truncation_threshold(
                 inside = ((p_sorted.cumsum(0) - p_sorted) < top_p[row]) & torch.isfinite(ordered)
                 inside[0] = True
                 nucleus[row] = ordered[inside].min()
+            before_p = threshold
             threshold = torch.where(need_p, torch.maximum(threshold, nucleus), threshold)
-    return threshold
+            return Truncation(threshold, _tie_share(masked, before_p, threshold, lse, top_p, need_p))
+    return Truncation(threshold, no_ties)
 
 
-def truncate(logits: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
-    """(N, V) logits with every value below its row's threshold set to −inf."""
-    if threshold is None:
-        return logits
-    return logits.masked_fill(logits < threshold[:, None], float("-inf"))
+def _tie_share(
+    masked: torch.Tensor, before_p: torch.Tensor, threshold: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor,
+    need_p: torch.Tensor,
+) -> torch.Tensor:
+    """`Truncation.tie_share` of the top-p rows: of the c tokens tied at the threshold t, vLLM
+    (ascending sort, drop while the cumulative probability stays ≤ 1 − p) drops
+    d = ⌊(1 − p − B) / q⌋ of them, B the mass below t and q = p(t); never the row's most likely."""
+    at = (masked == threshold[:, None]) & need_p[:, None]  # (N, V)
+    tied = at.sum(dim=-1)  # (N,)
+    if not bool((tied > 1).any()):
+        return torch.zeros_like(lse)
+    kept = masked.masked_fill(masked < before_p[:, None], float("-inf"))
+    below = (kept.masked_fill(kept >= threshold[:, None], float("-inf")) - lse[:, None]).exp().sum(dim=-1)
+    q = (threshold - lse).exp()
+    dropped = torch.floor((1 - top_p - below) / q).clamp(min=0)
+    keep = (tied - dropped).clamp(min=0)
+    keep = torch.where(threshold >= masked.amax(dim=-1), keep.clamp(min=1), keep)
+    usable = (tied > 1) & (keep > 0)
+    return torch.where(usable, torch.log(keep.clamp(min=1) / tied.clamp(min=1)), torch.zeros_like(lse))
+
+
+def truncated_log_softmax(logits: torch.Tensor, truncation: Truncation | None) -> torch.Tensor:
+    """Log-softmax of (N, V) tempered logits over what vLLM kept: tokens below the threshold get
+    −inf, and the normaliser counts only the share of tokens tied at the threshold that vLLM keeps."""
+    if truncation is None:
+        return torch.log_softmax(logits, dim=-1)
+    threshold = truncation.threshold[:, None]
+    kept = logits.masked_fill(logits < threshold, float("-inf"))
+    if not bool((truncation.tie_share != 0).any()):
+        return torch.log_softmax(kept, dim=-1)
+    counted = torch.where(logits == threshold, kept + truncation.tie_share[:, None], kept)
+    return kept - counted.logsumexp(dim=-1, keepdim=True)
 
 
 def processed_log_softmax(
@@ -250,8 +291,8 @@ def processed_log_softmax(
         return values.repeat_interleave(per_row)
 
     flat = logits.float().reshape(-1, shape[-1]) / expand(temperature)[:, None]
-    threshold = truncation_threshold(flat, expand(top_k), expand(top_p), expand(min_p))
-    return torch.log_softmax(truncate(flat, threshold), dim=-1).reshape(shape)
+    truncation = truncation_threshold(flat, expand(top_k), expand(top_p), expand(min_p))
+    return truncated_log_softmax(flat, truncation).reshape(shape)
 
 
 class TokenLogprobs(NamedTuple):
@@ -282,21 +323,55 @@ def _unwrapped(model: Any) -> Any:
 
 def _final_logits(config: Any, logits: torch.Tensor) -> torch.Tensor:
     """What a causal LM's forward does to lm_head's output before returning it, for the families
-    that do something: Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma 2/3's
-    ``final_logit_softcapping`` (transformers' modeling files). Others return it unchanged."""
-    if getattr(config, "logit_scale", None) is not None:
-        logits = logits * config.logit_scale
-    if getattr(config, "logits_scaling", None) is not None:
-        logits = logits / config.logits_scaling
-    cap = getattr(config, "final_logit_softcapping", None)
+    known to do something (transformers' modeling files): Cohere's ``logit_scale`` (×), Granite's
+    ``logits_scaling`` (÷; HyperCLOVAX's of the same name multiplies), Gemma 2/3's
+    ``final_logit_softcapping``; a multimodal config's text part. Others return it unchanged;
+    `_check_head` refuses a model for which this is not what its forward does."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "logit_scale", None) is not None:
+        logits = logits * text.logit_scale
+    scaling = getattr(text, "logits_scaling", None)
+    if scaling is not None:
+        granite = str(getattr(text, "model_type", "")).startswith("granite")
+        logits = logits / scaling if granite else logits * scaling
+    cap = getattr(text, "final_logit_softcapping", None)
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap
     return logits
 
 
+def _check_head(hf: Any, batch: MicroBatch) -> None:
+    """Once per model object: the decoder + lm_head + `_final_logits` path gives the logits of the
+    model's own forward on the batch's first tokens, or `UnsupportedModel` (a family whose forward
+    transforms lm_head's output in a way `_final_logits` does not know, e.g. Falcon-H1's
+    ``lm_head_multiplier``): trained on anyway, every ratio would be silently wrong."""
+    if getattr(hf, "_rtrl_head_checked", False):
+        return
+    from serving.errors import UnsupportedModel
+
+    n = int(min(8, batch.input_ids.shape[1]))
+    ids, mask = batch.input_ids[:1, :n], batch.attention_mask[:1, :n]
+    training = hf.training
+    hf.eval()  # no dropout: both passes must be the same function
+    try:
+        with torch.no_grad():
+            full = hf(input_ids=ids, attention_mask=mask).logits[0].float()
+            hidden = hf.get_decoder()(input_ids=ids, attention_mask=mask)[0]
+            mine = _final_logits(hf.config, hf.get_output_embeddings()(hidden).float())[0]
+    finally:
+        hf.train(training)
+    gap = float((full - mine).abs().max())
+    if not gap <= 1e-3 * (1.0 + float(full.abs().max())):
+        arch = (getattr(hf.config, "architectures", None) or [type(hf).__name__])[0]
+        raise UnsupportedModel(f"{arch}: lm_head's output differs from the model's own logits by {gap:.3g}; rtrl "
+                               "does not know how this family transforms it (serving/sampler.py _final_logits), so "
+                               "it cannot train it")  # fmt: skip
+    hf._rtrl_head_checked = True
+
+
 def _score_chunk(
     head: Any, config: Any, hidden: torch.Tensor, batch: MicroBatch, rows: torch.Tensor, positions: torch.Tensor,
-    thresholds: dict[int, torch.Tensor | None], key: int,
+    thresholds: dict[int, Truncation | None], key: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(processed, tempered) logprobs of the targets at (`rows`, `positions`), each (N,), from the
     (N, H) hidden states there: lm_head, penalties, temperature, truncation, one (N, V) at a time.
@@ -308,10 +383,10 @@ def _score_chunk(
     tempered = torch.log_softmax(logits, dim=-1).gather(-1, targets)[:, 0]
     if key not in thresholds:
         thresholds[key] = truncation_threshold(logits, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
-    threshold = thresholds[key]
-    if threshold is None:
+    truncation = thresholds[key]
+    if truncation is None:
         return tempered, tempered
-    processed = torch.log_softmax(truncate(logits, threshold), dim=-1).gather(-1, targets)[:, 0]
+    processed = truncated_log_softmax(logits, truncation).gather(-1, targets)[:, 0]
     return processed, tempered
 
 
@@ -329,6 +404,7 @@ def token_logprobs(model: Any, batch: MicroBatch) -> TokenLogprobs:
     from torch.utils.checkpoint import checkpoint
 
     hf = _unwrapped(model)
+    _check_head(hf, batch)
     hidden = hf.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask)[0]  # (B, L, H)
     head = hf.get_output_embeddings()
     config = hf.config
@@ -341,7 +417,7 @@ def token_logprobs(model: Any, batch: MicroBatch) -> TokenLogprobs:
     vocab = int(getattr(head, "out_features", None) or config.vocab_size)  # ZeRO-3 partitions head.weight
     size = max(1, CHUNK_ELEMENTS // max(vocab, 1))
     processed_parts, tempered_parts = [], []
-    thresholds: dict[int, torch.Tensor | None] = {}
+    thresholds: dict[int, Truncation | None] = {}
     for start in range(0, len(rows), size):
         piece = slice(start, start + size)
         args = (head, config, chosen[piece], batch, rows[piece], positions[piece], thresholds, start)

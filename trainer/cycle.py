@@ -74,6 +74,14 @@ def signal_count(episodes: list[TrainingEpisode]) -> int:
     return sum(carries_signal(e) for e in episodes)
 
 
+def has_rows(episode: TrainingEpisode) -> bool:
+    """Whether the episode contributes a row (`rows_of`): a trainable segment with a completion
+    whose sampling the trainer may learn from. A greedy episode with feedback trains nothing, so
+    its feedback cannot carry a batch of other episodes' noise."""
+    return any(seg.trainable and seg.completion_token_ids and untrainable_sampling(seg.sampling) is None
+               for seg in episode.segments)  # fmt: skip
+
+
 class CycleResult(BaseModel):
     """The outcome of `run_cycle`, JSON-serialisable (it is the Celery task's return value)."""
 
@@ -166,20 +174,24 @@ def _skip(
     baselines: BaselineState,
     started: float,
     method_metrics: dict[str, float],
+    left_out: dict[str, int],
 ) -> CycleResult:
     """End a cycle whose batch carries too little signal: nothing trained or registered, the
     episodes spent (a later cycle would see the same rewards), the baselines updated with them."""
     checkpoint.stage_baselines(settings.trainer.checkpoint_dir, current_spec_id(settings), cycle_id, baselines)
     result = CycleResult(
         cycle_id=cycle_id, status="skipped", champion_version=champion, episodes=len(episodes),
-        trainable_rows=len(rows), signal_episodes=signal,
+        trainable_rows=len(rows), signal_episodes=signal, untrainable_rows=left_out,
+        unreproducible_rows=sum(left_out.values()),
         mean_reward=sum(e.reward for e in episodes) / len(episodes),
         first_interaction_at=min(e.created_at for e in episodes), cycle_s=round(time.monotonic() - started, 3),
         episode_metrics=method_metrics,
     )  # fmt: skip
-    log.warning("cycle %d skipped: %d of %d episodes carry feedback or a judge's grade (trainer.min_signal %g); "
-                "are users' feedback events arriving and joining?", cycle_id, signal, len(episodes),
-                settings.trainer.min_signal)  # fmt: skip
+    learning = len(episodes) - sum(not has_rows(e) for e in episodes)
+    log.warning("cycle %d skipped: %d of the %d episodes with trainable rows carry feedback or a judge's grade "
+                "(trainer.min_signal %g; %d of %d episodes have no trainable row: %s); are users' feedback events "
+                "arriving and joining?", cycle_id, signal, learning, settings.trainer.min_signal,
+                len(episodes) - learning, len(episodes), left_out or "none left out")  # fmt: skip
     end_cycle(settings, store, cycle_id, "skipped", metrics=result.model_dump(mode="json"))
     return result
 
@@ -359,13 +371,14 @@ def run_cycle(
             log.warning("cycle %d: segments left out for their sampling: %s (docs/algorithms.md, Greedy and "
                         "near-greedy requests; raw_logprobs: serve with vllm.logprobs_mode=processed)", cycle_id,
                         ", ".join(f"{n} {reason}" for reason, n in sorted(left_out.items())))  # fmt: skip
-        signal = signal_count(episodes)
-        if signal <= cfg.min_signal * len(episodes):
+        learning = [e for e in episodes if has_rows(e)]
+        signal = signal_count(learning)
+        if not learning or signal <= cfg.min_signal * len(learning):
             # Nothing (or almost nothing) to learn: traffic without feedback. Its advantages are not
             # zero once a running baseline exists, but they are the baseline's own noise: training
             # would move the weights by it.
             return _skip(settings, store, cycle_id, champion, episodes, rows, signal, next_baselines, started,
-                         method_metrics)
+                         method_metrics, left_out)
         no_signal = 0
         if isinstance(cfg.loss, DapoLoss) and cfg.loss.dynamic_sampling:
             kept = [r for r in rows if abs(r.advantage) > NO_SIGNAL]

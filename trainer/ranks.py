@@ -128,7 +128,7 @@ def main(work_dir: Path) -> None:
         state_dict,
     )
     from trainer.losses import Normaliser, loss_function
-    from trainer.steps import rank_batches, run_steps, world
+    from trainer.steps import collective_device, rank_batches, run_steps, world
 
     job = torch.load(work_dir / JOB, weights_only=True)
     cfg = TrainerSettings.model_validate_json((work_dir / SETTINGS).read_text())
@@ -148,7 +148,7 @@ def main(work_dir: Path) -> None:
         except Exception:  # noqa: BLE001 - a damaged state starts a fresh optimizer, on every rank alike
             log.exception("rank %d: the optimizer state in %s does not load", rank, job["optimizer_from"])
             loaded = 0
-        agreed = torch.tensor([loaded])
+        agreed = torch.tensor([loaded], device=collective_device())
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
         carried = bool(agreed.item())
         if not carried:

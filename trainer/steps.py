@@ -106,15 +106,15 @@ class Mismatch:
             self.bins = [b + float(c) for b, c in zip(self.bins, counts.tolist(), strict=True)]
 
     def reduce(self) -> None:
-        """Add up every rank's sums (a no-op without a process group)."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        """Add up every rank's sums (a no-op in a world of one)."""
+        if world()[1] == 1:
             return
         keys = sorted(self.sums)
-        summed = torch.tensor([self.sums[k] for k in keys] + self.bins, dtype=torch.float64)
+        summed = torch.tensor([self.sums[k] for k in keys] + self.bins, dtype=torch.float64, device=collective_device())
         torch.distributed.all_reduce(summed)
         values = summed.tolist()
         self.sums, self.bins = dict(zip(keys, values[: len(keys)], strict=True)), values[len(keys) :]
-        extremes = torch.tensor([-self.low, self.high], dtype=torch.float64)
+        extremes = torch.tensor([-self.low, self.high], dtype=torch.float64, device=collective_device())
         torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
         self.low, self.high = -float(extremes[0]), float(extremes[1])
 
@@ -134,6 +134,14 @@ def mlflow_metrics(metrics: StepMetrics) -> dict[str, float]:
     flat = metrics.model_dump(exclude={"step", "mismatch"}, exclude_none=True)
     flat |= {f"mismatch_{key}": value for key, value in (metrics.mismatch or {}).items()}
     return flat
+
+
+def collective_device() -> torch.device:
+    """Where a tensor for a collective must live: NCCL (DeepSpeed's backend on GPUs, also in a world
+    of one) reduces CUDA tensors only; gloo and DeepSpeed's CPU backend take CPU tensors."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def world() -> tuple[int, int]:
@@ -156,7 +164,7 @@ def rank_batches(batches: list[MicroBatch], rank: int, size: int) -> list[MicroB
 
 def _all_reduced(totals: dict[str, float]) -> dict[str, float]:
     keys = sorted(totals)
-    summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+    summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=collective_device())
     torch.distributed.all_reduce(summed)
     return dict(zip(keys, summed.tolist(), strict=True))
 

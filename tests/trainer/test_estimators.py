@@ -198,3 +198,78 @@ def test_a_fully_masked_micro_batch_still_reaches_every_parameter() -> None:
     got = token_logprobs(model, batch)
     (got.logprobs * batch.mask).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_family_whose_forward_rescales_lm_head_is_refused_not_mistrained() -> None:
+    """A forward that transforms lm_head's output in a way `_final_logits` does not know (here a
+    multiplier on the model, like Falcon-H1's lm_head_multiplier) would make every logprob, and so
+    every ratio, silently wrong: the first call compares with the model's own forward and refuses."""
+    from serving.errors import UnsupportedModel
+
+    model = tiny("llama")
+    original = type(model).forward
+
+    def scaled(self: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        out = original(self, *args, **kwargs)
+        out.logits = out.logits * 4.0
+        return out
+
+    row = Row(input_ids=[5, 6, 7, 8], prompt_len=2, behaviour_logprobs=[-1.0, -1.0], advantage=1.0)
+    batch = collate([row], pad_id=0)
+    token_logprobs(model, batch)  # the plain family passes, once
+    other = tiny("llama")
+    other.forward = scaled.__get__(other)  # type: ignore[method-assign]
+    with pytest.raises(UnsupportedModel, match="LlamaForCausalLM"):
+        token_logprobs(other, batch)
+
+
+def vllm_top_k_top_p(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:
+    """vLLM's apply_top_k_top_p for one row, as written there: ascending sort, top-k keeps every
+    logit ≥ the k-th largest, top-p drops while the cumulative probability stays ≤ 1 − p (never
+    the last), then log-softmax."""
+    ordered, index = logits.sort(descending=False)
+    if k > 0:
+        ordered = ordered.masked_fill(ordered < ordered[-k], float("-inf"))
+    cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - p
+    drop[-1] = False
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, index, ordered).log_softmax(dim=-1)
+
+
+@pytest.mark.parametrize(("k", "p"), [(0, 0.5), (0, 0.9), (50, 0.8), (20, 0.95)])
+def test_ties_at_the_nucleus_edge_count_as_vllm_keeps_them(k: int, p: float) -> None:
+    """bf16 logits tie often; of tokens tied at the top-p edge vLLM keeps only as many as the
+    cumulative mass allows, so its normaliser is smaller than one over every tied token."""
+    g = torch.Generator().manual_seed(k + int(p * 100))
+    logits = (torch.randn(6, 4000, generator=g) * 2).bfloat16().float()  # (rows, V), many exact ties
+    got = processed_log_softmax(logits, torch.ones(6), torch.full((6,), k), torch.full((6,), p), torch.zeros(6))
+    ties = 0
+    for row in range(6):
+        want = vllm_top_k_top_p(logits[row], k, p)
+        kept = torch.isfinite(want)
+        assert torch.isfinite(got[row][kept]).all()
+        assert torch.allclose(got[row][kept], want[kept], atol=1e-5), (row, (got[row][kept] - want[kept]).abs().max())
+        ties += int(torch.isfinite(got[row]).sum() - kept.sum())  # tied tokens vLLM happened to drop
+    assert ties > 0, "the case should have ties at the edge"
+
+
+def test_feedback_on_greedy_episodes_does_not_carry_a_batch() -> None:
+    """Greedy requests are never trained on: their feedback must not count as the batch's signal
+    (the cycle would fail with no rows, its episodes released, again and again)."""
+    from schemas.events import SamplingParams
+    from store import TrainingEpisode, TrainingSegment
+    from trainer.cycle import has_rows, signal_count
+
+    def episode(i: int, temperature: float, feedback: bool) -> TrainingEpisode:
+        seg = TrainingSegment(prompt="p", prompt_token_ids=[1, 2], completion_token_ids=[3], completion_logprobs=[-0.5],
+                              trainable=True, role="policy", policy_version=1,
+                              sampling=SamplingParams(temperature=temperature, logprobs_mode="processed"))  # fmt: skip
+        return TrainingEpisode(episode_id=f"e{i}", reward=1.0 if feedback else 0.0, policy_version=1,
+                               created_at=datetime.now(UTC), segments=[seg], no_feedback=not feedback,
+                               components={"accepted": 1.0} if feedback else {"no_feedback": 0.0})  # fmt: skip
+
+    batch = [episode(i, 0.0, True) for i in range(10)] + [episode(10 + i, 0.7, False) for i in range(10)]
+    learning = [e for e in batch if has_rows(e)]
+    assert len(learning) == 10 and signal_count(learning) == 0  # the sampled half is silent: skip
+    assert signal_count(batch) == 10  # what counting every episode would have said
