@@ -4,8 +4,10 @@ After `reload_weights` the deployer asks the server for the prompt logprobs of a
 sequences and compares them with transformers running the same checkpoint on CPU in float32.
 Unlike `/weight_checker` digests (which on CPU miss every linear layer: docs/platform.md, Weight
 digests on CPU), this covers every weight and the loading path itself: a wrong, truncated or
-mis-mapped checkpoint moves the logprobs by far more than the tolerance, while vLLM's kernels and
-transformers agree to ~1e-5.
+mis-mapped checkpoint moves the logprobs by far more than the tolerance, while a server computing
+in float32 agrees with transformers to about 1e-6. The tolerance follows the dtype the servers
+compute in (`PROBE_TOLERANCES`, `served_dtype`): a bfloat16 server differs from the float32
+reference by its rounding, not by its weights.
 
 Used by `deployer.rollout`; the reference is computed once per checkpoint per process, and kept on
 disk next to the version's digests (`cached_reference`): a rollback to a version served before
@@ -37,6 +39,45 @@ PROBE_TEXTS: tuple[str, ...] = (
     "Q: What comes after 9?\nA: The answer is 10.",
     "The quick brown fox jumps over the lazy dog 0123456789.",
 )
+
+
+PROBE_TOLERANCES: dict[str, float] = {"float32": 1e-3, "float16": 0.25, "bfloat16": 1.0}
+"""Largest |vLLM - transformers float32| probe logprob accepted, by the dtype the server computes in
+(`served_dtype`); ``deployer.probe_tolerance`` overrides it. docs/platform.md, Verification
+tolerances, says how each was set (CPU measurements of 2026-12-04; GPU figures come from
+bench/gpu_check.sh):
+
+- float32: vLLM served 9.5e-7; 1e-3 leaves 1000x for deeper models and other kernels, and still
+  fails a server that computes in bfloat16 (2.7e-3 and up).
+- bfloat16: rounding, 3.3e-3 on a random 2-layer model served by vLLM, 0.074 on a trained 2-layer
+  one, and 7.3x more at 24 layers, hidden 896 than at 2 layers, hidden 128 (random weights): a
+  trained 0.5B model may reach about 0.54. 1.0 leaves nearly twice that; wrong weights moved a
+  trained model's probe by 7.4 to 11.4.
+- float16: likewise from 0.019 (trained, 2 layers) and a growth of 6.5x: 0.25.
+"""
+
+# config.json's names for a dtype (torch's, and the older short ones).
+_CONFIG_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                  "half": "float16"}  # fmt: skip
+
+
+def served_dtype(setting: str, checkpoint_dir: Path) -> str:
+    """The dtype a server started with ``--dtype setting`` (``vllm.dtype``) computes `checkpoint_dir` in.
+
+    ``auto`` is resolved as vLLM resolves it (vllm/config/model.py, ``_resolve_auto_dtype``): the
+    ``dtype`` (or older ``torch_dtype``) of the checkpoint's config.json, except that a float32
+    checkpoint (or one that names none) is downcast to the platform's first supported dtype,
+    bfloat16 on x86 CPUs and on CUDA GPUs. Raises ValueError on a config.json dtype rtrl does not know.
+    """
+    if setting != "auto":
+        return setting
+    config = json.loads((checkpoint_dir / "config.json").read_text())
+    named = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = _CONFIG_DTYPES.get(str(named).removeprefix("torch."))
+    if dtype is None:
+        raise ValueError(f"{checkpoint_dir / 'config.json'}: dtype {named!r} is none of {sorted(_CONFIG_DTYPES)}; "
+                         "set vllm.dtype (RTRL_VLLM__DTYPE) to what the servers run in")  # fmt: skip
+    return "bfloat16" if dtype == "float32" else dtype
 
 
 class Probe(BaseModel):

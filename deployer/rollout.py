@@ -9,8 +9,9 @@ first is the canary)::
 Verify = (in the pause window) the server's `/weight_checker` digests that mean something on this
 backend equal the version's baseline (recorded on the staging server by the gate, or by the
 canary), and (after resume, because it generates) the probe's prompt logprobs from the server
-match transformers on the same checkpoint within ``settings.deployer.probe_tolerance``, which
-covers every weight.
+match transformers on the same checkpoint within the probe tolerance (`probe_tolerance`:
+``settings.deployer.probe_tolerance``, or by the dtype the servers compute in), which covers every
+weight.
 
 With ``trainer.adapter=lora`` a version is a LoRA adapter on the servers' base model: the reload is
 ``/v1/load_lora_adapter`` in place under the served name, there are no digests to compare (they
@@ -55,11 +56,13 @@ from deployer.agent import fetch as fetch_on_host
 from deployer.errors import NothingToRollBack, RolloutBusy
 from deployer.probe import (
     ADAPTER_PROBE_TOKENS,
+    PROBE_TOLERANCES,
     Probe,
     adapter_reference,
     build_probe,
     cached_reference,
     max_abs_diff,
+    served_dtype,
 )
 from registry import CHAMPION, Registry, RegistryError
 from schemas.clock import utcnow
@@ -136,10 +139,11 @@ def digests_agree(baseline: dict[str, str] | None, observed: dict[str, str]) -> 
     return all(observed.get(name) == digest for name, digest in useful.items())
 
 
-def verdict(max_diff: float, tolerance: float, digest_match: bool | None) -> str | None:
-    """None when a reload is verified, else the reason it is not."""
+def verdict(max_diff: float, tolerance: float, digest_match: bool | None, hint: str = "") -> str | None:
+    """None when a reload is verified, else the reason it is not (followed by `hint`, what to check)."""
     if not max_diff <= tolerance:  # also catches nan
-        return f"probe logprobs differ from transformers by {max_diff:.3g} > tolerance {tolerance:g}"
+        reason = f"probe logprobs differ from transformers by {max_diff:.3g} > tolerance {tolerance:g}"
+        return f"{reason} {hint}" if hint else reason
     if digest_match is False:
         return "weight digests differ from the version's recorded digests"
     return None
@@ -162,6 +166,32 @@ class Target:
     @property
     def adapter(self) -> bool:
         return self.base is not None
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """The probe tolerance of a swap, and the dtype it was chosen for."""
+
+    value: float
+    dtype: str  # what the servers compute in (vllm.dtype resolved against the checkpoint)
+    explicit: bool  # deployer.probe_tolerance was set
+
+    def hint(self) -> str:
+        """What to check when a probe fails, in one line."""
+        source = (f"set by deployer.probe_tolerance; the table's is {PROBE_TOLERANCES[self.dtype]:g}" if self.explicit
+                  else "deployer/probe.py's table")  # fmt: skip
+        return (f"({self.dtype} serving, {source}): check that the server loaded this checkpoint (its log) and "
+                f"runs with --dtype {self.dtype} (vllm.dtype); if it does and its kernels differ more, set "
+                "RTRL_DEPLOYER__PROBE_TOLERANCE (docs/platform.md, Verification tolerances)")
+
+
+def probe_tolerance(settings: Settings, want: Target) -> Tolerance:
+    """``deployer.probe_tolerance`` when set, else `PROBE_TOLERANCES` of the dtype the servers compute
+    `want` in: ``vllm.dtype``, ``auto`` resolved against the checkpoint's config.json (the base
+    model's for an adapter; a policy version keeps its base's config.json)."""
+    dtype = served_dtype(settings.vllm.dtype, want.base if want.base is not None else want.path)
+    explicit = settings.deployer.probe_tolerance
+    return Tolerance(PROBE_TOLERANCES[dtype] if explicit is None else explicit, dtype, explicit is not None)
 
 
 def deploy_dir(settings: Settings) -> Path:
@@ -265,7 +295,8 @@ def _restore(server: VllmClient, back: Target, settings: Settings, paused: bool)
         _publish(server, back.version)
     finally:
         server.resume()
-    problem = verdict(probe_diff(server, back), settings.deployer.probe_tolerance, digest_match)
+    tolerance = probe_tolerance(settings, back)
+    problem = verdict(probe_diff(server, back), tolerance.value, digest_match, tolerance.hint())
     if problem is not None:
         raise ServerError(server.url, f"restoring v{back.version} failed: {problem}")
 
@@ -286,7 +317,7 @@ def swap_server(
     of the fleet when none was recorded). Raises ServerError only when even the restore fails;
     the server is resumed on every path, because a paused server hangs every request routed to it.
     """
-    tolerance = settings.deployer.probe_tolerance
+    tolerance = probe_tolerance(settings, want)
     try:
         path = host_path(settings, server, want)  # before the pause: a download is not part of the window
     except ServingError as exc:
@@ -304,7 +335,7 @@ def swap_server(
             digests = _digests(server, want)
             digest_match = digests_agree(want.digests, digests)
             if digest_match is False:
-                error = verdict(0.0, tolerance, digest_match)
+                error = verdict(0.0, tolerance.value, digest_match)
         except (ServingError, httpx.HTTPError) as exc:
             error = f"reload of v{want.version} failed: {exc}"
         if error is None:
@@ -318,7 +349,7 @@ def swap_server(
     if error is None:
         try:
             max_diff = probe_diff(server, want)
-            error = verdict(max_diff, tolerance, digest_match)
+            error = verdict(max_diff, tolerance.value, digest_match, tolerance.hint())
         except (ServingError, httpx.HTTPError) as exc:
             error = f"probe of v{want.version} failed: {exc}"
         if error is not None and restore is not None:
@@ -701,7 +732,7 @@ def _align(
         else swap_window(settings, store, server, f"align to v{version}", drain=drain)
     )  # fmt: skip
     with changing as window:
-        if probe_diff(server, want) <= settings.deployer.probe_tolerance:
+        if probe_diff(server, want) <= probe_tolerance(settings, want).value:
             if want.digests is None and not want.adapter:
                 save_digests(settings, store, version, server.weight_digests())
             server.update_weight_version(version)  # verified by the probe just now

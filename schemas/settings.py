@@ -232,6 +232,14 @@ class VllmSettings(_Section):
         "deployer's own download (one host, or a volume every host mounts). JSON: "
         '\'{"http://vllm-0:8000": "http://vllm-0:18090"}\'.',
     )
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32",
+        description="--dtype of the vLLM servers, and the dtype the swap probe's tolerance follows "
+        "(deployer.probe_tolerance). float32 (the default, for CPU): vLLM then matches the trainer's float32 "
+        "transformers reference to about 1e-6; bfloat16 or float16 on a GPU; auto: the checkpoint's own dtype "
+        "from config.json (a float32 checkpoint is served in bfloat16: vLLM's rule). A fleet rtrl does not "
+        "start must run with the dtype named here.",
+    )
     kv_cache_gib: int = Field(1, description="VLLM_CPU_KVCACHE_SPACE for the local CPU server.")
     max_model_len: int = Field(512, description="Context length of the local server.")
     request_timeout_s: float = Field(120.0, description="Timeout of one request to a vLLM server.")
@@ -733,8 +741,12 @@ class GateSettings(_Section):
 class DeployerSettings(_Section):
     """The rolling hot-swap of the vLLM fleet."""
 
-    probe_tolerance: float = Field(
-        0.05, gt=0, description="Max |logprob| difference vLLM vs transformers on the probe."
+    probe_tolerance: float | None = Field(
+        None,
+        gt=0,
+        description="Max |logprob| difference vLLM vs transformers (float32) on the swap probe. None: by the dtype "
+        "the servers compute in (vllm.dtype resolved against the checkpoint's config.json), from the table "
+        "PROBE_TOLERANCES in deployer/probe.py (docs/platform.md, Verification tolerances). A number overrides it.",
     )
     pause_mode: Literal["wait", "abort", "keep"] = Field(
         "wait", description="vLLM /pause mode during a swap."

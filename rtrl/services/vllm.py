@@ -94,7 +94,9 @@ class Vllm(Service):
             "--served-model-name", v.served_model_name,
             "--host", self.host, "--port", str(self.port),
             "--max-model-len", str(v.max_model_len),
-            "--dtype", "float32",
+            # float32 by default: on CPU vLLM then matches the trainer's float32 reference, and the swap
+            # probe's tolerance follows this dtype (deployer/probe.py, PROBE_TOLERANCES).
+            "--dtype", v.dtype,
             "--max-logprobs", "20",
             "--disable-uvicorn-access-log",
             # Behaviour logprobs as the tokens were drawn (after temperature and truncation), and no

@@ -22,7 +22,13 @@ import sqlalchemy as sa
 from factories import fresh_topics
 from helpers import REPO, gate_without_judgement, run_rtrl
 
-from deployer.probe import ADAPTER_PROBE_TOKENS, adapter_reference, build_probe, max_abs_diff
+from deployer.probe import (
+    ADAPTER_PROBE_TOKENS,
+    PROBE_TOLERANCES,
+    adapter_reference,
+    build_probe,
+    max_abs_diff,
+)
 from registry import Registry
 from rtrl.launch import child_env, rtrl_command
 from rtrl.services.testing import free_ports, make_run_dir, start_reaper
@@ -119,7 +125,7 @@ def test_lora_cycles_train_register_swap_verify_and_serve(lora_fleet: Settings, 
         assert server.weight_version() == 3
         tokens, served = server.greedy_logprobs(prompt, ADAPTER_PROBE_TOKENS)
         assert max_abs_diff(adapter_reference(base, registry.download_checkpoint(3), [(prompt, tokens)]),
-                            [served]) <= settings.deployer.probe_tolerance  # fmt: skip
+                            [served]) <= PROBE_TOLERANCES[settings.vllm.dtype]  # fmt: skip
     with VllmClient(settings.vllm.servers[0], model=base_model_name(settings.vllm.served_model_name)) as plain:
         base_tokens, base_logprobs = plain.greedy_logprobs(prompt, ADAPTER_PROBE_TOKENS)
     assert (base_tokens, base_logprobs) != (tokens, served), "the adapter changed nothing"

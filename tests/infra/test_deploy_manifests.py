@@ -340,6 +340,7 @@ def test_compose_layout() -> None:
         assert _env(vllm)["VLLM_SERVER_DEV_MODE"] == "1"
         assert "--logprobs-mode=processed_logprobs" in vllm["command"]
         assert "--generation-config=vllm" in vllm["command"]
+        assert f"--dtype={env['RTRL_VLLM__DTYPE']}" in vllm["command"]  # the probe's tolerance follows it
         assert "ports" not in vllm, f"{host}: the development endpoints must not be published"
 
     assert "postgresql" in " ".join(services["mlflow"]["command"])
@@ -380,6 +381,7 @@ def test_k8s_layout() -> None:
             if container["image"].startswith("vllm/vllm-openai:"):
                 assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
                 assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in container["env"]
+                assert f"--dtype={config['data']['RTRL_VLLM__DTYPE']}" in container["args"]
 
 
 def test_every_vllm_server_can_read_what_the_deployer_hands_it() -> None:
