@@ -64,6 +64,7 @@ from deployer.probe import (
     max_abs_diff,
     served_dtype,
 )
+from deployer.tied import with_tied_head
 from registry import CHAMPION, Registry, RegistryError
 from schemas.clock import utcnow
 from schemas.settings import Settings
@@ -613,7 +614,9 @@ def bootstrap(settings: Settings, registry: Registry, model_dir: Path, *, keep_g
             tags = {"rtrl.base": "true", "rtrl.adapter": "lora", "rtrl.base_model": str(model_dir.resolve())}
             version = registry.register_checkpoint(first, tags=tags)
         else:
-            version = registry.register_checkpoint(model_dir, tags={"rtrl.base": "true"})
+            # A tied head written out, so that a server can be swapped back to v1 (deployer/tied.py).
+            base = with_tied_head(model_dir, deploy_dir(settings) / "v1-base")
+            version = registry.register_checkpoint(base, tags={"rtrl.base": "true"})
         if version != 1:
             raise RegistryError(f"registered the base model as version {version}; expected 1 (concurrent bootstrap?)")
         registry.set_alias(CHAMPION, version)

@@ -209,8 +209,10 @@ def test_a_cycle_whose_promotion_fails_leaves_the_baselines_as_they_were(
 def test_a_batch_without_signal_is_skipped_not_shipped(
     settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path
 ) -> None:
-    """Traffic with no feedback at all: every episode settles by the window with reward 0, every
-    advantage is 0. The cycle trains nothing, registers nothing and spends the episodes."""
+    """Traffic with no feedback at all: every episode settles by the window with reward 0 and
+    carries no signal (on a first cycle every advantage is 0 too, but the decision reads the
+    feedback: tests/trainer/test_estimators.py). The cycle trains nothing, registers nothing and
+    spends the episodes."""
     from factories import at
 
     from trainer.checkpoint import baselines_path
@@ -222,7 +224,8 @@ def test_a_batch_without_signal_is_skipped_not_shipped(
 
     result = run_cycle(settings, store, registry, owner="test")
 
-    assert (result.status, result.challenger_version, result.no_signal_rows, result.steps) == ("skipped", None, 16, [])
+    assert (result.status, result.challenger_version, result.signal_episodes, result.steps) == ("skipped", None, 0, [])
+    assert result.trainable_rows == 16
     cycle = store.get_cycle(result.cycle_id or 0)
     assert cycle is not None and cycle.status == "skipped"
     assert store.count_trainable(champion, 0) == 0, "the episodes are spent"
