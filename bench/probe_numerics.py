@@ -20,7 +20,9 @@ Checkpoints: ``tiny-qwen2`` / ``tiny-llama`` (`rtrl.checkpoints`, random weights
 128: the shapes measured on vLLM), ``demo-v1`` / ``demo-v2`` (the demo's tiny Llama, trained:
 `rtrl.tinymodel` recipes v1 and v2) and ``0.5b-qwen2`` (`rtrl.checkpoints` size 0.5b with
 Qwen2.5's 151,936 vocabulary rows: 24 layers, hidden 896, random weights). The last line is one
-JSON object: {"name": "probe_numerics", "models": {model: {row: max |diff|}}}.
+JSON object: {"name": "probe_numerics", "value": the largest bfloat16 difference of a correct
+model, "baseline": the smallest difference a shuffled layer or the previous version made, "ratio": value / baseline (below 1:
+a probe tolerance can separate the two on these models), "models": {model: {row: max |diff|}}}.
 """
 
 from __future__ import annotations
@@ -134,7 +136,13 @@ def main() -> None:
             shutil.rmtree(path, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps({"name": "probe_numerics", "models": results}))
+    # value: the largest bf16 rounding error of a correct model; baseline: the smallest change of
+    # wrong weights; ratio < 1 means a probe can tell the two apart on these models.
+    numerics = max(row["served bfloat16"] for row in results.values())
+    # (Rounding to bf16 is left out: it is what a bfloat16 server does, a fault of float32 ones only.)
+    wrong = min(v for row in results.values() for k, v in row.items() if k.startswith("wrong:") and "bf16" not in k)
+    print(json.dumps({"name": "probe_numerics", "value": numerics, "baseline": wrong, "ratio": numerics / wrong,
+                      "models": results}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,7 +13,14 @@ from typing import Any
 import streams
 from rtrl.launch import child_env, rtrl_command
 from schemas.clock import wait_until
-from schemas.settings import AlarmSettings, GateSettings, KafkaSettings, Settings
+from schemas.settings import (
+    AlarmSettings,
+    GateSettings,
+    KafkaSettings,
+    MetricsSettings,
+    Settings,
+    StoreSettings,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -155,3 +162,26 @@ def gate_without_judgement(gate: GateSettings, **update: Any) -> GateSettings:
     alarms = AlarmSettings(length_ratio=1000, entropy_ratio=0, repetition_rate=1, truncation_rate=1, kl_budget=1e9,
                            no_action_rate=1)  # fmt: skip
     return gate.model_copy(update={"tolerance": 1.0, "anchor": "none", "alarms": alarms, **update})
+
+
+def demo_settings(fleet: Settings, tmp_path: Path, name: str) -> Settings:
+    """Settings for one `rtrl demo` run of an e2e test on `fleet`'s servers: topics, a SQLite store,
+    a registered model, a gateway port, checkpoints and metrics ports of its own, 16 episodes a
+    cycle, and the gate without its judgement (the test is about the loop closing)."""
+    from factories import fresh_topics
+
+    from rtrl.services.testing import free_ports
+
+    suffix = tmp_path.name.replace("_", "-")[-24:]
+    return fresh_topics(fleet, prefix=name).model_copy(update={
+        "store": StoreSettings(url=f"sqlite:///{tmp_path / 'rtrl.db'}"),
+        "mlflow": fleet.mlflow.model_copy(update={"model_name": f"rtrl-{name}-{suffix}",
+                                                  "experiment": f"rtrl-{name}-{suffix}"}),
+        "gateway": fleet.gateway.model_copy(update={"port": free_ports(1)[0], "spool_dir": tmp_path / "spool"}),
+        "trainer": fleet.trainer.model_copy(update={"min_samples": 16, "checkpoint_dir": tmp_path / "ckpt"}),
+        "gate": gate_without_judgement(fleet.gate, eval_prompts=16),
+        "metrics": MetricsSettings(**dict(zip(
+            ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
+            strict=True))),
+    })  # fmt: skip
+

@@ -29,8 +29,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from factories import fresh_topics
-from helpers import REPO, gate_without_judgement, run_rtrl
+from helpers import REPO, demo_settings, run_rtrl
 
 from deployer.probe import (
     ADAPTER_PROBE_TOKENS,
@@ -43,7 +42,7 @@ from registry import Registry
 from rtrl.checkpoints import build
 from rtrl.launch import child_env, rtrl_command
 from rtrl.services.testing import free_ports, make_run_dir, start_reaper
-from schemas.settings import MetricsSettings, Settings, StoreSettings
+from schemas.settings import Settings
 from serving import VllmClient
 from serving.adapters import is_adapter
 
@@ -87,18 +86,7 @@ def foreign_fleet(request: pytest.FixtureRequest, services: Settings) -> Iterato
 def test_two_chat_cycles_on_a_checkpoint_rtrl_did_not_build(foreign_fleet: tuple[str, Settings], tmp_path: Path) -> None:
     case, fleet = foreign_fleet
     arch, lora = case.removesuffix("-lora"), case.endswith("-lora")
-    suffix = tmp_path.name.replace("_", "-")[-24:]
-    settings = fresh_topics(fleet, prefix=case).model_copy(update={
-        "store": StoreSettings(url=f"sqlite:///{tmp_path / 'rtrl.db'}"),
-        "mlflow": fleet.mlflow.model_copy(update={"model_name": f"rtrl-{case}-{suffix}",
-                                                  "experiment": f"rtrl-{case}-{suffix}"}),
-        "gateway": fleet.gateway.model_copy(update={"port": free_ports(1)[0], "spool_dir": tmp_path / "spool"}),
-        "trainer": fleet.trainer.model_copy(update={"min_samples": 16, "checkpoint_dir": tmp_path / "ckpt"}),
-        "gate": gate_without_judgement(fleet.gate, eval_prompts=16),
-        "metrics": MetricsSettings(**dict(zip(
-            ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
-            strict=True))),
-    })  # fmt: skip
+    settings = demo_settings(fleet, tmp_path, case)
     out = tmp_path / "cycles.json"
     proc = subprocess.run(
         rtrl_command("demo", "--cycles", "2", "--requests", str(REQUESTS_PER_CYCLE), "--api", "chat",

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from factories import fresh_topics
-from helpers import REPO, gate_without_judgement, run_rtrl
+from helpers import REPO, demo_settings, run_rtrl
 
 from deployer.probe import (
     ADAPTER_PROBE_TOKENS,
@@ -32,7 +31,7 @@ from deployer.probe import (
 from registry import Registry
 from rtrl.launch import child_env, rtrl_command
 from rtrl.services.testing import free_ports, make_run_dir, start_reaper
-from schemas.settings import MetricsSettings, Settings, StoreSettings
+from schemas.settings import Settings
 from serving import VllmClient
 from serving.adapters import base_model_name, is_adapter
 
@@ -68,22 +67,11 @@ def lora_fleet(services: Settings) -> Iterator[Settings]:
 
 
 def test_lora_cycles_train_register_swap_verify_and_serve(lora_fleet: Settings, tmp_path: Path) -> None:
-    suffix = tmp_path.name.replace("_", "-")[-24:]
-    settings = fresh_topics(lora_fleet, prefix="lora").model_copy(update={
-        "store": StoreSettings(url=f"sqlite:///{tmp_path / 'rtrl.db'}"),
-        "mlflow": lora_fleet.mlflow.model_copy(update={"model_name": f"rtrl-lora-{suffix}",
-                                                       "experiment": f"rtrl-lora-{suffix}"}),
-        "gateway": lora_fleet.gateway.model_copy(update={"port": free_ports(1)[0], "spool_dir": tmp_path / "spool"}),
-        "trainer": lora_fleet.trainer.model_copy(update={"min_samples": 16, "checkpoint_dir": tmp_path / "ckpt"}),
-        # About the adapter going through the loop, not the gate's judgement (tests/deployer cover
-        # it): no margin, no alarm. (The gate does judge LoRA challengers here: on 48-request
-        # cycles at trainer.lora.lr its alarms have rejected the second one for answering with
-        # punctuation alone, 25 % vs 6 %.)
-        "gate": gate_without_judgement(lora_fleet.gate, eval_prompts=16),
-        "metrics": MetricsSettings(**dict(zip(
-            ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
-            strict=True))),
-    })  # fmt: skip
+    # About the adapter going through the loop, not the gate's judgement (tests/deployer cover it):
+    # no margin, no alarm. (The gate does judge LoRA challengers here: on 48-request cycles at
+    # trainer.lora.lr its alarms have rejected the second one for answering with punctuation
+    # alone, 25 % vs 6 %.)
+    settings = demo_settings(lora_fleet, tmp_path, "lora")
     out = tmp_path / "cycles.json"
     proc = subprocess.run(
         rtrl_command("demo", "--cycles", "2", "--requests", str(REQUESTS_PER_CYCLE), "--json", str(out)),
