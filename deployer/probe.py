@@ -26,9 +26,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
+
+from schemas.settings import Settings
 
 # Text in the shape of real traffic (the task's prompts and answers) plus generic text, so the
 # probe exercises the embedding rows that serving uses. Any text works: vLLM and transformers see
@@ -78,6 +81,31 @@ def served_dtype(setting: str, checkpoint_dir: Path) -> str:
         raise ValueError(f"{checkpoint_dir / 'config.json'}: dtype {named!r} is none of {sorted(_CONFIG_DTYPES)}; "
                          "set vllm.dtype (RTRL_VLLM__DTYPE) to what the servers run in")  # fmt: skip
     return "bfloat16" if dtype == "float32" else dtype
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """The probe tolerance of a swap, and the dtype it was chosen for."""
+
+    value: float
+    dtype: str  # what the servers compute in (vllm.dtype resolved against the checkpoint)
+    explicit: bool  # deployer.probe_tolerance was set
+
+    def hint(self) -> str:
+        """What to check when a probe fails, in one line."""
+        source = (f"set by deployer.probe_tolerance; the table's is {PROBE_TOLERANCES[self.dtype]:g}" if self.explicit
+                  else "deployer/probe.py's table")  # fmt: skip
+        return (f"({self.dtype} serving, {source}): check that the server loaded this checkpoint (its log) and "
+                f"runs with --dtype {self.dtype} (vllm.dtype); if it does and its kernels differ more, set "
+                "RTRL_DEPLOYER__PROBE_TOLERANCE (docs/platform.md, Verification tolerances)")
+
+
+def tolerance_for(settings: Settings, checkpoint_dir: Path) -> Tolerance:
+    """``deployer.probe_tolerance`` when set, else `PROBE_TOLERANCES` of the dtype the servers compute
+    the checkpoint in: ``vllm.dtype``, ``auto`` resolved against `checkpoint_dir`'s config.json."""
+    dtype = served_dtype(settings.vllm.dtype, checkpoint_dir)
+    explicit = settings.deployer.probe_tolerance
+    return Tolerance(PROBE_TOLERANCES[dtype] if explicit is None else explicit, dtype, explicit is not None)
 
 
 class Probe(BaseModel):

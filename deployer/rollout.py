@@ -56,13 +56,13 @@ from deployer.agent import fetch as fetch_on_host
 from deployer.errors import NothingToRollBack, RolloutBusy
 from deployer.probe import (
     ADAPTER_PROBE_TOKENS,
-    PROBE_TOLERANCES,
     Probe,
+    Tolerance,
     adapter_reference,
     build_probe,
     cached_reference,
     max_abs_diff,
-    served_dtype,
+    tolerance_for,
 )
 from deployer.tied import with_tied_head
 from registry import CHAMPION, Registry, RegistryError
@@ -169,30 +169,10 @@ class Target:
         return self.base is not None
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    """The probe tolerance of a swap, and the dtype it was chosen for."""
-
-    value: float
-    dtype: str  # what the servers compute in (vllm.dtype resolved against the checkpoint)
-    explicit: bool  # deployer.probe_tolerance was set
-
-    def hint(self) -> str:
-        """What to check when a probe fails, in one line."""
-        source = (f"set by deployer.probe_tolerance; the table's is {PROBE_TOLERANCES[self.dtype]:g}" if self.explicit
-                  else "deployer/probe.py's table")  # fmt: skip
-        return (f"({self.dtype} serving, {source}): check that the server loaded this checkpoint (its log) and "
-                f"runs with --dtype {self.dtype} (vllm.dtype); if it does and its kernels differ more, set "
-                "RTRL_DEPLOYER__PROBE_TOLERANCE (docs/platform.md, Verification tolerances)")
-
-
 def probe_tolerance(settings: Settings, want: Target) -> Tolerance:
-    """``deployer.probe_tolerance`` when set, else `PROBE_TOLERANCES` of the dtype the servers compute
-    `want` in: ``vllm.dtype``, ``auto`` resolved against the checkpoint's config.json (the base
-    model's for an adapter; a policy version keeps its base's config.json)."""
-    dtype = served_dtype(settings.vllm.dtype, want.base if want.base is not None else want.path)
-    explicit = settings.deployer.probe_tolerance
-    return Tolerance(PROBE_TOLERANCES[dtype] if explicit is None else explicit, dtype, explicit is not None)
+    """The probe tolerance of swapping `want` (`deployer.probe.tolerance_for` its checkpoint, the
+    base model's for an adapter: a policy version keeps its base's config.json)."""
+    return tolerance_for(settings, want.base if want.base is not None else want.path)
 
 
 def deploy_dir(settings: Settings) -> Path:
