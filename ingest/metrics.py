@@ -10,17 +10,66 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 
 class GatewayMetrics:
-    """Counters an operator alarms on: see docs/runbooks/gateway.md."""
+    """Counters an operator alarms on: see docs/runbooks/gateway.md. The families are made in
+    groups by what they watch; each is an attribute (``metrics.requests``, ``metrics.auth``, ...)."""
+
+    requests: Counter
+    auth: Counter
+    body_refused: Counter
+    keys_age: Gauge
+    upstream_latency: Histogram
+    upstream_requests: Counter
+    in_flight: Gauge
+    in_rotation: Gauge
+    version_source: Counter
+    version_mismatch: Counter
+    straddled: Counter
+    untrainable: Counter
+    truncated: Counter
+    redacted: Counter
+    publish: Counter
+    spool_bytes: Gauge
+    kafka_connected: Gauge
+    oldest_in_flight: Gauge
+    producer_replaced: Counter
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory, open fds, start time
+        self._request_families()
+        self._upstream_families()
+        self._capture_families()
+        self._publish_families()
+
+    def _request_families(self) -> None:
+        """Calls and who made them: answers by endpoint and status, authentication, bodies refused."""
         self.requests = Counter(
             "rtrl_gateway_requests_total",
             "Requests answered by the gateway, by endpoint and HTTP status.",
             ["endpoint", "status"],
             registry=self.registry,
         )
+        self.auth = Counter(
+            "rtrl_gateway_auth_total",
+            "Calls by authentication outcome: ok, missing_key, invalid_key, wrong_role, rate_limited, "
+            "keys_not_loaded, foreign_tenant, foreign_request.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.body_refused = Counter(
+            "rtrl_gateway_body_refused_total",
+            "Requests refused unread because their body was over the route's limit (413), by path.",
+            ["path"],
+            registry=self.registry,
+        )
+        self.keys_age = Gauge(
+            "rtrl_gateway_keys_age_seconds",
+            "Seconds since the API keys in force were read from the store (it grows while the store is down).",
+            registry=self.registry,
+        )
+
+    def _upstream_families(self) -> None:
+        """The vLLM fleet behind the gateway: latency, requests and in-flight per server, rotation."""
         self.upstream_latency = Histogram(
             "rtrl_gateway_upstream_latency_seconds",
             "Latency of the vLLM call behind a request.",
@@ -28,24 +77,26 @@ class GatewayMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
             registry=self.registry,
         )
-        self.publish = Counter(
-            "rtrl_gateway_publish_total",
-            "Events by publish outcome: ok (acked by Kafka), spooled, replayed (acked from the spool), "
-            "overflow (spool full, written to overflow.jsonl), undeliverable (too large for Kafka, written to "
-            "overflow.jsonl), dead_letter (not a valid event, sent to the dead-letter topic), lost (the disk refused both "
-            "the spool and the overflow file; each is logged as LOST).",
-            ["topic", "outcome"],
-            registry=self.registry,
-        )
-        self.spool_bytes = Gauge(
-            "rtrl_gateway_spool_bytes", "Bytes of events waiting in the on-disk spool.", registry=self.registry
-        )
         self.upstream_requests = Counter(
             "rtrl_gateway_upstream_requests_total",
             "Requests the gateway sent to each vLLM server (a server out of rotation gets none).",
             ["server"],
             registry=self.registry,
         )
+        self.in_flight = Gauge(
+            "rtrl_gateway_upstream_in_flight",
+            "Requests this gateway has on each vLLM server now (streams until they end).",
+            ["server"],
+            registry=self.registry,
+        )
+        self.in_rotation = Gauge(
+            "rtrl_gateway_servers_in_rotation",
+            "Serving vLLM servers the gateway routes to (the others are out of rotation for a swap).",
+            registry=self.registry,
+        )
+
+    def _capture_families(self) -> None:
+        """What the captured events record: how versions were established, straddles, untrainable and truncated generations, redactions."""
         self.version_source = Counter(
             "rtrl_gateway_version_source_total",
             "Generations by how their weight version was established: announced (by the deployer, "
@@ -73,21 +124,31 @@ class GatewayMetrics:
             ["reason"],
             registry=self.registry,
         )
-        self.in_flight = Gauge(
-            "rtrl_gateway_upstream_in_flight",
-            "Requests this gateway has on each vLLM server now (streams until they end).",
-            ["server"],
-            registry=self.registry,
-        )
-        self.in_rotation = Gauge(
-            "rtrl_gateway_servers_in_rotation",
-            "Serving vLLM servers the gateway routes to (the others are out of rotation for a swap).",
-            registry=self.registry,
-        )
         self.truncated = Counter(
             "rtrl_gateway_stream_truncated_total",
             "Streamed generations that ended early (client gone, upstream failure): published truncated, never trained.",
             registry=self.registry,
+        )
+        self.redacted = Counter(
+            "rtrl_gateway_redacted_total",
+            "Interaction events in which a redaction detector masked text, by detector.",
+            ["kind"],
+            registry=self.registry,
+        )
+
+    def _publish_families(self) -> None:
+        """Getting events to Kafka: publish outcomes, the spool, the producer."""
+        self.publish = Counter(
+            "rtrl_gateway_publish_total",
+            "Events by publish outcome: ok (acked by Kafka), spooled, replayed (acked from the spool), "
+            "overflow (spool full, written to overflow.jsonl), undeliverable (too large for Kafka, written to "
+            "overflow.jsonl), dead_letter (not a valid event, sent to the dead-letter topic), lost (the disk refused both "
+            "the spool and the overflow file; each is logged as LOST).",
+            ["topic", "outcome"],
+            registry=self.registry,
+        )
+        self.spool_bytes = Gauge(
+            "rtrl_gateway_spool_bytes", "Bytes of events waiting in the on-disk spool.", registry=self.registry
         )
         self.kafka_connected = Gauge(
             "rtrl_gateway_kafka_connected",
@@ -104,29 +165,5 @@ class GatewayMetrics:
             "rtrl_gateway_producer_replaced_total",
             "Kafka producers retired because they left events unsettled past their deadline or failed "
             "spool replays in a row.",
-            registry=self.registry,
-        )
-        self.redacted = Counter(
-            "rtrl_gateway_redacted_total",
-            "Interaction events in which a redaction detector masked text, by detector.",
-            ["kind"],
-            registry=self.registry,
-        )
-        self.auth = Counter(
-            "rtrl_gateway_auth_total",
-            "Calls by authentication outcome: ok, missing_key, invalid_key, wrong_role, rate_limited, "
-            "keys_not_loaded, foreign_tenant, foreign_request.",
-            ["outcome"],
-            registry=self.registry,
-        )
-        self.body_refused = Counter(
-            "rtrl_gateway_body_refused_total",
-            "Requests refused unread because their body was over the route's limit (413), by path.",
-            ["path"],
-            registry=self.registry,
-        )
-        self.keys_age = Gauge(
-            "rtrl_gateway_keys_age_seconds",
-            "Seconds since the API keys in force were read from the store (it grows while the store is down).",
             registry=self.registry,
         )

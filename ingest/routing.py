@@ -29,7 +29,7 @@ announced, a view too old, an announcement the server contradicted), the gateway
 server's own ``GET /weight_info`` before and after the generation, as it would without a store:
 "before" may be the cached value of a read less than `VERSION_CACHE_S` ago, "after" is a fresh
 read made after the response was sent; when they differ the gateway cannot tell which weights
-produced the generation (see `ingest.app` for what it does then). That path assumes a version is
+produced the generation (see `ingest.capture` for what it does then). That path assumes a version is
 not reused within one request's window (a rollback within `VERSION_CACHE_S` plus a generation's
 latency could hide a straddle; the deployer's swap takes longer than that).
 

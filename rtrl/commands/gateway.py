@@ -13,7 +13,7 @@ def register(app: typer.Typer) -> None:
         host: str = typer.Option(None, help="Bind address (default: settings.gateway.host)."),
         port: int = typer.Option(None, help="Bind port (default: settings.gateway.port)."),
     ) -> None:
-        """Serve /v1/completions, /v1/chat/completions and /v1/feedback; publish every call to Kafka."""
+        """Serve /v1/completions, /v1/chat/completions, /v1/feedback and /v1/models; publish every call to Kafka."""
         from ingest.app import run
         from rtrl.logs import setup_logging
         from schemas.settings import load_settings

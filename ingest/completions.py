@@ -1,0 +1,178 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: a generation relayed to the fleet.
+
+The client's body is checked and shaped (`ingest.shaping`), sent to a vLLM server of the fleet
+(`ingest.routing`) with token ids and sampled-token logprobs added, and the answer relayed without
+those extras: a whole body with an ``rtrl`` object, or a stream (`ingest.relay`). The capture
+(`ingest.capture`) runs after the response is sent. Upstream errors pass through with their
+status; no server in rotation is a 503, no reachable server a 502, an upstream timeout a 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from datetime import datetime
+from typing import Any
+
+import orjson
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ingest.auth import namespaced
+from ingest.capture import publish_interaction
+from ingest.gateway import Gateway
+from ingest.relay import Relay, RelayResponse, Served
+from ingest.responses import FastJSONResponse, error, why_not_json
+from ingest.routing import Announced, NoServerInRotation, Server, UpstreamUnavailable
+from ingest.shaping import (
+    HEADER_REQUEST_ID,
+    RequestError,
+    lora_request,
+    parse_capture,
+    prepare_chat_request,
+    prepare_completion_request,
+    shape_chat_response,
+    shape_completion_response,
+    with_rtrl,
+)
+from ingest.streaming import StreamCapture
+from schemas.clock import utcnow
+from schemas.versions import format_version
+from serving import ServingError
+from serving.aio import UpstreamRefused, UpstreamResponse, UpstreamTimeout
+
+log = logging.getLogger(__name__)
+
+
+async def generate(gw: Gateway, request: Request, chat: bool) -> Response:
+    """``POST /v1/chat/completions`` (`chat`) or ``POST /v1/completions`` for a tenant key."""
+    endpoint = "chat" if chat else "completions"
+    caller = gw.authenticate(request, "tenant")
+    if isinstance(caller, Response):
+        response = caller
+    else:
+        assert caller.tenant is not None
+        response = await _generate(gw, request, caller.tenant, gw.ids.new(caller.tenant), chat)
+    gw.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+    return response
+
+
+async def _generate(gw: Gateway, request: Request, tenant: str, request_id: str, chat: bool) -> Response:
+    endpoint, path = ("chat", "/v1/chat/completions") if chat else ("completions", "/v1/completions")
+    try:
+        raw = await request.body()
+        try:
+            body = orjson.loads(raw)  # strict (no NaN, Infinity or lone surrogates), 5-20x the stdlib
+        except orjson.JSONDecodeError:
+            raise RequestError(why_not_json(raw)) from None
+        prepare = prepare_chat_request if chat else prepare_completion_request
+        forward, requested, body_rtrl = prepare(body, gw.sampling_defaults)
+        if gw.lora:
+            lora_request(forward, gw.settings.vllm.served_model_name)
+        capture = parse_capture(request.headers, body_rtrl)
+        try:
+            episode_id = namespaced(tenant, capture.episode_id or request_id)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+    except RequestError as exc:
+        return error(exc.status_code, str(exc), request_id)
+
+    stream = forward.get("stream") is True
+    started = time.perf_counter()
+    try:
+        server, upstream, before, announced = await _call(gw, path, forward, stream, capture.session_id)
+    except NoServerInRotation as exc:
+        return error(503, f"{exc}; retry shortly", request_id, headers={"Retry-After": "1"})
+    except UpstreamUnavailable as exc:
+        return error(502, str(exc), request_id)
+    except UpstreamTimeout:
+        return error(504, f"vLLM did not answer within {gw.fleet.timeout_s}s", request_id)
+    except ServingError as exc:
+        return error(502, f"vLLM request failed: {exc}", request_id)
+    finally:
+        gw.metrics.upstream_latency.labels(endpoint).observe(time.perf_counter() - started)
+
+    if upstream.status_code != 200:
+        # vLLM's own error (bad parameter, prompt too long, ...): the client sees it unchanged.
+        if stream:
+            try:
+                await upstream.aread()
+            finally:
+                await upstream.aclose()
+                server.in_flight -= 1
+        return Response(
+            upstream.content,
+            status_code=upstream.status_code,
+            media_type=upstream.content_type,
+            headers={HEADER_REQUEST_ID: request_id},
+        )
+    served = Served(server, request_id, tenant, episode_id, capture, chat, forward, before, announced)
+    if stream:
+        relay = Relay(served, upstream, requested, functools.partial(_finish_stream, gw))
+        return RelayResponse(relay, headers={HEADER_REQUEST_ID: request_id, "cache-control": "no-cache"})
+    created_at = utcnow()
+    payload = upstream.json()
+    shape = shape_chat_response if chat else shape_completion_response
+    # The body names the version the request was served under as far as the gateway knew when
+    # it sent it; the event's version (read again after the generation) is the authoritative one.
+    client_body = with_rtrl(shape(payload, requested), request_id, "unknown" if before is None else format_version(before))
+    task = BackgroundTask(publish_interaction, gw, served, payload, created_at)
+    return FastJSONResponse(client_body, headers={HEADER_REQUEST_ID: request_id}, background=task)
+
+
+def _finish_stream(gw: Gateway, served: Served, stream: StreamCapture, created_at: datetime) -> None:
+    """After a stream ended however it ended: count a truncation and publish its capture."""
+    if stream.truncated:
+        gw.metrics.truncated.inc()
+    task = asyncio.get_running_loop().create_task(
+        publish_interaction(gw, served, stream.payload(), created_at, truncated=stream.truncated, problem=stream.problem)
+    )
+    gw.tasks.add(task)
+    task.add_done_callback(gw.tasks.discard)
+
+
+async def _call(
+    gw: Gateway, path: str, forward: dict[str, Any], stream: bool = False, session_id: str | None = None
+) -> tuple[Server, UpstreamResponse, int | None, Announced | None]:
+    """(server, upstream response, version before the generation or None if unknown, the
+    deployer's announcement for the server when sent). With `stream`, the response's body is
+    not read yet: the caller reads and closes it, and takes the request off
+    ``server.in_flight`` when done."""
+    refused: list[str] = []
+    for server in gw.fleet.order(session_id):
+        try:
+            announced = server.announced
+            before: int | None
+            if announced is not None:
+                before = announced.version  # no request to vLLM (ingest/routing.py)
+            else:
+                try:
+                    before = await gw.fleet.version_before(server)
+                except UpstreamRefused:
+                    raise
+                except ServingError as exc:  # VersionUnknown, UpstreamError
+                    # Serve anyway; the event is published with trainable=false (ingest/capture.py).
+                    log.warning("version before the generation unknown: %r", exc)
+                    before = None
+            server.in_flight += 1
+            gw.metrics.upstream_requests.labels(server.url).inc()
+            try:
+                if stream:
+                    response = await server.client.open_stream(path, forward)
+                else:
+                    response = await server.client.post(path, forward)
+            except BaseException:
+                server.in_flight -= 1
+                raise
+            if not stream:
+                server.in_flight -= 1
+        except UpstreamRefused as exc:
+            # Refused before vLLM saw the request: safe to try the next server.
+            gw.fleet.mark_down(server)
+            refused.append(f"{server.url} ({exc!r})")
+            continue
+        return server, response, before, announced
+    raise UpstreamUnavailable(f"no vLLM server reachable: {'; '.join(refused)}")

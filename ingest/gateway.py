@@ -1,0 +1,83 @@
+"""What the routes of one gateway instance share, and who is calling them.
+
+`ingest.app` builds one `Gateway` in the application's lifespan; every route handler
+(`ingest.completions`, `ingest.feedback_route`, `ingest.served_models`, `ingest.operations`) is a
+function of it and the request. `Gateway.authenticate` is the key check all API routes make.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ingest.auth import OPEN_CALLER, Caller, KeyCache, RateLimiter, RequestIds
+from ingest.metrics import GatewayMetrics
+from ingest.publisher import Publisher
+from ingest.redaction import Redactor
+from ingest.responses import error
+from ingest.routing import Fleet
+from schemas.rewards import RewardSpec
+from schemas.settings import Settings
+
+
+class Gateway:
+    """The state of one gateway instance that its route handlers use."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        fleet: Fleet,
+        publisher: Publisher,
+        metrics: GatewayMetrics,
+        keys: KeyCache | None,
+        ids: RequestIds,
+        spec: RewardSpec,
+        redactor: Redactor,
+        sampling_defaults: Mapping[str, Any],
+    ) -> None:
+        self.settings = settings
+        self.sampling_defaults = sampling_defaults  # written into requests (schemas/sampling.py)
+        self.lora = settings.trainer.adapter == "lora"  # the adapter's name, no prompt logprobs (ingest/shaping.py)
+        self.redactor = redactor
+        self.fleet = fleet
+        self.publisher = publisher
+        self.metrics = metrics
+        self.keys = keys  # None in open mode
+        self.ids = ids
+        self.spec = spec
+        self.limiter = RateLimiter(settings.gateway.rate_limit_per_s, settings.gateway.rate_limit_burst)
+        self.started_at = int(time.time())  # the `created` of the served model (ingest/served_models.py)
+        self.tasks: set[asyncio.Task[None]] = set()  # captures of streams, held until they finish
+
+    def authenticate(self, request: Request, role: str | None) -> Caller | Response:
+        """The caller of `request` when its key is valid, of `role` (any when None) and within its
+        rate; else the error response."""
+        if self.keys is None:
+            return OPEN_CALLER
+        if not self.keys.loaded:
+            self.metrics.auth.labels("keys_not_loaded").inc()
+            return error(503, "the gateway has not loaded its API keys yet (is the store up?)", headers={"Retry-After": "5"})
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            self.metrics.auth.labels("missing_key").inc()
+            return error(401, "missing API key: send Authorization: Bearer <key> (`rtrl keys create`)",
+                         headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        caller = self.keys.lookup(key.strip())
+        if caller is None:
+            self.metrics.auth.labels("invalid_key").inc()
+            return error(401, "invalid or revoked API key", headers={"WWW-Authenticate": "Bearer"})
+        if role is not None and caller.role != role:
+            self.metrics.auth.labels("wrong_role").inc()
+            return error(403, f"this route needs a {role} key; this is a {caller.role} key")
+        wait_s = self.limiter.take(caller)
+        if wait_s is not None:
+            self.metrics.auth.labels("rate_limited").inc()
+            return error(429, "rate limit of this API key reached", headers={"Retry-After": str(max(1, math.ceil(wait_s)))})
+        self.metrics.auth.labels("ok").inc()
+        return caller

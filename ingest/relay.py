@@ -1,0 +1,133 @@
+"""A streamed generation on its way from vLLM to the client, and what the gateway remembers of it.
+
+`Served` is one generation (streamed or not) as the capture (`ingest.capture`) needs it. `Relay`
+relays vLLM's server-sent events to the client while capturing them (`ingest.streaming`), and
+`RelayResponse` is its response: together they make sure a stream's capture is handed on exactly
+once, however the stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import anyio
+from starlette.responses import StreamingResponse
+
+from ingest.routing import Announced, Server
+from ingest.shaping import Capture, Requested
+from ingest.streaming import DONE, StreamCapture, shape_chunk, sse, sse_json
+from schemas.clock import utcnow
+from schemas.versions import format_version
+from serving import ServingError
+from serving.aio import UpstreamResponse, loads
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Served:
+    """One generation on its way through the gateway: where it went and what to capture of it."""
+
+    server: Server
+    request_id: str
+    tenant: str
+    episode_id: str  # in the tenant's namespace
+    capture: Capture
+    chat: bool
+    forward: dict[str, Any]  # the body sent to vLLM
+    before: int | None  # the server's version before the generation (None: unknown)
+    announced: Announced | None  # the deployer's announcement when it was sent (ingest/routing.py)
+
+
+class Relay:
+    """One streamed generation on its way from vLLM to the client (ingest/streaming.py): `chunks`
+    relays vLLM's server-sent events while capturing them; `close` gives the upstream connection
+    back, takes the request off the server's in-flight count and hands the capture to `finish`,
+    exactly once, however the stream ends: finished, vLLM gone, the client gone mid-stream (its
+    disconnect cancels `chunks`), or the client gone before the first chunk (`chunks` never runs;
+    `RelayResponse` closes it then, and the empty capture is dead-lettered with the reason)."""
+
+    def __init__(
+        self,
+        served: Served,
+        upstream: UpstreamResponse,
+        requested: Requested,
+        finish: Callable[[Served, StreamCapture, datetime], None],
+    ) -> None:
+        self.served = served
+        self.upstream = upstream
+        self.requested = requested
+        self.stream = StreamCapture(served.chat)
+        self.created_at = utcnow()
+        self._finish = finish
+        self._closed = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        served, stream = self.served, self.stream
+        version = "unknown" if served.before is None else format_version(served.before)
+        try:
+            async for line in self.upstream.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators and SSE comments
+                data = line[5:].strip()
+                if data == DONE:
+                    stream.done = True
+                    yield sse(DONE)
+                    continue
+                try:
+                    chunk = loads(data)
+                except ValueError:
+                    stream.problem = stream.problem or f"unreadable stream chunk: {data[:200]!r}"
+                    yield sse(data)
+                    continue
+                stream.add(chunk)
+                if isinstance(chunk, dict) and "error" not in chunk:
+                    shape_chunk(chunk, self.requested, served.chat)
+                    if stream.chunks == 1:
+                        chunk["rtrl"] = {"request_id": served.request_id, "policy_version": version}
+                yield sse_json(chunk)
+                # Let the event loop run between chunks. When vLLM is ahead of the client, the
+                # upstream lines are already buffered, every await above returns at once, and the
+                # whole stream would be relayed without the loop ever handling the client's hang-up
+                # (seen on a loaded 2-core machine: streams relayed in full to clients long gone,
+                # captured as finished instead of truncated) or serving other requests meanwhile.
+                await asyncio.sleep(0)
+        except ServingError as exc:  # vLLM went away mid-stream: the client sees the stream end
+            stream.problem = stream.problem or f"upstream stream failed: {exc}"
+            log.warning("request %s: upstream stream failed: %s", served.request_id, exc)
+        finally:
+            with anyio.CancelScope(shield=True):  # runs even when the client's disconnect cancelled us
+                await self.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.served.server.in_flight -= 1
+        try:
+            await self.upstream.aclose()
+        finally:
+            if self.stream.chunks == 0 and self.stream.problem is None:
+                self.stream.problem = "the client went away before the stream started"
+            self._finish(self.served, self.stream, self.created_at)
+
+
+class RelayResponse(StreamingResponse):
+    """A `Relay`'s event stream to the client; closes the relay when the response ends, even if
+    its body never started (a client that disconnected at once)."""
+
+    def __init__(self, relay: Relay, headers: dict[str, str]) -> None:
+        super().__init__(relay.chunks(), media_type="text/event-stream", headers=headers)
+        self.relay = relay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.relay.close()
