@@ -373,6 +373,10 @@ def test_official_client_with_a_key_from_the_cli(services: Settings, start_gatew
         assert httpx.post(f"{gateway}/v1/completions", json=body).status_code == 401  # no key at all
         with pytest.raises(PermissionDeniedError):  # an admin key has no tenant to generate for
             OpenAI(base_url=f"{gateway}/v1", api_key=admin, max_retries=0).completions.create(**body)
+        # The model list names the one the fleet serves under the name clients send (read from the settings).
+        models = [m.id for m in OpenAI(base_url=f"{gateway}/v1", api_key=admin, max_retries=0).models.list()]
+        assert models == [services.vllm.served_model_name]
+        assert models[0] in [m["id"] for m in httpx.get(f"{vllm_url(services)}/v1/models").json()["data"]]
         assert httpx.get(f"{gateway}/metrics").status_code == 401
         assert httpx.get(f"{gateway}/metrics", headers={"authorization": f"Bearer {key}"}).status_code == 403
         assert metric(gateway, admin, "rtrl_gateway_auth_total", 'outcome="rate_limited"') == 1
