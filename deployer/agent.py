@@ -8,8 +8,9 @@ download. Otherwise one ``rtrl agent`` runs on each vLLM host (a sidecar in Kube
 agent for the version (`fetch`); the agent downloads it from the registry's artifact store
 (MLflow, e.g. S3 behind the tracking server) into ``agent.cache_dir`` with the same
 download-aside-and-rename as every registry download, and answers with the path, which the
-deployer then hands to vLLM. The probe still runs on the deployer's own copy: it checks what the
-server serves against the registry's version, wherever the server read it from.
+deployer then hands to vLLM (the deployer's side, `agent_for` and `fetch`, is serving/weights_agent.py,
+re-exported here). The probe still runs on the deployer's own copy: it checks what the server
+serves against the registry's version, wherever the server read it from.
 
 API (``agent.token`` set: ``Authorization: Bearer <token>`` on every call but ``/healthz``):
 
@@ -29,11 +30,7 @@ import hmac
 import logging
 import shutil
 import threading
-from pathlib import Path
-from typing import Any
 
-import httpx
-from pydantic import BaseModel, ConfigDict
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -44,23 +41,12 @@ from registry import Registry, RegistryError
 from registry.errors import RegistryUnavailable
 from schemas.settings import Settings
 from schemas.versions import format_version
-from serving import ServerError
 from serving.adapters import is_adapter
+from serving.weights_agent import Fetched
+from serving.weights_agent import agent_for as agent_for
+from serving.weights_agent import fetch as fetch
 
 log = logging.getLogger(__name__)
-
-# A download of a large checkpoint takes minutes; the deployer waits for it.
-FETCH_TIMEOUT_S = 3600.0
-
-
-class Fetched(BaseModel):
-    """Where the agent put a version on its host."""
-
-    model_config = ConfigDict(frozen=True)
-
-    version: int
-    path: str
-    adapter: bool
 
 
 class _Cache:
@@ -126,32 +112,3 @@ def create_app(settings: Settings) -> Starlette:
         Route("/healthz", healthz, methods=["GET"]),
     ])  # fmt: skip
 
-
-# ---- the deployer's side --------------------------------------------------------------------------
-
-
-def agent_for(settings: Settings, server_url: str) -> str | None:
-    """The weights agent of `server_url` (``vllm.weights_agents``), None when the server reads the
-    deployer's own files."""
-    agents = {url.rstrip("/"): agent.rstrip("/") for url, agent in settings.vllm.weights_agents.items()}
-    return agents.get(server_url.rstrip("/"))
-
-
-def fetch(settings: Settings, server_url: str, agent_url: str, version: int) -> Path:
-    """Have the agent of `server_url` put `version` on its host; the path there. Raises ServerError
-    (for that server) when the agent refuses or cannot be reached: the swap then fails and restores
-    as for a failed reload."""
-    headers: dict[str, Any] = {}
-    if settings.agent.token is not None:
-        headers["authorization"] = f"Bearer {settings.agent.token.get_secret_value()}"
-    try:
-        response = httpx.post(f"{agent_url}/v1/versions/{version}", headers=headers, timeout=FETCH_TIMEOUT_S)
-    except httpx.HTTPError as exc:
-        raise ServerError(server_url, f"weights agent {agent_url} not reachable: {exc}") from None
-    if response.status_code != 200:
-        raise ServerError(server_url, f"weights agent {agent_url} answered {response.status_code}: "
-                                      f"{response.text[:500]}")  # fmt: skip
-    try:
-        return Path(Fetched.model_validate_json(response.content).path)
-    except ValueError:
-        raise ServerError(server_url, f"weights agent {agent_url} answered {response.text[:200]!r}") from None

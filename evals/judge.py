@@ -12,6 +12,10 @@ grades with `concurrency` requests in flight and stops asking once more judgemen
 `max_failure_rate` allows (an outage: the rest are marked as not asked), so a dead judge costs one
 round of timeouts, not one per item. What the caller does with an outage is its policy (the gate:
 `gate.judge.outage`).
+
+The judge is an external system of its own, and this module is its one client: it talks httpx
+directly rather than through serving/ (evals' sibling in the layers, which it does not import),
+and its retry policy is written against httpx's errors.
 """
 
 from __future__ import annotations

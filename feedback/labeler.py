@@ -110,7 +110,7 @@ class Labeler:
         settings: Settings,
         store: Store,
         consumer: Any,
-        producer: Any,
+        producer: streams.Producer,
         *,
         spec: RewardSpec | None = None,
         clock: Clock = utcnow,
@@ -153,12 +153,11 @@ class Labeler:
 
     def step(self) -> StepReport | None:
         """One poll -> store -> commit round; None when nothing was done (idle, or backing off)."""
-        from kafka.errors import KafkaError
-
         labeler = self.settings.labeler
         try:
-            batch = self.consumer.poll(timeout_ms=labeler.poll_timeout_ms, max_records=labeler.max_poll_records)
-        except KafkaError as exc:  # no broker answers (the module docstring): nothing was read
+            with streams.kafka_errors():
+                batch = self.consumer.poll(timeout_ms=labeler.poll_timeout_ms, max_records=labeler.max_poll_records)
+        except streams.BrokerError as exc:  # no broker answers (the module docstring): nothing was read
             log.warning("poll failed (%r); polling again in %.1fs", exc, POLL_RETRY_S)
             metrics.POLL_FAILURES.inc()
             self.readiness.set("kafka", False, f"poll failing: {exc!r}"[:500])
@@ -261,8 +260,6 @@ class Labeler:
 
     def _write(self, records: list[SourceRecord], now: datetime, report: StepReport) -> None:
         """Validate and write `records` in one transaction; raises Transient for store/DLQ outages."""
-        from kafka.errors import KafkaError
-
         if not records:
             return
         parsed = [(r, parse_record(r, self.expected[r.topic], self.checks, now)) for r in records]
@@ -277,7 +274,7 @@ class Labeler:
                 # ---- join feedback, settle on terminal feedback --------------------------------------
                 settled = tx.join_and_settle(self.spec, written.interactions, written.feedback)
             # ---- the DB transaction committed when the block above exited ----------------------------
-        except (DatabaseUnavailable, KafkaError) as exc:
+        except (DatabaseUnavailable, streams.BrokerError) as exc:
             raise Transient(str(exc)) from exc
         report.interactions += len(written.interactions)
         report.feedback += len(written.feedback)
@@ -298,14 +295,12 @@ class Labeler:
 
     def _dead_letter(self, record: SourceRecord, reason: str, now: datetime, report: StepReport) -> None:
         """Store and produce a dead letter for `record` without processing it (its own transaction)."""
-        from kafka.errors import KafkaError
-
         rejected = Rejected(record, reason[:9_000])
         try:
             with self.store.labelling(now) as tx:
                 written = tx.write_events([(record, rejected)])
                 self._produce_dead_letters(written.rejected, now)
-        except (DatabaseUnavailable, KafkaError) as exc:
+        except (DatabaseUnavailable, streams.BrokerError) as exc:
             raise Transient(str(exc)) from exc
         report.dead_lettered += len(written.rejected)
         report.replayed += written.replayed
@@ -355,14 +350,12 @@ class Labeler:
         return ", ".join(f"{t}:{p}:{starts[(t, p)]}" for t, p in sorted(one_by_one)) or None
 
     def _commit_offsets(self, offsets: dict[Any, int]) -> None:
-        from kafka.errors import KafkaError
-        from kafka.structs import OffsetAndMetadata
-
+        """Commit the next offset of each partition (a `TopicPartition` of the batch, or a (topic, partition))."""
         if not offsets:
             return
         try:
-            self.consumer.commit({tp: OffsetAndMetadata(offset, "", -1) for tp, offset in offsets.items()})
-        except KafkaError as exc:
+            streams.commit(self.consumer, offsets)
+        except streams.BrokerError as exc:
             # The group rebalanced or the broker is away; the records are stored, the next commit
             # covers them, and a re-delivery meanwhile is a no-op replay.
             log.warning("offset commit failed after the DB commit (%r); re-delivery is idempotent", exc)
@@ -370,21 +363,21 @@ class Labeler:
     def _produce_dead_letters(self, rejected: list[Rejected], now: datetime) -> None:
         if not rejected:
             return
-        futures = []
+        deliveries = []
         for item in rejected:
             record = item.to_wire(now)
             log.info("dead-letter %s: %s", record.source, record.reason[:200])
-            futures.append(
+            deliveries.append(
                 self.producer.send(
                     self.settings.kafka.dlq_topic,
                     key=record.source.encode(),
                     value=record.model_dump_json().encode(),
-                    headers=[("schema", DEAD_LETTER_SCHEMA.encode())],
+                    schema=DEAD_LETTER_SCHEMA,
                 )
             )
         self.producer.flush(timeout=DLQ_FLUSH_TIMEOUT_S)
-        for future in futures:
-            future.get(timeout=DLQ_FLUSH_TIMEOUT_S)  # raises the KafkaError if the broker refused it
+        for delivery in deliveries:
+            delivery.get(timeout=DLQ_FLUSH_TIMEOUT_S)  # raises the streams.BrokerError if the broker refused it
 
 
 def _count_dead_letters(rejected: list[Rejected]) -> None:
@@ -433,9 +426,9 @@ def make_consumer(settings: Settings) -> Any:
     )
 
 
-def make_producer(settings: Settings) -> Any:
+def make_producer(settings: Settings) -> streams.Producer:
     """The DLQ producer: acks from all in-sync replicas, idempotent retries."""
-    return streams.producer(settings.kafka, "rtrl-labeler-dlq")
+    return streams.Producer(streams.producer(settings.kafka, "rtrl-labeler-dlq"))
 
 
 def freeze_heap() -> None:

@@ -12,10 +12,8 @@ non-zero the identity may not hold yet, so an operator waits for the lag to drai
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import streams
-from schemas.clock import wait_until
 from schemas.settings import Settings
 from store import Store
 
@@ -47,24 +45,20 @@ class Reconciliation:
 
 def reconcile(settings: Settings, store: Store) -> Reconciliation:
     """Count produced, stored, dead-lettered and pending records (see the module docstring)."""
-    from kafka.structs import TopicPartition
-
     kafka = settings.kafka
     consumer = streams.consumer(kafka, "rtrl-reconcile", group_id=None)
     admin = streams.admin(kafka, "rtrl-reconcile")
     try:
         partitions = [
-            TopicPartition(topic, p)
-            for topic in (kafka.interactions_topic, kafka.feedback_topic)
-            for p in sorted(consumer.partitions_for_topic(topic) or ())
+            tp for topic in (kafka.interactions_topic, kafka.feedback_topic) for tp in streams.partitions_of(consumer, topic)
         ]
         begin = consumer.beginning_offsets(partitions)
         end = consumer.end_offsets(partitions)
-        committed = _group_offsets(admin, kafka.labeler_group)
+        committed = streams.committed_offsets(admin, kafka.labeler_group)
         counts = []
         for tp in partitions:
             low, high = begin[tp], end[tp]
-            done = committed[tp].offset if tp in committed and committed[tp].offset >= 0 else low
+            done = committed.get((tp.topic, tp.partition), low)  # -1 when the group has none: low below
             stored, dead_lettered = store.source_counts(tp.topic, tp.partition, low, high)
             counts.append(
                 PartitionCount(
@@ -87,24 +81,3 @@ def reconcile(settings: Settings, store: Store) -> Reconciliation:
         partitions=counts,
     )
 
-
-def _group_offsets(admin: Any, group: str, timeout_s: float = 10.0) -> dict[Any, Any]:
-    """Committed offsets of a group; retries while the group coordinator is moving or loading."""
-    from kafka.errors import KafkaError
-
-    last: list[KafkaError] = []
-
-    def read() -> tuple[dict[Any, Any]] | None:
-        try:
-            return (admin.list_group_offsets({group: None}).get(group, {}),)
-        except KafkaError as exc:
-            if not getattr(exc, "retriable", False):
-                raise
-            last[:] = [exc]
-            return None
-
-    try:
-        (offsets,) = wait_until(read, timeout_s=timeout_s, interval_s=1.0, what=f"committed offsets of group {group}")
-    except TimeoutError:
-        raise last[0] from None  # the coordinator kept answering a retriable error: that one
-    return offsets

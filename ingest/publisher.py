@@ -1,7 +1,7 @@
 """Background Kafka publishing for the gateway, with the on-disk spool as the fallback.
 
 `Publisher.publish` never blocks and never raises: it puts the record on a bounded in-memory queue
-and returns. A sender thread hands records to a kafka-python `KafkaProducer` (acks=all,
+and returns. A sender thread hands records to a `streams.Producer` (a kafka-python producer, acks=all,
 a linger of `LINGER_MS`; not idempotent, see `_new_producer`). Every accepted record ends in one of three places:
 
 * **Kafka**, acknowledged;
@@ -43,10 +43,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-from kafka import KafkaProducer
-from kafka.errors import KafkaError, KafkaTimeoutError, MessageSizeTooLargeError, RecordListTooLargeError
 
 import streams
 from ingest.metrics import GatewayMetrics
@@ -66,15 +62,12 @@ WATCHDOG_TICK_S = 0.25
 RETIRE_AFTER_FAILED_REPLAYS = 2
 RECORD_OVERHEAD_BYTES = 512  # record and batch headers around key + value + schema header
 
-# Errors about one record that no retry can fix: it is dead-lettered instead of spooled again.
-UNDELIVERABLE = (MessageSizeTooLargeError, RecordListTooLargeError)
-
 
 @dataclass
 class _InFlight:
     record: SpoolRecord
     sent_at: float  # time.monotonic() when handed to the producer
-    producer: KafkaProducer
+    producer: streams.Producer
 
 
 class Publisher:
@@ -85,7 +78,7 @@ class Publisher:
         settings: Settings,
         metrics: GatewayMetrics,
         replay_interval_s: float = 1.0,
-        connect: Callable[[], KafkaProducer | None] | None = None,
+        connect: Callable[[], streams.Producer | None] | None = None,
     ) -> None:
         self._kafka = settings.kafka
         self._connect = connect or self._new_producer  # tests hand in producers that misbehave
@@ -96,7 +89,7 @@ class Publisher:
         metrics.spool_bytes.set_function(lambda: self.spool.size_bytes)
         metrics.oldest_in_flight.set_function(lambda: self.in_flight_age_s)
         self._queue: queue.Queue[SpoolRecord | None] = queue.Queue(maxsize=QUEUE_SIZE)
-        self._producer: KafkaProducer | None = None
+        self._producer: streams.Producer | None = None
         self._producer_lock = threading.Lock()
         self._failed_replays = 0
         self._in_flight: dict[int, _InFlight] = {}  # insertion order = send order = deadline order
@@ -174,7 +167,7 @@ class Publisher:
         if producer is not None:
             try:
                 producer.flush(timeout=timeout_s)
-            except KafkaError as exc:
+            except streams.BrokerError as exc:
                 log.warning("kafka flush on shutdown: %s; spooling unacknowledged records", exc)
         # Outcome unknown for whatever is still in flight: spool it (a duplicate is harmless).
         with self._in_flight_lock:
@@ -183,7 +176,7 @@ class Publisher:
         for record in leftover:
             self._spool(record, "unacknowledged at shutdown")
         if producer is not None:
-            _close_quietly(producer)
+            producer.close_now()
         self.spool.close()
 
     # ---- sending ------------------------------------------------------------------------------
@@ -222,29 +215,24 @@ class Publisher:
             self._spool(record, f"{MAX_IN_FLIGHT} records in flight to Kafka")
             return
         try:
-            future = self._produce(producer, record)
-        except UNDELIVERABLE as exc:
+            delivery = self._produce(producer, record)
+        except streams.RecordTooLarge as exc:  # no retry can fix it: dead-lettered, not spooled again
             if self._settle(ticket) is not None:
                 self._undeliverable(record, f"kafka refused the record: {exc!r}")
             return
-        except (KafkaError, AssertionError) as exc:  # metadata not available in max_block_ms, producer closed...
+        except (streams.BrokerError, AssertionError) as exc:  # metadata not available in max_block_ms, producer closed...
             if self._settle(ticket) is not None:
                 self._spool(record, f"kafka send failed: {exc!r}")
-            if isinstance(exc, KafkaTimeoutError):
+            if isinstance(exc, streams.BrokerTimeout):
                 # send() blocked max_block_ms for metadata: every queued record would wait as long.
                 # Without a producer they go straight to the spool until a new one connects.
                 self._retire(producer, f"send blocked {self._timeout_s:g}s waiting for metadata")
             return
-        future.add_callback(self._on_ack, ticket)
-        future.add_errback(self._on_error, ticket)
+        delivery.add_callback(self._on_ack, ticket)
+        delivery.add_errback(self._on_error, ticket)
 
-    def _produce(self, producer: KafkaProducer, record: SpoolRecord) -> Any:
-        return producer.send(
-            record.topic,
-            key=record.key.encode(),
-            value=record.value.encode(),
-            headers=[("schema", record.schema.encode())],
-        )
+    def _produce(self, producer: streams.Producer, record: SpoolRecord) -> streams.Delivery:
+        return producer.send(record.topic, key=record.key.encode(), value=record.value.encode(), schema=record.schema)
 
     def _settle(self, ticket: int) -> SpoolRecord | None:
         # Whoever removes the ticket owns the record's fate; the watchdog or close() may have
@@ -253,7 +241,7 @@ class Publisher:
             entry = self._in_flight.pop(ticket, None)
         return None if entry is None else entry.record
 
-    def _on_ack(self, ticket: int, _metadata: Any) -> None:
+    def _on_ack(self, ticket: int, _metadata: object) -> None:
         record = self._settle(ticket)
         if record is not None:
             self._metrics.publish.labels(record.topic, "ok").inc()
@@ -262,7 +250,7 @@ class Publisher:
         record = self._settle(ticket)
         if record is None:
             return
-        if isinstance(exc, UNDELIVERABLE):
+        if isinstance(exc, streams.RecordTooLarge):
             self._undeliverable(record, f"kafka refused the record: {exc!r}")
         else:
             self._spool(record, f"kafka did not acknowledge: {exc!r}")
@@ -319,7 +307,7 @@ class Publisher:
             self._retire(producer, f"{len(expired)} records unsettled after {deadline:g}s")
         return len(expired)
 
-    def _retire(self, producer: KafkaProducer, reason: str) -> None:
+    def _retire(self, producer: streams.Producer, reason: str) -> None:
         """Stop using `producer` (if it is still the current one) and close it in the background."""
         with self._producer_lock:
             if self._producer is not producer:
@@ -329,14 +317,14 @@ class Publisher:
         self._metrics.kafka_connected.set(0)
         self._metrics.producer_replaced.inc()
         log.warning("kafka producer retired (%s); a new one connects, events go to the spool meanwhile", reason)
-        threading.Thread(target=_close_quietly, args=(producer,), name="rtrl-publisher-retire", daemon=True).start()
+        threading.Thread(target=producer.close_now, name="rtrl-publisher-retire", daemon=True).start()
 
     # ---- connecting and replaying -------------------------------------------------------------
 
-    def _new_producer(self) -> KafkaProducer | None:
+    def _new_producer(self) -> streams.Producer | None:
         timeout_ms = int(self._timeout_s * 1000)
         try:
-            producer: KafkaProducer = streams.producer(
+            client = streams.producer(
                 self._kafka,
                 "rtrl-gateway",
                 # Not idempotent: kafka-python's idempotent producer turns one refused batch (a record
@@ -351,10 +339,10 @@ class Publisher:
                 max_block_ms=timeout_ms,
                 bootstrap_timeout_ms=timeout_ms,
             )
-        except (KafkaError, streams.BrokersUnreachable) as exc:
+        except (streams.BrokerError, streams.BrokersUnreachable) as exc:
             log.warning("kafka %s unreachable: %s; events go to the spool", self._kafka.bootstrap_servers, exc)
             return None
-        return producer
+        return streams.Producer(client)
 
     def _replay_loop(self) -> None:
         while not self._stop.is_set():
@@ -382,7 +370,7 @@ class Publisher:
             if self._failed_replays >= RETIRE_AFTER_FAILED_REPLAYS:
                 self._retire(producer, f"{self._failed_replays} spool replays in a row failed")
 
-    def _replay(self, producer: KafkaProducer) -> bool:
+    def _replay(self, producer: streams.Producer) -> bool:
         """Replay sealed spool segments oldest first; stop at the first that is not fully settled.
         Returns False when a segment could not be replayed (it is retried later)."""
         for path in self.spool.sealed_segments():
@@ -394,32 +382,32 @@ class Publisher:
             problem = ""
             try:
                 deadline = time.monotonic() + self._timeout_s
-                futures = []
+                deliveries = []
                 for record in segment.records:
                     try:
-                        futures.append((record, self._produce(producer, record)))
-                    except UNDELIVERABLE as exc:
+                        deliveries.append((record, self._produce(producer, record)))
+                    except streams.RecordTooLarge as exc:
                         undeliverable.append((record, f"kafka refused the record: {exc!r}"))
                 try:
                     producer.flush(timeout=self._timeout_s)
-                except KafkaError:
+                except streams.BrokerError:
                     # A timeout, or kafka-python's UnknownError('Future not done') when the broker
                     # made it split a batch over its size limit: each record is waited for below.
                     pass
                 unacked = 0
-                for record, future in futures:
+                for record, delivery in deliveries:
                     # flush() can also return while split batches are still in flight: wait for
                     # each record until the deadline.
                     try:
-                        future.get(timeout=max(0.0, deadline - time.monotonic()))
-                    except UNDELIVERABLE as exc:
+                        delivery.get(timeout=max(0.0, deadline - time.monotonic()))
+                    except streams.RecordTooLarge as exc:
                         undeliverable.append((record, f"kafka refused the record: {exc!r}"))
-                    except KafkaError as exc:
+                    except streams.BrokerError as exc:
                         unacked += 1
                         problem = problem or f" (first: {exc!r})"
                 if unacked:
-                    problem = f"{unacked} of {len(futures)} unacknowledged{problem}"
-            except (KafkaError, AssertionError) as exc:
+                    problem = f"{unacked} of {len(deliveries)} unacknowledged{problem}"
+            except (streams.BrokerError, AssertionError) as exc:
                 problem = repr(exc)
             if problem:
                 log.warning("replay of %s incomplete: %s; retrying later", path.name, problem)
@@ -439,18 +427,3 @@ class Publisher:
             )
         return True
 
-
-def _close_quietly(producer: KafkaProducer) -> None:
-    """Close `producer` now, whatever it still holds (its unsettled records are the watchdog's)."""
-    try:
-        producer.close(timeout=0)
-        return
-    except Exception as exc:  # noqa: BLE001 - a retired producer's close must not kill a thread that matters
-        log.info("closing a kafka producer with records pending: %r; forcing it", exc)
-    # kafka-python's close() flushes before it force-closes, and the flush raises while batches are
-    # pending, so the force-close is never reached: do it here, or the sender thread and its
-    # sockets would live on. Pending futures fail, and their errbacks spool the records.
-    sender = getattr(producer, "_sender", None)
-    if sender is not None and sender.is_alive():
-        sender.force_close()
-        sender.join(timeout=5)

@@ -2,7 +2,8 @@
 
 `VllmClient` (sync: the deployer, the eval gate, ``rtrl services``) and `serving.aio.AsyncVllmClient`
 (the gateway, on aiohttp; imported from there so that no other process loads aiohttp) share the
-reading of weight versions; see serving/client.py for the endpoints.
+reading of weight versions; see serving/client.py for the endpoints. The deployer's client of the
+weights agent on a vLLM host is serving/weights_agent.py.
 """
 
 from serving.client import (

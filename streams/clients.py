@@ -3,7 +3,8 @@
 
 kafka-python's clients are created lazily by the callers (importing this module does not import
 Kafka). Callers add what is theirs (a client id, a group, acks) as keyword arguments. A client
-that cannot bootstrap from the brokers raises `BrokersUnreachable`, which says what to check.
+that cannot bootstrap from the brokers raises `BrokersUnreachable`, which says what to check; any
+other kafka-python error while a client is created arrives as its `streams.errors.BrokerError`.
 """
 
 from __future__ import annotations
@@ -12,17 +13,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from schemas.errors import OperatorError
 from schemas.settings import KafkaSettings
+from streams.errors import BrokersUnreachable, kafka_errors
 from streams.joins import fix_join_race
-
-
-class StreamsError(Exception):
-    """Root of the errors the Kafka client factory raises on purpose."""
-
-
-class BrokersUnreachable(StreamsError, OperatorError):
-    """No broker of ``kafka.bootstrap_servers`` answered while a client was being created."""
 
 
 @contextmanager
@@ -39,7 +32,7 @@ def _bootstrapping(kafka: KafkaSettings) -> Iterator[None]:
 
 
 def _create(kafka: KafkaSettings, factory: Callable[..., Any], *args: Any, **config: Any) -> Any:
-    with _bootstrapping(kafka):
+    with kafka_errors(), _bootstrapping(kafka):  # unreachable brokers first, other Kafka errors after
         return factory(*args, **config)
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from schemas.errors import OperatorError
 from schemas.settings import KafkaSettings
-from streams.clients import StreamsError, admin
+from streams.clients import admin
+from streams.errors import StreamsError
 
 
 class TopicsRefused(StreamsError, OperatorError):

@@ -92,8 +92,6 @@ def _kafka_floor(settings: Settings) -> KafkaFloor:
     """The beginning offset of every partition of the interactions and feedback topics (what
     `rtrl labeler reconcile` counts from); a topic Kafka does not have is an error (the wrong
     topic names would let rows of the real topics go while Kafka still holds them)."""
-    from kafka.structs import TopicPartition
-
     import streams
     from schemas.errors import OperatorError
 
@@ -102,13 +100,13 @@ def _kafka_floor(settings: Settings) -> KafkaFloor:
     try:
         partitions = []
         for topic in (kafka.interactions_topic, kafka.feedback_topic):
-            found = consumer.partitions_for_topic(topic)
+            found = streams.partitions_of(consumer, topic)
             if not found:
                 raise OperatorError(
                     f"Kafka at {kafka.bootstrap_servers} has no topic {topic!r}; check RTRL_KAFKA__INTERACTIONS_TOPIC "
                     "and RTRL_KAFKA__FEEDBACK_TOPIC, or pass --without-kafka when the topics are gone for good"
                 )
-            partitions += [TopicPartition(topic, p) for p in sorted(found)]
+            partitions += found
         begin = consumer.beginning_offsets(partitions)
     finally:
         consumer.close()

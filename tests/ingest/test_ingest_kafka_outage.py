@@ -69,19 +69,19 @@ def test_a_producer_that_stops_making_progress_is_replaced(private_kafka: Settin
     settings = private_kafka.model_copy(update={"gateway": private_kafka.gateway.model_copy(
         update={"spool_dir": tmp_path / "spool", "publish_timeout_s": timeout_s})})  # fmt: skip
     topic = settings.kafka.interactions_topic
-    producers: list[object] = []
+    producers: list[streams.Producer] = []
 
-    def connect() -> object:
+    def connect() -> streams.Producer | None:
         if producers:
             return pub._new_producer()  # later producers: the gateway's own
-        producers.append(streams.producer(  # a producer that never gives up on a record by itself
+        producers.append(streams.Producer(streams.producer(  # a producer that never gives up on a record by itself
             settings.kafka, "rtrl-test-patient", linger_ms=5, request_timeout_ms=300_000,
             delivery_timeout_ms=600_000, max_block_ms=1000,
-        ))  # fmt: skip
+        )))  # fmt: skip
         return producers[0]
 
     metrics = GatewayMetrics()
-    pub = Publisher(settings, metrics, replay_interval_s=0.2, connect=connect)  # type: ignore[arg-type]
+    pub = Publisher(settings, metrics, replay_interval_s=0.2, connect=connect)
     reader = TopicReader(settings.kafka, topic)
     pub.start()
     try:
