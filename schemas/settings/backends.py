@@ -23,7 +23,6 @@ class StoreSettings(Section):
     )
 
 
-
 class CelerySettings(Section):
     """The trainer's task queue."""
 

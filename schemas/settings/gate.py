@@ -83,7 +83,6 @@ class OfflineSuiteSettings(Section):
     stop: tuple[str, ...] = ("\n",)
 
 
-
 class GateSettings(Section):
     """The eval gate between @challenger and @champion (deployer/gate.py, docs/gate.md)."""
 

@@ -57,7 +57,6 @@ class ServicesSettings(Section):
     )
 
 
-
 class PostgresSettings(Section):
     """The local PostgreSQL server that `rtrl services` runs: the store and MLflow's backend by default."""
 
