@@ -40,16 +40,13 @@ from typing import Any
 
 from schemas.events import SamplingParams
 from schemas.settings import Settings
+from schemas.settings.vllm import GENERATION_CONFIG_KEYS
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 # Below this temperature a sampled request is not trained on (`untrainable_sampling`): at T = 0.1
 # the score function is already scaled by 10 (docs/algorithms.md, Greedy and near-greedy requests).
 MIN_TRAINABLE_TEMPERATURE = 0.1
 
-# vLLM reads these from a model's generation_config.json (vllm.config.ModelConfig.get_diff_sampling_param).
-GENERATION_CONFIG_KEYS = (
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-)  # fmt: skip
 _GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 

@@ -1,0 +1,25 @@
+"""Settings of the feedback labeler (`rtrl labeler`, feedback/labeler.py)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from schemas.settings.judge import JudgeSettings
+from schemas.settings.section import Section
+
+
+class LabelerSettings(Section):
+    """The feedback labeler: consume, store, join, settle, reward."""
+
+    settle_window_s: float = Field(
+        30.0, description="An episode with no terminal feedback settles this long after its last event."
+    )
+    poll_timeout_ms: int = Field(500, description="Kafka poll timeout.")
+    max_poll_records: int = Field(500, description="Records per poll (one DB transaction).")
+    reward_spec: str = Field("tab-v1", description="Name of the reward spec (schemas/rewards.py) or a path to a .json spec.")
+    judge: JudgeSettings | None = Field(
+        None,
+        description="The endpoint that grades episodes under a reward spec with a judge term (feedback/judging.py); "
+        "its rubric is the spec's. Needed by such a spec, unused otherwise.",
+    )
+    judge_batch: int = Field(64, ge=1, le=10_000, description="Episodes graded per judge pass of the labeler.")

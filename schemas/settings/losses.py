@@ -1,0 +1,100 @@
+"""The policy-gradient losses of a training cycle (``trainer.loss``): a tagged union on ``type``, each
+loss with its paper's defaults (trainer/losses.py implements them; docs/algorithms.md).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from schemas.settings.section import Section
+
+
+class _Loss(Section):
+    """What every loss has: the behaviour-weight cap and an optional KL penalty to the champion."""
+
+    is_cap: float = Field(
+        2.0, gt=0, description="Truncation C of the behaviour importance weight min(pi_old/mu, C)."
+    )
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight beta of KL(pi_theta || pi_old), pi_old being the champion the cycle "
+        "started from; 0 = no penalty."
+    )
+    kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator on the sampled tokens.")
+
+
+class CispoLoss(_Loss):
+    """CISPO (MiniMax-M1, arXiv 2506.13585 §3.1): the clipped ratio is a stop-gradient weight, so
+    every token keeps its gradient; no lower bound, the upper bound of DAPO's clip-higher."""
+
+    type: Literal["cispo"] = "cispo"
+    eps_low: float = Field(1.0, ge=0, le=1, description="Lower clip of the ratio weight (1.0 = no lower bound).")
+    eps_high: float = Field(0.28, gt=0, description="Upper clip of the ratio weight.")
+    # rtrl's default loss keeps each cycle near the champion: without the penalty, bench_learning's
+    # gate rejected most challengers for lost held-out answers (docs/algorithms.md, Keeping what the
+    # model knows).
+    kl_coef: float = Field(
+        0.5, ge=0, description="Weight beta of KL(pi_theta || pi_old), pi_old being the champion the cycle "
+        "started from; 0 = no penalty."
+    )
+
+
+class PpoLoss(_Loss):
+    """PPO-clip (arXiv 1707.06347), token-level mean; clipped tokens get no gradient."""
+
+    type: Literal["ppo"] = "ppo"
+    eps_low: float = Field(0.2, ge=0, le=1, description="Lower clip of the ratio.")
+    eps_high: float = Field(0.2, gt=0, description="Upper clip of the ratio.")
+
+
+class GrpoLoss(_Loss):
+    """GRPO (DeepSeekMath, arXiv 2402.03300): PPO-clip averaged per sequence, KL penalty k3 with
+    beta 0.04."""
+
+    type: Literal["grpo"] = "grpo"
+    eps_low: float = Field(0.2, ge=0, le=1, description="Lower clip of the ratio.")
+    eps_high: float = Field(0.2, gt=0, description="Upper clip of the ratio.")
+    kl_coef: float = Field(0.04, ge=0, description="Weight beta of KL(pi_theta || pi_old).")
+
+
+class DapoLoss(_Loss):
+    """DAPO (arXiv 2503.14476): clip-higher (0.2 / 0.28), token-level mean, dynamic sampling and
+    overlong reward shaping."""
+
+    type: Literal["dapo"] = "dapo"
+    eps_low: float = Field(0.2, ge=0, le=1, description="Lower clip of the ratio.")
+    eps_high: float = Field(0.28, gt=0, description="Upper clip of the ratio (clip-higher).")
+    dynamic_sampling: bool = Field(
+        True, description="Leave rows whose advantage is 0 (no signal) out of the batch and its normaliser."
+    )
+    overlong_buffer: float = Field(
+        0.2, ge=0, lt=1, description="Soft overlong penalty: a completion longer than (1 - buffer) x its max_tokens "
+        "loses up to 1 reward linearly until max_tokens (DAPO's 4096 of 20480); 0 = off."
+    )
+
+
+class DrGrpoLoss(_Loss):
+    """Dr. GRPO (arXiv 2503.20783): GRPO without the length bias, every token divided by the same
+    constant instead of its sequence's length."""
+
+    type: Literal["dr_grpo"] = "dr_grpo"
+    eps_low: float = Field(0.2, ge=0, le=1, description="Lower clip of the ratio.")
+    eps_high: float = Field(0.2, gt=0, description="Upper clip of the ratio.")
+    norm_tokens: int = Field(512, ge=1, description="The constant L of 1/(G L): the generation budget in tokens.")
+
+
+class GspoLoss(_Loss):
+    """GSPO (Qwen, arXiv 2507.18071): one length-normalised ratio per sequence, clipped tightly."""
+
+    type: Literal["gspo"] = "gspo"
+    eps_low: float = Field(3e-4, ge=0, le=1, description="Lower clip of the sequence ratio.")
+    eps_high: float = Field(4e-4, gt=0, description="Upper clip of the sequence ratio.")
+
+
+LossSettings = Annotated[
+    CispoLoss | PpoLoss | GrpoLoss | DapoLoss | DrGrpoLoss | GspoLoss, Field(discriminator="type")
+]
+"""The policy-gradient loss, a tagged union on ``type`` (trainer/losses.py); each loss has its
+own defaults, from its paper. ``RTRL_TRAINER__LOSS__TYPE=ppo`` picks PPO with PPO's defaults."""
+LOSS_TYPES = ("cispo", "ppo", "grpo", "dapo", "dr_grpo", "gspo")

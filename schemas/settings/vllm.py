@@ -1,0 +1,80 @@
+"""Settings of the vLLM fleet rtrl serves from and hot-swaps, and the sampling parameters a model's
+generation_config.json may set (`GENERATION_CONFIG_KEYS`, used by `schemas.sampling`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from schemas.settings.section import Section
+
+# vLLM reads these from a model's generation_config.json (vllm.config.ModelConfig.get_diff_sampling_param).
+# They are here, not in schemas.sampling (which reads that file), because `sampling_defaults` is
+# validated against them and schemas.sampling imports the settings: one arrow, sampling -> settings.
+GENERATION_CONFIG_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+)  # fmt: skip
+
+
+class VllmSettings(Section):
+    """The vLLM fleet rtrl serves from and hot-swaps."""
+
+    servers: tuple[str, ...] = Field(
+        ("http://127.0.0.1:18000",), description="Base URLs of the vLLM OpenAI servers (the fleet)."
+    )
+    model_dir: Path = Field(
+        Path(".rtrl/models/tiny"), description="HF-format checkpoint the local server starts on."
+    )
+    staging_server: str | None = Field(
+        "http://127.0.0.1:18001",
+        description="vLLM server for eval-gate generation and for recording a checkpoint's digests; never serves users.",
+    )
+    served_model_name: str = Field("rtrl-tiny", description="Model name clients send.")
+    logprobs_mode: Literal["processed", "raw"] = Field(
+        "processed",
+        description="What the fleet's servers report as logprobs: processed (vLLM --logprobs-mode processed_logprobs, "
+        "after temperature and truncation; rtrl starts its servers so) or raw (a fleet started without it: only "
+        "requests sampled at temperature 1 without truncation, or greedy, are then trainable).",
+    )
+    sampling_defaults: dict[str, float] | None = Field(
+        None,
+        description="Sampling defaults the gateway writes into requests that leave them out (temperature, top_p, "
+        "top_k, min_p, penalties). None: the model's generation_config.json in model_dir (none there: vLLM's "
+        "neutral defaults). rtrl's servers run with --generation-config vllm, so these are the only defaults applied.",
+    )
+    weights_agents: dict[str, str] = Field(
+        default_factory=dict,
+        description="Server URL -> URL of the weights agent (`rtrl agent`) on that server's host, for servers "
+        "that cannot see the deployer's files: the deployer asks the agent to download the version from the "
+        "registry's artifact store and hands vLLM the agent's path. A server without one is handed the "
+        "deployer's own download (one host, or a volume every host mounts). JSON: "
+        '\'{"http://vllm-0:8000": "http://vllm-0:18090"}\'.',
+    )
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32",
+        description="--dtype of the vLLM servers, and the dtype the swap probe's tolerance follows "
+        "(deployer.probe_tolerance). float32 (the default, for CPU): vLLM then matches the trainer's float32 "
+        "transformers reference to about 1e-6; bfloat16 or float16 on a GPU; auto: the checkpoint's own dtype "
+        "from config.json (a float32 checkpoint is served in bfloat16: vLLM's rule). A fleet rtrl does not "
+        "start must run with the dtype named here.",
+    )
+    kv_cache_gib: int = Field(1, description="VLLM_CPU_KVCACHE_SPACE for the local CPU server.")
+    max_model_len: int = Field(512, description="Context length of the local server.")
+    request_timeout_s: float = Field(120.0, description="Timeout of one request to a vLLM server.")
+
+    @field_validator("sampling_defaults")
+    @classmethod
+    def _known_sampling_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        unknown = sorted(set(value or {}) - set(GENERATION_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"unknown sampling parameters {unknown}; known: {list(GENERATION_CONFIG_KEYS)}")
+        return value
+
+    @field_validator("staging_server", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        # RTRL_VLLM__STAGING_SERVER= (empty) means "no staging server", not a server at "".
+        return None if isinstance(value, str) and not value.strip() else value
