@@ -24,7 +24,9 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 
-_lock = threading.Lock()
+# Re-entrant: a store never closed releases its engine from the garbage collector, which may run
+# in this very thread while it holds the lock (inside `acquire`).
+_lock = threading.RLock()
 _shared: dict[tuple[str, float], Engine] = {}  # (url, busy timeout) -> its engine
 _users: dict[Engine, int] = {}  # every engine handed out, in-memory ones too -> its users
 
@@ -109,8 +111,8 @@ def _configure_sqlite(engine: Engine, busy_timeout_s: float) -> None:
 
 def _after_fork_in_child() -> None:
     global _lock
-    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
-    for engine in _users:
+    _lock = threading.RLock()  # another thread of the parent may have held it at the fork
+    for engine in list(_users):
         engine.dispose(close=False)  # the parent's connections stay the parent's
 
 
