@@ -52,7 +52,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psutil
-import sqlalchemy as sa
 
 import streams
 from feedback.labeler import Labeler, freeze_heap, make_consumer, make_producer
@@ -181,9 +180,8 @@ def on_first_batch(consumer: Any, call: Callable[[], None]) -> None:
 
 def check_store(store: Store, n_interactions: int, n_feedback: int) -> None:
     """The store holds exactly the records the steps reported: every interaction, every feedback joined."""
-    with store.engine.connect() as conn:
-        counted = (conn.execute(sa.text("SELECT COUNT(*) FROM interactions")).scalar_one(),
-                   conn.execute(sa.text("SELECT COUNT(*) FROM feedback WHERE joined_episode_id IS NOT NULL")).scalar_one())  # fmt: skip
+    stats = store.stats()
+    counted = (stats["interactions"], stats["feedback_joined"])
     if counted != (n_interactions, n_feedback):
         raise RuntimeError(f"the store holds {counted} (interactions, joined feedback), expected {(n_interactions, n_feedback)}")
 

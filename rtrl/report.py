@@ -1,7 +1,7 @@
 """``rtrl report``: how the loop has been doing, as one self-contained HTML page of plots.
 
-`collect(store)` reads the store alone (grouped SQL queries in one transaction) into `ReportData`;
-`render(data)` turns that into HTML whose plots are inline SVG (rtrl/charts.py). The page has no
+`collect(store)` reads the store alone (`ReportStore.report`, store/reports.py: grouped SQL
+queries in one transaction) into `ReportData`; `render(data)` turns that into HTML whose plots are inline SVG (rtrl/charts.py). The page has no
 JavaScript and fetches nothing (no CDN, no fonts), so it opens from a file, a mail or an archive,
 and it needs neither MLflow nor Kafka to be made. Started by ``rtrl report``
 (rtrl/commands/report.py); what each plot means is in docs/report.md.
@@ -13,20 +13,12 @@ numbers are formatted here.
 
 from __future__ import annotations
 
-import math
-import re
 import statistics
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
-from decimal import Decimal
 from html import escape
-from typing import Any
-
-from sqlalchemy import ColumnElement, and_, case, func, select
-from sqlalchemy.engine import make_url
-from sqlalchemy.orm import Session
 
 from rtrl.charts import (
     CHAMPION,
@@ -44,72 +36,9 @@ from rtrl.charts import (
 )
 from schemas.clock import utcnow
 from schemas.rewards import NO_FEEDBACK
-from schemas.versions import parse_version
-from store import Store
-from store.models import Cycle, DeadLetter, Episode, Feedback, Interaction
+from store.reports import CycleRow, ReportStore, TenantRow, VersionRow
 
 # ---- what the page shows -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VersionRow:
-    """The traffic one policy version served. An episode belongs to the oldest version among its
-    segments (as in training); segments count under the version that generated each."""
-
-    version: int
-    episodes: int = 0  # settled episodes
-    mean_reward: float | None = None
-    positive: int = 0  # settled episodes with reward > 0
-    no_feedback: int = 0  # settled by the window with the no_feedback component (no signal at all)
-    judged: int = 0  # settled episodes with an `accepted` or a `rejected` signal
-    accepted: int = 0  # of those, the ones with an `accepted` signal
-    segments: int = 0  # interactions it served, sub-agent segments (frozen by design) left out
-    untrainable: int = 0  # of those, captured with trainable = false
-
-    @property
-    def positive_rate(self) -> float | None:
-        return _rate(self.positive, self.episodes)
-
-    @property
-    def acceptance(self) -> float | None:
-        return _rate(self.accepted, self.judged)
-
-    @property
-    def no_feedback_rate(self) -> float | None:
-        return _rate(self.no_feedback, self.episodes)
-
-    @property
-    def untrainable_rate(self) -> float | None:
-        return _rate(self.untrainable, self.segments)
-
-
-@dataclass(frozen=True)
-class CycleRow:
-    """A training cycle and what its metrics recorded (trainer/tasks.py, ``_chain``)."""
-
-    id: int
-    status: str
-    champion: int
-    challenger: int | None
-    started_at: datetime
-    finished_at: datetime | None
-    episodes: int | None
-    mean_reward: float | None
-    gate: str | None  # pass | fail; None when it never reached the gate
-    gate_reason: str | None
-    challenger_score: float | None
-    champion_score: float | None
-    swap_ms: float | None
-    data_to_deploy_s: float | None
-    error: str | None
-
-
-@dataclass(frozen=True)
-class TenantRow:
-    tenant: str
-    episodes: int
-    mean_reward: float | None
-    no_feedback: int
 
 
 @dataclass(frozen=True)
@@ -129,132 +58,21 @@ class ReportData:
 TOP_TENANTS = 20
 
 
-def collect(store: Store, *, since: datetime | None = None, now: Callable[[], datetime] = utcnow) -> ReportData:
-    """Read the report's numbers from `store`; only what happened at or after `since` when given
-    (episodes by when they settled, segments and feedback by when they were ingested, cycles by
-    when they started, dead letters by when they were written)."""
-    with store.transaction() as session:
-        tenants, tenant_count = _tenants(session, since)
-        return ReportData(
-            generated_at=now(),
-            since=since,
-            store=make_url(store.url).render_as_string(hide_password=True),
-            versions=_versions(session, since),
-            cycles=_cycles(session, since),
-            dead_letters=_dead_letters(session, since),
-            tenants=tenants,
-            tenant_count=tenant_count,
-        )
-
-
-def _settled(since: datetime | None) -> list[ColumnElement[bool]]:
-    where = [Episode.status == "settled", Episode.reward.is_not(None)]
-    return where + ([Episode.settled_at >= since] if since is not None else [])
-
-
-def _no_feedback() -> ColumnElement[int]:
-    # JSON_EXTRACT on SQLite, ->> on PostgreSQL: NULL when the component is absent.
-    has = Episode.reward_components[NO_FEEDBACK].as_float().is_not(None)
-    return func.sum(case((and_(Episode.settle_reason == "window", has), 1), else_=0))
-
-
-def _versions(session: Session, since: datetime | None) -> list[VersionRow]:
-    rows: dict[int, dict[str, Any]] = defaultdict(dict)
-    episodes = select(
-        Episode.policy_number, func.count(), func.avg(Episode.reward),
-        func.sum(case((Episode.reward > 0, 1), else_=0)), _no_feedback(),
-    ).where(*_settled(since)).group_by(Episode.policy_number)  # fmt: skip
-    for number, count, mean, positive, no_feedback in session.execute(episodes):
-        rows[number].update(episodes=count, mean_reward=_float(mean), positive=int(positive or 0),
-                            no_feedback=int(no_feedback or 0))  # fmt: skip
-
-    # One row per episode that got an accepted or rejected signal: a retried signal counts once.
-    judged = (
-        select(Feedback.joined_episode_id.label("episode_id"),
-               func.max(case((Feedback.kind == "accepted", 1), else_=0)).label("accepted"))
-        .where(Feedback.kind.in_(("accepted", "rejected")), Feedback.joined_episode_id.is_not(None))
-        .group_by(Feedback.joined_episode_id)
-        .subquery()
-    )  # fmt: skip
-    acceptance = (
-        select(Episode.policy_number, func.count(), func.sum(judged.c.accepted))
-        .join(judged, judged.c.episode_id == Episode.episode_id)
-        .where(*_settled(since))
-        .group_by(Episode.policy_number)
+def collect(store: ReportStore, *, since: datetime | None = None, now: Callable[[], datetime] = utcnow) -> ReportData:
+    """Read the report's numbers from `store` (one transaction, `ReportStore.report`); only what
+    happened at or after `since` when given (episodes by when they settled, segments and feedback
+    by when they were ingested, cycles by when they started, dead letters by when they were written)."""
+    rows = store.report(since, top_tenants=TOP_TENANTS)
+    return ReportData(
+        generated_at=now(),
+        since=since,
+        store=store.where,
+        versions=rows.versions,
+        cycles=rows.cycles,
+        dead_letters=rows.dead_letters,
+        tenants=rows.tenants,
+        tenant_count=rows.tenant_count,
     )
-    for number, count, accepted in session.execute(acceptance):
-        rows[number].update(judged=count, accepted=int(accepted or 0))
-
-    where = [Interaction.role != "subagent"] + ([Interaction.ingested_at >= since] if since is not None else [])
-    segments = select(
-        Interaction.policy_number, func.count(), func.sum(case((Interaction.trainable.is_(False), 1), else_=0))
-    ).where(*where).group_by(Interaction.policy_number)  # fmt: skip
-    for number, count, untrainable in session.execute(segments):
-        rows[number].update(segments=count, untrainable=int(untrainable or 0))
-    return [VersionRow(version=n, **rows[n]) for n in sorted(rows)]
-
-
-def _cycles(session: Session, since: datetime | None) -> list[CycleRow]:
-    query = select(
-        Cycle.id, Cycle.status, Cycle.champion_version, Cycle.challenger_version, Cycle.started_at,
-        Cycle.finished_at, Cycle.metrics, Cycle.error,
-    ).order_by(Cycle.id)  # fmt: skip
-    if since is not None:
-        query = query.where(Cycle.started_at >= since)
-    out = []
-    for id_, status, champion, challenger, started, finished, metrics, error in session.execute(query):
-        m: dict[str, Any] = metrics if isinstance(metrics, dict) else {}
-        episodes = _float(m.get("episodes"))
-        gate = m.get("gate")
-        out.append(CycleRow(
-            id=id_, status=status, champion=parse_version(champion),
-            challenger=None if challenger is None else parse_version(challenger),
-            started_at=started, finished_at=finished, episodes=None if episodes is None else int(episodes),
-            mean_reward=_float(m.get("mean_reward")), gate=gate if isinstance(gate, str) else None,
-            gate_reason=_str(m.get("gate_reason")), challenger_score=_float(m.get("challenger_score")),
-            champion_score=_float(m.get("champion_score")), swap_ms=_float(m.get("swap_ms")),
-            data_to_deploy_s=_float(m.get("data_to_deploy_s")), error=error,
-        ))  # fmt: skip
-    return out
-
-
-_PREFIX = re.compile(r"\s*([\w.-]{1,24})")
-
-
-def _dead_letters(session: Session, since: datetime | None) -> dict[date, Counter[str]]:
-    """Dead letters per UTC day and reason prefix (``schema``, ``content``, ``duplicate``, ...)."""
-    query = select(DeadLetter.created_at, func.substr(DeadLetter.reason, 1, 40))
-    if since is not None:
-        query = query.where(DeadLetter.created_at >= since)
-    days: dict[date, Counter[str]] = defaultdict(Counter)
-    for created, head in session.execute(query):
-        match = _PREFIX.match(head or "")
-        days[created.date()][match.group(1) if match else "other"] += 1
-    return dict(sorted(days.items()))
-
-
-def _tenants(session: Session, since: datetime | None) -> tuple[list[TenantRow], int]:
-    query = (
-        select(Episode.tenant, func.count(), func.avg(Episode.reward), _no_feedback())
-        .where(*_settled(since))
-        .group_by(Episode.tenant)
-        .order_by(func.count().desc(), Episode.tenant)
-        .limit(TOP_TENANTS)
-    )
-    rows = [TenantRow(t, n, _float(mean), int(nf or 0)) for t, n, mean, nf in session.execute(query)]
-    total = session.scalar(select(func.count(func.distinct(Episode.tenant))).where(*_settled(since)))
-    return rows, int(total or 0)
-
-
-def _float(value: Any) -> float | None:
-    """A finite number from SQL (a Decimal on some drivers) or from a metrics JSON, else None."""
-    if isinstance(value, bool) or not isinstance(value, int | float | Decimal) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def _str(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
 
 
 def _rate(part: int, whole: int) -> float | None:

@@ -1,7 +1,7 @@
 """``rtrl status``: the whole loop on one screen.
 
-Each part is read on its own, with short timeouts, and a part that cannot be read says why instead
-of failing the rest: the local services (what ``rtrl services status`` shows), the daemon's
+Each part is read on its own, with short timeouts (the store's parts on one store, opened once),
+and a part that cannot be read says why instead of failing the rest: the local services (what ``rtrl services status`` shows), the daemon's
 processes (the state file ``rtrl run``'s supervisor rewrites every poll, `rtrl.supervisor`), the
 labeler's lag and reconciliation (`feedback.reconcile`), the trainer (paused or not, the cycle
 under way, the last one and its gate decision), the registry's champion, every server's
@@ -14,11 +14,15 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rtrl.services.base import process_alive
 from schemas.settings import Settings
+
+if TYPE_CHECKING:
+    from store import Store
 
 STALE_STATE_S = 30.0  # a supervisor state file older than this: `rtrl run` is not polling any more
 
@@ -36,13 +40,25 @@ def collect(settings: Settings) -> dict[str, Any]:
             problems.append(f"{name}: cannot read it ({report[name]['error']})")
         return report[name]
 
-    part("services", lambda: _services(settings, problems))
-    part("daemon", lambda: _daemon(settings, problems))
-    champion = part("registry", lambda: _registry(settings)).get("champion")
-    part("labeler", lambda: _labeler(settings, problems))
-    part("trainer", lambda: _trainer(settings))
-    part("fleet", lambda: _fleet(settings, champion, problems))
-    part("locks", lambda: _locks(settings))
+    with ExitStack() as closing:
+        opened: list[Store] = []
+
+        def store() -> Store:
+            """The one store every part reads, opened by the first that needs it (an error opening
+            it is that part's error, and the next part tries again)."""
+            if not opened:
+                from store import Store
+
+                opened.append(closing.enter_context(Store(settings.store.url)))
+            return opened[0]
+
+        part("services", lambda: _services(settings, problems))
+        part("daemon", lambda: _daemon(settings, problems))
+        champion = part("registry", lambda: _registry(settings)).get("champion")
+        part("labeler", lambda: _labeler(settings, store(), problems))
+        part("trainer", lambda: _trainer(settings, store()))
+        part("fleet", lambda: _fleet(settings, store(), champion, problems))
+        part("locks", lambda: _locks(store()))
     return report
 
 
@@ -97,17 +113,12 @@ def _registry(settings: Settings) -> dict[str, Any]:
     return {"champion": registry.champion() if versions else None, "latest": max(versions) if versions else None}
 
 
-def _labeler(settings: Settings, problems: list[str]) -> dict[str, Any]:
+def _labeler(settings: Settings, store: Store, problems: list[str]) -> dict[str, Any]:
     from feedback.reconcile import reconcile
-    from store import Store
 
-    store = Store(settings.store.url)
-    try:
-        store.check_schema()
-        counts = reconcile(settings, store)
-        judging = store.count_judging()
-    finally:
-        store.close()
+    store.check_schema()
+    counts = reconcile(settings, store)
+    judging = store.count_judging()
     if counts.pending == 0 and not counts.balanced:
         problems.append(f"labeler: {counts.produced} records produced but {counts.stored} stored + "
                         f"{counts.dead_lettered} dead-lettered (see docs/runbooks/labeler.md)")  # fmt: skip
@@ -116,19 +127,14 @@ def _labeler(settings: Settings, problems: list[str]) -> dict[str, Any]:
             "judging": judging}  # fmt: skip
 
 
-def _trainer(settings: Settings) -> dict[str, Any]:
+def _trainer(settings: Settings, store: Store) -> dict[str, Any]:
     import redis
 
-    from store import Store
     from trainer.tasks import pause_state
 
-    store = Store(settings.store.url)
-    try:
-        store.check_schema()
-        active = store.active_cycles()
-        recent = store.recent_cycles(5)
-    finally:
-        store.close()
+    store.check_schema()
+    active = store.active_cycles()
+    recent = store.recent_cycles(5)
     try:
         client = redis.Redis.from_url(settings.celery.broker_url, socket_timeout=2, socket_connect_timeout=2)
         paused: Any = pause_state(client) or False
@@ -146,17 +152,13 @@ def _trainer(settings: Settings) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _fleet(settings: Settings, champion: int | None, problems: list[str]) -> list[dict[str, Any]]:
+def _fleet(settings: Settings, store: Store, champion: int | None, problems: list[str]) -> list[dict[str, Any]]:
     from serving import VllmClient
-    from store import Store
 
-    store = Store(settings.store.url)
     try:
         rotation = store.rotation()
     except Exception:  # noqa: BLE001 - the store is reported by its own part; show the servers anyway
         rotation = {}
-    finally:
-        store.close()
     rows = []
     staging = settings.vllm.staging_server
     for url in (*settings.vllm.servers, *([staging] if staging else [])):
@@ -182,17 +184,11 @@ def _fleet(settings: Settings, champion: int | None, problems: list[str]) -> lis
     return rows
 
 
-def _locks(settings: Settings) -> list[dict[str, Any]]:
+def _locks(store: Store) -> list[dict[str, Any]]:
     """The deploy locks' recorded holders; ``held`` False: a row left by a holder that was killed
     (the lock is free, the next holder overwrites it), None: cannot be told here."""
-    from store import Store
-
-    store = Store(settings.store.url)
-    try:
-        store.check_schema()
-        holders = store.lock_holders()
-    finally:
-        store.close()
+    store.check_schema()
+    holders = store.lock_holders()
     return [{"name": h.name, "holder": h.holder, "purpose": h.purpose, "since": h.acquired_at.isoformat(),
              "held": h.held} for h in holders]  # fmt: skip
 

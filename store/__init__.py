@@ -2,29 +2,28 @@
 
 PostgreSQL or SQLite by URL (``settings.store.url``: by default the local PostgreSQL of
 ``rtrl services up`` for ``rtrl run`` and the operator commands, a SQLite file for ``rtrl demo``);
-the schema is the Alembic migrations in ``store/migrations``. Open one `Store` per process and pass it down:
+the schema is the Alembic migrations in ``store/migrations``. A typed store per consumer, each a
+context manager on the process's one engine of its URL (store/base.py, store/engines.py), and
+`Store`, all of them in one (store/db.py):
 
-- the labeler writes a batch through `Store.labelling` (events, dead letters, join, settle);
-- the trainer leases cycles and reads batches (`Store.acquire_cycle`, `Store.select_episodes`, ...);
-- the deployer takes servers out of rotation and the gateways read it (`Store.set_rotation`,
-  `Store.rotation`), holds its locks across hosts (`Store.exclusive`, store/locks.py) and keeps
-  the weight digests it verifies swaps against (`Store.record_digests`);
-- operators read `Store.stats`, `Store.recent_cycles` and the reconciliation counts.
+- the labeler writes a batch through `LabellingStore.labelling` (events, dead letters, join, settle);
+- the trainer leases cycles (`CycleStore.acquire_cycle`, ...) and reads batches
+  (`EpisodeStore.select_episodes`, `EpisodeStore.mark_used`);
+- the deployer takes servers out of rotation and the gateways read it (`DeployStore.set_rotation`,
+  `DeployStore.rotation`), holds its locks across hosts (`DeployStore.exclusive`, store/locks.py)
+  and keeps the weight digests it verifies swaps against (`DeployStore.record_digests`);
+- the gateways load API keys (`TenantStore.api_keys`);
+- operators read `ReportStore.stats`, ``rtrl report``'s numbers (`ReportStore.report`),
+  `CycleStore.recent_cycles`, the reconciliation counts, and prune (`RetentionStore.prune`).
 
 Importing this package imports SQLAlchemy but neither torch nor Kafka.
 """
 
-from store.db import (
-    ApiKeyRecord,
-    CycleRecord,
-    DeadLetterEntry,
-    LockHolder,
-    RotationRecord,
-    Store,
-    TenantRecord,
-    TrainingEpisode,
-    TrainingSegment,
-)
+from store.base import StoreBase
+from store.cycles import CycleRecord, CycleStore
+from store.db import Store
+from store.deploys import DeployStore, LockHolder, RotationRecord
+from store.episodes import EpisodeStore, TrainingEpisode, TrainingSegment
 from store.errors import (
     DatabaseError,
     DatabaseUnavailable,
@@ -36,29 +35,46 @@ from store.errors import (
     UnsupportedStoreUrl,
 )
 from store.events import BatchWrite, Rejected, SourceRecord
+from store.labelling import DeadLetterEntry, Labelling, LabellingStore
+from store.reports import CycleRow, ReportRows, ReportStore, TenantRow, VersionRow
+from store.retention import RetentionStore
 from store.settle import Settled, SettleReport
+from store.tenants import ApiKeyRecord, TenantRecord, TenantStore
 
 __all__ = [
     "ApiKeyRecord",
     "BatchWrite",
     "CycleRecord",
+    "CycleRow",
+    "CycleStore",
     "DatabaseError",
     "DatabaseUnavailable",
     "DeadLetterEntry",
+    "DeployStore",
+    "EpisodeStore",
     "EpisodesUnavailable",
+    "Labelling",
+    "LabellingStore",
     "LeaseLost",
     "LockBusy",
     "LockHolder",
     "Rejected",
+    "ReportRows",
+    "ReportStore",
+    "RetentionStore",
     "RotationRecord",
     "SettleReport",
     "Settled",
     "SourceRecord",
     "Store",
+    "StoreBase",
     "StoreError",
     "StoreNotMigrated",
     "TenantRecord",
+    "TenantRow",
+    "TenantStore",
     "TrainingEpisode",
     "TrainingSegment",
     "UnsupportedStoreUrl",
+    "VersionRow",
 ]

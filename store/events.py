@@ -125,31 +125,52 @@ def write_events(
     in the other table (an event_id is unique across interactions and feedback)."""
     out = BatchWrite()
     out.rejected.extend(e for _, e in parsed if isinstance(e, Rejected))
-    valid = [(r, e) for r, e in parsed if not isinstance(e, Rejected)]
-    duplicates: list[tuple[int, Rejected]] = []  # (position in the batch, dead letter)
+    batch = _Batch.of([(r, e) for r, e in parsed if not isinstance(e, Rejected)])
+    elsewhere, inserted = _insert_new(session, batch.candidates, now)
+    duplicates = _name_skipped(session, batch, elsewhere, inserted, out)
+    out.interactions = [e for _, _, e in batch.candidates if isinstance(e, InteractionEvent) and e.event_id in inserted]
+    out.feedback = [e for _, _, e in batch.candidates if isinstance(e, FeedbackEvent) and e.event_id in inserted]
+    out.rejected.extend(rejected for _, rejected in sorted(duplicates, key=lambda item: item[0]))
+    _write_dead_letters(session, out, now)
+    return out
 
-    # ---- duplicates inside the batch: the first occurrence is the one inserted -------------------
-    first: dict[str, str] = {}  # event_id -> source
-    segments: dict[tuple[str, int], str] = {}  # (episode, segment) -> event_id
-    candidates: list[tuple[int, SourceRecord, Event]] = []
-    again: list[tuple[int, SourceRecord, Event]] = []  # a second occurrence: named once the first is known
-    for position, (record, event) in enumerate(valid):
-        if event.event_id in first or (
-            isinstance(event, InteractionEvent) and (event.episode_id, event.segment_index) in segments
-        ):
-            again.append((position, record, event))
-            continue
-        if isinstance(event, InteractionEvent):
-            segments[(event.episode_id, event.segment_index)] = event.event_id
-        first[event.event_id] = record.source
-        candidates.append((position, record, event))
 
-    # ---- an event_id is unique across both tables: one already in the other table is a duplicate --
+@dataclass
+class _Batch:
+    """A batch's valid events split by duplicates inside the batch: the first occurrence is the
+    one inserted (`candidates`); a second one (`again`) is named once the first is known."""
+
+    first: dict[str, str] = field(default_factory=dict)  # event_id -> source
+    segments: dict[tuple[str, int], str] = field(default_factory=dict)  # (episode, segment) -> event_id
+    candidates: list[tuple[int, SourceRecord, Event]] = field(default_factory=list)  # (position in the batch, ...)
+    again: list[tuple[int, SourceRecord, Event]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, valid: list[tuple[SourceRecord, Event]]) -> _Batch:
+        batch = cls()
+        for position, (record, event) in enumerate(valid):
+            if event.event_id in batch.first or (
+                isinstance(event, InteractionEvent) and (event.episode_id, event.segment_index) in batch.segments
+            ):
+                batch.again.append((position, record, event))
+                continue
+            if isinstance(event, InteractionEvent):
+                batch.segments[(event.episode_id, event.segment_index)] = event.event_id
+            batch.first[event.event_id] = record.source
+            batch.candidates.append((position, record, event))
+        return batch
+
+
+def _insert_new(
+    session: Session, candidates: list[tuple[int, SourceRecord, Event]], now: datetime
+) -> tuple[dict[str, str], set[str]]:
+    """Insert the candidates, skipping conflicts with stored rows (ON CONFLICT DO NOTHING on every
+    unique index) and those whose event_id is in the other table (an event_id is unique across
+    both: such an event is a duplicate). Returns (those in the other table -> their source, the
+    event ids inserted)."""
     ids = {"interactions": [e.event_id for _, _, e in candidates if isinstance(e, InteractionEvent)],
            "feedback": [e.event_id for _, _, e in candidates if isinstance(e, FeedbackEvent)]}  # fmt: skip
     elsewhere = {**_sources(session, Feedback, ids["interactions"]), **_sources(session, Interaction, ids["feedback"])}
-
-    # ---- insert, skipping conflicts with stored rows (ON CONFLICT DO NOTHING on every unique index) --
     rows: dict[str, list[dict[str, Any]]] = {"interactions": [], "feedback": []}
     for _, record, event in candidates:
         if event.event_id not in elsewhere:
@@ -159,9 +180,16 @@ def write_events(
                 rows["feedback"].append(_feedback_row(record, event, now))
     inserted = insert_rows(session, INTERACTIONS, rows["interactions"], returning="event_id")
     inserted |= insert_rows(session, FEEDBACK, rows["feedback"], returning="event_id")
+    return elsewhere, inserted
 
-    # ---- the skipped ones: replays, or duplicates of what is stored ------------------------------
-    skipped = [(p, r, e) for p, r, e in candidates if e.event_id not in inserted]
+
+def _name_skipped(
+    session: Session, batch: _Batch, elsewhere: dict[str, str], inserted: set[str], out: BatchWrite
+) -> list[tuple[int, Rejected]]:
+    """The events not inserted: a replay (counted in `out.replayed`) or a duplicate of what is
+    stored or of an earlier event of the batch. Returns the duplicates' dead letters by position."""
+    duplicates: list[tuple[int, Rejected]] = []
+    skipped = [(p, r, e) for p, r, e in batch.candidates if e.event_id not in inserted]
     stored = {**elsewhere, **_sources(session, Interaction, [e.event_id for _, _, e in skipped if e.event_id not in elsewhere]),
               **_sources(session, Feedback, [e.event_id for _, _, e in skipped if e.event_id not in elsewhere])}  # fmt: skip
     segment_of = _stored_segments(session, [e for _, _, e in skipped if e.event_id not in stored])
@@ -176,17 +204,18 @@ def write_events(
             duplicates.append((position, _duplicate_segment(record, event, segment_of[key])))
         else:  # the conflicting row is gone again (retention): the batch's retry will insert it
             raise DatabaseUnavailable(f"event {event.event_id} conflicted with a row that is gone; retrying the batch")
-    for position, record, event in again:  # what the first occurrence turned out to be, or stored
-        if event.event_id in first:
-            duplicates.append((position, _duplicate_event(record, event, stored.get(event.event_id, first[event.event_id]))))
+    for position, record, event in batch.again:  # what the first occurrence turned out to be, or stored
+        if event.event_id in batch.first:
+            duplicates.append((position, _duplicate_event(record, event, stored.get(event.event_id, batch.first[event.event_id]))))
         else:
             assert isinstance(event, InteractionEvent)
             key = (event.episode_id, event.segment_index)
-            duplicates.append((position, _duplicate_segment(record, event, segment_of.get(key, segments[key]))))
-    out.interactions = [e for _, _, e in candidates if isinstance(e, InteractionEvent) and e.event_id in inserted]
-    out.feedback = [e for _, _, e in candidates if isinstance(e, FeedbackEvent) and e.event_id in inserted]
-    out.rejected.extend(rejected for _, rejected in sorted(duplicates, key=lambda item: item[0]))
+            duplicates.append((position, _duplicate_segment(record, event, segment_of.get(key, batch.segments[key]))))
+    return duplicates
 
+
+def _write_dead_letters(session: Session, out: BatchWrite, now: datetime) -> None:
+    """Store `out.rejected`, leaving out (and counting as replayed) those already stored."""
     if out.rejected:
         # A record dead-lettered before a crash is re-read too: it is a replay, not a new dead letter
         # (and is not produced to the DLQ topic a second time).
@@ -196,7 +225,6 @@ def write_events(
         out.rejected = [r for r in out.rejected if r.event_id not in known]
     if out.rejected:
         insert_rows(session, DEAD_LETTERS, [r.to_row(now) for r in out.rejected], conflict=["event_id"])
-    return out
 
 
 def _sources(session: Session, model: type[Interaction] | type[Feedback], event_ids: list[str]) -> dict[str, str]:

@@ -48,7 +48,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, and_, delete, exists, false, func, or_, select, true
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
-from store.db import Store
+from store.base import StoreBase
 from store.models import FINAL_CYCLE_STATUSES, Cycle, DeadLetter, Episode, Feedback, Interaction
 
 BATCH_SIZE = 5000
@@ -69,8 +69,18 @@ class PruneReport:
     held: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TABLES, 0))
 
 
+class RetentionStore(StoreBase):
+    """The store as ``rtrl store prune`` uses it: `prune` below, as a method."""
+
+    def prune(
+        self, cutoff: datetime, kafka_floor: KafkaFloor | None, *, dry_run: bool = False, batch_size: int = BATCH_SIZE
+    ) -> PruneReport:
+        """Delete what is older than `cutoff`; see `prune` and the module docstring."""
+        return prune(self, cutoff, kafka_floor, dry_run=dry_run, batch_size=batch_size)
+
+
 def prune(
-    store: Store, cutoff: datetime, kafka_floor: KafkaFloor | None, *, dry_run: bool = False,
+    store: StoreBase, cutoff: datetime, kafka_floor: KafkaFloor | None, *, dry_run: bool = False,
     batch_size: int = BATCH_SIZE,
 ) -> PruneReport:  # fmt: skip
     """Delete what is older than `cutoff` (see the module docstring), `batch_size` rows of a
@@ -190,7 +200,7 @@ def _delete(session: Session, key: InstrumentedAttribute[Any], ids: list[str]) -
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
-def _in_batches(store: Store, key: InstrumentedAttribute[Any], condition: ColumnElement[bool], batch_size: int) -> int:
+def _in_batches(store: StoreBase, key: InstrumentedAttribute[Any], condition: ColumnElement[bool], batch_size: int) -> int:
     """Delete the rows matching `condition`, `batch_size` per transaction; how many."""
     total = 0
     while True:

@@ -77,9 +77,9 @@ from schemas.events import CONTROL_KINDS, InteractionEvent
 from schemas.rewards import RewardResult, RewardSpec, Shaping, judge_disagrees, score
 from schemas.versions import parse_version
 from store.bulk import among, insert_rows, update_rows
+from store.episode_rows import EPISODE_COLUMNS, EPISODES, EpisodeRow, lock_episodes, save_rows
 from store.models import Cycle, Episode, Feedback, Interaction
 
-EPISODES: Table = Episode.__table__  # type: ignore[assignment]
 FEEDBACK: Table = Feedback.__table__  # type: ignore[assignment]
 
 # Settle at most this many expired episodes per pass, so one pass cannot make a huge transaction.
@@ -116,57 +116,6 @@ class SettleReport:
     settled: list[Settled] = field(default_factory=list)
 
 
-# What of an episodes row settling reads and writes (not used_in_cycle, eval_bucket).
-_COLUMNS = ("episode_id", "tenant", "policy_version", "policy_number", "status", "first_event_at", "last_event_at",
-            "settled_at", "settle_reason", "reward", "reward_components", "reward_spec", "metrics")  # fmt: skip
-
-
-@dataclass
-class _Episode:
-    """An episodes row as this transaction read (and locked) it, and what it changed since: the rows
-    are read and written as a batch (`_save`, store/bulk.py), not one ORM object at a time."""
-
-    episode_id: str
-    tenant: str
-    policy_version: str
-    policy_number: int
-    status: str
-    first_event_at: datetime
-    last_event_at: datetime
-    settled_at: datetime | None
-    settle_reason: str | None
-    reward: float | None
-    reward_components: dict[str, float] | None
-    reward_spec: str | None
-    metrics: dict[str, Any] | None
-    changed: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, row: Any) -> _Episode:
-        return cls(**{name: getattr(row, name) for name in _COLUMNS})
-
-    @classmethod
-    def new(cls, row: dict[str, Any]) -> _Episode:
-        """The episode as `row` (an insert's values) creates it."""
-        values: dict[str, Any] = {name: row.get(name) for name in _COLUMNS}
-        return cls(**values)
-
-    def set(self, **values: Any) -> None:
-        for name, value in values.items():
-            if getattr(self, name) != value:
-                setattr(self, name, value)
-                self.changed[name] = value
-
-
-def _save(session: Session, episodes: Iterable[_Episode]) -> None:
-    """Write what changed in `episodes` (each once, however often it changed)."""
-    episodes = list(episodes)
-    rows = [{"episode_id": e.episode_id, **e.changed} for e in episodes if e.changed]
-    update_rows(session, EPISODES, "episode_id", rows)
-    for episode in episodes:
-        episode.changed = {}
-
-
 class _FeedbackKey(Protocol):
     """What joining reads of a feedback: a FeedbackEvent of the batch, or a stored row."""
 
@@ -192,37 +141,60 @@ def join_and_settle(
     report = SettleReport()
     if not interactions and not feedback:
         return report
-    touched: set[str] = set()
-    episodes: dict[str, _Episode] = {}
-
-    # ---- episodes for the new segments: created unless there (another replica may race us to it) --
     segments_by_episode: dict[str, list[InteractionEvent]] = defaultdict(list)
     for event in interactions:
         segments_by_episode[event.episode_id].append(event)
-    if segments_by_episode:
-        new_rows: list[dict[str, Any]] = []
-        for episode_id in sorted(segments_by_episode):  # one order for every replica: no deadlock
-            segments = segments_by_episode[episode_id]
-            oldest = min(segments, key=lambda s: parse_version(s.policy_version))
-            new_rows.append({
-                "episode_id": episode_id,
-                "tenant": segments[0].tenant,
-                "policy_version": oldest.policy_version,
-                "policy_number": parse_version(oldest.policy_version),
-                "status": "open",
-                "first_event_at": min(s.created_at for s in segments),
-                "last_event_at": now,
-                "eval_bucket": eval_bucket(episode_id),
-            })  # fmt: skip
-        created = insert_rows(session, EPISODES, new_rows, conflict=["episode_id"], returning="episode_id")
-        # An episode this transaction inserted is what it inserted, and its row stays locked by the
-        # insert until the commit (no other transaction sees it before): it needs no read or lock.
-        episodes.update((row["episode_id"], _Episode.new(row)) for row in new_rows if row["episode_id"] in created)
-
-    # ---- lock the episodes this batch touches, then read the feedback that waits for them ------------
+    episodes = _open_episodes(session, segments_by_episode, now)
     # The episode of each (request, tenant): the batch's own interaction's (the last, should two of
     # the batch carry one), else the stored interaction's, looked up for what needs it.
     by_request: dict[tuple[str, str], str | None] = {(e.request_id, e.tenant): e.episode_id for e in interactions}
+    pending = _lock_and_read_waiting(session, dialect, interactions, feedback, segments_by_episode, episodes, by_request)
+    touched = _extend_episodes(session, segments_by_episode, episodes, now, report)
+    touched |= _join_waiting(session, pending, by_request, episodes, now, report)
+    if touched:
+        _settle_terminal(session, spec, now, [episodes[e] for e in sorted(touched)], report)
+    save_rows(session, episodes.values())
+    return report
+
+
+def _open_episodes(
+    session: Session, segments_by_episode: dict[str, list[InteractionEvent]], now: datetime
+) -> dict[str, EpisodeRow]:
+    """Create the episodes of the new segments unless they are there (another replica may race us
+    to it); returns those this transaction created."""
+    if not segments_by_episode:
+        return {}
+    new_rows: list[dict[str, Any]] = []
+    for episode_id in sorted(segments_by_episode):  # one order for every replica: no deadlock
+        segments = segments_by_episode[episode_id]
+        oldest = min(segments, key=lambda s: parse_version(s.policy_version))
+        new_rows.append({
+            "episode_id": episode_id,
+            "tenant": segments[0].tenant,
+            "policy_version": oldest.policy_version,
+            "policy_number": parse_version(oldest.policy_version),
+            "status": "open",
+            "first_event_at": min(s.created_at for s in segments),
+            "last_event_at": now,
+            "eval_bucket": eval_bucket(episode_id),
+        })  # fmt: skip
+    created = insert_rows(session, EPISODES, new_rows, conflict=["episode_id"], returning="episode_id")
+    # An episode this transaction inserted is what it inserted, and its row stays locked by the
+    # insert until the commit (no other transaction sees it before): it needs no read or lock.
+    return {row["episode_id"]: EpisodeRow.new(row) for row in new_rows if row["episode_id"] in created}
+
+
+def _lock_and_read_waiting(
+    session: Session,
+    dialect: str,
+    interactions: list[InteractionEvent],
+    feedback: Sequence[_FeedbackKey],
+    segments_by_episode: dict[str, list[InteractionEvent]],
+    episodes: dict[str, EpisodeRow],
+    by_request: dict[tuple[str, str], str | None],
+) -> list[Any]:
+    """Lock the episodes this batch touches (added to `episodes`), then read the feedback that
+    waits for them (returned; `by_request` learns the stored requests it names)."""
     _add_stored_requests(session, by_request, feedback)
     request_ids = sorted({e.request_id for e in interactions} | {f.request_id for f in feedback})
     episode_ids = sorted(set(segments_by_episode) | {f.episode_id for f in feedback if f.episode_id})
@@ -237,14 +209,20 @@ def join_and_settle(
         new = {e for e in wanted if e is not None} - asked
         if new:
             asked |= new
-            episodes.update(_lock_episodes(session, new))
+            episodes.update(lock_episodes(session, new))
         if pending is not None and (not new or dialect != "postgresql"):
-            break  # the last read came after the last locks (or needs no repeating: SQLite)
+            return pending  # the last read came after the last locks (or needs no repeating: SQLite)
         pending = _waiting_feedback(session, request_ids, episode_ids)
         _add_stored_requests(session, by_request, pending)  # e.g. waiting feedback of another tenant
         wanted = {_target(f, by_request) for f in pending}
 
-    # ---- extend the episodes of the new segments (or mark the segments late) --------------------------
+
+def _extend_episodes(
+    session: Session, segments_by_episode: dict[str, list[InteractionEvent]], episodes: dict[str, EpisodeRow],
+    now: datetime, report: SettleReport,
+) -> set[str]:  # fmt: skip
+    """Extend the open episodes of the new segments, or mark the segments late; the episodes extended."""
+    touched: set[str] = set()
     late_segments: list[str] = []
     for episode_id, segments in sorted(segments_by_episode.items()):
         episode = episodes.get(episode_id)
@@ -261,8 +239,15 @@ def join_and_settle(
         touched.add(episode_id)
     if late_segments:
         session.execute(update(Interaction).where(among(session, Interaction.event_id, late_segments)).values(late=True))
+    return touched
 
-    # ---- join feedback that was waiting for these requests / episodes --------------------------------
+
+def _join_waiting(
+    session: Session, pending: list[Any], by_request: dict[tuple[str, str], str | None],
+    episodes: dict[str, EpisodeRow], now: datetime, report: SettleReport,
+) -> set[str]:  # fmt: skip
+    """Join the feedback that was waiting for these requests / episodes; the open episodes it joined."""
+    touched: set[str] = set()
     joins: list[dict[str, Any]] = []
     for row in pending:
         target = _target(row, by_request)
@@ -277,28 +262,31 @@ def join_and_settle(
             episode.set(last_event_at=now)
             touched.add(episode.episode_id)
             report.joined += 1
-    update_rows(session, FEEDBACK, "event_id", joins)  # before the reads below, which see the joins
+    update_rows(session, FEEDBACK, "event_id", joins)  # before the settling reads, which see the joins
+    return touched
 
-    # ---- settle episodes that received terminal feedback -------------------------------------------
-    if touched:
-        # episode_end ends any episode; other terminal feedback ends an episode of one call, or an
-        # episode of several when it names the episode (the module docstring).
-        signals = _signals(session, sorted(touched))
-        ending_kinds = {k.value for k in spec.terminal | CONTROL_KINDS}
-        control = {k.value for k in CONTROL_KINDS}
-        ending = {e for e, rows in signals.items() if any(r.kind in ending_kinds for r in rows)}
-        terminal = {e for e in ending
-                    if any(r.kind in control or (r.kind in ending_kinds and r.episode_id is not None) for r in signals[e])}  # fmt: skip
-        segments_of = _segments(session, sorted(ending))
-        # An episode of one call: its only (non-late) segment is segment 0.
-        terminal |= {e for e in ending - terminal if [s.segment_index for s in segments_of.get(e, [])] == [0]}
-        report.settled += settle(
-            session, spec, now, [episodes[e] for e in sorted(terminal)], "terminal_feedback",
-            segments_of=segments_of, signals=signals,
-        )  # fmt: skip
-        report.settled_terminal += len(terminal)
-    _save(session, episodes.values())
-    return report
+
+def _settle_terminal(
+    session: Session, spec: RewardSpec, now: datetime, touched: list[EpisodeRow], report: SettleReport
+) -> None:
+    """Settle the `touched` episodes that received terminal feedback."""
+    # episode_end ends any episode; other terminal feedback ends an episode of one call, or an
+    # episode of several when it names the episode (the module docstring).
+    by_id = {e.episode_id: e for e in touched}
+    signals = _signals(session, sorted(by_id))
+    ending_kinds = {k.value for k in spec.terminal | CONTROL_KINDS}
+    control = {k.value for k in CONTROL_KINDS}
+    ending = {e for e, rows in signals.items() if any(r.kind in ending_kinds for r in rows)}
+    terminal = {e for e in ending
+                if any(r.kind in control or (r.kind in ending_kinds and r.episode_id is not None) for r in signals[e])}  # fmt: skip
+    segments_of = _segments(session, sorted(ending))
+    # An episode of one call: its only (non-late) segment is segment 0.
+    terminal |= {e for e in ending - terminal if [s.segment_index for s in segments_of.get(e, [])] == [0]}
+    report.settled += settle(
+        session, spec, now, [by_id[e] for e in sorted(terminal)], "terminal_feedback",
+        segments_of=segments_of, signals=signals,
+    )  # fmt: skip
+    report.settled_terminal += len(terminal)
 
 
 def join_stranded(session: Session, dialect: str, spec: RewardSpec, now: datetime, window_s: float) -> SettleReport:
@@ -328,15 +316,15 @@ def settle_expired(session: Session, spec: RewardSpec, now: datetime, window_s: 
 
     On PostgreSQL the episodes are locked, skipping those another transaction holds (a replica
     joining to or settling them now): they are settled by a later pass if still expired then."""
-    expired = [_Episode.of(row) for row in session.execute(
-        select(*(EPISODES.c[name] for name in _COLUMNS))
+    expired = [EpisodeRow.of(row) for row in session.execute(
+        select(*(EPISODES.c[name] for name in EPISODE_COLUMNS))
         .where(EPISODES.c.status == "open", EPISODES.c.last_event_at < now - timedelta(seconds=window_s))
         .order_by(EPISODES.c.last_event_at)
         .limit(WINDOW_BATCH)
         .with_for_update(skip_locked=True)
     )]  # fmt: skip
     settled = settle(session, spec, now, expired, "window")
-    _save(session, expired)
+    save_rows(session, expired)
     return settled
 
 
@@ -344,7 +332,7 @@ def settle(
     session: Session,
     spec: RewardSpec,
     now: datetime,
-    episodes: list[_Episode],
+    episodes: list[EpisodeRow],
     reason: str,
     *,
     segments_of: dict[str, list[Any]] | None = None,
@@ -353,13 +341,13 @@ def settle(
     """Close each episode: measure its segments and score it from its joined, non-late feedback
     (oldest first), or, under a judged spec, leave it ``judging`` for `settle_judged` (not returned).
     `segments_of` (`_segments`) and `signals` (`_signals`) are what the caller read of these
-    episodes already in this transaction; read here when None. The caller writes the changes (`_save`)."""
+    episodes already in this transaction; read here when None. The caller writes the changes (`save_rows`)."""
     if not episodes:
         return []
     ids = [e.episode_id for e in episodes]
     shapes = _segment_shapes(session, ids, _segments(session, ids) if segments_of is None else segments_of)
     cycle = trained_cycles(session, spec.spec_id) if spec.parl is not None else 0
-    scored: list[_Episode] = []
+    scored: list[EpisodeRow] = []
     for episode in episodes:
         segments = shapes.get(episode.episode_id, [])
         metrics: dict[str, Any] = episode_metrics(segments)
@@ -437,15 +425,15 @@ def settle_judged(
     are left alone (locked, then checked)."""
     if not grades:
         return []
-    episodes = [e for e in _lock_episodes(session, set(grades)).values() if e.status == "judging"]
+    episodes = [e for e in lock_episodes(session, set(grades)).values() if e.status == "judging"]
     signals = _signals(session, [e.episode_id for e in episodes])
     settled = [_score(e, spec, signals[e.episode_id], grades[e.episode_id], now, judged=True) for e in episodes]
-    _save(session, episodes)
+    save_rows(session, episodes)
     return settled
 
 
 def _score(
-    episode: _Episode, spec: RewardSpec, signals: list[Any], grade: float | None, now: datetime,
+    episode: EpisodeRow, spec: RewardSpec, signals: list[Any], grade: float | None, now: datetime,
     judged: bool = False,
 ) -> Settled:
     """Give a closed episode its reward (its metrics measured) and mark it settled."""
@@ -568,16 +556,3 @@ def _waiting_feedback(session: Session, request_ids: list[str], episode_ids: lis
         )
         .order_by(Feedback.created_at, Feedback.event_id)
     ).all())  # fmt: skip
-
-
-def _lock_episodes(session: Session, ids: set[str]) -> dict[str, _Episode]:
-    """The episodes `ids` as committed now, locked until the transaction ends (in episode id order,
-    so replicas locking overlapping sets queue instead of deadlocking). No lock on SQLite, where the
-    transaction already holds the database's only write lock."""
-    query = (
-        select(*(EPISODES.c[name] for name in _COLUMNS))
-        .where(among(session, EPISODES.c.episode_id, sorted(ids)))
-        .order_by(EPISODES.c.episode_id)
-        .with_for_update()
-    )
-    return {row.episode_id: _Episode.of(row) for row in session.execute(query)}

@@ -47,20 +47,14 @@ def register(app: typer.Typer) -> None:
         settings = load_settings()
         # An unknown spec, or a judged one without its endpoint, is a mistake to fix now, not to retry.
         require_endpoint(get_spec(settings.labeler.reward_spec), settings.labeler.judge)
-        store = Store(settings.store.url)  # a malformed store URL is a mistake to fix now, not to retry
-        try:
+        with Store(settings.store.url) as store:  # a malformed store URL is a mistake to fix now, not to retry
             _require_local_store(settings, store)
-        finally:
-            store.close()
         Registry.from_settings(settings)
         require_usable(settings)  # the base model the champion starts from: a broken one is refused now
 
         def prepared() -> int:
-            store = Store(settings.store.url)
-            try:
+            with Store(settings.store.url) as store:
                 return prepare(settings, store, Registry.from_settings(settings))
-            finally:
-                store.close()
 
         Supervisor(settings, names, prerequisite=prepared).run_forever()
 

@@ -181,8 +181,7 @@ def rotation(
     from store import Store
 
     settings = load_settings()
-    store = Store(settings.store.url)
-    try:
+    with Store(settings.store.url) as store:
         store.check_schema()
         if url is not None or in_rotation is not None:
             if url is None or in_rotation is None:
@@ -202,8 +201,6 @@ def rotation(
                 "announced_version": None if row is None or row.version is None else format_version(row.version),
                 "announced_epoch": None if row is None else row.epoch,
             }))  # fmt: skip
-    finally:
-        store.close()
 
 
 def register(app: typer.Typer) -> None:

@@ -30,8 +30,7 @@ def list_letters(
     from schemas.settings import load_settings
     from store import Store
 
-    store = Store(load_settings().store.url)
-    try:
+    with Store(load_settings().store.url) as store:
         store.check_schema()
         for d in store.dead_letters(limit, reason_prefix=reason):
             typer.echo(json.dumps({
@@ -39,8 +38,6 @@ def list_letters(
                 "original_event_id": d.original_event_id, "replayed": d.replayed_at is not None,
                 "reason": d.reason[:300],
             }))  # fmt: skip
-    finally:
-        store.close()
 
 
 @dlq_app.command("show")
@@ -49,12 +46,9 @@ def show(letter_id: str = typer.Argument(..., help="Id from `rtrl dlq list` (dlq
     from schemas.settings import load_settings
     from store import Store
 
-    store = Store(load_settings().store.url)
-    try:
+    with Store(load_settings().store.url) as store:
         store.check_schema()
         d = store.dead_letter(letter_id)
-    finally:
-        store.close()
     if d is None:
         raise typer.BadParameter(f"no dead letter {letter_id!r} (see `rtrl dlq list`)", param_hint="ID")
     typer.echo(json.dumps({
@@ -72,31 +66,30 @@ def replay(letter_ids: list[str] = typer.Argument(..., help="Ids from `rtrl dlq 
     from store import Store
 
     settings = load_settings()
-    store = Store(settings.store.url)
-    producer = None
-    failed = 0
-    try:
-        store.check_schema()
-        for letter_id in letter_ids:
-            d = store.dead_letter(letter_id)
-            if d is None or d.source_topic is None:
-                typer.echo(f"{letter_id}: {'no such dead letter' if d is None else 'came from ' + d.source + ', no topic to replay to'}", err=True)
-                failed += 1
-                continue
-            if d.replayed_at is not None:
-                typer.echo(f"{letter_id}: already replayed at {d.replayed_at.isoformat()}", err=True)
-                failed += 1
-                continue
-            # Produced first, marked after: a crash in between replays it twice; the labeler stores
-            # the first copy and dead-letters the second as a duplicate, rather than losing it.
-            producer = producer or streams.producer(settings.kafka, "rtrl-dlq-replay")
-            metadata = producer.send(d.source_topic, key=_record_key(d.payload, letter_id), value=d.payload).get(timeout=30)
-            store.mark_replayed(letter_id)
-            typer.echo(f"{letter_id}: replayed to {metadata.topic}:{metadata.partition}:{metadata.offset}")
-    finally:
-        if producer is not None:
-            producer.close()
-        store.close()
+    with Store(settings.store.url) as store:
+        producer = None
+        failed = 0
+        try:
+            store.check_schema()
+            for letter_id in letter_ids:
+                d = store.dead_letter(letter_id)
+                if d is None or d.source_topic is None:
+                    typer.echo(f"{letter_id}: {'no such dead letter' if d is None else 'came from ' + d.source + ', no topic to replay to'}", err=True)
+                    failed += 1
+                    continue
+                if d.replayed_at is not None:
+                    typer.echo(f"{letter_id}: already replayed at {d.replayed_at.isoformat()}", err=True)
+                    failed += 1
+                    continue
+                # Produced first, marked after: a crash in between replays it twice; the labeler stores
+                # the first copy and dead-letters the second as a duplicate, rather than losing it.
+                producer = producer or streams.producer(settings.kafka, "rtrl-dlq-replay")
+                metadata = producer.send(d.source_topic, key=_record_key(d.payload, letter_id), value=d.payload).get(timeout=30)
+                store.mark_replayed(letter_id)
+                typer.echo(f"{letter_id}: replayed to {metadata.topic}:{metadata.partition}:{metadata.offset}")
+        finally:
+            if producer is not None:
+                producer.close()
     if failed:
         raise typer.Exit(1)
 

@@ -22,12 +22,9 @@ def run_gate(version: int) -> None:
     from store import Store
 
     settings = load_settings()
-    store = Store(settings.store.url)
-    try:
+    with Store(settings.store.url) as store:
         store.check_schema()
         decision = evaluate(settings, Registry.from_settings(settings), version, store)
-    finally:
-        store.close()
     typer.echo(decision.model_dump_json(indent=2))
     if not decision.passed:
         raise typer.Exit(1)
@@ -83,12 +80,9 @@ def explain(
     from schemas.settings import load_settings
     from store import Store
 
-    store = Store(load_settings().store.url)
-    try:
+    with Store(load_settings().store.url) as store:
         store.check_schema()
         records = store.gate_decisions(version)
-    finally:
-        store.close()
     if not records:
         typer.echo(f"no gate decision is recorded for v{version}; run `rtrl gate run {version}`", err=True)
         raise typer.Exit(1)

@@ -13,6 +13,8 @@ Keys live in the SQL store (``settings.store.url``); the commands that write mig
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import typer
@@ -24,16 +26,18 @@ keys_app = typer.Typer(no_args_is_help=True, help="API keys of the gateway (stor
 tenants_app = typer.Typer(no_args_is_help=True, help="Tenants and whether their traffic trains the model.")
 
 
-def _store(migrate: bool) -> Store:
+@contextmanager
+def _store(migrate: bool) -> Iterator[Store]:
+    """The store, migrated (commands that write) or checked (commands that read); closed after."""
     from schemas.settings import load_settings
     from store import Store
 
-    store = Store(load_settings().store.url)
-    if migrate:
-        store.migrate()
-    else:
-        store.check_schema()
-    return store
+    with Store(load_settings().store.url) as store:
+        if migrate:
+            store.migrate()
+        else:
+            store.check_schema()
+        yield store
 
 
 @keys_app.command("create")
@@ -46,13 +50,10 @@ def create(
     """Create an API key and print it. It is shown only now: the store keeps its sha256."""
     if admin == (tenant is not None):
         raise typer.BadParameter("give either --tenant NAME or --admin", param_hint="--tenant/--admin")
-    store = _store(migrate=True)
-    try:
+    with _store(migrate=True) as store:
         record, key = store.create_api_key(
             role="admin" if admin else "tenant", tenant=tenant, name=name or (tenant or "admin"), rate_per_s=rate
         )
-    finally:
-        store.close()
     typer.echo(key)
     typer.echo(f"key {record.id} ({record.role}{'' if record.tenant is None else ', tenant ' + record.tenant}) "
                "created; it is shown only once, keep it secret", err=True)  # fmt: skip
@@ -61,39 +62,30 @@ def create(
 @keys_app.command("list")
 def list_keys(include_revoked: bool = typer.Option(False, "--all", help="Include revoked keys.")) -> None:
     """The keys, as JSON lines (never the keys themselves)."""
-    store = _store(migrate=False)
-    try:
+    with _store(migrate=False) as store:
         for k in store.api_keys(include_revoked=include_revoked):
             typer.echo(json.dumps({
                 "id": k.id, "prefix": k.prefix, "role": k.role, "tenant": k.tenant, "name": k.name,
                 "rate_per_s": k.rate_per_s, "created_at": k.created_at.isoformat(),
                 "revoked_at": None if k.revoked_at is None else k.revoked_at.isoformat(),
             }))  # fmt: skip
-    finally:
-        store.close()
 
 
 @keys_app.command("revoke")
 def revoke(key_id: int = typer.Argument(..., help="Id from `rtrl keys list`.")) -> None:
     """Revoke a key; gateways refuse it once they reload their keys (gateway.keys_refresh_s)."""
-    store = _store(migrate=True)
-    try:
+    with _store(migrate=True) as store:
         if not store.revoke_api_key(key_id):
             raise typer.BadParameter(f"no active key {key_id} (see `rtrl keys list --all`)", param_hint="ID")
-    finally:
-        store.close()
     typer.echo(f"key {key_id} revoked")
 
 
 @tenants_app.command("list")
 def list_tenants() -> None:
     """Tenants and their training switches, as JSON lines."""
-    store = _store(migrate=False)
-    try:
+    with _store(migrate=False) as store:
         for t in store.tenants():
             typer.echo(json.dumps({"tenant": t.tenant, "trains": t.trains, "train_redacted": t.train_redacted}))
-    finally:
-        store.close()
 
 
 @tenants_app.command("set")
@@ -106,11 +98,8 @@ def set_tenant(
     ),
 ) -> None:
     """Create a tenant or change its switches; a cycle honours them when it selects its batch."""
-    store = _store(migrate=True)
-    try:
+    with _store(migrate=True) as store:
         record = store.set_tenant(tenant, trains=train, train_redacted=train_redacted)
-    finally:
-        store.close()
     typer.echo(json.dumps({"tenant": record.tenant, "trains": record.trains, "train_redacted": record.train_redacted}))
 
 

@@ -33,7 +33,8 @@ def migrate() -> None:
     from schemas.settings import load_settings
     from store import Store
 
-    Store(load_settings().store.url).migrate()
+    with Store(load_settings().store.url) as store:
+        store.migrate()
     typer.echo("store is at the newest migration")
 
 
@@ -46,9 +47,10 @@ def stats() -> None:
     from store import Store
 
     settings = load_settings()
-    store = Store(settings.store.url)
-    store.check_schema()
-    typer.echo(json.dumps(store.stats(orphan_after_s=settings.labeler.settle_window_s), indent=2, sort_keys=True))
+    with Store(settings.store.url) as store:
+        store.check_schema()
+        counts = store.stats(orphan_after_s=settings.labeler.settle_window_s)
+    typer.echo(json.dumps(counts, indent=2, sort_keys=True))
 
 
 @labeler_app.command("reconcile")
@@ -59,9 +61,9 @@ def reconcile() -> None:
     from store import Store
 
     settings = load_settings()
-    store = Store(settings.store.url)
-    store.check_schema()
-    result = reconcile_(settings, store)
+    with Store(settings.store.url) as store:
+        store.check_schema()
+        result = reconcile_(settings, store)
     for p in result.partitions:
         typer.echo(
             f"{p.topic}[{p.partition}]  produced {p.produced}  stored {p.stored}  "

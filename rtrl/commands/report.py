@@ -21,15 +21,12 @@ def report(
     from rtrl.report import collect, render
     from schemas.clock import utcnow
     from schemas.settings import load_settings
-    from store import Store
+    from store import ReportStore
 
     settings = load_settings()
-    store = Store(settings.store.url)
-    try:
+    with ReportStore(settings.store.url) as store:
         store.check_schema()
         data = collect(store, since=None if since is None else utcnow() - timedelta(days=since))
-    finally:
-        store.close()
     path = out if out is not None else Path(settings.services.run_dir) / "report.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -52,19 +52,15 @@ def register(app: typer.Typer) -> None:
             check_scenario(scenario)  # before a key is made for it
         chosen = load_preference(preference) if preference else None
         url = gateway or f"http://{settings.gateway.host}:{settings.gateway.port}"
-        store = None if api_key or settings.gateway.auth == "open" else Store(settings.store.url)
-        if store is not None:
-            store.migrate()  # the key is written to the store, like `rtrl keys create` does
-        try:
+        with nullcontext() if api_key or settings.gateway.auth == "open" else Store(settings.store.url) as store:
+            if store is not None:
+                store.migrate()  # the key is written to the store, like `rtrl keys create` does
             with nullcontext(api_key or "open") if store is None else simulation_key(store, url) as key:
                 if scenario is not None:
                     _agents(settings, url, scenario, requests, task, key, concurrency, seed, chosen, json_out)
                     return
                 report = run_simulation(settings, url, requests, task, preference=chosen, concurrency=concurrency,
                                         seed=seed, api_key=key)  # fmt: skip
-        finally:
-            if store is not None:
-                store.close()
         if json_out is not None:
             json_out.parent.mkdir(parents=True, exist_ok=True)
             json_out.write_text(report.to_json() + "\n")

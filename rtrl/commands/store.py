@@ -61,8 +61,7 @@ def prune(
             f"--older-than {older_than:g} is too recent: at least {minimum_s / 86400:g} days (one day, and longer than "
             "labeler.settle_window_s, within which unjoined feedback may still join)"
         )
-    store = Store(settings.store.url)
-    try:
+    with Store(settings.store.url) as store:
         store.check_schema()
         floor = None if without_kafka else _kafka_floor(settings)
         if floor is None:
@@ -74,8 +73,6 @@ def prune(
             _print(prune_(store, cutoff, floor, dry_run=True, batch_size=batch_size))
             typer.confirm("delete these rows?", abort=True)
         _print(prune_(store, cutoff, floor, dry_run=dry_run, batch_size=batch_size))
-    finally:
-        store.close()
 
 
 def _print(report: PruneReport) -> None:

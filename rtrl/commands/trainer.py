@@ -72,12 +72,9 @@ def now(
         from trainer.tasks import run_chain
 
         _logging()
-        store = Store(settings.store.url)
-        store.check_schema()
-        try:
+        with Store(settings.store.url) as store:
+            store.check_schema()
             result = run_chain(settings, store, Registry.from_settings(settings), owner=f"{socket.gethostname()}:cli")
-        finally:
-            store.close()
         typer.echo(json.dumps(result, indent=2))
         return
     from trainer.celery_app import configure
@@ -125,15 +122,16 @@ def status(
     from schemas.settings import load_settings
     from store import Store
 
-    store = Store(load_settings().store.url)
-    store.check_schema()
+    with Store(load_settings().store.url) as store:
+        store.check_schema()
+        record = None if cycle is None else store.get_cycle(cycle)
+        recent = [] if cycle is not None else store.recent_cycles(limit)
     if cycle is not None:
-        record = store.get_cycle(cycle)
         if record is None:
             raise typer.BadParameter(f"no cycle {cycle} in the store", param_hint="--id")
         typer.echo(json.dumps(dataclasses.asdict(record), indent=2, default=str))
         return
-    for c in store.recent_cycles(limit):
+    for c in recent:
         metrics = c.metrics
         typer.echo(json.dumps({
             "id": c.id, "status": c.status, "champion": c.champion, "challenger": c.challenger,

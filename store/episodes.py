@@ -1,0 +1,242 @@
+"""The trainer's data: which episodes a cycle may train on, read with their segments, and claimed.
+
+``select_episodes`` then ``mark_used``: selection only reads; ``mark_used`` claims the episodes for
+the cycle in one conditional UPDATE and fails (claiming none) if any is already claimed, so an
+episode is never used by two cycles. A failed cycle gives its claims back
+(`CycleStore.finish_cycle`, store/cycles.py). ``select_heldout`` reads the eval gate's held-out
+traffic, which never trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import exists, func, select, update
+from sqlalchemy.orm import Session
+
+from schemas.events import SamplingParams
+from schemas.rewards import NO_FEEDBACK
+from store.base import StoreBase
+from store.cycles import served_versions
+from store.errors import EpisodesUnavailable, LeaseLost
+from store.models import ACTIVE_CYCLE_STATUSES, Cycle, Episode, Interaction, Tenant
+
+
+@dataclass(frozen=True)
+class TrainingSegment:
+    """One model call of an episode, as the trainer needs it (no torch here)."""
+
+    prompt: str
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    trainable: bool
+    role: str
+    policy_version: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # how it was sampled (schemas/sampling.py)
+
+
+@dataclass(frozen=True)
+class TrainingEpisode:
+    """A settled, labelled episode: its reward and its segments ordered by segment_index."""
+
+    episode_id: str
+    reward: float
+    policy_version: int
+    created_at: datetime
+    segments: list[TrainingSegment]
+    no_feedback: bool = False  # settled by the window with no signal at all (reward component no_feedback)
+    components: dict[str, float] = field(default_factory=dict)  # the reward's components (schemas/rewards.py)
+    metrics: dict[str, Any] = field(default_factory=dict)  # what its structure says (schemas/episodes.py)
+
+
+class EpisodeStore(StoreBase):
+    """Trainable and held-out episodes, and their claims by cycles (see the module docstring)."""
+
+    def _trainable(
+        self, champion_number: int, max_lag: int, spec_id: str | None, settle_window_s: float | None,
+        holdout_percent: int = 0,
+    ) -> Any:
+        tenant_off = exists(select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False)))
+        condition = (
+            (Episode.status == "settled")
+            & Episode.used_in_cycle.is_(None)
+            & self._within_lag(champion_number, max_lag)
+            & ~tenant_off  # a tenant switched off does not train (a tenant without a row does)
+        )
+        if spec_id is not None:  # rewards of different spec versions never share a batch
+            condition &= Episode.reward_spec == spec_id
+        if holdout_percent > 0:  # the eval gate's held-out traffic (`select_heldout`) never trains
+            condition &= Episode.eval_bucket.is_(None) | (Episode.eval_bucket >= holdout_percent)
+        if settle_window_s is not None:
+            # Every episode becomes trainable by the same rule whatever its outcome: the settle window
+            # after its last event. Terminal feedback (a rejection) settles an episode early, a plain
+            # acceptance waits for the window; selecting on settlement alone would over-sample the
+            # early-settling outcomes into the newest batch.
+            condition &= Episode.last_event_at <= self.clock() - timedelta(seconds=settle_window_s)
+        return condition
+
+    def _within_lag(self, champion_number: int, max_lag: int) -> Any:
+        """The champion's episodes and those of the `max_lag` versions served most recently before
+        it (`served_versions`): a challenger that never served is not a version of lag. On a store
+        the deployer never announced a version in, the lag counts version numbers."""
+        if max_lag == 0:
+            return Episode.policy_number == champion_number
+        served = [v for v in served_versions(self) if v != champion_number]
+        if not served:
+            return Episode.policy_number.between(champion_number - max_lag, champion_number)
+        return Episode.policy_number.in_([champion_number, *served[:max_lag]])
+
+    def count_trainable(
+        self, champion_number: int, max_lag: int, *, spec_id: str | None = None, settle_window_s: float | None = None,
+        holdout_percent: int = 0,
+    ) -> int:
+        """Settled, unused episodes whose policy is at most ``max_lag`` versions behind the champion;
+        with `spec_id`, labelled under that reward spec only; with `settle_window_s`, only those
+        whose last event is at least that old; never the held-out buckets below `holdout_percent`
+        (the trainer passes all three)."""
+        with self.transaction() as session:
+            query = select(func.count()).select_from(Episode).where(
+                self._trainable(champion_number, max_lag, spec_id, settle_window_s, holdout_percent)
+            )
+            return int(session.scalar(query) or 0)
+
+    def select_episodes(
+        self,
+        champion_number: int,
+        max_lag: int,
+        limit: int,
+        *,
+        spec_id: str | None = None,
+        settle_window_s: float | None = None,
+        holdout_percent: int = 0,
+    ) -> list[TrainingEpisode]:
+        """The newest ``limit`` trainable episodes (as `count_trainable`) with their segments (late
+        segments excluded)."""
+        with self.transaction() as session:
+            episodes = session.scalars(
+                select(Episode)
+                .where(self._trainable(champion_number, max_lag, spec_id, settle_window_s, holdout_percent))
+                .order_by(Episode.first_event_at.desc(), Episode.episode_id)
+                .limit(limit)
+            ).all()
+            return self._with_segments(session, list(episodes))
+
+    def select_heldout(self, limit: int, *, spec_id: str, holdout_percent: int) -> list[TrainingEpisode]:
+        """The newest ``limit`` settled episodes of the eval gate's held-out buckets (below
+        `holdout_percent`, never trained on), labelled under `spec_id`, of tenants that train, with
+        their segments: the logged traffic the gate's off-policy estimate reweights."""
+        if holdout_percent <= 0:
+            return []
+        tenant_off = exists(select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False)))
+        with self.transaction() as session:
+            episodes = session.scalars(
+                select(Episode)
+                .where(
+                    Episode.status == "settled",
+                    Episode.reward_spec == spec_id,
+                    Episode.eval_bucket < holdout_percent,
+                    Episode.used_in_cycle.is_(None),
+                    ~tenant_off,
+                )
+                .order_by(Episode.first_event_at.desc(), Episode.episode_id)
+                .limit(limit)
+            ).all()
+            return self._with_segments(session, list(episodes))
+
+    def count_heldout(self, *, spec_id: str, holdout_percent: int) -> int:
+        """Settled episodes of the held-out buckets labelled under `spec_id` (as `select_heldout`)."""
+        if holdout_percent <= 0:
+            return 0
+        with self.transaction() as session:
+            query = select(func.count()).select_from(Episode).where(
+                Episode.status == "settled", Episode.reward_spec == spec_id, Episode.eval_bucket < holdout_percent,
+                Episode.used_in_cycle.is_(None),
+            )  # fmt: skip
+            return int(session.scalar(query) or 0)
+
+    def _with_segments(self, session: Session, episodes: list[Episode]) -> list[TrainingEpisode]:
+        """`episodes` as TrainingEpisodes with their segments (late segments excluded)."""
+        ids = [e.episode_id for e in episodes]
+        segments: dict[str, list[TrainingSegment]] = {i: [] for i in ids}
+        redacted_ok = set(
+            session.scalars(
+                select(Tenant.tenant).where(
+                    Tenant.tenant.in_({e.tenant for e in episodes}), Tenant.train_redacted.is_(True)
+                )
+            )
+        )
+        rows = session.scalars(
+            select(Interaction)
+            .where(Interaction.episode_id.in_(ids), Interaction.late.is_(False))
+            .order_by(Interaction.episode_id, Interaction.segment_index)
+        ).all()
+        for row in rows:
+            # Redacted text still lives in the token ids: such a segment trains only where allowed.
+            trainable = row.trainable and (not row.redacted or row.tenant in redacted_ok)
+            segments[row.episode_id].append(
+                TrainingSegment(
+                    prompt=row.prompt,
+                    prompt_token_ids=list(row.prompt_token_ids),
+                    completion_token_ids=list(row.completion_token_ids),
+                    completion_logprobs=list(row.completion_logprobs),
+                    trainable=trainable,
+                    role=row.role,
+                    policy_version=row.policy_number,
+                    sampling=SamplingParams.model_validate(row.sampling or {}),
+                )
+            )
+        return [
+            TrainingEpisode(
+                episode_id=e.episode_id,
+                reward=float(e.reward if e.reward is not None else 0.0),
+                policy_version=e.policy_number,
+                created_at=e.first_event_at,
+                segments=segments[e.episode_id],
+                no_feedback=NO_FEEDBACK in (e.reward_components or {}),
+                components=dict(e.reward_components or {}),
+                metrics=dict(e.metrics or {}),
+            )
+            for e in episodes
+        ]
+
+    def mark_used(self, cycle_id: int, episode_ids: Sequence[str]) -> None:
+        """Claim episodes for an active cycle, all or none; raises EpisodesUnavailable or LeaseLost.
+
+        Records on the cycle the reward spec its episodes were labelled under (``cycles.reward_spec``;
+        None when they mix specs, which the trainer's selection never does, and then the cycle counts
+        for none): what PARL's λ schedule counts (`settle.trained_cycles`), kept when retention prunes
+        the episodes."""
+        wanted = sorted(set(episode_ids))
+        with self.transaction() as session:
+            cycle = session.get(Cycle, cycle_id, with_for_update=True)
+            if cycle is None or cycle.status not in ACTIVE_CYCLE_STATUSES:
+                raise LeaseLost(f"cycle {cycle_id} is not active")
+            if cycle.lease_expires_at <= self.clock():
+                raise LeaseLost(
+                    f"the lease of cycle {cycle_id} expired at {cycle.lease_expires_at.isoformat()}"
+                )
+            claimed = session.execute(
+                update(Episode)
+                .where(
+                    Episode.episode_id.in_(wanted),
+                    Episode.used_in_cycle.is_(None),
+                    Episode.status == "settled",
+                )
+                .values(used_in_cycle=cycle_id)
+            ).rowcount  # type: ignore[attr-defined]
+            if claimed != len(wanted):
+                # Raising rolls the whole UPDATE back: no episode is claimed.
+                raise EpisodesUnavailable(
+                    f"cycle {cycle_id}: only {claimed} of {len(wanted)} episodes are settled and unused"
+                )
+            cycle.episode_ids = [*(cycle.episode_ids or []), *wanted]
+            specs = set(session.scalars(
+                select(Episode.reward_spec).where(Episode.status == "settled", Episode.used_in_cycle == cycle_id)
+                .distinct()
+            ))  # fmt: skip
+            cycle.reward_spec = specs.pop() if len(specs) == 1 else None
+
