@@ -120,7 +120,7 @@ def _trainer(settings: Settings) -> dict[str, Any]:
     import redis
 
     from store import Store
-    from trainer.tasks import pause_state
+    from worker.tasks import pause_state
 
     store = Store(settings.store.url)
     try:
