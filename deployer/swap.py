@@ -416,7 +416,7 @@ def swap_window(
                           "`rtrl deploy rotation %s --in`", server.url, exc, server.url)  # fmt: skip
 
 
-# ---- the interface the fleet and the gate share --------------------------------------------------
+# ---- the lock, the client, the record of a swap that never started ---------------------------------
 
 
 @contextmanager
