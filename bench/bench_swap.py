@@ -8,7 +8,7 @@ same architecture (its weights with noise, in their dtype), then measures
 side by side in one run, alternating the two checkpoints:
 
 * baseline, raw vLLM: ``/pause`` → ``reload_weights`` → ``/resume``, nothing else (the floor);
-* rtrl: `deployer.rollout.swap_server` (pause → reload → digests → version → prefix-cache reset →
+* rtrl: `deployer.swap.swap_server` (pause → reload → digests → version → prefix-cache reset →
   resume, then the probe).
 
 Meanwhile client threads send completions through an `rtrl gateway` (with an API key of its own,
@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deployer.probe import build_probe, reference_logprobs
-from deployer.rollout import Target, swap_server
+from deployer.swap import Target, swap_server
 from registry import Registry
 from rtrl.launch import child_env, gateway_process, rtrl_command
 from rtrl.services import down, up

@@ -21,7 +21,7 @@ DeepSpeed is imported):
 4. ``swap``: a vLLM OpenAI server started as rtrl starts its servers (`rtrl.services.vllm.Vllm`'s
    command and environment, ``vllm.dtype=bfloat16``, plus ``--gpu-memory-utilization``), then
    ``--swaps`` rounds alternating the two versions of a raw ``pause → reload_weights → resume`` and
-   rtrl's verified swap (`deployer.rollout.swap_server`: digests, version, prefix-cache reset, the
+   rtrl's verified swap (`deployer.swap.swap_server`: digests, version, prefix-cache reset, the
    logprob probe against transformers float32 at the tolerance of bfloat16 serving).
 
 ``--dry-run`` runs steps 1-3 as given (on CPU: fp32, DeepSpeed's CPU accelerator) and of step 4
@@ -202,7 +202,7 @@ def swap_child(model_dir: Path, trained: Path, args: argparse.Namespace) -> dict
     """Start the server on `model_dir`, then alternate raw reloads and verified swaps between it
     and `trained`; in a dry run only the probe references and the command."""
     from deployer.probe import build_probe, reference_logprobs
-    from deployer.rollout import Target, probe_tolerance, swap_server
+    from deployer.swap import Target, probe_tolerance, swap_server
     from rtrl.services.testing import free_ports
     from serving import VllmClient, meaningful_digests
 

@@ -22,17 +22,21 @@ a checkpoint that does not load or does not match its probe fails here, before a
 samples every suite's prompts, then does the same for the champion. Both sample with the served
 model's defaults and the same seed, so both see the same sampling noise. While the challenger is
 loaded, the staging server's `/weight_checker` digests are recorded in the store as the version's
-baseline for `deployer.rollout`'s swap verification. One gate run at a time per store, on any host:
-the staging server is held by the store's "staging" lock (`rollout.rollout_lock`).
+baseline for the fleet's swap verification. One gate run at a time per store, on any host:
+the staging server is held by the store's "staging" lock. The gate uses the one-server swap's
+public interface (deployer/swap.py: `target`, `swap_server`, `server_client`, `rollout_lock`,
+`save_digests` / `load_digests`), never the fleet's rollout.
 
 Every decision is kept in the store (`rtrl gate explain VERSION` prints it) and in MLflow: tags on
 the model version, and metrics and the decision JSON on the challenger's run when it is known.
-Called by the trainer chain after a cycle registers a challenger, and by ``rtrl gate run``.
+Called by the worker's chain (worker/chain.py) after a cycle registers a challenger, and by
+``rtrl gate run``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
@@ -40,7 +44,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 import evals
-from deployer import alarms, metrics, ope, rollout
+from deployer import alarms, metrics, ope, swap
 from deployer.alarms import Alarm, Behaviour
 from deployer.errors import GateError
 from evals.judge import Judge
@@ -226,12 +230,14 @@ def _behaviour(suites: list[PromptSuite], generated: list[list[list[Generation]]
     return alarms.behaviour([g for g, _ in flat], settings.gate.alarms.no_action_pattern, [a for _, a in flat])
 
 
-def _load(server: VllmClient, target: rollout.Target, settings: Settings, store: Store) -> None:
-    step, digests = rollout.swap_server(server, target, settings, restore=None)
+def _load(server: VllmClient, target: swap.Target, settings: Settings, store: Store) -> None:
+    """`target` on the staging server with the verified swap (GateError when it does not verify);
+    its digests recorded as the version's baseline for the fleet's swaps."""
+    step, digests = swap.swap_server(server, target, settings, restore=None)
     if not step.verified:
         raise GateError(f"v{target.version} does not load correctly on the staging server: {step.error}")
-    if digests:  # none for an adapter (rollout._digests)
-        rollout.save_digests(settings, store, target.version, digests)
+    if digests:  # none for an adapter (`swap.swap_server`)
+        swap.save_digests(settings, store, target.version, digests)
 
 
 def ope_suite(
@@ -302,6 +308,26 @@ def _against_anchor(result: SuiteResult, anchor: int, settings: Settings) -> Sui
     })  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What one gate run compares: the versions and the prompt suites."""
+
+    challenger: int
+    champion: int
+    anchor: int | None  # the anchor version, None when no suite runs on one
+    suites: list[PromptSuite]
+    anchored: list[int]  # indices into `suites` of those also sampled on the anchor
+
+
+@dataclass
+class _Staged:
+    """What the staging server produced for each model ("challenger", "anchor", "champion")."""
+
+    generated: dict[str, list[list[list[Generation]]]] = field(default_factory=dict)  # per suite, per prompt
+    targets: dict[str, swap.Target] = field(default_factory=dict)
+    load_failure: str | None = None  # why the challenger did not load; nothing generated for it then
+
+
 def evaluate(settings: Settings, registry: Registry, version: int, store: Store) -> GateDecision:
     """Judge challenger `version` against the champion and record the decision (docs/gate.md).
 
@@ -311,73 +337,116 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store)
     server. The `store` holds the staging lock, the recorded digests, the held-out traffic of the
     ope suite and the decision.
     """
-    cfg = settings.gate
     staging = settings.vllm.staging_server
     if staging is None:
         raise GateError("settings.vllm.staging_server is not set; the gate never generates on serving servers")
-    champion = registry.champion()
-    anchor = anchor_version(settings, registry, champion)
-    prompt_suites = _prompt_suites(settings)
-    suites = [s for s, _ in prompt_suites]
-    anchored = [i for i, s in enumerate(suites) if s.name in cfg.anchor_suites] if anchor is not None else []
-    generated: dict[str, list[list[list[Generation]]]] = {}
-    targets: dict[str, rollout.Target] = {}
-    load_failure: str | None = None
-    with rollout.rollout_lock(store, "staging", f"gate v{version}"):
-        with rollout.server_client(settings, staging) as server:
-            try:
-                targets["challenger"] = rollout.target(settings, registry, store, version)
-                _load(server, targets["challenger"], settings, store)
-                generated["challenger"] = _generate(server, settings, suites)
-            except (GateError, AdapterError) as exc:
-                load_failure = str(exc)  # a challenger that does not load fails the gate; recorded below
-            if anchor is not None and anchored and load_failure is None:
-                targets["anchor"] = rollout.target(settings, registry, store, anchor)
-                _load(server, targets["anchor"], settings, store)
-                generated["anchor"] = _generate(server, settings, [suites[i] for i in anchored])
-            # The champion runs last so the staging server ends on it, matching the fleet.
-            targets["champion"] = rollout.target(settings, registry, store, champion)
-            _load(server, targets["champion"], settings, store)
-            generated["champion"] = _generate(server, settings, suites)
-
-    results: list[SuiteResult] = []
-    found: list[Alarm] = []
-    behaviour: dict[str, Behaviour] = {}
-    if load_failure is None:
-        for index, suite in enumerate(suites):
-            results.append(_score_prompts(suite, generated["challenger"][index], generated["champion"][index], settings))
-        for position, index in enumerate(anchored):
-            assert anchor is not None
-            versus = _score_prompts(suites[index], generated["challenger"][index], generated["anchor"][position], settings)
-            results.append(_against_anchor(versus, anchor, settings))
-        if suites:
-            for model in ("challenger", "champion"):
-                behaviour[model] = _behaviour(suites, generated[model], settings)
-            found.extend(alarms.generation_alarms(behaviour["challenger"], behaviour["champion"], cfg.alarms))
-        if anchored:
-            assert anchor is not None
-            on_anchored = [suites[i] for i in anchored]
-            behaviour["anchor"] = _behaviour(on_anchored, generated["anchor"], settings)
-            challenger_anchored = _behaviour(on_anchored, [generated["challenger"][i] for i in anchored], settings)
-            found.append(alarms.no_action_anchor_alarm(challenger_anchored, behaviour["anchor"], anchor, cfg.alarms))
-        if "ope" in cfg.suites:
-            chal, champ = targets["challenger"], targets["champion"]
-            estimate, ope_alarms = ope_suite(settings, store, ope.Weights(chal.path, chal.base),
-                                             ope.Weights(champ.path, champ.base))  # fmt: skip
-            results.append(estimate)
-            found.extend(ope_alarms)
-        order: dict[str, int] = {name: i for i, name in enumerate(cfg.suites)}
-        results.sort(key=lambda s: order.get(s.name, len(order)))
+    plan = _plan(settings, registry, version)
+    staged = _sample_on_staging(settings, registry, store, staging, plan)
+    if staged.load_failure is None:
+        results, found, behaviour = _score(settings, store, plan, staged)
         passed, reason = decide(results, [a for a in found if a.fired])
     else:
-        passed, reason = False, load_failure
+        results, found, behaviour = [], [], {}
+        passed, reason = False, staged.load_failure
+    decision = _decision(settings, plan, results, found, behaviour, passed, reason)
+    metrics.record_gate(passed, cause(decision), decision.challenger_score, decision.champion_score)
+    record(settings, registry, decision, store)
+    return decision
+
+
+def _plan(settings: Settings, registry: Registry, version: int) -> _Plan:
+    """The champion, the anchor (`gate.anchor`) when a suite of `gate.anchor_suites` is configured,
+    and the prompt suites; raises GateError on a bad suite or anchor."""
+    champion = registry.champion()
+    anchor = anchor_version(settings, registry, champion)
+    suites = [s for s, _ in _prompt_suites(settings)]
+    anchored = [i for i, s in enumerate(suites) if s.name in settings.gate.anchor_suites] if anchor is not None else []
+    return _Plan(version, champion, anchor if anchored else None, suites, anchored)
+
+
+def _sample_on_staging(settings: Settings, registry: Registry, store: Store, staging: str, plan: _Plan) -> _Staged:
+    """Under the store's "staging" lock, swap the staging server to the challenger, the anchor (when
+    a suite is anchored) and the champion in turn, with the verified swap, and sample the suites on
+    each. A challenger that does not load is recorded in `load_failure`; the others must load."""
+    staged = _Staged()
+    with swap.rollout_lock(store, "staging", f"gate v{plan.challenger}"):
+        with swap.server_client(settings, staging) as server:
+            try:
+                staged.targets["challenger"] = swap.target(settings, registry, store, plan.challenger)
+                _load(server, staged.targets["challenger"], settings, store)
+                staged.generated["challenger"] = _generate(server, settings, plan.suites)
+            except (GateError, AdapterError) as exc:
+                staged.load_failure = str(exc)  # a challenger that does not load fails the gate; recorded
+            if plan.anchor is not None and staged.load_failure is None:
+                staged.targets["anchor"] = swap.target(settings, registry, store, plan.anchor)
+                _load(server, staged.targets["anchor"], settings, store)
+                staged.generated["anchor"] = _generate(server, settings, [plan.suites[i] for i in plan.anchored])
+            # The champion runs last so the staging server ends on it, matching the fleet.
+            staged.targets["champion"] = swap.target(settings, registry, store, plan.champion)
+            _load(server, staged.targets["champion"], settings, store)
+            staged.generated["champion"] = _generate(server, settings, plan.suites)
+    return staged
+
+
+def _score(
+    settings: Settings, store: Store, plan: _Plan, staged: _Staged
+) -> tuple[list[SuiteResult], list[Alarm], dict[str, Behaviour]]:
+    """Every suite's verdict (the prompt suites, their anchored copies, ope) in ``gate.suites`` order,
+    the alarms (behaviour first, then ope's), and each model's behaviour."""
+    cfg = settings.gate
+    generated = staged.generated
+    results = [_score_prompts(suite, generated["challenger"][i], generated["champion"][i], settings)
+               for i, suite in enumerate(plan.suites)]  # fmt: skip
+    for position, index in enumerate(plan.anchored):
+        assert plan.anchor is not None
+        versus = _score_prompts(plan.suites[index], generated["challenger"][index], generated["anchor"][position],
+                                settings)  # fmt: skip
+        results.append(_against_anchor(versus, plan.anchor, settings))
+    behaviour, found = _behaviour_alarms(settings, plan, generated)
+    if "ope" in cfg.suites:
+        chal, champ = staged.targets["challenger"], staged.targets["champion"]
+        estimate, ope_alarms = ope_suite(settings, store, ope.Weights(chal.path, chal.base),
+                                         ope.Weights(champ.path, champ.base))  # fmt: skip
+        results.append(estimate)
+        found.extend(ope_alarms)
+    order: dict[str, int] = {name: i for i, name in enumerate(cfg.suites)}
+    results.sort(key=lambda s: order.get(s.name, len(order)))
+    return results, found, behaviour
+
+
+def _behaviour_alarms(
+    settings: Settings, plan: _Plan, generated: dict[str, list[list[list[Generation]]]]
+) -> tuple[dict[str, Behaviour], list[Alarm]]:
+    """Each model's behaviour over its generations, and the alarms on them: challenger vs champion
+    on every prompt suite, and challenger vs anchor on the anchored ones."""
+    cfg = settings.gate
+    behaviour: dict[str, Behaviour] = {}
+    found: list[Alarm] = []
+    if plan.suites:
+        for model in ("challenger", "champion"):
+            behaviour[model] = _behaviour(plan.suites, generated[model], settings)
+        found.extend(alarms.generation_alarms(behaviour["challenger"], behaviour["champion"], cfg.alarms))
+    if plan.anchor is not None:
+        on_anchored = [plan.suites[i] for i in plan.anchored]
+        behaviour["anchor"] = _behaviour(on_anchored, generated["anchor"], settings)
+        challenger_anchored = _behaviour(on_anchored, [generated["challenger"][i] for i in plan.anchored], settings)
+        found.append(alarms.no_action_anchor_alarm(challenger_anchored, behaviour["anchor"], plan.anchor, cfg.alarms))
+    return behaviour, found
+
+
+def _decision(
+    settings: Settings, plan: _Plan, results: list[SuiteResult], found: list[Alarm], behaviour: dict[str, Behaviour],
+    passed: bool, reason: str,
+) -> GateDecision:
+    """The decision with the numbers behind it; the first suite with a challenger figure is the headline."""
+    cfg = settings.gate
     headline = next((s for s in results if s.challenger is not None), None)
-    n_prompts = sum(len(s.prompts) for s in suites)
-    decision = GateDecision(
+    n_prompts = sum(len(s.prompts) for s in plan.suites)
+    return GateDecision(
         passed=passed,
-        challenger_version=version,
-        champion_version=champion,
-        anchor_version=anchor if anchored else None,
+        challenger_version=plan.challenger,
+        champion_version=plan.champion,
+        anchor_version=plan.anchor,
         challenger_score=headline.challenger if headline else None,
         champion_score=headline.champion if headline else None,
         tolerance=cfg.tolerance,
@@ -390,9 +459,6 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store)
         reason=reason,
         decided_at=utcnow(),
     )
-    metrics.record_gate(passed, cause(decision), decision.challenger_score, decision.champion_score)
-    record(settings, registry, decision, store)
-    return decision
 
 
 def cause(decision: GateDecision) -> str:
@@ -450,7 +516,7 @@ def record(settings: Settings, registry: Registry, decision: GateDecision, store
             figures[key] = value
     registry.log_metrics(run_id, figures)
     files: dict[str, object] = {f"gate/decision-v{version}.json": decision.model_dump(mode="json")}
-    digests = rollout.load_digests(settings, store, version) if store is not None else None
+    digests = swap.load_digests(settings, store, version) if store is not None else None
     if digests is not None:
         files[f"gate/weight_digests-v{version}.json"] = digests
     registry.log_json(run_id, files)

@@ -170,7 +170,7 @@ def _wait_for_loop(settings: Settings, supervisor: Supervisor, timeout_s: float 
     """Wait until the gateway answers and a Celery worker replies to ping."""
     import httpx
 
-    from trainer.celery_app import configure
+    from worker.app import configure
 
     gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
     app = configure(settings)
@@ -251,8 +251,8 @@ def _one_cycle(
     cycle: int,
     supervisor: Supervisor,
 ) -> dict[str, Any]:
-    from trainer.celery_app import CYCLE_TASK, configure
     from trainer.selection import count_labelled
+    from worker.app import CYCLE_TASK, configure
 
     champion = registry.champion()
 

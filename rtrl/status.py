@@ -130,7 +130,7 @@ def _labeler(settings: Settings, store: Store, problems: list[str]) -> dict[str,
 def _trainer(settings: Settings, store: Store) -> dict[str, Any]:
     import redis
 
-    from trainer.tasks import pause_state
+    from worker.tasks import pause_state
 
     store.check_schema()
     active = store.active_cycles()

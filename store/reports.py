@@ -68,7 +68,7 @@ class VersionRow:
 
 @dataclass(frozen=True)
 class CycleRow:
-    """A training cycle and what its metrics recorded (trainer/tasks.py, ``_chain``)."""
+    """A training cycle and what its metrics recorded (worker/chain.py, ``_chain``)."""
 
     id: int
     status: str

@@ -1,6 +1,6 @@
-"""The trainer: Celery app and beat, the training cycle (CISPO on DeepSpeed), checkpoints, and the
-cycle chain train → eval gate → deploy (which is why it sits above the deployer).
+"""The trainer: the training cycle (CISPO on DeepSpeed), its lease, batch selection and checkpoints.
 
-Started by ``rtrl worker`` (one Celery worker process, one cycle at a time) and ``rtrl beat``;
-``rtrl train now`` enqueues a cycle. Read trainer/cycle.py first.
+A stage beside the deployer, which it never imports: the chain train → eval gate → deploy, the
+Celery app and beat are in worker/. Run in the ``rtrl worker`` process (one cycle at a time); read
+trainer/cycle.py first.
 """

@@ -1,6 +1,6 @@
 """Prometheus metrics of the trainer worker (served by `rtrl worker`'s exporter, telemetry/).
 
-Set by `trainer.tasks.run_chain` around each cycle chain (train → gate → deploy); the gate's and
+Set by `worker.chain.run_chain` around each cycle chain (train → gate → deploy); the gate's and
 the swaps' own families are in deployer/metrics.py (they move in this process too). docs/metrics.md
 gives each with its unit.
 """
@@ -66,7 +66,7 @@ def cycle_started(now: float) -> None:
 
 
 def cycle_ended(out: dict[str, Any], chain_s: float) -> None:
-    """Record a finished chain from `trainer.tasks.run_chain`'s result."""
+    """Record a finished chain from `worker.chain.run_chain`'s result."""
     RUNNING.set(0)
     STARTED.set(0)
     CYCLES.labels(str(out.get("status"))).inc()

@@ -10,7 +10,7 @@ optimizer state (collectively), gathers the weights, and rank 0 writes the check
 registers the checkpoint as for one rank: registration stays in one process, after every rank
 exited 0.
 
-While the ranks run, the worker keeps renewing the cycle lease (trainer/tasks.py) and asks
+While the ranks run, the worker keeps renewing the cycle lease (worker/chain.py) and asks
 `stopping` every half second: on SIGTERM it stops the ranks' process group and abandons the cycle,
 as a single-rank cycle does at its next step. A rank that fails fails the cycle with the tail of
 the ranks' log (the launcher stops the other ranks).

@@ -1,4 +1,4 @@
-"""`rtrl worker`, `rtrl beat`, `rtrl train now|status`: the Celery-scheduled training cycle (trainer/)."""
+"""`rtrl worker`, `rtrl beat`, `rtrl train now|status`: the Celery-scheduled training cycle (worker/, trainer/)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def worker(
 ) -> None:
     """Run the trainer's Celery worker: one process, one cycle at a time (solo pool), until SIGTERM."""
     from schemas.settings import load_settings
-    from trainer.celery_app import QUEUE, configure
+    from worker.app import QUEUE, configure
 
     _logging()
     settings = load_settings()
@@ -44,7 +44,7 @@ def beat(loglevel: str = typer.Option("INFO", help="Celery log level.")) -> None
     """Run Celery beat: every trainer.interval_s it checks whether a cycle should be enqueued."""
     from schemas.settings import load_settings
     from telemetry import start_exporter
-    from trainer.celery_app import configure
+    from worker.app import configure
 
     _logging()
     settings = load_settings()
@@ -69,7 +69,7 @@ def now(
     if inline:
         from registry import Registry
         from store import Store
-        from trainer.tasks import run_chain
+        from worker.chain import run_chain
 
         _logging()
         with Store(settings.store.url) as store:
@@ -77,8 +77,8 @@ def now(
             result = run_chain(settings, store, Registry.from_settings(settings), owner=f"{socket.gethostname()}:cli")
         typer.echo(json.dumps(result, indent=2))
         return
-    from trainer.celery_app import configure
-    from trainer.tasks import train_cycle
+    from worker.app import configure
+    from worker.tasks import train_cycle
 
     configure(settings)
     task = train_cycle.apply_async()
@@ -94,7 +94,7 @@ def pause(reason: str = typer.Option("operator", help="Why, shown by beat's log 
     import json
 
     from schemas.settings import load_settings
-    from trainer.tasks import pause_training
+    from worker.tasks import pause_training
 
     typer.echo(json.dumps(pause_training(load_settings(), reason)))
 
@@ -105,7 +105,7 @@ def resume() -> None:
     import json
 
     from schemas.settings import load_settings
-    from trainer.tasks import resume_training
+    from worker.tasks import resume_training
 
     typer.echo(json.dumps(resume_training(load_settings())))
 

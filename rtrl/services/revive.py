@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deployer.rollout import DEPLOYER_MARK
+from deployer.swap import DEPLOYER_MARK
 from schemas.clock import wait_until
 from schemas.settings import Settings
 from store import Store

@@ -13,7 +13,8 @@ from deployer.alarms import Alarm
 from deployer.errors import RolloutBusy
 from deployer.gate import GateDecision, SuiteResult, cause, decide
 from deployer.probe import max_abs_diff
-from deployer.rollout import ServerSwap, SwapResult, digests_agree, rollout_lock, verdict
+from deployer.rollout import SwapResult
+from deployer.swap import ServerSwap, digests_agree, rollout_lock, verdict
 from evals.stats import Interval
 from rtrl.commands.gate import explain_text
 from serving import EMPTY_DIGEST, meaningful_digests

@@ -22,7 +22,7 @@ import torch
 from episodes import tuned_copy
 from safetensors.torch import load_file, save_file
 
-from deployer import gate, rollout
+from deployer import gate, rollout, swap
 from deployer.probe import PROBE_TOLERANCES
 from registry import Registry
 from rtrl.services.testing import free_ports
@@ -140,7 +140,7 @@ def test_failed_verification_restores_previous_weights(
     # Digests recorded for v2 that the checkpoint on disk does not match: what the deployer sees
     # when a checkpoint changed between the gate and the deploy.
     store = Store(settings.store.url)  # the session's store, where the gate would have recorded them
-    rollout.save_digests(settings, store, v2, {name: "0" * 64 for name in meaningful_digests(digests)})
+    swap.save_digests(settings, store, v2, {name: "0" * 64 for name in meaningful_digests(digests)})
 
     result = rollout.promote(settings, registry, v2)
     print("tampered promote:", result.model_dump_json())
@@ -228,7 +228,7 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
             outcomes[version].append(decision.passed)
             if seed == 0:
                 print(f"gate v{version}:", decision.model_dump_json())
-                assert rollout.load_digests(settings, store, version)  # recorded on staging for the swap verification
+                assert swap.load_digests(settings, store, version)  # recorded on staging for the swap verification
                 ope = next(s for s in decision.suites if s.name == "ope")
                 assert ope.n > 20, ope
                 if version == same:
@@ -354,8 +354,8 @@ def test_gate_holds_the_line_at_the_anchor_when_the_champion_has_slipped(
     # The gate left staging on the champion (v2); the fixture expects every server back on v1.
     assert rollout.promote(settings, registry, 1).ok
     assert settings.vllm.staging_server is not None
-    with rollout.server_client(settings, settings.vllm.staging_server) as staging:
-        gate._load(staging, rollout.target(settings, registry, store, 1), settings, store)
+    with swap.server_client(settings, settings.vllm.staging_server) as staging:
+        gate._load(staging, swap.target(settings, registry, store, 1), settings, store)
     store.close()
 
 
@@ -407,7 +407,7 @@ def test_a_swap_under_load_through_the_gateway_fails_nothing_and_no_request_wait
     # (out of rotation, drained), just before the pause and just after the verification. The probe
     # wraps the real swap_server and changes nothing it does.
     probes: dict[str, tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]] = {}
-    real_swap_server = rollout.swap_server
+    real_swap_server = swap.swap_server
     gateway_url = ""
 
     def probed_swap_server(server: VllmClient, *args: object, **kwargs: object) -> object:
@@ -501,7 +501,7 @@ def test_the_reconciler_brings_back_a_restarted_server_and_undoes_a_dead_deploye
         assert server.state().weight_version is None and greedy(server) != v2_text
     store = Store(settings.store.url)
     try:
-        store.set_rotation(url, False, f"{rollout.DEPLOYER_MARK}swap to v2")  # left by a dead deployer
+        store.set_rotation(url, False, f"{swap.DEPLOYER_MARK}swap to v2")  # left by a dead deployer
         with VllmClient(staging, model=settings.vllm.served_model_name) as server:
             server.pause()
 

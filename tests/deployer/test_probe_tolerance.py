@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from deployer.probe import PROBE_TOLERANCES, Probe, served_dtype
-from deployer.rollout import Target, probe_tolerance, verdict
+from deployer.swap import Target, probe_tolerance, verdict
 from rtrl.services.vllm import Vllm
 from schemas.settings import DeployerSettings, Settings, VllmSettings, load_settings
 

@@ -364,9 +364,9 @@ def test_celery_round_trip_through_the_real_broker(
     """A real worker (in a thread, solo pool) consumes rtrl.train_cycle and rtrl.maybe_train from Redis."""
     from celery.contrib.testing.worker import start_worker
 
-    from trainer import tasks
-    from trainer.celery_app import configure
-    from trainer.tasks import maybe_train, train_cycle
+    from worker import tasks
+    from worker.app import configure
+    from worker.tasks import maybe_train, train_cycle
 
     monkeypatch.setattr(tasks, "_resources", None)  # the worker opens this test's store and registry
 

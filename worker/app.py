@@ -1,12 +1,14 @@
-"""The trainer's Celery app: broker and result backend from ``settings.celery``, and the beat schedule.
+"""The worker's Celery app: broker and result backend from ``settings.celery``, and the beat schedule.
 
 Started by ``rtrl worker`` (one solo-pool worker: one cycle at a time, in one long-lived process
 that keeps the DeepSpeed process group between cycles) and ``rtrl beat``. Both call `configure`
 with the `Settings` they built once at start-up, before the app connects anywhere; clients that
 only send tasks (``rtrl train now``, the demo) call it too.
 
-Queue ``rtrl.trainer`` carries the two tasks defined in trainer/tasks.py:
-``rtrl.train_cycle`` (one cycle + gate + deploy) and ``rtrl.maybe_train`` (beat's check).
+Queue ``rtrl.trainer`` carries the two tasks defined in worker/tasks.py:
+``rtrl.train_cycle`` (one cycle + gate + deploy) and ``rtrl.maybe_train`` (beat's check). The
+queue's and the tasks' names are explicit, not derived from the module: messages waiting in Redis
+and beat's schedule file name them, so they outlive a move of the code.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ QUEUE = "rtrl.trainer"
 BEAT_TASK = "rtrl.maybe_train"
 CYCLE_TASK = "rtrl.train_cycle"
 
-app = Celery("rtrl", include=["trainer.tasks"])
+app = Celery("rtrl", include=["worker.tasks"])
 _settings: Settings | None = None
 
 

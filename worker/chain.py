@@ -1,0 +1,117 @@
+"""The cycle chain: train → eval gate → deploy, one cycle from lease to the promoted fleet.
+
+`run_chain` is run by the Celery task ``rtrl.train_cycle`` (worker/tasks.py) and by ``rtrl train
+now --inline`` (no Celery). It joins the two stages that never import each other: the trainer
+(`trainer.cycle.run_cycle`: lease, select, train, register the challenger) and the deployer
+(`deployer.gate.evaluate`, then `deployer.rollout.promote`), each given the store and the registry
+the caller holds.
+
+The cycle ends ``promoted``, ``rejected`` (the gate said no: its episodes stay used) or ``failed``
+(its episodes are released). After registration a failure is final (`AfterRegistration`): a retry
+would train and register another version.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from registry import Registry
+from schemas.clock import utcnow
+from schemas.settings import Settings
+from store import Store
+from trainer import metrics
+from trainer.errors import Abandoned, AfterRegistration
+from trainer.lease import keep_lease
+
+log = logging.getLogger(__name__)
+
+
+def run_chain(
+    settings: Settings, store: Store, registry: Registry, *, owner: str, takeover_suffix: str | None = None,
+    stopping: Callable[[], bool] = lambda: False,
+) -> dict[str, Any]:
+    """train → gate → promote. Shared by the task and ``rtrl train now --inline``.
+
+    Returns the CycleResult as JSON plus: ``status`` (the cycle's final status: promoted,
+    rejected or failed; busy / not_enough_data when no cycle ran; abandoned when `stopping`
+    answered True first, the cycle failed and its episodes released), ``gate`` (pass/fail),
+    ``challenger_score`` / ``champion_score``, ``version_after`` (the served version N),
+    ``swap_ms``, ``deployed_at`` and ``data_to_deploy_s`` (deployed_at − first interaction).
+    """
+    started = time.monotonic()
+    metrics.cycle_started(time.time())
+    out: dict[str, Any] = {"status": "failed"}
+    try:
+        # Renewed from a thread for the whole job (training, gate, swap): the lease outlives a long cycle,
+        # and expires within trainer.lease_ttl_s of this worker's death (trainer/lease.py).
+        with keep_lease(store, owner, settings.trainer.lease_ttl_s):
+            out = _chain(settings, store, registry, owner=owner, takeover_suffix=takeover_suffix, stopping=stopping)
+        return out
+    finally:
+        metrics.cycle_ended(out, time.monotonic() - started)
+
+
+def _chain(
+    settings: Settings, store: Store, registry: Registry, *, owner: str, takeover_suffix: str | None,
+    stopping: Callable[[], bool],
+) -> dict[str, Any]:
+    from deployer import gate, rollout
+    from trainer.cycle import end_cycle, run_cycle
+
+    try:
+        result = run_cycle(settings, store, registry, owner=owner, takeover_suffix=takeover_suffix, stopping=stopping)
+    except Abandoned as exc:  # the cycle is failed and its episodes released already
+        log.warning("%s", exc)
+        return {"status": "abandoned", "error": str(exc), "gate": None}
+    out: dict[str, Any] = result.model_dump(mode="json")
+    out.update(gate=None, challenger_score=None, champion_score=None, swap_ms=None, deployed_at=None,
+               data_to_deploy_s=None, version_after=result.champion_version)
+    if result.status != "registered":
+        return out
+    assert result.cycle_id is not None and result.challenger_version is not None
+    if stopping():  # SIGTERM while it saved and registered: the gate would outlast the grace
+        end_cycle(settings, store, result.cycle_id, "failed", error="the worker is stopping; abandoned before the gate")
+        out["status"] = "abandoned"
+        return out
+    try:
+        gate_started = time.monotonic()
+        decision = gate.evaluate(settings, registry, result.challenger_version, store)
+        out["gate_s"] = round(time.monotonic() - gate_started, 3)
+        out.update(gate="pass" if decision.passed else "fail", gate_reason=decision.reason,
+                   challenger_score=decision.challenger_score, champion_score=decision.champion_score)
+        gate_metrics = {"gate": out["gate"], "gate_reason": decision.reason,
+                        "challenger_score": decision.challenger_score, "champion_score": decision.champion_score}
+        if not decision.passed:
+            end_cycle(settings, store, result.cycle_id, "rejected", metrics=gate_metrics)
+            out["status"] = "rejected"
+            return out
+        deploy_started = time.monotonic()
+        swap = rollout.promote(settings, registry, result.challenger_version, store=store)
+        out["deploy_s"] = round(time.monotonic() - deploy_started, 3)
+        out["swap"] = swap.model_dump(mode="json")
+        if not swap.ok:
+            # Not deployed (the fleet is back on the champion): the data was not learnt from in
+            # production, so the cycle fails and its episodes go back to the pool.
+            end_cycle(settings, store, result.cycle_id, "failed", metrics=gate_metrics, error=f"swap failed: {swap.error}")
+            out["status"] = "failed"
+            return out
+        deployed_at = utcnow()
+        out.update(status="promoted", version_after=result.challenger_version, swap_ms=swap.swap_ms,
+                   deployed_at=deployed_at.isoformat())
+        if result.first_interaction_at is not None:
+            out["data_to_deploy_s"] = round((deployed_at - result.first_interaction_at).total_seconds(), 3)
+        end_cycle(settings, store, result.cycle_id, "promoted", metrics=gate_metrics | {
+            "swap_ms": swap.swap_ms, "deployed_at": out["deployed_at"], "data_to_deploy_s": out["data_to_deploy_s"]})
+        return out
+    except BaseException as exc:
+        # The registered version stays (@challenger, never @champion); the cycle must not stay
+        # active until its lease expires.
+        end_cycle(settings, store, result.cycle_id, "failed",
+                  error=f"after registration: {type(exc).__name__}: {exc}"[:10_000])
+        if isinstance(exc, Exception):
+            # Even a transient cause is final here: a retry would train and register another version.
+            raise AfterRegistration(f"v{result.challenger_version}: {type(exc).__name__}: {exc}") from exc
+        raise
