@@ -1,5 +1,5 @@
 """Exceptions of the deployer. `DeployError` is the root. A vLLM server's own errors arrive as
-`serving.ServingError` (or httpx transport errors); `promote` and `rollback` catch those per server
+`serving.ServingError` (or `serving.CallFailed`, what its HTTP library raised); `promote` and `rollback` catch those per server
 and record a failed step (restoring what they can), so they return a result rather than raise.
 `align_fleet` and `bootstrap` raise `serving.ServerError` when a server cannot be brought to the
 champion."""

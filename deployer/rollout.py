@@ -30,7 +30,6 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Literal
 
-import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployer import metrics
@@ -55,7 +54,7 @@ from deployer.tied import with_tied_head
 from registry import CHAMPION, Registry, RegistryError
 from schemas.clock import utcnow
 from schemas.settings import Settings
-from serving import ServerError, ServingError, VersionUnknown, VllmClient, meaningful_digests
+from serving import CallFailed, ServerError, ServingError, VersionUnknown, VllmClient, meaningful_digests
 from serving.adapters import write_identity_adapter
 from store import Store
 
@@ -97,7 +96,7 @@ def _swap_one(
                     window.serving = want.version
                 elif step.restored and restore is not None:
                     window.serving = restore.version
-        except (ServingError, httpx.HTTPError) as exc:
+        except (ServingError, CallFailed) as exc:
             metrics.SWAPS.labels("failed").inc()
             return failed_step(url, want.version, exc), {}
     extra = {"drained": window.drained, "drain_ms": window.drain_ms,
@@ -308,7 +307,7 @@ def _align_one(
                 server.resume()
                 report.resumed.append(server.url)
             done, step = _align(settings, server, want, store, drain, announce=announce)
-    except (ServingError, httpx.HTTPError) as exc:
+    except (ServingError, CallFailed) as exc:
         if not keep_going:
             raise
         log.error("%s: cannot bring it to champion v%d: %s", url, want.version, exc)

@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployer.agent import agent_for
@@ -67,7 +66,7 @@ from registry import Registry
 from schemas.clock import utcnow
 from schemas.settings import Settings
 from schemas.versions import format_version
-from serving import AdapterError, ServerError, ServingError, VllmClient, meaningful_digests
+from serving import AdapterError, CallFailed, ServerError, ServingError, VllmClient, meaningful_digests
 from serving.adapters import check_servable, is_adapter, server_max_rank
 from store import LockBusy, Store, StoreError
 
@@ -301,7 +300,7 @@ def swap_server(
             digest_match = digests_agree(want.digests, digests)
             if digest_match is False:
                 error = verdict(0.0, tolerance.value, digest_match)
-        except (ServingError, httpx.HTTPError) as exc:
+        except (ServingError, CallFailed) as exc:
             error = f"reload of v{want.version} failed: {exc}"
         if error is None:
             _publish(server, want.version)
@@ -315,7 +314,7 @@ def swap_server(
         try:
             max_diff = probe_diff(server, want)
             error = verdict(max_diff, tolerance.value, digest_match, tolerance.hint())
-        except (ServingError, httpx.HTTPError) as exc:
+        except (ServingError, CallFailed) as exc:
             error = f"probe of v{want.version} failed: {exc}"
         if error is not None and restore is not None:
             _restore(server, restore, settings, paused=False)
@@ -339,7 +338,7 @@ def swap_server(
 def _in_flight(server: VllmClient) -> int | None:
     try:
         return server.requests_in_flight()
-    except (ServingError, httpx.HTTPError, ValueError, IndexError):
+    except (ServingError, CallFailed, ValueError, IndexError):
         return None
 
 

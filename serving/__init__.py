@@ -15,16 +15,18 @@ from serving.client import (
     meaningful_digests,
     parse_weight_info,
 )
-from serving.errors import AdapterError, ServerError, ServingError, VersionUnknown
+from serving.errors import AdapterError, CallFailed, ServerError, ServingError, Unreachable, VersionUnknown
 
 __all__ = [
     "AdapterError",
+    "CallFailed",
     "EMPTY_DIGEST",
     "Generation",
     "PauseMode",
     "ServerError",
     "ServerState",
     "ServingError",
+    "Unreachable",
     "VersionUnknown",
     "VllmClient",
     "meaningful_digests",

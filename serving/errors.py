@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import httpx
+
 from schemas.errors import OperatorError
+
+# What `VllmClient` lets through from its HTTP library unchanged: callers name these, so that no
+# stage imports httpx itself (docs/architecture.md, third-party contracts).
+Unreachable = httpx.TransportError  # the server never answered: refused, reset, timed out
+CallFailed = httpx.HTTPError  # any failed call below ServerError: transport or protocol
 
 
 class ServingError(RuntimeError):

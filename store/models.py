@@ -253,7 +253,7 @@ class GateDecisionRow(Base):
 class RecordedDigests(Base):
     """A version's `/weight_checker` digests as a server that loaded and verified it reported them
     (the staging server during the gate, or the canary): the baseline every later swap to that
-    version is checked against (deployer/rollout.py). Keyed by the registry model's name too: a
+    version is checked against (deployer/swap.py). Keyed by the registry model's name too: a
     store can outlive a registry (or hold several models' tests), and v2 of another model is
     another checkpoint."""
 

@@ -30,7 +30,7 @@ is the largest move of all, and with truncated logprobs its log-ratio would be i
 Log-ratios are masked before they are exponentiated: a masked position (padding, a token outside
 the nucleus) may hold any value, and exp of it may overflow to inf, and inf · 0 is NaN.
 
-Papers and defaults (schemas/settings.py holds the defaults, docs/algorithms.md the reasoning):
+Papers and defaults (schemas/settings/losses.py holds the defaults, docs/algorithms.md the reasoning):
 CISPO, MiniMax-M1 §3.1 https://arxiv.org/abs/2506.13585; PPO-clip
 https://arxiv.org/abs/1707.06347; GRPO https://arxiv.org/abs/2402.03300; DAPO
 https://arxiv.org/abs/2503.14476; Dr. GRPO https://arxiv.org/abs/2503.20783; GSPO

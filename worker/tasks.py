@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-import httpx
 import redis.exceptions
 from celery import Task
 from celery.signals import worker_shutting_down
@@ -31,6 +30,7 @@ from celery.signals import worker_shutting_down
 from registry import Registry, RegistryUnavailable
 from schemas.clock import utcnow
 from schemas.settings import Settings
+from serving import Unreachable
 from store import DatabaseUnavailable, Store
 from trainer.lease import expire_abandoned
 from trainer.selection import count_trainable
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 TRANSIENT = (
     ConnectionError,
     TimeoutError,
-    httpx.TransportError,  # a vLLM server (the gate's and the deployer's calls) unreachable or timing out
+    Unreachable,  # a vLLM server (the gate's and the deployer's calls) unreachable or timing out
     RegistryUnavailable,  # MLflow not answering
     DatabaseUnavailable,  # the store unreachable or locked (the transaction was rolled back)
     redis.exceptions.ConnectionError,  # Redis (the queue's pending key) unreachable
