@@ -128,18 +128,12 @@ def _labeler(settings: Settings, store: Store, problems: list[str]) -> dict[str,
 
 
 def _trainer(settings: Settings, store: Store) -> dict[str, Any]:
-    import redis
-
-    from worker.tasks import pause_state
+    from worker.tasks import training_paused
 
     store.check_schema()
     active = store.active_cycles()
     recent = store.recent_cycles(5)
-    try:
-        client = redis.Redis.from_url(settings.celery.broker_url, socket_timeout=2, socket_connect_timeout=2)
-        paused: Any = pause_state(client) or False
-    except redis.RedisError as exc:
-        paused = f"unknown ({exc})"
+    paused = training_paused(settings)
     done = next((c for c in recent if c.finished_at is not None), None)
     return {
         "paused": paused,

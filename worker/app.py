@@ -13,6 +13,8 @@ and beat's schedule file name them, so they outlive a move of the code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from celery import Celery
 
 from schemas.settings import Settings, load_settings
@@ -23,6 +25,13 @@ CYCLE_TASK = "rtrl.train_cycle"
 
 app = Celery("rtrl", include=["worker.tasks"])
 _settings: Settings | None = None
+
+
+def on_worker_ready(callback: Callable[[], None]) -> None:
+    """Call `callback` once the worker consumes its queue (Celery's ``worker_ready`` signal)."""
+    from celery.signals import worker_ready
+
+    worker_ready.connect(lambda **_: callback(), weak=False)
 
 
 def configure(settings: Settings) -> Celery:

@@ -121,6 +121,18 @@ def pause_state(client: Any) -> dict[str, Any] | None:
     return None if raw is None else dict(json.loads(raw))
 
 
+def training_paused(settings: Settings) -> dict[str, Any] | bool | str:
+    """For status displays: `pause_state` from the broker, False when training runs, or
+    ``"unknown (...)"`` when Redis does not answer within 2 s; never raises."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(settings.celery.broker_url, socket_timeout=2, socket_connect_timeout=2)
+        return pause_state(client) or False
+    except redis.RedisError as exc:
+        return f"unknown ({exc})"
+
+
 def _redis(url: str) -> Any:
     import redis
 

@@ -21,20 +21,18 @@ def worker(
 ) -> None:
     """Run the trainer's Celery worker: one process, one cycle at a time (solo pool), until SIGTERM."""
     from schemas.settings import load_settings
-    from worker.app import QUEUE, configure
+    from worker.app import QUEUE, configure, on_worker_ready
 
     _logging()
     settings = load_settings()
     app = configure(settings)
-    from celery.signals import worker_ready
-
     from telemetry import Readiness, start_exporter
     from trainer.engine import prebuild_ops
 
     readiness = Readiness()
     readiness.set("consuming", False, "starting")
     start_exporter(settings, "worker", readiness)  # /metrics, /healthz, /readyz (docs/metrics.md)
-    worker_ready.connect(lambda **_: readiness.set("consuming", True), weak=False)
+    on_worker_ready(lambda: readiness.set("consuming", True))
     prebuild_ops()  # DeepSpeed's CPU op built (or loaded) now, and a lock left by a killed build cleared
     # Solo pool: the cycle runs in this process, which keeps DeepSpeed's process group across cycles.
     app.worker_main(["worker", "--pool=solo", "--concurrency=1", f"--loglevel={loglevel}", "-Q", QUEUE, "-n", hostname])
