@@ -35,10 +35,10 @@ from pathlib import Path
 import httpx
 
 from evals import get_task
-from rtrl.launch import gateway_process
-from rtrl.services import down, up
-from rtrl.services.testing import make_run_dir, services_settings
-from rtrl.services.vllm import ensure_model
+from services import down, up
+from services.launch import gateway_process
+from services.testing import make_run_dir, services_settings
+from services.vllm import ensure_model
 from serving import VllmClient
 from store import Store
 

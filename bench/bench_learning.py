@@ -119,9 +119,9 @@ def main() -> None:
     preference = "bench_learning:correct_or_silent" if args.hack else args.preference
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_learning:correct_only and the --hack users
 
-    from rtrl.demo import DemoOptions, run
-    from rtrl.services.testing import free_ports, private_services
     from schemas.settings import MetricsSettings
+    from services.testing import free_ports, private_services
+    from simulation.demo import DemoOptions, run
     from store import Store
 
     with contextlib.ExitStack() as stack:
@@ -129,7 +129,7 @@ def main() -> None:
         if args.model_dir is not None and args.recipe != "v1":
             parser.error("--recipe builds the tiny model; --model-dir brings another")
         if model_dir is None and args.recipe != "v1":  # v1 is what the services build by default
-            from rtrl.tinymodel import build
+            from services.tinymodel import build
 
             model_dir = build(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "tiny", recipe=args.recipe)
         started = time.monotonic()  # the loop's wall time, not the base model's build

@@ -75,7 +75,7 @@ class ServicesSettings(_Section):
         50 * 1024 * 1024,
         ge=0,
         description="`rtrl run` rotates a log in <run_dir>/logs/ (its processes' and the local services') once it "
-        "is larger than this (copy-truncate, rtrl/logs.py); 0 turns rotation off.",
+        "is larger than this (copy-truncate, services/logs.py); 0 turns rotation off.",
     )
     log_backups: int = Field(
         5, ge=0, description="Rotated copies kept per log (name.log.1 is the newest); 0 keeps none."
@@ -886,7 +886,7 @@ def to_env(settings: Settings) -> dict[str, str]:
 
     One JSON document per section (``RTRL_KAFKA={...}``), which pydantic-settings reads like the
     nested ``RTRL_KAFKA__...`` form; secrets are written in clear, as the child needs them. Used
-    to hand a configuration to the processes rtrl starts (``rtrl.launch.child_env``).
+    to hand a configuration to the processes rtrl starts (``services.launch.child_env``).
     """
     env = {}
     for name, value in settings.model_dump(mode="python").items():

@@ -1,7 +1,7 @@
 """Simulated agents: multi-segment episodes of three RL methods, sent through the gateway.
 
 Started by ``rtrl simulate --scenario NAME`` (once) or ``rtrl demo --scenario NAME`` (every cycle,
-through the whole loop), or called as `run_agents(...)`. Where rtrl/simulate.py plays users who make
+through the whole loop), or called as `run_agents(...)`. Where simulation/users.py plays users who make
 one call each, an *episode* here is several calls of one agent (and its sub-agents), told to the
 gateway with the ``x-rtrl-*`` capture headers (ingest/shaping.py): the client's episode id, the
 segment index in the episode's order, the segment's role and, for a PARL sub-agent, its agent id.
@@ -26,7 +26,7 @@ reward spec (`SCENARIO_SPECS`, schemas/rewards.py).
   episode, nothing pruned, too.
 
 Every call goes through ``/v1/completions`` with the official ``openai`` client and a tenant API key
-exactly like rtrl/simulate.py's users; feedback goes to ``/v1/feedback`` with the same key. A failed
+exactly like simulation/users.py's users; feedback goes to ``/v1/feedback`` with the same key. A failed
 call fails its episode (counted, its error kept), never the run; the segments it already sent settle
 when the labeler's window passes.
 """
