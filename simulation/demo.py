@@ -93,7 +93,7 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     from registry import Registry
     from schemas.events import new_id
     from services.supervisor import Supervisor, prepare
-    from simulation.users import simulation_key
+    from simulation.client import simulation_key
     from store import Store
 
     settings = embedded_databases(settings)

@@ -43,8 +43,8 @@ def register(app: typer.Typer) -> None:
         from evals import load_preference
         from schemas.settings import load_settings
         from simulation.agents import check_scenario
+        from simulation.client import simulation_key
         from simulation.users import simulate as run_simulation
-        from simulation.users import simulation_key
         from store import Store
 
         settings = load_settings()

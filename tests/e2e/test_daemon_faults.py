@@ -131,7 +131,7 @@ def test_rtrl_run_heals_a_killed_labeler_worker_and_vllm_server(
     from services import up
     from services.testing import free_ports
     from serving import VllmClient
-    from simulation.users import simulation_key
+    from simulation.client import simulation_key
 
     tag = uuid.uuid4().hex[:8]
     broker = services.celery.broker_url.rsplit("/", 1)[0] + "/5"  # a Redis database of this test's own
