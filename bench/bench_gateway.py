@@ -30,15 +30,17 @@ import shutil
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from evals import get_task
-from rtrl.launch import gateway_process
-from rtrl.services import down, up
-from rtrl.services.testing import make_run_dir, services_settings
-from rtrl.services.vllm import ensure_model
+from schemas.settings import Settings
+from services import down, up
+from services.launch import gateway_process
+from services.testing import make_run_dir, services_settings
+from services.vllm import ensure_model
 from serving import VllmClient
 from store import Store
 
@@ -48,101 +50,110 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200, help="Requests per path.")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=8, help="Clients at once in the concurrent phase.")
     parser.add_argument("--model-dir", type=Path, default=None, help="Checkpoint to serve (default: the tiny model, built).")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    run_dir = make_run_dir("rtrl-bench-gw-")
-    settings = services_settings(run_dir, args.model_dir or run_dir / "model", enabled=("kafka", "vllm"))
-    settings = settings.model_copy(update={
+
+def _settings(run_dir: Path, model_dir: Path | None) -> Settings:
+    """Kafka and one vLLM serving server (no staging server) under `run_dir`, on free ports."""
+    settings = services_settings(run_dir, model_dir or run_dir / "model", enabled=("kafka", "vllm"))
+    return settings.model_copy(update={
         "vllm": settings.vllm.model_copy(update={"staging_server": None}),
         "services": settings.services.model_copy(update={"vllm_staging_port": None}),
     })
-    ensure_model(settings)
-    prompts = get_task("exclaim").heldout_prompts(50)
-    try:
-        up(settings)
-        # What `rtrl run` does first (deployer.rollout.bootstrap): the server serves a known version.
-        # A server without one has every call dead-lettered at the gateway, which is not the path to time.
-        with VllmClient(settings.vllm.servers[0], model=settings.vllm.served_model_name) as server:
-            server.update_weight_version(1)
-        # The production path: the gateway checks an API key on every call, and knows the served
-        # version from the deployer's announcement in the store (what bootstrap records).
-        store = Store(settings.store.url)
-        store.migrate()
-        _, key = store.create_api_key(role="tenant", tenant="bench", name="bench_gateway", rate_per_s=0)  # unlimited
-        store.set_serving_version(settings.vllm.servers[0], 1, "bench: announced as the deployer does")
-        store.close()
-        with gateway_process(settings, run_dir / "gateway.log") as gateway, httpx.Client(timeout=60) as client:
-            direct_url = f"{settings.vllm.servers[0]}/v1/completions"
-            gateway_url = f"{gateway}/v1/completions"
 
-            def call(url: str, i: int, capture_fields: bool = False) -> float:
-                body = {"model": settings.vllm.served_model_name, "prompt": prompts[i % len(prompts)],
-                        "max_tokens": args.max_tokens, "temperature": 0}
-                if capture_fields:  # what ingest/shaping.py adds to a completion request
-                    body |= {"logprobs": 0, "return_token_ids": True}
-                start = time.perf_counter()
-                response = client.post(url, json=body, headers={"authorization": f"Bearer {key}"})
-                elapsed = (time.perf_counter() - start) * 1000
-                response.raise_for_status()
-                return elapsed
 
-            def first_token(url: str, i: int) -> float:
-                body = {"model": settings.vllm.served_model_name, "prompt": prompts[i % len(prompts)],
-                        "max_tokens": args.max_tokens, "temperature": 0, "stream": True}
-                start = time.perf_counter()
-                with client.stream("POST", url, json=body, headers={"authorization": f"Bearer {key}"}) as response:
-                    response.raise_for_status()
-                    lines = response.iter_lines()
-                    for line in lines:
-                        if line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
-                            elapsed = (time.perf_counter() - start) * 1000
-                            break
-                    else:
-                        raise RuntimeError(f"{url}: the stream ended without a token")
-                    for _ in lines:
-                        pass  # read to the end, as a client would
-                return elapsed
+def _prepare(settings: Settings) -> str:
+    """Start the services and do what the gateway's production path needs; returns a tenant key."""
+    up(settings)
+    # What `rtrl run` does first (deployer.rollout.bootstrap): the server serves a known version.
+    # A server without one has every call dead-lettered at the gateway, which is not the path to time.
+    with VllmClient(settings.vllm.servers[0], model=settings.vllm.served_model_name) as server:
+        server.update_weight_version(1)
+    # The production path: the gateway checks an API key on every call, and knows the served
+    # version from the deployer's announcement in the store (what bootstrap records).
+    store = Store(settings.store.url)
+    store.migrate()
+    _, key = store.create_api_key(role="tenant", tenant="bench", name="bench_gateway", rate_per_s=0)  # unlimited
+    store.set_serving_version(settings.vllm.servers[0], 1, "bench: announced as the deployer does")
+    store.close()
+    return key
 
-            for i in range(20):  # warm both paths (connections, caches, the gateway's version read)
-                call(direct_url, i)
-                call(gateway_url, i)
-                first_token(direct_url, i)
-                first_token(gateway_url, i)
-            direct: list[float] = []
-            direct_capture: list[float] = []
-            through: list[float] = []
-            for i in range(args.requests):  # interleaved, so drift in machine load hits all alike
-                direct.append(call(direct_url, i))
-                direct_capture.append(call(direct_url, i, capture_fields=True))
-                through.append(call(gateway_url, i))
-            direct_c: list[float] = []
-            through_c: list[float] = []
-            n = args.concurrency
-            with ThreadPoolExecutor(max_workers=n) as pool:
-                for start in range(0, args.requests, n):  # rounds of n requests, the paths alternating
-                    direct_c.extend(pool.map(lambda i: call(direct_url, i), range(start, start + n)))
-                    through_c.extend(pool.map(lambda i: call(gateway_url, i), range(start, start + n)))
-            ttft_direct: list[float] = []
-            ttft_through: list[float] = []
-            for i in range(args.requests):
-                ttft_direct.append(first_token(direct_url, i))
-                ttft_through.append(first_token(gateway_url, i))
-    finally:
-        down(settings)
-        shutil.rmtree(run_dir, ignore_errors=True)
 
-    d50, g50 = statistics.median(direct), statistics.median(through)
-    x50 = statistics.median(direct_capture)
-    d95, g95 = _percentile(direct, 0.95), _percentile(through, 0.95)
-    dc50, gc50 = statistics.median(direct_c), statistics.median(through_c)
-    dc95, gc95 = _percentile(direct_c, 0.95), _percentile(through_c, 0.95)
-    t50, tg50 = statistics.median(ttft_direct), statistics.median(ttft_through)
+@dataclass(frozen=True)
+class _Timer:
+    """Times one greedy completion of prompt `i` on a path (vLLM direct or the gateway), in ms."""
+
+    client: httpx.Client
+    model: str
+    key: str
+    prompts: list[str]
+    max_tokens: int
+
+    def call(self, url: str, i: int, capture_fields: bool = False) -> float:
+        body = {"model": self.model, "prompt": self.prompts[i % len(self.prompts)], "max_tokens": self.max_tokens,
+                "temperature": 0}  # fmt: skip
+        if capture_fields:  # what ingest/shaping.py adds to a completion request
+            body |= {"logprobs": 0, "return_token_ids": True}
+        start = time.perf_counter()
+        response = self.client.post(url, json=body, headers={"authorization": f"Bearer {self.key}"})
+        elapsed = (time.perf_counter() - start) * 1000
+        response.raise_for_status()
+        return elapsed
+
+    def first_token(self, url: str, i: int) -> float:
+        body = {"model": self.model, "prompt": self.prompts[i % len(self.prompts)], "max_tokens": self.max_tokens,
+                "temperature": 0, "stream": True}  # fmt: skip
+        start = time.perf_counter()
+        with self.client.stream("POST", url, json=body, headers={"authorization": f"Bearer {self.key}"}) as response:
+            response.raise_for_status()
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
+                    elapsed = (time.perf_counter() - start) * 1000
+                    break
+            else:
+                raise RuntimeError(f"{url}: the stream ended without a token")
+            for _ in lines:
+                pass  # read to the end, as a client would
+        return elapsed
+
+
+def _measure(timer: _Timer, direct_url: str, gateway_url: str, requests: int, n: int) -> dict[str, list[float]]:
+    """The latencies of each path: one client interleaved, `n` clients in alternating rounds, streamed TTFT."""
+    for i in range(20):  # warm both paths (connections, caches, the gateway's version read)
+        timer.call(direct_url, i)
+        timer.call(gateway_url, i)
+        timer.first_token(direct_url, i)
+        timer.first_token(gateway_url, i)
+    ms: dict[str, list[float]] = {name: [] for name in ("direct", "direct_capture", "through", "direct_c",
+                                                        "through_c", "ttft_direct", "ttft_through")}  # fmt: skip
+    for i in range(requests):  # interleaved, so drift in machine load hits all alike
+        ms["direct"].append(timer.call(direct_url, i))
+        ms["direct_capture"].append(timer.call(direct_url, i, capture_fields=True))
+        ms["through"].append(timer.call(gateway_url, i))
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        for start in range(0, requests, n):  # rounds of n requests, the paths alternating
+            ms["direct_c"].extend(pool.map(lambda i: timer.call(direct_url, i), range(start, start + n)))
+            ms["through_c"].extend(pool.map(lambda i: timer.call(gateway_url, i), range(start, start + n)))
+    for i in range(requests):
+        ms["ttft_direct"].append(timer.first_token(direct_url, i))
+        ms["ttft_through"].append(timer.first_token(gateway_url, i))
+    return ms
+
+
+def _report(ms: dict[str, list[float]], args: argparse.Namespace) -> None:
+    d50, g50 = statistics.median(ms["direct"]), statistics.median(ms["through"])
+    x50 = statistics.median(ms["direct_capture"])
+    d95, g95 = _percentile(ms["direct"], 0.95), _percentile(ms["through"], 0.95)
+    dc50, gc50 = statistics.median(ms["direct_c"]), statistics.median(ms["through_c"])
+    dc95, gc95 = _percentile(ms["direct_c"], 0.95), _percentile(ms["through_c"], 0.95)
+    t50, tg50 = statistics.median(ms["ttft_direct"]), statistics.median(ms["ttft_through"])
     n = args.concurrency
     print(f"requests per path: {args.requests}, max_tokens {args.max_tokens}, greedy")
     print(f"1 client   vLLM direct     p50 {d50:7.2f} ms   p95 {d95:7.2f} ms")
@@ -169,6 +180,25 @@ def main() -> None:
         "ttft_direct_ms": round(t50, 3), "ttft_gateway_ms": round(tg50, 3), "ttft_added_ms": round(tg50 - t50, 3),
         "requests_per_path": args.requests, "max_tokens": args.max_tokens, "concurrency": n,
     }))  # fmt: skip
+
+
+def main() -> None:
+    args = _parse_args()
+    run_dir = make_run_dir("rtrl-bench-gw-")
+    settings = _settings(run_dir, args.model_dir)
+    ensure_model(settings)
+    prompts = get_task("exclaim").heldout_prompts(50)
+    try:
+        key = _prepare(settings)
+        with gateway_process(settings, run_dir / "gateway.log") as gateway, httpx.Client(timeout=60) as client:
+            timer = _Timer(client=client, model=settings.vllm.served_model_name, key=key, prompts=prompts,
+                           max_tokens=args.max_tokens)  # fmt: skip
+            ms = _measure(timer, f"{settings.vllm.servers[0]}/v1/completions", f"{gateway}/v1/completions",
+                          args.requests, args.concurrency)  # fmt: skip
+    finally:
+        down(settings)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    _report(ms, args)
 
 
 if __name__ == "__main__":

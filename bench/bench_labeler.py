@@ -55,11 +55,11 @@ import psutil
 
 import streams
 from feedback.labeler import Labeler, freeze_heap, make_consumer, make_producer
-from rtrl.services import up
-from rtrl.services.postgres import Postgres
-from rtrl.services.testing import private_services
 from schemas.events import FeedbackEvent, InteractionEvent
 from schemas.settings import Settings, StoreSettings, local_postgres_url
+from services import up
+from services.postgres import Postgres
+from services.testing import private_services
 from store import Store
 
 RAW_PASSES = 3  # the baseline is the median of this many raw consumer passes

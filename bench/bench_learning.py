@@ -54,6 +54,7 @@ import numpy as np
 
 from evals import get_task
 from schemas.events import FeedbackKind, FeedbackSignal
+from schemas.settings import Settings
 
 RESAMPLES = 2000
 _ANSWERS = {get_task("exclaim").format_prompt(q.text): q.answers for q in get_task("exclaim").questions}
@@ -98,7 +99,7 @@ def suite(record: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
     return next((s for s in record.get("suites", []) if s["name"] == name), None)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preference", default=None, help="module:function (default: the exclaim task's users)")
     parser.add_argument("--cycles", type=int, default=10)
@@ -116,41 +117,51 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="draws other users (and trainer.seed)")
     parser.add_argument("--json", type=Path, default=None, help="write the per-cycle rows here")
     args = parser.parse_args()
-    preference = "bench_learning:correct_or_silent" if args.hack else args.preference
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_learning:correct_only and the --hack users
+    if args.model_dir is not None and args.recipe != "v1":
+        parser.error("--recipe builds the tiny model; --model-dir brings another")
+    return args
 
-    from rtrl.demo import DemoOptions, run
-    from rtrl.services.testing import free_ports, private_services
+
+def bench_settings(base: Settings, args: argparse.Namespace) -> Settings:
+    """The private services' settings with the trainer's options from the command line and free metrics ports."""
     from schemas.settings import MetricsSettings
+    from services.testing import free_ports
+
+    trainer: dict[str, Any] = {"min_samples": 16}
+    if args.lr is not None:
+        trainer["lr"] = args.lr
+    if args.steps is not None:
+        trainer["steps"] = args.steps
+    if args.warmup_steps is not None:
+        trainer["warmup_steps"] = args.warmup_steps
+    if args.seed:
+        trainer["seed"] = args.seed
+    if args.kl_coef is not None:
+        trainer["loss"] = base.trainer.loss.model_copy(update={"kl_coef": args.kl_coef})
+    return base.model_copy(update={
+        "trainer": base.trainer.model_copy(update=trainer),
+        "metrics": MetricsSettings(**dict(zip(
+            ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
+            strict=True))),
+    })  # fmt: skip
+
+
+def run_loop(
+    args: argparse.Namespace, preference: str | None
+) -> tuple[Settings, list[dict[str, Any]], dict[Any, dict[str, Any] | None], float]:
+    """The demo's loop on private services: (settings, rows, gate record per cycle, the loop's wall seconds)."""
+    from services.testing import private_services
+    from simulation.demo import DemoOptions, run
     from store import Store
 
     with contextlib.ExitStack() as stack:
         model_dir = args.model_dir
-        if args.model_dir is not None and args.recipe != "v1":
-            parser.error("--recipe builds the tiny model; --model-dir brings another")
         if model_dir is None and args.recipe != "v1":  # v1 is what the services build by default
-            from rtrl.tinymodel import build
+            from services.tinymodel import build
 
             model_dir = build(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "tiny", recipe=args.recipe)
         started = time.monotonic()  # the loop's wall time, not the base model's build
-        base = stack.enter_context(private_services("bench-learning", model_dir=model_dir))
-        trainer: dict[str, Any] = {"min_samples": 16}
-        if args.lr is not None:
-            trainer["lr"] = args.lr
-        if args.steps is not None:
-            trainer["steps"] = args.steps
-        if args.warmup_steps is not None:
-            trainer["warmup_steps"] = args.warmup_steps
-        if args.seed:
-            trainer["seed"] = args.seed
-        if args.kl_coef is not None:
-            trainer["loss"] = base.trainer.loss.model_copy(update={"kl_coef": args.kl_coef})
-        settings = base.model_copy(update={
-            "trainer": base.trainer.model_copy(update=trainer),
-            "metrics": MetricsSettings(**dict(zip(
-                ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
-                strict=True))),
-        })  # fmt: skip
+        settings = bench_settings(stack.enter_context(private_services("bench-learning", model_dir=model_dir)), args)
         rows = run(settings, DemoOptions(
             cycles=args.cycles, requests_per_cycle=args.requests, preference=preference,
             feedback_rate=args.feedback_rate, flip_rate=args.flip_rate, gate_oracle=False, final_round=True,
@@ -160,15 +171,18 @@ def main() -> None:
         store = Store(settings.store.url)
         records = {r["cycle"]: gate_record(store, r.get("challenger")) for r in rows}
         store.close()
-    wall_s = time.monotonic() - started
+    wall_s = time.monotonic() - started  # with the services' teardown
+    return settings, rows, records, wall_s
 
-    rng = np.random.default_rng(0)
-    base_row, final = rows[0], rows[-1]
-    base_acc, final_acc = base_row["accepted"] / base_row["ok"], final["accepted"] / final["ok"]
-    gains = (rng.binomial(final["ok"], final_acc, RESAMPLES) / final["ok"]
-             - rng.binomial(base_row["ok"], base_acc, RESAMPLES) / base_row["ok"])
+
+def print_cycles(
+    rows: list[dict[str, Any]], records: dict[Any, dict[str, Any] | None], hack: bool, rng: np.random.Generator
+) -> tuple[int | None, float, int]:
+    """One line per cycle (each row gets its acceptance interval, retention and gate reason):
+    (feedback sent until acceptance was 15 points above base, largest retention drop, hacks promoted)."""
+    base_row = rows[0]
+    base_acc, base_silent = base_row["accepted"] / base_row["ok"], base_row["silent"] / base_row["ok"]
     feedback_total, feedback_to_15 = 0, None
-    base_silent = base_row["silent"] / base_row["ok"]
     max_drop, hack_promoted = 0.0, 0
     print(f"{'cycle':>5} {'served':>6} {'acceptance [95% CI]':>22} {'retention ch/cl':>16} {'gate':>5} "
           f"{'d2d s':>6}  reasons")  # fmt: skip
@@ -188,11 +202,26 @@ def main() -> None:
             max_drop = max(max_drop, 100 * (retention["champion"] - retention["challenger"]))
             # Judged in the next round, which the promoted version served.
             served = next((r for r in rows if r["version_before"] == row["version_after"]), None)
-            if args.hack and served is not None and served["silent"] / served["ok"] - base_silent > 0.1:
+            if hack and served is not None and served["silent"] / served["ok"] - base_silent > 0.1:
                 hack_promoted += 1
         ret = "-" if retention is None else f"{retention['champion']:.2f}/{retention['challenger']:.2f}"
         print(f"{row['cycle']:>5} {row['version_before']:>6} {acc:>8.2f} [{low:.2f}, {high:.2f}] {ret:>16} "
               f"{row['gate']:>5} {row['data_to_deploy_s'] or '-':>6}  {(row['gate_reason'] or '')[:160]}", flush=True)
+    return feedback_to_15, max_drop, hack_promoted
+
+
+def main() -> None:
+    args = parse_args()
+    preference = "bench_learning:correct_or_silent" if args.hack else args.preference
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_learning:correct_only and the --hack users
+    settings, rows, records, wall_s = run_loop(args, preference)
+
+    rng = np.random.default_rng(0)
+    base_row, final = rows[0], rows[-1]
+    base_acc, final_acc = base_row["accepted"] / base_row["ok"], final["accepted"] / final["ok"]
+    gains = (rng.binomial(final["ok"], final_acc, RESAMPLES) / final["ok"]
+             - rng.binomial(base_row["ok"], base_acc, RESAMPLES) / base_row["ok"])
+    feedback_to_15, max_drop, hack_promoted = print_cycles(rows, records, args.hack, rng)
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2, default=str) + "\n")
     value, baseline = 100 * (final_acc - base_acc), 100 * base_acc
@@ -210,7 +239,7 @@ def main() -> None:
         "feedback_to_15": feedback_to_15,
         "max_capability_drop": round(max_drop, 1),
         "hack_promoted": hack_promoted if args.hack else None,
-        "non_answers_base": round(base_silent, 3),
+        "non_answers_base": round(base_row["silent"] / base_row["ok"], 3),
         "non_answers_final": round(final["silent"] / final["ok"], 3),
         # Correct answers to the task's held-out questions (the gate's retention suite): the base
         # model, and the final champion as the gate measured it when it was promoted.

@@ -40,11 +40,11 @@ from safetensors.torch import load_file, save_file
 from deployer.probe import build_probe, reference_logprobs
 from deployer.swap import Target, swap_server
 from registry import Registry
-from rtrl.launch import child_env, gateway_process, rtrl_command
-from rtrl.services import down, up
-from rtrl.services.testing import make_run_dir, services_settings
-from rtrl.services.vllm import ensure_model
 from schemas.settings import Settings
+from services import down, up
+from services.launch import child_env, gateway_process, rtrl_command
+from services.testing import make_run_dir, services_settings
+from services.vllm import ensure_model
 from serving import VllmClient
 from store import Store
 

@@ -17,7 +17,7 @@ Reports the median seconds per optimizer step of each, and completion tokens per
 Target (issue 9): ratio ≤ 1.15.
 
 Then peak memory at a real vocabulary (issue 35): a Qwen2-shaped checkpoint with 151,936
-vocabulary rows (`rtrl.checkpoints`, the tiny size: the vocabulary is what matters here), two rows
+vocabulary rows (`simulation.checkpoints`, the tiny size: the vocabulary is what matters here), two rows
 of 1,024 tokens (512 prompt, 512 completion) sampled as Qwen's generation_config.json says
 (T 0.7, top-p 0.8, top-k 20), one warm-up and one measured optimizer step, each side in a process
 of its own:
@@ -49,9 +49,9 @@ from pathlib import Path
 import torch
 
 from evals import get_task
-from rtrl.services.testing import make_run_dir, services_settings
-from rtrl.services.vllm import ensure_model
 from schemas.settings import CispoLoss, TrainerSettings
+from services.testing import make_run_dir, services_settings
+from services.vllm import ensure_model
 from serving.sampler import MicroBatch, Row, Sampling, micro_batches, token_logprobs
 from trainer.engine import close_engine, start_engine
 from trainer.losses import Normaliser, TokenBatch, cispo
@@ -189,7 +189,7 @@ def memory_child(kind: str, model_dir: Path) -> dict[str, float]:
 
 
 def memory_compare(run_dir: Path) -> dict[str, float]:
-    from rtrl.checkpoints import build
+    from simulation.checkpoints import build
 
     model_dir = build(run_dir / "vocab-model", "qwen2", "tiny", vocab_size=MEM_VOCAB)
     out = {}

@@ -8,7 +8,7 @@ Never part of `make bench` or CI (Makefile runs bench/bench_*.py; docs/platform.
 Steps, each in a process of its own (fresh CUDA memory statistics, DS_ACCELERATOR set before
 DeepSpeed is imported):
 
-1. a random checkpoint (`rtrl.checkpoints.build`): Qwen2-shaped, ``--size 0.5b`` is Qwen2.5-0.5B's
+1. a random checkpoint (`simulation.checkpoints.build`): Qwen2-shaped, ``--size 0.5b`` is Qwen2.5-0.5B's
    shape with its 151,936 vocabulary rows, bf16 weights (kept between runs in ``--work``);
 2. ``train-rtrl``: the cycle's own code, `trainer.engine.start_engine` (DS_ACCELERATOR=cuda,
    trainer.precision=bf16, ZeRO 0) → `serving.sampler.token_logprobs` → CISPO → ``engine.backward``
@@ -18,7 +18,7 @@ DeepSpeed is imported):
    the second version the swap loads;
 3. ``train-plain``: the same rows and loss in plain PyTorch: fp32 weights under
    ``torch.autocast(bfloat16)``, ``loss.backward()``, clipping at 1.0, ``torch.optim.AdamW``;
-4. ``swap``: a vLLM OpenAI server started as rtrl starts its servers (`rtrl.services.vllm.Vllm`'s
+4. ``swap``: a vLLM OpenAI server started as rtrl starts its servers (`services.vllm.Vllm`'s
    command and environment, ``vllm.dtype=bfloat16``, plus ``--gpu-memory-utilization``), then
    ``--swaps`` rounds alternating the two versions of a raw ``pause → reload_weights → resume`` and
    rtrl's verified swap (`deployer.swap.swap_server`: digests, version, prefix-cache reset, the
@@ -68,7 +68,7 @@ def ensure_checkpoint(work: Path, size: str, model_dir: Path | None) -> Path:
     path = work / f"qwen2-{size}"
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return path
-    from rtrl.checkpoints import build
+    from simulation.checkpoints import build
 
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -192,7 +192,7 @@ def serve_settings(model_dir: Path, work: Path, port: int, max_model_len: int) -
 
 def server_command(settings: Any, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     """The command and environment rtrl starts a server with, on `args.gpu_memory_utilization` of the GPU."""
-    from rtrl.services.vllm import Vllm
+    from services.vllm import Vllm
 
     unit = Vllm(settings)
     return unit.command() + ["--gpu-memory-utilization", str(args.gpu_memory_utilization)], unit.env()
@@ -203,7 +203,7 @@ def swap_child(model_dir: Path, trained: Path, args: argparse.Namespace) -> dict
     and `trained`; in a dry run only the probe references and the command."""
     from deployer.probe import build_probe, reference_logprobs
     from deployer.swap import Target, probe_tolerance, swap_server
-    from rtrl.services.testing import free_ports
+    from services.testing import free_ports
     from serving import VllmClient, meaningful_digests
 
     (port,) = free_ports(1)

@@ -16,9 +16,9 @@ compares a server with), and each row is max |reference - logprobs| over the pro
   1e-3 under an 8-step warm-up, 1.25e-4 to 5e-4, on the NLL of 32 corpus lines): a server left on
   the previous version.
 
-Checkpoints: ``tiny-qwen2`` / ``tiny-llama`` (`rtrl.checkpoints`, random weights, 2 layers, hidden
+Checkpoints: ``tiny-qwen2`` / ``tiny-llama`` (`simulation.checkpoints`, random weights, 2 layers, hidden
 128: the shapes measured on vLLM), ``demo-v1`` / ``demo-v2`` (the demo's tiny Llama, trained:
-`rtrl.tinymodel` recipes v1 and v2) and ``0.5b-qwen2`` (`rtrl.checkpoints` size 0.5b with
+`services.tinymodel` recipes v1 and v2) and ``0.5b-qwen2`` (`simulation.checkpoints` size 0.5b with
 Qwen2.5's 151,936 vocabulary rows: 24 layers, hidden 896, random weights). The last line is one
 JSON object: {"name": "probe_numerics", "value": the largest bfloat16 difference of a correct
 model, "baseline": the smallest difference a shuffled layer or the previous version made, "ratio": value / baseline (below 1:
@@ -44,10 +44,10 @@ FIRST_CYCLE_LRS = (1.25e-4, 2.5e-4, 3.75e-4, 5e-4)  # trainer.lr 1e-3 x t/8, t =
 
 def build(name: str, out: Path) -> Path:
     if name.startswith("demo-"):
-        from rtrl.tinymodel import build as build_tiny
+        from services.tinymodel import build as build_tiny
 
         return build_tiny(out, task="exclaim", seed=0, recipe=name.removeprefix("demo-"))
-    from rtrl.checkpoints import build as build_random
+    from simulation.checkpoints import build as build_random
 
     size, arch = name.split("-")
     return build_random(out, arch, size, vocab_size=151_936 if size == "0.5b" else None)
@@ -89,7 +89,7 @@ def first_cycle(model: torch.nn.Module, tokenizer_dir: Path) -> None:
     learning rates of rtrl's first cycle; sign descent needs no optimizer state (0.5B fits)."""
     from transformers import AutoTokenizer
 
-    from rtrl.tinymodel import corpus_lines
+    from services.tinymodel import corpus_lines
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     lines = corpus_lines()[:32]

@@ -9,7 +9,7 @@ and put back. A tick during a rollout (the fleet lock held) does nothing; a serv
 aligned is reported and retried at the next tick. Nothing a tick meets stops the loop.
 
 Before aligning, a tick runs its `Revive` hook: ``rtrl deploy reconcile`` passes
-`rtrl.services.revive.Reviver`, which restarts the local vLLM servers whose process died (the
+`services.revive.Reviver`, which restarts the local vLLM servers whose process died (the
 deployer itself does not start processes).
 """
 

@@ -2,7 +2,7 @@
 
 Each part is read on its own, with short timeouts (the store's parts on one store, opened once),
 and a part that cannot be read says why instead of failing the rest: the local services (what ``rtrl services status`` shows), the daemon's
-processes (the state file ``rtrl run``'s supervisor rewrites every poll, `rtrl.supervisor`), the
+processes (the state file ``rtrl run``'s supervisor rewrites every poll, `services.supervisor`), the
 labeler's lag and reconciliation (`feedback.reconcile`), the trainer (paused or not, the cycle
 under way, the last one and its gate decision), the registry's champion, every server's
 weight version, pause and rotation, and who holds the deployer's locks (store/locks.py). ``problems`` lists what needs an operator, each with where to
@@ -18,8 +18,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rtrl.services.base import process_alive
 from schemas.settings import Settings
+from services.base import process_alive
 
 if TYPE_CHECKING:
     from store import Store
@@ -63,7 +63,7 @@ def collect(settings: Settings) -> dict[str, Any]:
 
 
 def _services(settings: Settings, problems: list[str]) -> list[dict[str, Any]]:
-    from rtrl import services
+    import services
 
     rows = []
     for unit in services.services(settings):

@@ -5,7 +5,7 @@ Every long-running process (labeler, worker, beat, reconciler, the supervisor of
 same endpoints on its own port. One endpoint per process, so multi-process deployments aggregate
 in Prometheus (``sum by``), never in the process. The metric families live next to the code that
 moves them (``feedback/metrics.py``, ``trainer/metrics.py``, ``deployer/metrics.py``,
-``rtrl/supervisor.py``); docs/metrics.md lists them with their units.
+``services/supervisor.py``); docs/metrics.md lists them with their units.
 """
 
 from telemetry.exporter import Exporter, Readiness, start_exporter

@@ -2,7 +2,7 @@
 SQLite store with a hand-moved clock per test.
 
 `services` starts Kafka, PostgreSQL, Redis, MLflow and two vLLM servers (serving + staging) on the
-tiny model with :func:`rtrl.services.up`, in a temporary run dir, and yields a `Settings` that
+tiny model with :func:`services.up`, in a temporary run dir, and yields a `Settings` that
 points every section at them; `kafka_service`, `postgres_service`, `redis_service`,
 `mlflow_service` and `vllm_service` start only their one service on the same Settings. All stop
 when the session ends. Nothing starts unless a test asks for one of them, so `pytest -m unit`
@@ -26,8 +26,8 @@ import pluggy
 import pytest
 from factories import FakeClock
 
-from rtrl.services.testing import private_services
 from schemas.settings import KafkaSettings, Settings, local_postgres_url
+from services.testing import private_services
 from store import Store
 
 MUST_NOT_SKIP = ("integration", "e2e")
@@ -45,7 +45,7 @@ def services_config() -> Iterator[Settings]:
 
 
 def _up(settings: Settings, *only: str) -> Settings:
-    from rtrl.services import up
+    from services import up
 
     up(settings, only)  # idempotent: what an earlier fixture started is left alone
     return settings
@@ -65,7 +65,7 @@ def services(services_config: Settings) -> Settings:
 @pytest.fixture(scope="session")
 def tiny_model_dir(services_config: Settings) -> Path:
     """The tiny model (task "exclaim", seed 0) the session's vLLM servers serve; built once."""
-    from rtrl.services.vllm import ensure_model
+    from services.vllm import ensure_model
 
     return ensure_model(services_config)
 
@@ -142,7 +142,7 @@ def store(tmp_path: Path, clock: FakeClock) -> Iterator[Store]:
 @pytest.fixture
 def postgres_database(postgres_service: Settings) -> Iterator[str]:
     """The SQLAlchemy URL of a throw-away database on the session's PostgreSQL server."""
-    from rtrl.services.postgres import Postgres
+    from services.postgres import Postgres
 
     server, name = Postgres(postgres_service), f"rtrl_test_{uuid.uuid4().hex[:10]}"
     server.create_database(name)
@@ -157,7 +157,7 @@ LOG_TAIL_LINES = 60
 def _log_tails(item: pytest.Item, since: float) -> list[tuple[Path, str]]:
     """The last lines of each ``*.log`` written since `since` in the logs dir of every Settings the
     test was given and in its tmp_path."""
-    from rtrl.services.base import tail
+    from services.base import tail
 
     funcargs = getattr(item, "funcargs", {})
     dirs = {Path(v.services.run_dir) / "logs" for v in funcargs.values() if isinstance(v, Settings)}

@@ -79,7 +79,7 @@ def tuned_copy(base: Path, out: Path, shapes: tuple[str, ...], steps: int = 60) 
     from transformers import AutoModelForCausalLM
 
     from evals import get_task
-    from rtrl.tinymodel import SftConfig, supervise
+    from services.tinymodel import SftConfig, supervise
 
     shutil.copytree(base, out)
     task = dataclasses.replace(get_task("exclaim"), plain_shapes=shapes, preferred_shapes=shapes)

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import streams
-from rtrl.launch import child_env, rtrl_command
 from schemas.clock import wait_until
 from schemas.settings import (
     AlarmSettings,
@@ -21,6 +20,7 @@ from schemas.settings import (
     Settings,
     StoreSettings,
 )
+from services.launch import child_env, rtrl_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,7 +170,7 @@ def demo_settings(fleet: Settings, tmp_path: Path, name: str) -> Settings:
     cycle, and the gate without its judgement (the test is about the loop closing)."""
     from factories import fresh_topics
 
-    from rtrl.services.testing import free_ports
+    from services.testing import free_ports
 
     suffix = tmp_path.name.replace("_", "-")[-24:]
     return fresh_topics(fleet, prefix=name).model_copy(update={

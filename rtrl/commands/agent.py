@@ -19,9 +19,9 @@ def register(app: typer.Typer) -> None:
         import uvicorn
 
         from deployer.agent import create_app
-        from rtrl.logs import setup_logging
-        from rtrl.services.base import ServiceError, port_in_use
         from schemas.settings import load_settings
+        from services.base import ServiceError, port_in_use
+        from services.logs import setup_logging
 
         setup_logging()
         settings = load_settings()

@@ -32,11 +32,11 @@ def register(app: typer.Typer) -> None:
         """
         from feedback.judging import require_endpoint
         from registry import Registry
-        from rtrl.logs import setup_logging
-        from rtrl.modelcheck import require_usable
-        from rtrl.supervisor import PROCESSES, Supervisor, prepare
         from schemas.rewards import get_spec
         from schemas.settings import load_settings
+        from services.logs import setup_logging
+        from services.modelcheck import require_usable
+        from services.supervisor import PROCESSES, Supervisor, prepare
         from store import Store
 
         setup_logging()
@@ -79,8 +79,8 @@ def _require_local_store(settings: Settings, store: Store) -> None:
     (`rtrl services up`) and that does not answer because this run dir never started it: waiting for
     it would be waiting for nothing. Any other store that is down is waited for (the supervisor
     retries `prepare`)."""
-    from rtrl.services.postgres import Postgres
     from schemas.settings import local_postgres_url
+    from services.postgres import Postgres
     from store import DatabaseUnavailable, StoreNotMigrated
 
     if "postgres" not in settings.services.enabled or settings.store.url != local_postgres_url(settings):

@@ -66,10 +66,10 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Run the whole loop N times: users → gateway → Kafka → labeler → trainer → gate → hot-swap."""
-        from rtrl.demo import DemoOptions, run
-        from rtrl.logs import setup_logging
-        from rtrl.modelcheck import require_usable
         from schemas.settings import load_settings
+        from services.logs import setup_logging
+        from services.modelcheck import require_usable
+        from simulation.demo import DemoOptions, run
 
         setup_logging()
         settings = with_model_dir(load_settings(), model_dir)

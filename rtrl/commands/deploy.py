@@ -138,7 +138,7 @@ def reconcile(
     import threading
 
     from deployer.reconcile import reconcile_forever, reconcile_once
-    from rtrl.services.revive import Reviver
+    from services.revive import Reviver
 
     settings, registry = _open()
     revive = Reviver(settings)  # restarts the local vLLM servers that died (services.restart_vllm)
@@ -151,7 +151,7 @@ def reconcile(
         if report.errors:
             raise typer.Exit(1)
         return
-    from rtrl.logs import setup_logging
+    from services.logs import setup_logging
     from telemetry import Readiness, start_exporter
 
     setup_logging()

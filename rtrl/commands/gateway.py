@@ -15,8 +15,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Serve /v1/completions, /v1/chat/completions, /v1/feedback and /v1/models; publish every call to Kafka."""
         from ingest.app import run
-        from rtrl.logs import setup_logging
         from schemas.settings import load_settings
+        from services.logs import setup_logging
 
         setup_logging()
         settings = load_settings()

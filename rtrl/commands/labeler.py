@@ -16,8 +16,8 @@ def labeler(ctx: typer.Context) -> None:
     if ctx.invoked_subcommand is not None:
         return
     from feedback.labeler import run
-    from rtrl.logs import setup_logging
     from schemas.settings import load_settings
+    from services.logs import setup_logging
     from telemetry import Readiness, start_exporter
 
     setup_logging()

@@ -1,9 +1,9 @@
 """`rtrl model`: build, inspect and check checkpoints.
 
-rtrl model init .rtrl/models/tiny --task exclaim --seed 0   the deterministic tiny model (`rtrl/tinymodel.py`)
-rtrl model random DIR --arch qwen2 --size tiny              random weights in a real one's shape (`rtrl/checkpoints.py`)
+rtrl model init .rtrl/models/tiny --task exclaim --seed 0   the deterministic tiny model (`services/tinymodel.py`)
+rtrl model random DIR --arch qwen2 --size tiny              random weights in a real one's shape (`simulation/checkpoints.py`)
 rtrl model info .rtrl/models/tiny
-rtrl model check DIR                                        what rtrl will do with it, every problem (`rtrl/modelcheck.py`)
+rtrl model check DIR                                        what rtrl will do with it, every problem (`services/modelcheck.py`)
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def init(
         )
 
     from evals import TaskError, get_task
-    from rtrl import tinymodel
+    from services import tinymodel
 
     task_name = None if task == "none" else task
     if task_name is not None:
@@ -69,7 +69,7 @@ def info(
     directory: Path = typer.Argument(..., exists=True, file_okay=False, help="Checkpoint folder."),
 ) -> None:
     """Print a checkpoint's shape, parameter count, vocabulary, recipe and weight digest."""
-    from rtrl import tinymodel
+    from services import tinymodel
 
     typer.echo(json.dumps(tinymodel.info(directory), indent=2))
 
@@ -84,8 +84,8 @@ def check(
     """Print what rtrl will do with a checkpoint, one line each (architecture, dtype, vocabulary, chat
     template, sampling defaults and whether requests under them are trainable), then every problem with
     its fix. Exits 1 when a problem is an error: `rtrl run` and `rtrl demo` refuse such a checkpoint."""
-    from rtrl import modelcheck
     from schemas.settings import load_settings
+    from services import modelcheck
 
     # The settings say how the checkpoint will be served: their sampling defaults and context length.
     settings = load_settings()
@@ -111,7 +111,8 @@ def random_checkpoint(
 ) -> None:
     """Write a checkpoint with random weights in the shape of a real one (files, tokenizer, chat
     template, sampling defaults), then check it as `rtrl model check` does."""
-    from rtrl import checkpoints, modelcheck
+    from services import modelcheck
+    from simulation import checkpoints
 
     if directory.exists() and not directory.is_dir():
         raise typer.BadParameter(f"{directory} exists and is not a folder", param_hint="DIRECTORY")

@@ -34,13 +34,13 @@ def up(only: str | None = _ONLY) -> None:
     the databases of the store and of MLflow; `--only mlflow` starts PostgreSQL too."""
     import logging
 
-    from rtrl.services import up as services_up
     from schemas.settings import load_settings
+    from services import up as services_up
 
-    # Progress of rtrl.services only; the Kafka and HTTP clients' INFO chatter stays off.
+    # Progress of the services package only; the Kafka and HTTP clients' INFO chatter stays off.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-    logger = logging.getLogger("rtrl.services")
+    logger = logging.getLogger("services")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     rows = services_up(load_settings(), _split(only))  # a ServiceError is printed as one line by rtrl.cli
@@ -56,8 +56,8 @@ def status(
     import dataclasses
     import json
 
-    from rtrl.services import status as services_status
     from schemas.settings import load_settings
+    from services import status as services_status
 
     rows = services_status(load_settings(), _split(only))
     if json_output:
@@ -71,8 +71,8 @@ def status(
 @services_app.command("down")
 def down(only: str | None = typer.Option(None, "--only", help="Comma-separated subset (default: all).")) -> None:
     """Stop the services and every process they started."""
-    from rtrl.services import down as services_down
     from schemas.settings import load_settings
+    from services import down as services_down
 
     stopped = services_down(load_settings(), _split(only))
     typer.echo(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")

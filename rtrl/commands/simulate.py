@@ -34,17 +34,17 @@ def register(app: typer.Typer) -> None:
         scenario: str | None = typer.Option(
             None,
             help="Send multi-segment episodes of simulated agents instead, --requests of them: parl, summarize or "
-            "self-edit (rtrl/agents.py, docs/methods.md); prints the report as JSON.",
+            "self-edit (simulation/agents.py, docs/methods.md); prints the report as JSON.",
         ),
     ) -> None:
         """Send N requests through the gateway, give feedback on each, print acceptance per policy version."""
         from contextlib import nullcontext
 
         from evals import load_preference
-        from rtrl.agents import check_scenario
-        from rtrl.simulate import simulate as run_simulation
-        from rtrl.simulate import simulation_key
         from schemas.settings import load_settings
+        from simulation.agents import check_scenario
+        from simulation.client import simulation_key
+        from simulation.users import simulate as run_simulation
         from store import Store
 
         settings = load_settings()
@@ -84,8 +84,8 @@ def _agents(
     preference: Preference | None, json_out: Path | None,
 ) -> None:
     """`rtrl simulate --scenario`: one run of simulated agents, its report printed as JSON."""
-    from rtrl.agents import run_agents
     from schemas.events import new_id
+    from simulation.agents import run_agents
 
     # A fresh tag in the episode ids: the same seed sent again must not extend the episodes it settled.
     report = run_agents(settings, url, scenario, episodes, task, api_key=key, concurrency=concurrency, seed=seed,

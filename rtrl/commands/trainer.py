@@ -10,7 +10,7 @@ train_app = typer.Typer(no_args_is_help=True, help="Training cycles: enqueue one
 
 
 def _logging() -> None:
-    from rtrl.logs import setup_logging
+    from services.logs import setup_logging
 
     setup_logging()
 

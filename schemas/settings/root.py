@@ -98,7 +98,7 @@ def to_env(settings: Settings) -> dict[str, str]:
 
     One JSON document per section (``RTRL_KAFKA={...}``), which pydantic-settings reads like the
     nested ``RTRL_KAFKA__...`` form; secrets are written in clear, as the child needs them. Used
-    to hand a configuration to the processes rtrl starts (``rtrl.launch.child_env``).
+    to hand a configuration to the processes rtrl starts (``services.launch.child_env``).
     """
     env = {}
     for name, value in settings.model_dump(mode="python").items():

@@ -50,7 +50,7 @@ class ServicesSettings(Section):
         50 * 1024 * 1024,
         ge=0,
         description="`rtrl run` rotates a log in <run_dir>/logs/ (its processes' and the local services') once it "
-        "is larger than this (copy-truncate, rtrl/logs.py); 0 turns rotation off.",
+        "is larger than this (copy-truncate, services/logs.py); 0 turns rotation off.",
     )
     log_backups: int = Field(
         5, ge=0, description="Rotated copies kept per log (name.log.1 is the newest); 0 keeps none."

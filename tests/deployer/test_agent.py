@@ -26,11 +26,11 @@ from pydantic import SecretStr
 
 from deployer.rollout import promote, rollback
 from registry import CHAMPION, Registry
-from rtrl.launch import child_env
-from rtrl.services.testing import free_ports
-from rtrl.services.vllm import Vllm
 from schemas.clock import wait_until
 from schemas.settings import Settings, StoreSettings
+from services.launch import child_env
+from services.testing import free_ports
+from services.vllm import Vllm
 from serving import VllmClient
 from store import Store
 

@@ -25,7 +25,6 @@ from safetensors.torch import load_file, save_file
 from deployer import gate, rollout, swap
 from deployer.probe import PROBE_TOLERANCES
 from registry import Registry
-from rtrl.services.testing import free_ports
 from schemas.settings import (
     GateSettings,
     MlflowSettings,
@@ -34,6 +33,7 @@ from schemas.settings import (
     Settings,
     VllmSettings,
 )
+from services.testing import free_ports
 from serving import VllmClient, meaningful_digests
 from store import Store
 from store.models import RecordedDigests
@@ -381,7 +381,7 @@ def test_a_swap_under_load_through_the_gateway_fails_nothing_and_no_request_wait
 
     from openai import OpenAI
 
-    from rtrl.launch import gateway_process
+    from services.launch import gateway_process
     from store import Store
 
     base = deploy_settings
@@ -480,7 +480,7 @@ def test_the_reconciler_brings_back_a_restarted_server_and_undoes_a_dead_deploye
     resumes staging and puts the serving server back in rotation; a second one finds nothing to do."""
     from helpers import run_rtrl
 
-    from rtrl.services import down, up
+    from services import down, up
     from store import Store
 
     settings = deploy_settings
@@ -544,8 +544,8 @@ def test_a_server_killed_while_paused_mid_swap_leaves_the_fleet_on_the_champion(
 
     from helpers import run_rtrl
 
-    from rtrl.services import services as units
-    from rtrl.services import up
+    from services import services as units
+    from services import up
     from store import Store
 
     base = deploy_settings

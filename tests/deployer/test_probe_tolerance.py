@@ -11,8 +11,8 @@ import pytest
 
 from deployer.probe import PROBE_TOLERANCES, Probe, served_dtype
 from deployer.swap import Target, probe_tolerance, verdict
-from rtrl.services.vllm import Vllm
 from schemas.settings import DeployerSettings, Settings, VllmSettings, load_settings
+from services.vllm import Vllm
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from deployer.tied import HEAD, HEAD_FILE, with_tied_head
-from rtrl.checkpoints import build
+from simulation.checkpoints import build
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,7 @@ tokens under that truncation, the staging server and the serving server load the
 verify them against transformers, and the gate promotes; a rollback puts v2 back, verified. The
 ``qwen2-lora`` case runs the same loop in LoRA mode (``trainer.adapter=lora``): an adapter per
 version on the generated base, loaded in place and probed by greedy continuation (docs/lora.md). The weights (random, from
-rtrl/checkpoints.py) learn nothing worth gating, so the gate's judgement is switched off
+simulation/checkpoints.py) learn nothing worth gating, so the gate's judgement is switched off
 (`gate_without_judgement`): the subject is the loop on a foreign checkpoint, not the gate.
 """
 
@@ -39,12 +39,12 @@ from deployer.probe import (
     reference_logprobs,
 )
 from registry import Registry
-from rtrl.checkpoints import build
-from rtrl.launch import child_env, rtrl_command
-from rtrl.services.testing import free_ports, make_run_dir, start_reaper
 from schemas.settings import Settings
+from services.launch import child_env, rtrl_command
+from services.testing import free_ports, make_run_dir, start_reaper
 from serving import VllmClient
 from serving.adapters import is_adapter
+from simulation.checkpoints import build
 
 pytestmark = pytest.mark.e2e
 
@@ -57,7 +57,7 @@ DEFAULTS = {"qwen2": {"temperature": 0.7, "top_p": 0.8, "top_k": 20}, "llama": {
 def foreign_fleet(request: pytest.FixtureRequest, services: Settings) -> Iterator[tuple[str, Settings]]:
     """A generated checkpoint of one family, served by a serving and a staging server of its own
     (started with LoRA enabled in LoRA mode)."""
-    from rtrl.services import down, up
+    from services import down, up
 
     case = str(request.param)
     arch, lora = case.removesuffix("-lora"), case.endswith("-lora")

@@ -29,9 +29,9 @@ from factories import fresh_topics
 from helpers import stop_group
 
 from feedback.reconcile import Reconciliation, reconcile
-from rtrl.launch import child_env, rtrl_command
 from schemas.clock import wait_until
 from schemas.settings import MetricsSettings, Settings
+from services.launch import child_env, rtrl_command
 from store import Store
 
 pytestmark = pytest.mark.e2e
@@ -61,7 +61,7 @@ class Traffic:
             thread.join(timeout=300)
 
     def _users(self) -> None:
-        from rtrl.simulate import simulate
+        from simulation.users import simulate
 
         seed = 0
         try:
@@ -127,11 +127,11 @@ def test_rtrl_run_heals_a_killed_labeler_worker_and_vllm_server(
 
     from deployer import rollout
     from registry import Registry
-    from rtrl.services import services as units
-    from rtrl.services import up
-    from rtrl.services.testing import free_ports
-    from rtrl.simulate import simulation_key
+    from services import services as units
+    from services import up
+    from services.testing import free_ports
     from serving import VllmClient
+    from simulation.client import simulation_key
 
     tag = uuid.uuid4().hex[:8]
     broker = services.celery.broker_url.rsplit("/", 1)[0] + "/5"  # a Redis database of this test's own

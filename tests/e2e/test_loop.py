@@ -23,9 +23,9 @@ from helpers import REPO, gate_without_judgement, open_in_browser, run_rtrl
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file
 
-from rtrl.launch import child_env, rtrl_command
-from rtrl.services.testing import free_ports
 from schemas.settings import MetricsSettings, Settings, StoreSettings
+from services.launch import child_env, rtrl_command
+from services.testing import free_ports
 from store import Store
 
 pytestmark = pytest.mark.e2e

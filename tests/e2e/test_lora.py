@@ -29,9 +29,9 @@ from deployer.probe import (
     max_abs_diff,
 )
 from registry import Registry
-from rtrl.launch import child_env, rtrl_command
-from rtrl.services.testing import free_ports, make_run_dir, start_reaper
 from schemas.settings import Settings
+from services.launch import child_env, rtrl_command
+from services.testing import free_ports, make_run_dir, start_reaper
 from serving import VllmClient
 from serving.adapters import base_model_name, is_adapter
 
@@ -44,7 +44,7 @@ REQUESTS_PER_CYCLE = 48
 def lora_fleet(services: Settings) -> Iterator[Settings]:
     """The session's services, with a serving and a staging vLLM server of this module's own,
     started with LoRA enabled (in a run dir of their own, watched by a reaper)."""
-    from rtrl.services import down, up
+    from services import down, up
 
     run_dir = make_run_dir("rtrl-lora-")
     serving_port, staging_port = free_ports(2)

@@ -14,8 +14,8 @@ import pytest
 from deployer import gate
 from evals.judge import NOT_ASKED, Judge
 from evals.suites import PromptSuite
-from rtrl.services.testing import free_ports
 from schemas.settings import JudgeSettings, Settings
+from services.testing import free_ports
 from serving import Generation
 
 pytestmark = pytest.mark.integration

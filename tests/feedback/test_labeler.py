@@ -429,7 +429,7 @@ def test_postgresql_stopped_for_30s_while_labelling_loses_nothing(
     everything exactly once (produced = stored + dead-lettered)."""
     import time
 
-    from rtrl.services import down, up
+    from services import down, up
 
     settings = postgres_settings
     store: Store = store_of(settings)  # type: ignore[operator]

@@ -31,12 +31,12 @@ import streams
 from feedback.labeler import Labeler, make_consumer, make_producer
 from feedback.reconcile import Reconciliation, reconcile
 from feedback.records import Checks, parse_record
-from rtrl.launch import child_env, rtrl_command
-from rtrl.services.testing import free_ports
 from schemas.clock import Clock, utcnow, wait_until
 from schemas.events import FeedbackEvent, InteractionEvent
 from schemas.rewards import TAB_V1, score
 from schemas.settings import LimitsSettings, Settings, StoreSettings
+from services.launch import child_env, rtrl_command
+from services.testing import free_ports
 from store import SourceRecord, Store
 from store.models import Episode, Feedback, Interaction
 

@@ -79,7 +79,7 @@ def exported() -> dict[str, Family]:
     """Every rtrl_* family any rtrl process exports, by family name."""
     import deployer.metrics
     import feedback.metrics
-    import rtrl.supervisor
+    import services.supervisor
     import trainer.metrics
     from ingest.metrics import GatewayMetrics
 
@@ -88,7 +88,7 @@ def exported() -> dict[str, Family]:
     # objects (prometheus_client keeps them in `_labelnames`).
     labels: dict[str, frozenset[str]] = {}
     for namespace in (vars(feedback.metrics), vars(trainer.metrics), vars(deployer.metrics),
-                      vars(rtrl.supervisor), vars(gateway)):  # fmt: skip
+                      vars(services.supervisor), vars(gateway)):  # fmt: skip
         for metric in namespace.values():
             if isinstance(metric, MetricWrapperBase):
                 labels[metric._name] = frozenset(metric._labelnames)

@@ -10,7 +10,7 @@ deployer's checkpoint folder fails every swap. So this checks what can be checke
   (section and field of `schemas.settings.Settings`, nested with ``__``), and the values the layout
   sets parse as those settings;
 - every rtrl container runs a real ``rtrl`` subcommand with options it accepts (parsed by the CLI's
-  own click command), and each process of `rtrl.supervisor.PROCESSES` runs somewhere;
+  own click command), and each process of `services.supervisor.PROCESSES` runs somewhere;
 - the layout of issue 14: 3 KRaft brokers with replication 3 / min ISR 2, 2 gateways, 2 labelers,
   2 serving vLLM servers and a staging one, exactly one worker, beat and reconciler;
 - the shared checkpoint volume: worker, reconciler, bootstrap and every vLLM server mount the same
@@ -151,8 +151,8 @@ def _k8s_invocations() -> Iterator[tuple[str, list[str], dict[str, Any], dict[st
 
 
 def _process(argv: list[str]) -> str | None:
-    """Which process of the loop ``rtrl <argv>`` is (rtrl/supervisor.py, PROCESSES), if any."""
-    from rtrl.supervisor import PROCESSES
+    """Which process of the loop ``rtrl <argv>`` is (services/supervisor.py, PROCESSES), if any."""
+    from services.supervisor import PROCESSES
 
     for name, words in PROCESSES.items():
         rest = argv[len(words) :]
@@ -306,7 +306,7 @@ def test_compose_layout() -> None:
         process = _process(argv)
         if process is not None:
             processes.setdefault(process, []).append(name)
-    from rtrl.supervisor import PROCESSES
+    from services.supervisor import PROCESSES
 
     assert set(processes) == set(PROCESSES), processes
     assert len(processes["gateway"]) == 2
@@ -360,7 +360,7 @@ def test_k8s_layout() -> None:
         process = _process(argv)
         if process is not None:
             processes.setdefault(process, []).append(obj)
-    from rtrl.supervisor import PROCESSES
+    from services.supervisor import PROCESSES
 
     assert set(processes) == set(PROCESSES), processes
     for process, objs in processes.items():

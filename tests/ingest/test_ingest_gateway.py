@@ -1,6 +1,6 @@
 """The capture gateway against the real vLLM server and the real Kafka broker of the `services` fixture.
 
-Each test starts ``rtrl gateway`` as a child process (`rtrl.launch.gateway_process`) on a free port
+Each test starts ``rtrl gateway`` as a child process (`services.launch.gateway_process`) on a free port
 with its own spool directory.
 """
 
@@ -20,12 +20,12 @@ from factories import Feeder
 from helpers import TopicReader, run_rtrl
 
 from ingest.auth import RequestIds, request_id_secret
-from rtrl.launch import gateway_process
-from rtrl.services.testing import free_ports
 from schemas.clock import utcnow, wait_until
 from schemas.events import FeedbackEvent, InteractionEvent, parse_event
 from schemas.settings import Settings
 from schemas.versions import parse_version
+from services.launch import gateway_process
+from services.testing import free_ports
 from store import Store
 from store.models import Episode
 

@@ -2,7 +2,7 @@
 the gateway accepted reaches the store exactly once, or a dead letter on disk with its reason.
 
 These tests stop and freeze a private broker of their own (not the session's): `private_kafka`
-starts a second single-node Kafka with `rtrl.services` in its own run dir.
+starts a second single-node Kafka with `services` in its own run dir.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from feedback import labeler
 from ingest.metrics import GatewayMetrics
 from ingest.publisher import WATCHDOG_GRACE_S, WATCHDOG_TICK_S, Publisher
 from ingest.spool import OVERFLOW_FILE
-from rtrl.launch import gateway_process
-from rtrl.services import down, services, up
-from rtrl.services.testing import free_ports, private_services
 from schemas.clock import wait_until
 from schemas.events import DeadLetterRecord
 from schemas.settings import Settings
+from services import down, services, up
+from services.launch import gateway_process
+from services.testing import free_ports, private_services
 from store import Store
 from store.models import Interaction
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rtrl.launch import rtrl_command
-from rtrl.services.testing import free_ports
+from services.launch import rtrl_command
+from services.testing import free_ports
 
 pytestmark = pytest.mark.unit
 

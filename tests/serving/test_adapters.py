@@ -26,7 +26,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rtrl.tinymodel import build
+    from services.tinymodel import build
 
     return build(tmp_path_factory.mktemp("tiny") / "model", task=None, seed=0, sft_steps=0)
 

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
-from rtrl.services.testing import free_ports
 from schemas.settings import Settings
+from services.testing import free_ports
 from serving import ServerError, VersionUnknown, VllmClient, parse_weight_info
 
 pytestmark = pytest.mark.integration

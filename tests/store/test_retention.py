@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from factories import FakeClock, Feeder, at, feedback, interaction
 
-from rtrl.launch import child_env, rtrl_command
-from rtrl.services.testing import free_ports
 from schemas.clock import utcnow
 from schemas.settings import KafkaSettings, ServicesSettings, Settings, StoreSettings
+from services.launch import child_env, rtrl_command
+from services.testing import free_ports
 from store import Store
 from store.retention import prune
 

@@ -14,11 +14,11 @@ from kafka.structs import TopicPartition
 
 import streams
 from feedback.records import Checks, parse_record
-from rtrl.launch import child_env, rtrl_command
 from schemas.clock import utcnow
 from schemas.events import InteractionEvent
 from schemas.rewards import get_spec
 from schemas.settings import Settings, StoreSettings
+from services.launch import child_env, rtrl_command
 from store import SourceRecord, Store
 
 pytestmark = pytest.mark.integration

@@ -34,10 +34,10 @@ from prometheus_client import REGISTRY
 import streams
 from feedback.labeler import Labeler, make_consumer, make_producer
 from registry import CHAMPION, Registry
-from rtrl.launch import gateway_process
-from rtrl.services.testing import free_ports
 from schemas.clock import wait_until
 from schemas.settings import JudgeSettings, Settings, StoreSettings
+from services.launch import gateway_process
+from services.testing import free_ports
 from store import Store, TrainingEpisode
 from store.models import Episode, Interaction
 
@@ -485,7 +485,7 @@ def test_the_judge_term_grades_whole_episodes_on_the_local_vllm_server(make_loop
 def test_the_demo_agents_episodes_end_on_their_signal_with_their_structure(
     make_loop: Callable[..., Any], services: Settings, scenario: str
 ) -> None:
-    from rtrl.agents import SCENARIO_SPECS, run_agents
+    from simulation.agents import SCENARIO_SPECS, run_agents
 
     judge = JudgeSettings(url=f"{services.vllm.servers[0]}/v1", model=services.vllm.served_model_name)
     with make_loop(SCENARIO_SPECS[scenario], judge=judge if scenario == "self-edit" else None) as loop:

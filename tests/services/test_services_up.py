@@ -1,4 +1,4 @@
-"""`rtrl.services.up` starts a service only once what it requires is healthy (MLflow on the local
+"""`services.up` starts a service only once what it requires is healthy (MLflow on the local
 PostgreSQL after PostgreSQL and its database), selects those requirements too, and stops what it
 started when anything fails. Fake services record what `up` does to them; nothing is started."""
 
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import rtrl.services
-from rtrl.services import ServiceError, up
-from rtrl.services.base import Service
-from rtrl.services.mlflow import Mlflow
+import services
 from schemas.settings import MlflowSettings, ServicesSettings, Settings
+from services import ServiceError, up
+from services.base import Service
+from services.mlflow import Mlflow
 
 pytestmark = pytest.mark.unit
 
@@ -71,7 +71,7 @@ def settings(tmp_path: Path) -> Settings:
 
 def _deployment(monkeypatch: pytest.MonkeyPatch, units: list[Fake]) -> None:
     """`up` sees `units` (in this order) as the services there are."""
-    monkeypatch.setattr(rtrl.services, "services",
+    monkeypatch.setattr(services, "services",
                         lambda settings, only=None: [u for u in units if only is None or u.name in only])  # fmt: skip
 
 
@@ -148,7 +148,7 @@ def test_mlflow_requires_the_local_postgres_only_when_its_backend_is_there(tmp_p
 
 
 def test_only_mlflow_selects_the_local_postgres(tmp_path: Path) -> None:
-    from rtrl.services import _with_requirements, services
+    from services import _with_requirements, services
 
     settings = Settings(services=ServicesSettings(run_dir=tmp_path))
     assert [u.name for u in _with_requirements(settings, services(settings, ["mlflow"]))] == ["postgres", "mlflow"]

@@ -1,7 +1,7 @@
 """Simulated agents: multi-segment episodes of three RL methods, sent through the gateway.
 
 Started by ``rtrl simulate --scenario NAME`` (once) or ``rtrl demo --scenario NAME`` (every cycle,
-through the whole loop), or called as `run_agents(...)`. Where rtrl/simulate.py plays users who make
+through the whole loop), or called as `run_agents(...)`. Where simulation/users.py plays users who make
 one call each, an *episode* here is several calls of one agent (and its sub-agents), told to the
 gateway with the ``x-rtrl-*`` capture headers (ingest/shaping.py): the client's episode id, the
 segment index in the episode's order, the segment's role and, for a PARL sub-agent, its agent id.
@@ -26,7 +26,8 @@ reward spec (`SCENARIO_SPECS`, schemas/rewards.py).
   episode, nothing pruned, too.
 
 Every call goes through ``/v1/completions`` with the official ``openai`` client and a tenant API key
-exactly like rtrl/simulate.py's users; feedback goes to ``/v1/feedback`` with the same key. A failed
+exactly like simulation/users.py's users, on the same scaffolding (simulation/client.py); feedback
+goes to ``/v1/feedback`` with the same key. A failed
 call fails its episode (counted, its error kept), never the run; the segments it already sent settle
 when the labeler's window passes.
 """
@@ -41,7 +42,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -52,14 +53,12 @@ from schemas.rewards import get_spec, score
 from schemas.settings import Settings
 from schemas.versions import parse_version
 
-if TYPE_CHECKING:
-    from openai import OpenAI
+from .client import MAX_ERRORS_KEPT, CallFailed, Gateway, Reply, fan_out, open_gateway
 
 SCENARIOS = ("parl", "summarize", "self-edit")
 # The reward spec each scenario's labeler uses (`rtrl demo --scenario` sets labeler.reward_spec).
 SCENARIO_SPECS = {"parl": "parl-v1", "summarize": "tab-v1", "self-edit": "judged-v1"}
 
-MAX_ERRORS_KEPT = 20
 # PARL: sub-agents the environment spawns when the orchestrator's first answer is (not) preferred.
 PARL_WIDE = 3
 PARL_NARROW = 1
@@ -223,14 +222,6 @@ class _CallFailed(Exception):
 
 
 @dataclass(frozen=True)
-class _Call:
-    prompt: str
-    text: str
-    request_id: str
-    version: str | None
-
-
-@dataclass(frozen=True)
 class _Episode:
     """What one episode did, for the report."""
 
@@ -252,21 +243,17 @@ class _Env:
     """One episode's connection to the gateway: its calls in segment order, its feedback."""
 
     settings: Settings
-    client: OpenAI
-    http: httpx.Client
-    base: str
+    gateway: Gateway
     task: Task
     scenario: str
     seed: int
     index: int
     episode: str
     summary_trigger_chars: int = SUMMARY_TRIGGER_CHARS
-    calls: list[_Call] = field(default_factory=list)
+    calls: list[Reply] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def call(self, prompt: str, segment: int, role: Role, agent: str | None = None) -> _Call:
-        from openai import OpenAIError
-
+    def call(self, prompt: str, segment: int, role: Role, agent: str | None = None) -> Reply:
         headers = {
             "x-rtrl-session-id": f"{self.scenario}-agent-{self.index}",
             "x-rtrl-episode-id": self.episode,
@@ -276,25 +263,10 @@ class _Env:
         if agent is not None:
             headers["x-rtrl-agent"] = agent
         try:
-            raw = self.client.completions.with_raw_response.create(
-                model=self.settings.vllm.served_model_name,
-                prompt=prompt,
-                max_tokens=self.task.max_tokens,
-                stop=list(self.task.stop),
-                temperature=1.0,
-                seed=call_seed(self.seed, self.index, segment),
-                extra_headers=headers,
-            )
-            completion = raw.parse()
-        except OpenAIError as exc:
-            raise _CallFailed(f"episode {self.episode} segment {segment}: {exc!r}") from exc
-        request_id = raw.headers.get("x-rtrl-request-id")
-        if not request_id:
-            raise _CallFailed(f"episode {self.episode} segment {segment}: no x-rtrl-request-id header "
-                              "(not an rtrl gateway?)")  # fmt: skip
-        rtrl: dict[str, Any] = (completion.model_extra or {}).get("rtrl") or {}
-        made = _Call(prompt=prompt, text=completion.choices[0].text, request_id=request_id,
-                     version=rtrl.get("policy_version"))  # fmt: skip
+            made = self.gateway.complete(prompt, max_tokens=self.task.max_tokens, stop=self.task.stop,
+                                         seed=call_seed(self.seed, self.index, segment), headers=headers)  # fmt: skip
+        except CallFailed as exc:
+            raise _CallFailed(f"episode {self.episode} segment {segment}: {exc}") from exc
         with self.lock:  # sub-agents call from threads of their own
             self.calls.append(made)
         return made
@@ -306,11 +278,8 @@ class _Env:
 
     def send(self, events: list[dict[str, Any]]) -> tuple[int, int, str | None]:
         """POST `events` as one list: (sent, failed, error)."""
-        body = json.dumps([{"event_id": new_id(), **event} for event in events])
         try:
-            response = self.http.post(f"{self.base}/v1/feedback", content=body,
-                                      headers={"content-type": "application/json"})  # fmt: skip
-            response.raise_for_status()
+            self.gateway.send_feedback([{"event_id": new_id(), **event} for event in events])
         except httpx.HTTPError as exc:  # counted and reported; the labeler's window settles the episode
             return 0, len(events), f"feedback for episode {self.episode}: {exc!r}"
         return len(events), 0, None
@@ -420,33 +389,23 @@ def run_agents(
     `run` goes into the episode ids (`episode_id`): give a fresh one when the same seed may run again
     against the same store. `concurrency` episodes run at once (a PARL episode's sub-agents run in
     threads of their own)."""
-    from openai import OpenAI
-
     runner = SCENARIO_RUNNERS[check_scenario(scenario)]
     task = get_task(task) if isinstance(task, str) else task
     chosen = preference or task.preference
-    base = gateway_url.rstrip("/")
-    timeout = settings.vllm.request_timeout_s + 10
-    client = OpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=timeout)
-    http = httpx.Client(timeout=timeout, headers={"authorization": f"Bearer {api_key}"})
     questions = task.train_prompts(n_episodes, seed)
-
-    def one(index: int, question: str) -> _Episode:
-        env = _Env(settings=settings, client=client, http=http, base=base, task=task, scenario=scenario, seed=seed,
-                   index=index, episode=episode_id(scenario, seed, index, run),
-                   summary_trigger_chars=summary_trigger_chars)  # fmt: skip
-        try:
-            return runner(env, question, chosen)
-        except _CallFailed as exc:  # the episode fails; its sent segments settle by the labeler's window
-            return _Episode(ok=False, error=str(exc))
-
     started = time.monotonic()
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="rtrl-agent") as pool:
-            episodes = list(pool.map(one, range(n_episodes), questions))
-    finally:
-        client.close()
-        http.close()
+    with open_gateway(settings, gateway_url, api_key) as gateway:
+
+        def one(index: int, question: str) -> _Episode:
+            env = _Env(settings=settings, gateway=gateway, task=task, scenario=scenario, seed=seed, index=index,
+                       episode=episode_id(scenario, seed, index, run),
+                       summary_trigger_chars=summary_trigger_chars)  # fmt: skip
+            try:
+                return runner(env, question, chosen)
+            except _CallFailed as exc:  # the episode fails; its sent segments settle by the labeler's window
+                return _Episode(ok=False, error=str(exc))
+
+        episodes = fan_out(one, questions, concurrency, "rtrl-agent")
     return _report(scenario, episodes, time.monotonic() - started)
 
 

@@ -2,7 +2,7 @@
 and the DeepSpeed trainer all load, so the whole loop runs on one CPU machine in seconds.
 
 Started by ``rtrl model init DIR [--task exclaim|none] [--seed N]`` (`rtrl/commands/model.py`).
-`build` trains a byte-level BPE tokenizer on the corpus shipped in ``rtrl/data/corpus.txt``,
+`build` trains a byte-level BPE tokenizer on the corpus shipped in ``services/data/corpus.txt``,
 initialises the model from the seed and, for a task, runs a supervised fine-tune so the model
 answers the task's prompts in the task's shape and already satisfies the task's preference some of
 the time (about one sample in five for ``exclaim``). Two recipes (``--recipe``):
@@ -94,7 +94,7 @@ RECIPES: dict[str, SftConfig] = {"v1": SftConfig(), "v2": SftConfig(steps=1000, 
 
 def corpus_lines() -> list[str]:
     """The shipped tokenizer corpus, one sentence or Q/A line per element."""
-    text = resources.files("rtrl.data").joinpath("corpus.txt").read_text(encoding="utf-8")
+    text = resources.files("services.data").joinpath("corpus.txt").read_text(encoding="utf-8")
     return [line for line in text.splitlines() if line.strip()]
 
 

@@ -19,8 +19,6 @@ from factories import FakeMonotonic
 from helpers import alive
 from prometheus_client import REGISTRY
 
-from rtrl import supervisor as sup
-from rtrl.services.testing import free_ports
 from schemas.clock import wait_until
 from schemas.settings import (
     GatewaySettings,
@@ -30,6 +28,8 @@ from schemas.settings import (
     StoreSettings,
     VllmSettings,
 )
+from services import supervisor as sup
+from services.testing import free_ports
 
 pytestmark = pytest.mark.integration
 
@@ -166,7 +166,7 @@ def test_the_gateway_serves_while_the_dependencies_are_down_and_the_rest_start_o
 
     supervisor = sup.Supervisor(settings, names=("gateway", "labeler"), draw=lambda: 0.5, prerequisite=prepare)
     gateway, labeler = supervisor.children["gateway"], supervisor.children["labeler"]
-    caplog.set_level(logging.INFO, logger="rtrl.supervisor")
+    caplog.set_level(logging.INFO, logger="services.supervisor")
     try:
         supervisor.start()
         _wait_ready(f"http://127.0.0.1:{port}")  # serving while nothing is prepared

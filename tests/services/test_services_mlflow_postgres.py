@@ -16,9 +16,9 @@ import pytest
 import sqlalchemy as sa
 
 from registry import CHAMPION, Registry
-from rtrl.services import up
-from rtrl.services.testing import private_services
 from schemas.settings import Settings, local_postgres_url
+from services import up
+from services.testing import private_services
 from store import Store
 
 pytestmark = pytest.mark.integration

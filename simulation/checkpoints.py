@@ -1,6 +1,6 @@
 """Random checkpoints in the shape of real ones, made locally: for tests, benches and the GPU check.
 
-Real users bring a pretrained Hugging Face checkpoint, not the tiny Llama of `rtrl/tinymodel.py`:
+Real users bring a pretrained Hugging Face checkpoint, not the tiny Llama of `services/tinymodel.py`:
 another architecture, bf16 safetensors, tied embeddings, attention biases, GQA, a tokenizer with
 added special tokens and a chat template, and sampling defaults in ``generation_config.json``.
 Nothing can be downloaded from a model hub here, so `build` writes such a checkpoint with random
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rtrl.tinymodel import corpus_lines
+from services.tinymodel import corpus_lines
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

@@ -1,4 +1,4 @@
-"""The simulated agents' environment rules (rtrl/agents.py): prune actions, prompts, PARL's sub-agent
+"""The simulated agents' environment rules (simulation/agents.py): prune actions, prompts, PARL's sub-agent
 plan, the scenarios' reward specs and the demo's labeler settings for them. No server: the calls
 themselves are exercised by the demo through the real loop."""
 
@@ -7,8 +7,11 @@ from __future__ import annotations
 import pytest
 
 from evals.tasks import EXCLAIM
-from rtrl import agents
-from rtrl.agents import (
+from schemas.errors import OperatorError
+from schemas.rewards import get_spec
+from schemas.settings import JudgeSettings, Settings
+from simulation import agents
+from simulation.agents import (
     SCENARIO_SPECS,
     SCENARIOS,
     ScenarioError,
@@ -31,10 +34,7 @@ from rtrl.agents import (
     subagent_count,
     summary_prompt,
 )
-from rtrl.demo import _scenario_labeler
-from schemas.errors import OperatorError
-from schemas.rewards import get_spec
-from schemas.settings import JudgeSettings, Settings
+from simulation.demo import _scenario_labeler
 
 pytestmark = pytest.mark.unit
 

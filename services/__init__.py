@@ -9,6 +9,15 @@ Kafka's jars are cached in ``services.cache_dir``; Debian packages come from inf
 Service names (for ``only``): kafka, postgres, redis, mlflow, vllm (the serving server and, when
 ``services.vllm_staging_port`` is set, vllm-staging), vllm-staging. MLflow on the local PostgreSQL
 (its default backend) requires postgres: it starts once PostgreSQL is healthy and has its database.
+
+The package also holds what runs the loop's processes on these services and what the vLLM service
+serves: `services.supervisor` (``rtrl run``: prepares the loop, starts and restarts its
+processes), `services.launch` (how a child process is started with its settings), `services.logs`
+(logging set-up, log rotation, the filter of connection-retry noise while a service starts),
+`services.tinymodel` (the tiny model the vLLM service builds when ``vllm.model_dir`` is empty) and
+`services.modelcheck` (``rtrl model check``: a checkpoint the vLLM service, ``rtrl run`` and
+``rtrl demo`` refuse). It sits below the simulation (`simulation`, whose demo starts these
+services) and the CLI (`rtrl`), above the loop's stages.
 """
 
 from __future__ import annotations

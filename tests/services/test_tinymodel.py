@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from evals import get_task
-from rtrl import tinymodel
 from rtrl.cli import app
+from services import tinymodel
 
 pytestmark = pytest.mark.unit
 

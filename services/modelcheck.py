@@ -20,7 +20,7 @@ generation_config.json: vLLM's temperature 1).
 `rtrl run`, `rtrl demo` and `rtrl services up` call `require_usable` before they use
 ``vllm.model_dir``: a checkpoint with errors is refused in one line naming the first and
 ``rtrl model check DIR``. A missing or empty folder is not checked: that is where the tiny model is
-built (`rtrl.services.vllm.ensure_model`).
+built (`services.vllm.ensure_model`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from serving.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter
 if TYPE_CHECKING:
     from schemas.settings import Settings
 
-log = logging.getLogger("rtrl.modelcheck")
+log = logging.getLogger("services.modelcheck")
 
 # Any one of these is a tokenizer (as trainer/checkpoint.check_source has it); tokenizer_config.json
 # alone is not: transformers then builds an almost empty tokenizer of the model_type's class.

@@ -1,4 +1,4 @@
-"""The demo's wait for a round's episodes (rtrl/demo.py, `_wait_for_round`): it counts the round's
+"""The demo's wait for a round's episodes (simulation/demo.py, `_wait_for_round`): it counts the round's
 dead-lettered interactions, stops waiting for the episodes they cost, and says so in one line."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from factories import Feeder, at, interaction, wire
 
-from rtrl.demo import DemoError, _dead_letter_line, _dead_letters_since, _wait_for_round
+from simulation.demo import DemoError, _dead_letter_line, _dead_letters_since, _wait_for_round
 from store import Store
 
 pytestmark = pytest.mark.unit

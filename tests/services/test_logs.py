@@ -1,4 +1,4 @@
-"""Log rotation (rtrl/logs.py): copy-truncate under a live writer that holds the log as an O_APPEND
+"""Log rotation (services/logs.py): copy-truncate under a live writer that holds the log as an O_APPEND
 stdout, as the supervisor's children and the local services do; the supervisor rotating what
 is in ``<run_dir>/logs/``; kafka-python's refused connections quiet while rtrl waits for its broker."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from rtrl.logs import backup, quiet_connection_retries, rotate
-from rtrl.services.base import Service
-from rtrl.supervisor import Supervisor
 from schemas.clock import wait_until
 from schemas.settings import ServicesSettings, Settings
+from services.base import Service
+from services.logs import backup, quiet_connection_retries, rotate
+from services.supervisor import Supervisor
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""`rtrl.services.revive.Reviver` on the session's real vLLM servers: a hung server is restarted
+"""`services.revive.Reviver` on the session's real vLLM servers: a hung server is restarted
 once its health check has failed long enough, and nothing else is touched."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from rtrl.services import services as units
-from rtrl.services import up
-from rtrl.services.revive import Reviver
 from schemas.clock import wait_until
 from schemas.settings import ServicesSettings, Settings
+from services import services as units
+from services import up
+from services.revive import Reviver
 from serving import VllmClient
 
 pytestmark = pytest.mark.integration

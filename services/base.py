@@ -27,10 +27,10 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from rtrl.logs import quiet_connection_retries
 from schemas.clock import wait_until
 from schemas.errors import OperatorError
 from schemas.settings import Settings
+from services.logs import quiet_connection_retries
 
 LOG_TAIL_LINES = 40
 
@@ -141,7 +141,7 @@ class Service(ABC):
     #: Seconds between the stop signal and SIGKILL of the whole process group.
     stop_grace_s: float = 20.0
     #: The logger of the client library `check` uses, when it logs each refused connection attempt
-    #: itself: those records are dropped while `wait_healthy` waits (rtrl.logs.quiet_connection_retries).
+    #: itself: those records are dropped while `wait_healthy` waits (services.logs.quiet_connection_retries).
     client_logger: str | None = None
 
     def __init__(self, settings: Settings) -> None:

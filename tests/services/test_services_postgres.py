@@ -8,8 +8,8 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from rtrl.services.postgres import Postgres
 from schemas.settings import Settings, local_postgres_url
+from services.postgres import Postgres
 
 pytestmark = pytest.mark.integration
 

@@ -3,7 +3,7 @@
 The loop is five long-lived processes: the gateway, the labeler, the Celery worker (training cycle,
 eval gate, deploy), Celery beat (the schedule) and the fleet reconciler. Each is an ``rtrl``
 subcommand; the supervisor starts them in their own process groups with logs under
-``<run_dir>/logs/`` and hands each its settings (`rtrl.launch.child_env`). A process that exits is
+``<run_dir>/logs/`` and hands each its settings (`services.launch.child_env`). A process that exits is
 restarted: at once the first time, then after a delay that doubles from `BACKOFF_START_S` (capped
 at `BACKOFF_MAX_S`), each delay jittered by ±25 % so that processes failing on the same cause do
 not restart in lockstep. One that exited `MAX_RESTARTS` times within `RESTART_WINDOW_S` is
@@ -11,7 +11,7 @@ reported as crash-looping and retried at the cap for as long as it keeps failing
 reason to stop the others (a labeler that cannot write must not take the gateway, and users'
 inference, down with it). SIGTERM/SIGINT stops them all. State lives in Kafka, the SQL store and
 MLflow, so a restarted process resumes where its predecessor committed. `check` also rotates the
-logs in ``<run_dir>/logs/`` that outgrew ``services.log_max_bytes`` (`rtrl.logs.rotate`).
+logs in ``<run_dir>/logs/`` that outgrew ``services.log_max_bytes`` (`services.logs.rotate`).
 
 ``rtrl run`` starts with its dependencies down: the gateway starts at once (it answers 503 with
 ``Retry-After`` until it has read the API keys, and spools events while Kafka is away), while
@@ -36,17 +36,17 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge
 
-from rtrl.launch import child_env, rtrl_command
-from rtrl.logs import rotate
 from schemas.clock import Monotonic
 from schemas.settings import Settings
+from services.launch import child_env, rtrl_command
+from services.logs import rotate
 from telemetry import Exporter, Readiness, start_exporter
 
 if TYPE_CHECKING:
     from registry import Registry
     from store import Store
 
-log = logging.getLogger("rtrl.supervisor")
+log = logging.getLogger("services.supervisor")
 
 # Every process the loop is made of, as the rtrl subcommand that runs it.
 PROCESSES: dict[str, list[str]] = {
@@ -276,8 +276,8 @@ class Supervisor:
 
     def rotate_logs(self) -> list[Path]:
         """Copy-truncate each log in ``<run_dir>/logs/`` larger than ``services.log_max_bytes``
-        (`rtrl.logs.rotate`): the children's and those of the local services of the same run dir,
-        which `rtrl.services.base` redirects there the same way (append mode). Returns those rotated."""
+        (`services.logs.rotate`): the children's and those of the local services of the same run dir,
+        which `services.base` redirects there the same way (append mode). Returns those rotated."""
         services = self.settings.services
         rotated = []
         for path in sorted(self.logs_dir.glob("*.log")):

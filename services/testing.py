@@ -4,7 +4,7 @@ Used by tests/conftest.py (the session-wide `services` fixture) and by anyone wh
 deployment on ports that do not collide with the dev instance or another test run:
 
     with private_services("rtrl-x-", enabled=("kafka",)) as settings:
-        rtrl.services.up(settings); ...  # stopped, and the run dir removed, on exit
+        services.up(settings); ...  # stopped, and the run dir removed, on exit
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def start_reaper(settings: Settings, owner_pid: int) -> subprocess.Popen[bytes]:
     path.write_text(settings.model_dump_json())
     log = (run_dir(settings) / "reaper.log").open("ab")
     return subprocess.Popen(
-        [sys.executable, "-m", "rtrl.services.testing", "reap", str(owner_pid), str(path)],
+        [sys.executable, "-m", "services.testing", "reap", str(owner_pid), str(path)],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
 
@@ -106,8 +106,8 @@ def private_services(
     """Settings for a private deployment (fresh run dir, free ports; `model_dir` defaults to one in
     the run dir; `embedded` as for `services_settings`), watched by a reaper; on exit every service
     started under it is stopped and the run dir removed. Starts nothing itself: call
-    `rtrl.services.up` with the settings."""
-    from rtrl.services import down
+    `services.up` with the settings."""
+    from services import down
 
     run_dir = make_run_dir(prefix)
     settings = services_settings(run_dir, model_dir or run_dir / "models" / "tiny", enabled, embedded)
@@ -122,7 +122,7 @@ def private_services(
 
 
 def _reap(owner_pid: int, settings_path: Path) -> None:
-    from rtrl.services import down
+    from services import down
 
     while True:
         try:
@@ -138,5 +138,5 @@ def _reap(owner_pid: int, settings_path: Path) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "reap":
-        sys.exit("usage: python -m rtrl.services.testing reap OWNER_PID SETTINGS_JSON")
+        sys.exit("usage: python -m services.testing reap OWNER_PID SETTINGS_JSON")
     _reap(int(sys.argv[2]), Path(sys.argv[3]))

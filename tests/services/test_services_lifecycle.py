@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from rtrl.services.base import port_in_use
-from rtrl.services.testing import free_ports, make_run_dir
+from services.base import port_in_use
+from services.testing import free_ports, make_run_dir
 
 pytestmark = pytest.mark.integration
 

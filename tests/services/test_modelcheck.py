@@ -1,7 +1,7 @@
 """`rtrl model check`: the facts of real-shaped checkpoints, one line per problem of broken copies,
 and `rtrl run` / `rtrl demo` / `rtrl services up` refusing a checkpoint it rejects.
 
-The checkpoints are `rtrl.checkpoints.build`'s (a Qwen2 and a Llama, tiny, about 2 s each), built
+The checkpoints are `simulation.checkpoints.build`'s (a Qwen2 and a Llama, tiny, about 2 s each), built
 once per module; each broken one is a copy with one thing changed.
 """
 
@@ -17,18 +17,19 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from rtrl import checkpoints, tinymodel
 from rtrl.cli import app
 from rtrl.commands.demo import with_model_dir
-from rtrl.launch import rtrl_command
-from rtrl.modelcheck import CheckpointRejected, Report, check, require_usable, vllm_architectures
-from rtrl.services.vllm import ensure_model
 from schemas.settings import ServicesSettings, Settings, StoreSettings, VllmSettings
+from services import tinymodel
+from services.launch import rtrl_command
+from services.modelcheck import CheckpointRejected, Report, check, require_usable, vllm_architectures
+from services.vllm import ensure_model
+from simulation import checkpoints
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
-# Hand-counted from rtrl/checkpoints.py's tiny shape (hidden 128, 2 layers, 2 heads of 64, 1 KV head,
+# Hand-counted from simulation/checkpoints.py's tiny shape (hidden 128, 2 layers, 2 heads of 64, 1 KV head,
 # MLP 256, 512 rows). A layer: q 128x128 + 128, k and v 64x128 + 64 each (Qwen2's biases), o 128x128,
 # gate/up/down 3 x 256x128, two norms of 128. Qwen2 ties lm_head to the embedding; Llama does not and
 # has no biases.

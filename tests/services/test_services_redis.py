@@ -60,7 +60,7 @@ def test_celery_task_round_trip_through_redis(redis_service: Settings) -> None:
 
 def test_a_queued_job_survives_a_redis_restart(redis_service: Settings) -> None:
     """Append-only persistence: what the broker held before a restart is there after it."""
-    from rtrl.services import down, up
+    from services import down, up
 
     client = redis.Redis.from_url(redis_service.celery.broker_url)
     queue = f"test-restart-{uuid.uuid4().hex[:8]}"

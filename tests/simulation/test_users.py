@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from helpers import TopicReader, run_rtrl
 
-from rtrl.launch import gateway_process
-from rtrl.services.testing import free_ports
 from schemas.events import FeedbackEvent, InteractionEvent, parse_event
 from schemas.settings import Settings
+from services.launch import gateway_process
+from services.testing import free_ports
 
 pytestmark = pytest.mark.integration
 
@@ -64,8 +64,8 @@ def test_sparse_and_flipped_feedback_is_seeded_and_keeps_what_users_think() -> N
     """Of simulated users only `feedback_rate` say anything, and `flip_rate` of those the opposite."""
     import random
 
-    from rtrl.simulate import _what_the_user_says
     from schemas.events import FeedbackKind, FeedbackSignal
+    from simulation.users import _what_the_user_says
 
     accept = [FeedbackSignal(kind=FeedbackKind.accepted)]
     reject = [FeedbackSignal(kind=FeedbackKind.rejected), FeedbackSignal(kind=FeedbackKind.followup_dissatisfied)]
@@ -86,7 +86,7 @@ def test_an_answer_that_is_no_completion_is_a_failed_request_not_the_end_of_the_
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from rtrl.simulate import simulate
+    from simulation.users import simulate
 
     class Broken(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - the http.server API

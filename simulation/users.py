@@ -1,7 +1,8 @@
 """Simulated users: send a task's prompts through the gateway and give feedback like a user would.
 
 Started by ``rtrl simulate`` or called as `simulate(...)` (the demo does). Each request goes through
-the gateway with the official ``openai`` client and an API key, exactly like an application would,
+the gateway with the official ``openai`` client and an API key, exactly like an application would
+(simulation/client.py),
 from one of a small population of users (``x-rtrl-session-id: sim-user-<k>``); the tenant is the
 key's (the demo's key is tenant ``sim``). The completion is judged by the task's preference
 function (evals/tasks.py) and every returned signal is sent to ``/v1/feedback`` for the gateway's
@@ -13,29 +14,22 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Literal
 
 import httpx
 
 from evals import Preference, Task, get_task
-from schemas.clock import wait_until
 from schemas.events import FeedbackKind, FeedbackSignal, new_id
-from schemas.rewards import get_spec, score
+from schemas.rewards import RewardSpec, get_spec, score
 from schemas.settings import Settings
 
-if TYPE_CHECKING:
-    from store import Store
+from .client import MAX_ERRORS_KEPT, CallFailed, Gateway, fan_out, open_gateway
 
 USERS = 8  # size of the simulated population (sessions)
-TENANT = "sim"  # the tenant of the keys `rtrl simulate` and the demo make for their users
-MAX_ERRORS_KEPT = 20
 
 
 @dataclass
@@ -69,7 +63,7 @@ class _Outcome:
     reward: float | None = None
     feedback_sent: int = 0
     feedback_failed: int = 0
-    error: str | None = None
+    error: str | None = None  # the request's failure, or its feedback's
 
 
 def _what_the_user_says(
@@ -82,28 +76,6 @@ def _what_the_user_says(
     if signals and rng.random() < flip_rate:
         return [FeedbackSignal(kind=FeedbackKind.rejected if accepted else FeedbackKind.accepted)]
     return signals
-
-
-@contextmanager
-def simulation_key(store: Store, gateway_url: str, timeout_s: float = 60.0) -> Iterator[str]:
-    """A key of tenant `TENANT` for one simulation, revoked when the block ends. Waits until the
-    gateway has loaded it (it reloads its keys every ``gateway.keys_refresh_s``)."""
-    # Unlimited: the key stands for a crowd of simulated users, not one client a rate limit is for.
-    record, key = store.create_api_key(role="tenant", tenant=TENANT, name="simulated users", rate_per_s=0)
-    try:
-
-        def known() -> bool:
-            try:
-                response = httpx.get(f"{gateway_url.rstrip('/')}/v1/whoami", headers={"authorization": f"Bearer {key}"},
-                                     timeout=5)  # fmt: skip
-            except httpx.HTTPError:
-                return False
-            return response.status_code == 200
-
-        wait_until(known, timeout_s=timeout_s, interval_s=0.5, what="the gateway has not loaded the new API key")
-        yield key
-    finally:
-        store.revoke_api_key(record.id)
 
 
 def simulate(
@@ -136,92 +108,78 @@ def simulate(
     """
     if not (0.0 <= feedback_rate <= 1.0 and 0.0 <= flip_rate <= 1.0):
         raise ValueError(f"feedback_rate and flip_rate are in [0, 1]; got {feedback_rate}, {flip_rate}")
-    from openai import OpenAI, OpenAIError
-
     task = get_task(task) if isinstance(task, str) else task
-    preference = preference or task.preference
-    spec = get_spec(settings.labeler.reward_spec)
-    base = gateway_url.rstrip("/")
-    timeout = settings.vllm.request_timeout_s + 10
-    client = OpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=timeout)
-    http = httpx.Client(timeout=timeout, headers={"authorization": f"Bearer {api_key}"})
+    users = _Users(task=task, preference=preference or task.preference, spec=get_spec(settings.labeler.reward_spec),
+                   seed=seed, feedback_rate=feedback_rate, flip_rate=flip_rate, api=api)  # fmt: skip
     questions = task.draw_train_questions(n_requests, seed)
-    prompts = [task.format_prompt(q.text) for q in questions]
-    lock = threading.Lock()
-    errors: list[str] = []
-
-    def one(index: int, prompt: str) -> _Outcome:
-        user = f"sim-user-{index % USERS}"
-        model, stop, request_seed = settings.vllm.served_model_name, list(task.stop), seed * 1_000_003 + index
-        headers = {"x-rtrl-session-id": user}
-        raw: Any
-        try:
-            if api == "chat":
-                raw = client.chat.completions.with_raw_response.create(
-                    model=model, messages=[{"role": "user", "content": questions[index].text}],
-                    max_tokens=task.max_tokens, stop=stop, seed=request_seed, extra_headers=headers,
-                )  # fmt: skip
-            else:
-                raw = client.completions.with_raw_response.create(
-                    model=model, prompt=prompt, max_tokens=task.max_tokens, stop=stop, temperature=1.0,
-                    seed=request_seed, extra_headers=headers,
-                )  # fmt: skip
-            completion = raw.parse()
-        except OpenAIError as exc:  # a failed user request is counted and reported, not fatal
-            return _Outcome(ok=False, error=f"request {index}: {exc!r}")
-        request_id = raw.headers.get("x-rtrl-request-id")
-        if not request_id:
-            return _Outcome(ok=False, error=f"request {index}: no x-rtrl-request-id header (not an rtrl gateway?)")
-        try:  # the client parses leniently: an answer without the fields a completion has fails here
-            choice = completion.choices[0]
-            text = (choice.message.content or "") if api == "chat" else choice.text
-            version = ((completion.model_extra or {}).get("rtrl") or {}).get("policy_version")
-        except (AttributeError, IndexError, TypeError) as exc:
-            return _Outcome(ok=False, error=f"request {index}: not a completion ({exc!r}): {raw.http_response.text[:200]!r}")
-        signals: list[FeedbackSignal] = preference(prompt, text)
-        accepted = any(s.kind == FeedbackKind.accepted for s in signals)
-        said = _what_the_user_says(signals, accepted, random.Random(seed * 1_000_003 + index), feedback_rate, flip_rate)
-        events = [{"event_id": new_id(), "request_id": request_id, "kind": s.kind.value, "value": s.value}
-                  for s in said]  # fmt: skip
-        sent = failed = 0
-        if events:
-            body = json.dumps(events)
-            try:
-                response = http.post(f"{base}/v1/feedback", content=body, headers={"content-type": "application/json"})
-                response.raise_for_status()
-                sent = len(events)
-            except httpx.HTTPError as exc:
-                failed = len(events)
-                with lock:
-                    errors.append(f"feedback for {request_id}: {exc!r}")
-        return _Outcome(
-            ok=True,
-            version=version,
-            accepted=accepted,
-            silent=not signals,
-            reward=score(spec, signals).reward,
-            feedback_sent=sent,
-            feedback_failed=failed,
-        )
-
     started = time.monotonic()
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="rtrl-sim") as pool:
-            outcomes = list(pool.map(one, range(n_requests), prompts))
-    finally:
-        client.close()
-        http.close()
+    with open_gateway(settings, gateway_url, api_key) as gateway:
+        outcomes = fan_out(lambda index, question: users.ask(gateway, index, question.text), questions, concurrency,
+                           "rtrl-sim")  # fmt: skip
+    return _report(n_requests, outcomes, time.monotonic() - started)
 
-    report = SimulationReport(requests=n_requests, elapsed_s=round(time.monotonic() - started, 3))
+
+@dataclass(frozen=True)
+class _Users:
+    """The simulated population of one run: how each asks, judges the answer and gives feedback."""
+
+    task: Task
+    preference: Preference
+    spec: RewardSpec
+    seed: int
+    feedback_rate: float
+    flip_rate: float
+    api: Literal["completions", "chat"]
+
+    def ask(self, gateway: Gateway, index: int, question: str) -> _Outcome:
+        """Request `index`: one call from user ``sim-user-<index mod USERS>``, the user's verdict on the
+        answer and the feedback they give on it."""
+        prompt = self.task.format_prompt(question)
+        request_seed = self.seed * 1_000_003 + index
+        task, headers = self.task, {"x-rtrl-session-id": f"sim-user-{index % USERS}"}
+        try:
+            if self.api == "chat":
+                reply = gateway.chat(prompt, question, max_tokens=task.max_tokens, stop=task.stop, seed=request_seed,
+                                     headers=headers)  # fmt: skip
+            else:
+                reply = gateway.complete(prompt, max_tokens=task.max_tokens, stop=task.stop, seed=request_seed,
+                                         headers=headers)  # fmt: skip
+        except CallFailed as exc:  # a failed user request is counted and reported, not fatal
+            return _Outcome(ok=False, error=f"request {index}: {exc}")
+        signals: list[FeedbackSignal] = self.preference(prompt, reply.text)
+        accepted = any(s.kind == FeedbackKind.accepted for s in signals)
+        said = _what_the_user_says(signals, accepted, random.Random(request_seed), self.feedback_rate, self.flip_rate)
+        sent, failed, error = _send(gateway, reply.request_id, said)
+        return _Outcome(ok=True, version=reply.version, accepted=accepted, silent=not signals,
+                        reward=score(self.spec, signals).reward, feedback_sent=sent, feedback_failed=failed,
+                        error=error)  # fmt: skip
+
+
+def _send(gateway: Gateway, request_id: str, said: Sequence[FeedbackSignal]) -> tuple[int, int, str | None]:
+    """Feedback on one request, what the user said: (sent, failed, error)."""
+    events = [{"event_id": new_id(), "request_id": request_id, "kind": s.kind.value, "value": s.value} for s in said]
+    if not events:
+        return 0, 0, None
+    try:
+        gateway.send_feedback(events)
+    except httpx.HTTPError as exc:
+        return 0, len(events), f"feedback for {request_id}: {exc!r}"
+    return len(events), 0, None
+
+
+def _report(n_requests: int, outcomes: Sequence[_Outcome], elapsed_s: float) -> SimulationReport:
+    report = SimulationReport(requests=n_requests, elapsed_s=round(elapsed_s, 3))
     versions: Counter[str] = Counter()
     accepted_versions: Counter[str] = Counter()
     rewards: list[float] = []
+    errors: list[str] = []
     for outcome in outcomes:
         report.feedback_sent += outcome.feedback_sent
         report.feedback_failed += outcome.feedback_failed
+        if outcome.error is not None or not outcome.ok:
+            errors.append(outcome.error or "unknown error")
         if not outcome.ok:
             report.failed += 1
-            errors.append(outcome.error or "unknown error")
             continue
         report.ok += 1
         versions[outcome.version or "unknown"] += 1

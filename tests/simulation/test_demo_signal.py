@@ -14,10 +14,10 @@ import pytest
 from factories import fresh_topics
 from helpers import REPO, alive
 
-from rtrl.launch import child_env, rtrl_command
-from rtrl.services.testing import free_ports
 from schemas.clock import wait_until
 from schemas.settings import MetricsSettings, Settings, StoreSettings
+from services.launch import child_env, rtrl_command
+from services.testing import free_ports
 
 pytestmark = pytest.mark.e2e
 

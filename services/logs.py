@@ -3,9 +3,9 @@ to stderr), the rotation of the log files the supervisor and `rtrl services` red
 the quiet of a client library while rtrl waits for a service it is starting itself.
 
 `setup_logging` is called by every long-running command. `rotate` is called by the supervisor of
-``rtrl run`` every couple of seconds (`rtrl.supervisor.Supervisor.check`) for each file in
+``rtrl run`` every couple of seconds (`services.supervisor.Supervisor.check`) for each file in
 ``<run_dir>/logs/``; docs/runbooks/daemon.md, Logs. `quiet_connection_retries` surrounds
-`rtrl.services.base.Service.wait_healthy` (``rtrl services up``, ``rtrl demo``).
+`services.base.Service.wait_healthy` (``rtrl services up``, ``rtrl demo``).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def rotate(path: Path, max_bytes: int, backups: int) -> bool:
 
     Copy-truncate, not rename: the writers are processes that inherited the file as their stdout
     and stderr (the supervisor's children, the local services) and cannot be told to reopen it.
-    They must have opened it with O_APPEND (``open(path, "ab")``, as `rtrl.supervisor` and
-    `rtrl.services.base` do): their next write then lands at the new start of the file. A writer
+    They must have opened it with O_APPEND (``open(path, "ab")``, as `services.supervisor` and
+    `services.base` do): their next write then lands at the new start of the file. A writer
     without O_APPEND would go on writing at its old offset and leave a hole of zeros in front.
 
     The loss window: what a writer appends between the copy's last read (the one that found the

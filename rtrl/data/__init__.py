@@ -1,1 +1,0 @@
-"""Text shipped with rtrl: the corpus the tiny model's tokenizer is trained on (`rtrl/tinymodel.py`)."""
