@@ -190,12 +190,12 @@ def run_cycle(
     """
     cfg = settings.trainer
     started, started_at = time.monotonic(), utcnow()
-    spec = get_spec(settings.labeler.reward_spec)  # once per cycle: every step below is handed it
 
     # ---- lease --------------------------------------------------------------------------------
     _reclaim(settings, store, owner, takeover_suffix)
     expire_abandoned(settings, store)  # a dead worker's cycle releases its episodes before we count
     champion = registry.champion()
+    spec = get_spec(settings.labeler.reward_spec)  # once per cycle: every step below is handed it
     available = count_trainable(settings, store, champion, spec_id=spec.spec_id)
     if available < cfg.min_samples:
         return CycleResult(cycle_id=None, status="not_enough_data", champion_version=champion, episodes=available)
