@@ -113,7 +113,7 @@ def settings(tmp_path: Path) -> Settings:
     """tab-v1 as a ``.json`` spec file; a cycle of EPISODES episodes, trainable at once."""
     spec_file = tmp_path / "tab.json"
     spec_file.write_text(TAB_V1.model_dump_json())
-    base = Settings(_env_file=None)  # type: ignore[call-arg]
+    base = Settings(_env_file=None)
     return base.model_copy(update={
         "trainer": base.trainer.model_copy(update={"min_samples": EPISODES, "checkpoint_dir": tmp_path / "checkpoints",
                                                    "carry_optimizer": False}),
