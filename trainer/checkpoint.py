@@ -12,6 +12,9 @@ baseline. A cycle *stages* the baselines it computed (``...cycle-<id>.json``); t
 (renamed over the spec's file) only once the cycle's episodes can never train again, i.e. when
 the cycle ends promoted or rejected, and discarded when it fails (its episodes go back to the
 pool, and a baseline that already holds their rewards would leak them into their own advantages).
+
+`CycleFiles` binds one cycle's id and reward spec to the directory, so that trainer/cycle.py
+resolves them once and names a cycle's checkpoint, baselines and optimizer state through it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -163,3 +167,43 @@ def prune_optimizer_states(checkpoint_dir: Path, keep: int) -> None:
                     key=lambda p: int(p.name[6:]))  # fmt: skip
     for old in cycles[:-keep] if keep > 0 else cycles:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class CycleFiles:
+    """Where cycle `cycle_id` keeps its files under ``trainer.checkpoint_dir`` (`root`): its
+    checkpoint, the baselines it stages under reward spec `spec_id`, its optimizer state and its
+    ranks' work directory. Resolved once per cycle."""
+
+    root: Path
+    spec_id: str
+    cycle_id: int
+
+    @property
+    def out_dir(self) -> Path:
+        """The cycle's checkpoint (`save`), the directory its registered version is uploaded from."""
+        return self.root / f"cycle-{self.cycle_id}"
+
+    @property
+    def optimizer_dir(self) -> Path:
+        """Where the cycle saves its optimizer state (`optimizer_dir`)."""
+        return optimizer_dir(self.root, self.cycle_id)
+
+    @property
+    def ranks_dir(self) -> Path:
+        """The work directory of a multi-rank cycle's rank processes (trainer/ranks.py)."""
+        return self.root / "ranks" / f"cycle-{self.cycle_id}"
+
+    def load_baselines(self) -> BaselineState:
+        """The committed baselines of the cycle's reward spec (`load_baselines`)."""
+        return load_baselines(self.root, self.spec_id)
+
+    def stage_baselines(self, state: BaselineState) -> Path:
+        """Stage the baselines the cycle computed (`stage_baselines`)."""
+        return stage_baselines(self.root, self.spec_id, self.cycle_id, state)
+
+    def keep_optimizer_state(self, meta: dict[str, Any], keep: int) -> None:
+        """Record what the optimizer state saved to `optimizer_dir` was trained with, and keep the
+        `keep` newest cycles' states (`prune_optimizer_states`)."""
+        write_optimizer_meta(self.optimizer_dir, meta)
+        prune_optimizer_states(self.root, keep)

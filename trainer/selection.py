@@ -23,12 +23,13 @@ def current_spec_id(settings: Settings) -> str:
     return get_spec(settings.labeler.reward_spec).spec_id
 
 
-def count_trainable(settings: Settings, store: Store, champion: int) -> int:
-    """Episodes a cycle training from `champion` may use now."""
+def count_trainable(settings: Settings, store: Store, champion: int, *, spec_id: str | None = None) -> int:
+    """Episodes a cycle training from `champion` may use now; `spec_id`: the configured reward
+    spec's, when the caller has resolved it already (`current_spec_id`)."""
     return store.count_trainable(
         champion,
         settings.trainer.max_policy_lag,
-        spec_id=current_spec_id(settings),
+        spec_id=current_spec_id(settings) if spec_id is None else spec_id,
         settle_window_s=settings.labeler.settle_window_s,
         holdout_percent=settings.gate.ope.holdout_percent,
     )
@@ -37,17 +38,21 @@ def count_trainable(settings: Settings, store: Store, champion: int) -> int:
 def count_labelled(settings: Settings, store: Store, champion: int) -> int:
     """`count_trainable` plus the settled episodes of the eval gate's held-out slice: every
     episode the labeler has finished with, wherever it goes (the demo waits on this)."""
-    held_out = store.count_heldout(spec_id=current_spec_id(settings), holdout_percent=settings.gate.ope.holdout_percent)
-    return count_trainable(settings, store, champion) + held_out
+    spec_id = current_spec_id(settings)
+    held_out = store.count_heldout(spec_id=spec_id, holdout_percent=settings.gate.ope.holdout_percent)
+    return count_trainable(settings, store, champion, spec_id=spec_id) + held_out
 
 
-def select_trainable(settings: Settings, store: Store, champion: int) -> list[TrainingEpisode]:
-    """The newest ``trainer.max_episodes`` episodes a cycle training from `champion` may use now."""
+def select_trainable(
+    settings: Settings, store: Store, champion: int, *, spec_id: str | None = None
+) -> list[TrainingEpisode]:
+    """The newest ``trainer.max_episodes`` episodes a cycle training from `champion` may use now
+    (`spec_id` as in `count_trainable`)."""
     return store.select_episodes(
         champion,
         settings.trainer.max_policy_lag,
         settings.trainer.max_episodes,
-        spec_id=current_spec_id(settings),
+        spec_id=current_spec_id(settings) if spec_id is None else spec_id,
         settle_window_s=settings.labeler.settle_window_s,
         holdout_percent=settings.gate.ope.holdout_percent,
     )

@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field
 from schemas.settings import TrainerSettings
 from serving.sampler import MicroBatch, TokenLogprobs, token_logprobs
 from trainer.engine import grad_norm_after_step, grad_norm_before_step, optimizer_steps, set_lr, warmup_lr
-from trainer.losses import LossFn, Normaliser, TokenBatch, beyond_trust_region
+from trainer.losses import LossFn, LossOutput, Normaliser, TokenBatch, beyond_trust_region
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -183,75 +183,113 @@ def run_steps(
     """``cfg.steps`` optimizer steps over `batches` (this rank's share when there are several
     ranks; `norm` counts the whole cycle's tokens and sequences). `before_step` may raise to
     abandon the cycle; `after_step` gets each step's metrics (the whole cycle's, on every rank)."""
-    _, size = world()
     steps: list[StepMetrics] = []
     # π_old: the champion's own logprobs, taken from the first step's forward passes
     # (the weights only change at the end of that step).
     old_logprobs: list[TokenLogprobs | None] = [None] * len(batches)
     mismatch = Mismatch()
-    norm_before: float | None = None
     taken = optimizer_steps(engine)  # a carried optimizer may be past its warm-up
     for step in range(cfg.steps):
         lr = warmup_lr(cfg.learning_rate, taken + step + 1, cfg.warmup_steps)
         before_step(step)
-        totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl_k1": 0.0, "kl_k3": 0.0, "kl_tokens": 0.0,
-                  "is_weight": 0.0, "tokens": 0.0, "impossible": 0.0}  # fmt: skip
-        applied = True
-        for k, mb in enumerate(batches):
-            mb = mb.to(engine.device)
-            now = token_logprobs(engine, mb)  # (B, L−1) each
-            old = old_logprobs[k]
-            if old is None:
-                old = old_logprobs[k] = TokenLogprobs(now.logprobs.detach(), now.possible, now.tempered.detach())
-                mismatch.add(old.logprobs, mb.behaviour_logprobs, mb.mask * old.possible)
-            # A token outside the row's truncation under π_old or π_θ has no ratio: it leaves the
-            # policy term; the KL terms still see it, through the tempered logprobs.
-            mask = mb.mask * (now.possible & old.possible)
-            totals["impossible"] += float(mb.mask.sum() - mask.sum())
-            out = loss_fn(TokenBatch(now.logprobs, old.logprobs, mb.behaviour_logprobs, mb.advantages, mask,
-                                     tempered=now.tempered, old_tempered=old.tempered, scored=mb.mask),
-                          cfg.loss, norm)  # fmt: skip
-            totals["loss"] += float(out.loss.detach())
-            for key, value in out.sums.items():
-                totals[key] += value
-            last = k == len(batches) - 1
-            if last and size > 1:
-                totals = _all_reduced(totals)  # the whole step's sums, the same on every rank
-            if last and beyond_trust_region(totals, cfg.max_kl):
-                # The weights after the steps so far are already max_kl from the champion
-                # on this batch: keep them, and apply no more updates (this step's included).
-                applied = False
-                break
-            # The loss is already normalised over the whole step: no extra 1/accumulation; DeepSpeed
-            # averages the ranks' gradients, so each rank's share counts `size` times.
-            engine.backward(out.loss * size if size > 1 else out.loss, scale_wrt_gas=False)
-            if last:
-                norm_before = grad_norm_before_step(engine)
-                set_lr(engine, lr)
-            engine.step()  # the optimizer steps on the last micro-batch only
-        tokens = max(totals["tokens"], 1.0)
-        kl_tokens = max(totals["kl_tokens"], 1.0)
+        done = _step(engine, batches, cfg, loss_fn, norm, lr=lr, old_logprobs=old_logprobs, mismatch=mismatch)
         if step == 0:
             mismatch.reduce()
-        metrics = StepMetrics(
-            step=step,
-            loss=totals["loss"],
-            mean_ratio=totals["ratio"] / tokens,
-            clip_fraction=totals["clipped"] / tokens,
-            kl_k1=totals["kl_k1"] / kl_tokens,
-            kl_k3=totals["kl_k3"] / kl_tokens,
-            kl_tokens=int(totals["kl_tokens"]),
-            mismatch=mismatch.metrics() if step == 0 else None,
-            is_weight=totals["is_weight"] / tokens,
-            grad_norm=None if not applied else norm_before if norm_before is not None else grad_norm_after_step(engine),
-            mean_advantage=mean_advantage,
-            tokens=int(totals["tokens"]),
-            impossible_tokens=int(totals["impossible"]),
-            lr=lr if applied else None,
-            applied=applied,
-        )
+        metrics = _step_metrics(step, done, lr=lr, mean_advantage=mean_advantage,
+                                mismatch=mismatch.metrics() if step == 0 else None)  # fmt: skip
         steps.append(metrics)
         after_step(metrics)
-        if not applied:
+        if not done.applied:
             return Trained(steps, kl_stop=step)
     return Trained(steps, kl_stop=None)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What one step's forward passes summed (the whole step's, all-reduced across ranks), whether
+    its update was applied, and the gradient norm of that update."""
+
+    totals: dict[str, float]
+    applied: bool
+    grad_norm: float | None
+
+
+def _step(
+    engine: DeepSpeedEngine, batches: list[MicroBatch], cfg: TrainerSettings, loss_fn: LossFn, norm: Normaliser, *,
+    lr: float, old_logprobs: list[TokenLogprobs | None], mismatch: Mismatch,
+) -> _Step:
+    """One optimizer step: forward and backward over every micro-batch, then, unless the trust
+    region stops the cycle here, one update at learning rate `lr`."""
+    _, size = world()
+    totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl_k1": 0.0, "kl_k3": 0.0, "kl_tokens": 0.0,
+              "is_weight": 0.0, "tokens": 0.0, "impossible": 0.0}  # fmt: skip
+    norm_before: float | None = None
+    for k, mb in enumerate(batches):
+        mb = mb.to(engine.device)
+        out = _micro_batch_loss(engine, mb, k, cfg, loss_fn, norm, old_logprobs, mismatch, totals)
+        last = k == len(batches) - 1
+        if last and size > 1:
+            totals = _all_reduced(totals)  # the whole step's sums, the same on every rank
+        if last and beyond_trust_region(totals, cfg.max_kl):
+            # The weights after the steps so far are already max_kl from the champion
+            # on this batch: keep them, and apply no more updates (this step's included).
+            return _Step(totals, applied=False, grad_norm=None)
+        # The loss is already normalised over the whole step: no extra 1/accumulation; DeepSpeed
+        # averages the ranks' gradients, so each rank's share counts `size` times.
+        engine.backward(out.loss * size if size > 1 else out.loss, scale_wrt_gas=False)
+        if last:
+            norm_before = grad_norm_before_step(engine)
+            set_lr(engine, lr)
+        engine.step()  # the optimizer steps on the last micro-batch only
+    return _Step(totals, applied=True,
+                 grad_norm=norm_before if norm_before is not None else grad_norm_after_step(engine))  # fmt: skip
+
+
+def _micro_batch_loss(
+    engine: DeepSpeedEngine, mb: MicroBatch, k: int, cfg: TrainerSettings, loss_fn: LossFn, norm: Normaliser,
+    old_logprobs: list[TokenLogprobs | None], mismatch: Mismatch, totals: dict[str, float],
+) -> LossOutput:
+    """Micro-batch `k`'s forward pass and loss, its sums added to `totals`. The first step's pass
+    is π_old (kept in `old_logprobs`) and is measured against the behaviour logprobs (`mismatch`)."""
+    now = token_logprobs(engine, mb)  # (B, L−1) each
+    old = old_logprobs[k]
+    if old is None:
+        old = old_logprobs[k] = TokenLogprobs(now.logprobs.detach(), now.possible, now.tempered.detach())
+        mismatch.add(old.logprobs, mb.behaviour_logprobs, mb.mask * old.possible)
+    # A token outside the row's truncation under π_old or π_θ has no ratio: it leaves the
+    # policy term; the KL terms still see it, through the tempered logprobs.
+    mask = mb.mask * (now.possible & old.possible)
+    totals["impossible"] += float(mb.mask.sum() - mask.sum())
+    out = loss_fn(TokenBatch(now.logprobs, old.logprobs, mb.behaviour_logprobs, mb.advantages, mask,
+                             tempered=now.tempered, old_tempered=old.tempered, scored=mb.mask),
+                  cfg.loss, norm)  # fmt: skip
+    totals["loss"] += float(out.loss.detach())
+    for key, value in out.sums.items():
+        totals[key] += value
+    return out
+
+
+def _step_metrics(
+    step: int, done: _Step, *, lr: float, mean_advantage: float, mismatch: dict[str, float] | None
+) -> StepMetrics:
+    """A step's record: its sums as means over its tokens (the KL estimates over the tokens they cover)."""
+    totals = done.totals
+    tokens = max(totals["tokens"], 1.0)
+    kl_tokens = max(totals["kl_tokens"], 1.0)
+    return StepMetrics(
+        step=step,
+        loss=totals["loss"],
+        mean_ratio=totals["ratio"] / tokens,
+        clip_fraction=totals["clipped"] / tokens,
+        kl_k1=totals["kl_k1"] / kl_tokens,
+        kl_k3=totals["kl_k3"] / kl_tokens,
+        kl_tokens=int(totals["kl_tokens"]),
+        mismatch=mismatch,
+        is_weight=totals["is_weight"] / tokens,
+        grad_norm=done.grad_norm,
+        mean_advantage=mean_advantage,
+        tokens=int(totals["tokens"]),
+        impossible_tokens=int(totals["impossible"]),
+        lr=lr if done.applied else None,
+        applied=done.applied,
+    )

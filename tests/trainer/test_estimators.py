@@ -94,7 +94,7 @@ def test_a_cycle_is_decided_on_feedback_not_on_advantages() -> None:
     advantage is −0.3, so the old guard (rows with a non-zero advantage) trained a cycle on them."""
     from store import TrainingEpisode
     from trainer.advantages import BaselineState, compute_advantages
-    from trainer.cycle import carries_signal, signal_count
+    from trainer.batch import carries_signal, signal_count
 
     def episode(i: int, **kw: object) -> TrainingEpisode:
         return TrainingEpisode(episode_id=f"e{i}", reward=0.0, policy_version=1, created_at=datetime.now(UTC),
@@ -259,7 +259,7 @@ def test_feedback_on_greedy_episodes_does_not_carry_a_batch() -> None:
     (the cycle would fail with no rows, its episodes released, again and again)."""
     from schemas.events import SamplingParams
     from store import TrainingEpisode, TrainingSegment
-    from trainer.cycle import has_rows, signal_count
+    from trainer.batch import has_rows, signal_count
 
     def episode(i: int, temperature: float, feedback: bool) -> TrainingEpisode:
         seg = TrainingSegment(prompt="p", prompt_token_ids=[1, 2], completion_token_ids=[3], completion_logprobs=[-0.5],

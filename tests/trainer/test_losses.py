@@ -189,7 +189,7 @@ def test_an_episode_is_shaped_by_its_most_overlong_trainable_segment() -> None:
 
     from schemas.events import SamplingParams
     from store import TrainingEpisode, TrainingSegment
-    from trainer.cycle import episode_overlong_penalty
+    from trainer.batch import episode_overlong_penalty
 
     def segment(length: int, max_tokens: int | None, trainable: bool = True) -> TrainingSegment:
         return TrainingSegment(prompt="p", prompt_token_ids=[1], completion_token_ids=[2] * length,

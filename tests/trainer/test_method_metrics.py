@@ -9,7 +9,6 @@ import pytest
 from factories import T0, Feeder, feedback, interaction
 
 from schemas.rewards import PARL_V1
-from schemas.settings import LabelerSettings, Settings
 from store import Store, TrainingEpisode
 
 pytestmark = pytest.mark.unit
@@ -36,8 +35,7 @@ def test_the_cycles_lambda_counts_only_the_cycles_trained_under_its_spec(sqlite_
         assert cycle is not None
         store.mark_used(cycle, [f"t{n}"])
         store.finish_cycle(cycle, "rejected", challenger=2)
-    settings = Settings(_env_file=None, labeler=LabelerSettings(reward_spec="parl-v1"))  # type: ignore[call-arg]
     batch = [TrainingEpisode(episode_id="p", reward=0.0, policy_version=1, created_at=T0, segments=[])]
-    out = _method_metrics(settings, store, batch)
+    out = _method_metrics(PARL_V1, store, batch)
     assert (out["parl_cycle"], out["parl_lambda_parallel"], out["parl_lambda_finish"]) == (0.0, 0.2, 0.2)
     assert store.trained_cycles(PARL_V1.spec_id) == 0 and store.trained_cycles("tab-v1@2") == 10

@@ -157,7 +157,7 @@ def test_rows_carry_their_sampling_and_raw_logprobs_of_tempered_samples_are_left
     from datetime import UTC, datetime
 
     from store import TrainingEpisode, TrainingSegment
-    from trainer.cycle import rows_of
+    from trainer.batch import rows_of
 
     def segment(**sampling: Any) -> TrainingSegment:
         return TrainingSegment(prompt="p", prompt_token_ids=[1, 2], completion_token_ids=[3], completion_logprobs=[-0.5],

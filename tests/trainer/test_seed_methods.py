@@ -7,7 +7,7 @@ Each test starts its own gateway (`rtrl gateway`, a child process) on fresh topi
 runs the labeler in-process until the episodes settle on the client's end signal (the settle window is
 long: a window settlement would fail the test), then checks three things the issue asks for:
 
-* the right segments become rows, each with its episode's advantage (trainer.cycle.rows_of on what the
+* the right segments become rows, each with its episode's advantage (trainer.batch.rows_of on what the
   cycle selects);
 * tokens that must not learn get zero gradient, checked on the gradient of the cycle's own loss with
   respect to every target position (`assert_gradients_only_on_completions`): prompt tokens, sub-agent
@@ -168,9 +168,9 @@ def trainable_calls(episodes: list[TrainingEpisode], role: str | None = None) ->
 
 
 def select_rows(loop: Loop) -> tuple[list[TrainingEpisode], list[Any]]:
-    """What a cycle would select now and the rows it would train (trainer/cycle.py, with its advantages)."""
+    """What a cycle would select now and the rows it would train (trainer/cycle.py and trainer/batch.py, with its advantages)."""
     from trainer.advantages import BaselineState, compute_advantages
-    from trainer.cycle import episode_prompt_key, rows_of
+    from trainer.batch import episode_prompt_key, rows_of
     from trainer.selection import select_trainable
 
     settings = loop.training_settings()

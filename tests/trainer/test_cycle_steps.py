@@ -1,0 +1,221 @@
+"""`run_cycle`'s own bookkeeping on a SQLite store, without DeepSpeed or MLflow: the reward spec is
+resolved once per cycle, and a cycle that fails part-way is undone (trainer/cycle.py, the module
+docstring's guarantees).
+
+The engine functions are replaced by stand-ins and the registry by a recorder of its calls: what
+these tests check is what the cycle does around them. The real engine and registry are exercised
+by tests/trainer/test_cycle.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import torch
+from factories import Feeder, feedback, interaction
+
+import schemas.rewards
+from registry import Registry
+from schemas.rewards import TAB_V1, RewardSpec
+from schemas.settings import Settings
+from store import Store
+from trainer import cycle
+from trainer.steps import StepMetrics, Trained
+
+pytestmark = pytest.mark.unit
+
+EPISODES = 4
+
+
+class Recorder:
+    """The registry calls `run_cycle` makes, recorded in order; `fail` names a call (and its first
+    argument, for end_run) that raises instead."""
+
+    model_name = "cycle-steps"
+
+    def __init__(self, champion_dir: Path, store: Store, fail: tuple[str, Any] | None = None) -> None:
+        self.champion_dir, self.store, self.fail = champion_dir, store, fail
+        self.calls: list[tuple[str, Any]] = []
+        self.cycle_status_at_end_run: str | None = None
+
+    def _call(self, name: str, arg: Any = None) -> None:
+        self.calls.append((name, arg))
+        if self.fail is not None and self.fail == (name, arg):
+            raise RuntimeError(f"{name} failed")
+
+    def champion(self) -> int:
+        return 1
+
+    def version_tags(self, version: int) -> dict[str, str]:
+        return {"rtrl.base": "true"}
+
+    def download_checkpoint(self, version: int) -> Path:
+        return self.champion_dir
+
+    def start_run(self, name: str, tags: dict[str, str], params: dict[str, str]) -> str:
+        self._call("start_run", params["reward.spec"])
+        return "run-1"
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
+        self._call("log_metrics", step)
+
+    def log_json(self, run_id: str, files: dict[str, Any]) -> None:
+        self._call("log_json", sorted(files))
+
+    def set_run_tag(self, run_id: str, key: str, value: str) -> None:
+        self._call("set_run_tag", key)
+
+    def register_checkpoint(self, directory: Path, run_id: str, tags: dict[str, str]) -> int:
+        self._call("register_checkpoint", run_id)
+        return 2
+
+    def set_alias(self, alias: str, version: int) -> None:
+        self._call("set_alias", version)
+
+    def delete_version(self, version: int) -> None:
+        self._call("delete_version", version)
+
+    def end_run(self, run_id: str, status: str) -> None:
+        [record] = self.store.recent_cycles(1)
+        self.cycle_status_at_end_run = record.status
+        self._call("end_run", status)
+
+
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> Iterator[Store]:
+    """A migrated SQLite store (tests/trainer/conftest.py's `store` needs the session's Redis and MLflow)."""
+    store = Store(f"sqlite:///{tmp_path}/rtrl.db")
+    store.migrate()
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def spec_reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Every read of a ``.json`` reward spec from disk (`schemas.rewards.load_spec`), by path."""
+    reads: list[Path] = []
+    load = schemas.rewards.load_spec
+
+    def counted(path: Path) -> RewardSpec:
+        reads.append(path)
+        return load(path)
+
+    monkeypatch.setattr(schemas.rewards, "load_spec", counted)
+    return reads
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    """tab-v1 as a ``.json`` spec file; a cycle of EPISODES episodes, trainable at once."""
+    spec_file = tmp_path / "tab.json"
+    spec_file.write_text(TAB_V1.model_dump_json())
+    base = Settings(_env_file=None)
+    return base.model_copy(update={
+        "trainer": base.trainer.model_copy(update={"min_samples": EPISODES, "checkpoint_dir": tmp_path / "checkpoints",
+                                                   "carry_optimizer": False}),
+        "labeler": base.labeler.model_copy(update={"reward_spec": str(spec_file), "settle_window_s": 0.0}),
+        "gate": base.gate.model_copy(update={"ope": base.gate.ope.model_copy(update={"holdout_percent": 0})}),
+    })  # fmt: skip
+
+
+@pytest.fixture
+def champion_dir(tmp_path: Path) -> Path:
+    """What `checkpoint.check_source` takes for an HF checkpoint (the engine is a stand-in)."""
+    directory = tmp_path / "champion"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "stand-in"}))
+    (directory / "tokenizer.json").write_text("{}")
+    return directory
+
+
+def fed(store: Store) -> Store:
+    """EPISODES one-call episodes of v1 with feedback, half up and half down."""
+    Feeder(store).send(*[event for n in range(EPISODES) for event in (
+        interaction(f"e{n}"), feedback(f"r-e{n}-0", "thumbs_up" if n % 2 else "thumbs_down"))])  # fmt: skip
+    return store
+
+
+def stand_in_engine(monkeypatch: pytest.MonkeyPatch, steps: Callable[..., Trained]) -> list[object]:
+    """Replace the engine functions the cycle calls; `steps` runs as `run_steps`. Returns the
+    engines closed so far."""
+    closed: list[object] = []
+    monkeypatch.setattr(cycle, "start_engine", lambda *args, **kwargs: object())
+    monkeypatch.setattr(cycle, "close_engine", closed.append)
+    monkeypatch.setattr(cycle, "state_dict", lambda engine: {"w": torch.zeros(1)})
+    monkeypatch.setattr(cycle, "run_steps", steps)
+    return closed
+
+
+def one_step(*args: Any, **kwargs: Any) -> Trained:
+    metrics = StepMetrics(step=0, loss=0.0, mean_ratio=1.0, clip_fraction=0.0, kl_k1=0.0, is_weight=1.0,
+                          grad_norm=0.1, mean_advantage=kwargs["mean_advantage"], tokens=2 * EPISODES)  # fmt: skip
+    kwargs["before_step"](0)
+    kwargs["after_step"](metrics)
+    return Trained([metrics], kl_stop=None)
+
+
+def test_a_json_reward_spec_is_read_once_per_cycle(
+    settings: Settings, sqlite_store: Store, champion_dir: Path, spec_reads: list[Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Count, select, method metrics, MLflow params, baselines: every step of a registered cycle
+    gets the spec `run_cycle` resolved when it started."""
+    store = fed(sqlite_store)
+    closed = stand_in_engine(monkeypatch, one_step)
+    registry = Recorder(champion_dir, store)
+
+    result = cycle.run_cycle(settings, store, cast(Registry, registry), owner="test")
+
+    assert (result.status, result.challenger_version, result.episodes) == ("registered", 2, EPISODES)
+    assert spec_reads == [Path(settings.labeler.reward_spec)]
+    assert ("start_run", TAB_V1.spec_id) in registry.calls and registry.calls[-1] == ("end_run", "FINISHED")
+    assert len(closed) == 1
+    assert list(settings.trainer.checkpoint_dir.glob(f"baselines-*.cycle-{result.cycle_id}.json"))
+
+
+def test_a_failure_in_the_steps_closes_the_engine_and_undoes_the_cycle(
+    settings: Settings, sqlite_store: Store, champion_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The steps raise after the episodes are claimed and the run started: the engine is closed,
+    the cycle failed (before the run is ended, so its episodes are free first), the run FAILED,
+    nothing registered or staged, and the exception propagates."""
+    store = fed(sqlite_store)
+
+    def failing(*args: Any, **kwargs: Any) -> Trained:
+        raise ValueError("a step failed")
+
+    closed = stand_in_engine(monkeypatch, failing)
+    registry = Recorder(champion_dir, store)
+
+    with pytest.raises(ValueError, match="a step failed"):
+        cycle.run_cycle(settings, store, cast(Registry, registry), owner="test")
+
+    assert len(closed) == 1
+    [record] = store.recent_cycles(1)
+    assert (record.status, record.error) == ("failed", "ValueError: a step failed")
+    assert store.count_trainable(1, 0) == EPISODES, "the episodes went back to the pool"
+    assert registry.calls[-1] == ("end_run", "FAILED") and registry.cycle_status_at_end_run == "failed"
+    assert not any(name == "register_checkpoint" for name, _ in registry.calls)
+    assert not list(settings.trainer.checkpoint_dir.glob("baselines-*"))
+
+
+def test_a_failure_after_registration_deletes_the_version(
+    settings: Settings, sqlite_store: Store, champion_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last step fails (ending the run): the cycle is failed, then the version it registered
+    deleted, then its run marked FAILED; the first failure propagates."""
+    store = fed(sqlite_store)
+    stand_in_engine(monkeypatch, one_step)
+    registry = Recorder(champion_dir, store, fail=("end_run", "FINISHED"))
+
+    with pytest.raises(RuntimeError, match="end_run failed"):
+        cycle.run_cycle(settings, store, cast(Registry, registry), owner="test")
+
+    [record] = store.recent_cycles(1)
+    assert record.status == "failed" and store.count_trainable(1, 0) == EPISODES
+    assert registry.calls[-3:] == [("end_run", "FINISHED"), ("delete_version", 2), ("end_run", "FAILED")]
+    assert registry.cycle_status_at_end_run == "failed"
