@@ -42,6 +42,7 @@ signal; episodes with only an acceptance settle when the window passes.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -286,11 +287,23 @@ def get_spec(name: str) -> RewardSpec:
     if name in SPECS:
         return SPECS[name]
     if name.endswith(".json"):
-        return load_spec(Path(name))
+        path = Path(name)
+        try:
+            stat = path.stat()
+        except OSError as exc:
+            raise RewardSpecError(f"reward spec {path}: {exc}") from None
+        return _load_spec_cached(path.resolve(), stat.st_mtime_ns, stat.st_size)
     raise RewardSpecError(
         f"unknown reward spec {name!r}; built-in: {sorted(SPECS)}, or give a path to a .json spec "
         "(RTRL_LABELER__REWARD_SPEC)"
     )
+
+
+@functools.lru_cache(maxsize=32)
+def _load_spec_cached(path: Path, mtime_ns: int, size: int) -> RewardSpec:
+    """A `.json` spec read once per content on disk (the stages look the spec up by name many times
+    a cycle; an edited file is read again, as its mtime or size changes)."""
+    return load_spec(path)
 
 
 def load_spec(path: Path) -> RewardSpec:

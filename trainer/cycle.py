@@ -1,6 +1,6 @@
 """One training cycle, top to bottom: lease → select → advantages → DeepSpeed steps → save → register.
 
-Called by the Celery task ``rtrl.train_cycle`` (trainer/tasks.py) in the worker process, or
+Called by the Celery task ``rtrl.train_cycle`` (worker/tasks.py) in the worker process, or
 in-process by ``rtrl train now --inline``. The policy trained is exactly the champion's weights
 that served the selected samples; the result is a new registered version of
 ``settings.mlflow.model_name`` with alias ``challenger``, which the task then sends through the

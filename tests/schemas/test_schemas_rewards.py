@@ -102,6 +102,19 @@ def test_spec_from_json_file(tmp_path) -> None:
         get_spec(str(tmp_path / "broken.json"))
 
 
+def test_a_json_spec_is_read_once_until_the_file_changes(tmp_path) -> None:
+    weights = {kind.value: 0.0 for kind in K} | {"accepted": 1.0}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"name": "mine", "version": 1, "weights": weights, "terminal": ["accepted"]}))
+    first = get_spec(str(path))
+    assert get_spec(str(path)) is first  # no second read of the same file
+    path.write_text(json.dumps({"name": "mine", "version": 22, "weights": weights, "terminal": ["accepted"]}))
+    assert get_spec(str(path)).spec_id == "mine@22"  # an edited file is read again
+    path.unlink()
+    with pytest.raises(RewardSpecError, match="mine.json"):
+        get_spec(str(path))
+
+
 def test_rewards_module_is_import_light() -> None:
     import subprocess
     import sys
