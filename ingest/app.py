@@ -45,13 +45,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
-from kafka import KafkaProducer
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+import streams
 from ingest import completions, feedback_route, operations, served_models
 from ingest.auth import OPEN_CALLER, KeyCache, RequestIds, request_id_secret
 from ingest.gateway import Gateway
@@ -73,7 +73,7 @@ SWITCH_INTERVAL_S = 0.0005
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/feedback")
 
 Handler = Callable[[Gateway, Request], Awaitable[Response]]
-Connect = Callable[[], KafkaProducer | None]
+Connect = Callable[[], streams.Producer | None]
 Lifespan = Callable[[Starlette], AbstractAsyncContextManager[None]]
 
 
