@@ -55,17 +55,21 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=200, help="Requests per path.")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=8, help="Clients at once in the concurrent phase.")
-    parser.add_argument("--model-dir", type=Path, default=None, help="Checkpoint to serve (default: the tiny model, built).")
+    parser.add_argument(
+        "--model-dir", type=Path, default=None, help="Checkpoint to serve (default: the tiny model, built)."
+    )
     return parser.parse_args()
 
 
 def _settings(run_dir: Path, model_dir: Path | None) -> Settings:
     """Kafka and one vLLM serving server (no staging server) under `run_dir`, on free ports."""
     settings = services_settings(run_dir, model_dir or run_dir / "model", enabled=("kafka", "vllm"))
-    return settings.model_copy(update={
-        "vllm": settings.vllm.model_copy(update={"staging_server": None}),
-        "services": settings.services.model_copy(update={"vllm_staging_port": None}),
-    })
+    return settings.model_copy(
+        update={
+            "vllm": settings.vllm.model_copy(update={"staging_server": None}),
+            "services": settings.services.model_copy(update={"vllm_staging_port": None}),
+        }
+    )
 
 
 def _prepare(settings: Settings) -> str:
@@ -79,7 +83,9 @@ def _prepare(settings: Settings) -> str:
     # version from the deployer's announcement in the store (what bootstrap records).
     store = Store(settings.store.url)
     store.migrate()
-    _, key = store.create_api_key(role="tenant", tenant="bench", name="bench_gateway", rate_per_s=0)  # unlimited
+    _, key = store.create_api_key(
+        role="tenant", tenant="bench", name="bench_gateway", rate_per_s=0
+    )  # unlimited
     store.set_serving_version(settings.vllm.servers[0], 1, "bench: announced as the deployer does")
     store.close()
     return key
@@ -96,8 +102,12 @@ class _Timer:
     max_tokens: int
 
     def call(self, url: str, i: int, capture_fields: bool = False) -> float:
-        body = {"model": self.model, "prompt": self.prompts[i % len(self.prompts)], "max_tokens": self.max_tokens,
-                "temperature": 0}  # fmt: skip
+        body = {
+            "model": self.model,
+            "prompt": self.prompts[i % len(self.prompts)],
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+        }
         if capture_fields:  # what ingest/shaping.py adds to a completion request
             body |= {"logprobs": 0, "return_token_ids": True}
         start = time.perf_counter()
@@ -107,10 +117,17 @@ class _Timer:
         return elapsed
 
     def first_token(self, url: str, i: int) -> float:
-        body = {"model": self.model, "prompt": self.prompts[i % len(self.prompts)], "max_tokens": self.max_tokens,
-                "temperature": 0, "stream": True}  # fmt: skip
+        body = {
+            "model": self.model,
+            "prompt": self.prompts[i % len(self.prompts)],
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
         start = time.perf_counter()
-        with self.client.stream("POST", url, json=body, headers={"authorization": f"Bearer {self.key}"}) as response:
+        with self.client.stream(
+            "POST", url, json=body, headers={"authorization": f"Bearer {self.key}"}
+        ) as response:
             response.raise_for_status()
             lines = response.iter_lines()
             for line in lines:
@@ -124,15 +141,27 @@ class _Timer:
         return elapsed
 
 
-def _measure(timer: _Timer, direct_url: str, gateway_url: str, requests: int, n: int) -> dict[str, list[float]]:
+def _measure(
+    timer: _Timer, direct_url: str, gateway_url: str, requests: int, n: int
+) -> dict[str, list[float]]:
     """The latencies of each path: one client interleaved, `n` clients in alternating rounds, streamed TTFT."""
     for i in range(20):  # warm both paths (connections, caches, the gateway's version read)
         timer.call(direct_url, i)
         timer.call(gateway_url, i)
         timer.first_token(direct_url, i)
         timer.first_token(gateway_url, i)
-    ms: dict[str, list[float]] = {name: [] for name in ("direct", "direct_capture", "through", "direct_c",
-                                                        "through_c", "ttft_direct", "ttft_through")}  # fmt: skip
+    ms: dict[str, list[float]] = {
+        name: []
+        for name in (
+            "direct",
+            "direct_capture",
+            "through",
+            "direct_c",
+            "through_c",
+            "ttft_direct",
+            "ttft_through",
+        )
+    }
     for i in range(requests):  # interleaved, so drift in machine load hits all alike
         ms["direct"].append(timer.call(direct_url, i))
         ms["direct_capture"].append(timer.call(direct_url, i, capture_fields=True))
@@ -159,27 +188,51 @@ def _report(ms: dict[str, list[float]], args: argparse.Namespace) -> None:
     print(f"1 client   vLLM direct     p50 {d50:7.2f} ms   p95 {d95:7.2f} ms")
     print(f"1 client   vLLM direct, request as forwarded (+logprobs, token ids) p50 {x50:7.2f} ms")
     print(f"1 client   through gateway p50 {g50:7.2f} ms   p95 {g95:7.2f} ms")
-    print(f"           added p50 {g50 - d50:+.2f} ms  p95 {g95 - d95:+.2f} ms  ratio p50 {g50 / d50:.3f}x"
-          "   (target: <= +3 ms and <= 1.10x)")
-    print(f"           of which vLLM's extra work for the capture fields {x50 - d50:+.2f} ms; "
-          f"the gateway's own {g50 - x50:+.2f} ms ({g50 / x50:.3f}x)")
+    print(
+        f"           added p50 {g50 - d50:+.2f} ms  p95 {g95 - d95:+.2f} ms  ratio p50 {g50 / d50:.3f}x"
+        "   (target: <= +3 ms and <= 1.10x)"
+    )
+    print(
+        f"           of which vLLM's extra work for the capture fields {x50 - d50:+.2f} ms; "
+        f"the gateway's own {g50 - x50:+.2f} ms ({g50 / x50:.3f}x)"
+    )
     print(f"{n} clients  vLLM direct     p50 {dc50:7.2f} ms   p95 {dc95:7.2f} ms")
     print(f"{n} clients  through gateway p50 {gc50:7.2f} ms   p95 {gc95:7.2f} ms")
-    print(f"           added p50 {gc50 - dc50:+.2f} ms  p95 {gc95 - dc95:+.2f} ms  ratio p50 {gc50 / dc50:.3f}x")
-    print(f"streamed   TTFT direct p50 {t50:7.2f} ms   through gateway {tg50:7.2f} ms   added {tg50 - t50:+.2f} ms"
-          "   (target: <= +3 ms)")
-    print(json.dumps({
-        "name": "gateway_latency_p50_ms", "value": round(g50, 3), "baseline": round(d50, 3),
-        "ratio": round(g50 / d50, 4), "added_ms_p50": round(g50 - d50, 3), "added_ms_p95": round(g95 - d95, 3),
-        "gateway_p95_ms": round(g95, 3), "direct_p95_ms": round(d95, 3),
-        "direct_capture_fields_p50_ms": round(x50, 3), "added_ms_p50_own": round(g50 - x50, 3),
-        "ratio_own": round(g50 / x50, 4),
-        f"gateway_p50_ms_c{n}": round(gc50, 3), f"direct_p50_ms_c{n}": round(dc50, 3),
-        f"added_ms_p50_c{n}": round(gc50 - dc50, 3), f"added_ms_p95_c{n}": round(gc95 - dc95, 3),
-        f"ratio_c{n}": round(gc50 / dc50, 4),
-        "ttft_direct_ms": round(t50, 3), "ttft_gateway_ms": round(tg50, 3), "ttft_added_ms": round(tg50 - t50, 3),
-        "requests_per_path": args.requests, "max_tokens": args.max_tokens, "concurrency": n,
-    }))  # fmt: skip
+    print(
+        f"           added p50 {gc50 - dc50:+.2f} ms  p95 {gc95 - dc95:+.2f} ms  ratio p50 {gc50 / dc50:.3f}x"
+    )
+    print(
+        f"streamed   TTFT direct p50 {t50:7.2f} ms   through gateway {tg50:7.2f} ms   added {tg50 - t50:+.2f} ms"
+        "   (target: <= +3 ms)"
+    )
+    print(
+        json.dumps(
+            {
+                "name": "gateway_latency_p50_ms",
+                "value": round(g50, 3),
+                "baseline": round(d50, 3),
+                "ratio": round(g50 / d50, 4),
+                "added_ms_p50": round(g50 - d50, 3),
+                "added_ms_p95": round(g95 - d95, 3),
+                "gateway_p95_ms": round(g95, 3),
+                "direct_p95_ms": round(d95, 3),
+                "direct_capture_fields_p50_ms": round(x50, 3),
+                "added_ms_p50_own": round(g50 - x50, 3),
+                "ratio_own": round(g50 / x50, 4),
+                f"gateway_p50_ms_c{n}": round(gc50, 3),
+                f"direct_p50_ms_c{n}": round(dc50, 3),
+                f"added_ms_p50_c{n}": round(gc50 - dc50, 3),
+                f"added_ms_p95_c{n}": round(gc95 - dc95, 3),
+                f"ratio_c{n}": round(gc50 / dc50, 4),
+                "ttft_direct_ms": round(t50, 3),
+                "ttft_gateway_ms": round(tg50, 3),
+                "ttft_added_ms": round(tg50 - t50, 3),
+                "requests_per_path": args.requests,
+                "max_tokens": args.max_tokens,
+                "concurrency": n,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -190,11 +243,24 @@ def main() -> None:
     prompts = get_task("exclaim").heldout_prompts(50)
     try:
         key = _prepare(settings)
-        with gateway_process(settings, run_dir / "gateway.log") as gateway, httpx.Client(timeout=60) as client:
-            timer = _Timer(client=client, model=settings.vllm.served_model_name, key=key, prompts=prompts,
-                           max_tokens=args.max_tokens)  # fmt: skip
-            ms = _measure(timer, f"{settings.vllm.servers[0]}/v1/completions", f"{gateway}/v1/completions",
-                          args.requests, args.concurrency)  # fmt: skip
+        with (
+            gateway_process(settings, run_dir / "gateway.log") as gateway,
+            httpx.Client(timeout=60) as client,
+        ):
+            timer = _Timer(
+                client=client,
+                model=settings.vllm.served_model_name,
+                key=key,
+                prompts=prompts,
+                max_tokens=args.max_tokens,
+            )
+            ms = _measure(
+                timer,
+                f"{settings.vllm.servers[0]}/v1/completions",
+                f"{gateway}/v1/completions",
+                args.requests,
+                args.concurrency,
+            )
     finally:
         down(settings)
         shutil.rmtree(run_dir, ignore_errors=True)

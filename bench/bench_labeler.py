@@ -66,30 +66,46 @@ RAW_PASSES = 3  # the baseline is the median of this many raw consumer passes
 STABLE_S = 2.0  # the replicas' assignments unchanged this long: the group is stable
 
 
-def events(n_interactions: int, n_feedback: int, tag: str) -> tuple[list[InteractionEvent], list[FeedbackEvent]]:
+def events(
+    n_interactions: int, n_feedback: int, tag: str
+) -> tuple[list[InteractionEvent], list[FeedbackEvent]]:
     start = datetime.now(UTC) - timedelta(minutes=5)
     interactions = [
         InteractionEvent(
-            event_id=f"i-{tag}-{i}", request_id=f"r-{tag}-{i}", episode_id=f"r-{tag}-{i}", model="rtrl-tiny",
-            policy_version="v1", prompt="Q: What is 3 plus 4?\nA:" * 4, prompt_token_ids=list(range(1, 65)),
-            completion=" The answer is 7!", completion_token_ids=list(range(100, 116)),
-            completion_logprobs=[-0.5] * 16, created_at=start + timedelta(milliseconds=i),
+            event_id=f"i-{tag}-{i}",
+            request_id=f"r-{tag}-{i}",
+            episode_id=f"r-{tag}-{i}",
+            model="rtrl-tiny",
+            policy_version="v1",
+            prompt="Q: What is 3 plus 4?\nA:" * 4,
+            prompt_token_ids=list(range(1, 65)),
+            completion=" The answer is 7!",
+            completion_token_ids=list(range(100, 116)),
+            completion_logprobs=[-0.5] * 16,
+            created_at=start + timedelta(milliseconds=i),
         )
         for i in range(n_interactions)
-    ]  # fmt: skip
+    ]
     feedback = [
-        FeedbackEvent(event_id=f"f-{tag}-{i}", request_id=f"r-{tag}-{i % n_interactions}",
-                      kind="thumbs_up" if i % 2 else "thumbs_down", value=1.0,
-                      created_at=start + timedelta(milliseconds=i, seconds=1))
+        FeedbackEvent(
+            event_id=f"f-{tag}-{i}",
+            request_id=f"r-{tag}-{i % n_interactions}",
+            kind="thumbs_up" if i % 2 else "thumbs_down",
+            value=1.0,
+            created_at=start + timedelta(milliseconds=i, seconds=1),
+        )
         for i in range(n_feedback)
-    ]  # fmt: skip
+    ]
     return interactions, feedback
 
 
 def produce(settings: Settings, interactions: list[InteractionEvent], feedback: list[FeedbackEvent]) -> None:
     producer = streams.producer(settings.kafka, "rtrl-bench", linger_ms=20, batch_size=512 * 1024)
     try:
-        for topic, batch in ((settings.kafka.interactions_topic, interactions), (settings.kafka.feedback_topic, feedback)):
+        for topic, batch in (
+            (settings.kafka.interactions_topic, interactions),
+            (settings.kafka.feedback_topic, feedback),
+        ):
             for event in batch:
                 producer.send(topic, key=event.request_id.encode(), value=event.model_dump_json().encode())
         producer.flush(timeout=300)
@@ -99,10 +115,16 @@ def produce(settings: Settings, interactions: list[InteractionEvent], feedback: 
 
 def raw_rate(settings: Settings, total: int) -> float:
     """Records/s of a bare kafka-python consumer reading both topics from the start."""
-    consumer = streams.consumer(settings.kafka, "rtrl-bench-raw", settings.kafka.interactions_topic,
-                                settings.kafka.feedback_topic, group_id=f"bench-raw-{uuid.uuid4().hex[:8]}",
-                                auto_offset_reset="earliest", enable_auto_commit=False,
-                                max_poll_records=settings.labeler.max_poll_records)  # fmt: skip
+    consumer = streams.consumer(
+        settings.kafka,
+        "rtrl-bench-raw",
+        settings.kafka.interactions_topic,
+        settings.kafka.feedback_topic,
+        group_id=f"bench-raw-{uuid.uuid4().hex[:8]}",
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        max_poll_records=settings.labeler.max_poll_records,
+    )
     seen, started = 0, None
     try:
         deadline = time.monotonic() + 600
@@ -183,7 +205,9 @@ def check_store(store: Store, n_interactions: int, n_feedback: int) -> None:
     stats = store.stats()
     counted = (stats["interactions"], stats["feedback_joined"])
     if counted != (n_interactions, n_feedback):
-        raise RuntimeError(f"the store holds {counted} (interactions, joined feedback), expected {(n_interactions, n_feedback)}")
+        raise RuntimeError(
+            f"the store holds {counted} (interactions, joined feedback), expected {(n_interactions, n_feedback)}"
+        )
 
 
 def dead_lettered(store: Store, n: int) -> str:
@@ -223,8 +247,17 @@ def replica(settings: Settings, go: Any, stop: Any, reports: Any) -> None:
         while not stop.is_set():
             report = labeler.step()
             if report is not None and report.records:
-                reports.put(("step", os.getpid(), time.time(), report.interactions, report.feedback, report.settle.joined,
-                             report.dead_lettered))  # fmt: skip
+                reports.put(
+                    (
+                        "step",
+                        os.getpid(),
+                        time.time(),
+                        report.interactions,
+                        report.feedback,
+                        report.settle.joined,
+                        report.dead_lettered,
+                    )
+                )
     finally:
         consumer.close(autocommit=False)
         labeler.producer.close()
@@ -243,9 +276,15 @@ def replicas_rate(
     store.migrate()
     context = multiprocessing.get_context("spawn")
     go, stop, reports = context.Event(), context.Event(), context.Queue()
-    processes = [context.Process(target=replica, args=(settings, go, stop, reports), daemon=True) for _ in range(replicas)]
-    partitions = {(topic, p) for topic in (settings.kafka.interactions_topic, settings.kafka.feedback_topic)
-                  for p in range(settings.kafka.partitions)}  # fmt: skip
+    processes = [
+        context.Process(target=replica, args=(settings, go, stop, reports), daemon=True)
+        for _ in range(replicas)
+    ]
+    partitions = {
+        (topic, p)
+        for topic in (settings.kafka.interactions_topic, settings.kafka.feedback_topic)
+        for p in range(settings.kafka.partitions)
+    }
     try:
         for process in processes:
             process.start()
@@ -262,8 +301,12 @@ def replicas_rate(
                 pass
             owned = [tp for tps in assigned.values() for tp in tps]
             busy = min(replicas, len(partitions) // 2)  # the range assignor gives extra replicas nothing
-            if (len(owned) == len(set(owned)) and set(owned) == partitions and sum(1 for tps in assigned.values() if tps) == busy
-                    and time.monotonic() - changed >= STABLE_S):  # fmt: skip
+            if (
+                len(owned) == len(set(owned))
+                and set(owned) == partitions
+                and sum(1 for tps in assigned.values() if tps) == busy
+                and time.monotonic() - changed >= STABLE_S
+            ):
                 break
         pids = {process.pid for process in processes if process.pid is not None}
         cpu_before = cpu_seconds(pids)
@@ -318,8 +361,15 @@ def cpu_seconds(labelers: Collection[int]) -> dict[str, float]:
         if times is None:
             continue  # exited meanwhile, or not ours to read
         name = process.info["name"]
-        part = ("labelers" if process.pid in labelers else "postgres" if name == "postgres"
-                else "kafka" if name == "java" else "other")  # fmt: skip
+        part = (
+            "labelers"
+            if process.pid in labelers
+            else "postgres"
+            if name == "postgres"
+            else "kafka"
+            if name == "java"
+            else "other"
+        )
         parts[part] += times.user + times.system
     return parts
 
@@ -328,21 +378,35 @@ def fresh(settings: Settings, name: str) -> Settings:
     """`settings` with a labeler group and a PostgreSQL database of their own (the database created)."""
     database = f"{settings.postgres.database}_{name}"
     Postgres(settings).create_database(database)
-    return settings.model_copy(update={
-        "kafka": settings.kafka.model_copy(update={"labeler_group": f"{settings.kafka.labeler_group}.{name}"}),
-        "store": StoreSettings(url=local_postgres_url(settings, database)),
-    })  # fmt: skip
+    return settings.model_copy(
+        update={
+            "kafka": settings.kafka.model_copy(
+                update={"labeler_group": f"{settings.kafka.labeler_group}.{name}"}
+            ),
+            "store": StoreSettings(url=local_postgres_url(settings, database)),
+        }
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--interactions", type=int, default=20_000)
     parser.add_argument("--feedback", type=int, default=20_000)
-    parser.add_argument("--partitions", type=int, default=None,
-                        help="Partitions of each topic (default: RTRL_KAFKA__PARTITIONS's default); more cores need more.")  # fmt: skip
-    parser.add_argument("--replicas", type=int, default=None,
-                        help="Labeler processes in the group run (default: the partition count).")  # fmt: skip
-    parser.add_argument("--profile", action="store_true", help="Print where the one labeler's thread spends its time.")
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=None,
+        help="Partitions of each topic (default: RTRL_KAFKA__PARTITIONS's default); more cores need more.",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="Labeler processes in the group run (default: the partition count).",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="Print where the one labeler's thread spends its time."
+    )
     args = parser.parse_args()
     if args.interactions < 1 or args.feedback < 0:
         parser.error("--interactions must be >= 1 and --feedback >= 0")
@@ -353,15 +417,22 @@ def main() -> None:
     with private_services("rtrl-bench-labeler-", enabled=("kafka", "postgres")) as base:
         up(base)
         tag = uuid.uuid4().hex[:8]
-        kafka = base.kafka.model_copy(update={
-            "interactions_topic": f"bench.{tag}.interactions", "feedback_topic": f"bench.{tag}.feedback",
-            "dlq_topic": f"bench.{tag}.dlq", "labeler_group": f"bench.{tag}.labeler",
-            "partitions": args.partitions or base.kafka.partitions})  # fmt: skip
-        settings = base.model_copy(update={
-            "kafka": kafka,
-            # Episodes settle by their terminal feedback; the window never fires during the run.
-            "labeler": base.labeler.model_copy(update={"settle_window_s": 3600.0}),
-        })  # fmt: skip
+        kafka = base.kafka.model_copy(
+            update={
+                "interactions_topic": f"bench.{tag}.interactions",
+                "feedback_topic": f"bench.{tag}.feedback",
+                "dlq_topic": f"bench.{tag}.dlq",
+                "labeler_group": f"bench.{tag}.labeler",
+                "partitions": args.partitions or base.kafka.partitions,
+            }
+        )
+        settings = base.model_copy(
+            update={
+                "kafka": kafka,
+                # Episodes settle by their terminal feedback; the window never fires during the run.
+                "labeler": base.labeler.model_copy(update={"settle_window_s": 3600.0}),
+            }
+        )
         replicas = args.replicas or settings.kafka.partitions
         streams.ensure_topics(settings.kafka)
         interactions, feedback = events(args.interactions, args.feedback, tag)
@@ -376,34 +447,44 @@ def main() -> None:
         raw_passes = [raw_rate(settings, total) for _ in range(RAW_PASSES)]
         raw = statistics.median(raw_passes)
         single, seconds = labeler_rate(fresh(settings, "single"), n_interactions, n_feedback, args.profile)
-        rate, group_s, per, cpu = replicas_rate(fresh(settings, "group"), n_interactions, n_feedback, replicas)
-    cpus = len(os.sched_getaffinity(0))  # the CPUs this run may use (fewer under taskset than the machine has)
-    print(f"raw kafka-python consume: {raw:,.0f} records/s (median of {', '.join(f'{r:,.0f}' for r in raw_passes)}); into PostgreSQL: one labeler {single:,.0f} records/s "
-          f"({seconds:.1f} s), {replicas} replicas {rate:,.0f} records/s ({group_s:.1f} s; per replica {per}; CPU s {cpu}), "
-          f"{total:,} records, {cpus} CPUs")  # fmt: skip
-    print(json.dumps({
-        "name": "labeler_records_per_s",
-        "value": round(rate, 1),
-        "baseline": round(raw, 1),
-        "baseline_passes": [round(passed, 1) for passed in raw_passes],
-        "ratio": round(rate / raw, 4),
-        "records": total,
-        "interactions": n_interactions,
-        "feedback": n_feedback,
-        "replicas": replicas,
-        "replicas_s": round(group_s, 2),
-        "per_replica": per,
-        "group_cpu_s": cpu,
-        "group_cpu_us_per_record": round(sum(cpu.values()) / total * 1e6, 1),
-        "single": round(single, 1),
-        "single_ratio": round(single / raw, 4),
-        "single_s": round(seconds, 2),
-        "store": "postgresql",
-        "partitions": settings.kafka.partitions,
-        "cpus": cpus,
-        "target_value": 5000,
-        "target_ratio": 0.25,
-    }))
+        rate, group_s, per, cpu = replicas_rate(
+            fresh(settings, "group"), n_interactions, n_feedback, replicas
+        )
+    cpus = len(
+        os.sched_getaffinity(0)
+    )  # the CPUs this run may use (fewer under taskset than the machine has)
+    print(
+        f"raw kafka-python consume: {raw:,.0f} records/s (median of {', '.join(f'{r:,.0f}' for r in raw_passes)}); into PostgreSQL: one labeler {single:,.0f} records/s "
+        f"({seconds:.1f} s), {replicas} replicas {rate:,.0f} records/s ({group_s:.1f} s; per replica {per}; CPU s {cpu}), "
+        f"{total:,} records, {cpus} CPUs"
+    )
+    print(
+        json.dumps(
+            {
+                "name": "labeler_records_per_s",
+                "value": round(rate, 1),
+                "baseline": round(raw, 1),
+                "baseline_passes": [round(passed, 1) for passed in raw_passes],
+                "ratio": round(rate / raw, 4),
+                "records": total,
+                "interactions": n_interactions,
+                "feedback": n_feedback,
+                "replicas": replicas,
+                "replicas_s": round(group_s, 2),
+                "per_replica": per,
+                "group_cpu_s": cpu,
+                "group_cpu_us_per_record": round(sum(cpu.values()) / total * 1e6, 1),
+                "single": round(single, 1),
+                "single_ratio": round(single / raw, 4),
+                "single_s": round(seconds, 2),
+                "store": "postgresql",
+                "partitions": settings.kafka.partitions,
+                "cpus": cpus,
+                "target_value": 5000,
+                "target_ratio": 0.25,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

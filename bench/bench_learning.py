@@ -101,19 +101,33 @@ def suite(record: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preference", default=None, help="module:function (default: the exclaim task's users)")
+    parser.add_argument(
+        "--preference", default=None, help="module:function (default: the exclaim task's users)"
+    )
     parser.add_argument("--cycles", type=int, default=10)
     parser.add_argument("--requests", type=int, default=96)
-    parser.add_argument("--final-requests", type=int, default=384, help="users in the final measurement round")
+    parser.add_argument(
+        "--final-requests", type=int, default=384, help="users in the final measurement round"
+    )
     parser.add_argument("--feedback-rate", type=float, default=0.3)
     parser.add_argument("--flip-rate", type=float, default=0.1)
     parser.add_argument("--hack", action="store_true", help="users say nothing to non-answers (docs/gate.md)")
     parser.add_argument("--lr", type=float, default=None, help="trainer.lr (default: the trainer's)")
-    parser.add_argument("--steps", type=int, default=None, help="trainer.steps per cycle (default: the trainer's)")
-    parser.add_argument("--kl-coef", type=float, default=None, help="trainer.loss.kl_coef (default: the loss's)")
-    parser.add_argument("--warmup-steps", type=int, default=None, help="trainer.warmup_steps (default: the trainer's)")
-    parser.add_argument("--recipe", default="v1", help="the tiny base model's recipe (rtrl model init --recipe)")
-    parser.add_argument("--model-dir", type=Path, default=None, help="a checkpoint of your own instead of the tiny model")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="trainer.steps per cycle (default: the trainer's)"
+    )
+    parser.add_argument(
+        "--kl-coef", type=float, default=None, help="trainer.loss.kl_coef (default: the loss's)"
+    )
+    parser.add_argument(
+        "--warmup-steps", type=int, default=None, help="trainer.warmup_steps (default: the trainer's)"
+    )
+    parser.add_argument(
+        "--recipe", default="v1", help="the tiny base model's recipe (rtrl model init --recipe)"
+    )
+    parser.add_argument(
+        "--model-dir", type=Path, default=None, help="a checkpoint of your own instead of the tiny model"
+    )
     parser.add_argument("--seed", type=int, default=0, help="draws other users (and trainer.seed)")
     parser.add_argument("--json", type=Path, default=None, help="write the per-cycle rows here")
     args = parser.parse_args()
@@ -138,12 +152,20 @@ def bench_settings(base: Settings, args: argparse.Namespace) -> Settings:
         trainer["seed"] = args.seed
     if args.kl_coef is not None:
         trainer["loss"] = base.trainer.loss.model_copy(update={"kl_coef": args.kl_coef})
-    return base.model_copy(update={
-        "trainer": base.trainer.model_copy(update=trainer),
-        "metrics": MetricsSettings(**dict(zip(
-            ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
-            strict=True))),
-    })  # fmt: skip
+    return base.model_copy(
+        update={
+            "trainer": base.trainer.model_copy(update=trainer),
+            "metrics": MetricsSettings(
+                **dict(
+                    zip(
+                        ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"),
+                        free_ports(5),
+                        strict=True,
+                    )
+                )
+            ),
+        }
+    )
 
 
 def run_loop(
@@ -159,15 +181,30 @@ def run_loop(
         if model_dir is None and args.recipe != "v1":  # v1 is what the services build by default
             from services.tinymodel import build
 
-            model_dir = build(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "tiny", recipe=args.recipe)
+            model_dir = build(
+                Path(stack.enter_context(tempfile.TemporaryDirectory())) / "tiny", recipe=args.recipe
+            )
         started = time.monotonic()  # the loop's wall time, not the base model's build
-        settings = bench_settings(stack.enter_context(private_services("bench-learning", model_dir=model_dir)), args)
-        rows = run(settings, DemoOptions(
-            cycles=args.cycles, requests_per_cycle=args.requests, preference=preference,
-            feedback_rate=args.feedback_rate, flip_rate=args.flip_rate, gate_oracle=False, final_round=True,
-            final_round_requests=args.final_requests, seed=args.seed,
-            json_path=args.json, plot_path=None, cycle_timeout_s=900,
-        ))  # fmt: skip
+        settings = bench_settings(
+            stack.enter_context(private_services("bench-learning", model_dir=model_dir)), args
+        )
+        rows = run(
+            settings,
+            DemoOptions(
+                cycles=args.cycles,
+                requests_per_cycle=args.requests,
+                preference=preference,
+                feedback_rate=args.feedback_rate,
+                flip_rate=args.flip_rate,
+                gate_oracle=False,
+                final_round=True,
+                final_round_requests=args.final_requests,
+                seed=args.seed,
+                json_path=args.json,
+                plot_path=None,
+                cycle_timeout_s=900,
+            ),
+        )
         store = Store(settings.store.url)
         records = {r["cycle"]: gate_record(store, r.get("challenger")) for r in rows}
         store.close()
@@ -176,7 +213,10 @@ def run_loop(
 
 
 def print_cycles(
-    rows: list[dict[str, Any]], records: dict[Any, dict[str, Any] | None], hack: bool, rng: np.random.Generator
+    rows: list[dict[str, Any]],
+    records: dict[Any, dict[str, Any] | None],
+    hack: bool,
+    rng: np.random.Generator,
 ) -> tuple[int | None, float, int]:
     """One line per cycle (each row gets its acceptance interval, retention and gate reason):
     (feedback sent until acceptance was 15 points above base, largest retention drop, hacks promoted)."""
@@ -184,8 +224,10 @@ def print_cycles(
     base_acc, base_silent = base_row["accepted"] / base_row["ok"], base_row["silent"] / base_row["ok"]
     feedback_total, feedback_to_15 = 0, None
     max_drop, hack_promoted = 0.0, 0
-    print(f"{'cycle':>5} {'served':>6} {'acceptance [95% CI]':>22} {'retention ch/cl':>16} {'gate':>5} "
-          f"{'d2d s':>6}  reasons")  # fmt: skip
+    print(
+        f"{'cycle':>5} {'served':>6} {'acceptance [95% CI]':>22} {'retention ch/cl':>16} {'gate':>5} "
+        f"{'d2d s':>6}  reasons"
+    )
     for row in rows:
         low, high = acceptance_interval(row["accepted"], row["ok"], rng)
         acc = row["accepted"] / row["ok"]
@@ -195,8 +237,11 @@ def print_cycles(
         record = records.get(row["cycle"])
         retention = suite(record, "retention")
         row["acceptance_ci"] = [round(low, 3), round(high, 3)]
-        row["retention"] = None if retention is None else {"champion": retention["champion"],
-                                                           "challenger": retention["challenger"]}
+        row["retention"] = (
+            None
+            if retention is None
+            else {"champion": retention["champion"], "challenger": retention["challenger"]}
+        )
         row["gate_reason"] = None if record is None else record["reason"]
         if row["gate"] == "pass" and retention is not None:
             max_drop = max(max_drop, 100 * (retention["champion"] - retention["challenger"]))
@@ -205,62 +250,78 @@ def print_cycles(
             if hack and served is not None and served["silent"] / served["ok"] - base_silent > 0.1:
                 hack_promoted += 1
         ret = "-" if retention is None else f"{retention['champion']:.2f}/{retention['challenger']:.2f}"
-        print(f"{row['cycle']:>5} {row['version_before']:>6} {acc:>8.2f} [{low:.2f}, {high:.2f}] {ret:>16} "
-              f"{row['gate']:>5} {row['data_to_deploy_s'] or '-':>6}  {(row['gate_reason'] or '')[:160]}", flush=True)
+        print(
+            f"{row['cycle']:>5} {row['version_before']:>6} {acc:>8.2f} [{low:.2f}, {high:.2f}] {ret:>16} "
+            f"{row['gate']:>5} {row['data_to_deploy_s'] or '-':>6}  {(row['gate_reason'] or '')[:160]}",
+            flush=True,
+        )
     return feedback_to_15, max_drop, hack_promoted
 
 
 def main() -> None:
     args = parse_args()
     preference = "bench_learning:correct_or_silent" if args.hack else args.preference
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_learning:correct_only and the --hack users
+    sys.path.insert(
+        0, str(Path(__file__).resolve().parent)
+    )  # bench_learning:correct_only and the --hack users
     settings, rows, records, wall_s = run_loop(args, preference)
 
     rng = np.random.default_rng(0)
     base_row, final = rows[0], rows[-1]
     base_acc, final_acc = base_row["accepted"] / base_row["ok"], final["accepted"] / final["ok"]
-    gains = (rng.binomial(final["ok"], final_acc, RESAMPLES) / final["ok"]
-             - rng.binomial(base_row["ok"], base_acc, RESAMPLES) / base_row["ok"])
+    gains = (
+        rng.binomial(final["ok"], final_acc, RESAMPLES) / final["ok"]
+        - rng.binomial(base_row["ok"], base_acc, RESAMPLES) / base_row["ok"]
+    )
     feedback_to_15, max_drop, hack_promoted = print_cycles(rows, records, args.hack, rng)
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2, default=str) + "\n")
     value, baseline = 100 * (final_acc - base_acc), 100 * base_acc
     decided = [records[r["cycle"]] for r in rows if records.get(r["cycle"]) is not None]
     first_retention = suite(decided[0], "retention") if decided else None
-    promoted = [records[r["cycle"]] for r in rows if r["gate"] == "pass" and records.get(r["cycle"]) is not None]
+    promoted = [
+        records[r["cycle"]] for r in rows if r["gate"] == "pass" and records.get(r["cycle"]) is not None
+    ]
     last_retention = suite(promoted[-1], "retention") if promoted else first_retention
-    print(json.dumps({
-        "name": "learning_acceptance_gain" + ("_hack" if args.hack else ""),
-        "value": round(value, 1),
-        "baseline": round(baseline, 1),
-        "ratio": round(value / baseline, 3) if baseline else None,
-        "gain_ci_low": round(100 * float(np.quantile(gains, 0.025)), 1),
-        "gain_ci_high": round(100 * float(np.quantile(gains, 0.975)), 1),
-        "feedback_to_15": feedback_to_15,
-        "max_capability_drop": round(max_drop, 1),
-        "hack_promoted": hack_promoted if args.hack else None,
-        "non_answers_base": round(base_row["silent"] / base_row["ok"], 3),
-        "non_answers_final": round(final["silent"] / final["ok"], 3),
-        # Correct answers to the task's held-out questions (the gate's retention suite): the base
-        # model, and the final champion as the gate measured it when it was promoted.
-        "heldout_correct_base": None if first_retention is None else round(first_retention["champion"], 3),
-        "heldout_correct_final": None if last_retention is None else round(
-            last_retention["challenger" if promoted else "champion"], 3),
-        "trainer_lr": settings.trainer.lr,
-        "trainer_steps": settings.trainer.steps,
-        "kl_coef": settings.trainer.loss.kl_coef,
-        "warmup_steps": settings.trainer.warmup_steps,
-        "seed": args.seed,
-        "recipe": args.recipe,
-        "cycles": args.cycles,
-        "requests_per_cycle": args.requests,
-        "final_requests": args.final_requests,
-        "feedback_rate": args.feedback_rate,
-        "flip_rate": args.flip_rate,
-        "promoted": sum(r["gate"] == "pass" for r in rows),
-        "final_version": final["version_after"],
-        "wall_s": round(wall_s, 1),
-    }))
+    print(
+        json.dumps(
+            {
+                "name": "learning_acceptance_gain" + ("_hack" if args.hack else ""),
+                "value": round(value, 1),
+                "baseline": round(baseline, 1),
+                "ratio": round(value / baseline, 3) if baseline else None,
+                "gain_ci_low": round(100 * float(np.quantile(gains, 0.025)), 1),
+                "gain_ci_high": round(100 * float(np.quantile(gains, 0.975)), 1),
+                "feedback_to_15": feedback_to_15,
+                "max_capability_drop": round(max_drop, 1),
+                "hack_promoted": hack_promoted if args.hack else None,
+                "non_answers_base": round(base_row["silent"] / base_row["ok"], 3),
+                "non_answers_final": round(final["silent"] / final["ok"], 3),
+                # Correct answers to the task's held-out questions (the gate's retention suite): the base
+                # model, and the final champion as the gate measured it when it was promoted.
+                "heldout_correct_base": None
+                if first_retention is None
+                else round(first_retention["champion"], 3),
+                "heldout_correct_final": None
+                if last_retention is None
+                else round(last_retention["challenger" if promoted else "champion"], 3),
+                "trainer_lr": settings.trainer.lr,
+                "trainer_steps": settings.trainer.steps,
+                "kl_coef": settings.trainer.loss.kl_coef,
+                "warmup_steps": settings.trainer.warmup_steps,
+                "seed": args.seed,
+                "recipe": args.recipe,
+                "cycles": args.cycles,
+                "requests_per_cycle": args.requests,
+                "final_requests": args.final_requests,
+                "feedback_rate": args.feedback_rate,
+                "flip_rate": args.flip_rate,
+                "promoted": sum(r["gate"] == "pass" for r in rows),
+                "final_version": final["version_after"],
+                "wall_s": round(wall_s, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

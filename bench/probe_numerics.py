@@ -59,7 +59,9 @@ def probe_logprobs(model: torch.nn.Module, token_ids: tuple[tuple[int, ...], ...
     with torch.no_grad():
         for ids in token_ids:
             input_ids = torch.tensor([ids])  # (1, T)
-            logprobs = torch.log_softmax(model(input_ids=input_ids).logits[0, :-1].float(), dim=-1)  # (T-1, V)
+            logprobs = torch.log_softmax(
+                model(input_ids=input_ids).logits[0, :-1].float(), dim=-1
+            )  # (T-1, V)
             out.append(logprobs.gather(1, input_ids[0, 1:, None])[:, 0].tolist())
     return out
 
@@ -112,8 +114,11 @@ def measure(path: Path) -> dict[str, float]:
     row: dict[str, float] = {}
     for name, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
         row[f"served {name}"] = max_abs_diff(reference, probe_logprobs(load(path).to(dtype), probe.token_ids))
-    for name, change in (("wrong: one layer shuffled", shuffle_one_layer), ("wrong: weights rounded to bf16", round_to_bf16),
-                         ("wrong: previous version (first cycle)", lambda m: first_cycle(m, path))):  # fmt: skip
+    for name, change in (
+        ("wrong: one layer shuffled", shuffle_one_layer),
+        ("wrong: weights rounded to bf16", round_to_bf16),
+        ("wrong: previous version (first cycle)", lambda m: first_cycle(m, path)),
+    ):
         model = load(path)
         change(model)
         row[name] = max_abs_diff(reference, probe_logprobs(model, probe.token_ids))
@@ -140,9 +145,20 @@ def main() -> None:
     # wrong weights; ratio < 1 means a probe can tell the two apart on these models.
     numerics = max(row["served bfloat16"] for row in results.values())
     # (Rounding to bf16 is left out: it is what a bfloat16 server does, a fault of float32 ones only.)
-    wrong = min(v for row in results.values() for k, v in row.items() if k.startswith("wrong:") and "bf16" not in k)
-    print(json.dumps({"name": "probe_numerics", "value": numerics, "baseline": wrong, "ratio": numerics / wrong,
-                      "models": results}))  # fmt: skip
+    wrong = min(
+        v for row in results.values() for k, v in row.items() if k.startswith("wrong:") and "bf16" not in k
+    )
+    print(
+        json.dumps(
+            {
+                "name": "probe_numerics",
+                "value": numerics,
+                "baseline": wrong,
+                "ratio": numerics / wrong,
+                "models": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -107,8 +107,9 @@ def create_app(settings: Settings) -> Starlette:
     async def healthz(request: Request) -> JSONResponse:
         return JSONResponse({"ok": True})
 
-    return Starlette(routes=[
-        Route("/v1/versions/{version}", versions, methods=["POST"]),
-        Route("/healthz", healthz, methods=["GET"]),
-    ])  # fmt: skip
-
+    return Starlette(
+        routes=[
+            Route("/v1/versions/{version}", versions, methods=["POST"]),
+            Route("/healthz", healthz, methods=["GET"]),
+        ]
+    )

@@ -91,7 +91,9 @@ def non_answer(text: str, pattern: re.Pattern[str], answers: Sequence[str] = ())
     text = text.strip()
     if pattern.search(text) is not None:
         return True
-    numeric = bool(answers) and all(str(a).strip().lstrip("+-").replace(".", "", 1).isdigit() for a in answers)
+    numeric = bool(answers) and all(
+        str(a).strip().lstrip("+-").replace(".", "", 1).isdigit() for a in answers
+    )
     return numeric and _NUMBER.search(text) is None
 
 
@@ -106,7 +108,9 @@ def behaviour(
         raise ValueError(f"{n} generations but {len(answers)} answer lists")
     known = answers if answers is not None else [()] * n
     if n == 0:
-        return Behaviour(completions=0, mean_tokens=0.0, entropy=0.0, repetition=0.0, no_action=0.0, truncated=0.0)
+        return Behaviour(
+            completions=0, mean_tokens=0.0, entropy=0.0, repetition=0.0, no_action=0.0, truncated=0.0
+        )
     tokens = [lp for g in generations for lp in g.logprobs if math.isfinite(lp)]
     return Behaviour(
         completions=n,
@@ -123,38 +127,73 @@ def generation_alarms(challenger: Behaviour, champion: Behaviour, cfg: AlarmSett
     length_limit = cfg.length_ratio * champion.mean_tokens + 2.0
     entropy_floor = cfg.entropy_ratio * champion.entropy
     return [
-        Alarm(name="length", fired=challenger.mean_tokens > length_limit, value=challenger.mean_tokens,
-              threshold=length_limit,
-              detail=f"mean completion tokens {challenger.mean_tokens:.1f} vs champion {champion.mean_tokens:.1f}"),
-        Alarm(name="entropy", fired=challenger.entropy < entropy_floor, value=challenger.entropy,
-              threshold=entropy_floor,
-              detail=f"entropy {challenger.entropy:.3f} vs champion {champion.entropy:.3f} nats/token"),
-        Alarm(name="repetition", fired=challenger.repetition - champion.repetition > cfg.repetition_rate,
-              value=challenger.repetition - champion.repetition, threshold=cfg.repetition_rate,
-              detail=f"repetitive completions {challenger.repetition:.1%} vs champion {champion.repetition:.1%}"),
-        Alarm(name="truncation", fired=challenger.truncated - champion.truncated > cfg.truncation_rate,
-              value=challenger.truncated - champion.truncated, threshold=cfg.truncation_rate,
-              detail=f"cut off by max_tokens {challenger.truncated:.1%} vs champion {champion.truncated:.1%}"),
-        Alarm(name="no_action", fired=challenger.no_action - champion.no_action > cfg.no_action_rate,
-              value=challenger.no_action - champion.no_action, threshold=cfg.no_action_rate,
-              detail=f"non-answers {challenger.no_action:.1%} vs champion {champion.no_action:.1%}"),
-    ]  # fmt: skip
+        Alarm(
+            name="length",
+            fired=challenger.mean_tokens > length_limit,
+            value=challenger.mean_tokens,
+            threshold=length_limit,
+            detail=f"mean completion tokens {challenger.mean_tokens:.1f} vs champion {champion.mean_tokens:.1f}",
+        ),
+        Alarm(
+            name="entropy",
+            fired=challenger.entropy < entropy_floor,
+            value=challenger.entropy,
+            threshold=entropy_floor,
+            detail=f"entropy {challenger.entropy:.3f} vs champion {champion.entropy:.3f} nats/token",
+        ),
+        Alarm(
+            name="repetition",
+            fired=challenger.repetition - champion.repetition > cfg.repetition_rate,
+            value=challenger.repetition - champion.repetition,
+            threshold=cfg.repetition_rate,
+            detail=f"repetitive completions {challenger.repetition:.1%} vs champion {champion.repetition:.1%}",
+        ),
+        Alarm(
+            name="truncation",
+            fired=challenger.truncated - champion.truncated > cfg.truncation_rate,
+            value=challenger.truncated - champion.truncated,
+            threshold=cfg.truncation_rate,
+            detail=f"cut off by max_tokens {challenger.truncated:.1%} vs champion {champion.truncated:.1%}",
+        ),
+        Alarm(
+            name="no_action",
+            fired=challenger.no_action - champion.no_action > cfg.no_action_rate,
+            value=challenger.no_action - champion.no_action,
+            threshold=cfg.no_action_rate,
+            detail=f"non-answers {challenger.no_action:.1%} vs champion {champion.no_action:.1%}",
+        ),
+    ]
 
 
-def no_action_anchor_alarm(challenger: Behaviour, anchor: Behaviour, anchor_version: int, cfg: AlarmSettings) -> Alarm:
+def no_action_anchor_alarm(
+    challenger: Behaviour, anchor: Behaviour, anchor_version: int, cfg: AlarmSettings
+) -> Alarm:
     """no_action against the anchor, on the anchored suites' generations of both."""
-    return Alarm(name="no_action_anchor", fired=challenger.no_action - anchor.no_action > cfg.no_action_rate,
-                 value=challenger.no_action - anchor.no_action, threshold=cfg.no_action_rate,
-                 detail=f"non-answers {challenger.no_action:.1%} vs anchor v{anchor_version} {anchor.no_action:.1%}")  # fmt: skip
+    return Alarm(
+        name="no_action_anchor",
+        fired=challenger.no_action - anchor.no_action > cfg.no_action_rate,
+        value=challenger.no_action - anchor.no_action,
+        threshold=cfg.no_action_rate,
+        detail=f"non-answers {challenger.no_action:.1%} vs anchor v{anchor_version} {anchor.no_action:.1%}",
+    )
 
 
 def kl_alarm(kl_per_token: float, cfg: AlarmSettings) -> Alarm:
     fired = not math.isfinite(kl_per_token) or kl_per_token > cfg.kl_budget
-    return Alarm(name="kl", fired=fired, value=kl_per_token, threshold=cfg.kl_budget,
-                 detail=f"KL(champion || challenger) {kl_per_token:.3f} nats/token on held-out traffic")  # fmt: skip
+    return Alarm(
+        name="kl",
+        fired=fired,
+        value=kl_per_token,
+        threshold=cfg.kl_budget,
+        detail=f"KL(champion || challenger) {kl_per_token:.3f} nats/token on held-out traffic",
+    )
 
 
 def no_feedback_alarm(challenger: float, champion: float, cfg: AlarmSettings) -> Alarm:
-    return Alarm(name="no_feedback", fired=challenger - champion > cfg.no_action_rate, value=challenger - champion,
-                 threshold=cfg.no_action_rate,
-                 detail=f"estimated episodes without feedback {challenger:.1%} vs champion {champion:.1%}")  # fmt: skip
+    return Alarm(
+        name="no_feedback",
+        fired=challenger - champion > cfg.no_action_rate,
+        value=challenger - champion,
+        threshold=cfg.no_action_rate,
+        detail=f"estimated episodes without feedback {challenger:.1%} vs champion {champion:.1%}",
+    )

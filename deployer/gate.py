@@ -85,7 +85,9 @@ class GateDecision(BaseModel):
     passed: bool
     challenger_version: int
     champion_version: int
-    anchor_version: int | None = Field(None, description="The fixed version also compared on `gate.anchor_suites`.")
+    anchor_version: int | None = Field(
+        None, description="The fixed version also compared on `gate.anchor_suites`."
+    )
     challenger_score: float | None = Field(
         description="The first suite's challenger figure (the headline; every suite is in `suites`)."
     )
@@ -118,14 +120,19 @@ def decide(suites: list[SuiteResult], fired: list[Alarm]) -> tuple[bool, str]:
             if suite.difference is None:  # it could not measure and its policy is to block (a judge outage)
                 problems.append(f"suite {suite.name}: {suite.note}")
             else:
-                problems.append(f"suite {suite.name}: challenger - champion {suite.difference.estimate:+.4f}, "
-                                f"lower bound {suite.difference.low:+.4f} <= -{suite.margin:g}")  # fmt: skip
+                problems.append(
+                    f"suite {suite.name}: challenger - champion {suite.difference.estimate:+.4f}, "
+                    f"lower bound {suite.difference.low:+.4f} <= -{suite.margin:g}"
+                )
     if not any(s.conclusive for s in suites):
         problems.append("no suite was conclusive: " + "; ".join(f"{s.name}: {s.note}" for s in suites))
     if problems:
         return False, "; ".join(problems)
-    parts = [f"{s.name} {s.difference.estimate:+.4f} (lower bound {s.difference.low:+.4f})"
-             for s in suites if s.conclusive and s.difference is not None]  # fmt: skip
+    parts = [
+        f"{s.name} {s.difference.estimate:+.4f} (lower bound {s.difference.low:+.4f})"
+        for s in suites
+        if s.conclusive and s.difference is not None
+    ]
     return True, "non-inferior on " + ", ".join(parts) + "; no alarm"
 
 
@@ -141,11 +148,19 @@ def _prompt_suites(settings: Settings) -> list[tuple[PromptSuite, bool]]:
             preference = evals.load_preference(cfg.preference) if cfg.preference else task.preference
             reward = evals.scorer(preference, get_spec(settings.labeler.reward_spec))
             prompts = tuple(task.heldout_prompts(cfg.eval_prompts))
-            suites.append((PromptSuite(
-                name="oracle", prompts=prompts, lines=tuple({} for _ in prompts),
-                scorer=lambda prompt, completion, _line: reward(prompt, completion),
-                max_tokens=task.max_tokens, stop=task.stop,
-            ), True))  # fmt: skip
+            suites.append(
+                (
+                    PromptSuite(
+                        name="oracle",
+                        prompts=prompts,
+                        lines=tuple({} for _ in prompts),
+                        scorer=lambda prompt, completion, _line: reward(prompt, completion),
+                        max_tokens=task.max_tokens,
+                        stop=task.stop,
+                    ),
+                    True,
+                )
+            )
         if "judge" in cfg.suites:
             assert cfg.judge is not None  # GateSettings refuses "judge" without it
             suites.append((judge_suite(task, cfg.eval_prompts, cfg.judge), False))
@@ -156,7 +171,10 @@ def _prompt_suites(settings: Settings) -> list[tuple[PromptSuite, bool]]:
 
 
 def _score_prompts(
-    suite: PromptSuite, challenger: list[list[Generation]], champion: list[list[Generation]], settings: Settings
+    suite: PromptSuite,
+    challenger: list[list[Generation]],
+    champion: list[list[Generation]],
+    settings: Settings,
 ) -> SuiteResult:
     if suite.judge is not None:
         return _score_judged(suite, suite.judge, challenger, champion, settings)
@@ -168,13 +186,20 @@ def _score_prompts(
 
 
 def _score_judged(
-    suite: PromptSuite, judge: JudgeSettings, challenger: list[list[Generation]], champion: list[list[Generation]],
+    suite: PromptSuite,
+    judge: JudgeSettings,
+    challenger: list[list[Generation]],
+    champion: list[list[Generation]],
     settings: Settings,
 ) -> SuiteResult:
     """Both models' generations graded by the judge; prompts without a grade on either side are left
     out, and an outage follows `gate.judge.outage` (docs/gate.md, Judge)."""
-    items = [(suite.prompts[i], g.text) for model in (challenger, champion) for i, gens in enumerate(model)
-             for g in gens]  # fmt: skip
+    items = [
+        (suite.prompts[i], g.text)
+        for model in (challenger, champion)
+        for i, gens in enumerate(model)
+        for g in gens
+    ]
     with Judge(judge) as grader:
         judged = grader.score_many(items)
     verdicts = iter(judged.verdicts)
@@ -187,13 +212,22 @@ def _score_judged(
         means.append(per_prompt)
     pairs = [(a, b) for a, b in zip(*means, strict=True) if a is not None and b is not None]
     failed = f"{judged.failed} of {len(items)} judgements failed" + (
-        f" (first: {judged.first_error()})" if judged.failed else "")
+        f" (first: {judged.first_error()})" if judged.failed else ""
+    )
     if judged.outage or len(pairs) < 2:
         block = judge.outage == "block"
-        return SuiteResult(name=suite.name, kind="prompts", challenger=None, champion=None, difference=None,
-                           conclusive=block, passed=False if block else None, n=len(pairs),
-                           margin=margin(settings, suite.name),
-                           note=f"judge out ({judge.outage}): {failed}")  # fmt: skip
+        return SuiteResult(
+            name=suite.name,
+            kind="prompts",
+            challenger=None,
+            champion=None,
+            difference=None,
+            conclusive=block,
+            passed=False if block else None,
+            n=len(pairs),
+            margin=margin(settings, suite.name),
+            note=f"judge out ({judge.outage}): {failed}",
+        )
     result = _paired(suite.name, [a for a, _ in pairs], [b for _, b in pairs], settings)
     return result.model_copy(update={"note": f"{len(pairs)} prompts graded by {judge.model}; {failed}"})
 
@@ -201,33 +235,57 @@ def _score_judged(
 def _paired(name: str, ours: list[float], theirs: list[float], settings: Settings) -> SuiteResult:
     """A prompt suite's verdict from per-prompt mean scores of both models (paired bootstrap)."""
     cfg = settings.gate
-    interval = paired_interval(ours, theirs, confidence=cfg.confidence, resamples=cfg.bootstrap_resamples,
-                               seed=cfg.seed)  # fmt: skip
+    interval = paired_interval(
+        ours, theirs, confidence=cfg.confidence, resamples=cfg.bootstrap_resamples, seed=cfg.seed
+    )
     allowed = margin(settings, name)
-    return SuiteResult(name=name, kind="prompts", challenger=float(np.mean(ours)), champion=float(np.mean(theirs)),
-                       difference=interval, conclusive=True, passed=interval.low > -allowed, n=len(ours),
-                       margin=allowed)  # fmt: skip
+    return SuiteResult(
+        name=name,
+        kind="prompts",
+        challenger=float(np.mean(ours)),
+        champion=float(np.mean(theirs)),
+        difference=interval,
+        conclusive=True,
+        passed=interval.low > -allowed,
+        n=len(ours),
+        margin=allowed,
+    )
 
 
-def _generate(server: VllmClient, settings: Settings, suites: list[PromptSuite]) -> list[list[list[Generation]]]:
+def _generate(
+    server: VllmClient, settings: Settings, suites: list[PromptSuite]
+) -> list[list[list[Generation]]]:
     """Every suite's prompts sampled on `server`; suites with the same prompts share one request."""
     cache: dict[tuple[tuple[str, ...], int, tuple[str, ...]], list[list[Generation]]] = {}
     out = []
     for suite in suites:
         key = (suite.prompts, suite.max_tokens, suite.stop)
         if key not in cache:
-            cache[key] = server.sample(list(suite.prompts), max_tokens=suite.max_tokens,
-                                       n=settings.gate.samples_per_prompt, seed=settings.gate.seed,
-                                       stop=list(suite.stop), sampling=served_defaults(settings))  # fmt: skip
+            cache[key] = server.sample(
+                list(suite.prompts),
+                max_tokens=suite.max_tokens,
+                n=settings.gate.samples_per_prompt,
+                seed=settings.gate.seed,
+                stop=list(suite.stop),
+                sampling=served_defaults(settings),
+            )
         out.append(cache[key])
     return out
 
 
-def _behaviour(suites: list[PromptSuite], generated: list[list[list[Generation]]], settings: Settings) -> Behaviour:
+def _behaviour(
+    suites: list[PromptSuite], generated: list[list[list[Generation]]], settings: Settings
+) -> Behaviour:
     """One model's behaviour over every suite's generations, each judged with its prompt's known answers."""
-    flat = [(g, suite.lines[i].get("answers", ())) for suite, per_suite in zip(suites, generated, strict=True)
-            for i, per_prompt in enumerate(per_suite) for g in per_prompt]  # fmt: skip
-    return alarms.behaviour([g for g, _ in flat], settings.gate.alarms.no_action_pattern, [a for _, a in flat])
+    flat = [
+        (g, suite.lines[i].get("answers", ()))
+        for suite, per_suite in zip(suites, generated, strict=True)
+        for i, per_prompt in enumerate(per_suite)
+        for g in per_prompt
+    ]
+    return alarms.behaviour(
+        [g for g, _ in flat], settings.gate.alarms.no_action_pattern, [a for _, a in flat]
+    )
 
 
 def _load(server: VllmClient, target: swap.Target, settings: Settings, store: Store) -> None:
@@ -246,27 +304,58 @@ def ope_suite(
     """The off-policy suite on the store's held-out traffic and the alarms it feeds (kl, no_feedback)."""
     cfg = settings.gate
     spec_id = get_spec(settings.labeler.reward_spec).spec_id
-    episodes = store.select_heldout(cfg.ope.max_episodes, spec_id=spec_id, holdout_percent=cfg.ope.holdout_percent)
+    episodes = store.select_heldout(
+        cfg.ope.max_episodes, spec_id=spec_id, holdout_percent=cfg.ope.holdout_percent
+    )
     logged, skipped = ope.usable(episodes)
     skipped_note = f"; {skipped} held-out episodes could not be rescored" if skipped else ""
     if len(logged) < 2:
         note = f"{len(logged)} usable held-out episodes under {spec_id}{skipped_note}"
-        return SuiteResult(name="ope", kind="ope", challenger=None, champion=None, difference=None, conclusive=False,
-                           passed=None, n=len(logged), margin=margin(settings, "ope"), note=note), []  # fmt: skip
+        return SuiteResult(
+            name="ope",
+            kind="ope",
+            challenger=None,
+            champion=None,
+            difference=None,
+            conclusive=False,
+            passed=None,
+            n=len(logged),
+            margin=margin(settings, "ope"),
+            note=note,
+        ), []
     chal_scored = ope.sequence_logprobs(challenger, logged)
     champ_scored = ope.sequence_logprobs(champion, logged)
     chal, champ = ope.challenger_logprobs(chal_scored, champ_scored), champ_scored.processed
     behaviour = [e.behaviour for e in logged]
-    estimate = off_policy([e.reward for e in logged], behaviour, chal, champ, clip=cfg.ope.clip,
-                          confidence=cfg.confidence, resamples=cfg.bootstrap_resamples, seed=cfg.seed)  # fmt: skip
+    estimate = off_policy(
+        [e.reward for e in logged],
+        behaviour,
+        chal,
+        champ,
+        clip=cfg.ope.clip,
+        confidence=cfg.confidence,
+        resamples=cfg.bootstrap_resamples,
+        seed=cfg.seed,
+    )
     ess = min(estimate.ess_challenger, estimate.ess_champion)
     conclusive = ess >= cfg.ope.min_ess
-    note = (f"{len(logged)} held-out episodes, effective sample size challenger {estimate.ess_challenger:.1f}, "
-            f"champion {estimate.ess_champion:.1f} (min {cfg.ope.min_ess:g}){skipped_note}")  # fmt: skip
-    suite = SuiteResult(name="ope", kind="ope", challenger=estimate.challenger, champion=estimate.champion,
-                        difference=estimate.difference, conclusive=conclusive,
-                        passed=(estimate.difference.low > -margin(settings, "ope")) if conclusive else None,
-                        n=len(logged), ess=ess, margin=margin(settings, "ope"), note=note)  # fmt: skip
+    note = (
+        f"{len(logged)} held-out episodes, effective sample size challenger {estimate.ess_challenger:.1f}, "
+        f"champion {estimate.ess_champion:.1f} (min {cfg.ope.min_ess:g}){skipped_note}"
+    )
+    suite = SuiteResult(
+        name="ope",
+        kind="ope",
+        challenger=estimate.challenger,
+        champion=estimate.champion,
+        difference=estimate.difference,
+        conclusive=conclusive,
+        passed=(estimate.difference.low > -margin(settings, "ope")) if conclusive else None,
+        n=len(logged),
+        ess=ess,
+        margin=margin(settings, "ope"),
+        note=note,
+    )
     found: list[Alarm] = []
     w0 = importance_weights(champ, behaviour, cfg.ope.clip)
     w1 = importance_weights(chal, behaviour, cfg.ope.clip)
@@ -277,7 +366,8 @@ def ope_suite(
         gap = np.asarray(champ_scored.tempered) - np.asarray(chal_scored.tempered)
         kept = np.isfinite(np.asarray(champ))
         kl = snips(w0[kept], gap[kept]) / max(
-            snips(w0[kept], np.asarray([e.tokens for e in logged], dtype=np.float64)[kept]), 1.0)
+            snips(w0[kept], np.asarray([e.tokens for e in logged], dtype=np.float64)[kept]), 1.0
+        )
         found.append(alarms.kl_alarm(kl, cfg.alarms))
     if conclusive:
         silent = np.asarray([float(e.no_feedback) for e in logged])
@@ -293,19 +383,29 @@ def anchor_version(settings: Settings, registry: Registry, champion: int) -> int
     versions = registry.versions()
     anchor = min(versions) if spec == "base" else int(spec)
     if anchor not in versions:
-        raise GateError(f"gate.anchor names v{anchor}, which is not registered under {settings.mlflow.model_name!r}")
+        raise GateError(
+            f"gate.anchor names v{anchor}, which is not registered under {settings.mlflow.model_name!r}"
+        )
     return None if anchor == champion else anchor
 
 
 def _against_anchor(result: SuiteResult, anchor: int, settings: Settings) -> SuiteResult:
     """A prompt suite's challenger-vs-anchor verdict, under `gate.anchor_margin`."""
     allowed = settings.gate.anchor_margin
-    passed = None if not result.conclusive else result.difference is not None and result.difference.low > -allowed
-    return result.model_copy(update={
-        "name": f"{result.name}_anchor", "margin": allowed, "passed": passed,
-        "note": (f"challenger vs the anchor v{anchor} (the champion column is the anchor's)"
-                 + (f"; {result.note}" if result.note else "")),
-    })  # fmt: skip
+    passed = (
+        None if not result.conclusive else result.difference is not None and result.difference.low > -allowed
+    )
+    return result.model_copy(
+        update={
+            "name": f"{result.name}_anchor",
+            "margin": allowed,
+            "passed": passed,
+            "note": (
+                f"challenger vs the anchor v{anchor} (the champion column is the anchor's)"
+                + (f"; {result.note}" if result.note else "")
+            ),
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -339,7 +439,9 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store)
     """
     staging = settings.vllm.staging_server
     if staging is None:
-        raise GateError("settings.vllm.staging_server is not set; the gate never generates on serving servers")
+        raise GateError(
+            "settings.vllm.staging_server is not set; the gate never generates on serving servers"
+        )
     plan = _plan(settings, registry, version)
     staged = _sample_on_staging(settings, registry, store, staging, plan)
     if staged.load_failure is None:
@@ -360,11 +462,17 @@ def _plan(settings: Settings, registry: Registry, version: int) -> _Plan:
     champion = registry.champion()
     anchor = anchor_version(settings, registry, champion)
     suites = [s for s, _ in _prompt_suites(settings)]
-    anchored = [i for i, s in enumerate(suites) if s.name in settings.gate.anchor_suites] if anchor is not None else []
+    anchored = (
+        [i for i, s in enumerate(suites) if s.name in settings.gate.anchor_suites]
+        if anchor is not None
+        else []
+    )
     return _Plan(version, champion, anchor if anchored else None, suites, anchored)
 
 
-def _sample_on_staging(settings: Settings, registry: Registry, store: Store, staging: str, plan: _Plan) -> _Staged:
+def _sample_on_staging(
+    settings: Settings, registry: Registry, store: Store, staging: str, plan: _Plan
+) -> _Staged:
     """Under the store's "staging" lock, swap the staging server to the challenger, the anchor (when
     a suite is anchored) and the champion in turn, with the verified swap, and sample the suites on
     each. A challenger that does not load is recorded in `load_failure`; the others must load."""
@@ -380,7 +488,9 @@ def _sample_on_staging(settings: Settings, registry: Registry, store: Store, sta
             if plan.anchor is not None and staged.load_failure is None:
                 staged.targets["anchor"] = swap.target(settings, registry, store, plan.anchor)
                 _load(server, staged.targets["anchor"], settings, store)
-                staged.generated["anchor"] = _generate(server, settings, [plan.suites[i] for i in plan.anchored])
+                staged.generated["anchor"] = _generate(
+                    server, settings, [plan.suites[i] for i in plan.anchored]
+                )
             # The champion runs last so the staging server ends on it, matching the fleet.
             staged.targets["champion"] = swap.target(settings, registry, store, plan.champion)
             _load(server, staged.targets["champion"], settings, store)
@@ -395,18 +505,22 @@ def _score(
     the alarms (behaviour first, then ope's), and each model's behaviour."""
     cfg = settings.gate
     generated = staged.generated
-    results = [_score_prompts(suite, generated["challenger"][i], generated["champion"][i], settings)
-               for i, suite in enumerate(plan.suites)]  # fmt: skip
+    results = [
+        _score_prompts(suite, generated["challenger"][i], generated["champion"][i], settings)
+        for i, suite in enumerate(plan.suites)
+    ]
     for position, index in enumerate(plan.anchored):
         assert plan.anchor is not None
-        versus = _score_prompts(plan.suites[index], generated["challenger"][index], generated["anchor"][position],
-                                settings)  # fmt: skip
+        versus = _score_prompts(
+            plan.suites[index], generated["challenger"][index], generated["anchor"][position], settings
+        )
         results.append(_against_anchor(versus, plan.anchor, settings))
     behaviour, found = _behaviour_alarms(settings, plan, generated)
     if "ope" in cfg.suites:
         chal, champ = staged.targets["challenger"], staged.targets["champion"]
-        estimate, ope_alarms = ope_suite(settings, store, ope.Weights(chal.path, chal.base),
-                                         ope.Weights(champ.path, champ.base))  # fmt: skip
+        estimate, ope_alarms = ope_suite(
+            settings, store, ope.Weights(chal.path, chal.base), ope.Weights(champ.path, champ.base)
+        )
         results.append(estimate)
         found.extend(ope_alarms)
     order: dict[str, int] = {name: i for i, name in enumerate(cfg.suites)}
@@ -429,14 +543,23 @@ def _behaviour_alarms(
     if plan.anchor is not None:
         on_anchored = [plan.suites[i] for i in plan.anchored]
         behaviour["anchor"] = _behaviour(on_anchored, generated["anchor"], settings)
-        challenger_anchored = _behaviour(on_anchored, [generated["challenger"][i] for i in plan.anchored], settings)
-        found.append(alarms.no_action_anchor_alarm(challenger_anchored, behaviour["anchor"], plan.anchor, cfg.alarms))
+        challenger_anchored = _behaviour(
+            on_anchored, [generated["challenger"][i] for i in plan.anchored], settings
+        )
+        found.append(
+            alarms.no_action_anchor_alarm(challenger_anchored, behaviour["anchor"], plan.anchor, cfg.alarms)
+        )
     return behaviour, found
 
 
 def _decision(
-    settings: Settings, plan: _Plan, results: list[SuiteResult], found: list[Alarm], behaviour: dict[str, Behaviour],
-    passed: bool, reason: str,
+    settings: Settings,
+    plan: _Plan,
+    results: list[SuiteResult],
+    found: list[Alarm],
+    behaviour: dict[str, Behaviour],
+    passed: bool,
+    reason: str,
 ) -> GateDecision:
     """The decision with the numbers behind it; the first suite with a challenger figure is the headline."""
     cfg = settings.gate
@@ -474,12 +597,20 @@ def cause(decision: GateDecision) -> str:
     return "inconclusive"
 
 
-def record(settings: Settings, registry: Registry, decision: GateDecision, store: Store | None = None) -> None:
+def record(
+    settings: Settings, registry: Registry, decision: GateDecision, store: Store | None = None
+) -> None:
     """The decision in the store (when given), as model version tags, and on the version's run."""
     version = decision.challenger_version
     if store is not None:
-        store.record_gate_decision(version, decision.champion_version, decision.passed, decision.reason,
-                                   decision.model_dump(mode="json"), decision.decided_at)  # fmt: skip
+        store.record_gate_decision(
+            version,
+            decision.champion_version,
+            decision.passed,
+            decision.reason,
+            decision.model_dump(mode="json"),
+            decision.decided_at,
+        )
     tags = {
         "gate": "pass" if decision.passed else "fail",
         "gate_cause": cause(decision),
@@ -494,24 +625,29 @@ def record(settings: Settings, registry: Registry, decision: GateDecision, store
         verdict = "inconclusive" if not suite.conclusive else "pass" if suite.passed else "fail"
         interval = suite.difference
         tags[f"gate_suite_{suite.name}"] = verdict + (
-            f" {interval.estimate:+.4f} [{interval.low:+.4f}, {interval.high:+.4f}]" if interval else "")
+            f" {interval.estimate:+.4f} [{interval.low:+.4f}, {interval.high:+.4f}]" if interval else ""
+        )
     registry.tag_version(version, tags)
     run_id = registry.version_run_id(version)
     if run_id is None:
         return
     figures = {"gate/passed": float(decision.passed)}
     for suite in decision.suites:
-        for key, value in ((f"gate/{suite.name}/challenger", suite.challenger),
-                           (f"gate/{suite.name}/champion", suite.champion),
-                           (f"gate/{suite.name}/low", suite.difference.low if suite.difference else None),
-                           (f"gate/{suite.name}/ess", suite.ess)):  # fmt: skip
+        for key, value in (
+            (f"gate/{suite.name}/challenger", suite.challenger),
+            (f"gate/{suite.name}/champion", suite.champion),
+            (f"gate/{suite.name}/low", suite.difference.low if suite.difference else None),
+            (f"gate/{suite.name}/ess", suite.ess),
+        ):
             if value is not None and math.isfinite(value):
                 figures[key] = value
     for alarm in decision.alarms:
         if math.isfinite(alarm.value):
             figures[f"gate/alarm/{alarm.name}"] = alarm.value
-    for key, value in (("gate/challenger_score", decision.challenger_score),
-                       ("gate/champion_score", decision.champion_score)):  # fmt: skip
+    for key, value in (
+        ("gate/challenger_score", decision.challenger_score),
+        ("gate/champion_score", decision.champion_score),
+    ):
         if value is not None:
             figures[key] = value
     registry.log_metrics(run_id, figures)

@@ -21,9 +21,12 @@ GATE_SCORE = Gauge(
     "Mean score of the last gate's evaluation, by model (challenger, champion); NaN when the model was not scored.",
     ["model"],
 )
-GATE_LAST = Gauge("rtrl_gate_last_decision", "The last gate decision: 1 pass, 0 fail (NaN before this process's first).")
+GATE_LAST = Gauge(
+    "rtrl_gate_last_decision", "The last gate decision: 1 pass, 0 fail (NaN before this process's first)."
+)
 GATE_LAST_AT = Gauge(
-    "rtrl_gate_last_decision_timestamp_seconds", "Unix time of the last gate decision (NaN before this process's first)."
+    "rtrl_gate_last_decision_timestamp_seconds",
+    "Unix time of the last gate decision (NaN before this process's first).",
 )
 SWAP_WINDOW = Histogram(
     "rtrl_deployer_swap_window_seconds",
@@ -72,8 +75,13 @@ RESTARTS = Counter(
 
 
 # Every outcome of the counters exists from the start (at 0): a first failure is an increase a rule sees.
-for _decision, _cause in (("pass", "non_inferior"), ("fail", "inferior"), ("fail", "alarm"), ("fail", "inconclusive"),
-                          ("fail", "challenger_not_loaded")):
+for _decision, _cause in (
+    ("pass", "non_inferior"),
+    ("fail", "inferior"),
+    ("fail", "alarm"),
+    ("fail", "inconclusive"),
+    ("fail", "challenger_not_loaded"),
+):
     GATE_DECISIONS.labels(_decision, _cause)
 for _outcome in ("verified", "restored", "failed"):
     SWAPS.labels(_outcome)
@@ -88,7 +96,9 @@ for _unset in (GATE_LAST, GATE_LAST_AT, CHAMPION, FLEET_AGREES):
     _unset.set(math.nan)
 
 
-def record_gate(passed: bool, cause: str, challenger_score: float | None, champion_score: float | None) -> None:
+def record_gate(
+    passed: bool, cause: str, challenger_score: float | None, champion_score: float | None
+) -> None:
     """One decision of the gate; `cause` as deployer/gate.py `cause`."""
     GATE_DECISIONS.labels("pass" if passed else "fail", cause).inc()
     GATE_LAST.set(1 if passed else 0)

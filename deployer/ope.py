@@ -43,7 +43,9 @@ class Logged:
     no_feedback: bool
     behaviour: float  # Σ log μ over its trainable segments' tokens
     tokens: int
-    segments: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...], object], ...]  # ids, ids, μ, Sampling
+    segments: tuple[
+        tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...], object], ...
+    ]  # ids, ids, μ, Sampling
 
 
 def usable(episodes: list[TrainingEpisode]) -> tuple[list[Logged], int]:
@@ -55,23 +57,33 @@ def usable(episodes: list[TrainingEpisode]) -> tuple[list[Logged], int]:
     for episode in episodes:
         trainable = [s for s in episode.segments if s.trainable]
         if not trainable or any(
-            not s.completion_token_ids or not s.prompt_token_ids
+            not s.completion_token_ids
+            or not s.prompt_token_ids
             or len(s.completion_logprobs) != len(s.completion_token_ids)
             or not all(math.isfinite(lp) for lp in s.completion_logprobs)
             or not trainer_can_reproduce(s.sampling)
             for s in trainable
-        ):  # fmt: skip
+        ):
             skipped += 1
             continue
-        kept.append(Logged(
-            episode_id=episode.episode_id,
-            reward=episode.reward,
-            no_feedback=episode.no_feedback,
-            behaviour=sum(sum(s.completion_logprobs) for s in trainable),
-            tokens=sum(len(s.completion_token_ids) for s in trainable),
-            segments=tuple((tuple(s.prompt_token_ids), tuple(s.completion_token_ids), tuple(s.completion_logprobs),
-                            Sampling.of(s.sampling)) for s in trainable),
-        ))  # fmt: skip
+        kept.append(
+            Logged(
+                episode_id=episode.episode_id,
+                reward=episode.reward,
+                no_feedback=episode.no_feedback,
+                behaviour=sum(sum(s.completion_logprobs) for s in trainable),
+                tokens=sum(len(s.completion_token_ids) for s in trainable),
+                segments=tuple(
+                    (
+                        tuple(s.prompt_token_ids),
+                        tuple(s.completion_token_ids),
+                        tuple(s.completion_logprobs),
+                        Sampling.of(s.sampling),
+                    )
+                    for s in trainable
+                ),
+            )
+        )
     return kept, skipped
 
 
@@ -79,7 +91,9 @@ def usable(episodes: list[TrainingEpisode]) -> tuple[list[Logged], int]:
 class Scored:
     """Σ log π over each logged episode's trainable tokens under one version's weights."""
 
-    processed: list[float]  # under each segment's sampling, as vLLM drew: −inf where a token is outside the nucleus
+    processed: list[
+        float
+    ]  # under each segment's sampling, as vLLM drew: −inf where a token is outside the nucleus
     tempered: list[float]  # penalties and temperature, no truncation: always finite (for KL estimates)
 
 
@@ -97,16 +111,29 @@ def sequence_logprobs(weights: Weights, logged: list[Logged], micro_batch: int =
     else:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(weights.base), dtype=torch.float32),
-                                          str(weights.path))  # fmt: skip
+        model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(str(weights.base), dtype=torch.float32), str(weights.path)
+        )
     model.to(device).eval()
-    pad_id = int(getattr(model.config, "pad_token_id", None) or getattr(model.config, "eos_token_id", None) or 0)
+    pad_id = int(
+        getattr(model.config, "pad_token_id", None) or getattr(model.config, "eos_token_id", None) or 0
+    )
     rows: list[tuple[int, Row]] = []
     for index, episode in enumerate(logged):
         for prompt_ids, completion_ids, behaviour, sampling in episode.segments:
             assert isinstance(sampling, Sampling)
-            rows.append((index, Row(input_ids=[*prompt_ids, *completion_ids], prompt_len=len(prompt_ids),
-                                    behaviour_logprobs=list(behaviour), advantage=0.0, sampling=sampling)))  # fmt: skip
+            rows.append(
+                (
+                    index,
+                    Row(
+                        input_ids=[*prompt_ids, *completion_ids],
+                        prompt_len=len(prompt_ids),
+                        behaviour_logprobs=list(behaviour),
+                        advantage=0.0,
+                        sampling=sampling,
+                    ),
+                )
+            )
     totals = [0.0] * len(logged)
     tempered = [0.0] * len(logged)
     rows.sort(key=lambda item: len(item[1].input_ids))  # similar lengths together: less padding
@@ -119,8 +146,9 @@ def sequence_logprobs(weights: Weights, logged: list[Logged], micro_batch: int =
                 impossible = ((~possible) & (batch.mask > 0)).any(dim=1)
                 sums = (logp * batch.mask).sum(dim=1)
                 temp_sums = (temp * batch.mask).sum(dim=1)
-                for (index, _), total, t, bad in zip(chunk, sums.tolist(), temp_sums.tolist(), impossible.tolist(),
-                                                     strict=True):  # fmt: skip
+                for (index, _), total, t, bad in zip(
+                    chunk, sums.tolist(), temp_sums.tolist(), impossible.tolist(), strict=True
+                ):
                     totals[index] = -math.inf if bad or totals[index] == -math.inf else totals[index] + total
                     tempered[index] += t
     finally:

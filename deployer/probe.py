@@ -60,8 +60,13 @@ bench/gpu_check.sh):
 """
 
 # config.json's names for a dtype (torch's, and the older short ones).
-_CONFIG_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
-                  "half": "float16"}  # fmt: skip
+_CONFIG_DTYPES = {
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
 
 
 def served_dtype(setting: str, checkpoint_dir: Path) -> str:
@@ -78,8 +83,10 @@ def served_dtype(setting: str, checkpoint_dir: Path) -> str:
     named = config.get("dtype") or config.get("torch_dtype") or "float32"
     dtype = _CONFIG_DTYPES.get(str(named).removeprefix("torch."))
     if dtype is None:
-        raise ValueError(f"{checkpoint_dir / 'config.json'}: dtype {named!r} is none of {sorted(_CONFIG_DTYPES)}; "
-                         "set vllm.dtype (RTRL_VLLM__DTYPE) to what the servers run in")  # fmt: skip
+        raise ValueError(
+            f"{checkpoint_dir / 'config.json'}: dtype {named!r} is none of {sorted(_CONFIG_DTYPES)}; "
+            "set vllm.dtype (RTRL_VLLM__DTYPE) to what the servers run in"
+        )
     return "bfloat16" if dtype == "float32" else dtype
 
 
@@ -93,11 +100,16 @@ class Tolerance:
 
     def hint(self) -> str:
         """What to check when a probe fails, in one line."""
-        source = (f"set by deployer.probe_tolerance; the table's is {PROBE_TOLERANCES[self.dtype]:g}" if self.explicit
-                  else "deployer/probe.py's table")  # fmt: skip
-        return (f"({self.dtype} serving, {source}): check that the server loaded this checkpoint (its log) and "
-                f"runs with --dtype {self.dtype} (vllm.dtype); if it does and its kernels differ more, set "
-                "RTRL_DEPLOYER__PROBE_TOLERANCE (docs/platform.md, Verification tolerances)")
+        source = (
+            f"set by deployer.probe_tolerance; the table's is {PROBE_TOLERANCES[self.dtype]:g}"
+            if self.explicit
+            else "deployer/probe.py's table"
+        )
+        return (
+            f"({self.dtype} serving, {source}): check that the server loaded this checkpoint (its log) and "
+            f"runs with --dtype {self.dtype} (vllm.dtype); if it does and its kernels differ more, set "
+            "RTRL_DEPLOYER__PROBE_TOLERANCE (docs/platform.md, Verification tolerances)"
+        )
 
 
 def tolerance_for(settings: Settings, checkpoint_dir: Path) -> Tolerance:
@@ -179,8 +191,16 @@ def cached_reference(checkpoint_dir: Path, cache_path: Path) -> tuple[Probe, lis
     reference = reference_logprobs(checkpoint_dir, probe)
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"fingerprint": fingerprint, "texts": list(PROBE_TEXTS),
-                               "token_ids": [list(ids) for ids in probe.token_ids], "reference": reference}))  # fmt: skip
+    tmp.write_text(
+        json.dumps(
+            {
+                "fingerprint": fingerprint,
+                "texts": list(PROBE_TEXTS),
+                "token_ids": [list(ids) for ids in probe.token_ids],
+                "reference": reference,
+            }
+        )
+    )
     tmp.replace(cache_path)
     return probe, reference
 

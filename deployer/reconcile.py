@@ -32,7 +32,9 @@ Revive = Callable[[], dict[str, str | None]]
 """Restarts dead servers before a tick aligns them: {url: None when restarted, else why not}."""
 
 
-def reconcile_once(settings: Settings, registry: Registry, revive: Revive | None = None) -> FleetReport | None:
+def reconcile_once(
+    settings: Settings, registry: Registry, revive: Revive | None = None
+) -> FleetReport | None:
     """One tick; the report, or None when a rollout holds the fleet (nothing to align until it
     ends; servers `revive` restarted meanwhile stay out of rotation until the next tick)."""
     revived = {} if revive is None else revive()
@@ -40,7 +42,9 @@ def reconcile_once(settings: Settings, registry: Registry, revive: Revive | None
         report = align_fleet(settings, registry, keep_going=True)
     except RolloutBusy:
         if revived:
-            log.warning("restarted %s; a rollout holds the fleet, aligning them at the next tick", sorted(revived))
+            log.warning(
+                "restarted %s; a rollout holds the fleet, aligning them at the next tick", sorted(revived)
+            )
         return None
     report.restarted = sorted(url for url, problem in revived.items() if problem is None)
     report.errors.update({url: problem for url, problem in revived.items() if problem is not None})

@@ -75,7 +75,9 @@ class SwapResult(BaseModel):
     error: str | None = None
 
 
-def _swap_fleet(settings: Settings, registry: Registry, store: Store, version: int, previous: int) -> SwapResult:
+def _swap_fleet(
+    settings: Settings, registry: Registry, store: Store, version: int, previous: int
+) -> SwapResult:
     want = target(settings, registry, store, version)
     back = want if previous == version else target(settings, registry, store, previous)
     return _swap_servers(settings, registry, store, want, back, previous)
@@ -99,8 +101,12 @@ def _swap_one(
         except (ServingError, CallFailed) as exc:
             metrics.SWAPS.labels("failed").inc()
             return failed_step(url, want.version, exc), {}
-    extra = {"drained": window.drained, "drain_ms": window.drain_ms,
-             "in_flight_at_drain": window.in_flight_at_drain, "in_flight_at_pause": window.in_flight_at_pause}  # fmt: skip
+    extra = {
+        "drained": window.drained,
+        "drain_ms": window.drain_ms,
+        "in_flight_at_drain": window.in_flight_at_drain,
+        "in_flight_at_pause": window.in_flight_at_pause,
+    }
     metrics.record_swap(url, step.verified, step.restored, step.pause_ms, window.serving)
     return step.model_copy(update=extra), digests
 
@@ -149,7 +155,9 @@ def _swap_servers(
     )
 
 
-def promote(settings: Settings, registry: Registry, version: int, *, store: Store | None = None) -> SwapResult:
+def promote(
+    settings: Settings, registry: Registry, version: int, *, store: Store | None = None
+) -> SwapResult:
     """Swap the fleet to `version` and, when every server verified, move @champion to it.
 
     The lock, the digests and the swaps' announcements are in `store`: the caller's (the worker's
@@ -194,7 +202,9 @@ def rollback(
     if to_version is None:
         to_version = registry.previous_champion()
         if to_version is None:
-            raise NothingToRollBack("no previous champion recorded; pass the version to roll back to (--to N)")
+            raise NothingToRollBack(
+                "no previous champion recorded; pass the version to roll back to (--to N)"
+            )
     return promote(settings, registry, to_version, store=store)
 
 
@@ -213,8 +223,14 @@ def bootstrap(settings: Settings, registry: Registry, model_dir: Path, *, keep_g
             # v1 of a LoRA registry is the identity adapter on the base model (A·B = 0): the base
             # model's outputs, and the adapter the first cycle trains (docs/lora.md).
             lora = settings.trainer.lora
-            first = write_identity_adapter(model_dir, deploy_dir(settings) / "v1-adapter", rank=lora.rank,
-                                           alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)  # fmt: skip
+            first = write_identity_adapter(
+                model_dir,
+                deploy_dir(settings) / "v1-adapter",
+                rank=lora.rank,
+                alpha=lora.alpha,
+                dropout=lora.dropout,
+                target_modules=lora.target_modules,
+            )
             tags = {"rtrl.base": "true", "rtrl.adapter": "lora", "rtrl.base_model": str(model_dir.resolve())}
             version = registry.register_checkpoint(first, tags=tags)
         else:
@@ -222,12 +238,16 @@ def bootstrap(settings: Settings, registry: Registry, model_dir: Path, *, keep_g
             base = with_tied_head(model_dir, deploy_dir(settings) / "v1-base")
             version = registry.register_checkpoint(base, tags={"rtrl.base": "true"})
         if version != 1:
-            raise RegistryError(f"registered the base model as version {version}; expected 1 (concurrent bootstrap?)")
+            raise RegistryError(
+                f"registered the base model as version {version}; expected 1 (concurrent bootstrap?)"
+            )
         registry.set_alias(CHAMPION, version)
     champion = registry.champion()
     report = align_fleet(settings, registry, keep_going=keep_going)
     for url, problem in report.errors.items():
-        log.warning("%s not on @champion v%d yet (%s); the fleet reconciler retries it", url, champion, problem)
+        log.warning(
+            "%s not on @champion v%d yet (%s); the fleet reconciler retries it", url, champion, problem
+        )
     return champion
 
 
@@ -260,13 +280,23 @@ def align_fleet(settings: Settings, registry: Registry, *, keep_going: bool = Fa
                 _align_one(settings, url, want, store, drain, report, keep_going)
                 row = rotation.get(url.rstrip("/"))
                 if row is not None and not row.in_rotation and row.reason.startswith(DEPLOYER_MARK):
-                    store.set_rotation(url, True, f"reconciled: back after {row.reason[len(DEPLOYER_MARK):]}")
+                    store.set_rotation(
+                        url, True, f"reconciled: back after {row.reason[len(DEPLOYER_MARK) :]}"
+                    )
                     report.returned_to_rotation.append(url.rstrip("/"))
         if settings.vllm.staging_server is not None:  # no gateway routes to it: nothing to announce
             try:
                 with rollout_lock(store, "staging", "align staging to @champion"):
-                    _align_one(settings, settings.vllm.staging_server, want, store, False, report, keep_going,
-                               announce=False)  # fmt: skip
+                    _align_one(
+                        settings,
+                        settings.vllm.staging_server,
+                        want,
+                        store,
+                        False,
+                        report,
+                        keep_going,
+                        announce=False,
+                    )
             except RolloutBusy:
                 report.skipped.append(settings.vllm.staging_server.rstrip("/"))  # the gate is using it
     finally:
@@ -279,31 +309,51 @@ class FleetReport(BaseModel):
 
     champion: int | None = None
     restarted: list[str] = Field(
-        default_factory=list, description="Dead servers restarted first (`rtrl deploy reconcile` on local services)."
+        default_factory=list,
+        description="Dead servers restarted first (`rtrl deploy reconcile` on local services).",
     )
     swaps: list[ServerSwap] = Field(default_factory=list, description="Servers swapped to the champion.")
-    relabelled: list[str] = Field(default_factory=list, description="Servers on the champion's weights under another label.")
+    relabelled: list[str] = Field(
+        default_factory=list, description="Servers on the champion's weights under another label."
+    )
     resumed: list[str] = Field(default_factory=list, description="Servers found paused outside any swap.")
     returned_to_rotation: list[str] = Field(
         default_factory=list, description="Servers a dead deployer had left out of the gateways' rotation."
     )
     skipped: list[str] = Field(default_factory=list, description="Staging server, in use by the gate.")
-    errors: dict[str, str] = Field(default_factory=dict, description="Servers that could not be aligned, and why.")
+    errors: dict[str, str] = Field(
+        default_factory=dict, description="Servers that could not be aligned, and why."
+    )
 
     @property
     def changed(self) -> bool:
-        return bool(self.restarted or self.swaps or self.relabelled or self.resumed or self.returned_to_rotation
-                    or self.errors)
+        return bool(
+            self.restarted
+            or self.swaps
+            or self.relabelled
+            or self.resumed
+            or self.returned_to_rotation
+            or self.errors
+        )
 
 
 def _align_one(
-    settings: Settings, url: str, want: Target, store: Store, drain: bool, report: FleetReport,
-    keep_going: bool, *, announce: bool = True,
+    settings: Settings,
+    url: str,
+    want: Target,
+    store: Store,
+    drain: bool,
+    report: FleetReport,
+    keep_going: bool,
+    *,
+    announce: bool = True,
 ) -> None:
     try:
         with server_client(settings, url) as server:
             if server.is_paused():  # we hold the lock: no swap of ours is under way
-                log.warning("%s was paused outside any swap (a deployer died mid-swap?): resuming it", server.url)
+                log.warning(
+                    "%s was paused outside any swap (a deployer died mid-swap?): resuming it", server.url
+                )
                 server.resume()
                 report.resumed.append(server.url)
             done, step = _align(settings, server, want, store, drain, announce=announce)
@@ -320,7 +370,13 @@ def _align_one(
 
 
 def _align(
-    settings: Settings, server: VllmClient, want: Target, store: Store, drain: bool = False, *, announce: bool = True
+    settings: Settings,
+    server: VllmClient,
+    want: Target,
+    store: Store,
+    drain: bool = False,
+    *,
+    announce: bool = True,
 ) -> tuple[Literal["aligned", "relabelled", "swapped"], ServerSwap | None]:
     """Bring one server to `want` (see `align_fleet`): what it took, and the swap record when it
     was swapped. With `announce` (a serving server), what it serves is announced to the gateways
@@ -335,9 +391,10 @@ def _align(
             store.set_serving_version(server.url, version, f"aligned: serving v{version}")
         return "aligned", None
     changing: AbstractContextManager[Drain] = (
-        nullcontext(Drain(drained=False)) if not announce
+        nullcontext(Drain(drained=False))
+        if not announce
         else swap_window(settings, store, server, f"align to v{version}", drain=drain)
-    )  # fmt: skip
+    )
     with changing as window:
         if probe_diff(server, want) <= probe_tolerance(settings, want).value:
             if want.digests is None and not want.adapter:

@@ -102,7 +102,9 @@ class ServerSwap(BaseModel):
         "otherwise swapped in place, requests arriving in the pause waiting for it.",
     )
     drain_ms: float | None = Field(None, description="Out of rotation until no request ran on the server.")
-    in_flight_at_drain: int | None = Field(None, description="Requests on the server when it left the rotation.")
+    in_flight_at_drain: int | None = Field(
+        None, description="Requests on the server when it left the rotation."
+    )
     in_flight_at_pause: int | None = Field(None, description="Requests still on it when it was paused.")
     paused_at: datetime | None = Field(None, description="When the pause was requested (UTC).")
     error: str | None = None
@@ -174,13 +176,17 @@ def target(settings: Settings, registry: Registry, store: Store, version: int) -
     lora = settings.trainer.adapter == "lora"
     if is_adapter(path) != lora:
         what = "a LoRA adapter" if is_adapter(path) else "full weights"
-        raise AdapterError(f"v{version} is {what}, but trainer.adapter={settings.trainer.adapter}: a registry's "
-                           "versions are all adapters or all full weights (docs/lora.md, Choosing the mode)")  # fmt: skip
+        raise AdapterError(
+            f"v{version} is {what}, but trainer.adapter={settings.trainer.adapter}: a registry's "
+            "versions are all adapters or all full weights (docs/lora.md, Choosing the mode)"
+        )
     if lora:
         check_servable(path, server_max_rank(settings.trainer.lora.rank))
         base = settings.vllm.model_dir.expanduser().resolve()
         return Target(version, path, adapter_probe(base), [], None, base=base)
-    probe, reference = cached_reference(path, deploy_dir(settings) / "probes" / f"{format_version(version)}.json")
+    probe, reference = cached_reference(
+        path, deploy_dir(settings) / "probes" / f"{format_version(version)}.json"
+    )
     return Target(version, path, probe, reference, load_digests(settings, store, version))
 
 
@@ -241,8 +247,9 @@ def probe_diff(server: VllmClient, want: Target) -> float:
     if want.base is not None:
         prompts = [list(ids) for ids in want.probe.token_ids]
         generated = [server.greedy_logprobs(ids, ADAPTER_PROBE_TOKENS) for ids in prompts]
-        expected = adapter_reference(want.base, want.path, [(ids, tokens) for ids, (tokens, _) in
-                                                            zip(prompts, generated, strict=True)])  # fmt: skip
+        expected = adapter_reference(
+            want.base, want.path, [(ids, tokens) for ids, (tokens, _) in zip(prompts, generated, strict=True)]
+        )
         return max_abs_diff(expected, [logprobs for _, logprobs in generated])
     observed = [server.prompt_logprobs(list(ids)) for ids in want.probe.token_ids]
     return max_abs_diff(want.expected, observed)
@@ -396,8 +403,12 @@ def swap_window(
                 time.sleep(0.05)
                 left = _in_flight(server)
             if left:
-                log.warning("%s still had %d requests after %.0fs of draining: pausing anyway", server.url, left,
-                            settings.deployer.drain_timeout_s)  # fmt: skip
+                log.warning(
+                    "%s still had %d requests after %.0fs of draining: pausing anyway",
+                    server.url,
+                    left,
+                    settings.deployer.drain_timeout_s,
+                )
             window.in_flight_at_pause = left
             window.drain_ms = round((time.perf_counter() - start) * 1000, 1)
         yield window
@@ -405,14 +416,23 @@ def swap_window(
         try:
             store.set_serving_version(server.url, window.serving, f"after: {reason}")
         except StoreError as exc:
-            log.error("the version %s serves could not be announced (%s): the gateways read it from the "
-                      "server until the next swap", server.url, exc)  # fmt: skip
+            log.error(
+                "the version %s serves could not be announced (%s): the gateways read it from the "
+                "server until the next swap",
+                server.url,
+                exc,
+            )
         if drain:
             try:
                 store.set_rotation(server.url, True, f"back after: {reason}")
             except StoreError as exc:
-                log.error("%s could not be put back in rotation (%s): the gateways leave it out until "
-                          "`rtrl deploy rotation %s --in`", server.url, exc, server.url)  # fmt: skip
+                log.error(
+                    "%s could not be put back in rotation (%s): the gateways leave it out until "
+                    "`rtrl deploy rotation %s --in`",
+                    server.url,
+                    exc,
+                    server.url,
+                )
 
 
 # ---- the lock, the client, the record of a swap that never started ---------------------------------
@@ -439,7 +459,13 @@ def server_client(settings: Settings, url: str) -> VllmClient:
 def failed_step(url: str, version: int, exc: Exception) -> ServerSwap:
     """The record of a swap of `url` to `version` that failed before it changed anything."""
     return ServerSwap(
-        url=url, version=version, pause_ms=0.0, reload_ms=0.0, total_ms=0.0, verified=False,
-        max_abs_logprob_diff=None, digest_match=None, error=str(exc),
-    )  # fmt: skip
-
+        url=url,
+        version=version,
+        pause_ms=0.0,
+        reload_ms=0.0,
+        total_ms=0.0,
+        verified=False,
+        max_abs_logprob_diff=None,
+        digest_match=None,
+        error=str(exc),
+    )

@@ -68,9 +68,11 @@ class Judge:
         self.cfg = cfg
         headers = {"authorization": f"Bearer {cfg.api_key.get_secret_value()}"} if cfg.api_key else {}
         self._client = httpx.Client(
-            base_url=cfg.url.rstrip("/"), headers=headers, timeout=cfg.timeout_s,
+            base_url=cfg.url.rstrip("/"),
+            headers=headers,
+            timeout=cfg.timeout_s,
             limits=httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency),
-        )  # fmt: skip
+        )
         self._digits = {str(d): d for d in range(1, cfg.scale + 1)}
 
     def __enter__(self) -> Judge:
@@ -84,8 +86,11 @@ class Judge:
 
     def instructions(self, prompt: str, completion: str) -> str:
         """The rubric with this item in it (plain replacement: braces elsewhere in the rubric are text)."""
-        return (self.cfg.rubric.replace("{scale}", str(self.cfg.scale))
-                .replace("{prompt}", prompt).replace("{completion}", completion))  # fmt: skip
+        return (
+            self.cfg.rubric.replace("{scale}", str(self.cfg.scale))
+            .replace("{prompt}", prompt)
+            .replace("{completion}", completion)
+        )
 
     def score(self, prompt: str, completion: str) -> Verdict:
         """One judgement, tried up to 1 + `retries` times."""

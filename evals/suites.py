@@ -90,8 +90,15 @@ def judge_suite(task: Task, n: int, judge: JudgeSettings) -> PromptSuite:
     def unused(prompt: str, completion: str, line: Mapping[str, Any]) -> float:
         raise SuiteError("the judge suite is graded by its judge (Judge.score_many), not item by item")
 
-    return PromptSuite(name="judge", prompts=prompts, lines=tuple({} for _ in prompts), scorer=unused,
-                       max_tokens=task.max_tokens, stop=task.stop, judge=judge)  # fmt: skip
+    return PromptSuite(
+        name="judge",
+        prompts=prompts,
+        lines=tuple({} for _ in prompts),
+        scorer=unused,
+        max_tokens=task.max_tokens,
+        stop=task.stop,
+        judge=judge,
+    )
 
 
 def _function(spec: str) -> ItemScorer:
@@ -112,8 +119,10 @@ def _function(spec: str) -> ItemScorer:
         try:
             value = float(function(prompt, completion, line))
         except Exception as exc:  # a user's scorer: its failure is named, not a traceback from the gate
-            raise SuiteError(f"scorer function {spec!r} failed on line {line.get('_line', '?')}: "
-                             f"{type(exc).__name__}: {exc}") from exc
+            raise SuiteError(
+                f"scorer function {spec!r} failed on line {line.get('_line', '?')}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         if not (math.isfinite(value) and 0.0 <= value <= 1.0):
             raise SuiteError(f"scorer function {spec!r} returned {value!r}; scores are in [0, 1]")
         return value
@@ -142,7 +151,11 @@ def load_offline(cfg: OfflineSuiteSettings) -> PromptSuite:
             raise SuiteError(f'{where}: each line is an object with a non-empty string "prompt"')
         if cfg.scorer in ("exact", "contains"):
             answers = line.get("answers")
-            if not isinstance(answers, list) or not answers or not all(isinstance(a, str | int | float) for a in answers):
+            if (
+                not isinstance(answers, list)
+                or not answers
+                or not all(isinstance(a, str | int | float) for a in answers)
+            ):
                 raise SuiteError(f'{where}: scorer {cfg.scorer} needs a non-empty list "answers"')
         if cfg.scorer == "regex":
             try:
@@ -155,12 +168,22 @@ def load_offline(cfg: OfflineSuiteSettings) -> PromptSuite:
         lines.append({**line, "_line": number})
     if not prompts:
         raise SuiteError(f"gate suite {cfg.name!r}: {path} has no prompts")
-    scorers: dict[str, ItemScorer] = {"exact": exact_answer, "contains": contains_answer, "regex": regex_answer}
+    scorers: dict[str, ItemScorer] = {
+        "exact": exact_answer,
+        "contains": contains_answer,
+        "regex": regex_answer,
+    }
     if cfg.scorer == "function":
         if not cfg.function:
             raise SuiteError(f"gate suite {cfg.name!r}: scorer=function needs `function` (module:function)")
         scorer = _function(cfg.function)
     else:
         scorer = scorers[cfg.scorer]
-    return PromptSuite(name=cfg.name, prompts=tuple(prompts), lines=tuple(lines), scorer=scorer,
-                       max_tokens=cfg.max_tokens, stop=tuple(cfg.stop))  # fmt: skip
+    return PromptSuite(
+        name=cfg.name,
+        prompts=tuple(prompts),
+        lines=tuple(lines),
+        scorer=scorer,
+        max_tokens=cfg.max_tokens,
+        stop=tuple(cfg.stop),
+    )

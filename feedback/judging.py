@@ -72,8 +72,13 @@ def judge_pass(store: Store, spec: RewardSpec, judge: Judge, batch: int, now: da
         return []
     judged = judge.score_many([(w.prompt, w.trajectory) for w in waiting])
     if judged.failed:
-        log.warning("judge: %d of %d episodes not graded (%s)%s; labelled without the judge term",
-                    judged.failed, len(waiting), judged.first_error(), ", an outage" if judged.outage else "")  # fmt: skip
+        log.warning(
+            "judge: %d of %d episodes not graded (%s)%s; labelled without the judge term",
+            judged.failed,
+            len(waiting),
+            judged.first_error(),
+            ", an outage" if judged.outage else "",
+        )
     grades = {w.episode_id: v.score for w, v in zip(waiting, judged.verdicts, strict=True)}
     with store.labelling(now) as tx:
         settled = tx.settle_judged(spec, grades)

@@ -73,7 +73,9 @@ BACKOFF_MAX_S = 30.0
 WINDOW_CHECK = timedelta(seconds=1)  # how often open episodes are checked against the settle window
 LAG_EVERY_S = 5.0  # how often the consumer lag per partition is measured (feedback/metrics.py)
 DLQ_FLUSH_TIMEOUT_S = 30.0
-POLL_RETRY_S = 1.0  # after a poll that raised a Kafka error (kafka-python's own reconnect backoff is at most 1 s)
+POLL_RETRY_S = (
+    1.0  # after a poll that raised a Kafka error (kafka-python's own reconnect backoff is at most 1 s)
+)
 # A record started this many times by labeler processes that then died is dead-lettered unprocessed.
 # With a first death in batch mode that is 3 deaths in all: the supervisor's 5 restarts suffice.
 POISON_AFTER = 2
@@ -156,7 +158,9 @@ class Labeler:
         labeler = self.settings.labeler
         try:
             with streams.kafka_errors():
-                batch = self.consumer.poll(timeout_ms=labeler.poll_timeout_ms, max_records=labeler.max_poll_records)
+                batch = self.consumer.poll(
+                    timeout_ms=labeler.poll_timeout_ms, max_records=labeler.max_poll_records
+                )
         except streams.BrokerError as exc:  # no broker answers (the module docstring): nothing was read
             log.warning("poll failed (%r); polling again in %.1fs", exc, POLL_RETRY_S)
             metrics.POLL_FAILURES.inc()
@@ -183,7 +187,9 @@ class Labeler:
                 except Transient:
                     raise
                 except Exception as exc:  # tied to a record of the batch: find it, dead-letter it
-                    log.warning("batch of %d records failed (%r): writing it a record at a time", len(records), exc)
+                    log.warning(
+                        "batch of %d records failed (%r): writing it a record at a time", len(records), exc
+                    )
                     report = StepReport(records=len(records))
                     self._one_by_one(batch, now, report, count_attempts=False)
             if window_due:
@@ -199,7 +205,9 @@ class Labeler:
         except (Transient, DatabaseUnavailable) as exc:
             # Nothing uncommitted is lost: read it again after a pause (committed records are replays).
             cause = exc.__cause__ if isinstance(exc, Transient) else exc
-            log.warning("batch of %d records not stored (%s); retrying in %.1fs", len(records), cause, self._backoff_s)
+            log.warning(
+                "batch of %d records not stored (%s); retrying in %.1fs", len(records), cause, self._backoff_s
+            )
             for tp, rs in batch.items():
                 self.consumer.seek(tp, rs[0].offset)
             metrics.STORE_UP.set(0)
@@ -307,16 +315,26 @@ class Labeler:
         metrics.REPLAYED.inc(written.replayed)
         _count_dead_letters(written.rejected)
 
-    def _one_by_one(self, batch: dict[Any, list[Any]], now: datetime, report: StepReport, count_attempts: bool) -> None:
+    def _one_by_one(
+        self, batch: dict[Any, list[Any]], now: datetime, report: StepReport, count_attempts: bool
+    ) -> None:
         """Each record in its own transaction, its offset committed after it (the error policy)."""
         report.one_by_one = True
         for tp, rs in batch.items():
             for r in rs:
                 record = SourceRecord(r.topic, r.partition, r.offset, r.value)
-                deaths = self._note(record.topic, record.partition, record.offset, "record") if count_attempts else 0
+                deaths = (
+                    self._note(record.topic, record.partition, record.offset, "record")
+                    if count_attempts
+                    else 0
+                )
                 if deaths >= POISON_AFTER:
-                    log.error("dead-lettering %s unprocessed: labelers died %d times on it", record.source, deaths)
-                    self._dead_letter(record, f"poison: {deaths} labeler processes died while processing it", now, report)
+                    log.error(
+                        "dead-lettering %s unprocessed: labelers died %d times on it", record.source, deaths
+                    )
+                    self._dead_letter(
+                        record, f"poison: {deaths} labeler processes died while processing it", now, report
+                    )
                 else:
                     try:
                         self._write([record], now, report)
@@ -377,7 +395,9 @@ class Labeler:
             )
         self.producer.flush(timeout=DLQ_FLUSH_TIMEOUT_S)
         for delivery in deliveries:
-            delivery.get(timeout=DLQ_FLUSH_TIMEOUT_S)  # raises the streams.BrokerError if the broker refused it
+            delivery.get(
+                timeout=DLQ_FLUSH_TIMEOUT_S
+            )  # raises the streams.BrokerError if the broker refused it
 
 
 def _count_dead_letters(rejected: list[Rejected]) -> None:
@@ -390,8 +410,13 @@ def _count_stranded(stranded: SettleReport, report: StepReport) -> None:
     found = stranded.joined + stranded.late_feedback
     if not found:
         return
-    log.info("joined %d feedback stored unjoined while another replica created its episode "
-             "(%d late, %d episodes settled)", found, stranded.late_feedback, stranded.settled_terminal)  # fmt: skip
+    log.info(
+        "joined %d feedback stored unjoined while another replica created its episode "
+        "(%d late, %d episodes settled)",
+        found,
+        stranded.late_feedback,
+        stranded.settled_terminal,
+    )
     for name in ("joined", "late_feedback", "settled_terminal"):
         setattr(report.settle, name, getattr(report.settle, name) + getattr(stranded, name))
     metrics.FEEDBACK_STRANDED.inc(found)

@@ -50,7 +50,9 @@ def reconcile(settings: Settings, store: Store) -> Reconciliation:
     admin = streams.admin(kafka, "rtrl-reconcile")
     try:
         partitions = [
-            tp for topic in (kafka.interactions_topic, kafka.feedback_topic) for tp in streams.partitions_of(consumer, topic)
+            tp
+            for topic in (kafka.interactions_topic, kafka.feedback_topic)
+            for tp in streams.partitions_of(consumer, topic)
         ]
         begin = consumer.beginning_offsets(partitions)
         end = consumer.end_offsets(partitions)
@@ -80,4 +82,3 @@ def reconcile(settings: Settings, store: Store) -> Reconciliation:
         pending=sum(c.pending for c in counts),
         partitions=counts,
     )
-

@@ -36,7 +36,9 @@ class Checks:
     limits: LimitsSettings
 
 
-def parse_record(record: SourceRecord, expected: type[Event], checks: Checks, now: datetime) -> Event | Rejected:
+def parse_record(
+    record: SourceRecord, expected: type[Event], checks: Checks, now: datetime
+) -> Event | Rejected:
     """Validate one record against the topic's schema and `checks`, or say why it is rejected."""
     if record.value is None:
         return Rejected(record, "schema: record has no value (tombstone)")
@@ -44,7 +46,9 @@ def parse_record(record: SourceRecord, expected: type[Event], checks: Checks, no
         event: Event = parse_event(record.value, expected)
     except SchemaError as exc:
         return Rejected(record, f"schema: {exc}", _readable_event_id(record.value))
-    problem = event_time_problem(event.created_at, now, checks.limits.max_future_skew_s, checks.limits.max_event_age_s)
+    problem = event_time_problem(
+        event.created_at, now, checks.limits.max_future_skew_s, checks.limits.max_event_age_s
+    )
     if problem is not None:
         return Rejected(record, f"content: {problem}", event.event_id)
     if isinstance(event, FeedbackEvent):

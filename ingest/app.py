@@ -93,7 +93,9 @@ async def follow_rotation(fleet: Fleet, store: Store, every_s: float) -> None:
             rows = await asyncio.to_thread(store.rotation)
         except Exception as exc:  # noqa: BLE001 - a store outage must not stop routing
             if not failing:
-                log.warning("cannot read the servers' rotation from the store (%r); keeping the last one read", exc)
+                log.warning(
+                    "cannot read the servers' rotation from the store (%r); keeping the last one read", exc
+                )
             failing = True
         else:
             before = fleet.out
@@ -116,8 +118,11 @@ async def verify_announcements(fleet: Fleet, metrics: GatewayMetrics) -> None:
                 continue
             if problem is not None:
                 metrics.version_mismatch.labels(server.url).inc()
-                log.error("%s; its generations are attributed by reading its version until the deployer "
-                          "announces it again (`rtrl deploy bootstrap` re-checks the fleet)", problem)  # fmt: skip
+                log.error(
+                    "%s; its generations are attributed by reading its version until the deployer "
+                    "announces it again (`rtrl deploy bootstrap` re-checks the fleet)",
+                    problem,
+                )
 
 
 def create_app(settings: Settings, connect: Connect | None = None) -> Starlette:
@@ -128,15 +133,24 @@ def create_app(settings: Settings, connect: Connect | None = None) -> Starlette:
     spec = get_spec(settings.labeler.reward_spec)  # a bad spec name fails now, not on the first feedback
     redactor = Redactor(settings.gateway.redaction)  # so does a detector that cannot be loaded
     sampling_defaults = served_defaults(settings)  # and an unreadable generation_config.json
-    log.info("sampling defaults written into requests that leave them out: %s",
-             sampling_defaults or "none (vLLM's neutral ones)")
-    ids = RequestIds(request_id_secret(
-        None if settings.gateway.request_id_secret is None else settings.gateway.request_id_secret.get_secret_value(),
-        settings.services.run_dir,
-    ))  # fmt: skip
+    log.info(
+        "sampling defaults written into requests that leave them out: %s",
+        sampling_defaults or "none (vLLM's neutral ones)",
+    )
+    ids = RequestIds(
+        request_id_secret(
+            None
+            if settings.gateway.request_id_secret is None
+            else settings.gateway.request_id_secret.get_secret_value(),
+            settings.services.run_dir,
+        )
+    )
     if settings.gateway.auth == "open":
-        log.warning("GATEWAY AUTH IS OPEN: no API keys, every caller is tenant %r. For local experiments only; "
-                    "set RTRL_GATEWAY__AUTH=keys and create keys with `rtrl keys create`.", OPEN_CALLER.tenant)  # fmt: skip
+        log.warning(
+            "GATEWAY AUTH IS OPEN: no API keys, every caller is tenant %r. For local experiments only; "
+            "set RTRL_GATEWAY__AUTH=keys and create keys with `rtrl keys create`.",
+            OPEN_CALLER.tenant,
+        )
 
     def gateway(fleet: Fleet, publisher: Publisher, keys: KeyCache | None) -> Gateway:
         return Gateway(settings, fleet, publisher, metrics, keys, ids, spec, redactor, sampling_defaults)
@@ -195,8 +209,11 @@ def route(path: str, method: str, handler: Handler) -> Route:
 
 async def no_route(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 404)
-    return error(status, f"{request.method} {request.url.path} is not a route of the rtrl gateway; it serves "
-                         f"POST {', '.join(ROUTES)} and GET /v1/models, /healthz, /readyz, /metrics, /v1/whoami")  # fmt: skip
+    return error(
+        status,
+        f"{request.method} {request.url.path} is not a route of the rtrl gateway; it serves "
+        f"POST {', '.join(ROUTES)} and GET /v1/models, /healthz, /readyz, /metrics, /v1/whoami",
+    )
 
 
 def _application(settings: Settings, metrics: GatewayMetrics, lifespan: Lifespan) -> Starlette:
@@ -215,15 +232,20 @@ def _application(settings: Settings, metrics: GatewayMetrics, lifespan: Lifespan
             route("/v1/whoami", "GET", operations.whoami),
             Route("/healthz", operations.healthz, methods=["GET"]),
         ],
-        middleware=[Middleware(
-            BodyLimit,
-            limits={"/v1/completions": gw.max_request_bytes, "/v1/chat/completions": gw.max_request_bytes,
-                    "/v1/feedback": gw.max_feedback_bytes},
-            on_refused=lambda path: metrics.body_refused.labels(path).inc(),
-        )],
+        middleware=[
+            Middleware(
+                BodyLimit,
+                limits={
+                    "/v1/completions": gw.max_request_bytes,
+                    "/v1/chat/completions": gw.max_request_bytes,
+                    "/v1/feedback": gw.max_feedback_bytes,
+                },
+                on_refused=lambda path: metrics.body_refused.labels(path).inc(),
+            )
+        ],
         exception_handlers={404: no_route, 405: no_route},
         lifespan=lifespan,
-    )  # fmt: skip
+    )
 
 
 def run(settings: Settings) -> None:
@@ -236,8 +258,17 @@ def run(settings: Settings) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     log.info(
         "rtrl gateway on %s:%d -> %s; kafka %s; spool %s; auth %s",
-        settings.gateway.host, settings.gateway.port, ", ".join(settings.vllm.servers),
-        settings.kafka.bootstrap_servers, settings.gateway.spool_dir, settings.gateway.auth,
+        settings.gateway.host,
+        settings.gateway.port,
+        ", ".join(settings.vllm.servers),
+        settings.kafka.bootstrap_servers,
+        settings.gateway.spool_dir,
+        settings.gateway.auth,
     )
-    uvicorn.run(create_app(settings), host=settings.gateway.host, port=settings.gateway.port, log_level="info",
-                access_log=settings.gateway.access_log)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.gateway.host,
+        port=settings.gateway.port,
+        log_level="info",
+        access_log=settings.gateway.access_log,
+    )

@@ -86,8 +86,11 @@ class KeyCache:
         try:
             records = self._store.api_keys()
         except Exception as exc:  # the store unreachable or not migrated: keep serving the old snapshot
-            log.warning("could not reload API keys (%s); keeping the %s", exc,
-                        "last snapshot" if self.loaded else "gateway closed (503) until they load")  # fmt: skip
+            log.warning(
+                "could not reload API keys (%s); keeping the %s",
+                exc,
+                "last snapshot" if self.loaded else "gateway closed (503) until they load",
+            )
             return False
         self._keys = {record.key_hash: _caller(record) for record in records}
         self._loaded_at = self._monotonic()
@@ -162,7 +165,9 @@ def request_id_secret(configured: str | None, run_dir: Path) -> bytes:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp-{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never readable by others, not even briefly
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
+        )  # never readable by others, not even briefly
         with os.fdopen(fd, "w") as out:
             out.write(secrets.token_hex(32))
         try:
@@ -178,5 +183,7 @@ def namespaced(tenant: str, episode_id: str) -> str:
     """The stored episode id of a tenant's episode id. Raises ValueError when it would be too long."""
     full = f"{tenant}:{episode_id}"
     if len(full) > MAX_ID_CHARS:
-        raise ValueError(f"episode_id is {len(episode_id)} characters; at most {MAX_ID_CHARS - len(tenant) - 1} for this tenant")
+        raise ValueError(
+            f"episode_id is {len(episode_id)} characters; at most {MAX_ID_CHARS - len(tenant) - 1} for this tenant"
+        )
     return full

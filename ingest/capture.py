@@ -56,18 +56,26 @@ async def publish_interaction(
         try:
             after = await gw.fleet.read_version(served.server)
         except ServingError as exc:  # UpstreamError, VersionUnknown
-            reason = f"could not build an InteractionEvent: weight version after the generation unknown: {exc!r}"
+            reason = (
+                f"could not build an InteractionEvent: weight version after the generation unknown: {exc!r}"
+            )
             dead_letter(gw, request_id, reason, payload, forward)
             return
     try:
-        generation: Generation = extract_chat(payload) if served.chat else extract_completion(payload, forward)
+        generation: Generation = (
+            extract_chat(payload) if served.chat else extract_completion(payload, forward)
+        )
         # Straddled a swap (or "before" unknown): the tokens came from one set of weights, but
         # we cannot tell which, so the behaviour logprobs cannot be attributed to a version.
         straddled = before != after
         if straddled:
             gw.metrics.straddled.inc()
-            log.info("request %s straddled a weight swap (%s -> %s): trainable=false", request_id,
-                     "unknown" if before is None else format_version(before), format_version(after))
+            log.info(
+                "request %s straddled a weight swap (%s -> %s): trainable=false",
+                request_id,
+                "unknown" if before is None else format_version(before),
+                format_version(after),
+            )
         event = build_interaction(
             request_id=request_id,
             tenant=served.tenant,
@@ -116,7 +124,9 @@ def _redacted(gw: Gateway, event: InteractionEvent) -> InteractionEvent:
 def dead_letter(gw: Gateway, request_id: str, reason: str, payload: Any, forward: Any) -> None:
     """Publish a `DeadLetterRecord` of a generation that could not be captured, its text redacted."""
     try:  # every string redacted before it is serialized (escapes like \n would hide a match)
-        raw = json.dumps(redact_json(gw.redactor, {"request_id": request_id, "request": forward, "response": payload}))
+        raw = json.dumps(
+            redact_json(gw.redactor, {"request_id": request_id, "request": forward, "response": payload})
+        )
     except Exception:  # noqa: BLE001 - a plugged-in detector failed: keep no text at all
         log.exception("redaction of dead letter %s failed: its payload is dropped", request_id)
         raw = json.dumps({"request_id": request_id, "payload": "[REDACTED:redaction_failed]"})
@@ -127,5 +137,9 @@ def dead_letter(gw: Gateway, request_id: str, reason: str, payload: Any, forward
     gw.metrics.publish.labels(gw.settings.kafka.dlq_topic, "dead_letter").inc()
     log.warning("request %s dead-lettered: %s", request_id, reason)
     gw.publisher.publish(
-        gw.settings.kafka.dlq_topic, request_id, record.model_dump_json(), record.schema_version, record.event_id
+        gw.settings.kafka.dlq_topic,
+        request_id,
+        record.model_dump_json(),
+        record.schema_version,
+        record.event_id,
     )

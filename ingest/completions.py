@@ -118,7 +118,9 @@ async def _generate(gw: Gateway, request: Request, tenant: str, request_id: str,
     shape = shape_chat_response if chat else shape_completion_response
     # The body names the version the request was served under as far as the gateway knew when
     # it sent it; the event's version (read again after the generation) is the authoritative one.
-    client_body = with_rtrl(shape(payload, requested), request_id, "unknown" if before is None else format_version(before))
+    client_body = with_rtrl(
+        shape(payload, requested), request_id, "unknown" if before is None else format_version(before)
+    )
     task = BackgroundTask(publish_interaction, gw, served, payload, created_at)
     return FastJSONResponse(client_body, headers={HEADER_REQUEST_ID: request_id}, background=task)
 
@@ -128,7 +130,9 @@ def _finish_stream(gw: Gateway, served: Served, stream: StreamCapture, created_a
     if stream.truncated:
         gw.metrics.truncated.inc()
     task = asyncio.get_running_loop().create_task(
-        publish_interaction(gw, served, stream.payload(), created_at, truncated=stream.truncated, problem=stream.problem)
+        publish_interaction(
+            gw, served, stream.payload(), created_at, truncated=stream.truncated, problem=stream.problem
+        )
     )
     gw.tasks.add(task)
     task.add_done_callback(gw.tasks.discard)

@@ -50,5 +50,7 @@ async def _feedback(gw: Gateway, request: Request, tenant: str) -> Response:
         return JSONResponse({"detail": events.problems}, status_code=events.status)
     topic = gw.settings.kafka.feedback_topic
     for event in events:
-        gw.publisher.publish(topic, event.request_id, event.model_dump_json(), event.schema_version, event.event_id)
+        gw.publisher.publish(
+            topic, event.request_id, event.model_dump_json(), event.schema_version, event.event_id
+        )
     return JSONResponse({"event_ids": [e.event_id for e in events]}, status_code=202)

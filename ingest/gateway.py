@@ -43,7 +43,9 @@ class Gateway:
     ) -> None:
         self.settings = settings
         self.sampling_defaults = sampling_defaults  # written into requests (schemas/sampling.py)
-        self.lora = settings.trainer.adapter == "lora"  # the adapter's name, no prompt logprobs (ingest/shaping.py)
+        self.lora = (
+            settings.trainer.adapter == "lora"
+        )  # the adapter's name, no prompt logprobs (ingest/shaping.py)
         self.redactor = redactor
         self.fleet = fleet
         self.publisher = publisher
@@ -62,12 +64,19 @@ class Gateway:
             return OPEN_CALLER
         if not self.keys.loaded:
             self.metrics.auth.labels("keys_not_loaded").inc()
-            return error(503, "the gateway has not loaded its API keys yet (is the store up?)", headers={"Retry-After": "5"})
+            return error(
+                503,
+                "the gateway has not loaded its API keys yet (is the store up?)",
+                headers={"Retry-After": "5"},
+            )
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             self.metrics.auth.labels("missing_key").inc()
-            return error(401, "missing API key: send Authorization: Bearer <key> (`rtrl keys create`)",
-                         headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            return error(
+                401,
+                "missing API key: send Authorization: Bearer <key> (`rtrl keys create`)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         caller = self.keys.lookup(key.strip())
         if caller is None:
             self.metrics.auth.labels("invalid_key").inc()
@@ -78,6 +87,10 @@ class Gateway:
         wait_s = self.limiter.take(caller)
         if wait_s is not None:
             self.metrics.auth.labels("rate_limited").inc()
-            return error(429, "rate limit of this API key reached", headers={"Retry-After": str(max(1, math.ceil(wait_s)))})
+            return error(
+                429,
+                "rate limit of this API key reached",
+                headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
+            )
         self.metrics.auth.labels("ok").inc()
         return caller

@@ -36,7 +36,9 @@ class FeedbackIn(BaseModel):
 
     event_id: Id | None = Field(None, description="Your idempotency key; send the same one when you retry.")
     request_id: Id = Field(description="The request the feedback is about (x-rtrl-request-id).")
-    episode_id: Id | None = Field(None, description="The episode, when the feedback is about the whole episode.")
+    episode_id: Id | None = Field(
+        None, description="The episode, when the feedback is about the whole episode."
+    )
     tenant: Id | None = Field(None, description="Optional; must be the API key's tenant.")
     kind: FeedbackKind
     value: FeedbackValue = Field(1.0, description="Score for task_outcome / judge_score.")
@@ -76,10 +78,14 @@ def admit(
     for i, item in enumerate(items):
         where = f"feedback[{i}]"
         if item.tenant is not None and item.tenant != tenant:
-            by_status.setdefault(403, []).append(f"{where}: tenant {item.tenant!r} is not this API key's tenant")
+            by_status.setdefault(403, []).append(
+                f"{where}: tenant {item.tenant!r} is not this API key's tenant"
+            )
             continue
         if not ids.belongs_to(item.request_id, tenant):
-            by_status.setdefault(404, []).append(f"{where}: no request {item.request_id!r} for this API key's tenant")
+            by_status.setdefault(404, []).append(
+                f"{where}: no request {item.request_id!r} for this API key's tenant"
+            )
             continue
         created_at = item.created_at or now
         problem = event_time_problem(created_at, now, limits.max_future_skew_s, limits.max_event_age_s)
@@ -93,9 +99,14 @@ def admit(
             continue
         events.append(
             FeedbackEvent(
-                event_id=item.event_id or new_id(), request_id=item.request_id, episode_id=episode_id, tenant=tenant,
-                kind=item.kind, value=item.value, created_at=created_at,
-            )  # fmt: skip
+                event_id=item.event_id or new_id(),
+                request_id=item.request_id,
+                episode_id=episode_id,
+                tenant=tenant,
+                kind=item.kind,
+                value=item.value,
+                created_at=created_at,
+            )
         )
     for status in (403, 404, 422):  # the gravest refusal decides the status
         if status in by_status:

@@ -48,7 +48,9 @@ class BodyLimit:
                 await self._refuse(send, path, 400, "Content-Length is not a number")
                 return
             if declared > limit:
-                await self._refuse(send, path, 413, f"request body of {declared} bytes is over the {limit}-byte limit")
+                await self._refuse(
+                    send, path, 413, f"request body of {declared} bytes is over the {limit}-byte limit"
+                )
                 return
         received = 0
         started = False
@@ -77,9 +79,14 @@ class BodyLimit:
     async def _refuse(self, send: Send, path: str, status: int, message: str) -> None:
         if self.on_refused is not None:
             self.on_refused(path)
-        body = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None, "code": status}})
-        await send({
-            "type": "http.response.start", "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
-        })  # fmt: skip
+        body = json.dumps(
+            {"error": {"message": message, "type": "BadRequestError", "param": None, "code": status}}
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
+            }
+        )
         await send({"type": "http.response.body", "body": body.encode()})

@@ -148,7 +148,9 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.spool_bytes = Gauge(
-            "rtrl_gateway_spool_bytes", "Bytes of events waiting in the on-disk spool.", registry=self.registry
+            "rtrl_gateway_spool_bytes",
+            "Bytes of events waiting in the on-disk spool.",
+            registry=self.registry,
         )
         self.kafka_connected = Gauge(
             "rtrl_gateway_kafka_connected",

@@ -15,7 +15,6 @@ async def healthz(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-
 async def ready(gw: Gateway) -> Response:
     """200 when a vLLM server answers (and the keys are loaded); reports Kafka, the spool and the keys too."""
     health = await gw.fleet.health()

@@ -132,7 +132,8 @@ class Publisher:
         size = len(key.encode()) + len(value.encode()) + len(schema) + RECORD_OVERHEAD_BYTES
         if size > self._kafka.max_message_bytes:
             self._undeliverable(
-                record, f"record of about {size} bytes is over kafka.max_message_bytes {self._kafka.max_message_bytes}"
+                record,
+                f"record of about {size} bytes is over kafka.max_message_bytes {self._kafka.max_message_bytes}",
             )
             return
         if self._closed:
@@ -148,7 +149,9 @@ class Publisher:
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         self._closed = True
         try:
-            self._queue.put(None, timeout=timeout_s)  # the sender drains everything queued before it, then exits
+            self._queue.put(
+                None, timeout=timeout_s
+            )  # the sender drains everything queued before it, then exits
         except queue.Full:
             pass
         self._threads[0].join(timeout=timeout_s + 5)
@@ -192,8 +195,11 @@ class Publisher:
                     return
                 self._send(record)
             except Exception:  # noqa: BLE001 - this thread must outlive any one record
-                log.exception("publishing %s record %s failed unexpectedly; spooling it", record and record.topic,
-                              record and record.event_id)  # fmt: skip
+                log.exception(
+                    "publishing %s record %s failed unexpectedly; spooling it",
+                    record and record.topic,
+                    record and record.event_id,
+                )
                 if record is not None:
                     self._spool(record, "unexpected error while sending")
             finally:
@@ -220,7 +226,10 @@ class Publisher:
             if self._settle(ticket) is not None:
                 self._undeliverable(record, f"kafka refused the record: {exc!r}")
             return
-        except (streams.BrokerError, AssertionError) as exc:  # metadata not available in max_block_ms, producer closed...
+        except (
+            streams.BrokerError,
+            AssertionError,
+        ) as exc:  # metadata not available in max_block_ms, producer closed...
             if self._settle(ticket) is not None:
                 self._spool(record, f"kafka send failed: {exc!r}")
             if isinstance(exc, streams.BrokerTimeout):
@@ -232,7 +241,9 @@ class Publisher:
         delivery.add_errback(self._on_error, ticket)
 
     def _produce(self, producer: streams.Producer, record: SpoolRecord) -> streams.Delivery:
-        return producer.send(record.topic, key=record.key.encode(), value=record.value.encode(), schema=record.schema)
+        return producer.send(
+            record.topic, key=record.key.encode(), value=record.value.encode(), schema=record.schema
+        )
 
     def _settle(self, ticket: int) -> SpoolRecord | None:
         # Whoever removes the ticket owns the record's fate; the watchdog or close() may have
@@ -259,24 +270,47 @@ class Publisher:
         try:
             appended = self.spool.append(record)
         except OSError as exc:  # the disk is full or gone: nothing left to put it on; say so loudly
-            log.error("LOST %s record %s: spooling it failed (%r) after: %s", record.topic, record.event_id, exc, reason)
+            log.error(
+                "LOST %s record %s: spooling it failed (%r) after: %s",
+                record.topic,
+                record.event_id,
+                exc,
+                reason,
+            )
             self._metrics.publish.labels(record.topic, "lost").inc()
             return
         if appended:
             log.info("spooled %s record %s: %s", record.topic, record.event_id, reason)
             self._metrics.publish.labels(record.topic, "spooled").inc()
         else:
-            log.error("spool full: %s record %s written to %s", record.topic, record.event_id, self.spool.overflow_path)
+            log.error(
+                "spool full: %s record %s written to %s",
+                record.topic,
+                record.event_id,
+                self.spool.overflow_path,
+            )
             self._metrics.publish.labels(record.topic, "overflow").inc()
 
     def _undeliverable(self, record: SpoolRecord, reason: str) -> None:
         try:
             self.spool.dead_letter(record, reason)
         except OSError as exc:
-            log.error("LOST %s record %s: dead-lettering it failed (%r) after: %s", record.topic, record.event_id, exc, reason)
+            log.error(
+                "LOST %s record %s: dead-lettering it failed (%r) after: %s",
+                record.topic,
+                record.event_id,
+                exc,
+                reason,
+            )
             self._metrics.publish.labels(record.topic, "lost").inc()
             return
-        log.error("%s record %s dead-lettered to %s: %s", record.topic, record.event_id, self.spool.overflow_path, reason)
+        log.error(
+            "%s record %s dead-lettered to %s: %s",
+            record.topic,
+            record.event_id,
+            self.spool.overflow_path,
+            reason,
+        )
         self._metrics.publish.labels(record.topic, "undeliverable").inc()
 
     # ---- the watchdog -------------------------------------------------------------------------
@@ -316,7 +350,9 @@ class Publisher:
             self._failed_replays = 0
         self._metrics.kafka_connected.set(0)
         self._metrics.producer_replaced.inc()
-        log.warning("kafka producer retired (%s); a new one connects, events go to the spool meanwhile", reason)
+        log.warning(
+            "kafka producer retired (%s); a new one connects, events go to the spool meanwhile", reason
+        )
         threading.Thread(target=producer.close_now, name="rtrl-publisher-retire", daemon=True).start()
 
     # ---- connecting and replaying -------------------------------------------------------------
@@ -340,7 +376,9 @@ class Publisher:
                 bootstrap_timeout_ms=timeout_ms,
             )
         except (streams.BrokerError, streams.BrokersUnreachable) as exc:
-            log.warning("kafka %s unreachable: %s; events go to the spool", self._kafka.bootstrap_servers, exc)
+            log.warning(
+                "kafka %s unreachable: %s; events go to the spool", self._kafka.bootstrap_servers, exc
+            )
             return None
         return streams.Producer(client)
 
@@ -419,11 +457,20 @@ class Publisher:
                 outcome = "undeliverable" if id(record) in refused else "replayed"
                 self._metrics.publish.labels(record.topic, outcome).inc()
             for record, reason in undeliverable:
-                log.error("%s record %s dead-lettered to %s: %s", record.topic, record.event_id, self.spool.overflow_path, reason)
+                log.error(
+                    "%s record %s dead-lettered to %s: %s",
+                    record.topic,
+                    record.event_id,
+                    self.spool.overflow_path,
+                    reason,
+                )
             log.info(
                 "replayed %d records from %s in %.2fs (%d dead-lettered: %d unreadable lines, %d refused by Kafka)",
-                len(segment.records) - len(undeliverable), path.name, time.monotonic() - started,
-                len(segment.bad_lines) + len(undeliverable), len(segment.bad_lines), len(undeliverable),
+                len(segment.records) - len(undeliverable),
+                path.name,
+                time.monotonic() - started,
+                len(segment.bad_lines) + len(undeliverable),
+                len(segment.bad_lines),
+                len(undeliverable),
             )
         return True
-

@@ -10,8 +10,13 @@ from starlette.responses import JSONResponse
 
 from ingest.shaping import HEADER_REQUEST_ID
 
-_ERROR_TYPES = {401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-                413: "BadRequestError", 429: "RateLimitError"}  # fmt: skip
+_ERROR_TYPES = {
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    413: "BadRequestError",
+    429: "RateLimitError",
+}
 
 
 def error(

@@ -107,7 +107,9 @@ class Fleet:
             raise IngestError("settings.vllm.servers is empty: the gateway has nothing to serve from")
         staging = (vllm.staging_server or "").rstrip("/")
         if staging and staging in urls:
-            raise IngestError(f"the staging server {staging} must not serve users; remove it from vllm.servers")
+            raise IngestError(
+                f"the staging server {staging} must not serve users; remove it from vllm.servers"
+            )
         self.timeout_s = vllm.request_timeout_s
         self.servers = [Server(AsyncVllmClient(u, http, timeout_s=vllm.request_timeout_s)) for u in urls]
         self.out: frozenset[str] = frozenset()  # urls the deployer took out of rotation
@@ -186,7 +188,9 @@ class Fleet:
         """A fresh version read (refreshes the cache). Raises UpstreamError and VersionUnknown."""
         version = await server.client.weight_version()
         if version is None:
-            raise VersionUnknown(f"{server.url} was never given a weight version (run `rtrl deploy bootstrap`)")
+            raise VersionUnknown(
+                f"{server.url} was never given a weight version (run `rtrl deploy bootstrap`)"
+            )
         server.version, server.version_read_at = version, time.monotonic()
         return version
 

@@ -29,13 +29,20 @@ OWNED_BY = "rtrl"
 
 def model_card(gw: Gateway) -> dict[str, Any]:
     """The served model as an OpenAI model object."""
-    return {"id": gw.settings.vllm.served_model_name, "object": "model", "created": gw.started_at, "owned_by": OWNED_BY}
+    return {
+        "id": gw.settings.vllm.served_model_name,
+        "object": "model",
+        "created": gw.started_at,
+        "owned_by": OWNED_BY,
+    }
 
 
 async def list_models(gw: Gateway, request: Request) -> Response:
     """``GET /v1/models``: the served model in an OpenAI list."""
     caller = gw.authenticate(request, None)
-    response = caller if isinstance(caller, Response) else JSONResponse({"object": "list", "data": [model_card(gw)]})
+    response = (
+        caller if isinstance(caller, Response) else JSONResponse({"object": "list", "data": [model_card(gw)]})
+    )
     gw.metrics.requests.labels("models", str(response.status_code)).inc()
     return response
 
@@ -51,6 +58,8 @@ async def get_model(gw: Gateway, request: Request) -> Response:
         if model_id == card["id"]:
             response = JSONResponse(card)
         else:
-            response = error(404, f"model {model_id!r} is not served here; this gateway serves {card['id']!r}")
+            response = error(
+                404, f"model {model_id!r} is not served here; this gateway serves {card['id']!r}"
+            )
     gw.metrics.requests.labels("models", str(response.status_code)).inc()
     return response

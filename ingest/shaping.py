@@ -64,7 +64,9 @@ class Capture:
     episode_id: str | None = None  # as the client named it, before namespacing by tenant
     segment_index: int = 0
     role: Role = Role.policy
-    agent: str | None = None  # which agent of the episode made the call (a PARL sub-agent); None: the main one
+    agent: str | None = (
+        None  # which agent of the episode made the call (a PARL sub-agent); None: the main one
+    )
     trainable: bool | None = None  # None: the default for the role
 
 
@@ -169,7 +171,9 @@ def _common_checks(body: Any) -> dict[str, Any]:
     for field in ("n", "best_of"):
         if body.get(field) not in (None, 1):
             # Feedback names a request, not a choice: with several choices it could not say which.
-            raise RequestError(f"{field}={body[field]!r} is not supported: the gateway captures one choice per request")
+            raise RequestError(
+                f"{field}={body[field]!r} is not supported: the gateway captures one choice per request"
+            )
     return body
 
 
@@ -185,11 +189,14 @@ def lora_request(forward: dict[str, Any], served_model_name: str) -> None:
     """
     model = forward.setdefault("model", served_model_name)
     if model != served_model_name:
-        raise RequestError(f"model {model!r} is not served here; this gateway serves {served_model_name!r}",
-                           status_code=404)  # fmt: skip
+        raise RequestError(
+            f"model {model!r} is not served here; this gateway serves {served_model_name!r}", status_code=404
+        )
     if forward.get("prompt_logprobs") is not None or forward.get("echo"):
-        raise RequestError("prompt_logprobs and echo are not served while the fleet serves LoRA adapters "
-                           "(trainer.adapter=lora): vLLM's LoRA path on this backend cannot compute them")  # fmt: skip
+        raise RequestError(
+            "prompt_logprobs and echo are not served while the fleet serves LoRA adapters "
+            "(trainer.adapter=lora): vLLM's LoRA path on this backend cannot compute them"
+        )
 
 
 def prepare_completion_request(
@@ -339,11 +346,11 @@ def extract_completion(upstream: Mapping[str, Any], forward: Mapping[str, Any]) 
         raise ValueError("upstream returned no token_logprobs")
     # With echo=true vLLM prepends the prompt's tokens (the first with a null logprob); the
     # sampled tokens are always the last len(token_ids) entries.
-    completion_logprobs = list(logprobs[len(logprobs) - len(token_ids):]) if token_ids else []
+    completion_logprobs = list(logprobs[len(logprobs) - len(token_ids) :]) if token_ids else []
     prompt = str(forward["prompt"] if isinstance(forward["prompt"], str) else forward["prompt"][0])
     text = str(choice.get("text") or "")
     if forward.get("echo") and text.startswith(prompt):
-        text = text[len(prompt):]
+        text = text[len(prompt) :]
     return Generation(
         prompt=prompt,
         prompt_token_ids=list(choice.get("prompt_token_ids") or []),

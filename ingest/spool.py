@@ -124,7 +124,8 @@ class Spool:
         with self._lock:
             if self._bytes + len(line) > self.max_bytes:
                 self._dead_letter_locked(
-                    line, f"spool full: {self._bytes} + {len(line)} bytes > spool_max_bytes {self.max_bytes}",
+                    line,
+                    f"spool full: {self._bytes} + {len(line)} bytes > spool_max_bytes {self.max_bytes}",
                     record.event_id,
                 )
                 return False
@@ -191,7 +192,9 @@ class Spool:
             except ValueError as exc:
                 bad.append((line, f"{path.name} line {number}: unreadable spool record: {exc}"))
         if tail:
-            bad.append((tail, f"{path.name}: truncated last line ({len(tail)} bytes, no newline; a crash mid-write)"))
+            bad.append(
+                (tail, f"{path.name}: truncated last line ({len(tail)} bytes, no newline; a crash mid-write)")
+            )
         return Segment(path=path, records=records, bad_lines=bad)
 
     def dead_letter(self, record: SpoolRecord, reason: str) -> None:

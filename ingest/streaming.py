@@ -61,7 +61,9 @@ class StreamCapture:
                 self.prompt_text = str(chunk["prompt_text"])
         for choice in chunk.get("choices") or []:
             if choice.get("index", 0) != 0:
-                self.problem = self.problem or f"unexpected choice index {choice.get('index')!r} in the stream"
+                self.problem = (
+                    self.problem or f"unexpected choice index {choice.get('index')!r} in the stream"
+                )
                 continue
             if self.chat:
                 content = (choice.get("delta") or {}).get("content")
@@ -89,28 +91,32 @@ class StreamCapture:
         """The non-streaming response this stream amounts to, in the shape `extract_*` read."""
         if self.chat:
             return {
-                "choices": [{
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "".join(self.text)},
-                    "logprobs": {"content": self.completion_logprobs},
-                    "token_ids": self.token_ids,
-                    "finish_reason": self.finish_reason,
-                }],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "".join(self.text)},
+                        "logprobs": {"content": self.completion_logprobs},
+                        "token_ids": self.token_ids,
+                        "finish_reason": self.finish_reason,
+                    }
+                ],
                 "prompt_token_ids": self.prompt_token_ids,
                 "prompt_text": self.prompt_text,
                 "usage": self.usage,
-            }  # fmt: skip
+            }
         return {
-            "choices": [{
-                "index": 0,
-                "text": "".join(self.text),
-                "logprobs": {"token_logprobs": self.completion_logprobs},
-                "token_ids": self.token_ids,
-                "prompt_token_ids": self.prompt_token_ids,
-                "finish_reason": self.finish_reason,
-            }],
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "".join(self.text),
+                    "logprobs": {"token_logprobs": self.completion_logprobs},
+                    "token_ids": self.token_ids,
+                    "prompt_token_ids": self.prompt_token_ids,
+                    "finish_reason": self.finish_reason,
+                }
+            ],
             "usage": self.usage,
-        }  # fmt: skip
+        }
 
 
 def shape_chunk(chunk: dict[str, Any], requested: Requested, chat: bool) -> dict[str, Any]:

@@ -7,4 +7,12 @@ downloads checkpoints, the CLI reads it. Importing this package does not import 
 from registry.client import CHALLENGER, CHAMPION, Registry, flatten
 from registry.errors import NoChampion, RegistryError, RegistryUnavailable
 
-__all__ = ["CHALLENGER", "CHAMPION", "NoChampion", "Registry", "RegistryError", "RegistryUnavailable", "flatten"]
+__all__ = [
+    "CHALLENGER",
+    "CHAMPION",
+    "NoChampion",
+    "Registry",
+    "RegistryError",
+    "RegistryUnavailable",
+    "flatten",
+]

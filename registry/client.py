@@ -103,7 +103,8 @@ class Registry:
         self.model_name = mlflow.model_name
         self.checkpoints_dir = checkpoints_dir.expanduser().resolve()
         self._client = _Answering(
-            MlflowClient(tracking_uri=mlflow.tracking_uri, registry_uri=mlflow.tracking_uri), mlflow.tracking_uri
+            MlflowClient(tracking_uri=mlflow.tracking_uri, registry_uri=mlflow.tracking_uri),
+            mlflow.tracking_uri,
         )
         self._experiment_id: str | None = None
 
@@ -149,7 +150,9 @@ class Registry:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in sorted(metrics.items())])
+        self._client.log_batch(
+            run_id, metrics=[Metric(k, float(v), now, step) for k, v in sorted(metrics.items())]
+        )
 
     def log_json(self, run_id: str, files: dict[str, Any]) -> None:
         """Each value as a JSON artifact of the run, under its file name (``gate/decision.json``)."""
@@ -173,7 +176,9 @@ class Registry:
 
     def runs(self, filter_string: str = "") -> list[Any]:
         """The experiment's runs matching an MLflow search filter, newest first."""
-        return list(self._client.search_runs([self.experiment_id()], filter_string, order_by=["start_time DESC"]))
+        return list(
+            self._client.search_runs([self.experiment_id()], filter_string, order_by=["start_time DESC"])
+        )
 
     # ---- versions ---------------------------------------------------------------------------------
 
@@ -210,8 +215,10 @@ class Registry:
         from mlflow.exceptions import MlflowException
 
         if not (checkpoint / "config.json").is_file() and not (checkpoint / "adapter_config.json").is_file():
-            raise RegistryError(f"{checkpoint} is neither an HF checkpoint (no config.json) nor a LoRA adapter "
-                                "(no adapter_config.json)")  # fmt: skip
+            raise RegistryError(
+                f"{checkpoint} is neither an HF checkpoint (no config.json) nor a LoRA adapter "
+                "(no adapter_config.json)"
+            )
         self._ensure_registered_model()
         own_run = run_id is None
         if run_id is None:
@@ -229,10 +236,14 @@ class Registry:
                 await_creation_for=REGISTRATION_TIMEOUT_S,
             )
         except MlflowException as exc:
-            for version in self._client.search_model_versions(f"name = '{self.model_name}' and run_id = '{run_id}'"):
+            for version in self._client.search_model_versions(
+                f"name = '{self.model_name}' and run_id = '{run_id}'"
+            ):
                 if version.status != "READY":
                     self._client.delete_model_version(self.model_name, version.version)
-            raise RegistryError(f"registering {checkpoint} as a version of {self.model_name} failed: {exc}") from exc
+            raise RegistryError(
+                f"registering {checkpoint} as a version of {self.model_name} failed: {exc}"
+            ) from exc
         return int(created.version)
 
     def delete_version(self, version: int) -> None:
@@ -317,11 +328,18 @@ class Registry:
         try:
             uri = self.settings.tracking_uri
             downloaded = Path(
-                _answered(uri, download_artifacts, artifact_uri=source, dst_path=str(staging), tracking_uri=uri)
+                _answered(
+                    uri, download_artifacts, artifact_uri=source, dst_path=str(staging), tracking_uri=uri
+                )
             )
-            if not (downloaded / "config.json").is_file() and not (downloaded / "adapter_config.json").is_file():
-                raise RegistryError(f"version {version}'s artifacts at {source} are neither an HF checkpoint "
-                                    "(no config.json) nor a LoRA adapter (no adapter_config.json)")  # fmt: skip
+            if (
+                not (downloaded / "config.json").is_file()
+                and not (downloaded / "adapter_config.json").is_file()
+            ):
+                raise RegistryError(
+                    f"version {version}'s artifacts at {source} are neither an HF checkpoint "
+                    "(no config.json) nor a LoRA adapter (no adapter_config.json)"
+                )
             (downloaded / _COMPLETE).write_text(source + "\n")
             if target.exists():  # an older, incomplete copy, or another process won the race
                 if (target / _COMPLETE).is_file():

@@ -53,7 +53,9 @@ def pct(value: float | None) -> str:
 class Frame:
     """The axes of one plot; `x(i)` is the centre of slot i, `y(v)` the height of value v."""
 
-    def __init__(self, labels: Sequence[str], lo: float, hi: float, y_label: str, y_fmt: Callable[[float], str]):
+    def __init__(
+        self, labels: Sequence[str], lo: float, hi: float, y_label: str, y_fmt: Callable[[float], str]
+    ):
         self.labels = list(labels)
         self.ticks = _ticks(lo, hi)
         self.lo, self.hi = self.ticks[0], self.ticks[-1]
@@ -71,26 +73,38 @@ class Frame:
         for tick in self.ticks:
             y = self.y(tick)
             parts.append(f'<line class="grid" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y:.1f}" y2="{y:.1f}"/>')
-            parts.append(f'<text class="tick" x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">'
-                         f"{escape(self.y_fmt(tick))}</text>")  # fmt: skip
+            parts.append(
+                f'<text class="tick" x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">'
+                f"{escape(self.y_fmt(tick))}</text>"
+            )
         every = max(1, math.ceil(len(self.labels) / ((WIDTH - LEFT - RIGHT) // 44)))
         for i, label in enumerate(self.labels):
             if i % every == 0:
-                parts.append(f'<text class="tick" x="{self.x(i):.1f}" y="{HEIGHT - BOTTOM + 16}" '
-                             f'text-anchor="middle">{escape(label)}</text>')  # fmt: skip
-        parts.append(f'<line class="axis" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{HEIGHT - BOTTOM}" y2="{HEIGHT - BOTTOM}"/>')
-        parts.append(f'<text class="label" x="14" y="{(HEIGHT - BOTTOM + TOP) / 2:.0f}" text-anchor="middle" '
-                     f'transform="rotate(-90 14 {(HEIGHT - BOTTOM + TOP) / 2:.0f})">{escape(self.y_label)}</text>')  # fmt: skip
+                parts.append(
+                    f'<text class="tick" x="{self.x(i):.1f}" y="{HEIGHT - BOTTOM + 16}" '
+                    f'text-anchor="middle">{escape(label)}</text>'
+                )
+        parts.append(
+            f'<line class="axis" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{HEIGHT - BOTTOM}" y2="{HEIGHT - BOTTOM}"/>'
+        )
+        parts.append(
+            f'<text class="label" x="14" y="{(HEIGHT - BOTTOM + TOP) / 2:.0f}" text-anchor="middle" '
+            f'transform="rotate(-90 14 {(HEIGHT - BOTTOM + TOP) / 2:.0f})">{escape(self.y_label)}</text>'
+        )
         return parts
 
 
 def svg(name: str, title: str, body: list[str], legend: Sequence[tuple[str, str]] = ()) -> str:
     """One figure: the SVG (``data-plot`` = `name`) and its legend as HTML."""
-    keys = "".join(f'<span class="key"><span class="swatch" style="background:{color}"></span>{escape(label)}</span>'
-                   for label, color in legend)  # fmt: skip
-    return (f'<figure><h3>{escape(title)}</h3><svg class="plot" data-plot="{name}" viewBox="0 0 {WIDTH} {HEIGHT}" '
-            f'role="img" xmlns="http://www.w3.org/2000/svg"><title>{escape(title)}</title>{"".join(body)}</svg>'
-            f'<figcaption>{keys}</figcaption></figure>')  # fmt: skip
+    keys = "".join(
+        f'<span class="key"><span class="swatch" style="background:{color}"></span>{escape(label)}</span>'
+        for label, color in legend
+    )
+    return (
+        f'<figure><h3>{escape(title)}</h3><svg class="plot" data-plot="{name}" viewBox="0 0 {WIDTH} {HEIGHT}" '
+        f'role="img" xmlns="http://www.w3.org/2000/svg"><title>{escape(title)}</title>{"".join(body)}</svg>'
+        f"<figcaption>{keys}</figcaption></figure>"
+    )
 
 
 def value_range(values: list[float], *, zero: bool) -> tuple[float, float]:
@@ -99,17 +113,31 @@ def value_range(values: list[float], *, zero: bool) -> tuple[float, float]:
     return min(values) - (0 if zero and min(values) == 0 else pad), max(values) + pad
 
 
-def line_chart(name: str, title: str, labels: Sequence[str], series: Sequence[Series], y_label: str,
-               *, percent: bool = False, zero: bool = True) -> str:  # fmt: skip
+def line_chart(
+    name: str,
+    title: str,
+    labels: Sequence[str],
+    series: Sequence[Series],
+    y_label: str,
+    *,
+    percent: bool = False,
+    zero: bool = True,
+) -> str:
     """Lines through each series' points (a gap where a value is missing), a dot on every point."""
     if percent:
         frame = Frame(labels, 0.0, 1.0, y_label, lambda v: f"{100 * v:.0f}%")
     else:
-        frame = Frame(labels, *value_range([v for s in series for v in s.values if v is not None], zero=zero),
-                       y_label, num)  # fmt: skip
+        frame = Frame(
+            labels,
+            *value_range([v for s in series for v in s.values if v is not None], zero=zero),
+            y_label,
+            num,
+        )
     body = frame.axes()
     if not percent and frame.lo < 0 < frame.hi:
-        body.append(f'<line class="zero" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{frame.y(0):.1f}" y2="{frame.y(0):.1f}"/>')
+        body.append(
+            f'<line class="zero" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{frame.y(0):.1f}" y2="{frame.y(0):.1f}"/>'
+        )
     for s in series:
         runs: list[list[str]] = [[]]
         for i, v in enumerate(s.values):
@@ -118,16 +146,27 @@ def line_chart(name: str, title: str, labels: Sequence[str], series: Sequence[Se
                 continue
             runs[-1].append(f"{frame.x(i):.1f},{frame.y(v):.1f}")
             shown = pct(v) if percent else num(v)
-            body.append(f'<circle cx="{frame.x(i):.1f}" cy="{frame.y(v):.1f}" r="3.5" fill="{s.color}">'
-                        f"<title>{escape(f'{s.name}, {labels[i]}: {shown}')}</title></circle>")  # fmt: skip
+            body.append(
+                f'<circle cx="{frame.x(i):.1f}" cy="{frame.y(v):.1f}" r="3.5" fill="{s.color}">'
+                f"<title>{escape(f'{s.name}, {labels[i]}: {shown}')}</title></circle>"
+            )
         for run in runs:
             if len(run) > 1:
-                body.append(f'<polyline fill="none" stroke="{s.color}" stroke-width="2" points="{" ".join(run)}"/>')
+                body.append(
+                    f'<polyline fill="none" stroke="{s.color}" stroke-width="2" points="{" ".join(run)}"/>'
+                )
     return svg(name, title, body, [(s.name, s.color) for s in series])
 
 
-def bar_chart(name: str, title: str, labels: Sequence[str], stacks: Sequence[Series], y_label: str,
-              *, legend: bool = True) -> str:  # fmt: skip
+def bar_chart(
+    name: str,
+    title: str,
+    labels: Sequence[str],
+    stacks: Sequence[Series],
+    y_label: str,
+    *,
+    legend: bool = True,
+) -> str:
     """Bars, one per label; several series stack on each other (values >= 0)."""
     totals = [sum(s.values[i] or 0.0 for s in stacks) for i in range(len(labels))]
     frame = Frame(labels, 0.0, max(totals, default=0.0) or 1.0, y_label, num)
@@ -140,8 +179,10 @@ def bar_chart(name: str, title: str, labels: Sequence[str], stacks: Sequence[Ser
             if value <= 0:
                 continue
             top, bottom = frame.y(base + value), frame.y(base)
-            body.append(f'<rect x="{frame.x(i) - width / 2:.1f}" y="{top:.1f}" width="{width:.1f}" '
-                        f'height="{bottom - top:.1f}" fill="{s.color}">'
-                        f"<title>{escape(f'{label}, {s.name}: {num(value)}')}</title></rect>")  # fmt: skip
+            body.append(
+                f'<rect x="{frame.x(i) - width / 2:.1f}" y="{top:.1f}" width="{width:.1f}" '
+                f'height="{bottom - top:.1f}" fill="{s.color}">'
+                f"<title>{escape(f'{label}, {s.name}: {num(value)}')}</title></rect>"
+            )
             base += value
     return svg(name, title, body, [(s.name, s.color) for s in stacks] if legend else ())

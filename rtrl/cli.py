@@ -39,14 +39,18 @@ _debug = False
 
 @app.callback()
 def _options(
-    debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error instead of one line."),
+    debug: bool = typer.Option(
+        False, "--debug", help="Show the full traceback of an error instead of one line."
+    ),
 ) -> None:
     global _debug
     _debug = debug
 
 
 @schemas_app.command("export")
-def schemas_export(directory: Path = typer.Argument(..., help="Folder to write <schema>.json files into.")) -> None:
+def schemas_export(
+    directory: Path = typer.Argument(..., help="Folder to write <schema>.json files into."),
+) -> None:
     """Write the JSON Schema of every wire message (InteractionEvent, FeedbackEvent, DeadLetterRecord)."""
     import json
 
@@ -67,8 +71,23 @@ def config_show() -> None:
     typer.echo(load_settings().model_dump_json(indent=2))
 
 
-for _name in ("services", "model", "gateway", "labeler", "keys", "dlq", "store", "trainer", "deploy", "gate", "simulate", "demo", "report",
-              "daemon", "agent"):
+for _name in (
+    "services",
+    "model",
+    "gateway",
+    "labeler",
+    "keys",
+    "dlq",
+    "store",
+    "trainer",
+    "deploy",
+    "gate",
+    "simulate",
+    "demo",
+    "report",
+    "daemon",
+    "agent",
+):
     importlib.import_module(f"rtrl.commands.{_name}").register(app)
 
 

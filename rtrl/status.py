@@ -36,7 +36,9 @@ def collect(settings: Settings) -> dict[str, Any]:
         try:
             report[name] = read()
         except Exception as exc:  # noqa: BLE001 - one part down must not hide the others
-            report[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+            report[name] = {
+                "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            }
             problems.append(f"{name}: cannot read it ({report[name]['error']})")
         return report[name]
 
@@ -68,7 +70,9 @@ def _services(settings: Settings, problems: list[str]) -> list[dict[str, Any]]:
     rows = []
     for unit in services.services(settings):
         status = unit.status()
-        rows.append({"name": status.name, "healthy": status.healthy, "pid": status.pid, "detail": status.detail})
+        rows.append(
+            {"name": status.name, "healthy": status.healthy, "pid": status.pid, "detail": status.detail}
+        )
         if not status.healthy and unit.pid_path.exists():  # started here and not healthy now
             problems.append(f"service {status.name}: {status.detail} (log: {unit.log_path})")
     return rows
@@ -82,18 +86,29 @@ def _daemon(settings: Settings, problems: list[str]) -> dict[str, Any]:
     state = json.loads(path.read_text())
     age = time.time() - float(state["updated_at"])
     running = not state.get("stopped") and age < STALE_STATE_S and process_alive(int(state["pid"]))
-    daemon = {"running": running, "pid": state["pid"], "state_age_s": round(age, 1),
-              "prepared": state.get("prepared"), "children": state.get("children", {})}  # fmt: skip
+    daemon = {
+        "running": running,
+        "pid": state["pid"],
+        "state_age_s": round(age, 1),
+        "prepared": state.get("prepared"),
+        "children": state.get("children", {}),
+    }
     if not running:
-        problems.append(f"rtrl run is not running (its state was last written {age:.0f}s ago); start it with `rtrl run`")
+        problems.append(
+            f"rtrl run is not running (its state was last written {age:.0f}s ago); start it with `rtrl run`"
+        )
         return daemon
     if not state.get("prepared"):
         problems.append("rtrl run is waiting for its dependencies (store, Kafka, MLflow); see its log")
     for name, child in daemon["children"].items():
         if child.get("crash_looping"):
-            problems.append(f"{name} is crash-looping (last exit code {child.get('last_exit_code')}); see {child.get('log')}")
+            problems.append(
+                f"{name} is crash-looping (last exit code {child.get('last_exit_code')}); see {child.get('log')}"
+            )
         elif not child.get("running") and not child.get("waiting_for_prepare"):
-            problems.append(f"{name} is down, restarting (last exit code {child.get('last_exit_code')}); see {child.get('log')}")
+            problems.append(
+                f"{name} is down, restarting (last exit code {child.get('last_exit_code')}); see {child.get('log')}"
+            )
     return daemon
 
 
@@ -107,10 +122,15 @@ def _registry(settings: Settings) -> dict[str, Any]:
         try:
             httpx.get(f"{uri}/health", timeout=3.0).raise_for_status()
         except httpx.HTTPError as exc:
-            raise RuntimeError(f"MLflow at {uri} does not answer ({exc!r}); check RTRL_MLFLOW__TRACKING_URI") from None
+            raise RuntimeError(
+                f"MLflow at {uri} does not answer ({exc!r}); check RTRL_MLFLOW__TRACKING_URI"
+            ) from None
     registry = Registry.from_settings(settings)
     versions = registry.versions()
-    return {"champion": registry.champion() if versions else None, "latest": max(versions) if versions else None}
+    return {
+        "champion": registry.champion() if versions else None,
+        "latest": max(versions) if versions else None,
+    }
 
 
 def _labeler(settings: Settings, store: Store, problems: list[str]) -> dict[str, Any]:
@@ -120,11 +140,18 @@ def _labeler(settings: Settings, store: Store, problems: list[str]) -> dict[str,
     counts = reconcile(settings, store)
     judging = store.count_judging()
     if counts.pending == 0 and not counts.balanced:
-        problems.append(f"labeler: {counts.produced} records produced but {counts.stored} stored + "
-                        f"{counts.dead_lettered} dead-lettered (see docs/runbooks/labeler.md)")  # fmt: skip
-    return {"pending": counts.pending, "produced": counts.produced, "stored": counts.stored,
-            "dead_lettered": counts.dead_lettered, "balanced": counts.balanced,
-            "judging": judging}  # fmt: skip
+        problems.append(
+            f"labeler: {counts.produced} records produced but {counts.stored} stored + "
+            f"{counts.dead_lettered} dead-lettered (see docs/runbooks/labeler.md)"
+        )
+    return {
+        "pending": counts.pending,
+        "produced": counts.produced,
+        "stored": counts.stored,
+        "dead_lettered": counts.dead_lettered,
+        "balanced": counts.balanced,
+        "judging": judging,
+    }
 
 
 def _trainer(settings: Settings, store: Store) -> dict[str, Any]:
@@ -137,16 +164,34 @@ def _trainer(settings: Settings, store: Store) -> dict[str, Any]:
     done = next((c for c in recent if c.finished_at is not None), None)
     return {
         "paused": paused,
-        "running": [{"id": c.id, "status": c.status, "champion": c.champion, "challenger": c.challenger,
-                     "started_at": c.started_at.isoformat()} for c in active],
-        "last": None if done is None else {
-            "id": done.id, "status": done.status, "champion": done.champion, "challenger": done.challenger,
+        "running": [
+            {
+                "id": c.id,
+                "status": c.status,
+                "champion": c.champion,
+                "challenger": c.challenger,
+                "started_at": c.started_at.isoformat(),
+            }
+            for c in active
+        ],
+        "last": None
+        if done is None
+        else {
+            "id": done.id,
+            "status": done.status,
+            "champion": done.champion,
+            "challenger": done.challenger,
             "finished_at": done.finished_at.isoformat() if done.finished_at else None,
-            "gate": done.metrics.get("gate"), "gate_reason": done.metrics.get("gate_reason"), "error": done.error},
-    }  # fmt: skip
+            "gate": done.metrics.get("gate"),
+            "gate_reason": done.metrics.get("gate_reason"),
+            "error": done.error,
+        },
+    }
 
 
-def _fleet(settings: Settings, store: Store, champion: int | None, problems: list[str]) -> list[dict[str, Any]]:
+def _fleet(
+    settings: Settings, store: Store, champion: int | None, problems: list[str]
+) -> list[dict[str, Any]]:
     from serving import VllmClient
 
     try:
@@ -157,7 +202,10 @@ def _fleet(settings: Settings, store: Store, champion: int | None, problems: lis
     staging = settings.vllm.staging_server
     for url in (*settings.vllm.servers, *([staging] if staging else [])):
         url = url.rstrip("/")
-        row: dict[str, Any] = {"url": url, "role": "staging" if staging and url == staging.rstrip("/") else "serving"}
+        row: dict[str, Any] = {
+            "url": url,
+            "role": "staging" if staging and url == staging.rstrip("/") else "serving",
+        }
         with VllmClient(url, model=settings.vllm.served_model_name, timeout_s=3.0) as server:
             state = server.state()  # what `rtrl deploy status` shows; never raises
         if state.error is not None:  # a dead server is a row, not a crash
@@ -170,8 +218,10 @@ def _fleet(settings: Settings, store: Store, champion: int | None, problems: lis
             row["in_rotation"] = rotation[url].in_rotation
             row["rotation_reason"] = rotation[url].reason
         if champion is not None and row["version"] != champion:
-            problems.append(f"{url} serves {row['version']} but @champion is v{champion}; "
-                            "the reconciler aligns it (`rtrl deploy reconcile`)")  # fmt: skip
+            problems.append(
+                f"{url} serves {row['version']} but @champion is v{champion}; "
+                "the reconciler aligns it (`rtrl deploy reconcile`)"
+            )
         if row.get("in_rotation") is False:
             problems.append(f"{url} is out of rotation: {row.get('rotation_reason')}")
         rows.append(row)
@@ -183,8 +233,16 @@ def _locks(store: Store) -> list[dict[str, Any]]:
     (the lock is free, the next holder overwrites it), None: cannot be told here."""
     store.check_schema()
     holders = store.lock_holders()
-    return [{"name": h.name, "holder": h.holder, "purpose": h.purpose, "since": h.acquired_at.isoformat(),
-             "held": h.held} for h in holders]  # fmt: skip
+    return [
+        {
+            "name": h.name,
+            "holder": h.holder,
+            "purpose": h.purpose,
+            "since": h.acquired_at.isoformat(),
+            "held": h.held,
+        }
+        for h in holders
+    ]
 
 
 def render(report: dict[str, Any]) -> str:
@@ -199,52 +257,87 @@ def render(report: dict[str, Any]) -> str:
         return False
 
     if not failed("services"):
-        lines.append("services  " + " · ".join(
-            f"{s['name']} {'ok' if s['healthy'] else s['detail']}" for s in report["services"]) or "none enabled")  # fmt: skip
+        lines.append(
+            "services  "
+            + " · ".join(f"{s['name']} {'ok' if s['healthy'] else s['detail']}" for s in report["services"])
+            or "none enabled"
+        )
     if not failed("daemon"):
         daemon = report["daemon"]
         if not daemon.get("running"):
             lines.append("daemon    not running")
         else:
             children = ", ".join(
-                f"{name} " + ("waiting" if c.get("waiting_for_prepare") else
-                              f"pid {c['pid']}" if c.get("running") else "DOWN")
+                f"{name} "
+                + (
+                    "waiting"
+                    if c.get("waiting_for_prepare")
+                    else f"pid {c['pid']}"
+                    if c.get("running")
+                    else "DOWN"
+                )
                 + (f" ({c['restarts_recent']} restarts)" if c.get("restarts_recent") else "")
-                for name, c in daemon["children"].items())  # fmt: skip
+                for name, c in daemon["children"].items()
+            )
             lines.append(f"daemon    rtrl run pid {daemon['pid']}: {children}")
     if not failed("labeler"):
         lab = report["labeler"]
-        lines.append(f"labeler   lag {lab['pending']} · produced {lab['produced']} = stored {lab['stored']} + "
-                     f"dead-lettered {lab['dead_lettered']} ({'balanced' if lab['balanced'] else 'NOT balanced'})"
-                     + (f" · {lab['judging']} waiting for the judge" if lab.get("judging") else ""))  # fmt: skip
+        lines.append(
+            f"labeler   lag {lab['pending']} · produced {lab['produced']} = stored {lab['stored']} + "
+            f"dead-lettered {lab['dead_lettered']} ({'balanced' if lab['balanced'] else 'NOT balanced'})"
+            + (f" · {lab['judging']} waiting for the judge" if lab.get("judging") else "")
+        )
     if not failed("trainer"):
         tr = report["trainer"]
         paused = tr["paused"]
-        text = f"PAUSED since {paused.get('since')} ({paused.get('reason')})" if isinstance(paused, dict) else (
-            "running" if paused is False else f"pause state {paused}")  # fmt: skip
-        now = "; ".join(f"cycle {c['id']} {c['status']} on v{c['champion']}" for c in tr["running"]) or "no cycle under way"
+        text = (
+            f"PAUSED since {paused.get('since')} ({paused.get('reason')})"
+            if isinstance(paused, dict)
+            else ("running" if paused is False else f"pause state {paused}")
+        )
+        now = (
+            "; ".join(f"cycle {c['id']} {c['status']} on v{c['champion']}" for c in tr["running"])
+            or "no cycle under way"
+        )
         last = tr["last"]
-        done = "no cycle finished yet" if last is None else (
-            f"last: cycle {last['id']} {last['status']}"
-            + (f" v{last['challenger']}" if last["challenger"] else "")
-            + (f", gate {last['gate']}" if last["gate"] else "")
-            + (f" ({last['gate_reason']})" if last["gate_reason"] else "")
-            + (f", error: {last['error'][:120]}" if last["error"] else ""))  # fmt: skip
+        done = (
+            "no cycle finished yet"
+            if last is None
+            else (
+                f"last: cycle {last['id']} {last['status']}"
+                + (f" v{last['challenger']}" if last["challenger"] else "")
+                + (f", gate {last['gate']}" if last["gate"] else "")
+                + (f" ({last['gate_reason']})" if last["gate_reason"] else "")
+                + (f", error: {last['error'][:120]}" if last["error"] else "")
+            )
+        )
         lines.append(f"trainer   {text} · {now} · {done}")
     if not failed("registry"):
         reg = report["registry"]
-        lines.append(f"registry  @champion v{reg['champion']} (latest registered v{reg['latest']})"
-                     if reg["champion"] is not None else "registry  empty (`rtrl run` registers the base model)")  # fmt: skip
+        lines.append(
+            f"registry  @champion v{reg['champion']} (latest registered v{reg['latest']})"
+            if reg["champion"] is not None
+            else "registry  empty (`rtrl run` registers the base model)"
+        )
     if not failed("fleet"):
         for row in report["fleet"]:
             state = row.get("error") or (
-                f"v{row['version']}" + (" PAUSED" if row.get("paused") else "")
-                + ("" if row.get("in_rotation") in (None, True) else f", out of rotation ({row.get('rotation_reason')})"))  # fmt: skip
+                f"v{row['version']}"
+                + (" PAUSED" if row.get("paused") else "")
+                + (
+                    ""
+                    if row.get("in_rotation") in (None, True)
+                    else f", out of rotation ({row.get('rotation_reason')})"
+                )
+            )
             lines.append(f"fleet     {row['role']:<8} {row['url']}  {state}")
     if "locks" in report and not failed("locks"):
-        held = [f"{lock['name']} held by {lock['holder']} ({lock['purpose']}) since {lock['since']}"
-                + (" (held: unknown)" if lock["held"] is None else "")
-                for lock in report["locks"] if lock["held"] is not False]  # fmt: skip
+        held = [
+            f"{lock['name']} held by {lock['holder']} ({lock['purpose']}) since {lock['since']}"
+            + (" (held: unknown)" if lock["held"] is None else "")
+            for lock in report["locks"]
+            if lock["held"] is not False
+        ]
         lines.append("locks     " + (" · ".join(held) or "none held"))
     problems = report["problems"]
     lines.append("problems  " + ("none" if not problems else f"{len(problems)}"))

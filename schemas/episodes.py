@@ -143,10 +143,10 @@ def parl_metrics(segments: Sequence[SegmentShape]) -> dict[str, int]:
         "subagents": len(last_call),
         "subagents_finished": len(finished),
         "subagents_used": sum(_used(segments, first_call[key], last_call[key]) for key in finished),
-        "subagent_calls_off_pin": 0 if pin is None else sum(
-            s.role == SUBAGENT and s.version is not None and s.version != pin for s in segments
-        ),
-    }  # fmt: skip
+        "subagent_calls_off_pin": 0
+        if pin is None
+        else sum(s.role == SUBAGENT and s.version is not None and s.version != pin for s in segments),
+    }
 
 
 def _used(segments: Sequence[SegmentShape], first: int, last: int) -> bool:
@@ -191,13 +191,17 @@ def batch_metrics(episodes: Sequence[tuple[Mapping[str, Any], Mapping[str, float
         out["parl_critical_steps_max"] = float(max(m["critical_steps"] for m, _ in parl))
         out["parl_subagents_mean"] = mean([m["subagents"] for m, _ in parl])
         spawned = sum(m["subagents"] for m, _ in parl)
-        out["parl_subagents_finished_share"] = sum(m["subagents_finished"] for m, _ in parl) / spawned if spawned else 0.0
+        out["parl_subagents_finished_share"] = (
+            sum(m["subagents_finished"] for m, _ in parl) / spawned if spawned else 0.0
+        )
         measured_use = [m for m, _ in parl if "subagents_used" in m]  # episodes settled before it have none
         if measured_use:
             spawned = sum(m["subagents"] for m in measured_use)
             used = sum(m["subagents_used"] for m in measured_use)
             out["parl_subagents_used_share"] = used / spawned if spawned else 0.0
-            out["parl_subagent_calls_off_pin_mean"] = mean([m["subagent_calls_off_pin"] for m in measured_use])
+            out["parl_subagent_calls_off_pin_mean"] = mean(
+                [m["subagent_calls_off_pin"] for m in measured_use]
+            )
         shaped = [(m, c) for m, c in parl if "lambda_parallel" in m]
         if shaped:
             out["parl_episode_lambda_parallel_mean"] = mean([m["lambda_parallel"] for m, _ in shaped])

@@ -121,10 +121,14 @@ class SamplingParams(_Message):
     temperature: float = Field(1.0, ge=0, le=100, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Top-k cutoff, -1 (or 0) for none.")
-    min_p: float = Field(0.0, ge=0, le=1, description="Min-p cutoff relative to the most likely token, 0 for none.")
+    min_p: float = Field(
+        0.0, ge=0, le=1, description="Min-p cutoff relative to the most likely token, 0 for none."
+    )
     repetition_penalty: float = Field(1.0, gt=0, le=100, description="vLLM repetition penalty, 1 for none.")
     presence_penalty: float = Field(0.0, ge=-100, le=100, description="OpenAI presence penalty, 0 for none.")
-    frequency_penalty: float = Field(0.0, ge=-100, le=100, description="OpenAI frequency penalty, 0 for none.")
+    frequency_penalty: float = Field(
+        0.0, ge=-100, le=100, description="OpenAI frequency penalty, 0 for none."
+    )
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="Completion token limit.")
     seed: int | None = Field(None, description="Sampling seed, if the client pinned one.")
     stop: list[Annotated[str, BeforeValidator(_storable), Field(max_length=1000)]] = Field(
@@ -137,7 +141,9 @@ class SamplingParams(_Message):
         "without this field). See schemas/sampling.py.",
     )
 
-    @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    @field_validator(
+        "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"
+    )
     @classmethod
     def _finite(cls, value: float) -> float:
         if not math.isfinite(value):
@@ -326,7 +332,9 @@ def parse_event(raw: bytes, expected: type[_Message] | None = None) -> Any:
         raise SchemaError(str(exc)) from exc
 
 
-def event_time_problem(created_at: datetime, now: datetime, max_future_skew_s: float, max_age_s: float) -> str | None:
+def event_time_problem(
+    created_at: datetime, now: datetime, max_future_skew_s: float, max_age_s: float
+) -> str | None:
     """Why an event's ``created_at`` is outside the window rtrl accepts, or None when it is inside.
 
     Too far ahead is a skewed or hostile clock; too old is past the retention of the loop's data.

@@ -62,7 +62,9 @@ PARL_FINISH = "parl_finish"
 JUDGE = "judge"
 JUDGE_UNAVAILABLE = "judge_unavailable"
 # The components that do not come from feedback signals (everything else is a FeedbackKind's).
-SHAPING_COMPONENTS = frozenset({NO_FEEDBACK, CLAMPED, UNFINISHED, PARL_PARALLEL, PARL_FINISH, JUDGE, JUDGE_UNAVAILABLE})
+SHAPING_COMPONENTS = frozenset(
+    {NO_FEEDBACK, CLAMPED, UNFINISHED, PARL_PARALLEL, PARL_FINISH, JUDGE, JUDGE_UNAVAILABLE}
+)
 
 DEFAULT_EPISODE_RUBRIC = (
     "You grade the work of an AI assistant on a user's task.\n"
@@ -126,12 +128,15 @@ class JudgeTerm(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    weight: float = Field(ge=0, le=100, description="Component judge = weight · (2·grade − 1), grade in [0, 1].")
+    weight: float = Field(
+        ge=0, le=100, description="Component judge = weight · (2·grade − 1), grade in [0, 1]."
+    )
     rubric: str = Field(
-        DEFAULT_EPISODE_RUBRIC, max_length=20_000,
+        DEFAULT_EPISODE_RUBRIC,
+        max_length=20_000,
         description="The judge's instructions: {prompt} (the episode's first prompt), {completion} (every completion "
         "of the episode, in order, nothing pruned) and {scale} are replaced.",
-    )  # fmt: skip
+    )
 
     @model_validator(mode="after")
     def _placeholders(self) -> JudgeTerm:
@@ -168,8 +173,12 @@ class RewardSpec(BaseModel):
         description="Added when a trainable segment of the episode was cut off by max_tokens (component "
         "'unfinished'); None: not counted.",
     )
-    parl: ParlShaping | None = Field(None, description="PARL's shaping terms and their λ schedule; None: none.")
-    judge: JudgeTerm | None = Field(None, description="A judge's grade of each episode as a term; None: no judge.")
+    parl: ParlShaping | None = Field(
+        None, description="PARL's shaping terms and their λ schedule; None: none."
+    )
+    judge: JudgeTerm | None = Field(
+        None, description="A judge's grade of each episode as a term; None: no judge."
+    )
     description: str = Field("", description="What the spec is for.")
 
     @model_validator(mode="after")
@@ -183,12 +192,16 @@ class RewardSpec(BaseModel):
             raise ValueError(f"reward spec {self.name!r}: {weighted} carry no reward (weight 0 or none)")
         unranged = sorted(SCORED_KINDS - set(self.value_range))
         if unranged:
-            raise ValueError(f"reward spec {self.name!r} gives no value_range for the scored kinds {unranged}")
+            raise ValueError(
+                f"reward spec {self.name!r} gives no value_range for the scored kinds {unranged}"
+            )
         if self.reward_range is not None and not self.reward_range[0] < self.reward_range[1]:
             raise ValueError(f"reward spec {self.name!r}: reward_range must be [low, high] with low < high")
         for kind, (low, high) in self.value_range.items():
             if kind not in SCORED_KINDS or not low <= high:
-                raise ValueError(f"reward spec {self.name!r}: value_range for {kind} must be a scored kind with low <= high")
+                raise ValueError(
+                    f"reward spec {self.name!r}: value_range for {kind} must be a scored kind with low <= high"
+                )
         return self
 
     def value_problem(self, kind: FeedbackKind | str, value: float) -> str | None:
@@ -198,7 +211,9 @@ class RewardSpec(BaseModel):
             return None
         low, high = self.value_range[kind]
         if not low <= value <= high:
-            return f"{kind.value} value {value:g} is outside [{low:g}, {high:g}] of reward spec {self.spec_id}"
+            return (
+                f"{kind.value} value {value:g} is outside [{low:g}, {high:g}] of reward spec {self.spec_id}"
+            )
         return None
 
     @property
@@ -263,21 +278,27 @@ TAB_V1 = RewardSpec(
     ),
 )
 
-PARL_V1 = TAB_V1.model_copy(update={
-    # 2: r_finish counts the sub-agents whose result the orchestrator used, not every one that stopped
-    # (@1 paid for spurious parallelism); its λ schedule starts again, as it counts @2's own cycles.
-    "name": "parl-v1", "version": 2,
-    "description": "tab-v1's feedback weights plus Kimi PARL's shaping: r_parallel and r_finish (sub-agents whose "
-    "result the orchestrator used), each weighted 0.2 at first and annealed to 0 over the spec's first 10 training "
-    "cycles (docs/methods.md, PARL).",
-    "parl": ParlShaping(lambda_parallel=0.2, lambda_finish=0.2, anneal_cycles=10, parallel_target=4),
-})  # fmt: skip
-JUDGED_V1 = TAB_V1.model_copy(update={
-    "name": "judged-v1", "version": 1,
-    "description": "tab-v1's feedback weights plus a judge's grade of the whole episode, nothing pruned, weighted "
-    "0.25 (docs/methods.md, Judged rewards); needs labeler.judge.",
-    "judge": JudgeTerm(weight=0.25),
-})  # fmt: skip
+PARL_V1 = TAB_V1.model_copy(
+    update={
+        # 2: r_finish counts the sub-agents whose result the orchestrator used, not every one that stopped
+        # (@1 paid for spurious parallelism); its λ schedule starts again, as it counts @2's own cycles.
+        "name": "parl-v1",
+        "version": 2,
+        "description": "tab-v1's feedback weights plus Kimi PARL's shaping: r_parallel and r_finish (sub-agents whose "
+        "result the orchestrator used), each weighted 0.2 at first and annealed to 0 over the spec's first 10 training "
+        "cycles (docs/methods.md, PARL).",
+        "parl": ParlShaping(lambda_parallel=0.2, lambda_finish=0.2, anneal_cycles=10, parallel_target=4),
+    }
+)
+JUDGED_V1 = TAB_V1.model_copy(
+    update={
+        "name": "judged-v1",
+        "version": 1,
+        "description": "tab-v1's feedback weights plus a judge's grade of the whole episode, nothing pruned, weighted "
+        "0.25 (docs/methods.md, Judged rewards); needs labeler.judge.",
+        "judge": JudgeTerm(weight=0.25),
+    }
+)
 
 SPECS: dict[str, RewardSpec] = {spec.name: spec for spec in (TAB_V1, PARL_V1, JUDGED_V1)}
 

@@ -130,7 +130,11 @@ def is_greedy(sampling: SamplingParams) -> bool:
 def neutral(sampling: SamplingParams) -> bool:
     """Raw and processed logprobs coincide: no penalty, and greedy or temperature 1 with nothing
     truncated."""
-    if not (sampling.repetition_penalty == 1.0 and sampling.presence_penalty == 0.0 and sampling.frequency_penalty == 0.0):
+    if not (
+        sampling.repetition_penalty == 1.0
+        and sampling.presence_penalty == 0.0
+        and sampling.frequency_penalty == 0.0
+    ):
         return False  # raw logprobs are taken before the penalties
     if is_greedy(sampling):
         return True

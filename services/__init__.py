@@ -85,7 +85,13 @@ def up(settings: Settings, only: Sequence[str] | None = None) -> list[ServiceSta
                 t0 = time.monotonic()
                 started.append(unit)  # before start(): a start that fails half-way may leave a process
                 pid = unit.start()
-                log.info("%s: started pid %s in %.1f s, log %s", unit.name, pid, time.monotonic() - t0, unit.log_path)
+                log.info(
+                    "%s: started pid %s in %.1f s, log %s",
+                    unit.name,
+                    pid,
+                    time.monotonic() - t0,
+                    unit.log_path,
+                )
 
     try:
         start_ready()
@@ -94,8 +100,13 @@ def up(settings: Settings, only: Sequence[str] | None = None) -> list[ServiceSta
             detail = unit.wait_healthy(settings.services.start_timeout_s)
             unit.after_start()
             healthy.add(unit.name)
-            log.info("%s: healthy at %s (%s) after %.1f s", unit.name, unit.address, detail,
-                     time.monotonic() - t_start)
+            log.info(
+                "%s: healthy at %s (%s) after %.1f s",
+                unit.name,
+                unit.address,
+                detail,
+                time.monotonic() - t_start,
+            )
             start_ready()  # those that required it
     except BaseException:
         for unit in reversed(started):

@@ -214,7 +214,11 @@ class Service(ABC):
     def status(self) -> ServiceStatus:
         pid = self.pid()
         if pid is None:
-            detail = "not running" if not self.pid_path.exists() else "exited (stale pid file); see " + str(self.log_path)
+            detail = (
+                "not running"
+                if not self.pid_path.exists()
+                else "exited (stale pid file); see " + str(self.log_path)
+            )
             return ServiceStatus(self.name, False, None, self.address, detail)
         try:
             detail = self.check()
@@ -290,7 +294,9 @@ class Service(ABC):
         )
         try:
             with quiet:
-                return wait_until(healthy, timeout_s=timeout_s, interval_s=0.5, what=f"{self.name} not healthy")
+                return wait_until(
+                    healthy, timeout_s=timeout_s, interval_s=0.5, what=f"{self.name} not healthy"
+                )
         except TimeoutError as exc:
             raise ServiceError(
                 f"{exc} ({last[0] or 'no check yet'}); last lines of {self.log_path}:\n{tail(self.log_path)}"
@@ -310,7 +316,9 @@ class Service(ABC):
             except ProcessLookupError:
                 pass
             try:
-                wait_until(lambda: not _group_alive(pgid), timeout_s=self.stop_grace_s, what=f"{self.name} stopping")
+                wait_until(
+                    lambda: not _group_alive(pgid), timeout_s=self.stop_grace_s, what=f"{self.name} stopping"
+                )
             except TimeoutError:
                 pass  # SIGKILL below
         # Children may outlive a leader that exited (or was killed earlier): the group goes too.

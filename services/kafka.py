@@ -56,8 +56,16 @@ def ensure_jars(settings: Settings) -> Path:
     partial = lib.with_name("lib.partial")
     shutil.rmtree(partial, ignore_errors=True)
     version = settings.services.kafka_version
-    cmd = ["mvn", "-q", "-B", "-f", str(POM), f"-Dkafka.version={version}",
-           "dependency:copy-dependencies", f"-DoutputDirectory={partial}"]
+    cmd = [
+        "mvn",
+        "-q",
+        "-B",
+        "-f",
+        str(POM),
+        f"-Dkafka.version={version}",
+        "dependency:copy-dependencies",
+        f"-DoutputDirectory={partial}",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise ServiceError(
@@ -133,9 +141,15 @@ class Kafka(Service):
         return "".join(f"{k}={v}\n" for k, v in props.items())
 
     def _java(self, lib: Path, main: str, *args: str) -> list[str]:
-        return ["java", *JVM_OPTS,
-                f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
-                "-cp", f"{lib}/*", main, *args]
+        return [
+            "java",
+            *JVM_OPTS,
+            f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
+            "-cp",
+            f"{lib}/*",
+            main,
+            *args,
+        ]
 
     def prepare(self) -> None:
         lib = ensure_jars(self.settings)
@@ -144,11 +158,20 @@ class Kafka(Service):
         (self.data_dir / "log4j2.properties").write_text(_LOG4J2)
         if (self.data_dir / "data" / "meta.properties").exists():
             return
-        cmd = self._java(lib, "kafka.tools.StorageTool", "format", "--standalone",
-                         f"--cluster-id={_cluster_id()}", "-c", str(self.config_path))
+        cmd = self._java(
+            lib,
+            "kafka.tools.StorageTool",
+            "format",
+            "--standalone",
+            f"--cluster-id={_cluster_id()}",
+            "-c",
+            str(self.config_path),
+        )
         result = subprocess.run(cmd, capture_output=True, text=True, cwd=self.data_dir)
         if result.returncode != 0:
-            raise ServiceError(f"kafka: formatting the storage failed:\n{(result.stdout + result.stderr)[-4000:]}")
+            raise ServiceError(
+                f"kafka: formatting the storage failed:\n{(result.stdout + result.stderr)[-4000:]}"
+            )
 
     def command(self) -> list[str]:
         return self._java(jars_dir(self.settings), "kafka.Kafka", str(self.config_path))
@@ -156,11 +179,20 @@ class Kafka(Service):
     def _own_broker(self) -> KafkaSettings:
         """settings.kafka pointed at the (PLAINTEXT, loopback) broker this run dir started, whatever
         bootstrap_servers and the security settings say."""
-        return self.settings.kafka.model_copy(update={
-            "bootstrap_servers": self.address, "security_protocol": "PLAINTEXT", "sasl_mechanism": None,
-            "sasl_username": None, "sasl_password": None, "ssl_cafile": None, "ssl_certfile": None, "ssl_keyfile": None,
-            "replication_factor": 1, "min_insync_replicas": None,  # one broker
-        })  # fmt: skip
+        return self.settings.kafka.model_copy(
+            update={
+                "bootstrap_servers": self.address,
+                "security_protocol": "PLAINTEXT",
+                "sasl_mechanism": None,
+                "sasl_username": None,
+                "sasl_password": None,
+                "ssl_cafile": None,
+                "ssl_certfile": None,
+                "ssl_keyfile": None,
+                "replication_factor": 1,
+                "min_insync_replicas": None,  # one broker
+            }
+        )
 
     def check(self) -> str:
         admin = streams.admin(self._own_broker(), "rtrl-services-health", request_timeout_ms=3000)

@@ -23,7 +23,7 @@ def _absolute_sqlite(uri: str) -> str:
     prefix = "sqlite:///"
     if not uri.startswith(prefix):
         return uri
-    path = Path(uri[len(prefix):])
+    path = Path(uri[len(prefix) :])
     if not path.is_absolute():
         path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -55,12 +55,23 @@ class Mlflow(Service):
         # The security middleware rejects Host headers it does not know; clients use host:port.
         allowed = ",".join(f"{h}:{port}" for h in dict.fromkeys((self.host, "127.0.0.1", "localhost")))
         return [
-            sys.executable, "-m", "mlflow", "server",
-            "--backend-store-uri", _absolute_sqlite(m.backend_store_uri),
-            "--serve-artifacts", "--artifacts-destination", str(artifacts),
-            "--host", self.host, "--port", str(port),
-            "--workers", "1",
-            "--allowed-hosts", allowed,
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            _absolute_sqlite(m.backend_store_uri),
+            "--serve-artifacts",
+            "--artifacts-destination",
+            str(artifacts),
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--allowed-hosts",
+            allowed,
         ]
 
     def env(self) -> dict[str, str]:

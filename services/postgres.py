@@ -31,7 +31,9 @@ def bin_dir() -> Path:
         key=lambda p: int(re.sub(r"\D", "", p.parent.parent.name) or 0),
     )
     if not found:
-        raise ServiceError("postgres: no /usr/lib/postgresql/<ver>/bin/postgres; run `bash infra/system-deps.sh`")
+        raise ServiceError(
+            "postgres: no /usr/lib/postgresql/<ver>/bin/postgres; run `bash infra/system-deps.sh`"
+        )
     return found[-1].parent
 
 
@@ -74,28 +76,50 @@ class Postgres(Service):
                 )
         if (self.pgdata / "PG_VERSION").exists():
             return
-        result = self._as_user([
-            str(bin_dir() / "initdb"), "-D", str(self.pgdata), "-U", SUPERUSER,
-            "--auth-local=trust", "--auth-host=trust", "-E", "UTF8", "--no-locale",
-        ])
+        result = self._as_user(
+            [
+                str(bin_dir() / "initdb"),
+                "-D",
+                str(self.pgdata),
+                "-U",
+                SUPERUSER,
+                "--auth-local=trust",
+                "--auth-host=trust",
+                "-E",
+                "UTF8",
+                "--no-locale",
+            ]
+        )
         if result.returncode != 0:
             shutil.rmtree(self.pgdata, ignore_errors=True)
             raise ServiceError(f"postgres: initdb failed:\n{(result.stdout + result.stderr)[-4000:]}")
 
     def command(self) -> list[str]:
         return [
-            str(bin_dir() / "postgres"), "-D", str(self.pgdata),
-            "-c", f"listen_addresses={self.host}",
-            "-c", f"port={self.settings.services.postgres_port}",
-            "-c", f"unix_socket_directories={self.data_dir}",
-            "-c", "logging_collector=off",  # log to stderr, i.e. <run_dir>/logs/postgres.log
+            str(bin_dir() / "postgres"),
+            "-D",
+            str(self.pgdata),
+            "-c",
+            f"listen_addresses={self.host}",
+            "-c",
+            f"port={self.settings.services.postgres_port}",
+            "-c",
+            f"unix_socket_directories={self.data_dir}",
+            "-c",
+            "logging_collector=off",  # log to stderr, i.e. <run_dir>/logs/postgres.log
         ]
 
     def _connect(self, user: str, dbname: str):  # type: ignore[no-untyped-def]
         import psycopg
 
-        return psycopg.connect(host=self.host, port=self.settings.services.postgres_port, user=user,
-                               dbname=dbname, connect_timeout=3, autocommit=True)
+        return psycopg.connect(
+            host=self.host,
+            port=self.settings.services.postgres_port,
+            user=user,
+            dbname=dbname,
+            connect_timeout=3,
+            autocommit=True,
+        )
 
     def check(self) -> str:
         with self._connect(SUPERUSER, "postgres") as conn:
@@ -120,8 +144,11 @@ class Postgres(Service):
 
         with self._connect(SUPERUSER, "postgres") as conn:
             if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,)).fetchone() is None:
-                conn.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(
-                    sql.Identifier(database), sql.Identifier(self.settings.postgres.user)))
+                conn.execute(
+                    sql.SQL("CREATE DATABASE {} OWNER {}").format(
+                        sql.Identifier(database), sql.Identifier(self.settings.postgres.user)
+                    )
+                )
 
     def drop_database(self, database: str) -> None:
         """Drop `database` if it exists, closing its clients' connections (the server is running)."""

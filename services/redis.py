@@ -50,8 +50,9 @@ class Redis(Service):
     def check(self) -> str:
         import redis
 
-        client = redis.Redis(host=self.host, port=self.settings.services.redis_port, socket_timeout=2,
-                             socket_connect_timeout=2)
+        client = redis.Redis(
+            host=self.host, port=self.settings.services.redis_port, socket_timeout=2, socket_connect_timeout=2
+        )
         try:
             client.ping()
             version = client.info("server")["redis_version"]

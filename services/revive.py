@@ -74,8 +74,13 @@ class Reviver:
             url = unit.address
             attempts = self._attempts.setdefault(unit.name, _Attempts())
             if self.clock() < attempts.next_at:
-                log.warning("%s (%s): %s; next restart attempt in %.0fs", unit.name, url, reason,
-                            attempts.next_at - self.clock())  # fmt: skip
+                log.warning(
+                    "%s (%s): %s; next restart attempt in %.0fs",
+                    unit.name,
+                    url,
+                    reason,
+                    attempts.next_at - self.clock(),
+                )
                 continue
             log.error("%s (%s): %s; restarting it (log: %s)", unit.name, url, reason, unit.log_path)
             done[url] = self._restart(unit, reason)
@@ -110,14 +115,20 @@ class Reviver:
                 finally:
                     store.close()
             except Exception as exc:  # noqa: BLE001 - a store outage must not keep a dead server down
-                log.error("%s: cannot take it out of rotation before the restart (%r); restarting anyway", url, exc)
+                log.error(
+                    "%s: cannot take it out of rotation before the restart (%r); restarting anyway", url, exc
+                )
         try:
             unit.stop()  # a hung process group, or what a dead leader left behind
             # A killed group's sockets close as its processes are torn down, which takes a moment
             # on a loaded machine: starting before that fails on a port "in use".
             try:
-                wait_until(lambda: not any(port_in_use(unit.host, p) for p in unit.ports), timeout_s=PORT_FREE_S,
-                           interval_s=0.2, what=f"{unit.name}'s port(s) {unit.ports} free")  # fmt: skip
+                wait_until(
+                    lambda: not any(port_in_use(unit.host, p) for p in unit.ports),
+                    timeout_s=PORT_FREE_S,
+                    interval_s=0.2,
+                    what=f"{unit.name}'s port(s) {unit.ports} free",
+                )
             except TimeoutError as exc:
                 raise ServiceError(f"{unit.name}: {exc}; see `ss -ltnp`") from None
             unit.start()

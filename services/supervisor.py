@@ -78,7 +78,9 @@ JITTER = 0.25  # each delay is scaled by a factor drawn from [1 - JITTER, 1 + JI
 WITHOUT_PREPARE = frozenset({"gateway"})
 
 
-def restart_delay(recent_restarts: int, draw: Callable[[], float] = random.random, at_cap: bool = False) -> float:
+def restart_delay(
+    recent_restarts: int, draw: Callable[[], float] = random.random, at_cap: bool = False
+) -> float:
     """Seconds to wait before restarting a process that was already restarted this many times
     recently (`at_cap`: a crash-looping one, retried at `BACKOFF_MAX_S`); `draw` gives the jitter
     (uniform in [0, 1); 0.5 means none)."""
@@ -127,8 +129,12 @@ class Supervisor:
     `BACKOFF_MAX_S`, jittered) until it returns, and `check` starts the others after that."""
 
     def __init__(
-        self, settings: Settings, names: Iterable[str] = PROCESSES, monotonic: Monotonic = time.monotonic,
-        draw: Callable[[], float] = random.random, prerequisite: Callable[[], object] | None = None,
+        self,
+        settings: Settings,
+        names: Iterable[str] = PROCESSES,
+        monotonic: Monotonic = time.monotonic,
+        draw: Callable[[], float] = random.random,
+        prerequisite: Callable[[], object] | None = None,
     ) -> None:
         self.settings = settings
         self.monotonic = monotonic
@@ -136,7 +142,9 @@ class Supervisor:
         logs = self.logs_dir = Path(settings.services.run_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self._rotate_errors: dict[Path, str] = {}  # the last rotation error per log, said once
-        self.children = {name: Child(name, rtrl_command(*PROCESSES[name]), logs / f"{name}.log") for name in names}
+        self.children = {
+            name: Child(name, rtrl_command(*PROCESSES[name]), logs / f"{name}.log") for name in names
+        }
         for name in self.children:
             RESTARTS.labels(name)  # at 0 from the start: the first restart is an increase a rule sees
         self._prerequisite = prerequisite
@@ -160,17 +168,23 @@ class Supervisor:
         """Record each child's pid, restarts and state (atomically; `check` calls this)."""
         now = self.monotonic()
         state = {
-            "pid": os.getpid(), "updated_at": time.time(), "stopped": stopped, "prepared": self.prepared.is_set(),
-            "children": {c.name: {
-                "pid": c.proc.pid if c.running and c.proc is not None else None,
-                "running": c.running,
-                "restarts_recent": len([t for t in c.restarts if now - t < RESTART_WINDOW_S]),
-                "crash_looping": c.crash_looping,
-                "last_exit_code": c.last_exit_code,
-                "waiting_for_prepare": c.proc is None,
-                "log": str(c.log_path),
-            } for c in self.children.values()},
-        }  # fmt: skip
+            "pid": os.getpid(),
+            "updated_at": time.time(),
+            "stopped": stopped,
+            "prepared": self.prepared.is_set(),
+            "children": {
+                c.name: {
+                    "pid": c.proc.pid if c.running and c.proc is not None else None,
+                    "running": c.running,
+                    "restarts_recent": len([t for t in c.restarts if now - t < RESTART_WINDOW_S]),
+                    "crash_looping": c.crash_looping,
+                    "last_exit_code": c.last_exit_code,
+                    "waiting_for_prepare": c.proc is None,
+                    "log": str(c.log_path),
+                }
+                for c in self.children.values()
+            },
+        }
         for child in self.children.values():
             CHILD_UP.labels(child.name).set(1 if child.running else 0)
             CRASH_LOOPING.labels(child.name).set(1 if child.crash_looping else 0)
@@ -210,11 +224,16 @@ class Supervisor:
                 problem = str(exc).splitlines()[0] if str(exc) else repr(exc)
                 delay = restart_delay(attempts, self.draw)
                 if problem != last:
-                    log.error("waiting for the loop's dependencies: %s; retrying (every %.0fs at most)",
-                              problem, BACKOFF_MAX_S)  # fmt: skip
+                    log.error(
+                        "waiting for the loop's dependencies: %s; retrying (every %.0fs at most)",
+                        problem,
+                        BACKOFF_MAX_S,
+                    )
                     last = problem
                 else:
-                    log.info("still waiting (attempt %d): %s; next try in %.0fs", attempts + 1, problem, delay)
+                    log.info(
+                        "still waiting (attempt %d): %s; next try in %.0fs", attempts + 1, problem, delay
+                    )
                 self._stopping.wait(delay)
             else:
                 if attempts:
@@ -245,10 +264,18 @@ class Supervisor:
             if child.proc is None and self.prepared.is_set():  # was waiting for `prepare`
                 self._spawn(child)
                 continue
-            if child.running and child.crash_looping and child.restarts and now - child.restarts[-1] > BACKOFF_MAX_S:
+            if (
+                child.running
+                and child.crash_looping
+                and child.restarts
+                and now - child.restarts[-1] > BACKOFF_MAX_S
+            ):
                 child.crash_looping = False  # it has stayed up longer than the retry interval: recovered
-                log.info("%s has run for %.0fs since its last restart: no longer crash-looping", child.name,
-                         now - child.restarts[-1])  # fmt: skip
+                log.info(
+                    "%s has run for %.0fs since its last restart: no longer crash-looping",
+                    child.name,
+                    now - child.restarts[-1],
+                )
             if child.running or child.proc is None:
                 continue
             if child.restart_at is None:  # an exit not seen before
@@ -256,14 +283,26 @@ class Supervisor:
                 child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S]
                 looping = len(child.restarts) >= MAX_RESTARTS
                 if looping and not child.crash_looping:
-                    log.error("%s exited (code %s) %d times in %.0fs: crash-looping; retrying it every ~%.0fs "
-                              "while the other processes run on, see %s", child.name, code, MAX_RESTARTS,
-                              RESTART_WINDOW_S, BACKOFF_MAX_S, child.log_path)  # fmt: skip
+                    log.error(
+                        "%s exited (code %s) %d times in %.0fs: crash-looping; retrying it every ~%.0fs "
+                        "while the other processes run on, see %s",
+                        child.name,
+                        code,
+                        MAX_RESTARTS,
+                        RESTART_WINDOW_S,
+                        BACKOFF_MAX_S,
+                        child.log_path,
+                    )
                 child.crash_looping = looping
                 delay = restart_delay(len(child.restarts), self.draw, at_cap=looping)
                 child.restart_at = now + delay
-                log.warning("%s exited with code %s; restarting in %.0fs (see %s)",
-                            child.name, code, delay, child.log_path)
+                log.warning(
+                    "%s exited with code %s; restarting in %.0fs (see %s)",
+                    child.name,
+                    code,
+                    delay,
+                    child.log_path,
+                )
             if now >= child.restart_at:
                 child.restart_at = None
                 child.restarts.append(now)
@@ -284,8 +323,12 @@ class Supervisor:
             try:
                 if rotate(path, services.log_max_bytes, services.log_backups):
                     rotated.append(path)
-                    log.info("rotated %s (over %d bytes; %d backups kept)", path, services.log_max_bytes,
-                             services.log_backups)  # fmt: skip
+                    log.info(
+                        "rotated %s (over %d bytes; %d backups kept)",
+                        path,
+                        services.log_max_bytes,
+                        services.log_backups,
+                    )
                 self._rotate_errors.pop(path, None)
             except OSError as exc:  # a full disk must not stop the supervisor; the log stays as it was
                 if self._rotate_errors.get(path) != str(exc):

@@ -63,18 +63,31 @@ def services_settings(
     """
     kafka, controller, pg, redis, mlflow, vllm, staging = free_ports(7)
     services = ServicesSettings(
-        run_dir=run_dir, host=HOST, kafka_port=kafka, kafka_controller_port=controller, postgres_port=pg,
-        redis_port=redis, mlflow_port=mlflow, vllm_port=vllm, vllm_staging_port=staging,
+        run_dir=run_dir,
+        host=HOST,
+        kafka_port=kafka,
+        kafka_controller_port=controller,
+        postgres_port=pg,
+        redis_port=redis,
+        mlflow_port=mlflow,
+        vllm_port=vllm,
+        vllm_staging_port=staging,
         start_timeout_s=600.0,  # a loaded 2-core CI machine starts two vLLM servers slowly
         **({} if enabled is None else {"enabled": enabled}),
     )
     settings = Settings(
         services=services,
         kafka=KafkaSettings(bootstrap_servers=f"{HOST}:{kafka}", partitions=3),
-        celery=CelerySettings(broker_url=f"redis://{HOST}:{redis}/0", result_backend=f"redis://{HOST}:{redis}/1"),
-        mlflow=MlflowSettings(tracking_uri=f"http://{HOST}:{mlflow}", artifact_root=run_dir / "mlflow" / "artifacts"),
+        celery=CelerySettings(
+            broker_url=f"redis://{HOST}:{redis}/0", result_backend=f"redis://{HOST}:{redis}/1"
+        ),
+        mlflow=MlflowSettings(
+            tracking_uri=f"http://{HOST}:{mlflow}", artifact_root=run_dir / "mlflow" / "artifacts"
+        ),
         vllm=VllmSettings(
-            servers=(f"http://{HOST}:{vllm}",), staging_server=f"http://{HOST}:{staging}", model_dir=model_dir,
+            servers=(f"http://{HOST}:{vllm}",),
+            staging_server=f"http://{HOST}:{staging}",
+            model_dir=model_dir,
         ),
         gateway=GatewaySettings(port=free_ports(1)[0], spool_dir=run_dir / "spool"),
         trainer=TrainerSettings(checkpoint_dir=run_dir / "checkpoints"),
@@ -95,7 +108,10 @@ def start_reaper(settings: Settings, owner_pid: int) -> subprocess.Popen[bytes]:
     log = (run_dir(settings) / "reaper.log").open("ab")
     return subprocess.Popen(
         [sys.executable, "-m", "services.testing", "reap", str(owner_pid), str(path)],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
 
 

@@ -197,7 +197,11 @@ def supervise(model: LlamaForCausalLM, tokenizer: Tokenizer, task: Task, seed: i
 
 
 def build(
-    out_dir: Path, task: str | None = "exclaim", seed: int = 0, sft_steps: int | None = None, recipe: str = "v1"
+    out_dir: Path,
+    task: str | None = "exclaim",
+    seed: int = 0,
+    sft_steps: int | None = None,
+    recipe: str = "v1",
 ) -> Path:
     """Write the tiny checkpoint for `seed` (tuned on `task` unless None) into `out_dir`; returns it.
 
@@ -348,7 +352,9 @@ def measure_preference(
     return accepted / len(batch)
 
 
-def measure_correct(model_dir: Path, task: str, split: str = "train", seed: int = 0, temperature: float = 1.0) -> float:
+def measure_correct(
+    model_dir: Path, task: str, split: str = "train", seed: int = 0, temperature: float = 1.0
+) -> float:
     """Fraction of the task's `split` ("train" or "heldout") questions answered correctly by one
     sampled completion each: an answer appears as a whole word (the gate's retention scorer)."""
     from evals.suites import contains_answer
@@ -356,9 +362,13 @@ def measure_correct(model_dir: Path, task: str, split: str = "train", seed: int 
     task_obj = get_task(task)
     questions = task_obj.train_questions() if split == "train" else task_obj.heldout_questions()
     prompts = [task_obj.format_prompt(q.text) for q in questions]
-    completions = sample_completions(model_dir, prompts, task_obj.max_tokens, seed=seed, temperature=temperature)
-    right = sum(contains_answer(p, c, {"answers": q.answers}) for p, c, q in zip(prompts, completions, questions,
-                                                                                    strict=True))  # fmt: skip
+    completions = sample_completions(
+        model_dir, prompts, task_obj.max_tokens, seed=seed, temperature=temperature
+    )
+    right = sum(
+        contains_answer(p, c, {"answers": q.answers})
+        for p, c, q in zip(prompts, completions, questions, strict=True)
+    )
     return right / len(questions)
 
 

@@ -58,8 +58,14 @@ def ensure_identity_adapter(settings: Settings) -> Path:
     current trainer.lora settings unless it already is (serving/adapters.py)."""
     path, lora = identity_adapter_dir(settings), settings.trainer.lora
     if not identity_matches(path, rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules):
-        write_identity_adapter(model_dir(settings), path, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                               target_modules=lora.target_modules)  # fmt: skip
+        write_identity_adapter(
+            model_dir(settings),
+            path,
+            rank=lora.rank,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            target_modules=lora.target_modules,
+        )
     return path
 
 
@@ -89,21 +95,33 @@ class Vllm(Service):
     def command(self) -> list[str]:
         v = self.settings.vllm
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir(self.settings)),
-            "--served-model-name", v.served_model_name,
-            "--host", self.host, "--port", str(self.port),
-            "--max-model-len", str(v.max_model_len),
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir(self.settings)),
+            "--served-model-name",
+            v.served_model_name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(v.max_model_len),
             # float32 by default: on CPU vLLM then matches the trainer's float32 reference, and the swap
             # probe's tolerance follows this dtype (deployer/probe.py, PROBE_TOLERANCES).
-            "--dtype", v.dtype,
-            "--max-logprobs", "20",
+            "--dtype",
+            v.dtype,
+            "--max-logprobs",
+            "20",
             "--disable-uvicorn-access-log",
             # Behaviour logprobs as the tokens were drawn (after temperature and truncation), and no
             # sampling defaults of the server's own: the gateway writes the model's into every request
             # (schemas/sampling.py), so what an event records is what vLLM sampled with.
-            "--logprobs-mode", f"{v.logprobs_mode}_logprobs",
-            "--generation-config", "vllm",
+            "--logprobs-mode",
+            f"{v.logprobs_mode}_logprobs",
+            "--generation-config",
+            "vllm",
         ]
         if self.settings.trainer.adapter == "lora":
             # The served name is the adapter's, which the deployer replaces in place; the base model
@@ -111,8 +129,15 @@ class Vllm(Service):
             # the server serves the identity adapter: the base model's outputs.
             lora = self.settings.trainer.lora
             cmd[cmd.index("--served-model-name") + 1] = base_model_name(v.served_model_name)
-            cmd += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(server_max_rank(lora.rank)),
-                    "--lora-modules", f"{v.served_model_name}={identity_adapter_dir(self.settings)}"]  # fmt: skip
+            cmd += [
+                "--enable-lora",
+                "--max-loras",
+                "1",
+                "--max-lora-rank",
+                str(server_max_rank(lora.rank)),
+                "--lora-modules",
+                f"{v.served_model_name}={identity_adapter_dir(self.settings)}",
+            ]
         return cmd
 
     def env(self) -> dict[str, str]:

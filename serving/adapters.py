@@ -66,8 +66,10 @@ def check_servable(path: Path, max_rank: int) -> None:
     """Raise AdapterError unless the fleet (started with ``--max-lora-rank max_rank``) can load it."""
     rank = int(adapter_config(path).get("r", 0))
     if not 0 < rank <= max_rank:
-        raise AdapterError(f"{path}: LoRA rank {rank} is above the servers' --max-lora-rank {max_rank} "
-                           "(trainer.lora.rank sets both; restart the servers after changing it)")  # fmt: skip
+        raise AdapterError(
+            f"{path}: LoRA rank {rank} is above the servers' --max-lora-rank {max_rank} "
+            "(trainer.lora.rank sets both; restart the servers after changing it)"
+        )
 
 
 def identity_matches(path: Path, *, rank: int, alpha: int, target_modules: tuple[str, ...]) -> bool:
@@ -77,12 +79,21 @@ def identity_matches(path: Path, *, rank: int, alpha: int, target_modules: tuple
         config = adapter_config(path)
     except AdapterError:
         return False
-    return (int(config.get("r", 0)) == rank and int(config.get("lora_alpha", 0)) == alpha
-            and sorted(config.get("target_modules") or []) == sorted(target_modules))  # fmt: skip
+    return (
+        int(config.get("r", 0)) == rank
+        and int(config.get("lora_alpha", 0)) == alpha
+        and sorted(config.get("target_modules") or []) == sorted(target_modules)
+    )
 
 
 def write_identity_adapter(
-    base_dir: Path, out_dir: Path, *, rank: int, alpha: int, dropout: float, target_modules: tuple[str, ...],
+    base_dir: Path,
+    out_dir: Path,
+    *,
+    rank: int,
+    alpha: int,
+    dropout: float,
+    target_modules: tuple[str, ...],
     seed: int = 0,
 ) -> Path:
     """Write an adapter on `base_dir` whose product A·B is zero (see the module docstring) into
@@ -97,8 +108,15 @@ def write_identity_adapter(
     config = AutoConfig.from_pretrained(str(base_dir))
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
-    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
-                      bias="none", task_type="CAUSAL_LM", base_model_name_or_path=str(base_dir))  # fmt: skip
+    lora = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=str(base_dir),
+    )
     try:
         peft_model = get_peft_model(model, lora)
     except ValueError as exc:  # e.g. no module matches target_modules

@@ -55,7 +55,9 @@ def parse_weight_info(url: str, response: httpx.Response) -> int | None:
 def weight_version_of(url: str, status: int, text: str) -> int | None:
     """`parse_weight_info` of an answer given as its status and body."""
     if status != 200:
-        raise VersionUnknown(f"{url}/weight_info answered {status} (is the server started with VLLM_SERVER_DEV_MODE=1?)")
+        raise VersionUnknown(
+            f"{url}/weight_info answered {status} (is the server started with VLLM_SERVER_DEV_MODE=1?)"
+        )
     try:
         version = json.loads(text).get("weight_version")
     except (ValueError, AttributeError):
@@ -115,7 +117,9 @@ class VllmClient:
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         response = self._http.request(method, path, **kwargs)
         if response.status_code >= 400:
-            raise ServerError(self.url, f"{method} {path} -> HTTP {response.status_code}: {response.text[:2000]}")
+            raise ServerError(
+                self.url, f"{method} {path} -> HTTP {response.status_code}: {response.text[:2000]}"
+            )
         return response
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -123,7 +127,9 @@ class VllmClient:
         try:
             return response.json()
         except ValueError as exc:
-            raise ServerError(self.url, f"{method} {path} answered non-JSON: {response.text[:500]!r}") from exc
+            raise ServerError(
+                self.url, f"{method} {path} answered non-JSON: {response.text[:500]!r}"
+            ) from exc
 
     # ---- health and state --------------------------------------------------------------------
 
@@ -146,7 +152,9 @@ class VllmClient:
         if not self.health():
             return ServerState(url=self.url, healthy=False, error="not reachable or not healthy")
         try:
-            return ServerState(url=self.url, healthy=True, weight_version=self.weight_version(), paused=self.is_paused())
+            return ServerState(
+                url=self.url, healthy=True, weight_version=self.weight_version(), paused=self.is_paused()
+            )
         except (ServerError, VersionUnknown, httpx.HTTPError) as exc:
             return ServerState(url=self.url, healthy=True, error=str(exc))
 
@@ -179,7 +187,9 @@ class VllmClient:
         """Drop cached KV blocks computed with the old weights. vLLM refuses while blocks are held
         (running requests); the swap calls it paused, so a refusal is an error."""
         if not self._json("POST", "/reset_prefix_cache").get("success"):
-            raise ServerError(self.url, "reset_prefix_cache refused (KV blocks still held by running requests)")
+            raise ServerError(
+                self.url, "reset_prefix_cache refused (KV blocks still held by running requests)"
+            )
 
     def requests_in_flight(self) -> int:
         """Requests the engine is running or has scheduled as waiting (``vllm:num_requests_running``
@@ -232,18 +242,35 @@ class VllmClient:
         engine on them: docs/platform.md)."""
         # ignore_eos, not min_tokens: min_tokens masks EOS out of the logits, and the processed
         # logprobs would then be renormalised without it.
-        body = {"model": self.model, "prompt": prompt_token_ids, "max_tokens": max_tokens, "temperature": 0,
-                "logprobs": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        body = {
+            "model": self.model,
+            "prompt": prompt_token_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         choice = self._json("POST", "/v1/completions", json=body)["choices"][0]
         token_ids = choice.get("token_ids")
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-        if not isinstance(token_ids, list) or not isinstance(logprobs, list) or len(token_ids) != len(logprobs):
+        if (
+            not isinstance(token_ids, list)
+            or not isinstance(logprobs, list)
+            or len(token_ids) != len(logprobs)
+        ):
             raise ServerError(self.url, f"token ids or logprobs missing or misaligned in {str(choice)[:500]}")
         return [int(t) for t in token_ids], [float(lp) for lp in logprobs]
 
     def sampled_logprobs(self, prompt: str, max_tokens: int) -> list[float]:
         """The behaviour logprob of each token of a greedy completion (what the gateway records)."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1}
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": 1,
+        }
         choice = self._json("POST", "/v1/completions", json=body)["choices"][0]
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
         if not isinstance(logprobs, list) or not logprobs:
@@ -262,8 +289,16 @@ class VllmClient:
     ) -> list[list[Generation]]:
         """``n`` completions per prompt with the logprob of each sampled token (the eval gate's
         generations: text for the scorers, tokens and logprobs for its behaviour alarms)."""
-        body: dict[str, Any] = {"model": self.model, "prompt": prompts, "max_tokens": max_tokens, "n": n,
-                                "stop": stop, "seed": seed, "logprobs": 0, **sampling}  # fmt: skip
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompts,
+            "max_tokens": max_tokens,
+            "n": n,
+            "stop": stop,
+            "seed": seed,
+            "logprobs": 0,
+            **sampling,
+        }
         choices = self._json("POST", "/v1/completions", json=body)["choices"]
         if len(choices) != len(prompts) * n:
             raise ServerError(self.url, f"asked for {len(prompts)}x{n} completions, got {len(choices)}")
@@ -272,11 +307,13 @@ class VllmClient:
             logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
             if not isinstance(logprobs, list):
                 raise ServerError(self.url, f"no token logprobs in {str(choice)[:500]}")
-            result[int(choice["index"]) // n].append(Generation(
-                text=str(choice["text"]),
-                logprobs=tuple(float(lp) if lp is not None else float("nan") for lp in logprobs),
-                finish_reason=choice.get("finish_reason"),
-            ))  # fmt: skip
+            result[int(choice["index"]) // n].append(
+                Generation(
+                    text=str(choice["text"]),
+                    logprobs=tuple(float(lp) if lp is not None else float("nan") for lp in logprobs),
+                    finish_reason=choice.get("finish_reason"),
+                )
+            )
         return result
 
     def complete(

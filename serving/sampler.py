@@ -37,12 +37,20 @@ class Sampling:
 
     @classmethod
     def of(cls, params: SamplingParams) -> Sampling:
-        penalties = cls(repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
-                        frequency_penalty=params.frequency_penalty)  # fmt: skip
+        penalties = cls(
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+        )
         if is_greedy(params):  # vLLM applies the penalties to greedy requests too, nothing else
             return penalties
-        return replace(penalties, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
-                       min_p=params.min_p)  # fmt: skip
+        return replace(
+            penalties,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=max(params.top_k, 0),
+            min_p=params.min_p,
+        )
 
     @property
     def penalised(self) -> bool:
@@ -100,8 +108,10 @@ def collate(rows: list[Row], pad_id: int) -> MicroBatch:
         length = len(row.input_ids)
         completion = length - row.prompt_len
         if row.prompt_len < 1 or completion != len(row.behaviour_logprobs):
-            raise ValueError(f"row {i}: prompt {row.prompt_len}, completion {completion}, "
-                             f"{len(row.behaviour_logprobs)} behaviour logprobs")
+            raise ValueError(
+                f"row {i}: prompt {row.prompt_len}, completion {completion}, "
+                f"{len(row.behaviour_logprobs)} behaviour logprobs"
+            )
         input_ids[i, :length] = torch.tensor(row.input_ids)
         attention[i, :length] = 1
         # Completion token k sits at position prompt_len + k and is predicted from position − 1.
@@ -132,7 +142,9 @@ def micro_batches(rows: list[Row], size: int, pad_id: int) -> list[MicroBatch]:
     return [collate(ordered[i : i + size], pad_id) for i in range(0, len(ordered), size)]
 
 
-def _penalties(logits: torch.Tensor, batch: MicroBatch, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _penalties(
+    logits: torch.Tensor, batch: MicroBatch, rows: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """(N, V) logits of the scored positions (`rows`, `positions`: position t of row b predicts
     token t + 1) with each row's penalties applied as vLLM applies them before sampling
     (vllm/model_executor/layers/utils.py `apply_penalties`): the tokens generated so far are the
@@ -141,7 +153,11 @@ def _penalties(logits: torch.Tensor, batch: MicroBatch, rows: torch.Tensor, posi
     minus frequency × its count in the output so far and minus presence where that count is > 0.
     The scaling factors are taken on detached values; the gradient flows through the logits. Only
     (N, V) tensors: never one per position of the whole batch."""
-    rep, pres, freq = batch.repetition_penalty[rows], batch.presence_penalty[rows], batch.frequency_penalty[rows]
+    rep, pres, freq = (
+        batch.repetition_penalty[rows],
+        batch.presence_penalty[rows],
+        batch.frequency_penalty[rows],
+    )
     if not bool((rep != 1).any() | (pres != 0).any() | (freq != 0).any()):
         return logits
     vocab = logits.shape[-1]
@@ -163,8 +179,11 @@ def _penalties(logits: torch.Tensor, batch: MicroBatch, rows: torch.Tensor, posi
 def apply_penalties(logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
     """(B, L−1, V) logits of every position with each row's penalties (`_penalties`); for tests and
     small batches: the trainer scores chunks of positions instead (`token_logprobs`)."""
-    if not bool((batch.repetition_penalty != 1).any() | (batch.presence_penalty != 0).any()
-                | (batch.frequency_penalty != 0).any()):  # fmt: skip
+    if not bool(
+        (batch.repetition_penalty != 1).any()
+        | (batch.presence_penalty != 0).any()
+        | (batch.frequency_penalty != 0).any()
+    ):
         return logits
     rows, positions, vocab = logits.shape
     r = torch.arange(rows).repeat_interleave(positions)
@@ -215,8 +234,10 @@ def truncation_threshold(
         if not bool((need_k | need_p).any()):
             return Truncation(threshold, no_ties)
         masked = logits.masked_fill(logits < threshold[:, None], float("-inf"))
-        wanted = max(int(top_k.max()) if bool(need_k.any()) else 0,
-                     TOP_P_CANDIDATES if bool((need_p & ~need_k).any()) else 0)  # fmt: skip
+        wanted = max(
+            int(top_k.max()) if bool(need_k.any()) else 0,
+            TOP_P_CANDIDATES if bool((need_p & ~need_k).any()) else 0,
+        )
         width = min(vocab, max(wanted, 1))
         top = masked.topk(width, dim=-1).values  # (N, width), descending
         kth = top.gather(-1, (top_k.clamp(min=1, max=width) - 1)[:, None])[:, 0]
@@ -233,7 +254,11 @@ def truncation_threshold(
             # A nucleus that may reach past the candidates: decide that row on a full sort.
             beyond = need_p & keep[:, -1] & torch.isfinite(kept[:, -1]) & (width < vocab)
             for row in beyond.nonzero().flatten().tolist():
-                ordered = masked[row].masked_fill(masked[row] < threshold[row], float("-inf")).sort(descending=True)[0]
+                ordered = (
+                    masked[row]
+                    .masked_fill(masked[row] < threshold[row], float("-inf"))
+                    .sort(descending=True)[0]
+                )
                 p_sorted = (ordered - lse[row]).exp()
                 inside = ((p_sorted.cumsum(0) - p_sorted) < top_p[row]) & torch.isfinite(ordered)
                 inside[0] = True
@@ -245,7 +270,11 @@ def truncation_threshold(
 
 
 def _tie_share(
-    masked: torch.Tensor, before_p: torch.Tensor, threshold: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor,
+    masked: torch.Tensor,
+    before_p: torch.Tensor,
+    threshold: torch.Tensor,
+    lse: torch.Tensor,
+    top_p: torch.Tensor,
     need_p: torch.Tensor,
 ) -> torch.Tensor:
     """`Truncation.tie_share` of the top-p rows: of the c tokens tied at the threshold t, vLLM
@@ -279,7 +308,11 @@ def truncated_log_softmax(logits: torch.Tensor, truncation: Truncation | None) -
 
 
 def processed_log_softmax(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
 ) -> torch.Tensor:
     """Log-probabilities of (B, ..., V) logits as vLLM's sampler draws from them, per row (the
     parameters are (B,)): divided by the temperature, truncated (`truncation_threshold`: a dropped
@@ -363,15 +396,23 @@ def _check_head(hf: Any, batch: MicroBatch) -> None:
     gap = float((full - mine).abs().max())
     if not gap <= 1e-3 * (1.0 + float(full.abs().max())):
         arch = (getattr(hf.config, "architectures", None) or [type(hf).__name__])[0]
-        raise UnsupportedModel(f"{arch}: lm_head's output differs from the model's own logits by {gap:.3g}; rtrl "
-                               "does not know how this family transforms it (serving/sampler.py _final_logits), so "
-                               "it cannot train it")  # fmt: skip
+        raise UnsupportedModel(
+            f"{arch}: lm_head's output differs from the model's own logits by {gap:.3g}; rtrl "
+            "does not know how this family transforms it (serving/sampler.py _final_logits), so "
+            "it cannot train it"
+        )
     hf._rtrl_head_checked = True
 
 
 def _score_chunk(
-    head: Any, config: Any, hidden: torch.Tensor, batch: MicroBatch, rows: torch.Tensor, positions: torch.Tensor,
-    thresholds: dict[int, Truncation | None], key: int,
+    head: Any,
+    config: Any,
+    hidden: torch.Tensor,
+    batch: MicroBatch,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    thresholds: dict[int, Truncation | None],
+    key: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(processed, tempered) logprobs of the targets at (`rows`, `positions`), each (N,), from the
     (N, H) hidden states there: lm_head, penalties, temperature, truncation, one (N, V) at a time.
@@ -382,7 +423,9 @@ def _score_chunk(
     targets = batch.targets[rows, positions][:, None]  # (N, 1)
     tempered = torch.log_softmax(logits, dim=-1).gather(-1, targets)[:, 0]
     if key not in thresholds:
-        thresholds[key] = truncation_threshold(logits, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
+        thresholds[key] = truncation_threshold(
+            logits, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
+        )
     truncation = thresholds[key]
     if truncation is None:
         return tempered, tempered
@@ -431,6 +474,10 @@ def token_logprobs(model: Any, batch: MicroBatch) -> TokenLogprobs:
     processed, tempered = torch.cat(processed_parts), torch.cat(tempered_parts)
     possible_values = torch.isfinite(processed.detach())
     zeros = torch.zeros(shape, dtype=torch.float32, device=hidden.device)
-    logprobs = zeros.index_put((rows, positions), torch.where(possible_values, processed, torch.zeros_like(processed)))
-    possible = torch.ones(shape, dtype=torch.bool, device=hidden.device).index_put((rows, positions), possible_values)
+    logprobs = zeros.index_put(
+        (rows, positions), torch.where(possible_values, processed, torch.zeros_like(processed))
+    )
+    possible = torch.ones(shape, dtype=torch.bool, device=hidden.device).index_put(
+        (rows, positions), possible_values
+    )
     return TokenLogprobs(logprobs, possible, zeros.index_put((rows, positions), tempered))

@@ -51,8 +51,9 @@ def fetch(settings: Settings, server_url: str, agent_url: str, version: int) -> 
     except httpx.HTTPError as exc:
         raise ServerError(server_url, f"weights agent {agent_url} not reachable: {exc}") from None
     if response.status_code != 200:
-        raise ServerError(server_url, f"weights agent {agent_url} answered {response.status_code}: "
-                                      f"{response.text[:500]}")  # fmt: skip
+        raise ServerError(
+            server_url, f"weights agent {agent_url} answered {response.status_code}: {response.text[:500]}"
+        )
     try:
         return Path(Fetched.model_validate_json(response.content).path)
     except ValueError:

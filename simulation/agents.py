@@ -76,7 +76,9 @@ class ScenarioError(OperatorError, ValueError):
 def check_scenario(name: str) -> str:
     """`name` if it is one of `SCENARIOS`, else a `ScenarioError` saying which are."""
     if name not in SCENARIOS:
-        raise ScenarioError(f"unknown scenario {name!r}; known scenarios: {', '.join(SCENARIOS)} (docs/methods.md)")
+        raise ScenarioError(
+            f"unknown scenario {name!r}; known scenarios: {', '.join(SCENARIOS)} (docs/methods.md)"
+        )
     return name
 
 
@@ -96,7 +98,9 @@ class AgentReport:
     # Mean over ok episodes of the reward of the feedback they got, under settings.labeler.reward_spec,
     # before the labeler's shaping and judge terms (for parl and self-edit: the task_outcome value).
     mean_outcome: float | None = None
-    per_version: dict[str, int] = field(default_factory=dict)  # ok episodes by the oldest version serving them
+    per_version: dict[str, int] = field(
+        default_factory=dict
+    )  # ok episodes by the oldest version serving them
     elapsed_s: float = 0.0
     errors: list[str] = field(default_factory=list)  # the first few failures, for the operator
     summaries: int = 0  # summarize: summary calls
@@ -263,8 +267,13 @@ class _Env:
         if agent is not None:
             headers["x-rtrl-agent"] = agent
         try:
-            made = self.gateway.complete(prompt, max_tokens=self.task.max_tokens, stop=self.task.stop,
-                                         seed=call_seed(self.seed, self.index, segment), headers=headers)  # fmt: skip
+            made = self.gateway.complete(
+                prompt,
+                max_tokens=self.task.max_tokens,
+                stop=self.task.stop,
+                seed=call_seed(self.seed, self.index, segment),
+                headers=headers,
+            )
         except CallFailed as exc:
             raise _CallFailed(f"episode {self.episode} segment {segment}: {exc}") from exc
         with self.lock:  # sub-agents call from threads of their own
@@ -291,20 +300,40 @@ _Scenario = Callable[[_Env, str, Preference], _Episode]
 
 
 def _finish(
-    env: _Env, accepted: bool, outcome: float, events: list[dict[str, Any]], *, summaries: int = 0,
-    subagents: int = 0, prunes: int = 0,
+    env: _Env,
+    accepted: bool,
+    outcome: float,
+    events: list[dict[str, Any]],
+    *,
+    summaries: int = 0,
+    subagents: int = 0,
+    prunes: int = 0,
 ) -> _Episode:
     """Send the episode's feedback (one POST) and say what it did."""
     sent, failed, error = env.send(events)
-    return _Episode(ok=True, version=env.oldest_version(), accepted=accepted, outcome=outcome,
-                    segments=len(env.calls), feedback_sent=sent, feedback_failed=failed, error=error,
-                    summaries=summaries, subagents=subagents, prunes=prunes)  # fmt: skip
+    return _Episode(
+        ok=True,
+        version=env.oldest_version(),
+        accepted=accepted,
+        outcome=outcome,
+        segments=len(env.calls),
+        feedback_sent=sent,
+        feedback_failed=failed,
+        error=error,
+        summaries=summaries,
+        subagents=subagents,
+        prunes=prunes,
+    )
 
 
 def _outcome_event(env: _Env, request_id: str, value: float) -> dict[str, Any]:
     # Names the episode: terminal feedback about the whole episode ends it (store/settle.py).
-    return {"request_id": request_id, "episode_id": env.episode, "kind": FeedbackKind.task_outcome.value,
-            "value": value}  # fmt: skip
+    return {
+        "request_id": request_id,
+        "episode_id": env.episode,
+        "kind": FeedbackKind.task_outcome.value,
+        "value": value,
+    }
 
 
 def _parl(env: _Env, question: str, preference: Preference) -> _Episode:
@@ -344,7 +373,9 @@ def _summarize(env: _Env, question: str, preference: Preference) -> _Episode:
     # The users judge the final answer's request (that does not end a multi-segment episode), then
     # the client ends the episode: accepted is not terminal, so without it the episode waits out the window.
     events = [{"request_id": work.request_id, "kind": s.kind.value, "value": s.value} for s in signals]
-    events.append({"request_id": work.request_id, "episode_id": env.episode, "kind": FeedbackKind.episode_end.value})
+    events.append(
+        {"request_id": work.request_id, "episode_id": env.episode, "kind": FeedbackKind.episode_end.value}
+    )
     spec = get_spec(env.settings.labeler.reward_spec)
     return _finish(env, accepts(signals), score(spec, signals).reward, events, summaries=summaries)
 
@@ -360,7 +391,9 @@ def _self_edit(env: _Env, question: str, preference: Preference) -> _Episode:
     unpruned = f"{prune.prompt}{prune.text}\n{context_prompt(chunks, question)}"
     accepted = accepts(preference(unpruned, final.text))
     outcome = 1.0 if accepted else 0.0
-    return _finish(env, accepted, outcome, [_outcome_event(env, final.request_id, outcome)], prunes=len(dropped))
+    return _finish(
+        env, accepted, outcome, [_outcome_event(env, final.request_id, outcome)], prunes=len(dropped)
+    )
 
 
 SCENARIO_RUNNERS: dict[str, _Scenario] = {"parl": _parl, "summarize": _summarize, "self-edit": _self_edit}
@@ -397,9 +430,16 @@ def run_agents(
     with open_gateway(settings, gateway_url, api_key) as gateway:
 
         def one(index: int, question: str) -> _Episode:
-            env = _Env(settings=settings, gateway=gateway, task=task, scenario=scenario, seed=seed, index=index,
-                       episode=episode_id(scenario, seed, index, run),
-                       summary_trigger_chars=summary_trigger_chars)  # fmt: skip
+            env = _Env(
+                settings=settings,
+                gateway=gateway,
+                task=task,
+                scenario=scenario,
+                seed=seed,
+                index=index,
+                episode=episode_id(scenario, seed, index, run),
+                summary_trigger_chars=summary_trigger_chars,
+            )
             try:
                 return runner(env, question, chosen)
             except _CallFailed as exc:  # the episode fails; its sent segments settle by the labeler's window

@@ -77,14 +77,22 @@ def _qwen_tokenizer(vocab: int) -> tuple[Any, dict[str, Any]]:
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokenizer = Tokenizer(models.BPE())
-    split = Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(split, behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
+    split = Regex(
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(split, behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab - len(specials), min_frequency=2, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab - len(specials),
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(corpus_lines(), trainer)
     tokenizer.add_special_tokens(specials)  # after the vocabulary, as Qwen's added tokens are
     config = {
@@ -106,8 +114,9 @@ def _sentencepiece_tokenizer(vocab: int) -> tuple[Any, dict[str, Any]]:
 
     specials = ["<unk>", "<s>", "</s>"]
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-    trainer = trainers.BpeTrainer(vocab_size=vocab - 256, min_frequency=2, show_progress=False,
-                                  special_tokens=specials)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab - 256, min_frequency=2, show_progress=False, special_tokens=specials
+    )
     base = Tokenizer(models.BPE(unk_token="<unk>"))
     base.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     base.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
@@ -123,11 +132,17 @@ def _sentencepiece_tokenizer(vocab: int) -> tuple[Any, dict[str, Any]]:
     for added in data["added_tokens"]:
         added["id"] = vocab_map[added["content"]]
     tokenizer = Tokenizer.from_str(json.dumps(data))
-    tokenizer.decoder = decoders.Sequence([
-        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0),
-    ])  # fmt: skip
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                             special_tokens=[("<s>", vocab_map["<s>"])])  # fmt: skip
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab_map["<s>"])]
+    )
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>",
@@ -168,28 +183,38 @@ def build(
     shape = SIZES[size]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer, tok_config = (_qwen_tokenizer if arch == "qwen2" else _sentencepiece_tokenizer)(tokenizer_vocab)
+    tokenizer, tok_config = (_qwen_tokenizer if arch == "qwen2" else _sentencepiece_tokenizer)(
+        tokenizer_vocab
+    )
     tokens = tokenizer.get_vocab_size()
     rows = vocab_size if vocab_size is not None else -(-tokens // 64) * 64
     if rows < tokens:
         raise ValueError(f"vocab_size {rows} < the tokenizer's {tokens} tokens")
     ids = {name: tokenizer.token_to_id(name) for name in ("<|endoftext|>", "<|im_end|>", "<s>", "</s>")}
     common: dict[str, Any] = dict(
-        vocab_size=rows, hidden_size=shape.hidden_size, num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
-        intermediate_size=shape.intermediate_size, max_position_embeddings=shape.max_position_embeddings,
+        vocab_size=rows,
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        intermediate_size=shape.intermediate_size,
+        max_position_embeddings=shape.max_position_embeddings,
         hidden_act="silu",
-    )  # fmt: skip
+    )
     config: Qwen2Config | LlamaConfig
     if arch == "qwen2":
         dtype = dtype or "bfloat16"
         config = Qwen2Config(
-            **common, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            **common,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
             use_sliding_window=False,
             tie_word_embeddings=True if tie_word_embeddings is None else tie_word_embeddings,
-            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], dtype=dtype,
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            dtype=dtype,
             architectures=["Qwen2ForCausalLM"],
-        )  # fmt: skip
+        )
         defaults = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
         eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
         gen_ids: dict[str, Any] = {"bos_token_id": ids["<|endoftext|>"], "pad_token_id": ids["<|endoftext|>"]}
@@ -197,10 +222,15 @@ def build(
     else:
         dtype = dtype or "float32"
         config = LlamaConfig(
-            **common, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            **common,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
             tie_word_embeddings=False if tie_word_embeddings is None else tie_word_embeddings,
-            bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], dtype=dtype, architectures=["LlamaForCausalLM"],
-        )  # fmt: skip
+            bos_token_id=ids["<s>"],
+            eos_token_id=ids["</s>"],
+            dtype=dtype,
+            architectures=["LlamaForCausalLM"],
+        )
         defaults = {"temperature": 0.6, "top_p": 0.9}
         eos = [ids["</s>"]]
         gen_ids = {"bos_token_id": ids["<s>"]}
@@ -211,7 +241,9 @@ def build(
     for weights in out_dir.glob("*.safetensors"):
         weights.chmod(0o644)  # safetensors writes 0600; servers may run as another user
     sampling = defaults if generation_config is None else generation_config
-    GenerationConfig(eos_token_id=eos, do_sample=bool(sampling), **gen_ids, **sampling).save_pretrained(out_dir)
+    GenerationConfig(eos_token_id=eos, do_sample=bool(sampling), **gen_ids, **sampling).save_pretrained(
+        out_dir
+    )
     tokenizer.save(str(out_dir / "tokenizer.json"))
     tok_config["model_max_length"] = shape.max_position_embeddings
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")

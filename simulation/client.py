@@ -60,22 +60,48 @@ class Gateway:
     openai: OpenAI
     http: httpx.Client
 
-    def complete(self, prompt: str, *, max_tokens: int, stop: Sequence[str], seed: int,
-                 headers: dict[str, str]) -> Reply:  # fmt: skip
+    def complete(
+        self, prompt: str, *, max_tokens: int, stop: Sequence[str], seed: int, headers: dict[str, str]
+    ) -> Reply:
         """A /v1/completions call of `prompt`, sampled at temperature 1.0 with `seed`."""
-        return self._call(prompt, lambda: self.openai.completions.with_raw_response.create(
-            model=self.model, prompt=prompt, max_tokens=max_tokens, stop=list(stop), temperature=1.0, seed=seed,
-            extra_headers=headers,
-        ), chat=False)  # fmt: skip
+        return self._call(
+            prompt,
+            lambda: self.openai.completions.with_raw_response.create(
+                model=self.model,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                stop=list(stop),
+                temperature=1.0,
+                seed=seed,
+                extra_headers=headers,
+            ),
+            chat=False,
+        )
 
-    def chat(self, prompt: str, question: str, *, max_tokens: int, stop: Sequence[str], seed: int,
-             headers: dict[str, str]) -> Reply:  # fmt: skip
+    def chat(
+        self,
+        prompt: str,
+        question: str,
+        *,
+        max_tokens: int,
+        stop: Sequence[str],
+        seed: int,
+        headers: dict[str, str],
+    ) -> Reply:
         """A /v1/chat/completions call of `question` as one user message, under the model's chat template
         and sampling defaults; `prompt` is what the reply is judged against."""
-        return self._call(prompt, lambda: self.openai.chat.completions.with_raw_response.create(
-            model=self.model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
-            stop=list(stop), seed=seed, extra_headers=headers,
-        ), chat=True)  # fmt: skip
+        return self._call(
+            prompt,
+            lambda: self.openai.chat.completions.with_raw_response.create(
+                model=self.model,
+                messages=[{"role": "user", "content": question}],
+                max_tokens=max_tokens,
+                stop=list(stop),
+                seed=seed,
+                extra_headers=headers,
+            ),
+            chat=True,
+        )
 
     def _call(self, prompt: str, create: Callable[[], Any], chat: bool) -> Reply:
         from openai import OpenAIError
@@ -98,8 +124,11 @@ class Gateway:
 
     def send_feedback(self, events: list[dict[str, Any]]) -> None:
         """POST `events` (each with its event_id) as one list; an httpx.HTTPError when it is refused."""
-        response = self.http.post(f"{self.base}/v1/feedback", content=json.dumps(events),
-                                  headers={"content-type": "application/json"})  # fmt: skip
+        response = self.http.post(
+            f"{self.base}/v1/feedback",
+            content=json.dumps(events),
+            headers={"content-type": "application/json"},
+        )
         response.raise_for_status()
 
 
@@ -136,13 +165,18 @@ def simulation_key(store: Store, gateway_url: str, timeout_s: float = 60.0) -> I
 
         def known() -> bool:
             try:
-                response = httpx.get(f"{gateway_url.rstrip('/')}/v1/whoami", headers={"authorization": f"Bearer {key}"},
-                                     timeout=5)  # fmt: skip
+                response = httpx.get(
+                    f"{gateway_url.rstrip('/')}/v1/whoami",
+                    headers={"authorization": f"Bearer {key}"},
+                    timeout=5,
+                )
             except httpx.HTTPError:
                 return False
             return response.status_code == 200
 
-        wait_until(known, timeout_s=timeout_s, interval_s=0.5, what="the gateway has not loaded the new API key")
+        wait_until(
+            known, timeout_s=timeout_s, interval_s=0.5, what="the gateway has not loaded the new API key"
+        )
         yield key
     finally:
         store.revoke_api_key(record.id)

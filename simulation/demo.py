@@ -43,8 +43,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("simulation.demo")
 
-JSON_KEYS = ("cycle", "version_before", "version_after", "episodes", "mean_reward", "gate", "swap_ms",
-             "data_to_deploy_s")
+JSON_KEYS = (
+    "cycle",
+    "version_before",
+    "version_after",
+    "episodes",
+    "mean_reward",
+    "gate",
+    "swap_ms",
+    "data_to_deploy_s",
+)
 # With a scenario, what its agents did too: the figures that tell the methods apart.
 SCENARIO_JSON_KEYS = ("scenario", "acceptance", "ok", "segments", "summaries", "subagents", "prunes")
 
@@ -105,11 +113,18 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     labeler: dict[str, Any] = {"settle_window_s": options.settle_window_s}
     if options.scenario is not None:
         labeler |= _scenario_labeler(settings, options.scenario)
-    settings = settings.model_copy(update={
-        "labeler": settings.labeler.model_copy(update=labeler),
-        "gate": settings.gate.model_copy(update={"suites": suites, "task": options.task,
-                                                 "preference": options.preference or settings.gate.preference}),
-    })  # fmt: skip
+    settings = settings.model_copy(
+        update={
+            "labeler": settings.labeler.model_copy(update=labeler),
+            "gate": settings.gate.model_copy(
+                update={
+                    "suites": suites,
+                    "task": options.task,
+                    "preference": options.preference or settings.gate.preference,
+                }
+            ),
+        }
+    )
     # Mistakes in the options and the settings fail now, before any service starts.
     task = get_task(options.task)
     preference = load_preference(options.preference) if options.preference else None
@@ -163,7 +178,9 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
 def _check_children(supervisor: Supervisor, settings: Settings) -> None:
     supervisor.check()
     if supervisor.crash_looping():
-        raise DemoError(f"processes keep crashing: {supervisor.crash_looping()}; see {settings.services.run_dir}/logs")
+        raise DemoError(
+            f"processes keep crashing: {supervisor.crash_looping()}; see {settings.services.run_dir}/logs"
+        )
 
 
 def _wait_for_loop(settings: Settings, supervisor: Supervisor, timeout_s: float = 180.0) -> None:
@@ -201,8 +218,9 @@ def _scenario_labeler(settings: Settings, scenario: str) -> dict[str, Any]:
 
     update: dict[str, Any] = {"reward_spec": SCENARIO_SPECS[check_scenario(scenario)]}
     if scenario == "self-edit" and settings.labeler.judge is None:
-        update["judge"] = JudgeSettings(url=f"{settings.vllm.servers[0].rstrip('/')}/v1",
-                                        model=settings.vllm.served_model_name)  # fmt: skip
+        update["judge"] = JudgeSettings(
+            url=f"{settings.vllm.servers[0].rstrip('/')}/v1", model=settings.vllm.served_model_name
+        )
     return update
 
 
@@ -225,21 +243,58 @@ class _Users:
         gateway = f"http://{self.settings.gateway.host}:{self.settings.gateway.port}"
         options = self.options
         if options.scenario is None:
-            report = simulate(self.settings, gateway, n, self.task, preference=self.preference,
-                              concurrency=options.concurrency, seed=seed, api_key=self.api_key,
-                              feedback_rate=options.feedback_rate, flip_rate=options.flip_rate,
-                              api=options.api)  # fmt: skip
-            return {"scenario": None, "acceptance": report.acceptance_rate, "ok": report.ok, "accepted": report.accepted,
-                    "silent": report.silent, "feedback_sent": report.feedback_sent, "segments": report.ok,
-                    "summaries": 0, "subagents": 0, "prunes": 0, "users_reward": report.mean_reward}  # fmt: skip
+            report = simulate(
+                self.settings,
+                gateway,
+                n,
+                self.task,
+                preference=self.preference,
+                concurrency=options.concurrency,
+                seed=seed,
+                api_key=self.api_key,
+                feedback_rate=options.feedback_rate,
+                flip_rate=options.flip_rate,
+                api=options.api,
+            )
+            return {
+                "scenario": None,
+                "acceptance": report.acceptance_rate,
+                "ok": report.ok,
+                "accepted": report.accepted,
+                "silent": report.silent,
+                "feedback_sent": report.feedback_sent,
+                "segments": report.ok,
+                "summaries": 0,
+                "subagents": 0,
+                "prunes": 0,
+                "users_reward": report.mean_reward,
+            }
         # Each of the n is an episode of several calls; its feedback is the method's, always sent.
-        agents = run_agents(self.settings, gateway, options.scenario, n, self.task, api_key=self.api_key,
-                            concurrency=options.concurrency, seed=seed, preference=self.preference,
-                            run=self.run_tag)  # fmt: skip
-        return {"scenario": options.scenario, "acceptance": agents.acceptance_rate, "ok": agents.ok,
-                "accepted": agents.accepted, "silent": 0, "feedback_sent": agents.feedback_sent,
-                "segments": agents.segments, "summaries": agents.summaries, "subagents": agents.subagents,
-                "prunes": agents.prunes, "users_reward": agents.mean_outcome}  # fmt: skip
+        agents = run_agents(
+            self.settings,
+            gateway,
+            options.scenario,
+            n,
+            self.task,
+            api_key=self.api_key,
+            concurrency=options.concurrency,
+            seed=seed,
+            preference=self.preference,
+            run=self.run_tag,
+        )
+        return {
+            "scenario": options.scenario,
+            "acceptance": agents.acceptance_rate,
+            "ok": agents.ok,
+            "accepted": agents.accepted,
+            "silent": 0,
+            "feedback_sent": agents.feedback_sent,
+            "segments": agents.segments,
+            "summaries": agents.summaries,
+            "subagents": agents.subagents,
+            "prunes": agents.prunes,
+            "users_reward": agents.mean_outcome,
+        }
 
 
 def _one_cycle(
@@ -264,10 +319,16 @@ def _one_cycle(
     # trainer takes it once its window has passed either way (trainer/selection.py). An agent's episode
     # is one labelled episode however many calls it made.
     lost = _wait_for_round(
-        store, settings.kafka.interactions_topic, started, before + int(sent["ok"]),
-        labelled=lambda: count_labelled(settings, store, champion), check=lambda: _check_children(supervisor, settings),
-        timeout_s=options.cycle_timeout_s, what=f"cycle {cycle}", logs=settings.services.run_dir / "logs",
-    )  # fmt: skip
+        store,
+        settings.kafka.interactions_topic,
+        started,
+        before + int(sent["ok"]),
+        labelled=lambda: count_labelled(settings, store, champion),
+        check=lambda: _check_children(supervisor, settings),
+        timeout_s=options.cycle_timeout_s,
+        what=f"cycle {cycle}",
+        logs=settings.services.run_dir / "logs",
+    )
     if lost:
         print(f"cycle {cycle}: {_dead_letter_line(lost)}", flush=True)
 
@@ -285,9 +346,11 @@ def _one_cycle(
         "mean_reward": round(float(result["mean_reward"]), 4),
         "gate": result["gate"],
         "swap_ms": None if result.get("swap_ms") is None else round(float(result["swap_ms"]), 1),
-        "data_to_deploy_s": None if result.get("data_to_deploy_s") is None
+        "data_to_deploy_s": None
+        if result.get("data_to_deploy_s") is None
         else round(float(result["data_to_deploy_s"]), 1),
-        "challenger": None if result.get("challenger_version") is None
+        "challenger": None
+        if result.get("challenger_version") is None
         else format_version(int(result["challenger_version"])),
         **sent,
         "dead_lettered": len(lost),  # interactions of the round (rtrl dlq list)
@@ -334,7 +397,9 @@ def _wait_for_round(
     except TimeoutError as exc:
         dead = f"; {_dead_letter_line(lost)}" if lost else ""
         have = labelled()
-        raise DemoError(f"{exc} ({have}/{target - unsettleable()} settled{dead}); see the labeler log in {logs}") from None
+        raise DemoError(
+            f"{exc} ({have}/{target - unsettleable()} settled{dead}); see the labeler log in {logs}"
+        ) from None
     return lost
 
 
@@ -369,21 +434,37 @@ def _episode_of(letter: DeadLetterEntry) -> str:
     return episode if isinstance(episode, str) else letter.event_id
 
 
-def _final_round(settings: Settings, registry: Registry, users: _Users, options: DemoOptions) -> dict[str, Any]:
+def _final_round(
+    settings: Settings, registry: Registry, users: _Users, options: DemoOptions
+) -> dict[str, Any]:
     """The users once more, on the final champion, without a cycle."""
     champion = format_version(registry.champion())
     requests = options.final_round_requests or options.requests_per_cycle
     sent = users.send(requests, seed=1000 * options.seed + options.cycles + 1)
     reward = sent.pop("users_reward")  # no batch was trained: the row's mean reward is the users'
-    return {"cycle": "final", "version_before": champion, "version_after": champion, "episodes": 0,
-            "mean_reward": round(reward or 0.0, 4), "gate": "-", "swap_ms": None, "data_to_deploy_s": None,
-            "challenger": None, **sent, "challenger_score": None, "champion_score": None}  # fmt: skip
+    return {
+        "cycle": "final",
+        "version_before": champion,
+        "version_after": champion,
+        "episodes": 0,
+        "mean_reward": round(reward or 0.0, 4),
+        "gate": "-",
+        "swap_ms": None,
+        "data_to_deploy_s": None,
+        "challenger": None,
+        **sent,
+        "challenger_score": None,
+        "champion_score": None,
+    }
 
 
 def _print_row(row: dict[str, Any]) -> None:
-    print(f"cycle {row['cycle']}: {row['version_before']} -> {row['version_after']}, "
-          f"{row['episodes']} episodes, mean reward {row['mean_reward']:+.3f}, gate {row['gate']}, "
-          f"swap {row['swap_ms']} ms, data-to-deploy {row['data_to_deploy_s']} s", flush=True)
+    print(
+        f"cycle {row['cycle']}: {row['version_before']} -> {row['version_after']}, "
+        f"{row['episodes']} episodes, mean reward {row['mean_reward']:+.3f}, gate {row['gate']}, "
+        f"swap {row['swap_ms']} ms, data-to-deploy {row['data_to_deploy_s']} s",
+        flush=True,
+    )
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
@@ -391,14 +472,30 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title="rtrl demo: one row per cycle")
-    for header in ("cycle", "served before", "served after", "episodes", "mean reward", "acceptance",
-                   "eval gate", "swap ms", "data-to-deploy s"):
+    for header in (
+        "cycle",
+        "served before",
+        "served after",
+        "episodes",
+        "mean reward",
+        "acceptance",
+        "eval gate",
+        "swap ms",
+        "data-to-deploy s",
+    ):
         table.add_column(header, justify="right")
     for r in rows:
-        table.add_row(str(r["cycle"]), r["version_before"], r["version_after"], str(r["episodes"]),
-                      f"{r['mean_reward']:+.3f}", f"{r['acceptance']:.2f}", r["gate"],
-                      "-" if r["swap_ms"] is None else f"{r['swap_ms']:.0f}",
-                      "-" if r["data_to_deploy_s"] is None else f"{r['data_to_deploy_s']:.1f}")
+        table.add_row(
+            str(r["cycle"]),
+            r["version_before"],
+            r["version_after"],
+            str(r["episodes"]),
+            f"{r['mean_reward']:+.3f}",
+            f"{r['acceptance']:.2f}",
+            r["gate"],
+            "-" if r["swap_ms"] is None else f"{r['swap_ms']:.0f}",
+            "-" if r["data_to_deploy_s"] is None else f"{r['data_to_deploy_s']:.1f}",
+        )
     Console(width=max(120, Console().width)).print(table)
 
 
@@ -416,8 +513,14 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.plot(cycles, [r["acceptance"] for r in rows], marker="s", label="acceptance (simulated users)")
     for r in rows:
         outcome = "deployed" if r["gate"] == "pass" else "rejected by the gate"
-        ax.annotate(f"{r['challenger']} {outcome}", (r["cycle"], r["mean_reward"]),
-                    textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+        ax.annotate(
+            f"{r['challenger']} {outcome}",
+            (r["cycle"], r["mean_reward"]),
+            textcoords="offset points",
+            xytext=(0, 8),
+            ha="center",
+            fontsize=8,
+        )
     ax.set_xlabel("cycle")
     ax.set_ylabel("reward / rate")
     ax.set_xticks(cycles)

@@ -109,13 +109,24 @@ def simulate(
     if not (0.0 <= feedback_rate <= 1.0 and 0.0 <= flip_rate <= 1.0):
         raise ValueError(f"feedback_rate and flip_rate are in [0, 1]; got {feedback_rate}, {flip_rate}")
     task = get_task(task) if isinstance(task, str) else task
-    users = _Users(task=task, preference=preference or task.preference, spec=get_spec(settings.labeler.reward_spec),
-                   seed=seed, feedback_rate=feedback_rate, flip_rate=flip_rate, api=api)  # fmt: skip
+    users = _Users(
+        task=task,
+        preference=preference or task.preference,
+        spec=get_spec(settings.labeler.reward_spec),
+        seed=seed,
+        feedback_rate=feedback_rate,
+        flip_rate=flip_rate,
+        api=api,
+    )
     questions = task.draw_train_questions(n_requests, seed)
     started = time.monotonic()
     with open_gateway(settings, gateway_url, api_key) as gateway:
-        outcomes = fan_out(lambda index, question: users.ask(gateway, index, question.text), questions, concurrency,
-                           "rtrl-sim")  # fmt: skip
+        outcomes = fan_out(
+            lambda index, question: users.ask(gateway, index, question.text),
+            questions,
+            concurrency,
+            "rtrl-sim",
+        )
     return _report(n_requests, outcomes, time.monotonic() - started)
 
 
@@ -139,25 +150,43 @@ class _Users:
         task, headers = self.task, {"x-rtrl-session-id": f"sim-user-{index % USERS}"}
         try:
             if self.api == "chat":
-                reply = gateway.chat(prompt, question, max_tokens=task.max_tokens, stop=task.stop, seed=request_seed,
-                                     headers=headers)  # fmt: skip
+                reply = gateway.chat(
+                    prompt,
+                    question,
+                    max_tokens=task.max_tokens,
+                    stop=task.stop,
+                    seed=request_seed,
+                    headers=headers,
+                )
             else:
-                reply = gateway.complete(prompt, max_tokens=task.max_tokens, stop=task.stop, seed=request_seed,
-                                         headers=headers)  # fmt: skip
+                reply = gateway.complete(
+                    prompt, max_tokens=task.max_tokens, stop=task.stop, seed=request_seed, headers=headers
+                )
         except CallFailed as exc:  # a failed user request is counted and reported, not fatal
             return _Outcome(ok=False, error=f"request {index}: {exc}")
         signals: list[FeedbackSignal] = self.preference(prompt, reply.text)
         accepted = any(s.kind == FeedbackKind.accepted for s in signals)
-        said = _what_the_user_says(signals, accepted, random.Random(request_seed), self.feedback_rate, self.flip_rate)
+        said = _what_the_user_says(
+            signals, accepted, random.Random(request_seed), self.feedback_rate, self.flip_rate
+        )
         sent, failed, error = _send(gateway, reply.request_id, said)
-        return _Outcome(ok=True, version=reply.version, accepted=accepted, silent=not signals,
-                        reward=score(self.spec, signals).reward, feedback_sent=sent, feedback_failed=failed,
-                        error=error)  # fmt: skip
+        return _Outcome(
+            ok=True,
+            version=reply.version,
+            accepted=accepted,
+            silent=not signals,
+            reward=score(self.spec, signals).reward,
+            feedback_sent=sent,
+            feedback_failed=failed,
+            error=error,
+        )
 
 
 def _send(gateway: Gateway, request_id: str, said: Sequence[FeedbackSignal]) -> tuple[int, int, str | None]:
     """Feedback on one request, what the user said: (sent, failed, error)."""
-    events = [{"event_id": new_id(), "request_id": request_id, "kind": s.kind.value, "value": s.value} for s in said]
+    events = [
+        {"event_id": new_id(), "request_id": request_id, "kind": s.kind.value, "value": s.value} for s in said
+    ]
     if not events:
         return 0, 0, None
     try:

@@ -76,7 +76,9 @@ class StoreBase:
         store._attach(other.url, other.dialect, other.engine, other.clock, other._local_locks)
         return store
 
-    def _attach(self, url: str, dialect: str, engine: Engine, clock: Clock, local_locks: dict[str, threading.Lock]) -> None:
+    def _attach(
+        self, url: str, dialect: str, engine: Engine, clock: Clock, local_locks: dict[str, threading.Lock]
+    ) -> None:
         self.url, self.dialect, self.engine, self.clock = url, dialect, engine, clock
         self._sessions = sessionmaker(engine, expire_on_commit=False)
         self._local_locks = local_locks  # an in-memory SQLite store's locks (store/locks.py)
@@ -140,7 +142,9 @@ class StoreBase:
         where = parsed.render_as_string(hide_password=True)
         if self.dialect == "sqlite" and parsed.database and not Path(parsed.database).exists():
             # Connecting would create an empty database file: a read must not leave one behind.
-            raise StoreNotMigrated(f"the store {where} does not exist; run `rtrl labeler migrate` (or `rtrl run`)")
+            raise StoreNotMigrated(
+                f"the store {where} does not exist; run `rtrl labeler migrate` (or `rtrl run`)"
+            )
         try:
             with self.engine.connect() as connection:
                 current = MigrationContext.configure(connection).get_current_revision()
@@ -148,7 +152,9 @@ class StoreBase:
             raise self._database_error(exc) from exc
         if current != head:
             found = "no rtrl tables" if current is None else f"revision {current}, not {head}"
-            raise StoreNotMigrated(f"the store at {where} has {found}; run `rtrl labeler migrate` (or `rtrl run`)")
+            raise StoreNotMigrated(
+                f"the store at {where} has {found}; run `rtrl labeler migrate` (or `rtrl run`)"
+            )
 
     # ---- transactions ---------------------------------------------------------------------------
 
@@ -167,14 +173,20 @@ class StoreBase:
             raise self._database_error(exc) from exc
 
     def _database_error(self, exc: DBAPIError) -> DatabaseError | StoreNotMigrated:
-        detail = " ".join(f"{type(exc.orig).__name__}: {exc.orig}".split())[:1000]  # drivers write several lines
+        detail = " ".join(f"{type(exc.orig).__name__}: {exc.orig}".split())[
+            :1000
+        ]  # drivers write several lines
         where = self.where
         if "no such table" in detail or "UndefinedTable" in detail or "no such column" in detail:
-            return StoreNotMigrated(f"the store at {where} lacks rtrl's tables ({detail}); run `rtrl labeler migrate`")
+            return StoreNotMigrated(
+                f"the store at {where} lacks rtrl's tables ({detail}); run `rtrl labeler migrate`"
+            )
         if str(getattr(exc.orig, "sqlstate", "") or "").startswith("40"):
             # Deadlock or serialization failure: it raced another writer (a labeler replica); the
             # transaction was rolled back whole, and running it again is the remedy.
-            return DatabaseUnavailable(f"the store at {where} rolled the transaction back after a conflict ({detail})")
+            return DatabaseUnavailable(
+                f"the store at {where} rolled the transaction back after a conflict ({detail})"
+            )
         if isinstance(exc, OperationalError | InterfaceError):
             return DatabaseUnavailable(
                 f"the store at {where} is unreachable or locked ({detail}); is it up? "

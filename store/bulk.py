@@ -64,7 +64,9 @@ def insert_rows(
     for columns, group in _by_columns(rows, lambda row: tuple(row)).items():
         missing = [c.name for c in table.columns if c.name not in columns and c.default is not None]
         if missing:
-            raise ValueError(f"insert_rows into {table.name}: give {', '.join(missing)} (Python-side defaults)")
+            raise ValueError(
+                f"insert_rows into {table.name}: give {', '.join(missing)} (Python-side defaults)"
+            )
         if not postgres:
             statement = sqlite_insert(table).on_conflict_do_nothing(index_elements=conflict)
             if returning is None:
@@ -75,10 +77,13 @@ def insert_rows(
         names = ", ".join(_quote(name) for name in columns)
         target = "" if conflict is None else f"({', '.join(_quote(name) for name in conflict)}) "
         result = session.execute(
-            text(f"INSERT INTO {_quote(table.name)} ({names}) SELECT {names} FROM {_recordset(table, columns)} "
-                 f"ON CONFLICT {target}DO NOTHING" + ("" if returning is None else f" RETURNING {_quote(returning)}")),
+            text(
+                f"INSERT INTO {_quote(table.name)} ({names}) SELECT {names} FROM {_recordset(table, columns)} "
+                f"ON CONFLICT {target}DO NOTHING"
+                + ("" if returning is None else f" RETURNING {_quote(returning)}")
+            ),
             {"rows": _document(table, columns, group)},
-        )  # fmt: skip
+        )
         if returning is not None:
             inserted.update(result.scalars())
     return inserted
@@ -89,7 +94,9 @@ def update_rows(session: Session, table: Table, key: str, rows: Sequence[dict[st
 
     Rows may set different columns; each set of columns is one statement."""
     postgres = session.get_bind().dialect.name == "postgresql"
-    for columns, group in _by_columns(rows, lambda row: tuple(sorted(name for name in row if name != key))).items():
+    for columns, group in _by_columns(
+        rows, lambda row: tuple(sorted(name for name in row if name != key))
+    ).items():
         if not columns:
             continue
         if not postgres:
@@ -98,14 +105,18 @@ def update_rows(session: Session, table: Table, key: str, rows: Sequence[dict[st
                 .where(table.c[key] == bindparam("_key"))
                 .values({name: bindparam(f"_v_{name}") for name in columns})
             )
-            session.execute(statement, [{"_key": r[key], **{f"_v_{n}": r[n] for n in columns}} for r in group])
+            session.execute(
+                statement, [{"_key": r[key], **{f"_v_{n}": r[n] for n in columns}} for r in group]
+            )
             continue
         sets = ", ".join(f"{_quote(name)} = v.{_quote(name)}" for name in columns)
         session.execute(
-            text(f"UPDATE {_quote(table.name)} AS t SET {sets} FROM {_recordset(table, (key, *columns))} "
-                 f"WHERE t.{_quote(key)} = v.{_quote(key)}"),
+            text(
+                f"UPDATE {_quote(table.name)} AS t SET {sets} FROM {_recordset(table, (key, *columns))} "
+                f"WHERE t.{_quote(key)} = v.{_quote(key)}"
+            ),
             {"rows": _document(table, (key, *columns), group)},
-        )  # fmt: skip
+        )
 
 
 def among(session: Session, column: Any, values: Collection[Any]) -> ColumnElement[bool]:
@@ -136,7 +147,9 @@ def _recordset(table: Table, columns: Sequence[str]) -> str:
 # enums (as their value) and UUIDs. Datetimes, dates and times, subclasses of the builtin types and
 # dataclasses go to `_aware_iso`, which writes an aware datetime as the json module's path does and
 # refuses the rest.
-_ORJSON_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS
+_ORJSON_OPTIONS = (
+    orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS
+)
 
 
 def _document(table: Table, columns: Sequence[str], rows: list[dict[str, Any]]) -> str:
@@ -166,7 +179,9 @@ def _document(table: Table, columns: Sequence[str], rows: list[dict[str, Any]]) 
         return json.dumps(_converted(rows, converters), allow_nan=False, separators=(",", ":"))
 
 
-def _converted(rows: list[dict[str, Any]], converters: list[tuple[str, Callable[[Any], Any]]]) -> list[dict[str, Any]]:
+def _converted(
+    rows: list[dict[str, Any]], converters: list[tuple[str, Callable[[Any], Any]]]
+) -> list[dict[str, Any]]:
     """`rows` with each converter applied to its column's non-null values (copies; `rows` itself
     when there is nothing to convert)."""
     if not converters:

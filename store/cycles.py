@@ -131,9 +131,14 @@ class CycleStore(StoreBase):
             active = session.scalars(select(Cycle).where(Cycle.status.in_(ACTIVE_CYCLE_STATUSES))).all()
             expired = [c for c in active if c.lease_expires_at <= now]
             for cycle in expired:
-                self._end_cycle(session, cycle.id, "failed", now,
-                                error=f"lease expired at {cycle.lease_expires_at.isoformat()}: its worker "
-                                f"({cycle.owner}) stopped renewing it")  # fmt: skip
+                self._end_cycle(
+                    session,
+                    cycle.id,
+                    "failed",
+                    now,
+                    error=f"lease expired at {cycle.lease_expires_at.isoformat()}: its worker "
+                    f"({cycle.owner}) stopped renewing it",
+                )
             return [c.id for c in expired]
 
     def renew_lease(self, owner: str, ttl_s: float) -> int | None:
@@ -223,12 +228,26 @@ class CycleStore(StoreBase):
     # ---- eval gate decisions ---------------------------------------------------------------------
 
     def record_gate_decision(
-        self, challenger: int, champion: int, passed: bool, reason: str, record: dict[str, Any], decided_at: datetime
+        self,
+        challenger: int,
+        champion: int,
+        passed: bool,
+        reason: str,
+        record: dict[str, Any],
+        decided_at: datetime,
     ) -> None:
         """Keep one decision of the eval gate (every run of the gate adds one)."""
         with self.transaction() as session:
-            session.add(GateDecisionRow(challenger_version=challenger, champion_version=champion, passed=passed,
-                                        reason=reason, record=record, decided_at=decided_at))  # fmt: skip
+            session.add(
+                GateDecisionRow(
+                    challenger_version=challenger,
+                    champion_version=champion,
+                    passed=passed,
+                    reason=reason,
+                    record=record,
+                    decided_at=decided_at,
+                )
+            )
 
     def gate_decisions(self, challenger: int) -> list[dict[str, Any]]:
         """The gate's decision records for version `challenger`, newest first."""
@@ -251,9 +270,13 @@ class CycleStore(StoreBase):
 def served_versions(store: StoreBase) -> list[int]:
     """Every version a serving server was announced on, most recently served first."""
     with store.transaction() as session:
-        return list(session.scalars(
-            select(VersionHistory.version).order_by(VersionHistory.last_served_at.desc(), VersionHistory.version.desc())
-        ))  # fmt: skip
+        return list(
+            session.scalars(
+                select(VersionHistory.version).order_by(
+                    VersionHistory.last_served_at.desc(), VersionHistory.version.desc()
+                )
+            )
+        )
 
 
 def _record(cycle: Cycle) -> CycleRecord:
@@ -271,4 +294,3 @@ def _record(cycle: Cycle) -> CycleRecord:
         error=cycle.error,
         reward_spec=cycle.reward_spec,
     )
-

@@ -46,7 +46,11 @@ class LockHolder:
     held: bool | None = None  # lock_holders: whether the lock is held now (False: a stale row); None: unknown
 
     def __str__(self) -> str:
-        return f"{self.holder}" + (f" ({self.purpose})" if self.purpose else "") + f" since {self.acquired_at.isoformat()}"
+        return (
+            f"{self.holder}"
+            + (f" ({self.purpose})" if self.purpose else "")
+            + f" since {self.acquired_at.isoformat()}"
+        )
 
 
 class DeployStore(StoreBase):
@@ -78,18 +82,30 @@ class DeployStore(StoreBase):
             raise LockBusy(name, self._holder_text(name))
         try:
             holder = LockHolder(name, locks.this_process(), purpose[:500], self.clock())
-            values = {"name": name, "holder": holder.holder, "purpose": holder.purpose, "acquired_at": holder.acquired_at}
+            values = {
+                "name": name,
+                "holder": holder.holder,
+                "purpose": holder.purpose,
+                "acquired_at": holder.acquired_at,
+            }
             with self.transaction() as session:  # overwrites a row a killed holder left
                 session.execute(upsert(self.dialect, DeployLockHolder, values, ["name"]))
             try:
                 yield holder
             finally:
                 try:
-                    with self.transaction() as session:  # before the lock is released: the next holder's row stays
-                        session.execute(delete(DeployLockHolder).where(DeployLockHolder.name == name,
-                                                                       DeployLockHolder.holder == holder.holder))  # fmt: skip
+                    with (
+                        self.transaction() as session
+                    ):  # before the lock is released: the next holder's row stays
+                        session.execute(
+                            delete(DeployLockHolder).where(
+                                DeployLockHolder.name == name, DeployLockHolder.holder == holder.holder
+                            )
+                        )
                 except StoreError as exc:
-                    log.warning("the %s lock's holder row stays (%s); the next holder overwrites it", name, exc)
+                    log.warning(
+                        "the %s lock's holder row stays (%s); the next holder overwrites it", name, exc
+                    )
         finally:
             release()
 
@@ -98,7 +114,11 @@ class DeployStore(StoreBase):
         try:
             with self.transaction() as session:
                 row = session.get(DeployLockHolder, name)
-                return None if row is None else str(LockHolder(row.name, row.holder, row.purpose, row.acquired_at))
+                return (
+                    None
+                    if row is None
+                    else str(LockHolder(row.name, row.holder, row.purpose, row.acquired_at))
+                )
         except StoreError:
             return None
 
@@ -109,7 +129,9 @@ class DeployStore(StoreBase):
             rows = session.scalars(select(DeployLockHolder).order_by(DeployLockHolder.name)).all()
             found = [LockHolder(r.name, r.holder, r.purpose, r.acquired_at) for r in rows]
         try:
-            return [replace(h, held=locks.held(self.engine, self.url, h.name, self._local_locks)) for h in found]
+            return [
+                replace(h, held=locks.held(self.engine, self.url, h.name, self._local_locks)) for h in found
+            ]
         except DBAPIError as exc:
             raise self._database_error(exc) from exc
 
@@ -121,7 +143,9 @@ class DeployStore(StoreBase):
         with self.transaction() as session:
             row = session.get(ServerRotation, url, with_for_update=True)
             if row is None:
-                row = ServerRotation(url=url, in_rotation=in_rotation, reason=reason[:500], updated_at=self.clock())
+                row = ServerRotation(
+                    url=url, in_rotation=in_rotation, reason=reason[:500], updated_at=self.clock()
+                )
                 session.add(row)
             row.in_rotation, row.reason, row.updated_at = in_rotation, reason[:500], self.clock()
 
@@ -132,15 +156,20 @@ class DeployStore(StoreBase):
         with self.transaction() as session:
             row = session.get(ServerRotation, url, with_for_update=True)
             if row is None:
-                row = ServerRotation(url=url, in_rotation=True, reason=reason[:500], updated_at=self.clock(),
-                                     version_epoch=0)  # fmt: skip
+                row = ServerRotation(
+                    url=url, in_rotation=True, reason=reason[:500], updated_at=self.clock(), version_epoch=0
+                )
                 session.add(row)
             row.serving_version, row.version_epoch = version, (row.version_epoch or 0) + 1
             row.reason, row.updated_at = reason[:500], self.clock()
             if version is not None:
                 served = session.get(VersionHistory, version, with_for_update=True)
                 if served is None:
-                    session.add(VersionHistory(version=version, first_served_at=self.clock(), last_served_at=self.clock()))
+                    session.add(
+                        VersionHistory(
+                            version=version, first_served_at=self.clock(), last_served_at=self.clock()
+                        )
+                    )
                 else:
                     served.last_served_at = self.clock()
             return row.version_epoch
@@ -149,7 +178,8 @@ class DeployStore(StoreBase):
         """Every server with a rotation row, by url (a server without one is in rotation)."""
         with self.transaction() as session:
             return {
-                r.url: RotationRecord(r.url, r.in_rotation, r.reason, r.updated_at, r.serving_version,
-                                      r.version_epoch or 0)  # fmt: skip
+                r.url: RotationRecord(
+                    r.url, r.in_rotation, r.reason, r.updated_at, r.serving_version, r.version_epoch or 0
+                )
                 for r in session.scalars(select(ServerRotation))
             }

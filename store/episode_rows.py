@@ -20,9 +20,21 @@ from store.models import Episode
 EPISODES: Table = Episode.__table__  # type: ignore[assignment]
 
 # What of an episodes row settling reads and writes (not used_in_cycle, eval_bucket).
-EPISODE_COLUMNS = ("episode_id", "tenant", "policy_version", "policy_number", "status", "first_event_at",
-                   "last_event_at", "settled_at", "settle_reason", "reward", "reward_components", "reward_spec",
-                   "metrics")  # fmt: skip
+EPISODE_COLUMNS = (
+    "episode_id",
+    "tenant",
+    "policy_version",
+    "policy_number",
+    "status",
+    "first_event_at",
+    "last_event_at",
+    "settled_at",
+    "settle_reason",
+    "reward",
+    "reward_components",
+    "reward_spec",
+    "metrics",
+)
 
 
 @dataclass

@@ -36,7 +36,9 @@ class TrainingSegment:
     trainable: bool
     role: str
     policy_version: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)  # how it was sampled (schemas/sampling.py)
+    sampling: SamplingParams = field(
+        default_factory=SamplingParams
+    )  # how it was sampled (schemas/sampling.py)
 
 
 @dataclass(frozen=True)
@@ -57,10 +59,16 @@ class EpisodeStore(StoreBase):
     """Trainable and held-out episodes, and their claims by cycles (see the module docstring)."""
 
     def _trainable(
-        self, champion_number: int, max_lag: int, spec_id: str | None, settle_window_s: float | None,
+        self,
+        champion_number: int,
+        max_lag: int,
+        spec_id: str | None,
+        settle_window_s: float | None,
         holdout_percent: int = 0,
     ) -> Any:
-        tenant_off = exists(select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False)))
+        tenant_off = exists(
+            select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False))
+        )
         condition = (
             (Episode.status == "settled")
             & Episode.used_in_cycle.is_(None)
@@ -91,7 +99,12 @@ class EpisodeStore(StoreBase):
         return Episode.policy_number.in_([champion_number, *served[:max_lag]])
 
     def count_trainable(
-        self, champion_number: int, max_lag: int, *, spec_id: str | None = None, settle_window_s: float | None = None,
+        self,
+        champion_number: int,
+        max_lag: int,
+        *,
+        spec_id: str | None = None,
+        settle_window_s: float | None = None,
         holdout_percent: int = 0,
     ) -> int:
         """Settled, unused episodes whose policy is at most ``max_lag`` versions behind the champion;
@@ -99,8 +112,10 @@ class EpisodeStore(StoreBase):
         whose last event is at least that old; never the held-out buckets below `holdout_percent`
         (the trainer passes all three)."""
         with self.transaction() as session:
-            query = select(func.count()).select_from(Episode).where(
-                self._trainable(champion_number, max_lag, spec_id, settle_window_s, holdout_percent)
+            query = (
+                select(func.count())
+                .select_from(Episode)
+                .where(self._trainable(champion_number, max_lag, spec_id, settle_window_s, holdout_percent))
             )
             return int(session.scalar(query) or 0)
 
@@ -131,7 +146,9 @@ class EpisodeStore(StoreBase):
         their segments: the logged traffic the gate's off-policy estimate reweights."""
         if holdout_percent <= 0:
             return []
-        tenant_off = exists(select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False)))
+        tenant_off = exists(
+            select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False))
+        )
         with self.transaction() as session:
             episodes = session.scalars(
                 select(Episode)
@@ -152,10 +169,16 @@ class EpisodeStore(StoreBase):
         if holdout_percent <= 0:
             return 0
         with self.transaction() as session:
-            query = select(func.count()).select_from(Episode).where(
-                Episode.status == "settled", Episode.reward_spec == spec_id, Episode.eval_bucket < holdout_percent,
-                Episode.used_in_cycle.is_(None),
-            )  # fmt: skip
+            query = (
+                select(func.count())
+                .select_from(Episode)
+                .where(
+                    Episode.status == "settled",
+                    Episode.reward_spec == spec_id,
+                    Episode.eval_bucket < holdout_percent,
+                    Episode.used_in_cycle.is_(None),
+                )
+            )
             return int(session.scalar(query) or 0)
 
     def _with_segments(self, session: Session, episodes: list[Episode]) -> list[TrainingEpisode]:
@@ -234,9 +257,11 @@ class EpisodeStore(StoreBase):
                     f"cycle {cycle_id}: only {claimed} of {len(wanted)} episodes are settled and unused"
                 )
             cycle.episode_ids = [*(cycle.episode_ids or []), *wanted]
-            specs = set(session.scalars(
-                select(Episode.reward_spec).where(Episode.status == "settled", Episode.used_in_cycle == cycle_id)
-                .distinct()
-            ))  # fmt: skip
+            specs = set(
+                session.scalars(
+                    select(Episode.reward_spec)
+                    .where(Episode.status == "settled", Episode.used_in_cycle == cycle_id)
+                    .distinct()
+                )
+            )
             cycle.reward_spec = specs.pop() if len(specs) == 1 else None
-

@@ -40,8 +40,11 @@ class LockBusy(StoreError):
 
     def __init__(self, name: str, holder: str | None) -> None:
         self.name, self.holder = name, holder
-        super().__init__(f"the {name} lock is held by {holder}" if holder else
-                         f"the {name} lock is held (its holder has not recorded itself yet)")  # fmt: skip
+        super().__init__(
+            f"the {name} lock is held by {holder}"
+            if holder
+            else f"the {name} lock is held (its holder has not recorded itself yet)"
+        )
 
     def __reduce__(self) -> tuple[type[LockBusy], tuple[str, str | None]]:
         return LockBusy, (self.name, self.holder)  # pickled (Celery results) with its own arguments

@@ -128,8 +128,12 @@ def write_events(
     batch = _Batch.of([(r, e) for r, e in parsed if not isinstance(e, Rejected)])
     elsewhere, inserted = _insert_new(session, batch.candidates, now)
     duplicates = _name_skipped(session, batch, elsewhere, inserted, out)
-    out.interactions = [e for _, _, e in batch.candidates if isinstance(e, InteractionEvent) and e.event_id in inserted]
-    out.feedback = [e for _, _, e in batch.candidates if isinstance(e, FeedbackEvent) and e.event_id in inserted]
+    out.interactions = [
+        e for _, _, e in batch.candidates if isinstance(e, InteractionEvent) and e.event_id in inserted
+    ]
+    out.feedback = [
+        e for _, _, e in batch.candidates if isinstance(e, FeedbackEvent) and e.event_id in inserted
+    ]
     out.rejected.extend(rejected for _, rejected in sorted(duplicates, key=lambda item: item[0]))
     _write_dead_letters(session, out, now)
     return out
@@ -142,7 +146,9 @@ class _Batch:
 
     first: dict[str, str] = field(default_factory=dict)  # event_id -> source
     segments: dict[tuple[str, int], str] = field(default_factory=dict)  # (episode, segment) -> event_id
-    candidates: list[tuple[int, SourceRecord, Event]] = field(default_factory=list)  # (position in the batch, ...)
+    candidates: list[tuple[int, SourceRecord, Event]] = field(
+        default_factory=list
+    )  # (position in the batch, ...)
     again: list[tuple[int, SourceRecord, Event]] = field(default_factory=list)
 
     @classmethod
@@ -150,7 +156,8 @@ class _Batch:
         batch = cls()
         for position, (record, event) in enumerate(valid):
             if event.event_id in batch.first or (
-                isinstance(event, InteractionEvent) and (event.episode_id, event.segment_index) in batch.segments
+                isinstance(event, InteractionEvent)
+                and (event.episode_id, event.segment_index) in batch.segments
             ):
                 batch.again.append((position, record, event))
                 continue
@@ -168,9 +175,14 @@ def _insert_new(
     unique index) and those whose event_id is in the other table (an event_id is unique across
     both: such an event is a duplicate). Returns (those in the other table -> their source, the
     event ids inserted)."""
-    ids = {"interactions": [e.event_id for _, _, e in candidates if isinstance(e, InteractionEvent)],
-           "feedback": [e.event_id for _, _, e in candidates if isinstance(e, FeedbackEvent)]}  # fmt: skip
-    elsewhere = {**_sources(session, Feedback, ids["interactions"]), **_sources(session, Interaction, ids["feedback"])}
+    ids = {
+        "interactions": [e.event_id for _, _, e in candidates if isinstance(e, InteractionEvent)],
+        "feedback": [e.event_id for _, _, e in candidates if isinstance(e, FeedbackEvent)],
+    }
+    elsewhere = {
+        **_sources(session, Feedback, ids["interactions"]),
+        **_sources(session, Interaction, ids["feedback"]),
+    }
     rows: dict[str, list[dict[str, Any]]] = {"interactions": [], "feedback": []}
     for _, record, event in candidates:
         if event.event_id not in elsewhere:
@@ -190,8 +202,11 @@ def _name_skipped(
     stored or of an earlier event of the batch. Returns the duplicates' dead letters by position."""
     duplicates: list[tuple[int, Rejected]] = []
     skipped = [(p, r, e) for p, r, e in batch.candidates if e.event_id not in inserted]
-    stored = {**elsewhere, **_sources(session, Interaction, [e.event_id for _, _, e in skipped if e.event_id not in elsewhere]),
-              **_sources(session, Feedback, [e.event_id for _, _, e in skipped if e.event_id not in elsewhere])}  # fmt: skip
+    stored = {
+        **elsewhere,
+        **_sources(session, Interaction, [e.event_id for _, _, e in skipped if e.event_id not in elsewhere]),
+        **_sources(session, Feedback, [e.event_id for _, _, e in skipped if e.event_id not in elsewhere]),
+    }
     segment_of = _stored_segments(session, [e for _, _, e in skipped if e.event_id not in stored])
     for position, record, event in skipped:
         if event.event_id in stored:
@@ -203,14 +218,23 @@ def _name_skipped(
             key = (event.episode_id, event.segment_index)
             duplicates.append((position, _duplicate_segment(record, event, segment_of[key])))
         else:  # the conflicting row is gone again (retention): the batch's retry will insert it
-            raise DatabaseUnavailable(f"event {event.event_id} conflicted with a row that is gone; retrying the batch")
+            raise DatabaseUnavailable(
+                f"event {event.event_id} conflicted with a row that is gone; retrying the batch"
+            )
     for position, record, event in batch.again:  # what the first occurrence turned out to be, or stored
         if event.event_id in batch.first:
-            duplicates.append((position, _duplicate_event(record, event, stored.get(event.event_id, batch.first[event.event_id]))))
+            duplicates.append(
+                (
+                    position,
+                    _duplicate_event(record, event, stored.get(event.event_id, batch.first[event.event_id])),
+                )
+            )
         else:
             assert isinstance(event, InteractionEvent)
             key = (event.episode_id, event.segment_index)
-            duplicates.append((position, _duplicate_segment(record, event, segment_of.get(key, batch.segments[key]))))
+            duplicates.append(
+                (position, _duplicate_segment(record, event, segment_of.get(key, batch.segments[key])))
+            )
     return duplicates
 
 
@@ -220,14 +244,18 @@ def _write_dead_letters(session: Session, out: BatchWrite, now: datetime) -> Non
         # A record dead-lettered before a crash is re-read too: it is a replay, not a new dead letter
         # (and is not produced to the DLQ topic a second time).
         dead_ids = [r.event_id for r in out.rejected]
-        known = set(session.scalars(select(DeadLetter.event_id).where(among(session, DeadLetter.event_id, dead_ids))))
+        known = set(
+            session.scalars(select(DeadLetter.event_id).where(among(session, DeadLetter.event_id, dead_ids)))
+        )
         out.replayed += len(known)
         out.rejected = [r for r in out.rejected if r.event_id not in known]
     if out.rejected:
         insert_rows(session, DEAD_LETTERS, [r.to_row(now) for r in out.rejected], conflict=["event_id"])
 
 
-def _sources(session: Session, model: type[Interaction] | type[Feedback], event_ids: list[str]) -> dict[str, str]:
+def _sources(
+    session: Session, model: type[Interaction] | type[Feedback], event_ids: list[str]
+) -> dict[str, str]:
     """Where each of `event_ids` stored in `model`'s table came from (topic:partition:offset)."""
     if not event_ids:
         return {}

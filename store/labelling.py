@@ -83,13 +83,14 @@ class LabellingStore(StoreBase):
         with self.transaction() as session:
             yield Labelling(session, self.dialect, now)
 
-
     # ---- dead letters -----------------------------------------------------------------------------
 
     def dead_letters(self, limit: int, reason_prefix: str | None = None) -> list[DeadLetterEntry]:
         """The newest dead letters (optionally those whose reason starts with `reason_prefix`)."""
         with self.transaction() as session:
-            query = select(DeadLetter).order_by(DeadLetter.created_at.desc(), DeadLetter.event_id).limit(limit)
+            query = (
+                select(DeadLetter).order_by(DeadLetter.created_at.desc(), DeadLetter.event_id).limit(limit)
+            )
             if reason_prefix:
                 query = query.where(DeadLetter.reason.startswith(reason_prefix, autoescape=True))
             return [_dead_letter_entry(r) for r in session.scalars(query)]
@@ -134,7 +135,9 @@ class LabellingStore(StoreBase):
             for (topic, partition), offset in starts.items():
                 row = session.get(LabelerProgress, (topic, partition), with_for_update=True)
                 if row is None:
-                    row = LabelerProgress(topic=topic, partition=partition, offset=offset, mode="batch", attempts=0)
+                    row = LabelerProgress(
+                        topic=topic, partition=partition, offset=offset, mode="batch", attempts=0
+                    )
                     session.add(row)
                 elif row.offset == offset:
                     died.add((topic, partition))
@@ -149,8 +152,12 @@ class LabellingStore(StoreBase):
 
 def _dead_letter_entry(row: DeadLetter) -> DeadLetterEntry:
     return DeadLetterEntry(
-        event_id=row.event_id, source=row.source, original_event_id=row.original_event_id, reason=row.reason,
-        payload=bytes(row.payload), created_at=row.created_at, source_topic=row.source_topic,
+        event_id=row.event_id,
+        source=row.source,
+        original_event_id=row.original_event_id,
+        reason=row.reason,
+        payload=bytes(row.payload),
+        created_at=row.created_at,
+        source_topic=row.source_topic,
         replayed_at=row.replayed_at,
-    )  # fmt: skip
-
+    )

@@ -117,7 +117,12 @@ class Feedback(Base):
     __table_args__ = (
         Index("ix_feedback_source", "source_topic", "source_partition", "source_offset"),
         # Unjoined feedback that names an episode, for the window pass (store/settle.py, join_stranded).
-        Index("ix_feedback_named_unjoined", "ingested_at", postgresql_where=_NAMED_UNJOINED, sqlite_where=_NAMED_UNJOINED),
+        Index(
+            "ix_feedback_named_unjoined",
+            "ingested_at",
+            postgresql_where=_NAMED_UNJOINED,
+            sqlite_where=_NAMED_UNJOINED,
+        ),
     )
 
 
@@ -131,7 +136,9 @@ class Episode(Base):
     # The oldest policy among its segments: lag is measured from the most off-policy tokens.
     policy_version: Mapped[str] = mapped_column(ID)
     policy_number: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16))  # open | judging (closed, waiting for the judge) | settled
+    status: Mapped[str] = mapped_column(
+        String(16)
+    )  # open | judging (closed, waiting for the judge) | settled
     first_event_at: Mapped[datetime] = mapped_column(UtcDateTime)  # earliest segment created_at
     last_event_at: Mapped[datetime] = mapped_column(UtcDateTime)  # latest ingest of a joined event
     settled_at: Mapped[datetime | None] = mapped_column(UtcDateTime)

@@ -30,7 +30,6 @@ from store.models import Cycle, DeadLetter, Episode, Feedback, Interaction
 TOP_TENANTS = 20  # tenants `report` lists, the busiest first
 
 
-
 # ---- what the page shows -----------------------------------------------------------------------
 
 
@@ -112,7 +111,10 @@ class ReportStore(StoreBase):
     def count_judging(self) -> int:
         """Episodes closed and waiting for the judge of a judged reward spec (feedback/judging.py)."""
         with self.transaction() as session:
-            return int(session.scalar(select(func.count()).select_from(Episode).where(Episode.status == "judging")) or 0)
+            return int(
+                session.scalar(select(func.count()).select_from(Episode).where(Episode.status == "judging"))
+                or 0
+            )
 
     def stats(self, orphan_after_s: float | None = None) -> dict[str, int]:
         """Row counts per table and status. Feedback still unjoined after ``orphan_after_s`` is orphaned."""
@@ -135,7 +137,9 @@ class ReportStore(StoreBase):
                 "episodes_settled_terminal": count(
                     Episode, (Episode.status == "settled") & (Episode.settle_reason == "terminal_feedback")
                 ),
-                "episodes_settled_window": count(Episode, (Episode.status == "settled") & (Episode.settle_reason == "window")),
+                "episodes_settled_window": count(
+                    Episode, (Episode.status == "settled") & (Episode.settle_reason == "window")
+                ),
                 "episodes_used": count(Episode, Episode.used_in_cycle.is_not(None)),
                 "dead_letters": count(DeadLetter),
             }
@@ -167,16 +171,19 @@ class ReportStore(StoreBase):
         with self.transaction() as session:
             return rows(Interaction) + rows(Feedback), rows(DeadLetter)
 
-
     # ---- rtrl report --------------------------------------------------------------------------
 
     def report(self, since: datetime | None = None, *, top_tenants: int = TOP_TENANTS) -> ReportRows:
         """Every number of the report page, in one transaction (one consistent view)."""
         with self.transaction() as session:
             tenants, tenant_count = _tenants(session, since, top_tenants)
-            return ReportRows(versions=_versions(session, since), cycles=_cycles(session, since),
-                              dead_letters=_dead_letters(session, since), tenants=tenants,
-                              tenant_count=tenant_count)  # fmt: skip
+            return ReportRows(
+                versions=_versions(session, since),
+                cycles=_cycles(session, since),
+                dead_letters=_dead_letters(session, since),
+                tenants=tenants,
+                tenant_count=tenant_count,
+            )
 
     def report_versions(self, since: datetime | None = None) -> list[VersionRow]:
         """The traffic each policy version served, by version."""
@@ -193,7 +200,9 @@ class ReportStore(StoreBase):
         with self.transaction() as session:
             return _dead_letters(session, since)
 
-    def report_tenants(self, since: datetime | None = None, limit: int = TOP_TENANTS) -> tuple[list[TenantRow], int]:
+    def report_tenants(
+        self, since: datetime | None = None, limit: int = TOP_TENANTS
+    ) -> tuple[list[TenantRow], int]:
         """The `limit` tenants with the most settled episodes (most first), and how many have any."""
         with self.transaction() as session:
             return _tenants(session, since, limit)
@@ -212,22 +221,35 @@ def _no_feedback() -> ColumnElement[int]:
 
 def _versions(session: Session, since: datetime | None) -> list[VersionRow]:
     rows: dict[int, dict[str, Any]] = defaultdict(dict)
-    episodes = select(
-        Episode.policy_number, func.count(), func.avg(Episode.reward),
-        func.sum(case((Episode.reward > 0, 1), else_=0)), _no_feedback(),
-    ).where(*_settled(since)).group_by(Episode.policy_number)  # fmt: skip
+    episodes = (
+        select(
+            Episode.policy_number,
+            func.count(),
+            func.avg(Episode.reward),
+            func.sum(case((Episode.reward > 0, 1), else_=0)),
+            _no_feedback(),
+        )
+        .where(*_settled(since))
+        .group_by(Episode.policy_number)
+    )
     for number, count, mean, positive, no_feedback in session.execute(episodes):
-        rows[number].update(episodes=count, mean_reward=_float(mean), positive=int(positive or 0),
-                            no_feedback=int(no_feedback or 0))  # fmt: skip
+        rows[number].update(
+            episodes=count,
+            mean_reward=_float(mean),
+            positive=int(positive or 0),
+            no_feedback=int(no_feedback or 0),
+        )
 
     # One row per episode that got an accepted or rejected signal: a retried signal counts once.
     judged = (
-        select(Feedback.joined_episode_id.label("episode_id"),
-               func.max(case((Feedback.kind == "accepted", 1), else_=0)).label("accepted"))
+        select(
+            Feedback.joined_episode_id.label("episode_id"),
+            func.max(case((Feedback.kind == "accepted", 1), else_=0)).label("accepted"),
+        )
         .where(Feedback.kind.in_(("accepted", "rejected")), Feedback.joined_episode_id.is_not(None))
         .group_by(Feedback.joined_episode_id)
         .subquery()
-    )  # fmt: skip
+    )
     acceptance = (
         select(Episode.policy_number, func.count(), func.sum(judged.c.accepted))
         .join(judged, judged.c.episode_id == Episode.episode_id)
@@ -237,10 +259,18 @@ def _versions(session: Session, since: datetime | None) -> list[VersionRow]:
     for number, count, accepted in session.execute(acceptance):
         rows[number].update(judged=count, accepted=int(accepted or 0))
 
-    where = [Interaction.role != "subagent"] + ([Interaction.ingested_at >= since] if since is not None else [])
-    segments = select(
-        Interaction.policy_number, func.count(), func.sum(case((Interaction.trainable.is_(False), 1), else_=0))
-    ).where(*where).group_by(Interaction.policy_number)  # fmt: skip
+    where = [Interaction.role != "subagent"] + (
+        [Interaction.ingested_at >= since] if since is not None else []
+    )
+    segments = (
+        select(
+            Interaction.policy_number,
+            func.count(),
+            func.sum(case((Interaction.trainable.is_(False), 1), else_=0)),
+        )
+        .where(*where)
+        .group_by(Interaction.policy_number)
+    )
     for number, count, untrainable in session.execute(segments):
         rows[number].update(segments=count, untrainable=int(untrainable or 0))
     return [VersionRow(version=n, **rows[n]) for n in sorted(rows)]
@@ -248,9 +278,15 @@ def _versions(session: Session, since: datetime | None) -> list[VersionRow]:
 
 def _cycles(session: Session, since: datetime | None) -> list[CycleRow]:
     query = select(
-        Cycle.id, Cycle.status, Cycle.champion_version, Cycle.challenger_version, Cycle.started_at,
-        Cycle.finished_at, Cycle.metrics, Cycle.error,
-    ).order_by(Cycle.id)  # fmt: skip
+        Cycle.id,
+        Cycle.status,
+        Cycle.champion_version,
+        Cycle.challenger_version,
+        Cycle.started_at,
+        Cycle.finished_at,
+        Cycle.metrics,
+        Cycle.error,
+    ).order_by(Cycle.id)
     if since is not None:
         query = query.where(Cycle.started_at >= since)
     out = []
@@ -258,15 +294,25 @@ def _cycles(session: Session, since: datetime | None) -> list[CycleRow]:
         m: dict[str, Any] = metrics if isinstance(metrics, dict) else {}
         episodes = _float(m.get("episodes"))
         gate = m.get("gate")
-        out.append(CycleRow(
-            id=id_, status=status, champion=parse_version(champion),
-            challenger=None if challenger is None else parse_version(challenger),
-            started_at=started, finished_at=finished, episodes=None if episodes is None else int(episodes),
-            mean_reward=_float(m.get("mean_reward")), gate=gate if isinstance(gate, str) else None,
-            gate_reason=_str(m.get("gate_reason")), challenger_score=_float(m.get("challenger_score")),
-            champion_score=_float(m.get("champion_score")), swap_ms=_float(m.get("swap_ms")),
-            data_to_deploy_s=_float(m.get("data_to_deploy_s")), error=error,
-        ))  # fmt: skip
+        out.append(
+            CycleRow(
+                id=id_,
+                status=status,
+                champion=parse_version(champion),
+                challenger=None if challenger is None else parse_version(challenger),
+                started_at=started,
+                finished_at=finished,
+                episodes=None if episodes is None else int(episodes),
+                mean_reward=_float(m.get("mean_reward")),
+                gate=gate if isinstance(gate, str) else None,
+                gate_reason=_str(m.get("gate_reason")),
+                challenger_score=_float(m.get("challenger_score")),
+                champion_score=_float(m.get("champion_score")),
+                swap_ms=_float(m.get("swap_ms")),
+                data_to_deploy_s=_float(m.get("data_to_deploy_s")),
+                error=error,
+            )
+        )
     return out
 
 
@@ -311,4 +357,3 @@ def _str(value: Any) -> str | None:
 
 def _rate(part: int, whole: int) -> float | None:
     return part / whole if whole else None
-

@@ -73,16 +73,25 @@ class RetentionStore(StoreBase):
     """The store as ``rtrl store prune`` uses it: `prune` below, as a method."""
 
     def prune(
-        self, cutoff: datetime, kafka_floor: KafkaFloor | None, *, dry_run: bool = False, batch_size: int = BATCH_SIZE
+        self,
+        cutoff: datetime,
+        kafka_floor: KafkaFloor | None,
+        *,
+        dry_run: bool = False,
+        batch_size: int = BATCH_SIZE,
     ) -> PruneReport:
         """Delete what is older than `cutoff`; see `prune` and the module docstring."""
         return prune(self, cutoff, kafka_floor, dry_run=dry_run, batch_size=batch_size)
 
 
 def prune(
-    store: StoreBase, cutoff: datetime, kafka_floor: KafkaFloor | None, *, dry_run: bool = False,
+    store: StoreBase,
+    cutoff: datetime,
+    kafka_floor: KafkaFloor | None,
+    *,
+    dry_run: bool = False,
     batch_size: int = BATCH_SIZE,
-) -> PruneReport:  # fmt: skip
+) -> PruneReport:
     """Delete what is older than `cutoff` (see the module docstring), `batch_size` rows of a
     kind per transaction; with `dry_run`, count it and change nothing."""
     if batch_size < 1:
@@ -97,16 +106,20 @@ def prune(
 
     while True:  # episodes, with their segments and joined feedback
         with store.transaction() as session:
-            ids = list(session.scalars(
-                select(Episode.episode_id).where(rules.episodes).limit(batch_size).with_for_update()
-            ))  # fmt: skip
+            ids = list(
+                session.scalars(
+                    select(Episode.episode_id).where(rules.episodes).limit(batch_size).with_for_update()
+                )
+            )
             if ids:
                 report.deleted["interactions"] += _delete(session, Interaction.episode_id, ids)
                 report.deleted["feedback"] += _delete(session, Feedback.joined_episode_id, ids)
                 report.deleted["episodes"] += _delete(session, Episode.episode_id, ids)
         if len(ids) < batch_size:
             break
-    report.deleted["interactions"] += _in_batches(store, Interaction.event_id, rules.orphaned_segments, batch_size)
+    report.deleted["interactions"] += _in_batches(
+        store, Interaction.event_id, rules.orphaned_segments, batch_size
+    )
     report.deleted["feedback"] += _in_batches(store, Feedback.event_id, rules.unjoined_feedback, batch_size)
     report.deleted["dead_letters"] += _in_batches(store, DeadLetter.event_id, rules.dead_letters, batch_size)
     return report
@@ -128,11 +141,17 @@ class _Rules:
             or_(Episode.used_in_cycle.is_(None), finished_cycle),
         )
         in_kafka = or_(
-            exists(select(Interaction.event_id).where(
-                Interaction.episode_id == Episode.episode_id, ~self.gone(Interaction))),
-            exists(select(Feedback.event_id).where(
-                Feedback.joined_episode_id == Episode.episode_id, ~self.gone(Feedback))),
-        )  # fmt: skip
+            exists(
+                select(Interaction.event_id).where(
+                    Interaction.episode_id == Episode.episode_id, ~self.gone(Interaction)
+                )
+            ),
+            exists(
+                select(Feedback.event_id).where(
+                    Feedback.joined_episode_id == Episode.episode_id, ~self.gone(Feedback)
+                )
+            ),
+        )
         self.episodes = and_(self.old_episodes, ~in_kafka)
         self.held_episodes = and_(self.old_episodes, in_kafka)
 
@@ -160,10 +179,16 @@ class _Rules:
             return true()
         if not self.floor:
             return false()
-        return or_(*(
-            and_(model.source_topic == topic, model.source_partition == partition, model.source_offset < low)
-            for (topic, partition), low in sorted(self.floor.items())
-        ))  # fmt: skip
+        return or_(
+            *(
+                and_(
+                    model.source_topic == topic,
+                    model.source_partition == partition,
+                    model.source_offset < low,
+                )
+                for (topic, partition), low in sorted(self.floor.items())
+            )
+        )
 
     def count(self, session: Session) -> dict[str, int]:
         """What `prune` would delete now, per table."""
@@ -200,7 +225,9 @@ def _delete(session: Session, key: InstrumentedAttribute[Any], ids: list[str]) -
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
-def _in_batches(store: StoreBase, key: InstrumentedAttribute[Any], condition: ColumnElement[bool], batch_size: int) -> int:
+def _in_batches(
+    store: StoreBase, key: InstrumentedAttribute[Any], condition: ColumnElement[bool], batch_size: int
+) -> int:
     """Delete the rows matching `condition`, `batch_size` per transaction; how many."""
     total = 0
     while True:

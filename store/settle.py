@@ -103,7 +103,9 @@ class Settled:
     latency_s: float  # from the episode's first event to its settlement
     unfinished: bool = False  # a trainable segment was cut off by max_tokens (schemas/rewards.py)
     judge: str | None = None  # under a judged spec: "scored", or "unavailable" (labelled without the judge)
-    judge_disagrees: bool | None = None  # the judge's grade against the feedback's outcome (schemas/rewards.py)
+    judge_disagrees: bool | None = (
+        None  # the judge's grade against the feedback's outcome (schemas/rewards.py)
+    )
 
 
 @dataclass
@@ -147,8 +149,12 @@ def join_and_settle(
     episodes = _open_episodes(session, segments_by_episode, now)
     # The episode of each (request, tenant): the batch's own interaction's (the last, should two of
     # the batch carry one), else the stored interaction's, looked up for what needs it.
-    by_request: dict[tuple[str, str], str | None] = {(e.request_id, e.tenant): e.episode_id for e in interactions}
-    pending = _lock_and_read_waiting(session, dialect, interactions, feedback, segments_by_episode, episodes, by_request)
+    by_request: dict[tuple[str, str], str | None] = {
+        (e.request_id, e.tenant): e.episode_id for e in interactions
+    }
+    pending = _lock_and_read_waiting(
+        session, dialect, interactions, feedback, segments_by_episode, episodes, by_request
+    )
     touched = _extend_episodes(session, segments_by_episode, episodes, now, report)
     touched |= _join_waiting(session, pending, by_request, episodes, now, report)
     if touched:
@@ -168,16 +174,18 @@ def _open_episodes(
     for episode_id in sorted(segments_by_episode):  # one order for every replica: no deadlock
         segments = segments_by_episode[episode_id]
         oldest = min(segments, key=lambda s: parse_version(s.policy_version))
-        new_rows.append({
-            "episode_id": episode_id,
-            "tenant": segments[0].tenant,
-            "policy_version": oldest.policy_version,
-            "policy_number": parse_version(oldest.policy_version),
-            "status": "open",
-            "first_event_at": min(s.created_at for s in segments),
-            "last_event_at": now,
-            "eval_bucket": eval_bucket(episode_id),
-        })  # fmt: skip
+        new_rows.append(
+            {
+                "episode_id": episode_id,
+                "tenant": segments[0].tenant,
+                "policy_version": oldest.policy_version,
+                "policy_number": parse_version(oldest.policy_version),
+                "status": "open",
+                "first_event_at": min(s.created_at for s in segments),
+                "last_event_at": now,
+                "eval_bucket": eval_bucket(episode_id),
+            }
+        )
     created = insert_rows(session, EPISODES, new_rows, conflict=["episode_id"], returning="episode_id")
     # An episode this transaction inserted is what it inserted, and its row stays locked by the
     # insert until the commit (no other transaction sees it before): it needs no read or lock.
@@ -218,9 +226,12 @@ def _lock_and_read_waiting(
 
 
 def _extend_episodes(
-    session: Session, segments_by_episode: dict[str, list[InteractionEvent]], episodes: dict[str, EpisodeRow],
-    now: datetime, report: SettleReport,
-) -> set[str]:  # fmt: skip
+    session: Session,
+    segments_by_episode: dict[str, list[InteractionEvent]],
+    episodes: dict[str, EpisodeRow],
+    now: datetime,
+    report: SettleReport,
+) -> set[str]:
     """Extend the open episodes of the new segments, or mark the segments late; the episodes extended."""
     touched: set[str] = set()
     late_segments: list[str] = []
@@ -234,18 +245,28 @@ def _extend_episodes(
             continue
         oldest = min(segments, key=lambda s: parse_version(s.policy_version))
         if parse_version(oldest.policy_version) < episode.policy_number:
-            episode.set(policy_version=oldest.policy_version, policy_number=parse_version(oldest.policy_version))
-        episode.set(first_event_at=min(episode.first_event_at, min(s.created_at for s in segments)), last_event_at=now)
+            episode.set(
+                policy_version=oldest.policy_version, policy_number=parse_version(oldest.policy_version)
+            )
+        episode.set(
+            first_event_at=min(episode.first_event_at, min(s.created_at for s in segments)), last_event_at=now
+        )
         touched.add(episode_id)
     if late_segments:
-        session.execute(update(Interaction).where(among(session, Interaction.event_id, late_segments)).values(late=True))
+        session.execute(
+            update(Interaction).where(among(session, Interaction.event_id, late_segments)).values(late=True)
+        )
     return touched
 
 
 def _join_waiting(
-    session: Session, pending: list[Any], by_request: dict[tuple[str, str], str | None],
-    episodes: dict[str, EpisodeRow], now: datetime, report: SettleReport,
-) -> set[str]:  # fmt: skip
+    session: Session,
+    pending: list[Any],
+    by_request: dict[tuple[str, str], str | None],
+    episodes: dict[str, EpisodeRow],
+    now: datetime,
+    report: SettleReport,
+) -> set[str]:
     """Join the feedback that was waiting for these requests / episodes; the open episodes it joined."""
     touched: set[str] = set()
     joins: list[dict[str, Any]] = []
@@ -277,19 +298,29 @@ def _settle_terminal(
     ending_kinds = {k.value for k in spec.terminal | CONTROL_KINDS}
     control = {k.value for k in CONTROL_KINDS}
     ending = {e for e, rows in signals.items() if any(r.kind in ending_kinds for r in rows)}
-    terminal = {e for e in ending
-                if any(r.kind in control or (r.kind in ending_kinds and r.episode_id is not None) for r in signals[e])}  # fmt: skip
+    terminal = {
+        e
+        for e in ending
+        if any(r.kind in control or (r.kind in ending_kinds and r.episode_id is not None) for r in signals[e])
+    }
     segments_of = _segments(session, sorted(ending))
     # An episode of one call: its only (non-late) segment is segment 0.
     terminal |= {e for e in ending - terminal if [s.segment_index for s in segments_of.get(e, [])] == [0]}
     report.settled += settle(
-        session, spec, now, [by_id[e] for e in sorted(terminal)], "terminal_feedback",
-        segments_of=segments_of, signals=signals,
-    )  # fmt: skip
+        session,
+        spec,
+        now,
+        [by_id[e] for e in sorted(terminal)],
+        "terminal_feedback",
+        segments_of=segments_of,
+        signals=signals,
+    )
     report.settled_terminal += len(terminal)
 
 
-def join_stranded(session: Session, dialect: str, spec: RewardSpec, now: datetime, window_s: float) -> SettleReport:
+def join_stranded(
+    session: Session, dialect: str, spec: RewardSpec, now: datetime, window_s: float
+) -> SettleReport:
     """Join feedback stored unjoined although the episode it names exists (at most WINDOW_BATCH,
     ingested in the last two windows): what two replicas writing the feedback and creating its
     episode at once leave behind (the module docstring, Concurrency). The labeler's window pass
@@ -303,11 +334,13 @@ def join_stranded(session: Session, dialect: str, spec: RewardSpec, now: datetim
             Feedback.joined_episode_id.is_(None),
             Feedback.episode_id.is_not(None),
             Feedback.ingested_at >= now - timedelta(seconds=2 * window_s),
-            exists().where(EPISODES.c.episode_id == Feedback.episode_id, EPISODES.c.tenant == Feedback.tenant),
+            exists().where(
+                EPISODES.c.episode_id == Feedback.episode_id, EPISODES.c.tenant == Feedback.tenant
+            ),
         )
         .order_by(Feedback.ingested_at)
         .limit(WINDOW_BATCH)
-    ).all()  # fmt: skip
+    ).all()
     return join_and_settle(session, dialect, spec, now, [], stranded) if stranded else SettleReport()
 
 
@@ -316,13 +349,16 @@ def settle_expired(session: Session, spec: RewardSpec, now: datetime, window_s: 
 
     On PostgreSQL the episodes are locked, skipping those another transaction holds (a replica
     joining to or settling them now): they are settled by a later pass if still expired then."""
-    expired = [EpisodeRow.of(row) for row in session.execute(
-        select(*(EPISODES.c[name] for name in EPISODE_COLUMNS))
-        .where(EPISODES.c.status == "open", EPISODES.c.last_event_at < now - timedelta(seconds=window_s))
-        .order_by(EPISODES.c.last_event_at)
-        .limit(WINDOW_BATCH)
-        .with_for_update(skip_locked=True)
-    )]  # fmt: skip
+    expired = [
+        EpisodeRow.of(row)
+        for row in session.execute(
+            select(*(EPISODES.c[name] for name in EPISODE_COLUMNS))
+            .where(EPISODES.c.status == "open", EPISODES.c.last_event_at < now - timedelta(seconds=window_s))
+            .order_by(EPISODES.c.last_event_at)
+            .limit(WINDOW_BATCH)
+            .with_for_update(skip_locked=True)
+        )
+    ]
     settled = settle(session, spec, now, expired, "window")
     save_rows(session, expired)
     return settled
@@ -374,9 +410,11 @@ def trained_cycles(session: Session, spec_id: str) -> int:
     What a cycle trained under is recorded on it when it claims its episodes (``cycles.reward_spec``,
     `Store.mark_used`; migration 0010 filled it in for the cycles before it), so pruning the
     episodes later keeps the count."""
-    query = select(func.count()).select_from(Cycle).where(
-        Cycle.status.in_(("registered", "promoted", "rejected")), Cycle.reward_spec == spec_id
-    )  # fmt: skip
+    query = (
+        select(func.count())
+        .select_from(Cycle)
+        .where(Cycle.status.in_(("registered", "promoted", "rejected")), Cycle.reward_spec == spec_id)
+    )
     return int(session.scalar(query) or 0)
 
 
@@ -392,15 +430,25 @@ class ToJudge:
 
 def awaiting_judge(session: Session, limit: int) -> list[ToJudge]:
     """At most `limit` episodes waiting for the judge, those closed first first."""
-    ids = list(session.scalars(
-        select(Episode.episode_id).where(Episode.status == "judging")
-        .order_by(Episode.settled_at, Episode.episode_id).limit(limit)
-    ))  # fmt: skip
+    ids = list(
+        session.scalars(
+            select(Episode.episode_id)
+            .where(Episode.status == "judging")
+            .order_by(Episode.settled_at, Episode.episode_id)
+            .limit(limit)
+        )
+    )
     if not ids:
         return []
     parts: dict[str, list[tuple[str, str, str | None, str]]] = defaultdict(list)
     for row in session.execute(
-        select(Interaction.episode_id, Interaction.prompt, Interaction.role, Interaction.agent, Interaction.completion)
+        select(
+            Interaction.episode_id,
+            Interaction.prompt,
+            Interaction.role,
+            Interaction.agent,
+            Interaction.completion,
+        )
         .where(among(session, Interaction.episode_id, ids), Interaction.late.is_(False))
         .order_by(Interaction.episode_id, Interaction.segment_index)
     ):
@@ -411,8 +459,10 @@ def awaiting_judge(session: Session, limit: int) -> list[ToJudge]:
         if len(segments) == 1:
             lines = [segments[0][3].strip()]
         else:  # which call wrote what: the judge reads the whole trajectory
-            lines = [f"[{role}{'' if agent is None else ' ' + agent}] {completion.strip()}"
-                     for _, role, agent, completion in segments]  # fmt: skip
+            lines = [
+                f"[{role}{'' if agent is None else ' ' + agent}] {completion.strip()}"
+                for _, role, agent, completion in segments
+            ]
         out.append(ToJudge(episode_id, segments[0][0] if segments else "", "\n".join(lines)))
     return out
 
@@ -427,34 +477,53 @@ def settle_judged(
         return []
     episodes = [e for e in lock_episodes(session, set(grades)).values() if e.status == "judging"]
     signals = _signals(session, [e.episode_id for e in episodes])
-    settled = [_score(e, spec, signals[e.episode_id], grades[e.episode_id], now, judged=True) for e in episodes]
+    settled = [
+        _score(e, spec, signals[e.episode_id], grades[e.episode_id], now, judged=True) for e in episodes
+    ]
     save_rows(session, episodes)
     return settled
 
 
 def _score(
-    episode: EpisodeRow, spec: RewardSpec, signals: list[Any], grade: float | None, now: datetime,
+    episode: EpisodeRow,
+    spec: RewardSpec,
+    signals: list[Any],
+    grade: float | None,
+    now: datetime,
     judged: bool = False,
 ) -> Settled:
     """Give a closed episode its reward (its metrics measured) and mark it settled."""
     metrics = dict(episode.metrics or {})
     # An episode closed for its judge before use was measured has no `subagents_used`: none counts.
     shaping = Shaping(
-        parl=(metrics["subagents"], metrics.get("subagents_used", 0)) if "lambda_parallel" in metrics else None,
-        cycle=int(metrics.get("cycle", 0)), judge=grade, judge_unavailable=judged and grade is None,
-    )  # fmt: skip
+        parl=(metrics["subagents"], metrics.get("subagents_used", 0))
+        if "lambda_parallel" in metrics
+        else None,
+        cycle=int(metrics.get("cycle", 0)),
+        judge=grade,
+        judge_unavailable=judged and grade is None,
+    )
     result: RewardResult = score(spec, signals, unfinished=bool(metrics.get("unfinished")), shaping=shaping)
     disagrees = judge_disagrees(result.components, grade) if judged else None
     if judged:
         metrics["judge"] = grade
         metrics["judge_disagrees"] = disagrees
         episode.set(metrics=metrics)
-    episode.set(status="settled", reward=result.reward, reward_components=result.components, reward_spec=result.spec_id)
+    episode.set(
+        status="settled",
+        reward=result.reward,
+        reward_components=result.components,
+        reward_spec=result.spec_id,
+    )
     return Settled(
-        episode.policy_version, float(result.reward), episode.settle_reason or "window",
-        max(0.0, (now - episode.first_event_at).total_seconds()), bool(metrics.get("unfinished")),
-        judge=None if not judged else ("scored" if grade is not None else "unavailable"), judge_disagrees=disagrees,
-    )  # fmt: skip
+        episode.policy_version,
+        float(result.reward),
+        episode.settle_reason or "window",
+        max(0.0, (now - episode.first_event_at).total_seconds()),
+        bool(metrics.get("unfinished")),
+        judge=None if not judged else ("scored" if grade is not None else "unavailable"),
+        judge_disagrees=disagrees,
+    )
 
 
 def _signals(session: Session, episode_ids: list[str]) -> dict[str, list[Any]]:
@@ -481,13 +550,20 @@ def _segments(session: Session, episode_ids: list[str]) -> dict[str, list[Any]]:
     if not episode_ids:
         return segments
     rows = session.execute(
-        select(Interaction.episode_id, Interaction.segment_index, Interaction.role, Interaction.agent,
-               Interaction.finish_reason, Interaction.trainable, Interaction.policy_version,
-               func.json_array_length(Interaction.prompt_token_ids).label("prompt_len"),
-               func.json_array_length(Interaction.completion_token_ids).label("completion_len"))
+        select(
+            Interaction.episode_id,
+            Interaction.segment_index,
+            Interaction.role,
+            Interaction.agent,
+            Interaction.finish_reason,
+            Interaction.trainable,
+            Interaction.policy_version,
+            func.json_array_length(Interaction.prompt_token_ids).label("prompt_len"),
+            func.json_array_length(Interaction.completion_token_ids).label("completion_len"),
+        )
         .where(among(session, Interaction.episode_id, episode_ids), Interaction.late.is_(False))
         .order_by(Interaction.episode_id, Interaction.segment_index)
-    )  # fmt: skip
+    )
     for row in rows:
         segments[row.episode_id].append(row)
     return segments
@@ -504,21 +580,28 @@ def _segment_shapes(
     text: dict[tuple[str, int], tuple[str, str]] = {}
     if several:
         for row in session.execute(
-            select(Interaction.episode_id, Interaction.segment_index, Interaction.prompt, Interaction.completion)
-            .where(among(session, Interaction.episode_id, several), Interaction.late.is_(False))
-        ):  # fmt: skip
+            select(
+                Interaction.episode_id, Interaction.segment_index, Interaction.prompt, Interaction.completion
+            ).where(among(session, Interaction.episode_id, several), Interaction.late.is_(False))
+        ):
             text[(row.episode_id, row.segment_index)] = (row.prompt, row.completion)
     return {
         episode_id: [
-            SegmentShape(role=r.role, agent=r.agent, prompt_len=int(r.prompt_len or 0),
-                         completion_len=int(r.completion_len or 0), finish_reason=r.finish_reason,
-                         trainable=bool(r.trainable), prompt=text.get((episode_id, r.segment_index), ("", ""))[0],
-                         completion=text.get((episode_id, r.segment_index), ("", ""))[1],
-                         version=r.policy_version)
+            SegmentShape(
+                role=r.role,
+                agent=r.agent,
+                prompt_len=int(r.prompt_len or 0),
+                completion_len=int(r.completion_len or 0),
+                finish_reason=r.finish_reason,
+                trainable=bool(r.trainable),
+                prompt=text.get((episode_id, r.segment_index), ("", ""))[0],
+                completion=text.get((episode_id, r.segment_index), ("", ""))[1],
+                version=r.policy_version,
+            )
             for r in segs
         ]
         for episode_id, segs in per_episode.items()
-    }  # fmt: skip
+    }
 
 
 def _target(feedback: Any, by_request: dict[tuple[str, str], str | None]) -> str | None:
@@ -548,11 +631,16 @@ def _add_stored_requests(
 
 def _waiting_feedback(session: Session, request_ids: list[str], episode_ids: list[str]) -> list[Any]:
     """Unjoined feedback about `request_ids` or naming `episode_ids`, as committed now, oldest first."""
-    return list(session.execute(
-        select(Feedback.event_id, Feedback.request_id, Feedback.episode_id, Feedback.tenant)
-        .where(
-            Feedback.joined_episode_id.is_(None),
-            or_(among(session, Feedback.request_id, request_ids), among(session, Feedback.episode_id, episode_ids)),
-        )
-        .order_by(Feedback.created_at, Feedback.event_id)
-    ).all())  # fmt: skip
+    return list(
+        session.execute(
+            select(Feedback.event_id, Feedback.request_id, Feedback.episode_id, Feedback.tenant)
+            .where(
+                Feedback.joined_episode_id.is_(None),
+                or_(
+                    among(session, Feedback.request_id, request_ids),
+                    among(session, Feedback.episode_id, episode_ids),
+                ),
+            )
+            .order_by(Feedback.created_at, Feedback.event_id)
+        ).all()
+    )

@@ -43,7 +43,9 @@ class TenantRecord:
 class TenantStore(StoreBase):
     """Tenants and API keys (see the module docstring)."""
 
-    def set_tenant(self, tenant: str, *, trains: bool | None = None, train_redacted: bool | None = None) -> TenantRecord:
+    def set_tenant(
+        self, tenant: str, *, trains: bool | None = None, train_redacted: bool | None = None
+    ) -> TenantRecord:
         """Create the tenant if needed (training on, redacted segments off) and apply the switches given."""
         check_tenant(tenant)
         with self.transaction() as session:
@@ -77,9 +79,15 @@ class TenantStore(StoreBase):
         key = new_key()
         with self.transaction() as session:
             row = ApiKey(
-                key_hash=hash_key(key), prefix=key_prefix(key), role=role, tenant=tenant, name=name[:200],
-                rate_per_s=rate_per_s, created_at=self.clock(), revoked_at=None,
-            )  # fmt: skip
+                key_hash=hash_key(key),
+                prefix=key_prefix(key),
+                role=role,
+                tenant=tenant,
+                name=name[:200],
+                rate_per_s=rate_per_s,
+                created_at=self.clock(),
+                revoked_at=None,
+            )
             session.add(row)
             session.flush()
             return _key_record(row), key
@@ -97,14 +105,22 @@ class TenantStore(StoreBase):
         ``gateway.keys_refresh_s``."""
         with self.transaction() as session:
             result = session.execute(
-                update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)).values(revoked_at=self.clock())
+                update(ApiKey)
+                .where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
+                .values(revoked_at=self.clock())
             )
             return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
 def _key_record(row: ApiKey) -> ApiKeyRecord:
     return ApiKeyRecord(
-        id=row.id, key_hash=row.key_hash, prefix=row.prefix, role=row.role, tenant=row.tenant, name=row.name,
-        rate_per_s=row.rate_per_s, created_at=row.created_at, revoked_at=row.revoked_at,
-    )  # fmt: skip
-
+        id=row.id,
+        key_hash=row.key_hash,
+        prefix=row.prefix,
+        role=row.role,
+        tenant=row.tenant,
+        name=row.name,
+        rate_per_s=row.rate_per_s,
+        created_at=row.created_at,
+        revoked_at=row.revoked_at,
+    )

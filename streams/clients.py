@@ -39,7 +39,9 @@ def _create(kafka: KafkaSettings, factory: Callable[..., Any], *args: Any, **con
 def connection_config(kafka: KafkaSettings) -> dict[str, Any]:
     """The keyword arguments every kafka-python client needs to reach and authenticate to the brokers."""
     config: dict[str, Any] = {
-        "bootstrap_servers": [server.strip() for server in kafka.bootstrap_servers.split(",") if server.strip()],
+        "bootstrap_servers": [
+            server.strip() for server in kafka.bootstrap_servers.split(",") if server.strip()
+        ],
         "security_protocol": kafka.security_protocol,
         "reconnect_backoff_max_ms": kafka.reconnect_backoff_max_ms,
     }
@@ -50,8 +52,11 @@ def connection_config(kafka: KafkaSettings) -> dict[str, Any]:
             sasl_plain_username=kafka.sasl_username,
             sasl_plain_password=kafka.sasl_password.get_secret_value(),
         )
-    for key, path in (("ssl_cafile", kafka.ssl_cafile), ("ssl_certfile", kafka.ssl_certfile),
-                      ("ssl_keyfile", kafka.ssl_keyfile)):  # fmt: skip
+    for key, path in (
+        ("ssl_cafile", kafka.ssl_cafile),
+        ("ssl_certfile", kafka.ssl_certfile),
+        ("ssl_keyfile", kafka.ssl_keyfile),
+    ):
         if path is not None:
             config[key] = str(path)
     return config
@@ -62,7 +67,12 @@ def producer(kafka: KafkaSettings, client_id: str, **options: Any) -> Any:
     ``kafka.max_message_bytes`` unless overridden."""
     from kafka import KafkaProducer
 
-    options = {"acks": "all", "enable_idempotence": True, "max_request_size": kafka.max_message_bytes, **options}
+    options = {
+        "acks": "all",
+        "enable_idempotence": True,
+        "max_request_size": kafka.max_message_bytes,
+        **options,
+    }
     return _create(kafka, KafkaProducer, **connection_config(kafka), client_id=client_id, **options)
 
 

@@ -46,12 +46,20 @@ def fix_join_race() -> bool:
     from kafka.coordinator.consumer import ConsumerCoordinator
 
     if kafka.__version__ != FIXED_VERSION:
-        log.warning("kafka-python %s is not %s: its group join is left unpatched (streams/joins.py)",
-                    kafka.__version__, FIXED_VERSION)  # fmt: skip
+        log.warning(
+            "kafka-python %s is not %s: its group join is left unpatched (streams/joins.py)",
+            kafka.__version__,
+            FIXED_VERSION,
+        )
         return False
     # The errors of a join after which kafka-python's loop joins again (it raises any other).
-    retried = (errors.RetriableError, errors.UnknownMemberIdError, errors.RebalanceInProgressError,
-               errors.IllegalGenerationError, errors.MemberIdRequiredError)  # fmt: skip
+    retried = (
+        errors.RetriableError,
+        errors.UnknownMemberIdError,
+        errors.RebalanceInProgressError,
+        errors.IllegalGenerationError,
+        errors.MemberIdRequiredError,
+    )
     need_rejoin = ConsumerCoordinator.need_rejoin
     join_group_async = ConsumerCoordinator.join_group_async
 
@@ -74,8 +82,9 @@ def fix_join_race() -> bool:
                     self.state = MemberState.STABLE
                     self._enable_heartbeat()
                 generation = self._generation
-                await self._on_join_complete_async(generation.generation_id, generation.member_id,
-                                                   generation.protocol, task.value)  # fmt: skip
+                await self._on_join_complete_async(
+                    generation.generation_id, generation.member_id, generation.protocol, task.value
+                )
                 return True
             # else the member left or lost the group since the join finished (unsubscribe, a stale
             # heartbeat's error reset the generation): its assignment is void; join afresh.

@@ -29,8 +29,12 @@ def commit(consumer: Any, offsets: Mapping[tuple[str, int], int]) -> None:
     from kafka.structs import OffsetAndMetadata, TopicPartition
 
     with kafka_errors():
-        consumer.commit({TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
-                         for (topic, partition), offset in offsets.items()})  # fmt: skip
+        consumer.commit(
+            {
+                TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
+                for (topic, partition), offset in offsets.items()
+            }
+        )
 
 
 def committed_offsets(admin: Any, group: str, timeout_s: float = 10.0) -> dict[tuple[str, int], int]:
@@ -50,7 +54,9 @@ def committed_offsets(admin: Any, group: str, timeout_s: float = 10.0) -> dict[t
             return None
 
     try:
-        (offsets,) = wait_until(read, timeout_s=timeout_s, interval_s=1.0, what=f"committed offsets of group {group}")
+        (offsets,) = wait_until(
+            read, timeout_s=timeout_s, interval_s=1.0, what=f"committed offsets of group {group}"
+        )
     except TimeoutError:
         raise last[0] from last[0].cause  # the coordinator kept answering a retriable error: that one
     return {(tp.topic, tp.partition): int(meta.offset) for tp, meta in offsets.items()}

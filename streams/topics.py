@@ -35,7 +35,9 @@ def ensure_topics(kafka: KafkaSettings) -> list[str]:
             if kafka.min_insync_replicas is not None:
                 config["min.insync.replicas"] = str(kafka.min_insync_replicas)
             try:
-                client.create_topics([NewTopic(topic, kafka.partitions, kafka.replication_factor, topic_configs=config)])
+                client.create_topics(
+                    [NewTopic(topic, kafka.partitions, kafka.replication_factor, topic_configs=config)]
+                )
                 created.append(topic)
             except TopicAlreadyExistsError:
                 pass  # another process created it meanwhile

@@ -94,8 +94,11 @@ class Exporter:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     if not exporter._authorised(self.headers.get("authorization", "")):
-                        self._send(401, b'{"error": "metrics need Authorization: Bearer <metrics token>"}',
-                                   "application/json")  # fmt: skip
+                        self._send(
+                            401,
+                            b'{"error": "metrics need Authorization: Bearer <metrics token>"}',
+                            "application/json",
+                        )
                         return
                     self._send(200, generate_latest(exporter._registry), CONTENT_TYPE_LATEST)
                 elif path == "/healthz":
@@ -143,6 +146,12 @@ def start_exporter(settings: Settings, process: str, readiness: Readiness | None
     try:
         return Exporter(process, metrics.host, port, readiness=readiness, token=token).start()
     except OSError as exc:
-        log.error("%s: no metrics endpoint: cannot bind %s:%d (%s); set RTRL_METRICS__%s_PORT to a free port",
-                  process, metrics.host, port, exc.strerror or exc, process.upper())  # fmt: skip
+        log.error(
+            "%s: no metrics endpoint: cannot bind %s:%d (%s); set RTRL_METRICS__%s_PORT to a free port",
+            process,
+            metrics.host,
+            port,
+            exc.strerror or exc,
+            process.upper(),
+        )
         return None

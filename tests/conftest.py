@@ -185,7 +185,12 @@ def pytest_runtest_makereport(
     tier = next((m for m in MUST_NOT_SKIP if item.get_closest_marker(m)), None)
     if call.when == "setup":
         item.stash[_STARTED] = call.start
-    if tier and report.skipped and not hasattr(report, "wasxfail") and os.environ.get("RTRL_ALLOW_SKIP") != "1":
+    if (
+        tier
+        and report.skipped
+        and not hasattr(report, "wasxfail")
+        and os.environ.get("RTRL_ALLOW_SKIP") != "1"
+    ):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"{tier} test skipped ({reason}); service-backed tests must run, not skip"

@@ -15,7 +15,11 @@ from store import Store
 
 
 def sample_episodes(
-    model_dir: Path, n: int, seed: int, version: str = "v1", sampling: SamplingParams | None = None,
+    model_dir: Path,
+    n: int,
+    seed: int,
+    version: str = "v1",
+    sampling: SamplingParams | None = None,
     alternate: bool = False,
 ) -> list[tuple[InteractionEvent, FeedbackEvent]]:
     """n single-segment episodes sampled from the model; pairs of episodes share a prompt (groups).
@@ -55,8 +59,16 @@ def sample_episodes(
                     break
         completion = tokenizer.decode(tokens, skip_special_tokens=True)
         episode = f"ep-{seed}-{i}"
-        event = interaction(episode, version=version, prompt=prompt, prompt_token_ids=ids, completion=completion,
-                            completion_token_ids=tokens, completion_logprobs=logprobs, sampling=sampling)  # fmt: skip
+        event = interaction(
+            episode,
+            version=version,
+            prompt=prompt,
+            prompt_token_ids=ids,
+            completion=completion,
+            completion_token_ids=tokens,
+            completion_logprobs=logprobs,
+            sampling=sampling,
+        )
         up = i % 2 == 0 if alternate else "!" in completion
         kind = "thumbs_up" if up else "thumbs_down"
         out.append((event, feedback(event.request_id, kind)))
@@ -66,7 +78,9 @@ def sample_episodes(
 def feed(store: Store, pairs: list[tuple[InteractionEvent, FeedbackEvent]]) -> None:
     """Store and settle the events with the labeler's own write/join/settle code (no Kafka)."""
     feeder = Feeder(store)
-    feeder.offsets.update({"interactions": store.stats()["interactions"], "feedback": store.stats()["feedback"]})
+    feeder.offsets.update(
+        {"interactions": store.stats()["interactions"], "feedback": store.stats()["feedback"]}
+    )
     written, _ = feeder.send(*[event for pair in pairs for event in pair])
     assert not written.rejected, [r.reason for r in written.rejected]
 
@@ -84,6 +98,12 @@ def tuned_copy(base: Path, out: Path, shapes: tuple[str, ...], steps: int = 60) 
     shutil.copytree(base, out)
     task = dataclasses.replace(get_task("exclaim"), plain_shapes=shapes, preferred_shapes=shapes)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    supervise(model, Tokenizer.from_file(str(out / "tokenizer.json")), task, seed=5, cfg=SftConfig(steps=steps, lr=5e-3))
+    supervise(
+        model,
+        Tokenizer.from_file(str(out / "tokenizer.json")),
+        task,
+        seed=5,
+        cfg=SftConfig(steps=steps, lr=5e-3),
+    )
     model.save_pretrained(out, safe_serialization=True)
     return out

@@ -75,7 +75,9 @@ def interaction(
     return InteractionEvent(**(fields | kw))
 
 
-def feedback(request: str, kind: str, value: float = 1.0, event_id: str | None = None, **kw: Any) -> FeedbackEvent:
+def feedback(
+    request: str, kind: str, value: float = 1.0, event_id: str | None = None, **kw: Any
+) -> FeedbackEvent:
     """A feedback event about `request`; its id derives from request and kind unless given."""
     fields: dict[str, Any] = {
         "event_id": event_id or f"f-{request}-{kind}",
@@ -102,7 +104,9 @@ class Feeder:
         self.checks = Checks(spec=spec, limits=limits or LimitsSettings())
         self.offsets: Counter[str] = Counter()
 
-    def record(self, item: InteractionEvent | FeedbackEvent | bytes, topic: str | None = None) -> SourceRecord:
+    def record(
+        self, item: InteractionEvent | FeedbackEvent | bytes, topic: str | None = None
+    ) -> SourceRecord:
         if isinstance(item, bytes):
             raw, topic = item, topic or "interactions"
         else:
@@ -112,12 +116,16 @@ class Feeder:
         self.offsets[topic] += 1
         return SourceRecord(topic, 0, offset, raw)
 
-    def send(self, *items: InteractionEvent | FeedbackEvent | bytes, now: datetime = T0) -> tuple[BatchWrite, SettleReport]:
+    def send(
+        self, *items: InteractionEvent | FeedbackEvent | bytes, now: datetime = T0
+    ) -> tuple[BatchWrite, SettleReport]:
         return self.process([self.record(item) for item in items], now)
 
     def process(self, records: list[SourceRecord], now: datetime = T0) -> tuple[BatchWrite, SettleReport]:
         with self.store.labelling(now) as tx:
-            written = tx.write_events([(r, parse_record(r, TOPICS[r.topic], self.checks, now)) for r in records])
+            written = tx.write_events(
+                [(r, parse_record(r, TOPICS[r.topic], self.checks, now)) for r in records]
+            )
             report = tx.join_and_settle(self.spec, written.interactions, written.feedback)
         return written, report
 

@@ -91,7 +91,12 @@ def produce(kafka: KafkaSettings, items: list[tuple[str, bytes | None]]) -> None
 def run_rtrl(settings: Settings, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
     """Run ``rtrl ARGS`` in a child process that gets `settings`, as the supervisor hands them."""
     return subprocess.run(
-        rtrl_command(*args), cwd=REPO, env=child_env(settings), capture_output=True, text=True, timeout=timeout_s
+        rtrl_command(*args),
+        cwd=REPO,
+        env=child_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
     )
 
 
@@ -139,28 +144,52 @@ def open_in_browser(path: Path, timeout_s: float = 60) -> tuple[str, list[str]]:
 
     chromium = shutil.which("chromium")
     if chromium is None:
-        pytest.fail("chromium is not installed: run `make test-deps` (`bash infra/system-deps.sh --test` installs it)", pytrace=False)
+        pytest.fail(
+            "chromium is not installed: run `make test-deps` (`bash infra/system-deps.sh --test` installs it)",
+            pytrace=False,
+        )
     with tempfile.TemporaryDirectory(prefix="rtrl-chromium-") as profile:
         proc = subprocess.run(
-            [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
-             f"--user-data-dir={profile}", "--dump-dom", path.resolve().as_uri()],
-            capture_output=True, text=True, timeout=timeout_s,
-        )  # fmt: skip
+            [
+                chromium,
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--enable-logging=stderr",
+                "--v=0",
+                f"--user-data-dir={profile}",
+                "--dump-dom",
+                path.resolve().as_uri(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     assert proc.returncode == 0, f"chromium exited {proc.returncode}: {proc.stderr[-3000:]}"
     # One log record per console message or uncaught exception, e.g.
     #   [9854:9854:1201/103835.300971:INFO:CONSOLE:3] "Uncaught Error: x", source: file:///tmp/a.html (3)
     # ("CONSOLE(3)" in older versions); a record may run over several lines.
     starts = [m.start() for m in re.finditer(r"^\[\d+:\d+:\d+/\d+\.\d+:[A-Z]+:", proc.stderr, re.MULTILINE)]
     records = [proc.stderr[a:b].strip() for a, b in zip(starts, [*starts[1:], len(proc.stderr)], strict=True)]
-    console = [m.group(1) for m in (re.match(r"^\[[^\]]*:CONSOLE[:(]\d+\)?\] (.*)", r, re.DOTALL) for r in records) if m]
+    console = [
+        m.group(1)
+        for m in (re.match(r"^\[[^\]]*:CONSOLE[:(]\d+\)?\] (.*)", r, re.DOTALL) for r in records)
+        if m
+    ]
     return proc.stdout, console
 
 
 def gate_without_judgement(gate: GateSettings, **update: Any) -> GateSettings:
     """The gate with no margin, no anchor and no alarm: for tests about the loop closing, not about
     the gate's judgement (tests/deployer and bench/bench_learning.py cover that)."""
-    alarms = AlarmSettings(length_ratio=1000, entropy_ratio=0, repetition_rate=1, truncation_rate=1, kl_budget=1e9,
-                           no_action_rate=1)  # fmt: skip
+    alarms = AlarmSettings(
+        length_ratio=1000,
+        entropy_ratio=0,
+        repetition_rate=1,
+        truncation_rate=1,
+        kl_budget=1e9,
+        no_action_rate=1,
+    )
     return gate.model_copy(update={"tolerance": 1.0, "anchor": "none", "alarms": alarms, **update})
 
 
@@ -173,15 +202,27 @@ def demo_settings(fleet: Settings, tmp_path: Path, name: str) -> Settings:
     from services.testing import free_ports
 
     suffix = tmp_path.name.replace("_", "-")[-24:]
-    return fresh_topics(fleet, prefix=name).model_copy(update={
-        "store": StoreSettings(url=f"sqlite:///{tmp_path / 'rtrl.db'}"),
-        "mlflow": fleet.mlflow.model_copy(update={"model_name": f"rtrl-{name}-{suffix}",
-                                                  "experiment": f"rtrl-{name}-{suffix}"}),
-        "gateway": fleet.gateway.model_copy(update={"port": free_ports(1)[0], "spool_dir": tmp_path / "spool"}),
-        "trainer": fleet.trainer.model_copy(update={"min_samples": 16, "checkpoint_dir": tmp_path / "ckpt"}),
-        "gate": gate_without_judgement(fleet.gate, eval_prompts=16),
-        "metrics": MetricsSettings(**dict(zip(
-            ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
-            strict=True))),
-    })  # fmt: skip
-
+    return fresh_topics(fleet, prefix=name).model_copy(
+        update={
+            "store": StoreSettings(url=f"sqlite:///{tmp_path / 'rtrl.db'}"),
+            "mlflow": fleet.mlflow.model_copy(
+                update={"model_name": f"rtrl-{name}-{suffix}", "experiment": f"rtrl-{name}-{suffix}"}
+            ),
+            "gateway": fleet.gateway.model_copy(
+                update={"port": free_ports(1)[0], "spool_dir": tmp_path / "spool"}
+            ),
+            "trainer": fleet.trainer.model_copy(
+                update={"min_samples": 16, "checkpoint_dir": tmp_path / "ckpt"}
+            ),
+            "gate": gate_without_judgement(fleet.gate, eval_prompts=16),
+            "metrics": MetricsSettings(
+                **dict(
+                    zip(
+                        ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"),
+                        free_ports(5),
+                        strict=True,
+                    )
+                )
+            ),
+        }
+    )

@@ -130,7 +130,9 @@ def update_state(
         prompts[key] = mean if key not in prompts else (1 - alpha) * prompts[key] + alpha * mean
         touched[key] = updates
     batch_mean = sum(rewards) / len(rewards)
-    global_mean = batch_mean if state.global_mean is None else (1 - alpha) * state.global_mean + alpha * batch_mean
+    global_mean = (
+        batch_mean if state.global_mean is None else (1 - alpha) * state.global_mean + alpha * batch_mean
+    )
     if len(prompts) > MAX_PROMPT_KEYS:
         for key in sorted(touched, key=touched.__getitem__)[: len(prompts) - MAX_PROMPT_KEYS]:
             del prompts[key], touched[key]

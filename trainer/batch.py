@@ -31,8 +31,10 @@ def has_rows(episode: TrainingEpisode) -> bool:
     """Whether the episode contributes a row (`rows_of`): a trainable segment with a completion
     whose sampling the trainer may learn from. A greedy episode with feedback trains nothing, so
     its feedback cannot carry a batch of other episodes' noise."""
-    return any(seg.trainable and seg.completion_token_ids and untrainable_sampling(seg.sampling) is None
-               for seg in episode.segments)  # fmt: skip
+    return any(
+        seg.trainable and seg.completion_token_ids and untrainable_sampling(seg.sampling) is None
+        for seg in episode.segments
+    )
 
 
 def rows_of(episodes: list[TrainingEpisode], advantages: list[float]) -> tuple[list[Row], dict[str, int]]:
@@ -65,10 +67,13 @@ def rows_of(episodes: list[TrainingEpisode], advantages: list[float]) -> tuple[l
 def episode_overlong_penalty(episode: TrainingEpisode, buffer: float) -> float:
     """DAPO's overlong penalty of an episode: that of its most overlong trainable segment."""
     return min(
-        (overlong_penalty(len(seg.completion_token_ids), seg.sampling.max_tokens, buffer)
-         for seg in episode.segments if seg.trainable),
+        (
+            overlong_penalty(len(seg.completion_token_ids), seg.sampling.max_tokens, buffer)
+            for seg in episode.segments
+            if seg.trainable
+        ),
         default=0.0,
-    )  # fmt: skip
+    )
 
 
 def episode_prompt_key(episode: TrainingEpisode) -> str:

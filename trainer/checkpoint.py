@@ -47,8 +47,10 @@ def check_source(source_dir: Path, adapter: str = "full") -> None:
     ``trainer.adapter=lora``, a LoRA adapter."""
     if is_adapter(source_dir) != (adapter == "lora"):
         what = "a LoRA adapter" if is_adapter(source_dir) else "full weights"
-        raise CheckpointError(f"{source_dir} is {what}, but trainer.adapter={adapter}: a registry's versions are "
-                              "all adapters or all full weights (docs/lora.md, Choosing the mode)")  # fmt: skip
+        raise CheckpointError(
+            f"{source_dir} is {what}, but trainer.adapter={adapter}: a registry's versions are "
+            "all adapters or all full weights (docs/lora.md, Choosing the mode)"
+        )
     if adapter == "lora":
         try:
             adapter_config(source_dir)
@@ -76,8 +78,12 @@ def save(state: dict[str, torch.Tensor], out_dir: Path, source_dir: Path, lineag
     tmp.mkdir(parents=True)
     for path in sorted(source_dir.iterdir()):
         # Not the registry's own marker files (dot files, e.g. a download's ".rtrl-complete").
-        if (path.is_file() and not path.name.startswith(".") and not path.name.endswith(WEIGHT_SUFFIXES)
-                and path.name not in WEIGHT_INDEXES):  # fmt: skip
+        if (
+            path.is_file()
+            and not path.name.startswith(".")
+            and not path.name.endswith(WEIGHT_SUFFIXES)
+            and path.name not in WEIGHT_INDEXES
+        ):
             shutil.copy2(path, tmp / path.name)
     weights = ADAPTER_WEIGHTS if is_adapter(source_dir) else "model.safetensors"
     save_file(state, str(tmp / weights), metadata={"format": "pt"})
@@ -163,8 +169,10 @@ def prune_optimizer_states(checkpoint_dir: Path, keep: int) -> None:
     root = checkpoint_dir / OPTIMIZER_DIR
     if not root.is_dir():
         return
-    cycles = sorted((p for p in root.iterdir() if p.name.startswith("cycle-") and p.name[6:].isdigit()),
-                    key=lambda p: int(p.name[6:]))  # fmt: skip
+    cycles = sorted(
+        (p for p in root.iterdir() if p.name.startswith("cycle-") and p.name[6:].isdigit()),
+        key=lambda p: int(p.name[6:]),
+    )
     for old in cycles[:-keep] if keep > 0 else cycles:
         shutil.rmtree(old, ignore_errors=True)
 

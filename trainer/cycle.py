@@ -85,31 +85,42 @@ class CycleResult(BaseModel):
         0, description="Rows left out for a zero advantage (DAPO's dynamic sampling)."
     )
     unreproducible_rows: int = Field(
-        0, description="Trainable segments left out for their sampling, all reasons together (untrainable_rows)."
+        0,
+        description="Trainable segments left out for their sampling, all reasons together (untrainable_rows).",
     )
     untrainable_rows: dict[str, int] = Field(
-        default_factory=dict, description="Those segments by reason (schemas/sampling.py untrainable_sampling): "
-        "greedy, near_greedy, raw_logprobs."
+        default_factory=dict,
+        description="Those segments by reason (schemas/sampling.py untrainable_sampling): "
+        "greedy, near_greedy, raw_logprobs.",
     )
     signal_episodes: int | None = Field(
-        None, description="Episodes whose reward carries user feedback or a judge's grade (trainer.min_signal)."
+        None,
+        description="Episodes whose reward carries user feedback or a judge's grade (trainer.min_signal).",
     )
     mean_reward: float | None = Field(None, description="Mean reward of the batch.")
-    reward_std: float | None = Field(None, description="Population standard deviation of the batch's rewards.")
+    reward_std: float | None = Field(
+        None, description="Population standard deviation of the batch's rewards."
+    )
     advantage_mean: float | None = Field(None, description="Mean advantage over the batch's episodes.")
-    advantage_abs_mean: float | None = Field(None, description="Mean |advantage| (how much signal the batch carries).")
+    advantage_abs_mean: float | None = Field(
+        None, description="Mean |advantage| (how much signal the batch carries)."
+    )
     data_age_s: float | None = Field(
         None, description="Policy lag: age of the oldest episode learnt from when the cycle started, seconds."
     )
-    first_interaction_at: datetime | None = Field(None, description="Earliest episode start (data-to-deploy time).")
+    first_interaction_at: datetime | None = Field(
+        None, description="Earliest episode start (data-to-deploy time)."
+    )
     train_s: float | None = Field(None, description="Load champion + optimizer steps, seconds.")
     cycle_s: float | None = Field(None, description="Whole cycle, lease to registration, seconds.")
     optimizer_from_cycle: int | None = Field(
-        None, description="The cycle whose AdamW state this one continued (trainer.carry_optimizer); None: fresh."
+        None,
+        description="The cycle whose AdamW state this one continued (trainer.carry_optimizer); None: fresh.",
     )
     kl_stopped_at_step: int | None = Field(
-        None, description="The step at which the trust region (trainer.max_kl) stopped the cycle, its update not "
-        "applied; None: every step ran."
+        None,
+        description="The step at which the trust region (trainer.max_kl) stopped the cycle, its update not "
+        "applied; None: every step ran.",
     )
     episode_metrics: dict[str, float] = Field(
         default_factory=dict,
@@ -179,7 +190,12 @@ class _Training:
 
 
 def run_cycle(
-    settings: Settings, store: Store, registry: Registry, *, owner: str, takeover_suffix: str | None = None,
+    settings: Settings,
+    store: Store,
+    registry: Registry,
+    *,
+    owner: str,
+    takeover_suffix: str | None = None,
     stopping: Callable[[], bool] = lambda: False,
 ) -> CycleResult:
     """One cycle from the champion's own episodes to a registered @challenger (see the module docstring).
@@ -198,7 +214,9 @@ def run_cycle(
     spec = get_spec(settings.labeler.reward_spec)  # once per cycle: every step below is handed it
     available = count_trainable(settings, store, champion, spec_id=spec.spec_id)
     if available < cfg.min_samples:
-        return CycleResult(cycle_id=None, status="not_enough_data", champion_version=champion, episodes=available)
+        return CycleResult(
+            cycle_id=None, status="not_enough_data", champion_version=champion, episodes=available
+        )
     cycle_id = store.acquire_cycle(owner, cfg.lease_ttl_s, champion)
     if cycle_id is None:
         return CycleResult(cycle_id=None, status="busy", champion_version=champion)
@@ -290,17 +308,30 @@ def _advantages(
     baselines = cycle.files.load_baselines()
     shaped = [e.reward for e in episodes]
     if isinstance(cfg.loss, DapoLoss) and cfg.loss.overlong_buffer > 0:
-        shaped = [r + episode_overlong_penalty(e, cfg.loss.overlong_buffer) for r, e in zip(shaped, episodes, strict=True)]
+        shaped = [
+            r + episode_overlong_penalty(e, cfg.loss.overlong_buffer)
+            for r, e in zip(shaped, episodes, strict=True)
+        ]
     adv, next_baselines = compute_advantages([episode_prompt_key(e) for e in episodes], shaped, baselines)
     rows, left_out = rows_of(episodes, adv.values)
     if left_out:
-        log.warning("cycle %d: segments left out for their sampling: %s (docs/algorithms.md, Greedy and "
-                    "near-greedy requests; raw_logprobs: serve with vllm.logprobs_mode=processed)", cycle.id,
-                    ", ".join(f"{n} {reason}" for reason, n in sorted(left_out.items())))  # fmt: skip
+        log.warning(
+            "cycle %d: segments left out for their sampling: %s (docs/algorithms.md, Greedy and "
+            "near-greedy requests; raw_logprobs: serve with vllm.logprobs_mode=processed)",
+            cycle.id,
+            ", ".join(f"{n} {reason}" for reason, n in sorted(left_out.items())),
+        )
     learning = [e for e in episodes if has_rows(e)]
-    return _Batch(episodes=episodes, advantages=adv.values, next_baselines=next_baselines, rows=rows,
-                  left_out=left_out, learning=len(learning), signal=signal_count(learning),
-                  method_metrics=method_metrics)  # fmt: skip
+    return _Batch(
+        episodes=episodes,
+        advantages=adv.values,
+        next_baselines=next_baselines,
+        rows=rows,
+        left_out=left_out,
+        learning=len(learning),
+        signal=signal_count(learning),
+        method_metrics=method_metrics,
+    )
 
 
 def _skip(settings: Settings, store: Store, cycle: _Cycle, batch: _Batch) -> CycleResult:
@@ -309,17 +340,31 @@ def _skip(settings: Settings, store: Store, cycle: _Cycle, batch: _Batch) -> Cyc
     cycle.files.stage_baselines(batch.next_baselines)
     episodes, left_out = batch.episodes, batch.left_out
     result = CycleResult(
-        cycle_id=cycle.id, status="skipped", champion_version=cycle.champion, episodes=len(episodes),
-        trainable_rows=len(batch.rows), signal_episodes=batch.signal, untrainable_rows=left_out,
+        cycle_id=cycle.id,
+        status="skipped",
+        champion_version=cycle.champion,
+        episodes=len(episodes),
+        trainable_rows=len(batch.rows),
+        signal_episodes=batch.signal,
+        untrainable_rows=left_out,
         unreproducible_rows=sum(left_out.values()),
         mean_reward=sum(e.reward for e in episodes) / len(episodes),
-        first_interaction_at=min(e.created_at for e in episodes), cycle_s=round(time.monotonic() - cycle.started, 3),
+        first_interaction_at=min(e.created_at for e in episodes),
+        cycle_s=round(time.monotonic() - cycle.started, 3),
         episode_metrics=batch.method_metrics,
-    )  # fmt: skip
-    log.warning("cycle %d skipped: %d of the %d episodes with trainable rows carry feedback or a judge's grade "
-                "(trainer.min_signal %g; %d of %d episodes have no trainable row: %s); are users' feedback events "
-                "arriving and joining?", cycle.id, batch.signal, batch.learning, settings.trainer.min_signal,
-                len(episodes) - batch.learning, len(episodes), left_out or "none left out")  # fmt: skip
+    )
+    log.warning(
+        "cycle %d skipped: %d of the %d episodes with trainable rows carry feedback or a judge's grade "
+        "(trainer.min_signal %g; %d of %d episodes have no trainable row: %s); are users' feedback events "
+        "arriving and joining?",
+        cycle.id,
+        batch.signal,
+        batch.learning,
+        settings.trainer.min_signal,
+        len(episodes) - batch.learning,
+        len(episodes),
+        left_out or "none left out",
+    )
     end_cycle(settings, store, cycle.id, "skipped", metrics=result.model_dump(mode="json"))
     return result
 
@@ -332,8 +377,10 @@ def _drop_rows_without_signal(cfg: TrainerSettings, batch: _Batch) -> _Batch:
         kept = [r for r in rows if abs(r.advantage) > NO_SIGNAL]
         no_signal, rows = len(rows) - len(kept), kept
     if not rows:
-        raise InsufficientData(f"{len(batch.episodes)} episodes have no trainable completion tokens"
-                               + (f" with a non-zero advantage ({no_signal} without)" if no_signal else ""))
+        raise InsufficientData(
+            f"{len(batch.episodes)} episodes have no trainable completion tokens"
+            + (f" with a non-zero advantage ({no_signal} without)" if no_signal else "")
+        )
     return replace(batch, rows=rows, no_signal=no_signal)
 
 
@@ -357,23 +404,39 @@ def _reward_params(spec: RewardSpec) -> dict[str, str]:
     return params
 
 
-def _start_run(settings: Settings, registry: Registry, cycle: _Cycle, method_metrics: dict[str, float]) -> str:
+def _start_run(
+    settings: Settings, registry: Registry, cycle: _Cycle, method_metrics: dict[str, float]
+) -> str:
     """The cycle's MLflow run (recorded on `cycle` at once: a failure from here on ends it FAILED),
     with the trainer's settings and the reward spec as params, and the batch's method metrics."""
     run_id = cycle.run_id = registry.start_run(
         f"cycle-{cycle.id}",
-        tags={"rtrl.kind": "training_cycle", "rtrl.cycle_id": str(cycle.id), "rtrl.parent_version": str(cycle.champion)},
-        params=flatten("trainer", settings.trainer.model_dump(mode="json"),
-                       _reward_params(cycle.spec) | {"model_name": registry.model_name}),
-    )  # fmt: skip
+        tags={
+            "rtrl.kind": "training_cycle",
+            "rtrl.cycle_id": str(cycle.id),
+            "rtrl.parent_version": str(cycle.champion),
+        },
+        params=flatten(
+            "trainer",
+            settings.trainer.model_dump(mode="json"),
+            _reward_params(cycle.spec) | {"model_name": registry.model_name},
+        ),
+    )
     if method_metrics:
         registry.log_metrics(run_id, method_metrics)
     return run_id
 
 
 def _train(
-    cfg: TrainerSettings, store: Store, registry: Registry, cycle: _Cycle, run_id: str, batch: _Batch,
-    champion_dir: Path, base_dir: Path | None, stopping: Callable[[], bool],
+    cfg: TrainerSettings,
+    store: Store,
+    registry: Registry,
+    cycle: _Cycle,
+    run_id: str,
+    batch: _Batch,
+    champion_dir: Path,
+    base_dir: Path | None,
+    stopping: Callable[[], bool],
 ) -> _Training:
     """The optimizer steps from the champion's weights, on this process or on ``trainer.ranks``
     rank processes, the checkpoint saved to the cycle's ``out_dir``, and the optimizer state kept
@@ -382,29 +445,64 @@ def _train(
     pad_id = 0  # padded positions are masked out of attention and loss; any id works
     batches = micro_batches(batch.rows, cfg.micro_batch, pad_id)
     norm = Normaliser(tokens=sum(b.tokens for b in batches), sequences=len(batch.rows))
-    lineage = {"cycle_id": cycle.id, "parent_version": cycle.champion, "mlflow_run_id": run_id,
-               "episodes": len(batch.episodes), "loss": cfg.loss.type, "adapter": cfg.adapter,
-               "base_model": None if base_dir is None else str(base_dir), "ranks": cfg.ranks}  # fmt: skip
+    lineage = {
+        "cycle_id": cycle.id,
+        "parent_version": cycle.champion,
+        "mlflow_run_id": run_id,
+        "episodes": len(batch.episodes),
+        "loss": cfg.loss.type,
+        "adapter": cfg.adapter,
+        "base_model": None if base_dir is None else str(base_dir),
+        "ranks": cfg.ranks,
+    }
     mean_advantage = sum(batch.advantages) / len(batch.advantages)
     if cfg.ranks > 1:
-        trained, carried_from = _train_on_ranks(cfg, registry, cycle, batches, norm, mean_advantage, champion_dir,
-                                                base_dir, lineage, stopping)  # fmt: skip
+        trained, carried_from = _train_on_ranks(
+            cfg, registry, cycle, batches, norm, mean_advantage, champion_dir, base_dir, lineage, stopping
+        )
         for metrics in trained.steps:
             registry.log_metrics(run_id, mlflow_metrics(metrics), metrics.step)
     else:
-        trained, carried_from = _train_here(cfg, store, registry, cycle, run_id, batches, norm, mean_advantage,
-                                            champion_dir, base_dir, lineage, stopping)  # fmt: skip
+        trained, carried_from = _train_here(
+            cfg,
+            store,
+            registry,
+            cycle,
+            run_id,
+            batches,
+            norm,
+            mean_advantage,
+            champion_dir,
+            base_dir,
+            lineage,
+            stopping,
+        )
     if trained.kl_stop is not None:
-        log.info("cycle %d: KL(champion ‖ policy) %.4f > trainer.max_kl %g after %d of %d steps: "
-                 "stopping there", cycle.id, trained.steps[-1].kl_k3, cfg.max_kl, trained.kl_stop, cfg.steps)  # fmt: skip
+        log.info(
+            "cycle %d: KL(champion ‖ policy) %.4f > trainer.max_kl %g after %d of %d steps: stopping there",
+            cycle.id,
+            trained.steps[-1].kl_k3,
+            cfg.max_kl,
+            trained.kl_stop,
+            cfg.steps,
+        )
     if cfg.carry_optimizer:
         cycle.files.keep_optimizer_state(state_meta(cfg), cfg.keep_optimizer_states)
     return _Training(trained, carried_from, norm.tokens, round(time.monotonic() - train_started, 3))
 
 
 def _train_here(
-    cfg: TrainerSettings, store: Store, registry: Registry, cycle: _Cycle, run_id: str, batches: list[MicroBatch],
-    norm: Normaliser, mean_advantage: float, champion_dir: Path, base_dir: Path | None, lineage: dict[str, Any],
+    cfg: TrainerSettings,
+    store: Store,
+    registry: Registry,
+    cycle: _Cycle,
+    run_id: str,
+    batches: list[MicroBatch],
+    norm: Normaliser,
+    mean_advantage: float,
+    champion_dir: Path,
+    base_dir: Path | None,
+    lineage: dict[str, Any],
     stopping: Callable[[], bool],
 ) -> tuple[Trained, int | None]:
     """The steps of a cycle in this process (a world of one), each logged to the run and renewing
@@ -423,12 +521,20 @@ def _train_here(
         engine = start_engine(champion_dir, cfg, accumulation=len(batches), base_dir=base_dir)
         carried_from = None
         if cfg.carry_optimizer:
-            engine, carried_from = continue_optimizer(engine, registry, cycle.champion, champion_dir, cfg,
-                                                       len(batches), base_dir)  # fmt: skip
+            engine, carried_from = continue_optimizer(
+                engine, registry, cycle.champion, champion_dir, cfg, len(batches), base_dir
+            )
         engine_open.callback(close_engine, engine)
-        trained = run_steps(engine, batches, cfg, loss_function(cfg.loss), norm, mean_advantage=mean_advantage,
-                            before_step=lambda step: check_stopping(f"before step {step}"),
-                            after_step=after_step)  # fmt: skip
+        trained = run_steps(
+            engine,
+            batches,
+            cfg,
+            loss_function(cfg.loss),
+            norm,
+            mean_advantage=mean_advantage,
+            before_step=lambda step: check_stopping(f"before step {step}"),
+            after_step=after_step,
+        )
         if cfg.carry_optimizer:
             save_optimizer_state(engine, cycle.files.optimizer_dir)
         weights = state_dict(engine)
@@ -438,19 +544,34 @@ def _train_here(
 
 
 def _train_on_ranks(
-    cfg: TrainerSettings, registry: Registry, cycle: _Cycle, batches: list[MicroBatch], norm: Normaliser,
-    mean_advantage: float, champion_dir: Path, base_dir: Path | None, lineage: dict[str, Any],
+    cfg: TrainerSettings,
+    registry: Registry,
+    cycle: _Cycle,
+    batches: list[MicroBatch],
+    norm: Normaliser,
+    mean_advantage: float,
+    champion_dir: Path,
+    base_dir: Path | None,
+    lineage: dict[str, Any],
     stopping: Callable[[], bool],
 ) -> tuple[Trained, int | None]:
     """The steps of a multi-rank cycle (trainer/ranks.py); rank 0 saves the checkpoint to the
     cycle's ``out_dir``. Returns the steps and the cycle whose optimizer continued."""
     optimizer_from = carried_state(registry, cycle.champion, cfg) if cfg.carry_optimizer else None
     result = train_on_ranks(
-        cfg, cycle.files.ranks_dir, batches=batches, norm=(norm.tokens, norm.sequences),
-        mean_advantage=mean_advantage, champion_dir=champion_dir, base_dir=base_dir, out_dir=cycle.files.out_dir,
-        lineage=lineage, optimizer_from=None if optimizer_from is None else optimizer_from[0],
-        optimizer_to=cycle.files.optimizer_dir if cfg.carry_optimizer else None, stopping=stopping,
-    )  # fmt: skip
+        cfg,
+        cycle.files.ranks_dir,
+        batches=batches,
+        norm=(norm.tokens, norm.sequences),
+        mean_advantage=mean_advantage,
+        champion_dir=champion_dir,
+        base_dir=base_dir,
+        out_dir=cycle.files.out_dir,
+        lineage=lineage,
+        optimizer_from=None if optimizer_from is None else optimizer_from[0],
+        optimizer_to=cycle.files.optimizer_dir if cfg.carry_optimizer else None,
+        stopping=stopping,
+    )
     steps = [StepMetrics.model_validate(m) for m in result["steps"]]
     carried = optimizer_from[1] if optimizer_from is not None and result["optimizer_carried"] else None
     return Trained(steps, result["kl_stop"]), carried
@@ -487,17 +608,30 @@ def _result(cycle: _Cycle, run_id: str, batch: _Batch, training: _Training) -> C
     )
 
 
-def _log_lineage(registry: Registry, run_id: str, episodes: list[TrainingEpisode], result: CycleResult) -> None:
+def _log_lineage(
+    registry: Registry, run_id: str, episodes: list[TrainingEpisode], result: CycleResult
+) -> None:
     """The run's lineage: which episodes it learnt from, and the cycle summary."""
     episode_ids = [e.episode_id for e in episodes]
-    registry.log_json(run_id, {"episodes.json": sorted(episode_ids),
-                               "cycle.json": result.model_dump(mode="json", exclude={"steps"})})  # fmt: skip
+    registry.log_json(
+        run_id,
+        {
+            "episodes.json": sorted(episode_ids),
+            "cycle.json": result.model_dump(mode="json", exclude={"steps"}),
+        },
+    )
     registry.set_run_tag(run_id, "rtrl.episodes", str(len(episode_ids)))
 
 
 def _register(
-    cfg: TrainerSettings, store: Store, registry: Registry, cycle: _Cycle, run_id: str, result: CycleResult,
-    base_dir: Path | None, next_baselines: BaselineState,
+    cfg: TrainerSettings,
+    store: Store,
+    registry: Registry,
+    cycle: _Cycle,
+    run_id: str,
+    result: CycleResult,
+    base_dir: Path | None,
+    next_baselines: BaselineState,
 ) -> None:
     """The checkpoint as a new version @challenger (recorded on `cycle` at once: a failure from here
     on deletes it), the cycle ``registered`` with its result, its baselines staged, its run FINISHED."""
@@ -506,9 +640,14 @@ def _register(
     version = cycle.version = registry.register_checkpoint(
         cycle.files.out_dir,
         run_id=run_id,
-        tags={"rtrl.cycle_id": str(cycle.id), "rtrl.parent_version": str(cycle.champion),
-              "rtrl.episodes": str(result.episodes), "rtrl.loss": cfg.loss.type} | lineage_tags,
-    )  # fmt: skip
+        tags={
+            "rtrl.cycle_id": str(cycle.id),
+            "rtrl.parent_version": str(cycle.champion),
+            "rtrl.episodes": str(result.episodes),
+            "rtrl.loss": cfg.loss.type,
+        }
+        | lineage_tags,
+    )
     registry.set_alias(CHALLENGER, version)
     result.challenger_version = version
     result.cycle_s = round(time.monotonic() - cycle.started, 3)
@@ -516,7 +655,8 @@ def _register(
         cycle.id,
         "registered",
         challenger=version,
-        metrics=result.model_dump(mode="json", exclude={"steps"}) | {"steps": [s.model_dump() for s in result.steps]},
+        metrics=result.model_dump(mode="json", exclude={"steps"})
+        | {"steps": [s.model_dump() for s in result.steps]},
     )
     # Committed by `end_cycle` once the episodes are spent (promoted or rejected), never before.
     cycle.files.stage_baselines(next_baselines)

@@ -67,7 +67,9 @@ def ds_config(cfg: TrainerSettings, micro_batch: int, accumulation: int) -> dict
     zero: dict[str, Any] = {"stage": cfg.zero_stage}
     if cfg.offload == "cpu":
         if cfg.zero_stage == 0:
-            raise ValueError("trainer.offload=cpu needs trainer.zero_stage >= 1 (ZeRO partitions what it offloads)")
+            raise ValueError(
+                "trainer.offload=cpu needs trainer.zero_stage >= 1 (ZeRO partitions what it offloads)"
+            )
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if cfg.zero_stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
@@ -80,8 +82,13 @@ def ds_config(cfg: TrainerSettings, micro_batch: int, accumulation: int) -> dict
         "gradient_clipping": 1.0,
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": cfg.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
-                       "torch_adam": cfg.offload == "none"},
+            "params": {
+                "lr": cfg.learning_rate,
+                "betas": [0.9, 0.999],
+                "eps": 1e-8,
+                "weight_decay": 0.0,
+                "torch_adam": cfg.offload == "none",
+            },
         },
         "zero_optimization": zero,
         "fp16": {"enabled": False},
@@ -139,9 +146,12 @@ def load_optimizer_state(engine: DeepSpeedEngine, directory: Path) -> None:
     step's learning rate is set by trainer/steps.py `run_steps`). The module weights saved alongside are the ones the engine
     was built from (the cycle that saved them produced this champion). Raises on any mismatch."""
     path, _ = engine.load_checkpoint(
-        str(directory), tag=OPTIMIZER_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
+        str(directory),
+        tag=OPTIMIZER_TAG,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=False,
         load_module_strict=True,
-    )  # fmt: skip
+    )
     if path is None:
         raise FileNotFoundError(f"no optimizer state under {directory}")
 
@@ -195,7 +205,10 @@ def state_dict(engine: DeepSpeedEngine) -> dict[str, torch.Tensor]:
         else contextlib.nullcontext()
     )
     with gather:
-        full = {name: t.detach().to("cpu", torch.float32).contiguous().clone() for name, t in model.state_dict().items()}
+        full = {
+            name: t.detach().to("cpu", torch.float32).contiguous().clone()
+            for name, t in model.state_dict().items()
+        }
     if hasattr(model, "peft_config"):
         from peft import get_peft_model_state_dict
 

@@ -28,8 +28,9 @@ def expire_abandoned(settings: Settings, store: Store) -> list[int]:
     expired = store.expire_cycles()
     for cycle_id in expired:
         checkpoint.discard_baselines(settings.trainer.checkpoint_dir, cycle_id)
-        log.warning("cycle %d: its lease expired (the worker died or hung); failed, its episodes released",
-                    cycle_id)  # fmt: skip
+        log.warning(
+            "cycle %d: its lease expired (the worker died or hung); failed, its episodes released", cycle_id
+        )
     return expired
 
 
@@ -48,7 +49,9 @@ def keep_lease(store: Store, owner: str, ttl_s: float) -> Iterator[None]:
             try:
                 store.renew_lease(owner, ttl_s)
             except Exception as exc:  # noqa: BLE001 - the keeper must outlive any one failure
-                log.warning("could not renew the cycle lease of %s: %r; retrying in %.0fs", owner, exc, ttl_s / 4)
+                log.warning(
+                    "could not renew the cycle lease of %s: %r; retrying in %.0fs", owner, exc, ttl_s / 4
+                )
 
     thread = threading.Thread(target=renew, name="rtrl-lease", daemon=True)
     thread.start()

@@ -126,7 +126,9 @@ def _kl_penalty(batch: TokenBatch, cfg: Any, norm: Normaliser) -> torch.Tensor:
     return penalty
 
 
-def _sums(batch: TokenBatch, ratio: torch.Tensor, is_weight: torch.Tensor, clipped: torch.Tensor) -> dict[str, float]:
+def _sums(
+    batch: TokenBatch, ratio: torch.Tensor, is_weight: torch.Tensor, clipped: torch.Tensor
+) -> dict[str, float]:
     """Token sums of a micro-batch. ``ratio`` is the loss's own (a sequence's for GSPO); the KL
     estimates measure the policy itself, token by token, whatever the loss moves: they are what the
     trust region compares with ``max_kl``."""
@@ -177,7 +179,9 @@ def cispo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
 
 
-def _clipped_surrogate(batch: TokenBatch, cfg: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _clipped_surrogate(
+    batch: TokenBatch, cfg: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """w · min(r Â, clip(r, 1 − ε_low, 1 + ε_high) Â) per token, with w the truncated IS weight."""
     ratio, is_weight, clipped = _token_ratios(batch, cfg)
     adv = batch.advantages[:, None]  # (B, 1)
@@ -201,7 +205,9 @@ def grpo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     """
     objective, ratio, is_weight, clipped = _clipped_surrogate(batch, cfg)
     _, scored = batch.kl_log_ratio()
-    loss = _sequence_mean(-objective, batch.mask, norm) + cfg.kl_coef * _sequence_mean(_kl(batch, cfg), scored, norm)
+    loss = _sequence_mean(-objective, batch.mask, norm) + cfg.kl_coef * _sequence_mean(
+        _kl(batch, cfg), scored, norm
+    )
     return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
 
 
@@ -252,7 +258,14 @@ def gspo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
 
 
-LOSSES: dict[str, LossFn] = {"cispo": cispo, "ppo": ppo, "grpo": grpo, "dapo": dapo, "dr_grpo": dr_grpo, "gspo": gspo}
+LOSSES: dict[str, LossFn] = {
+    "cispo": cispo,
+    "ppo": ppo,
+    "grpo": grpo,
+    "dapo": dapo,
+    "dr_grpo": dr_grpo,
+    "gspo": gspo,
+}
 
 
 def loss_function(cfg: LossSettings) -> LossFn:

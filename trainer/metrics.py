@@ -52,7 +52,8 @@ BATCH_REWARD = Gauge(
     ["version"],
 )
 CHAMPION = Gauge(
-    "rtrl_trainer_champion_version", "The @champion version after the last cycle chain (NaN before the first)."
+    "rtrl_trainer_champion_version",
+    "The @champion version after the last cycle chain (NaN before the first).",
 )
 for _status in ("promoted", "rejected", "failed", "skipped", "abandoned", "busy", "not_enough_data"):
     CYCLES.labels(_status)  # every outcome exists from the start (at 0): a first failure is an increase
@@ -85,19 +86,30 @@ def cycle_ended(out: dict[str, Any], chain_s: float) -> None:
     if not out.get("episodes") or out.get("mean_reward") is None:
         return
     stats = {
-        "episodes": out["episodes"], "rows": out.get("trainable_rows"), "tokens": out.get("tokens"),
-        "reward_mean": out["mean_reward"], "reward_std": out.get("reward_std"),
-        "advantage_mean": out.get("advantage_mean"), "advantage_abs_mean": out.get("advantage_abs_mean"),
-        "data_age_seconds": out.get("data_age_s"), "data_to_deploy_seconds": out.get("data_to_deploy_s"),
+        "episodes": out["episodes"],
+        "rows": out.get("trainable_rows"),
+        "tokens": out.get("tokens"),
+        "reward_mean": out["mean_reward"],
+        "reward_std": out.get("reward_std"),
+        "advantage_mean": out.get("advantage_mean"),
+        "advantage_abs_mean": out.get("advantage_abs_mean"),
+        "data_age_seconds": out.get("data_age_s"),
+        "data_to_deploy_seconds": out.get("data_to_deploy_s"),
         "steps": len(steps),
-    }  # fmt: skip
+    }
     if steps:
-        stats.update(is_weight_mean=statistics.fmean(s["is_weight"] for s in steps),
-                     clip_fraction=statistics.fmean(s["clip_fraction"] for s in steps), kl=steps[-1]["kl_k3"])  # fmt: skip
+        stats.update(
+            is_weight_mean=statistics.fmean(s["is_weight"] for s in steps),
+            clip_fraction=statistics.fmean(s["clip_fraction"] for s in steps),
+            kl=steps[-1]["kl_k3"],
+        )
         mismatch = steps[0].get("mismatch") or {}
         if mismatch.get("tokens"):
-            stats.update(mismatch_outside_band=mismatch["outside_0.9_1.1"], mismatch_ratio_max=mismatch["ratio_max"],
-                         mismatch_abs_log_ratio_mean=mismatch["abs_log_ratio_mean"])  # fmt: skip
+            stats.update(
+                mismatch_outside_band=mismatch["outside_0.9_1.1"],
+                mismatch_ratio_max=mismatch["ratio_max"],
+                mismatch_abs_log_ratio_mean=mismatch["abs_log_ratio_mean"],
+            )
     for stat, value in stats.items():
         if value is not None:
             LAST.labels(stat).set(float(value))

@@ -25,7 +25,12 @@ log = logging.getLogger(__name__)
 
 def state_meta(cfg: TrainerSettings) -> dict[str, Any]:
     """What a saved optimizer state must match to be continued."""
-    return {"zero_stage": cfg.zero_stage, "precision": precision(cfg), "adapter": cfg.adapter, "ranks": cfg.ranks}
+    return {
+        "zero_stage": cfg.zero_stage,
+        "precision": precision(cfg),
+        "adapter": cfg.adapter,
+        "ranks": cfg.ranks,
+    }
 
 
 def carried_state(registry: Registry, champion: int, cfg: TrainerSettings) -> tuple[Path, int] | None:
@@ -37,16 +42,25 @@ def carried_state(registry: Registry, champion: int, cfg: TrainerSettings) -> tu
     directory = checkpoint.optimizer_dir(cfg.checkpoint_dir, int(source))
     meta = checkpoint.optimizer_meta(directory)
     if meta != state_meta(cfg):
-        log.info("v%d: %s; a fresh optimizer", champion,
-                 f"no optimizer state of cycle {source} on this worker" if meta is None
-                 else f"the optimizer state of cycle {source} is for {meta}, not {state_meta(cfg)}")  # fmt: skip
+        log.info(
+            "v%d: %s; a fresh optimizer",
+            champion,
+            f"no optimizer state of cycle {source} on this worker"
+            if meta is None
+            else f"the optimizer state of cycle {source} is for {meta}, not {state_meta(cfg)}",
+        )
         return None
     return directory, int(source)
 
 
 def continue_optimizer(
-    engine: DeepSpeedEngine, registry: Registry, champion: int, champion_dir: Path, cfg: TrainerSettings,
-    accumulation: int, base_dir: Path | None,
+    engine: DeepSpeedEngine,
+    registry: Registry,
+    champion: int,
+    champion_dir: Path,
+    cfg: TrainerSettings,
+    accumulation: int,
+    base_dir: Path | None,
 ) -> tuple[DeepSpeedEngine, int | None]:
     """The engine with the optimizer state of the cycle that produced the champion (`carried_state`),
     or the fresh engine. Never fails the cycle: a state that does not load is logged and a fresh
@@ -58,7 +72,9 @@ def continue_optimizer(
     try:
         load_optimizer_state(engine, directory)
     except Exception:  # noqa: BLE001 - a damaged state must not stop training: start fresh instead
-        log.exception("v%d: the optimizer state of cycle %s does not load; a fresh optimizer", champion, source)
+        log.exception(
+            "v%d: the optimizer state of cycle %s does not load; a fresh optimizer", champion, source
+        )
         close_engine(engine)
         return start_engine(champion_dir, cfg, accumulation=accumulation, base_dir=base_dir), None
     log.info("v%d: continuing the optimizer state of cycle %s", champion, source)

@@ -71,25 +71,51 @@ def train_on_ranks(
 
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / RESULT).unlink(missing_ok=True)
-    torch.save({
-        "batches": [{f.name: getattr(mb, f.name) for f in fields(mb)} for mb in batches],
-        "norm": list(norm), "mean_advantage": mean_advantage, "champion_dir": str(champion_dir),
-        "base_dir": None if base_dir is None else str(base_dir), "out_dir": str(out_dir),
-        "lineage": json.dumps(lineage, default=str),
-        "optimizer_from": None if optimizer_from is None else str(optimizer_from),
-        "optimizer_to": None if optimizer_to is None else str(optimizer_to),
-    }, work_dir / JOB)  # fmt: skip
+    torch.save(
+        {
+            "batches": [{f.name: getattr(mb, f.name) for f in fields(mb)} for mb in batches],
+            "norm": list(norm),
+            "mean_advantage": mean_advantage,
+            "champion_dir": str(champion_dir),
+            "base_dir": None if base_dir is None else str(base_dir),
+            "out_dir": str(out_dir),
+            "lineage": json.dumps(lineage, default=str),
+            "optimizer_from": None if optimizer_from is None else str(optimizer_from),
+            "optimizer_to": None if optimizer_to is None else str(optimizer_to),
+        },
+        work_dir / JOB,
+    )
     (work_dir / SETTINGS).write_text(cfg.model_dump_json())
     # The worker's own single-process rendezvous must not reach the ranks: the launcher sets theirs.
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT", "LOCAL_WORLD_SIZE")}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+    }
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.ranks),
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-               "-m", "trainer.ranks", str(work_dir)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(cfg.ranks),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "trainer.ranks",
+        str(work_dir),
+    ]
     with (work_dir / LOG).open("wb") as sink:
-        proc = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            command,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     try:
         while proc.poll() is None:
             if stopping():
@@ -100,8 +126,10 @@ def train_on_ranks(
             _stop_group(proc)
     if proc.returncode != 0 or not (work_dir / RESULT).is_file():
         tail = (work_dir / LOG).read_text(errors="replace")[-3000:]
-        raise RanksFailed(f"the {cfg.ranks} training ranks failed (exit {proc.returncode}); "
-                          f"{work_dir / LOG} ends with:\n{tail}")  # fmt: skip
+        raise RanksFailed(
+            f"the {cfg.ranks} training ranks failed (exit {proc.returncode}); "
+            f"{work_dir / LOG} ends with:\n{tail}"
+        )
     result: dict[str, Any] = json.loads((work_dir / RESULT).read_text())
     return result
 
@@ -155,22 +183,33 @@ def main(work_dir: Path) -> None:
             close_engine(engine)
             engine = start_engine(champion_dir, cfg, accumulation=len(mine), base_dir=base_dir)
     tokens, sequences = job["norm"]
-    trained = run_steps(engine, mine, cfg, loss_function(cfg.loss), Normaliser(tokens=tokens, sequences=sequences),
-                        mean_advantage=float(job["mean_advantage"]))  # fmt: skip
+    trained = run_steps(
+        engine,
+        mine,
+        cfg,
+        loss_function(cfg.loss),
+        Normaliser(tokens=tokens, sequences=sequences),
+        mean_advantage=float(job["mean_advantage"]),
+    )
     if job["optimizer_to"] is not None:
         save_optimizer_state(engine, Path(job["optimizer_to"]))  # every rank writes its part
     weights = state_dict(engine)  # gathered from every rank at ZeRO 3
     if rank == 0:
         checkpoint.save(weights, Path(job["out_dir"]), champion_dir, json.loads(job["lineage"]))
-        result = {"steps": [m.model_dump() for m in trained.steps], "kl_stop": trained.kl_stop,
-                  "optimizer_carried": carried}  # fmt: skip
+        result = {
+            "steps": [m.model_dump() for m in trained.steps],
+            "kl_stop": trained.kl_stop,
+            "optimizer_carried": carried,
+        }
         (work_dir / f"{RESULT}.tmp").write_text(json.dumps(result))
         os.replace(work_dir / f"{RESULT}.tmp", work_dir / RESULT)
     close_engine(engine)
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank %(process)d %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s rank %(process)d %(levelname)s %(name)s %(message)s"
+    )
     if len(sys.argv) != 2:
         sys.exit("usage: python -m trainer.ranks WORK_DIR (launched by trainer/ranks.py train_on_ranks)")
     main(Path(sys.argv[1]))

@@ -42,25 +42,36 @@ class StepMetrics(BaseModel):
     mean_ratio: float = Field(description="Mean π_θ/π_old over tokens (1.0 on the first step).")
     clip_fraction: float = Field(description="Fraction of tokens whose ratio is outside the clip range.")
     kl_k1: float = Field(description="k1 estimate of KL(π_old ‖ π_θ): mean of −log(π_θ/π_old).")
-    kl_k3: float = Field(0.0, description="k3 estimate of KL(π_old ‖ π_θ): mean of r − 1 − log r, r = π_θ/π_old "
-                         "(≥ 0; what trainer.max_kl is compared with).")
+    kl_k3: float = Field(
+        0.0,
+        description="k3 estimate of KL(π_old ‖ π_θ): mean of r − 1 − log r, r = π_θ/π_old "
+        "(≥ 0; what trainer.max_kl is compared with).",
+    )
     is_weight: float = Field(description="Mean truncated behaviour weight min(π_old/μ, C).")
     grad_norm: float | None = Field(description="Global gradient norm before clipping.")
     mean_advantage: float
     tokens: int
     impossible_tokens: int = Field(
-        0, description="Sampled tokens outside their row's truncation (top-p/top-k/min-p) under π_old or π_θ: "
-        "left out of the loss."
+        0,
+        description="Sampled tokens outside their row's truncation (top-p/top-k/min-p) under π_old or π_θ: "
+        "left out of the loss.",
     )
-    kl_tokens: int = Field(0, description="Sampled tokens the KL estimates cover: every trainable completion token, "
-                           "those outside the nucleus included (tempered logprobs).")
+    kl_tokens: int = Field(
+        0,
+        description="Sampled tokens the KL estimates cover: every trainable completion token, "
+        "those outside the nucleus included (tempered logprobs).",
+    )
     mismatch: dict[str, float] | None = Field(
-        None, description="First step only: the raw ratio π_old/μ per token before clipping (`Mismatch`): "
-        "tokens, share outside [0.9, 1.1], mean, min, max, mean |log ratio|, share per bin (bin_<lo>_<hi>)."
+        None,
+        description="First step only: the raw ratio π_old/μ per token before clipping (`Mismatch`): "
+        "tokens, share outside [0.9, 1.1], mean, min, max, mean |log ratio|, share per bin (bin_<lo>_<hi>).",
     )
     lr: float | None = Field(None, description="Learning rate of this step's update (trainer.warmup_steps).")
-    applied: bool = Field(True, description="False: the trust region stopped the cycle here (trainer.max_kl); this "
-                          "step's forward passes were measured and its update was not applied.")
+    applied: bool = Field(
+        True,
+        description="False: the trust region stopped the cycle here (trainer.max_kl); this "
+        "step's forward passes were measured and its update was not applied.",
+    )
 
 
 @dataclass(frozen=True)
@@ -110,7 +121,9 @@ class Mismatch:
         if world()[1] == 1:
             return
         keys = sorted(self.sums)
-        summed = torch.tensor([self.sums[k] for k in keys] + self.bins, dtype=torch.float64, device=collective_device())
+        summed = torch.tensor(
+            [self.sums[k] for k in keys] + self.bins, dtype=torch.float64, device=collective_device()
+        )
         torch.distributed.all_reduce(summed)
         values = summed.tolist()
         self.sums, self.bins = dict(zip(keys, values[: len(keys)], strict=True)), values[len(keys) :]
@@ -122,8 +135,14 @@ class Mismatch:
         n = self.sums["tokens"]
         if n == 0:
             return {"tokens": 0.0}
-        out = {"tokens": n, "outside_0.9_1.1": self.sums["outside"] / n, "ratio_mean": self.sums["ratio"] / n,
-               "ratio_min": self.low, "ratio_max": self.high, "abs_log_ratio_mean": self.sums["abs_log"] / n}  # fmt: skip
+        out = {
+            "tokens": n,
+            "outside_0.9_1.1": self.sums["outside"] / n,
+            "ratio_mean": self.sums["ratio"] / n,
+            "ratio_min": self.low,
+            "ratio_max": self.high,
+            "abs_log_ratio_mean": self.sums["abs_log"] / n,
+        }
         for (lo, hi), count in zip(itertools.pairwise(MISMATCH_EDGES), self.bins, strict=True):
             out[f"bin_{lo:g}_{hi:g}"] = count / n
         return out
@@ -195,8 +214,13 @@ def run_steps(
         done = _step(engine, batches, cfg, loss_fn, norm, lr=lr, old_logprobs=old_logprobs, mismatch=mismatch)
         if step == 0:
             mismatch.reduce()
-        metrics = _step_metrics(step, done, lr=lr, mean_advantage=mean_advantage,
-                                mismatch=mismatch.metrics() if step == 0 else None)  # fmt: skip
+        metrics = _step_metrics(
+            step,
+            done,
+            lr=lr,
+            mean_advantage=mean_advantage,
+            mismatch=mismatch.metrics() if step == 0 else None,
+        )
         steps.append(metrics)
         after_step(metrics)
         if not done.applied:
@@ -215,14 +239,30 @@ class _Step:
 
 
 def _step(
-    engine: DeepSpeedEngine, batches: list[MicroBatch], cfg: TrainerSettings, loss_fn: LossFn, norm: Normaliser, *,
-    lr: float, old_logprobs: list[TokenLogprobs | None], mismatch: Mismatch,
+    engine: DeepSpeedEngine,
+    batches: list[MicroBatch],
+    cfg: TrainerSettings,
+    loss_fn: LossFn,
+    norm: Normaliser,
+    *,
+    lr: float,
+    old_logprobs: list[TokenLogprobs | None],
+    mismatch: Mismatch,
 ) -> _Step:
     """One optimizer step: forward and backward over every micro-batch, then, unless the trust
     region stops the cycle here, one update at learning rate `lr`."""
     _, size = world()
-    totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl_k1": 0.0, "kl_k3": 0.0, "kl_tokens": 0.0,
-              "is_weight": 0.0, "tokens": 0.0, "impossible": 0.0}  # fmt: skip
+    totals = {
+        "loss": 0.0,
+        "ratio": 0.0,
+        "clipped": 0.0,
+        "kl_k1": 0.0,
+        "kl_k3": 0.0,
+        "kl_tokens": 0.0,
+        "is_weight": 0.0,
+        "tokens": 0.0,
+        "impossible": 0.0,
+    }
     norm_before: float | None = None
     for k, mb in enumerate(batches):
         mb = mb.to(engine.device)
@@ -241,13 +281,23 @@ def _step(
             norm_before = grad_norm_before_step(engine)
             set_lr(engine, lr)
         engine.step()  # the optimizer steps on the last micro-batch only
-    return _Step(totals, applied=True,
-                 grad_norm=norm_before if norm_before is not None else grad_norm_after_step(engine))  # fmt: skip
+    return _Step(
+        totals,
+        applied=True,
+        grad_norm=norm_before if norm_before is not None else grad_norm_after_step(engine),
+    )
 
 
 def _micro_batch_loss(
-    engine: DeepSpeedEngine, mb: MicroBatch, k: int, cfg: TrainerSettings, loss_fn: LossFn, norm: Normaliser,
-    old_logprobs: list[TokenLogprobs | None], mismatch: Mismatch, totals: dict[str, float],
+    engine: DeepSpeedEngine,
+    mb: MicroBatch,
+    k: int,
+    cfg: TrainerSettings,
+    loss_fn: LossFn,
+    norm: Normaliser,
+    old_logprobs: list[TokenLogprobs | None],
+    mismatch: Mismatch,
+    totals: dict[str, float],
 ) -> LossOutput:
     """Micro-batch `k`'s forward pass and loss, its sums added to `totals`. The first step's pass
     is π_old (kept in `old_logprobs`) and is measured against the behaviour logprobs (`mismatch`)."""
@@ -260,9 +310,20 @@ def _micro_batch_loss(
     # policy term; the KL terms still see it, through the tempered logprobs.
     mask = mb.mask * (now.possible & old.possible)
     totals["impossible"] += float(mb.mask.sum() - mask.sum())
-    out = loss_fn(TokenBatch(now.logprobs, old.logprobs, mb.behaviour_logprobs, mb.advantages, mask,
-                             tempered=now.tempered, old_tempered=old.tempered, scored=mb.mask),
-                  cfg.loss, norm)  # fmt: skip
+    out = loss_fn(
+        TokenBatch(
+            now.logprobs,
+            old.logprobs,
+            mb.behaviour_logprobs,
+            mb.advantages,
+            mask,
+            tempered=now.tempered,
+            old_tempered=old.tempered,
+            scored=mb.mask,
+        ),
+        cfg.loss,
+        norm,
+    )
     totals["loss"] += float(out.loss.detach())
     for key, value in out.sums.items():
         totals[key] += value

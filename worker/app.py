@@ -59,7 +59,11 @@ def configure(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
         timezone="UTC",
         beat_schedule={
-            "maybe-train": {"task": BEAT_TASK, "schedule": settings.trainer.interval_s, "options": {"queue": QUEUE}},
+            "maybe-train": {
+                "task": BEAT_TASK,
+                "schedule": settings.trainer.interval_s,
+                "options": {"queue": QUEUE},
+            },
         },
     )
     return app

@@ -30,7 +30,12 @@ log = logging.getLogger(__name__)
 
 
 def run_chain(
-    settings: Settings, store: Store, registry: Registry, *, owner: str, takeover_suffix: str | None = None,
+    settings: Settings,
+    store: Store,
+    registry: Registry,
+    *,
+    owner: str,
+    takeover_suffix: str | None = None,
     stopping: Callable[[], bool] = lambda: False,
 ) -> dict[str, Any]:
     """train → gate → promote. Shared by the task and ``rtrl train now --inline``.
@@ -48,42 +53,72 @@ def run_chain(
         # Renewed from a thread for the whole job (training, gate, swap): the lease outlives a long cycle,
         # and expires within trainer.lease_ttl_s of this worker's death (trainer/lease.py).
         with keep_lease(store, owner, settings.trainer.lease_ttl_s):
-            out = _chain(settings, store, registry, owner=owner, takeover_suffix=takeover_suffix, stopping=stopping)
+            out = _chain(
+                settings, store, registry, owner=owner, takeover_suffix=takeover_suffix, stopping=stopping
+            )
         return out
     finally:
         metrics.cycle_ended(out, time.monotonic() - started)
 
 
 def _chain(
-    settings: Settings, store: Store, registry: Registry, *, owner: str, takeover_suffix: str | None,
+    settings: Settings,
+    store: Store,
+    registry: Registry,
+    *,
+    owner: str,
+    takeover_suffix: str | None,
     stopping: Callable[[], bool],
 ) -> dict[str, Any]:
     from deployer import gate, rollout
     from trainer.cycle import end_cycle, run_cycle
 
     try:
-        result = run_cycle(settings, store, registry, owner=owner, takeover_suffix=takeover_suffix, stopping=stopping)
+        result = run_cycle(
+            settings, store, registry, owner=owner, takeover_suffix=takeover_suffix, stopping=stopping
+        )
     except Abandoned as exc:  # the cycle is failed and its episodes released already
         log.warning("%s", exc)
         return {"status": "abandoned", "error": str(exc), "gate": None}
     out: dict[str, Any] = result.model_dump(mode="json")
-    out.update(gate=None, challenger_score=None, champion_score=None, swap_ms=None, deployed_at=None,
-               data_to_deploy_s=None, version_after=result.champion_version)
+    out.update(
+        gate=None,
+        challenger_score=None,
+        champion_score=None,
+        swap_ms=None,
+        deployed_at=None,
+        data_to_deploy_s=None,
+        version_after=result.champion_version,
+    )
     if result.status != "registered":
         return out
     assert result.cycle_id is not None and result.challenger_version is not None
     if stopping():  # SIGTERM while it saved and registered: the gate would outlast the grace
-        end_cycle(settings, store, result.cycle_id, "failed", error="the worker is stopping; abandoned before the gate")
+        end_cycle(
+            settings,
+            store,
+            result.cycle_id,
+            "failed",
+            error="the worker is stopping; abandoned before the gate",
+        )
         out["status"] = "abandoned"
         return out
     try:
         gate_started = time.monotonic()
         decision = gate.evaluate(settings, registry, result.challenger_version, store)
         out["gate_s"] = round(time.monotonic() - gate_started, 3)
-        out.update(gate="pass" if decision.passed else "fail", gate_reason=decision.reason,
-                   challenger_score=decision.challenger_score, champion_score=decision.champion_score)
-        gate_metrics = {"gate": out["gate"], "gate_reason": decision.reason,
-                        "challenger_score": decision.challenger_score, "champion_score": decision.champion_score}
+        out.update(
+            gate="pass" if decision.passed else "fail",
+            gate_reason=decision.reason,
+            challenger_score=decision.challenger_score,
+            champion_score=decision.champion_score,
+        )
+        gate_metrics = {
+            "gate": out["gate"],
+            "gate_reason": decision.reason,
+            "challenger_score": decision.challenger_score,
+            "champion_score": decision.champion_score,
+        }
         if not decision.passed:
             end_cycle(settings, store, result.cycle_id, "rejected", metrics=gate_metrics)
             out["status"] = "rejected"
@@ -95,22 +130,48 @@ def _chain(
         if not swap.ok:
             # Not deployed (the fleet is back on the champion): the data was not learnt from in
             # production, so the cycle fails and its episodes go back to the pool.
-            end_cycle(settings, store, result.cycle_id, "failed", metrics=gate_metrics, error=f"swap failed: {swap.error}")
+            end_cycle(
+                settings,
+                store,
+                result.cycle_id,
+                "failed",
+                metrics=gate_metrics,
+                error=f"swap failed: {swap.error}",
+            )
             out["status"] = "failed"
             return out
         deployed_at = utcnow()
-        out.update(status="promoted", version_after=result.challenger_version, swap_ms=swap.swap_ms,
-                   deployed_at=deployed_at.isoformat())
+        out.update(
+            status="promoted",
+            version_after=result.challenger_version,
+            swap_ms=swap.swap_ms,
+            deployed_at=deployed_at.isoformat(),
+        )
         if result.first_interaction_at is not None:
             out["data_to_deploy_s"] = round((deployed_at - result.first_interaction_at).total_seconds(), 3)
-        end_cycle(settings, store, result.cycle_id, "promoted", metrics=gate_metrics | {
-            "swap_ms": swap.swap_ms, "deployed_at": out["deployed_at"], "data_to_deploy_s": out["data_to_deploy_s"]})
+        end_cycle(
+            settings,
+            store,
+            result.cycle_id,
+            "promoted",
+            metrics=gate_metrics
+            | {
+                "swap_ms": swap.swap_ms,
+                "deployed_at": out["deployed_at"],
+                "data_to_deploy_s": out["data_to_deploy_s"],
+            },
+        )
         return out
     except BaseException as exc:
         # The registered version stays (@challenger, never @champion); the cycle must not stay
         # active until its lease expires.
-        end_cycle(settings, store, result.cycle_id, "failed",
-                  error=f"after registration: {type(exc).__name__}: {exc}"[:10_000])
+        end_cycle(
+            settings,
+            store,
+            result.cycle_id,
+            "failed",
+            error=f"after registration: {type(exc).__name__}: {exc}"[:10_000],
+        )
         if isinstance(exc, Exception):
             # Even a transient cause is final here: a retry would train and register another version.
             raise AfterRegistration(f"v{result.challenger_version}: {type(exc).__name__}: {exc}") from exc

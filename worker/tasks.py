@@ -105,7 +105,9 @@ def next_cycle_due(settings: Settings, store: Store) -> datetime | None:
 def pause_training(settings: Settings, reason: str) -> dict[str, Any]:
     """Stop beat from enqueueing cycles until `resume_training` (a running cycle finishes)."""
     state = {"paused": True, "since": utcnow().isoformat(), "reason": reason}
-    _redis(settings.celery.broker_url).set(PAUSED_KEY, json.dumps({"since": state["since"], "reason": reason}))
+    _redis(settings.celery.broker_url).set(
+        PAUSED_KEY, json.dumps({"since": state["since"], "reason": reason})
+    )
     return state
 
 
@@ -156,8 +158,14 @@ def train_cycle(self: Task) -> dict[str, Any]:
     _redis(res.settings.celery.broker_url).delete(PENDING_KEY)
     owner = f"{socket.gethostname()}:{os.getpid()}:{self.request.id}"
     # A redelivered message (the previous worker died mid-cycle) takes over that cycle's lease.
-    return run_chain(res.settings, res.store, res.registry, owner=owner, takeover_suffix=self.request.id,
-                     stopping=STOPPING.is_set)  # fmt: skip
+    return run_chain(
+        res.settings,
+        res.store,
+        res.registry,
+        owner=owner,
+        takeover_suffix=self.request.id,
+        stopping=STOPPING.is_set,
+    )
 
 
 @app.task(name=BEAT_TASK)  # type: ignore[untyped-decorator]

@@ -30,8 +30,11 @@ def register(app: typer.Typer) -> None:
             settings = settings.model_copy(update={"agent": settings.agent.model_copy(update=overrides)})
         cfg = settings.agent
         if port_in_use(cfg.host, cfg.port):
-            raise ServiceError(f"agent: port {cfg.port} on {cfg.host} is in use; stop what holds it or set "
-                               "RTRL_AGENT__PORT")  # fmt: skip
+            raise ServiceError(
+                f"agent: port {cfg.port} on {cfg.host} is in use; stop what holds it or set RTRL_AGENT__PORT"
+            )
         if cfg.token is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
-            typer.echo(f"rtrl agent: listening on {cfg.host} without a token; set RTRL_AGENT__TOKEN", err=True)
+            typer.echo(
+                f"rtrl agent: listening on {cfg.host} without a token; set RTRL_AGENT__TOKEN", err=True
+            )
         uvicorn.run(create_app(settings), host=cfg.host, port=cfg.port, log_level="warning", access_log=False)

@@ -47,7 +47,9 @@ def register(app: typer.Typer) -> None:
         settings = load_settings()
         # An unknown spec, or a judged one without its endpoint, is a mistake to fix now, not to retry.
         require_endpoint(get_spec(settings.labeler.reward_spec), settings.labeler.judge)
-        with Store(settings.store.url) as store:  # a malformed store URL is a mistake to fix now, not to retry
+        with Store(
+            settings.store.url
+        ) as store:  # a malformed store URL is a mistake to fix now, not to retry
             _require_local_store(settings, store)
         Registry.from_settings(settings)
         require_usable(settings)  # the base model the champion starts from: a broken one is refused now

@@ -37,7 +37,9 @@ def register(app: typer.Typer) -> None:
     def demo(
         cycles: int = typer.Option(3, min=1, help="Full cycles to run."),
         requests: int = typer.Option(
-            96, min=1, help="Simulated requests per cycle; with --scenario, episodes per cycle (several calls each)."
+            96,
+            min=1,
+            help="Simulated requests per cycle; with --scenario, episodes per cycle (several calls each).",
         ),
         concurrency: int = typer.Option(4, min=1, help="Simulated users sending at once."),
         task: str = typer.Option("exclaim", help="Synthetic task the simulated users bring."),
@@ -45,7 +47,9 @@ def register(app: typer.Typer) -> None:
             None, help="module:function preference(prompt, completion) -> list[FeedbackSignal]."
         ),
         json_path: Path | None = typer.Option(None, "--json", help="Write the per-cycle figures here."),
-        plot: Path | None = typer.Option(None, help="PNG plot of reward per cycle (default: next to --json)."),
+        plot: Path | None = typer.Option(
+            None, help="PNG plot of reward per cycle (default: next to --json)."
+        ),
         keep_services: bool = typer.Option(False, help="Leave the services up that the demo started."),
         settle_window: float = typer.Option(
             5.0, help="Labeler settle window (s) for episodes without terminal feedback (accepted ones)."
@@ -57,11 +61,13 @@ def register(app: typer.Typer) -> None:
             "the serving model unless labeler.judge is set); each labelled with its reward spec (docs/methods.md).",
         ),
         api: str = typer.Option(
-            "completions", help="How the simulated users ask: completions (the task's prompt at T = 1) or chat (the "
+            "completions",
+            help="How the simulated users ask: completions (the task's prompt at T = 1) or chat (the "
             "question as a user message, under the model's chat template and generation_config.json defaults).",
         ),
         model_dir: Path | None = typer.Option(
-            None, help="Your own HF checkpoint to serve and train instead of the tiny model (RTRL_VLLM__MODEL_DIR); "
+            None,
+            help="Your own HF checkpoint to serve and train instead of the tiny model (RTRL_VLLM__MODEL_DIR); "
             "refused in one line when `rtrl model check` rejects it.",
         ),
     ) -> None:

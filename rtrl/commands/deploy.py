@@ -125,9 +125,13 @@ def rollback(
 @deploy_app.command("reconcile")
 def reconcile(
     forever: bool = typer.Option(
-        False, "--forever", help="Keep checking every deployer.reconcile_interval_s until SIGTERM (what `rtrl run` runs)."
+        False,
+        "--forever",
+        help="Keep checking every deployer.reconcile_interval_s until SIGTERM (what `rtrl run` runs).",
     ),
-    every: float | None = typer.Option(None, "--every", min=1.0, help="With --forever: check every SECONDS instead."),
+    every: float | None = typer.Option(
+        None, "--every", min=1.0, help="With --forever: check every SECONDS instead."
+    ),
 ) -> None:
     """Bring every server back to @champion: restart a local vLLM server that died (one `rtrl services
     up` started), swap one on other weights (a restart puts a server back on its base model), relabel
@@ -160,15 +164,24 @@ def reconcile(
     start_exporter(settings, "reconciler", readiness)  # /metrics, /healthz, /readyz (docs/metrics.md)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the tick under way, then exit
-    reconcile_forever(settings, registry, every or settings.deployer.reconcile_interval_s, stop, revive,
-                      on_tick=lambda outcome, detail: readiness.set("fleet", outcome in ("aligned", "changed", "busy"),
-                                                                    detail))  # fmt: skip
+    reconcile_forever(
+        settings,
+        registry,
+        every or settings.deployer.reconcile_interval_s,
+        stop,
+        revive,
+        on_tick=lambda outcome, detail: readiness.set(
+            "fleet", outcome in ("aligned", "changed", "busy"), detail
+        ),
+    )
 
 
 @deploy_app.command("rotation")
 def rotation(
     url: str | None = typer.Argument(None, help="A serving server's URL (one of RTRL_VLLM__SERVERS)."),
-    in_rotation: bool | None = typer.Option(None, "--in/--out", help="Put the server back in rotation, or take it out."),
+    in_rotation: bool | None = typer.Option(
+        None, "--in/--out", help="Put the server back in rotation, or take it out."
+    ),
     reason: str = typer.Option("operator", help="Why, shown by `rtrl deploy rotation`."),
 ) -> None:
     """Show which serving servers the gateways route users to, or take one out / put it back.
@@ -188,19 +201,28 @@ def rotation(
                 raise typer.BadParameter("give a URL and --in or --out", param_hint="URL")
             known = [u.rstrip("/") for u in settings.vllm.servers]
             if url.rstrip("/") not in known:
-                raise typer.BadParameter(f"{url} is not a serving server ({', '.join(known)})", param_hint="URL")
+                raise typer.BadParameter(
+                    f"{url} is not a serving server ({', '.join(known)})", param_hint="URL"
+                )
             store.set_rotation(url, in_rotation, reason)
         rows = store.rotation()
         for server in settings.vllm.servers:
             row = rows.get(server.rstrip("/"))
-            typer.echo(json.dumps({
-                "url": server, "in_rotation": True if row is None else row.in_rotation,
-                "reason": None if row is None else row.reason,
-                "since": None if row is None else row.updated_at.isoformat(),
-                # What the deployer announced to the gateways (None: a swap in progress, or never).
-                "announced_version": None if row is None or row.version is None else format_version(row.version),
-                "announced_epoch": None if row is None else row.epoch,
-            }))  # fmt: skip
+            typer.echo(
+                json.dumps(
+                    {
+                        "url": server,
+                        "in_rotation": True if row is None else row.in_rotation,
+                        "reason": None if row is None else row.reason,
+                        "since": None if row is None else row.updated_at.isoformat(),
+                        # What the deployer announced to the gateways (None: a swap in progress, or never).
+                        "announced_version": None
+                        if row is None or row.version is None
+                        else format_version(row.version),
+                        "announced_epoch": None if row is None else row.epoch,
+                    }
+                )
+            )
 
 
 def register(app: typer.Typer) -> None:

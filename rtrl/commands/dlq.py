@@ -23,7 +23,9 @@ dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters: records rtrl ref
 
 @dlq_app.command("list")
 def list_letters(
-    reason: str | None = typer.Option(None, help="Only reasons starting with this (schema:, content:, duplicate:, ...)."),
+    reason: str | None = typer.Option(
+        None, help="Only reasons starting with this (schema:, content:, duplicate:, ...)."
+    ),
     limit: int = typer.Option(50, min=1, help="How many, newest first."),
 ) -> None:
     """Dead letters as JSON lines, newest first."""
@@ -33,15 +35,24 @@ def list_letters(
     with Store(load_settings().store.url) as store:
         store.check_schema()
         for d in store.dead_letters(limit, reason_prefix=reason):
-            typer.echo(json.dumps({
-                "id": d.event_id, "source": d.source, "created_at": d.created_at.isoformat(),
-                "original_event_id": d.original_event_id, "replayed": d.replayed_at is not None,
-                "reason": d.reason[:300],
-            }))  # fmt: skip
+            typer.echo(
+                json.dumps(
+                    {
+                        "id": d.event_id,
+                        "source": d.source,
+                        "created_at": d.created_at.isoformat(),
+                        "original_event_id": d.original_event_id,
+                        "replayed": d.replayed_at is not None,
+                        "reason": d.reason[:300],
+                    }
+                )
+            )
 
 
 @dlq_app.command("show")
-def show(letter_id: str = typer.Argument(..., help="Id from `rtrl dlq list` (dlq:topic:partition:offset).")) -> None:
+def show(
+    letter_id: str = typer.Argument(..., help="Id from `rtrl dlq list` (dlq:topic:partition:offset)."),
+) -> None:
     """One dead letter in full; the payload decoded as UTF-8 (invalid bytes replaced)."""
     from schemas.settings import load_settings
     from store import Store
@@ -51,11 +62,22 @@ def show(letter_id: str = typer.Argument(..., help="Id from `rtrl dlq list` (dlq
         d = store.dead_letter(letter_id)
     if d is None:
         raise typer.BadParameter(f"no dead letter {letter_id!r} (see `rtrl dlq list`)", param_hint="ID")
-    typer.echo(json.dumps({
-        "id": d.event_id, "source": d.source, "source_topic": d.source_topic, "created_at": d.created_at.isoformat(),
-        "original_event_id": d.original_event_id, "replayed_at": None if d.replayed_at is None else d.replayed_at.isoformat(),
-        "reason": d.reason, "payload_bytes": len(d.payload), "payload": d.payload.decode("utf-8", errors="replace"),
-    }, indent=2))  # fmt: skip
+    typer.echo(
+        json.dumps(
+            {
+                "id": d.event_id,
+                "source": d.source,
+                "source_topic": d.source_topic,
+                "created_at": d.created_at.isoformat(),
+                "original_event_id": d.original_event_id,
+                "replayed_at": None if d.replayed_at is None else d.replayed_at.isoformat(),
+                "reason": d.reason,
+                "payload_bytes": len(d.payload),
+                "payload": d.payload.decode("utf-8", errors="replace"),
+            },
+            indent=2,
+        )
+    )
 
 
 @dlq_app.command("replay")
@@ -74,7 +96,10 @@ def replay(letter_ids: list[str] = typer.Argument(..., help="Ids from `rtrl dlq 
             for letter_id in letter_ids:
                 d = store.dead_letter(letter_id)
                 if d is None or d.source_topic is None:
-                    typer.echo(f"{letter_id}: {'no such dead letter' if d is None else 'came from ' + d.source + ', no topic to replay to'}", err=True)
+                    typer.echo(
+                        f"{letter_id}: {'no such dead letter' if d is None else 'came from ' + d.source + ', no topic to replay to'}",
+                        err=True,
+                    )
                     failed += 1
                     continue
                 if d.replayed_at is not None:
@@ -84,9 +109,13 @@ def replay(letter_ids: list[str] = typer.Argument(..., help="Ids from `rtrl dlq 
                 # Produced first, marked after: a crash in between replays it twice; the labeler stores
                 # the first copy and dead-letters the second as a duplicate, rather than losing it.
                 producer = producer or streams.producer(settings.kafka, "rtrl-dlq-replay")
-                metadata = producer.send(d.source_topic, key=_record_key(d.payload, letter_id), value=d.payload).get(timeout=30)
+                metadata = producer.send(
+                    d.source_topic, key=_record_key(d.payload, letter_id), value=d.payload
+                ).get(timeout=30)
                 store.mark_replayed(letter_id)
-                typer.echo(f"{letter_id}: replayed to {metadata.topic}:{metadata.partition}:{metadata.offset}")
+                typer.echo(
+                    f"{letter_id}: replayed to {metadata.topic}:{metadata.partition}:{metadata.offset}"
+                )
         finally:
             if producer is not None:
                 producer.close()

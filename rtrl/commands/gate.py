@@ -1,7 +1,7 @@
 """`rtrl gate`: run the eval gate on a version, and explain a decision it made (docs/gate.md).
 
-    rtrl gate run VERSION        challenger VERSION against @champion; JSON; exit 1 when it fails
-    rtrl gate explain VERSION    the latest decision on VERSION: suites, intervals, alarms, reasons
+rtrl gate run VERSION        challenger VERSION against @champion; JSON; exit 1 when it fails
+rtrl gate explain VERSION    the latest decision on VERSION: suites, intervals, alarms, reasons
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from typing import Any
 
 import typer
 
-gate_app = typer.Typer(no_args_is_help=True, help="The eval gate: run it on a version, explain its decisions.")
+gate_app = typer.Typer(
+    no_args_is_help=True, help="The eval gate: run it on a version, explain its decisions."
+)
 
 
 def run_gate(version: int) -> None:
@@ -31,7 +33,9 @@ def run_gate(version: int) -> None:
 
 
 @gate_app.command("run")
-def run(version: int = typer.Argument(..., min=1, help="Registered version to judge against @champion.")) -> None:
+def run(
+    version: int = typer.Argument(..., min=1, help="Registered version to judge against @champion."),
+) -> None:
     """Judge VERSION against @champion (staging server, held-out traffic); exit 1 when it fails."""
     run_gate(version)
 
@@ -53,20 +57,25 @@ def explain_text(record: dict[str, Any]) -> str:
     for suite in record.get("suites", []):
         verdict = "inconclusive" if not suite["conclusive"] else "pass" if suite["passed"] else "FAIL"
         diff = suite.get("difference")
-        interval = (f"{diff['estimate']:+.4f} [{diff['low']:+.4f}, {diff['high']:+.4f}]" if diff else "-")
-        lines.append(f"  suite {suite['name']:<16} {verdict:<12} challenger {_figure(suite['challenger'])} "
-                     f"champion {_figure(suite['champion'])} difference {interval} margin {suite.get('margin', 0):g} "
-                     f"n={suite['n']}"
-                     + (f" ess={suite['ess']:.1f}" if suite.get("ess") is not None else ""))  # fmt: skip
+        interval = f"{diff['estimate']:+.4f} [{diff['low']:+.4f}, {diff['high']:+.4f}]" if diff else "-"
+        lines.append(
+            f"  suite {suite['name']:<16} {verdict:<12} challenger {_figure(suite['challenger'])} "
+            f"champion {_figure(suite['champion'])} difference {interval} margin {suite.get('margin', 0):g} "
+            f"n={suite['n']}" + (f" ess={suite['ess']:.1f}" if suite.get("ess") is not None else "")
+        )
         if suite.get("note"):
             lines.append(f"        {suite['note']}")
     for alarm in record.get("alarms", []):
-        lines.append(f"  alarm {alarm['name']:<16} {'FIRED' if alarm['fired'] else 'ok':<12} {alarm['detail']} "
-                     f"(threshold {alarm['threshold']:.4g})")  # fmt: skip
+        lines.append(
+            f"  alarm {alarm['name']:<16} {'FIRED' if alarm['fired'] else 'ok':<12} {alarm['detail']} "
+            f"(threshold {alarm['threshold']:.4g})"
+        )
     for model, figures in record.get("behaviour", {}).items():
-        lines.append(f"  {model:<10} {figures['completions']} completions, {figures['mean_tokens']:.1f} tokens, "
-                     f"entropy {figures['entropy']:.3f}, repetitive {figures['repetition']:.1%}, "
-                     f"non-answers {figures['no_action']:.1%}, truncated {figures['truncated']:.1%}")  # fmt: skip
+        lines.append(
+            f"  {model:<10} {figures['completions']} completions, {figures['mean_tokens']:.1f} tokens, "
+            f"entropy {figures['entropy']:.3f}, repetitive {figures['repetition']:.1%}, "
+            f"non-answers {figures['no_action']:.1%}, truncated {figures['truncated']:.1%}"
+        )
     return "\n".join(lines)
 
 
@@ -74,7 +83,9 @@ def explain_text(record: dict[str, Any]) -> str:
 def explain(
     version: int = typer.Argument(..., min=1, help="Version the gate judged."),
     as_json: bool = typer.Option(False, "--json", help="The full decision record as JSON."),
-    every: bool = typer.Option(False, "--all", help="Every decision on VERSION, newest first (default: the latest)."),
+    every: bool = typer.Option(
+        False, "--all", help="Every decision on VERSION, newest first (default: the latest)."
+    ),
 ) -> None:
     """Why the gate passed or failed VERSION: each suite's interval, each alarm, the reason."""
     from schemas.settings import load_settings

@@ -45,18 +45,26 @@ def create(
     tenant: str | None = typer.Option(None, help="Tenant the key calls as (created, training on, if new)."),
     admin: bool = typer.Option(False, "--admin", help="An admin key (/metrics) instead of a tenant key."),
     name: str = typer.Option("", help="What the key is for, shown by `rtrl keys list`."),
-    rate: float | None = typer.Option(None, min=0, help="Requests a second for this key (default: the gateway's setting; 0 = unlimited)."),
+    rate: float | None = typer.Option(
+        None, min=0, help="Requests a second for this key (default: the gateway's setting; 0 = unlimited)."
+    ),
 ) -> None:
     """Create an API key and print it. It is shown only now: the store keeps its sha256."""
     if admin == (tenant is not None):
         raise typer.BadParameter("give either --tenant NAME or --admin", param_hint="--tenant/--admin")
     with _store(migrate=True) as store:
         record, key = store.create_api_key(
-            role="admin" if admin else "tenant", tenant=tenant, name=name or (tenant or "admin"), rate_per_s=rate
+            role="admin" if admin else "tenant",
+            tenant=tenant,
+            name=name or (tenant or "admin"),
+            rate_per_s=rate,
         )
     typer.echo(key)
-    typer.echo(f"key {record.id} ({record.role}{'' if record.tenant is None else ', tenant ' + record.tenant}) "
-               "created; it is shown only once, keep it secret", err=True)  # fmt: skip
+    typer.echo(
+        f"key {record.id} ({record.role}{'' if record.tenant is None else ', tenant ' + record.tenant}) "
+        "created; it is shown only once, keep it secret",
+        err=True,
+    )
 
 
 @keys_app.command("list")
@@ -64,11 +72,20 @@ def list_keys(include_revoked: bool = typer.Option(False, "--all", help="Include
     """The keys, as JSON lines (never the keys themselves)."""
     with _store(migrate=False) as store:
         for k in store.api_keys(include_revoked=include_revoked):
-            typer.echo(json.dumps({
-                "id": k.id, "prefix": k.prefix, "role": k.role, "tenant": k.tenant, "name": k.name,
-                "rate_per_s": k.rate_per_s, "created_at": k.created_at.isoformat(),
-                "revoked_at": None if k.revoked_at is None else k.revoked_at.isoformat(),
-            }))  # fmt: skip
+            typer.echo(
+                json.dumps(
+                    {
+                        "id": k.id,
+                        "prefix": k.prefix,
+                        "role": k.role,
+                        "tenant": k.tenant,
+                        "name": k.name,
+                        "rate_per_s": k.rate_per_s,
+                        "created_at": k.created_at.isoformat(),
+                        "revoked_at": None if k.revoked_at is None else k.revoked_at.isoformat(),
+                    }
+                )
+            )
 
 
 @keys_app.command("revoke")
@@ -85,22 +102,31 @@ def list_tenants() -> None:
     """Tenants and their training switches, as JSON lines."""
     with _store(migrate=False) as store:
         for t in store.tenants():
-            typer.echo(json.dumps({"tenant": t.tenant, "trains": t.trains, "train_redacted": t.train_redacted}))
+            typer.echo(
+                json.dumps({"tenant": t.tenant, "trains": t.trains, "train_redacted": t.train_redacted})
+            )
 
 
 @tenants_app.command("set")
 def set_tenant(
     tenant: str = typer.Argument(..., help="Tenant name."),
-    train: bool | None = typer.Option(None, "--train/--no-train", help="Whether its episodes train the model."),
+    train: bool | None = typer.Option(
+        None, "--train/--no-train", help="Whether its episodes train the model."
+    ),
     train_redacted: bool | None = typer.Option(
-        None, "--train-redacted/--no-train-redacted",
+        None,
+        "--train-redacted/--no-train-redacted",
         help="Whether its segments with redacted text train (their token ids still carry the text).",
     ),
 ) -> None:
     """Create a tenant or change its switches; a cycle honours them when it selects its batch."""
     with _store(migrate=True) as store:
         record = store.set_tenant(tenant, trains=train, train_redacted=train_redacted)
-    typer.echo(json.dumps({"tenant": record.tenant, "trains": record.trains, "train_redacted": record.train_redacted}))
+    typer.echo(
+        json.dumps(
+            {"tenant": record.tenant, "trains": record.trains, "train_redacted": record.train_redacted}
+        )
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 import typer
 
 model_app = typer.Typer(
-    no_args_is_help=True, help="Build, inspect and check the HF-format checkpoints the loop serves and trains."
+    no_args_is_help=True,
+    help="Build, inspect and check the HF-format checkpoints the loop serves and trains.",
 )
 
 
@@ -27,10 +28,12 @@ def init(
     seed: int = typer.Option(0, help="Seed of initialisation and fine-tune; same seed, same bytes."),
     force: bool = typer.Option(False, "--force", help="Overwrite a non-empty folder."),
     recipe: str = typer.Option(
-        "v1", help="v1: learns the answers' shapes (the demo's base); v2: also learns the answers (docs/algorithms.md)."
+        "v1",
+        help="v1: learns the answers' shapes (the demo's base); v2: also learns the answers (docs/algorithms.md).",
     ),
     measure: bool = typer.Option(
-        True, help="Sample the task's questions and report how often the preference is met and the answer is right."
+        True,
+        help="Sample the task's questions and report how often the preference is met and the answer is right.",
     ),
 ) -> None:
     """Build the tiny Llama checkpoint (tokenizer, weights, configs) into DIRECTORY."""
@@ -51,8 +54,9 @@ def init(
         except TaskError as exc:
             raise typer.BadParameter(str(exc), param_hint="--task") from None
     if recipe not in tinymodel.RECIPES:
-        raise typer.BadParameter(f"unknown recipe {recipe!r}; known: {', '.join(sorted(tinymodel.RECIPES))}",
-                                 param_hint="--recipe")  # fmt: skip
+        raise typer.BadParameter(
+            f"unknown recipe {recipe!r}; known: {', '.join(sorted(tinymodel.RECIPES))}", param_hint="--recipe"
+        )
     tinymodel.build(directory, task=task_name, seed=seed, recipe=recipe)
     summary = tinymodel.info(directory)
     wall, cpu = tinymodel.build_seconds(directory) or (0.0, 0.0)
@@ -89,9 +93,11 @@ def check(
 
     # The settings say how the checkpoint will be served: their sampling defaults and context length.
     settings = load_settings()
-    report = modelcheck.check(directory or settings.vllm.model_dir.expanduser(),
-                              sampling_defaults=settings.vllm.sampling_defaults,
-                              max_model_len=settings.vllm.max_model_len)  # fmt: skip
+    report = modelcheck.check(
+        directory or settings.vllm.model_dir.expanduser(),
+        sampling_defaults=settings.vllm.sampling_defaults,
+        max_model_len=settings.vllm.max_model_len,
+    )
     typer.echo(json.dumps(report.to_json(), indent=2) if as_json else "\n".join(report.lines()))
     if not report.ok:
         raise typer.Exit(1)
@@ -100,7 +106,9 @@ def check(
 @model_app.command("random")
 def random_checkpoint(
     directory: Path = typer.Argument(..., help="Folder to write the checkpoint into."),
-    arch: str = typer.Option("qwen2", help="Family: qwen2 (Qwen2.5's layout, bf16, tied) or llama (Llama-2's, fp32)."),
+    arch: str = typer.Option(
+        "qwen2", help="Family: qwen2 (Qwen2.5's layout, bf16, tied) or llama (Llama-2's, fp32)."
+    ),
     size: str = typer.Option("tiny", help="tiny (loads in seconds) or 0.5b (Qwen2.5-0.5B's shape)."),
     dtype: str | None = typer.Option(None, help="bfloat16, float16 or float32 (default: the family's)."),
     vocab_size: int | None = typer.Option(
@@ -117,12 +125,18 @@ def random_checkpoint(
     if directory.exists() and not directory.is_dir():
         raise typer.BadParameter(f"{directory} exists and is not a folder", param_hint="DIRECTORY")
     if directory.is_dir() and any(directory.iterdir()) and not force:
-        raise typer.BadParameter(f"{directory} is not empty; pass --force to overwrite", param_hint="DIRECTORY")
-    for value, known, hint in ((arch, checkpoints.ARCHS, "--arch"), (size, tuple(checkpoints.SIZES), "--size"),
-                               (dtype, ("bfloat16", "float16", "float32", None), "--dtype")):  # fmt: skip
+        raise typer.BadParameter(
+            f"{directory} is not empty; pass --force to overwrite", param_hint="DIRECTORY"
+        )
+    for value, known, hint in (
+        (arch, checkpoints.ARCHS, "--arch"),
+        (size, tuple(checkpoints.SIZES), "--size"),
+        (dtype, ("bfloat16", "float16", "float32", None), "--dtype"),
+    ):
         if value not in known:
-            raise typer.BadParameter(f"unknown {hint[2:]} {value!r}; known: {', '.join(k for k in known if k)}",
-                                     param_hint=hint)  # fmt: skip
+            raise typer.BadParameter(
+                f"unknown {hint[2:]} {value!r}; known: {', '.join(k for k in known if k)}", param_hint=hint
+            )
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Writing model shards": the report below says what was written

@@ -8,8 +8,12 @@ import typer
 
 
 def report(
-    out: Path | None = typer.Option(None, "--out", help="Where to write the page. Default: <run_dir>/report.html."),
-    since: float | None = typer.Option(None, "--since", min=0, help="Only the last DAYS days (default: all history)."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Where to write the page. Default: <run_dir>/report.html."
+    ),
+    since: float | None = typer.Option(
+        None, "--since", min=0, help="Only the last DAYS days (default: all history)."
+    ),
 ) -> None:
     """Write an HTML report of rewards, acceptance, gate decisions, latencies and dead letters; print its path.
 

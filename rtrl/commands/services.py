@@ -7,7 +7,9 @@ import typer
 services_app = typer.Typer(no_args_is_help=True, help="Start, check and stop the local services on loopback.")
 
 _ONLY = typer.Option(
-    None, "--only", help="Comma-separated subset: kafka,postgres,redis,mlflow,vllm,vllm-staging (default: all enabled)."
+    None,
+    "--only",
+    help="Comma-separated subset: kafka,postgres,redis,mlflow,vllm,vllm-staging (default: all enabled).",
 )
 
 
@@ -21,8 +23,13 @@ def _print_table(rows: list) -> None:  # type: ignore[type-arg]
 
     table = Table("service", "healthy", "pid", "address", "detail")
     for row in rows:
-        table.add_row(row.name, "[green]yes[/]" if row.healthy else "[red]no[/]", str(row.pid or "-"),
-                      row.address, row.detail)
+        table.add_row(
+            row.name,
+            "[green]yes[/]" if row.healthy else "[red]no[/]",
+            str(row.pid or "-"),
+            row.address,
+            row.detail,
+        )
     Console(width=max(120, Console().width)).print(table)
 
 
@@ -69,7 +76,9 @@ def status(
 
 
 @services_app.command("down")
-def down(only: str | None = typer.Option(None, "--only", help="Comma-separated subset (default: all).")) -> None:
+def down(
+    only: str | None = typer.Option(None, "--only", help="Comma-separated subset (default: all)."),
+) -> None:
     """Stop the services and every process they started."""
     from schemas.settings import load_settings
     from services import down as services_down

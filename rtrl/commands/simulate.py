@@ -27,7 +27,8 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, help="Seed of the prompt draw and of per-request sampling."),
         json_out: Path = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
         api_key: str = typer.Option(
-            None, "--api-key",
+            None,
+            "--api-key",
             help="A tenant key of the gateway. Default: a key of tenant 'sim' is made in the store for this run "
             "and revoked after it.",
         ),
@@ -52,15 +53,27 @@ def register(app: typer.Typer) -> None:
             check_scenario(scenario)  # before a key is made for it
         chosen = load_preference(preference) if preference else None
         url = gateway or f"http://{settings.gateway.host}:{settings.gateway.port}"
-        with nullcontext() if api_key or settings.gateway.auth == "open" else Store(settings.store.url) as store:
+        with (
+            nullcontext()
+            if api_key or settings.gateway.auth == "open"
+            else Store(settings.store.url) as store
+        ):
             if store is not None:
                 store.migrate()  # the key is written to the store, like `rtrl keys create` does
             with nullcontext(api_key or "open") if store is None else simulation_key(store, url) as key:
                 if scenario is not None:
                     _agents(settings, url, scenario, requests, task, key, concurrency, seed, chosen, json_out)
                     return
-                report = run_simulation(settings, url, requests, task, preference=chosen, concurrency=concurrency,
-                                        seed=seed, api_key=key)  # fmt: skip
+                report = run_simulation(
+                    settings,
+                    url,
+                    requests,
+                    task,
+                    preference=chosen,
+                    concurrency=concurrency,
+                    seed=seed,
+                    api_key=key,
+                )
         if json_out is not None:
             json_out.parent.mkdir(parents=True, exist_ok=True)
             json_out.write_text(report.to_json() + "\n")
@@ -80,16 +93,34 @@ def register(app: typer.Typer) -> None:
 
 
 def _agents(
-    settings: Settings, url: str, scenario: str, episodes: int, task: str, key: str, concurrency: int, seed: int,
-    preference: Preference | None, json_out: Path | None,
+    settings: Settings,
+    url: str,
+    scenario: str,
+    episodes: int,
+    task: str,
+    key: str,
+    concurrency: int,
+    seed: int,
+    preference: Preference | None,
+    json_out: Path | None,
 ) -> None:
     """`rtrl simulate --scenario`: one run of simulated agents, its report printed as JSON."""
     from schemas.events import new_id
     from simulation.agents import run_agents
 
     # A fresh tag in the episode ids: the same seed sent again must not extend the episodes it settled.
-    report = run_agents(settings, url, scenario, episodes, task, api_key=key, concurrency=concurrency, seed=seed,
-                        preference=preference, run=new_id()[:12])  # fmt: skip
+    report = run_agents(
+        settings,
+        url,
+        scenario,
+        episodes,
+        task,
+        api_key=key,
+        concurrency=concurrency,
+        seed=seed,
+        preference=preference,
+        run=new_id()[:12],
+    )
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(report.to_json() + "\n")

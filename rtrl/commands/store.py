@@ -30,13 +30,20 @@ MIN_DAYS = 1.0  # a typo guard: `--older-than 0.01` is never what an operator me
 @store_app.command("prune")
 def prune(
     older_than: float = typer.Option(
-        ..., "--older-than", metavar="DAYS",
+        ...,
+        "--older-than",
+        metavar="DAYS",
         help=f"Delete rows older than this many days (at least {MIN_DAYS:g}, and longer than labeler.settle_window_s).",
     ),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be deleted, per table; change nothing."),
-    yes: bool = typer.Option(False, "--yes", help="Delete without asking (needed when stdin is not a terminal)."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Count what would be deleted, per table; change nothing."
+    ),
+    yes: bool = typer.Option(
+        False, "--yes", help="Delete without asking (needed when stdin is not a terminal)."
+    ),
     without_kafka: bool = typer.Option(
-        False, "--without-kafka",
+        False,
+        "--without-kafka",
         help="Do not ask Kafka which records it still holds; prune by age alone. `rtrl labeler reconcile` then "
         "reports NOT balanced until Kafka's retention has deleted those records too.",
     ),
@@ -52,7 +59,10 @@ def prune(
     from store.retention import prune as prune_
 
     if not dry_run and not yes and not sys.stdin.isatty():
-        typer.echo("rtrl: store prune deletes rows for good; pass --yes to confirm (or --dry-run to count them)", err=True)
+        typer.echo(
+            "rtrl: store prune deletes rows for good; pass --yes to confirm (or --dry-run to count them)",
+            err=True,
+        )
         raise typer.Exit(1)
     settings = load_settings()
     minimum_s = max(MIN_DAYS * 86400, settings.labeler.settle_window_s)
@@ -65,8 +75,11 @@ def prune(
         store.check_schema()
         floor = None if without_kafka else _kafka_floor(settings)
         if floor is None:
-            typer.echo("pruning by age alone: `rtrl labeler reconcile` reports NOT balanced until Kafka's retention "
-                       "has deleted the records of the rows deleted now", err=True)  # fmt: skip
+            typer.echo(
+                "pruning by age alone: `rtrl labeler reconcile` reports NOT balanced until Kafka's retention "
+                "has deleted the records of the rows deleted now",
+                err=True,
+            )
         cutoff = store.clock() - timedelta(days=older_than)
         typer.echo(f"rows older than {cutoff.isoformat()} ({older_than:g} days)")
         if not dry_run and not yes:  # a terminal: show what would go, then ask
@@ -81,8 +94,10 @@ def _print(report: PruneReport) -> None:
         typer.echo(f"{table:<13} {rows} {verb}")
     held = ", ".join(f"{rows} {table}" for table, rows in report.held.items() if rows)
     if held:
-        typer.echo(f"kept because Kafka still holds their records (reconcile counts them): {held}; "
-                   "they go on a later run, once Kafka's retention has deleted those records")  # fmt: skip
+        typer.echo(
+            f"kept because Kafka still holds their records (reconcile counts them): {held}; "
+            "they go on a later run, once Kafka's retention has deleted those records"
+        )
 
 
 def _kafka_floor(settings: Settings) -> KafkaFloor:

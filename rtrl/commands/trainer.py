@@ -35,7 +35,9 @@ def worker(
     on_worker_ready(lambda: readiness.set("consuming", True))
     prebuild_ops()  # DeepSpeed's CPU op built (or loaded) now, and a lock left by a killed build cleared
     # Solo pool: the cycle runs in this process, which keeps DeepSpeed's process group across cycles.
-    app.worker_main(["worker", "--pool=solo", "--concurrency=1", f"--loglevel={loglevel}", "-Q", QUEUE, "-n", hostname])
+    app.worker_main(
+        ["worker", "--pool=solo", "--concurrency=1", f"--loglevel={loglevel}", "-Q", QUEUE, "-n", hostname]
+    )
 
 
 def beat(loglevel: str = typer.Option("INFO", help="Celery log level.")) -> None:
@@ -72,7 +74,9 @@ def now(
         _logging()
         with Store(settings.store.url) as store:
             store.check_schema()
-            result = run_chain(settings, store, Registry.from_settings(settings), owner=f"{socket.gethostname()}:cli")
+            result = run_chain(
+                settings, store, Registry.from_settings(settings), owner=f"{socket.gethostname()}:cli"
+            )
         typer.echo(json.dumps(result, indent=2))
         return
     from worker.app import configure
@@ -86,7 +90,9 @@ def now(
 
 
 @train_app.command("pause")
-def pause(reason: str = typer.Option("operator", help="Why, shown by beat's log and `rtrl train resume`.")) -> None:
+def pause(
+    reason: str = typer.Option("operator", help="Why, shown by beat's log and `rtrl train resume`."),
+) -> None:
     """Stop new cycles (beat enqueues none) until `rtrl train resume`; a running cycle finishes.
     `rtrl train now` still runs one when asked."""
     import json
@@ -111,7 +117,9 @@ def resume() -> None:
 @train_app.command("status")
 def status(
     limit: int = typer.Option(10, min=1, help="How many recent cycles."),
-    cycle: int | None = typer.Option(None, "--id", min=1, help="Print this one cycle in full (metrics, steps, episodes)."),
+    cycle: int | None = typer.Option(
+        None, "--id", min=1, help="Print this one cycle in full (metrics, steps, episodes)."
+    ),
 ) -> None:
     """Recent training cycles from the store (newest first), as JSON lines; or one in full (--id)."""
     import dataclasses
@@ -131,16 +139,28 @@ def status(
         return
     for c in recent:
         metrics = c.metrics
-        typer.echo(json.dumps({
-            "id": c.id, "status": c.status, "champion": c.champion, "challenger": c.challenger,
-            "episodes": len(c.episode_ids), "started_at": c.started_at.isoformat(),
-            "finished_at": c.finished_at.isoformat() if c.finished_at else None,
-            "train_s": metrics.get("train_s"), "mean_reward": metrics.get("mean_reward"),
-            "gate": metrics.get("gate"), "challenger_score": metrics.get("challenger_score"),
-            "champion_score": metrics.get("champion_score"), "gate_reason": metrics.get("gate_reason"),
-            "swap_ms": metrics.get("swap_ms"), "data_to_deploy_s": metrics.get("data_to_deploy_s"),
-            "error": c.error,
-        }))
+        typer.echo(
+            json.dumps(
+                {
+                    "id": c.id,
+                    "status": c.status,
+                    "champion": c.champion,
+                    "challenger": c.challenger,
+                    "episodes": len(c.episode_ids),
+                    "started_at": c.started_at.isoformat(),
+                    "finished_at": c.finished_at.isoformat() if c.finished_at else None,
+                    "train_s": metrics.get("train_s"),
+                    "mean_reward": metrics.get("mean_reward"),
+                    "gate": metrics.get("gate"),
+                    "challenger_score": metrics.get("challenger_score"),
+                    "champion_score": metrics.get("champion_score"),
+                    "gate_reason": metrics.get("gate_reason"),
+                    "swap_ms": metrics.get("swap_ms"),
+                    "data_to_deploy_s": metrics.get("data_to_deploy_s"),
+                    "error": c.error,
+                }
+            )
+        )
 
 
 def register(app: typer.Typer) -> None:

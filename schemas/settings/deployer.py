@@ -41,14 +41,19 @@ class DeployerSettings(Section):
 class AgentSettings(Section):
     """The weights agent on each vLLM host (`rtrl agent`, deployer/agent.py; docs/scaling.md)."""
 
-    host: str = Field("127.0.0.1", description="Bind address of `rtrl agent` (the deployer's hosts must reach it).")
+    host: str = Field(
+        "127.0.0.1", description="Bind address of `rtrl agent` (the deployer's hosts must reach it)."
+    )
     port: int = Field(18090, ge=1, le=65535, description="Bind port of `rtrl agent`.")
     cache_dir: Path = Field(
-        Path(".rtrl/agent"), description="Where the agent keeps the versions it downloaded (visible to the vLLM "
-        "servers of its host)."
+        Path(".rtrl/agent"),
+        description="Where the agent keeps the versions it downloaded (visible to the vLLM "
+        "servers of its host).",
     )
     keep_versions: int = Field(
-        4, ge=2, description="Versions kept in cache_dir, the most recently asked for (a rollback needs the one before)."
+        4,
+        ge=2,
+        description="Versions kept in cache_dir, the most recently asked for (a rollback needs the one before).",
     )
     token: SecretStr | None = Field(
         None,

@@ -24,7 +24,8 @@ class GatewaySettings(Section):
         Path(".rtrl/run/spool"), description="On-disk spool for events Kafka did not take."
     )
     spool_max_bytes: int = Field(
-        256 * 1024 * 1024, description="Spool bound; past it new records go to the overflow file (spool_dir/overflow.jsonl)."
+        256 * 1024 * 1024,
+        description="Spool bound; past it new records go to the overflow file (spool_dir/overflow.jsonl).",
     )
     publish_timeout_s: float = Field(
         5.0,
@@ -37,9 +38,14 @@ class GatewaySettings(Section):
         description="keys: every call needs an API key (`rtrl keys create`); open: no keys, one tenant "
         "'default', for local experiments only (logged loudly, shown by /readyz).",
     )
-    keys_refresh_s: float = Field(5.0, gt=0, description="How often the gateway reloads the keys from the store.")
+    keys_refresh_s: float = Field(
+        5.0, gt=0, description="How often the gateway reloads the keys from the store."
+    )
     rotation_refresh_s: float = Field(
-        0.25, gt=0, le=5, description="How often the gateway reads which servers the deployer took out of rotation."
+        0.25,
+        gt=0,
+        le=5,
+        description="How often the gateway reads which servers the deployer took out of rotation.",
     )
     request_id_secret: SecretStr | None = Field(
         None,
@@ -49,9 +55,13 @@ class GatewaySettings(Section):
     rate_limit_per_s: float = Field(
         20.0, ge=0, description="Requests a second per key (0 = unlimited); a key may have its own rate."
     )
-    rate_limit_burst: float = Field(40.0, ge=1, description="Requests a key may send at once before it is limited.")
+    rate_limit_burst: float = Field(
+        40.0, ge=1, description="Requests a key may send at once before it is limited."
+    )
     max_request_bytes: int = Field(
-        4 * 1024 * 1024, ge=1024, description="Largest completion request body; larger is 413, refused unread."
+        4 * 1024 * 1024,
+        ge=1024,
+        description="Largest completion request body; larger is 413, refused unread.",
     )
     max_feedback_bytes: int = Field(
         1024 * 1024, ge=1024, description="Largest feedback request body; larger is 413, refused unread."
@@ -67,8 +77,12 @@ class LimitsSettings(Section):
     """What events rtrl accepts at all: checked by the gateway (refused) and the labeler (dead-lettered)."""
 
     max_future_skew_s: float = Field(
-        300.0, ge=0, description="An event's created_at may be at most this far ahead of the receiver's clock."
+        300.0,
+        ge=0,
+        description="An event's created_at may be at most this far ahead of the receiver's clock.",
     )
     max_event_age_s: float = Field(
-        30 * 24 * 3600.0, gt=0, description="An event's created_at may be at most this old (the data's retention)."
+        30 * 24 * 3600.0,
+        gt=0,
+        description="An event's created_at may be at most this old (the data's retention).",
     )

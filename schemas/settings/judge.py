@@ -24,7 +24,8 @@ class JudgeSettings(Section):
     """An OpenAI-compatible model that grades completions against a rubric (evals/judge.py; docs/gate.md, Judge)."""
 
     url: str = Field(
-        ..., min_length=1,
+        ...,
+        min_length=1,
         description="Base URL of an OpenAI-compatible API, up to and including /v1 (http://judge:8000/v1); "
         "the judge is asked on <url>/chat/completions.",
     )
@@ -37,10 +38,14 @@ class JudgeSettings(Section):
     )
     scale: int = Field(5, ge=2, le=9, description="Scores run from 1 to this; normalised to [0, 1].")
     timeout_s: float = Field(30.0, gt=0, description="Per judgement, each try.")
-    retries: int = Field(2, ge=0, le=10, description="Further tries after a timeout, a refused connection, 429 or 5xx.")
+    retries: int = Field(
+        2, ge=0, le=10, description="Further tries after a timeout, a refused connection, 429 or 5xx."
+    )
     concurrency: int = Field(4, ge=1, le=64, description="Judgements in flight at once.")
     max_failure_rate: float = Field(
-        0.1, ge=0, lt=1,
+        0.1,
+        ge=0,
+        lt=1,
         description="More failed judgements than this share (after retries) is an outage: see `outage`.",
     )
     outage: Literal["inconclusive", "block"] = Field(

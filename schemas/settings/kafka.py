@@ -19,12 +19,16 @@ class KafkaSettings(Section):
     dlq_topic: str = Field("rtrl.dlq.v1", description="Dead-letter topic (DeadLetterRecord).")
     partitions: int = Field(3, ge=1, description="Partitions per topic when rtrl creates them.")
     replication_factor: int = Field(
-        1, ge=1, description="Replicas per partition of the topics rtrl creates (3 on a production cluster; the local "
-        "broker of `rtrl services` has one, and its topics are made with 1 whatever this says)."
+        1,
+        ge=1,
+        description="Replicas per partition of the topics rtrl creates (3 on a production cluster; the local "
+        "broker of `rtrl services` has one, and its topics are made with 1 whatever this says).",
     )
     min_insync_replicas: int | None = Field(
-        None, ge=1, description="min.insync.replicas of the topics rtrl creates (with acks=all, a write needs this many "
-        "replicas; 2 with replication_factor 3); None: the broker's default."
+        None,
+        ge=1,
+        description="min.insync.replicas of the topics rtrl creates (with acks=all, a write needs this many "
+        "replicas; 2 with replication_factor 3); None: the broker's default.",
     )
     labeler_group: str = Field("rtrl-labeler", description="Consumer group of the feedback labeler.")
     max_message_bytes: int = Field(
@@ -42,7 +46,9 @@ class KafkaSettings(Section):
     )
     sasl_username: str | None = Field(None, description="SASL user name.")
     sasl_password: SecretStr | None = Field(None, description="SASL password (never printed).")
-    ssl_cafile: Path | None = Field(None, description="CA bundle that signed the brokers' certificates (SSL).")
+    ssl_cafile: Path | None = Field(
+        None, description="CA bundle that signed the brokers' certificates (SSL)."
+    )
     ssl_certfile: Path | None = Field(None, description="Client certificate, PEM (mutual TLS).")
     ssl_keyfile: Path | None = Field(None, description="Private key of the client certificate, PEM.")
     reconnect_backoff_max_ms: int = Field(

@@ -16,10 +16,14 @@ class LabelerSettings(Section):
     )
     poll_timeout_ms: int = Field(500, description="Kafka poll timeout.")
     max_poll_records: int = Field(500, description="Records per poll (one DB transaction).")
-    reward_spec: str = Field("tab-v1", description="Name of the reward spec (schemas/rewards.py) or a path to a .json spec.")
+    reward_spec: str = Field(
+        "tab-v1", description="Name of the reward spec (schemas/rewards.py) or a path to a .json spec."
+    )
     judge: JudgeSettings | None = Field(
         None,
         description="The endpoint that grades episodes under a reward spec with a judge term (feedback/judging.py); "
         "its rubric is the spec's. Needed by such a spec, unused otherwise.",
     )
-    judge_batch: int = Field(64, ge=1, le=10_000, description="Episodes graded per judge pass of the labeler.")
+    judge_batch: int = Field(
+        64, ge=1, le=10_000, description="Episodes graded per judge pass of the labeler."
+    )

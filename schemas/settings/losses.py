@@ -18,8 +18,10 @@ class _Loss(Section):
         2.0, gt=0, description="Truncation C of the behaviour importance weight min(pi_old/mu, C)."
     )
     kl_coef: float = Field(
-        0.0, ge=0, description="Weight beta of KL(pi_theta || pi_old), pi_old being the champion the cycle "
-        "started from; 0 = no penalty."
+        0.0,
+        ge=0,
+        description="Weight beta of KL(pi_theta || pi_old), pi_old being the champion the cycle "
+        "started from; 0 = no penalty.",
     )
     kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator on the sampled tokens.")
 
@@ -29,14 +31,18 @@ class CispoLoss(_Loss):
     every token keeps its gradient; no lower bound, the upper bound of DAPO's clip-higher."""
 
     type: Literal["cispo"] = "cispo"
-    eps_low: float = Field(1.0, ge=0, le=1, description="Lower clip of the ratio weight (1.0 = no lower bound).")
+    eps_low: float = Field(
+        1.0, ge=0, le=1, description="Lower clip of the ratio weight (1.0 = no lower bound)."
+    )
     eps_high: float = Field(0.28, gt=0, description="Upper clip of the ratio weight.")
     # rtrl's default loss keeps each cycle near the champion: without the penalty, bench_learning's
     # gate rejected most challengers for lost held-out answers (docs/algorithms.md, Keeping what the
     # model knows).
     kl_coef: float = Field(
-        0.5, ge=0, description="Weight beta of KL(pi_theta || pi_old), pi_old being the champion the cycle "
-        "started from; 0 = no penalty."
+        0.5,
+        ge=0,
+        description="Weight beta of KL(pi_theta || pi_old), pi_old being the champion the cycle "
+        "started from; 0 = no penalty.",
     )
 
 
@@ -69,8 +75,11 @@ class DapoLoss(_Loss):
         True, description="Leave rows whose advantage is 0 (no signal) out of the batch and its normaliser."
     )
     overlong_buffer: float = Field(
-        0.2, ge=0, lt=1, description="Soft overlong penalty: a completion longer than (1 - buffer) x its max_tokens "
-        "loses up to 1 reward linearly until max_tokens (DAPO's 4096 of 20480); 0 = off."
+        0.2,
+        ge=0,
+        lt=1,
+        description="Soft overlong penalty: a completion longer than (1 - buffer) x its max_tokens "
+        "loses up to 1 reward linearly until max_tokens (DAPO's 4096 of 20480); 0 = off.",
     )
 
 
@@ -81,7 +90,9 @@ class DrGrpoLoss(_Loss):
     type: Literal["dr_grpo"] = "dr_grpo"
     eps_low: float = Field(0.2, ge=0, le=1, description="Lower clip of the ratio.")
     eps_high: float = Field(0.2, gt=0, description="Upper clip of the ratio.")
-    norm_tokens: int = Field(512, ge=1, description="The constant L of 1/(G L): the generation budget in tokens.")
+    norm_tokens: int = Field(
+        512, ge=1, description="The constant L of 1/(G L): the generation budget in tokens."
+    )
 
 
 class GspoLoss(_Loss):

@@ -90,7 +90,9 @@ def _default(settings: Settings, section: str, field: str, value: str) -> None:
     if field in current.model_fields_set:
         return
     values = {**dict(current), field: value}
-    settings.__dict__[section] = type(current).model_construct(_fields_set=set(current.model_fields_set), **values)
+    settings.__dict__[section] = type(current).model_construct(
+        _fields_set=set(current.model_fields_set), **values
+    )
 
 
 def to_env(settings: Settings) -> dict[str, str]:
@@ -138,4 +140,6 @@ def load_settings() -> Settings:
             # A whole section (a model validator's error) may hold a secret; a secret never shows.
             shown = "" if isinstance(value, dict) or "PASSWORD" in variable else f" (got {value!r:.80})"
             problems.append(f"{variable}: {error['msg']}{shown}")
-        raise SettingsError("bad setting: " + "; ".join(problems) + " (fix the environment or .env)") from None
+        raise SettingsError(
+            "bad setting: " + "; ".join(problems) + " (fix the environment or .env)"
+        ) from None

@@ -40,7 +40,9 @@ class ServicesSettings(Section):
         "the restarted server is out of rotation until it serves @champion again.",
     )
     vllm_unhealthy_restart_s: float = Field(
-        120.0, gt=0, description="How long a running vLLM server's health check may fail before the reconciler restarts it."
+        120.0,
+        gt=0,
+        description="How long a running vLLM server's health check may fail before the reconciler restarts it.",
     )
     enabled: tuple[str, ...] = Field(
         ("kafka", "postgres", "redis", "mlflow", "vllm"),
@@ -62,4 +64,6 @@ class PostgresSettings(Section):
 
     user: str = Field("rtrl", description="Role created for rtrl (owner of both databases).")
     database: str = Field("rtrl", description="Database created for rtrl's store.")
-    mlflow_database: str = Field("mlflow", description="Database created for the local MLflow server's backend.")
+    mlflow_database: str = Field(
+        "mlflow", description="Database created for the local MLflow server's backend."
+    )

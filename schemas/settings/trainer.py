@@ -21,7 +21,9 @@ MAX_KL_DEFAULT = 0.1
 class LoraSettings(Section):
     """The LoRA adapter of ``trainer.adapter=lora`` cycles (PEFT; docs/lora.md)."""
 
-    rank: int = Field(8, ge=1, le=256, description="Rank r of every adapter matrix; also the servers' --max-lora-rank.")
+    rank: int = Field(
+        8, ge=1, le=256, description="Rank r of every adapter matrix; also the servers' --max-lora-rank."
+    )
     alpha: int = Field(16, ge=1, description="Scaling alpha (the update is scaled by alpha / rank).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training.")
     lr: float = Field(
@@ -55,8 +57,10 @@ class TrainerSettings(Section):
     )
     max_episodes: int = Field(512, ge=1, description="At most this many episodes per cycle (newest first).")
     max_policy_lag: int = Field(
-        0, ge=0, description="Use episodes of the champion and of the this-many versions that served users most "
-        "recently before it (0 = on-policy; versions the gate rejected never served and do not count)."
+        0,
+        ge=0,
+        description="Use episodes of the champion and of the this-many versions that served users most "
+        "recently before it (0 = on-policy; versions the gate rejected never served and do not count).",
     )
     steps: int = Field(4, ge=1, description="Optimizer steps per cycle.")
     min_signal: float = Field(
@@ -67,7 +71,9 @@ class TrainerSettings(Section):
         "judge's grade (never decided on advantages, which a running baseline makes non-zero); otherwise it is "
         "skipped (its episodes are spent, nothing is registered).",
     )
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate (of full-weight cycles; adapters: trainer.lora.lr).")
+    lr: float = Field(
+        1e-3, gt=0, description="AdamW learning rate (of full-weight cycles; adapters: trainer.lora.lr)."
+    )
     max_kl: float | None = Field(
         MAX_KL_DEFAULT,
         gt=0,
@@ -90,7 +96,9 @@ class TrainerSettings(Section):
         "0: none.",
     )
     keep_optimizer_states: int = Field(
-        3, ge=1, description="Optimizer states kept on the worker's disk (the newest cycles'); each is about 2x the weights."
+        3,
+        ge=1,
+        description="Optimizer states kept on the worker's disk (the newest cycles'); each is about 2x the weights.",
     )
     micro_batch: int = Field(32, ge=1, description="Sequences per forward pass.")
     ranks: int = Field(
@@ -109,9 +117,12 @@ class TrainerSettings(Section):
         "vllm.served_model_name with vLLM's runtime adapter loading (docs/lora.md). Chosen once per "
         "registry: a registry's versions are all adapters or all full weights.",
     )
-    lora: LoraSettings = Field(default_factory=LoraSettings, description="The adapter of adapter=lora cycles.")
+    lora: LoraSettings = Field(
+        default_factory=LoraSettings, description="The adapter of adapter=lora cycles."
+    )
     precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="Training precision: auto = bf16 when DeepSpeed's accelerator is a GPU (DS_ACCELERATOR=cuda), "
+        "auto",
+        description="Training precision: auto = bf16 when DeepSpeed's accelerator is a GPU (DS_ACCELERATOR=cuda), "
         "fp32 on the CPU accelerator (the default).",
     )
     offload: Literal["none", "cpu"] = Field(
@@ -119,7 +130,9 @@ class TrainerSettings(Section):
         description="ZeRO offload to CPU memory: the optimizer state (stage >= 1) and, at stage 3, the parameters. "
         "Needs a GPU (DeepSpeed's CPU Adam).",
     )
-    loss: LossSettings = Field(default_factory=CispoLoss, description="Policy-gradient loss (see LossSettings).")
+    loss: LossSettings = Field(
+        default_factory=CispoLoss, description="Policy-gradient loss (see LossSettings)."
+    )
     checkpoint_dir: Path = Field(
         Path(".rtrl/run/checkpoints"), description="Where cycle checkpoints are written."
     )
@@ -148,8 +161,10 @@ class TrainerSettings(Section):
         if self.offload != "none" and self.zero_stage == 0:
             raise ValueError("offload=cpu needs zero_stage >= 1 (ZeRO partitions what it offloads)")
         if self.adapter == "lora" and self.zero_stage == 3:
-            raise ValueError("adapter=lora runs at zero_stage 0-2 (stage 3 would partition the frozen base "
-                             "model too; a LoRA cycle trains a few MB)")
+            raise ValueError(
+                "adapter=lora runs at zero_stage 0-2 (stage 3 would partition the frozen base "
+                "model too; a LoRA cycle trains a few MB)"
+            )
         return self
 
     @field_validator("loss", mode="before")

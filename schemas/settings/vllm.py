@@ -15,8 +15,14 @@ from schemas.settings.section import Section
 # They are here, not in schemas.sampling (which reads that file), because `sampling_defaults` is
 # validated against them and schemas.sampling imports the settings: one arrow, sampling -> settings.
 GENERATION_CONFIG_KEYS = (
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-)  # fmt: skip
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 class VllmSettings(Section):

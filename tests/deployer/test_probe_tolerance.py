@@ -35,13 +35,21 @@ def full_weights(path: Path) -> Target:
 def test_float32_serving_gets_the_float32_tolerance_whatever_the_checkpoint(tmp_path: Path) -> None:
     path = checkpoint(tmp_path, dtype="bfloat16")
     tolerance = probe_tolerance(settings(), full_weights(path))
-    assert (tolerance.value, tolerance.dtype, tolerance.explicit) == (PROBE_TOLERANCES["float32"], "float32", False)
+    assert (tolerance.value, tolerance.dtype, tolerance.explicit) == (
+        PROBE_TOLERANCES["float32"],
+        "float32",
+        False,
+    )
 
 
 def test_auto_reads_the_checkpoints_dtype(tmp_path: Path) -> None:
-    tolerance = probe_tolerance(settings("auto"), full_weights(checkpoint(tmp_path / "bf16", dtype="bfloat16")))
+    tolerance = probe_tolerance(
+        settings("auto"), full_weights(checkpoint(tmp_path / "bf16", dtype="bfloat16"))
+    )
     assert (tolerance.value, tolerance.dtype) == (PROBE_TOLERANCES["bfloat16"], "bfloat16")
-    assert served_dtype("auto", checkpoint(tmp_path / "fp16", torch_dtype="float16")) == "float16"  # older key
+    assert (
+        served_dtype("auto", checkpoint(tmp_path / "fp16", torch_dtype="float16")) == "float16"
+    )  # older key
 
 
 def test_auto_serves_a_float32_checkpoint_in_bfloat16_as_vllm_does(tmp_path: Path) -> None:
@@ -63,7 +71,9 @@ def test_an_adapter_is_served_in_its_base_models_dtype(tmp_path: Path) -> None:
 
 
 def test_an_explicit_tolerance_overrides_the_table(tmp_path: Path) -> None:
-    tolerance = probe_tolerance(settings("bfloat16", 0.5), full_weights(checkpoint(tmp_path, dtype="bfloat16")))
+    tolerance = probe_tolerance(
+        settings("bfloat16", 0.5), full_weights(checkpoint(tmp_path, dtype="bfloat16"))
+    )
     assert (tolerance.value, tolerance.dtype, tolerance.explicit) == (0.5, "bfloat16", True)
     assert f"the table's is {PROBE_TOLERANCES['bfloat16']:g}" in tolerance.hint()
 
@@ -75,15 +85,19 @@ def test_the_table_sits_between_numerics_and_wrong_weights() -> None:
     trained_24_layers = {"bfloat16": 0.0736 * 7.3, "float16": 0.0187 * 6.5}
     for dtype, numerics in trained_24_layers.items():
         assert 1.8 * numerics <= PROBE_TOLERANCES[dtype] and PROBE_TOLERANCES[dtype] <= 7.42 / 5, dtype
-    assert 100 * 9.5e-7 <= PROBE_TOLERANCES["float32"] < 2.7e-3  # float32 served: 9.5e-7; served in bf16: 2.7e-3+
+    assert (
+        100 * 9.5e-7 <= PROBE_TOLERANCES["float32"] < 2.7e-3
+    )  # float32 served: 9.5e-7; served in bf16: 2.7e-3+
     assert PROBE_TOLERANCES["float32"] < PROBE_TOLERANCES["float16"] < PROBE_TOLERANCES["bfloat16"]
 
 
 def test_a_failed_probe_says_what_to_check_in_one_line(tmp_path: Path) -> None:
     tolerance = probe_tolerance(settings("auto"), full_weights(checkpoint(tmp_path, dtype="bfloat16")))
     message = verdict(3.0, tolerance.value, None, tolerance.hint()) or ""
-    assert message.startswith(f"probe logprobs differ from transformers by 3 > tolerance {tolerance.value:g} "
-                              "(bfloat16 serving, deployer/probe.py's table)")  # fmt: skip
+    assert message.startswith(
+        f"probe logprobs differ from transformers by 3 > tolerance {tolerance.value:g} "
+        "(bfloat16 serving, deployer/probe.py's table)"
+    )
     assert "--dtype bfloat16 (vllm.dtype)" in message and "RTRL_DEPLOYER__PROBE_TOLERANCE" in message
     assert "\n" not in message
 

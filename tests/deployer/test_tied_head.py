@@ -24,8 +24,10 @@ def test_a_tied_checkpoint_gets_its_head_and_loads_as_before(tmp_path: Path) -> 
     base = build(tmp_path / "qwen2", "qwen2")  # tied, saved without lm_head.weight
     out = with_tied_head(base, tmp_path / "out")
     assert out == tmp_path / "out" and (out / HEAD_FILE).is_file()
-    with safe_open(str(out / HEAD_FILE), framework="pt") as fh, safe_open(str(base / "model.safetensors"),
-                                                                          framework="pt") as weights:  # fmt: skip
+    with (
+        safe_open(str(out / HEAD_FILE), framework="pt") as fh,
+        safe_open(str(base / "model.safetensors"), framework="pt") as weights,
+    ):
         assert torch.equal(fh.get_tensor(HEAD), weights.get_tensor("model.embed_tokens.weight"))
     ids = torch.tensor([[3, 4, 5, 6]])
     want = AutoModelForCausalLM.from_pretrained(base).eval()(input_ids=ids).logits
@@ -39,8 +41,11 @@ def test_untied_checkpoints_and_indexes(tmp_path: Path) -> None:
     assert with_tied_head(untied, tmp_path / "out") == untied
     sharded = build(tmp_path / "sharded", "qwen2")
     (sharded / "model.safetensors").rename(sharded / "model-00001-of-00001.safetensors")
-    (sharded / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}))
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}
+        )
+    )
     out = with_tied_head(sharded, tmp_path / "sharded-out")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["weight_map"][HEAD] == HEAD_FILE

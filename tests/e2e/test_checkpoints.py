@@ -50,7 +50,10 @@ pytestmark = pytest.mark.e2e
 
 REQUESTS_PER_CYCLE = 48
 TEMPLATE_MARK = {"qwen2": "<|im_start|>assistant\n", "llama": "[/INST]"}
-DEFAULTS = {"qwen2": {"temperature": 0.7, "top_p": 0.8, "top_k": 20}, "llama": {"temperature": 0.6, "top_p": 0.9}}
+DEFAULTS = {
+    "qwen2": {"temperature": 0.7, "top_p": 0.8, "top_k": 20},
+    "llama": {"temperature": 0.6, "top_p": 0.9},
+}
 
 
 @pytest.fixture(params=["qwen2", "llama", "qwen2-lora"])
@@ -64,14 +67,26 @@ def foreign_fleet(request: pytest.FixtureRequest, services: Settings) -> Iterato
     run_dir = make_run_dir(f"rtrl-{arch}-")
     model_dir = build(run_dir / "model", arch)
     serving_port, staging_port = free_ports(2)
-    settings = services.model_copy(update={
-        "services": services.services.model_copy(update={
-            "run_dir": run_dir, "vllm_port": serving_port, "vllm_staging_port": staging_port, "enabled": ("vllm",)}),
-        "vllm": services.vllm.model_copy(update={
-            "model_dir": model_dir, "servers": (f"http://127.0.0.1:{serving_port}",),
-            "staging_server": f"http://127.0.0.1:{staging_port}"}),
-        "trainer": services.trainer.model_copy(update={"adapter": "lora" if lora else "full"}),
-    })  # fmt: skip
+    settings = services.model_copy(
+        update={
+            "services": services.services.model_copy(
+                update={
+                    "run_dir": run_dir,
+                    "vllm_port": serving_port,
+                    "vllm_staging_port": staging_port,
+                    "enabled": ("vllm",),
+                }
+            ),
+            "vllm": services.vllm.model_copy(
+                update={
+                    "model_dir": model_dir,
+                    "servers": (f"http://127.0.0.1:{serving_port}",),
+                    "staging_server": f"http://127.0.0.1:{staging_port}",
+                }
+            ),
+            "trainer": services.trainer.model_copy(update={"adapter": "lora" if lora else "full"}),
+        }
+    )
     reaper = start_reaper(settings, os.getpid())
     try:
         up(settings, ("vllm",))
@@ -83,22 +98,39 @@ def foreign_fleet(request: pytest.FixtureRequest, services: Settings) -> Iterato
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def test_two_chat_cycles_on_a_checkpoint_rtrl_did_not_build(foreign_fleet: tuple[str, Settings], tmp_path: Path) -> None:
+def test_two_chat_cycles_on_a_checkpoint_rtrl_did_not_build(
+    foreign_fleet: tuple[str, Settings], tmp_path: Path
+) -> None:
     case, fleet = foreign_fleet
     arch, lora = case.removesuffix("-lora"), case.endswith("-lora")
     settings = demo_settings(fleet, tmp_path, case)
     out = tmp_path / "cycles.json"
     proc = subprocess.run(
-        rtrl_command("demo", "--cycles", "2", "--requests", str(REQUESTS_PER_CYCLE), "--api", "chat",
-                     "--json", str(out)),
-        cwd=REPO, env=child_env(settings), capture_output=True, text=True, timeout=1500,
-    )  # fmt: skip
+        rtrl_command(
+            "demo",
+            "--cycles",
+            "2",
+            "--requests",
+            str(REQUESTS_PER_CYCLE),
+            "--api",
+            "chat",
+            "--json",
+            str(out),
+        ),
+        cwd=REPO,
+        env=child_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     logs = Path(settings.services.run_dir) / "logs"
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\nlogs in {logs}"
     rows = json.loads(out.read_text())
     print(json.dumps(rows, indent=1))
-    assert [(r["version_before"], r["version_after"], r["gate"]) for r in rows] == [("v1", "v2", "pass"),
-                                                                                  ("v2", "v3", "pass")]
+    assert [(r["version_before"], r["version_after"], r["gate"]) for r in rows] == [
+        ("v1", "v2", "pass"),
+        ("v2", "v3", "pass"),
+    ]
     assert all(r["swap_ms"] is not None for r in rows), "every promotion swapped the serving server"
 
     # Users were served by v1 and then v2, through the chat template, under the model's own defaults.

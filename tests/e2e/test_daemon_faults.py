@@ -67,12 +67,15 @@ class Traffic:
         try:
             while not self.stop.is_set():
                 seed += 1
-                report = simulate(self.settings, self.gateway, 8, "exclaim", concurrency=2, seed=seed,
-                                  api_key=self.key)  # fmt: skip
+                report = simulate(
+                    self.settings, self.gateway, 8, "exclaim", concurrency=2, seed=seed, api_key=self.key
+                )
                 self.ok += report.ok
                 self.failed += report.failed
                 self.errors.extend(report.errors)
-                self.unanswered.extend(e for e in report.errors if "APIConnectionError" in e or "APITimeoutError" in e)
+                self.unanswered.extend(
+                    e for e in report.errors if "APIConnectionError" in e or "APITimeoutError" in e
+                )
         except BaseException:
             self.crashed = traceback.format_exc()
             raise
@@ -87,8 +90,10 @@ class Traffic:
         try:
             wait_until(enough, timeout_s=timeout_s, what=what)
         except TimeoutError as exc:
-            raise TimeoutError(f"{exc}: {self.ok} answered (waiting for {at_least}), {self.failed} failed; "
-                               f"last errors {self.errors[-5:]}") from None  # fmt: skip
+            raise TimeoutError(
+                f"{exc}: {self.ok} answered (waiting for {at_least}), {self.failed} failed; "
+                f"last errors {self.errors[-5:]}"
+            ) from None
 
     def _probe(self) -> None:
         while not self.stop.wait(0.2):
@@ -136,28 +141,53 @@ def test_rtrl_run_heals_a_killed_labeler_worker_and_vllm_server(
     tag = uuid.uuid4().hex[:8]
     broker = services.celery.broker_url.rsplit("/", 1)[0] + "/5"  # a Redis database of this test's own
     redis.Redis.from_url(broker).flushdb()
-    settings = fresh_topics(services, prefix="daemon").model_copy(update={
-        "store": services.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'rtrl.db'}"}),
-        "mlflow": services.mlflow.model_copy(update={"model_name": f"daemon-{tag}", "experiment": f"daemon-{tag}"}),
-        "celery": services.celery.model_copy(update={"broker_url": broker, "result_backend": broker}),
-        "gateway": services.gateway.model_copy(update={"port": free_ports(1)[0], "spool_dir": tmp_path / "spool"}),
-        "labeler": services.labeler.model_copy(update={"settle_window_s": 0.0}),
-        "trainer": services.trainer.model_copy(update={
-            "min_samples": 16, "cadence_s": 0.0, "interval_s": 2.0, "lease_ttl_s": 8.0,
-            "checkpoint_dir": tmp_path / "checkpoints"}),
-        "gate": services.gate.model_copy(update={"tolerance": 1.0, "eval_prompts": 8}),  # not what this tests
-        "deployer": services.deployer.model_copy(update={"reconcile_interval_s": 3.0}),
-        "metrics": MetricsSettings(**dict(zip(
-            ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
-            strict=True))),  # fmt: skip
-    })  # fmt: skip
+    settings = fresh_topics(services, prefix="daemon").model_copy(
+        update={
+            "store": services.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'rtrl.db'}"}),
+            "mlflow": services.mlflow.model_copy(
+                update={"model_name": f"daemon-{tag}", "experiment": f"daemon-{tag}"}
+            ),
+            "celery": services.celery.model_copy(update={"broker_url": broker, "result_backend": broker}),
+            "gateway": services.gateway.model_copy(
+                update={"port": free_ports(1)[0], "spool_dir": tmp_path / "spool"}
+            ),
+            "labeler": services.labeler.model_copy(update={"settle_window_s": 0.0}),
+            "trainer": services.trainer.model_copy(
+                update={
+                    "min_samples": 16,
+                    "cadence_s": 0.0,
+                    "interval_s": 2.0,
+                    "lease_ttl_s": 8.0,
+                    "checkpoint_dir": tmp_path / "checkpoints",
+                }
+            ),
+            "gate": services.gate.model_copy(
+                update={"tolerance": 1.0, "eval_prompts": 8}
+            ),  # not what this tests
+            "deployer": services.deployer.model_copy(update={"reconcile_interval_s": 3.0}),
+            "metrics": MetricsSettings(
+                **dict(
+                    zip(
+                        ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"),
+                        free_ports(5),
+                        strict=True,
+                    )
+                )
+            ),
+        }
+    )
     gateway = f"http://{settings.gateway.host}:{settings.gateway.port}"
     serving_unit = next(u for u in units(settings, ("vllm",)) if u.name == "vllm")
     registry = Registry.from_settings(settings)
     log_path = tmp_path / "rtrl-run.log"
     with log_path.open("ab") as out:
-        daemon = subprocess.Popen(rtrl_command("run"), env=child_env(settings), stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)  # fmt: skip
+        daemon = subprocess.Popen(
+            rtrl_command("run"),
+            env=child_env(settings),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     store = Store(settings.store.url)
     killed: dict[str, int] = {}
     try:
@@ -169,8 +199,11 @@ def test_rtrl_run_heals_a_killed_labeler_worker_and_vllm_server(
                 labeler = _child(log_path, "labeler")
                 _kill_group(labeler)
                 killed[f"labeler-{len(killed)}"] = labeler
-                wait_until(lambda old=labeler: _child(log_path, "labeler") != old, timeout_s=60,  # type: ignore[misc]
-                           what="labeler restarted")  # fmt: skip
+                wait_until(
+                    lambda old=labeler: _child(log_path, "labeler") != old,
+                    timeout_s=60,  # type: ignore[misc]
+                    what="labeler restarted",
+                )
 
             # The worker, while its cycle runs.
             wait_until(lambda: bool(store.active_cycles()), timeout_s=600, what="a cycle running")
@@ -180,25 +213,37 @@ def test_rtrl_run_heals_a_killed_labeler_worker_and_vllm_server(
             dead_cycle = store.recent_cycles(1)[0].id
 
             # Once a challenger is promoted, the serving vLLM server.
-            wait_until(lambda: registry.champion() >= 2, timeout_s=900, what="a promotion after the worker's death")
+            wait_until(
+                lambda: registry.champion() >= 2, timeout_s=900, what="a promotion after the worker's death"
+            )
             vllm_pid = serving_unit.pid()
             assert vllm_pid is not None
             _kill_group(vllm_pid)
             killed["vllm"] = vllm_pid
-            wait_until(lambda: serving_unit.pid() not in (None, vllm_pid), timeout_s=300, what="vLLM restarted")
-            wait_until(lambda: _version(settings.vllm.servers[0], settings) == registry.champion(), timeout_s=600,
-                       what="the restarted server back on @champion")  # fmt: skip
+            wait_until(
+                lambda: serving_unit.pid() not in (None, vllm_pid), timeout_s=300, what="vLLM restarted"
+            )
+            wait_until(
+                lambda: _version(settings.vllm.servers[0], settings) == registry.champion(),
+                timeout_s=600,
+                what="the restarted server back on @champion",
+            )
             traffic.served(traffic.ok + 16, "users served after the restart", timeout_s=300)
 
-        print(f"killed {killed}; users: {traffic.ok} ok, {traffic.failed} failed {traffic.errors[:5]}; "
-              f"probes {traffic.probes}")  # fmt: skip
+        print(
+            f"killed {killed}; users: {traffic.ok} ok, {traffic.failed} failed {traffic.errors[:5]}; "
+            f"probes {traffic.probes}"
+        )
         assert traffic.unanswered == [], traffic.unanswered[:10]  # the gateway answered throughout
         wait_until(lambda: not store.active_cycles(), timeout_s=600, what="the last cycle finished")
         champion = registry.champion()
         for url in (*settings.vllm.servers, settings.vllm.staging_server):
             assert url is not None
-            wait_until(lambda u=url: _version(u, settings) == champion, timeout_s=300,  # type: ignore[misc]
-                       what=f"{url} on @champion v{champion}")  # fmt: skip
+            wait_until(
+                lambda u=url: _version(u, settings) == champion,
+                timeout_s=300,  # type: ignore[misc]
+                what=f"{url} on @champion v{champion}",
+            )
         cycles = store.recent_cycles(50)
         assert any(c.id == dead_cycle and c.status == "failed" for c in cycles), cycles
         promoted = [c for c in cycles if c.status == "promoted"]
@@ -249,8 +294,11 @@ def scrape(port: int, settings: Settings) -> dict[tuple[str, tuple[tuple[str, st
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"http://{settings.metrics.host}:{port}/metrics", timeout=5).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def check_metrics(settings: Settings, champion: int, killed: dict[str, int]) -> None:
@@ -273,5 +321,7 @@ def check_metrics(settings: Settings, champion: int, killed: dict[str, int]) -> 
     assert reconciler[("rtrl_deployer_server_restarts_total", (("server", server),))] >= 1  # the killed vLLM
     assert reconciler[("rtrl_deployer_server_weight_version", (("server", server),))] == champion
     assert reconciler[("rtrl_deployer_champion_version", ())] == champion
-    assert reconciler[("rtrl_deployer_swaps_total", (("outcome", "verified"),))] >= 1  # the restarted server's swap
+    assert (
+        reconciler[("rtrl_deployer_swaps_total", (("outcome", "verified"),))] >= 1
+    )  # the restarted server's swap
     assert httpx.get(f"http://{m.host}:{m.reconciler_port}/readyz", timeout=5).status_code == 200

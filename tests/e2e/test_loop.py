@@ -38,7 +38,11 @@ def loop_settings(request: pytest.FixtureRequest, services: Settings, tmp_path: 
     """The session's services, with a store (SQLite, or a database of its own on the session's
     PostgreSQL), topics, registry model and gateway of this test's own."""
     suffix = tmp_path.name.replace("_", "-")[-24:]
-    url = f"sqlite:///{tmp_path / 'rtrl.db'}" if request.param == "sqlite" else request.getfixturevalue("postgres_database")
+    url = (
+        f"sqlite:///{tmp_path / 'rtrl.db'}"
+        if request.param == "sqlite"
+        else request.getfixturevalue("postgres_database")
+    )
     return fresh_topics(services, prefix="e2e").model_copy(
         update={
             "store": StoreSettings(url=url),
@@ -56,9 +60,15 @@ def loop_settings(request: pytest.FixtureRequest, services: Settings, tmp_path: 
             # challenger of these 48-request cycles is sometimes a small regression and is rightly
             # rejected (in CI: users' reward -0.031, lower bound -0.057 against a 0.05 margin).
             "gate": gate_without_judgement(services.gate),
-            "metrics": MetricsSettings(**dict(zip(
-                ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"), free_ports(5),
-                strict=True))),  # fmt: skip
+            "metrics": MetricsSettings(
+                **dict(
+                    zip(
+                        ("supervisor_port", "labeler_port", "worker_port", "beat_port", "reconciler_port"),
+                        free_ports(5),
+                        strict=True,
+                    )
+                )
+            ),
         }
     )
 
@@ -93,10 +103,13 @@ class Scraper:
                         self.ready[process].add(client.get(f"{url}/readyz", headers=headers).status_code)
                     except httpx.HTTPError:
                         continue  # not started yet, or gone
-                    self.seen[process].append({
-                        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-                        for family in text_string_to_metric_families(text) for sample in family.samples
-                    })  # fmt: skip
+                    self.seen[process].append(
+                        {
+                            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                            for family in text_string_to_metric_families(text)
+                            for sample in family.samples
+                        }
+                    )
 
     def values(self, process: str, name: str, **labels: str) -> list[float]:
         """Per scrape in which it appears, the sum of the series `name` whose labels include `labels`."""
@@ -127,24 +140,44 @@ def test_two_cycles_swap_the_served_weights_twice(
     out = tmp_path / "cycles.json"
     store = Store(settings.store.url)
     store.migrate()
-    _, admin_key = store.create_api_key(role="admin", tenant=None, name="e2e scraper", rate_per_s=0)  # the gateway's /metrics
+    _, admin_key = store.create_api_key(
+        role="admin", tenant=None, name="e2e scraper", rate_per_s=0
+    )  # the gateway's /metrics
     store.close()
     m, host = settings.metrics, settings.metrics.host
-    targets = {name: (f"http://{host}:{port}", {}) for name, port in
-               (("supervisor", m.supervisor_port), ("labeler", m.labeler_port), ("worker", m.worker_port))}  # fmt: skip
-    targets["gateway"] = (f"http://{settings.gateway.host}:{settings.gateway.port}",
-                          {"authorization": f"Bearer {admin_key}"})  # fmt: skip
+    targets = {
+        name: (f"http://{host}:{port}", {})
+        for name, port in (
+            ("supervisor", m.supervisor_port),
+            ("labeler", m.labeler_port),
+            ("worker", m.worker_port),
+        )
+    }
+    targets["gateway"] = (
+        f"http://{settings.gateway.host}:{settings.gateway.port}",
+        {"authorization": f"Bearer {admin_key}"},
+    )
     with Scraper(targets) as scraper:
         proc = subprocess.run(
             rtrl_command("demo", "--cycles", "2", "--requests", str(REQUESTS_PER_CYCLE), "--json", str(out)),
-            cwd=REPO, env=child_env(settings), capture_output=True, text=True, timeout=1500,
-        )  # fmt: skip
+            cwd=REPO,
+            env=child_env(settings),
+            capture_output=True,
+            text=True,
+            timeout=1500,
+        )
     logs = Path(settings.services.run_dir) / "logs"
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\nlogs in {logs}"
     rows = json.loads(out.read_text())
     for version in (2, 3):  # the gate's decisions, in the test's output
-        explain = subprocess.run(rtrl_command("gate", "explain", str(version)), cwd=REPO, env=child_env(settings),
-                                 capture_output=True, text=True, timeout=120)  # fmt: skip
+        explain = subprocess.run(
+            rtrl_command("gate", "explain", str(version)),
+            cwd=REPO,
+            env=child_env(settings),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         print(explain.stdout, explain.stderr)
     print(rows)
     assert [(r["version_before"], r["version_after"], r["gate"]) for r in rows] == [
@@ -163,15 +196,24 @@ def test_two_cycles_swap_the_served_weights_twice(
     engine = sa.create_engine(settings.store.url)
     with engine.connect() as conn:
         per_version = dict(
-            conn.execute(sa.text("SELECT policy_version, COUNT(*) FROM interactions GROUP BY policy_version")).all()
+            conn.execute(
+                sa.text("SELECT policy_version, COUNT(*) FROM interactions GROUP BY policy_version")
+            ).all()
         )
         used = dict(
-            conn.execute(sa.text("SELECT policy_version, COUNT(*) FROM episodes WHERE used_in_cycle IS NOT NULL "
-                                 "GROUP BY policy_version")).all()
+            conn.execute(
+                sa.text(
+                    "SELECT policy_version, COUNT(*) FROM episodes WHERE used_in_cycle IS NOT NULL "
+                    "GROUP BY policy_version"
+                )
+            ).all()
         )
     engine.dispose()
     assert per_version == {"v1": REQUESTS_PER_CYCLE, "v2": REQUESTS_PER_CYCLE}
-    assert used == {"v1": rows[0]["episodes"], "v2": rows[1]["episodes"]}  # each cycle trained on its own policy
+    assert used == {
+        "v1": rows[0]["episodes"],
+        "v2": rows[1]["episodes"],
+    }  # each cycle trained on its own policy
 
     # MLflow holds the versions, with @champion on the latest passed one.
     registry = Registry.from_settings(settings)
@@ -226,18 +268,27 @@ def check_metrics_moved(scraper: Scraper, settings: Settings) -> None:
     # Labeller: events labelled went up to both cycles' interactions; lag measured on every partition.
     labelled = scraper.values("labeler", "rtrl_labeler_events_total", kind="interaction")
     assert labelled[0] < labelled[-1] and labelled[-1] >= 2 * REQUESTS_PER_CYCLE, labelled
-    assert scraper.values("labeler", "rtrl_labeler_events_total", kind="feedback")[-1] >= 2 * REQUESTS_PER_CYCLE
+    assert (
+        scraper.values("labeler", "rtrl_labeler_events_total", kind="feedback")[-1] >= 2 * REQUESTS_PER_CYCLE
+    )
     lag = {(s["topic"], s["partition"]) for s in scraper.series("labeler", "rtrl_labeler_consumer_lag")}
-    assert lag >= {(t, str(p)) for t in (settings.kafka.interactions_topic, settings.kafka.feedback_topic)
-                   for p in range(settings.kafka.partitions)}, lag  # fmt: skip
+    assert lag >= {
+        (t, str(p))
+        for t in (settings.kafka.interactions_topic, settings.kafka.feedback_topic)
+        for p in range(settings.kafka.partitions)
+    }, lag
     assert scraper.values("labeler", "rtrl_labeler_consumer_lag")[-1] == 0  # caught up at the end
-    assert scraper.values("labeler", "rtrl_labeler_settle_latency_seconds_count")[-1] >= 2 * REQUESTS_PER_CYCLE
+    assert (
+        scraper.values("labeler", "rtrl_labeler_settle_latency_seconds_count")[-1] >= 2 * REQUESTS_PER_CYCLE
+    )
     # Worker: a cycle ran (seen running), its phases timed, promoted, a swap window, and the server's
     # version as the worker saw it went 1 → 2 (→ 3: the demo stops the worker as soon as the second
     # cycle's result arrives, which the last scrape a second before may not have seen).
     assert 1.0 in scraper.values("worker", "rtrl_trainer_cycle_running")
     for phase in ("chain", "train", "cycle", "gate", "deploy"):
-        assert max(scraper.values("worker", "rtrl_trainer_cycle_duration_seconds_count", phase=phase)) >= 1, phase
+        assert max(scraper.values("worker", "rtrl_trainer_cycle_duration_seconds_count", phase=phase)) >= 1, (
+            phase
+        )
     assert max(scraper.values("worker", "rtrl_trainer_cycles_total", status="promoted")) >= 1
     assert max(scraper.values("worker", "rtrl_trainer_last_cycle", stat="episodes")) >= 16
     server = settings.vllm.servers[0].rstrip("/")
@@ -246,6 +297,8 @@ def check_metrics_moved(scraper: Scraper, settings: Settings) -> None:
     assert [v for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]] in ([2], [2, 3]), versions
     assert max(scraper.values("worker", "rtrl_gate_decisions_total", decision="pass")) >= 1
     # Gateway and supervisor.
-    assert scraper.values("gateway", "rtrl_gateway_requests_total", status="200")[-1] >= 2 * REQUESTS_PER_CYCLE
+    assert (
+        scraper.values("gateway", "rtrl_gateway_requests_total", status="200")[-1] >= 2 * REQUESTS_PER_CYCLE
+    )
     for child in ("gateway", "labeler", "worker"):
         assert 1.0 in scraper.values("supervisor", "rtrl_supervisor_child_up", child=child)

@@ -48,13 +48,25 @@ def lora_fleet(services: Settings) -> Iterator[Settings]:
 
     run_dir = make_run_dir("rtrl-lora-")
     serving_port, staging_port = free_ports(2)
-    settings = services.model_copy(update={
-        "services": services.services.model_copy(update={
-            "run_dir": run_dir, "vllm_port": serving_port, "vllm_staging_port": staging_port, "enabled": ("vllm",)}),
-        "vllm": services.vllm.model_copy(update={
-            "servers": (f"http://127.0.0.1:{serving_port}",), "staging_server": f"http://127.0.0.1:{staging_port}"}),
-        "trainer": services.trainer.model_copy(update={"adapter": "lora"}),
-    })  # fmt: skip
+    settings = services.model_copy(
+        update={
+            "services": services.services.model_copy(
+                update={
+                    "run_dir": run_dir,
+                    "vllm_port": serving_port,
+                    "vllm_staging_port": staging_port,
+                    "enabled": ("vllm",),
+                }
+            ),
+            "vllm": services.vllm.model_copy(
+                update={
+                    "servers": (f"http://127.0.0.1:{serving_port}",),
+                    "staging_server": f"http://127.0.0.1:{staging_port}",
+                }
+            ),
+            "trainer": services.trainer.model_copy(update={"adapter": "lora"}),
+        }
+    )
     reaper = start_reaper(settings, os.getpid())
     try:
         up(settings, ("vllm",))
@@ -75,14 +87,24 @@ def test_lora_cycles_train_register_swap_verify_and_serve(lora_fleet: Settings, 
     out = tmp_path / "cycles.json"
     proc = subprocess.run(
         rtrl_command("demo", "--cycles", "2", "--requests", str(REQUESTS_PER_CYCLE), "--json", str(out)),
-        cwd=REPO, env=child_env(settings), capture_output=True, text=True, timeout=1500,
-    )  # fmt: skip
+        cwd=REPO,
+        env=child_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     logs = Path(settings.services.run_dir) / "logs"
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\nlogs in {logs}"
     rows = json.loads(out.read_text())
     for version in (2, 3):  # the gate's decisions, in the test's output
-        explain = subprocess.run(rtrl_command("gate", "explain", str(version)), cwd=REPO, env=child_env(settings),
-                                 capture_output=True, text=True, timeout=120)  # fmt: skip
+        explain = subprocess.run(
+            rtrl_command("gate", "explain", str(version)),
+            cwd=REPO,
+            env=child_env(settings),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         print(explain.stdout, explain.stderr)
     assert [(r["version_before"], r["version_after"], r["gate"]) for r in rows] == [
         ("v1", "v2", "pass"),
@@ -103,8 +125,11 @@ def test_lora_cycles_train_register_swap_verify_and_serve(lora_fleet: Settings, 
     # Users were served by each adapter in turn, and the serving server serves v3's adapter exactly.
     engine = sa.create_engine(settings.store.url)
     with engine.connect() as conn:
-        per_version = dict(conn.execute(sa.text("SELECT policy_version, COUNT(*) FROM interactions "
-                                                "GROUP BY policy_version")).all())  # fmt: skip
+        per_version = dict(
+            conn.execute(
+                sa.text("SELECT policy_version, COUNT(*) FROM interactions GROUP BY policy_version")
+            ).all()
+        )
     engine.dispose()
     assert per_version == {"v1": REQUESTS_PER_CYCLE, "v2": REQUESTS_PER_CYCLE}
     probe = build_probe(base)
@@ -112,9 +137,15 @@ def test_lora_cycles_train_register_swap_verify_and_serve(lora_fleet: Settings, 
     with VllmClient(settings.vllm.servers[0], model=settings.vllm.served_model_name) as server:
         assert server.weight_version() == 3
         tokens, served = server.greedy_logprobs(prompt, ADAPTER_PROBE_TOKENS)
-        assert max_abs_diff(adapter_reference(base, registry.download_checkpoint(3), [(prompt, tokens)]),
-                            [served]) <= PROBE_TOLERANCES[settings.vllm.dtype]  # fmt: skip
-    with VllmClient(settings.vllm.servers[0], model=base_model_name(settings.vllm.served_model_name)) as plain:
+        assert (
+            max_abs_diff(
+                adapter_reference(base, registry.download_checkpoint(3), [(prompt, tokens)]), [served]
+            )
+            <= PROBE_TOLERANCES[settings.vllm.dtype]
+        )
+    with VllmClient(
+        settings.vllm.servers[0], model=base_model_name(settings.vllm.served_model_name)
+    ) as plain:
         base_tokens, base_logprobs = plain.greedy_logprobs(prompt, ADAPTER_PROBE_TOKENS)
     assert (base_tokens, base_logprobs) != (tokens, served), "the adapter changed nothing"
 

@@ -70,13 +70,22 @@ def test_off_policy_ranks_a_better_and_a_worse_challenger_and_recovers_their_val
     rewards = table[contexts, actions]
     behaviour = np.log(mu[contexts, actions])
     champion = policy(0.4)
-    true = {name: float((p * table).sum(1).mean()) for name, p in
-            (("better", policy(0.8)), ("worse", policy(0.1)), ("champion", champion))}  # fmt: skip
+    true = {
+        name: float((p * table).sum(1).mean())
+        for name, p in (("better", policy(0.8)), ("worse", policy(0.1)), ("champion", champion))
+    }
     for name, sign in (("better", 1), ("worse", -1)):
         target = policy(0.8) if name == "better" else policy(0.1)
-        estimate = off_policy(list(rewards), list(behaviour), list(np.log(target[contexts, actions])),
-                              list(np.log(champion[contexts, actions])), clip=20.0, confidence=0.95,
-                              resamples=1000, seed=0)  # fmt: skip
+        estimate = off_policy(
+            list(rewards),
+            list(behaviour),
+            list(np.log(target[contexts, actions])),
+            list(np.log(champion[contexts, actions])),
+            clip=20.0,
+            confidence=0.95,
+            resamples=1000,
+            seed=0,
+        )
         diff = estimate.difference
         print(name, estimate.model_dump_json())
         if sign > 0:
@@ -87,8 +96,16 @@ def test_off_policy_ranks_a_better_and_a_worse_challenger_and_recovers_their_val
         assert abs(estimate.champion - true["champion"]) < 0.1
         # (The interval need not cover the true difference: clipping biases both estimates a little.)
         assert estimate.ess_challenger > 300 and estimate.ess_champion > 300
-    same = off_policy(list(rewards), list(behaviour), list(np.log(champion[contexts, actions])),
-                      list(np.log(champion[contexts, actions])), clip=20.0, confidence=0.95, resamples=500, seed=0)  # fmt: skip
+    same = off_policy(
+        list(rewards),
+        list(behaviour),
+        list(np.log(champion[contexts, actions])),
+        list(np.log(champion[contexts, actions])),
+        clip=20.0,
+        confidence=0.95,
+        resamples=500,
+        seed=0,
+    )
     assert same.difference.estimate == same.difference.low == same.difference.high == 0.0
 
 
@@ -120,16 +137,28 @@ def write(tmp_path: Path, text: str, name: str = "suite.jsonl") -> Path:
 
 
 def test_offline_suite_scorers(tmp_path: Path) -> None:
-    path = write(tmp_path, '{"prompt": "2+2=", "answers": ["4"]}\n\n{"prompt": "Red?", "answers": ["Red", 5]}\n')
+    path = write(
+        tmp_path, '{"prompt": "2+2=", "answers": ["4"]}\n\n{"prompt": "Red?", "answers": ["Red", 5]}\n'
+    )
     exact = load_offline(OfflineSuiteSettings(name="math", path=path, scorer="exact"))
     assert [exact.score(0, " 4 "), exact.score(0, "4!"), exact.score(1, "5")] == [1.0, 0.0, 1.0]
     contains = load_offline(OfflineSuiteSettings(name="math", path=path))
-    assert [contains.score(0, "it is 4!"), contains.score(1, "red it is"), contains.score(0, "44")] == [1.0, 1.0, 0.0]
-    regex = load_offline(OfflineSuiteSettings(name="dates", path=write(tmp_path, '{"prompt": "d:", "pattern": "^\\\\d{4}"}', "dates.jsonl"),
-                                              scorer="regex"))  # fmt: skip
+    assert [contains.score(0, "it is 4!"), contains.score(1, "red it is"), contains.score(0, "44")] == [
+        1.0,
+        1.0,
+        0.0,
+    ]
+    regex = load_offline(
+        OfflineSuiteSettings(
+            name="dates",
+            path=write(tmp_path, '{"prompt": "d:", "pattern": "^\\\\d{4}"}', "dates.jsonl"),
+            scorer="regex",
+        )
+    )
     assert [regex.score(0, "2026-12-01"), regex.score(0, "soon")] == [1.0, 0.0]
-    function = load_offline(OfflineSuiteSettings(name="f", path=path, scorer="function",
-                                                 function="evals.suites:contains_answer"))  # fmt: skip
+    function = load_offline(
+        OfflineSuiteSettings(name="f", path=path, scorer="function", function="evals.suites:contains_answer")
+    )
     assert function.score(0, "4") == 1.0
 
 
@@ -137,13 +166,19 @@ def test_offline_suite_scorers(tmp_path: Path) -> None:
     ("text", "scorer", "message"),
     [
         ("{not json", "contains", "suite.jsonl:1: not JSON"),
-        ('{"prompt": "a", "answers": ["x"]}\n{"answers": ["x"]}', "contains", 'suite.jsonl:2: each line is an object with a non-empty string "prompt"'),
+        (
+            '{"prompt": "a", "answers": ["x"]}\n{"answers": ["x"]}',
+            "contains",
+            'suite.jsonl:2: each line is an object with a non-empty string "prompt"',
+        ),
         ('{"prompt": "a"}', "exact", 'needs a non-empty list "answers"'),
         ('{"prompt": "a", "pattern": "("}', "regex", '"pattern" is not a regular expression'),
         ("\n\n", "contains", "has no prompts"),
     ],
 )
-def test_offline_suite_errors_name_the_file_and_line(tmp_path: Path, text: str, scorer: str, message: str) -> None:
+def test_offline_suite_errors_name_the_file_and_line(
+    tmp_path: Path, text: str, scorer: str, message: str
+) -> None:
     with pytest.raises(SuiteError, match=message.replace("(", r"\(").replace('"', '"')):
         load_offline(OfflineSuiteSettings(name="s", path=write(tmp_path, text), scorer=scorer))  # type: ignore[arg-type]
 
@@ -153,10 +188,14 @@ def test_offline_suite_missing_file_and_bad_function(tmp_path: Path) -> None:
         load_offline(OfflineSuiteSettings(name="s", path=tmp_path / "missing.jsonl"))
     path = write(tmp_path, '{"prompt": "a", "answers": ["x"]}')
     with pytest.raises(SuiteError, match="cannot be loaded"):
-        load_offline(OfflineSuiteSettings(name="s", path=path, scorer="function", function="evals.suites:nope"))
+        load_offline(
+            OfflineSuiteSettings(name="s", path=path, scorer="function", function="evals.suites:nope")
+        )
     with pytest.raises(SuiteError, match="needs `function`"):
         load_offline(OfflineSuiteSettings(name="s", path=path, scorer="function"))
-    broken = load_offline(OfflineSuiteSettings(name="s", path=path, scorer="function", function="builtins:max"))
+    broken = load_offline(
+        OfflineSuiteSettings(name="s", path=path, scorer="function", function="builtins:max")
+    )
     with pytest.raises(SuiteError, match="failed on line 1"):
         broken.score(0, "b")
 
@@ -170,7 +209,9 @@ def gen(text: str, logprob: float = -1.0, tokens: int = 4, finish: str = "stop")
 
 def fired(challenger: list[Generation], champion: list[Generation]) -> set[str]:
     cfg = AlarmSettings()
-    alarms = generation_alarms(behaviour(challenger, cfg.no_action_pattern), behaviour(champion, cfg.no_action_pattern), cfg)
+    alarms = generation_alarms(
+        behaviour(challenger, cfg.no_action_pattern), behaviour(champion, cfg.no_action_pattern), cfg
+    )
     return {a.name for a in alarms if a.fired}
 
 
@@ -181,7 +222,10 @@ def test_alarms_are_quiet_for_the_same_behaviour_and_name_each_hack() -> None:
     assert fired([gen(" ...", tokens=4)] * 12, champion) == {"no_action"}
     assert fired([gen(" 7 7 7 7 7", tokens=10)] * 12, champion) == {"repetition"}
     assert fired([gen(" 7!", logprob=-0.01)] * 12, champion) == {"entropy"}
-    assert fired([gen(" The answer is 7, and " * 1, tokens=40, finish="length")] * 12, champion) == {"length", "truncation"}
+    assert fired([gen(" The answer is 7, and " * 1, tokens=40, finish="length")] * 12, champion) == {
+        "length",
+        "truncation",
+    }
     assert fired([gen(" Let me think about", tokens=5, finish="length")] * 12, champion) == {"truncation"}
     assert repetitive("the cat sat the cat sat the cat sat") and not repetitive("It is 7!")
 
@@ -194,7 +238,9 @@ def test_an_answer_of_the_wrong_kind_is_a_non_answer_and_the_anchor_sees_the_rat
     pattern = re.compile(cfg.no_action_pattern)
     assert non_answer(" It is red.", pattern, ["7"]) and non_answer(" Seven?", pattern, ["7"])
     assert not non_answer(" It is 8.", pattern, ["7"])  # wrong, but an answer
-    assert not non_answer(" It is red.", pattern, ["red", "blue"]) and not non_answer(" It is red.", pattern, ())
+    assert not non_answer(" It is red.", pattern, ["red", "blue"]) and not non_answer(
+        " It is red.", pattern, ()
+    )
     assert non_answer(" ...", pattern, ())
     numeric = [["7"], ["12"], ["3"], ["0"]] * 5
     anchor = behaviour([gen(" 7!")] * 20, cfg.no_action_pattern, numeric)
@@ -220,7 +266,9 @@ def test_the_gates_prompt_suites_score_every_prompt() -> None:
     from schemas.settings import Settings
 
     settings = Settings()
-    settings = settings.model_copy(update={"gate": settings.gate.model_copy(update={"suites": ("oracle", "retention", "ope")})})
+    settings = settings.model_copy(
+        update={"gate": settings.gate.model_copy(update={"suites": ("oracle", "retention", "ope")})}
+    )
     suites = {suite.name: suite for suite, _ in _prompt_suites(settings)}
     assert set(suites) == {"oracle", "retention"}  # ope is not a prompt suite
     assert suites["oracle"].prompts == suites["retention"].prompts  # generated once, scored twice
@@ -242,4 +290,6 @@ def test_the_challengers_weight_survives_a_token_leaving_its_nucleus() -> None:
     assert got[2] == -math.inf  # the champion cannot produce it either: left out for both
     untruncated = Scored(processed=[-2.5, -3.5], tempered=[-2.5, -3.5])
     moved = Scored(processed=[-2.0, -4.0], tempered=[-2.0, -4.0])
-    assert challenger_logprobs(moved, untruncated) == pytest.approx(moved.processed)  # exact without truncation
+    assert challenger_logprobs(moved, untruncated) == pytest.approx(
+        moved.processed
+    )  # exact without truncation

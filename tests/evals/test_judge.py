@@ -20,8 +20,12 @@ from serving import Generation
 
 pytestmark = pytest.mark.integration
 
-ITEMS = [("Q: What is 2 plus 3?\nA:", " It is 5!"), ("Q: What is 2 plus 3?\nA:", " It is 7."),
-         ("Q: Name a color.\nA:", " red."), ("Q: What comes after 9?\nA:", " 10!")]  # fmt: skip
+ITEMS = [
+    ("Q: What is 2 plus 3?\nA:", " It is 5!"),
+    ("Q: What is 2 plus 3?\nA:", " It is 7."),
+    ("Q: Name a color.\nA:", " red."),
+    ("Q: What comes after 9?\nA:", " 10!"),
+]
 
 
 def local_judge(settings: Settings, **kw: object) -> JudgeSettings:
@@ -63,7 +67,9 @@ def test_the_judge_grades_with_an_openai_compatible_server(vllm_service: Setting
     print([v.score for v in first.verdicts])
     assert not first.outage and first.failed == 0
     assert all(v.score is not None and 0.0 <= v.score <= 1.0 for v in first.verdicts)
-    assert [v.score for v in again.verdicts] == [v.score for v in first.verdicts]  # temperature 0: the same grades
+    assert [v.score for v in again.verdicts] == [
+        v.score for v in first.verdicts
+    ]  # temperature 0: the same grades
     assert "Answer:  It is 5!" in judge.instructions(*ITEMS[0]) and "{" not in judge.instructions(*ITEMS[0])
 
 
@@ -92,8 +98,14 @@ def test_a_judge_that_is_down_is_an_outage_after_one_round_of_tries() -> None:
 
 
 def test_a_hung_judge_times_out_per_try(silent_port: int) -> None:
-    cfg = JudgeSettings(url=f"http://127.0.0.1:{silent_port}/v1", model="judge", timeout_s=0.5, retries=1,
-                        concurrency=4, max_failure_rate=0.0)  # fmt: skip
+    cfg = JudgeSettings(
+        url=f"http://127.0.0.1:{silent_port}/v1",
+        model="judge",
+        timeout_s=0.5,
+        retries=1,
+        concurrency=4,
+        max_failure_rate=0.0,
+    )
     started = time.monotonic()
     with Judge(cfg) as judge:
         judged = judge.score_many(ITEMS * 5)
@@ -104,8 +116,14 @@ def test_a_hung_judge_times_out_per_try(silent_port: int) -> None:
 
 def suite_of(judge: JudgeSettings) -> PromptSuite:
     prompts = tuple(p for p, _ in ITEMS)
-    return PromptSuite(name="judge", prompts=prompts, lines=tuple({} for _ in prompts),
-                       scorer=lambda *_: 0.0, max_tokens=8, judge=judge)  # fmt: skip
+    return PromptSuite(
+        name="judge",
+        prompts=prompts,
+        lines=tuple({} for _ in prompts),
+        scorer=lambda *_: 0.0,
+        max_tokens=8,
+        judge=judge,
+    )
 
 
 def generations() -> list[list[Generation]]:
@@ -113,11 +131,15 @@ def generations() -> list[list[Generation]]:
 
 
 def test_the_gate_judge_suite_decides_and_follows_its_outage_policy(vllm_service: Settings) -> None:
-    settings = vllm_service.model_copy(update={"gate": vllm_service.gate.model_copy(update={"bootstrap_resamples": 200})})
+    settings = vllm_service.model_copy(
+        update={"gate": vllm_service.gate.model_copy(update={"bootstrap_resamples": 200})}
+    )
     live = gate._score_prompts(suite_of(local_judge(settings)), generations(), generations(), settings)
     print(live.model_dump_json())
     assert live.conclusive and live.passed and live.n == len(ITEMS)
-    assert live.difference is not None and live.difference.estimate == 0.0  # the same answers, the same grades
+    assert (
+        live.difference is not None and live.difference.estimate == 0.0
+    )  # the same answers, the same grades
     assert "0 of 16 judgements failed" in live.note
 
     down = JudgeSettings(url=f"http://127.0.0.1:{free_ports(1)[0]}/v1", model="judge", retries=0)
@@ -126,8 +148,9 @@ def test_the_gate_judge_suite_decides_and_follows_its_outage_policy(vllm_service
     passed, reason = gate.decide([out], [])
     assert not passed and "no suite was conclusive: judge: judge out (inconclusive)" in reason
 
-    blocking = gate._score_prompts(suite_of(down.model_copy(update={"outage": "block"})), generations(),
-                                   generations(), settings)  # fmt: skip
+    blocking = gate._score_prompts(
+        suite_of(down.model_copy(update={"outage": "block"})), generations(), generations(), settings
+    )
     passed, reason = gate.decide([live.model_copy(update={"name": "retention"}), blocking], [])
     assert blocking.conclusive and not passed and reason.startswith("suite judge: judge out (block)")
 
@@ -135,7 +158,12 @@ def test_the_gate_judge_suite_decides_and_follows_its_outage_policy(vllm_service
 def test_a_gate_with_the_judge_suite_needs_the_judge_configured(vllm_service: Settings) -> None:
     with pytest.raises(ValueError, match='gate.suites has "judge" but gate.judge is not set'):
         vllm_service.gate.model_validate({"suites": ("judge",)})
-    settings = vllm_service.model_copy(update={"gate": vllm_service.gate.model_copy(
-        update={"suites": ("retention", "judge"), "judge": local_judge(vllm_service)})})  # fmt: skip
+    settings = vllm_service.model_copy(
+        update={
+            "gate": vllm_service.gate.model_copy(
+                update={"suites": ("retention", "judge"), "judge": local_judge(vllm_service)}
+            )
+        }
+    )
     names = [s.name for s, _ in gate._prompt_suites(settings)]
     assert names == ["retention", "judge"]

@@ -146,10 +146,16 @@ def hostile_mix(settings: Settings, now: datetime) -> tuple[list[tuple[str, byte
     stored = len(items)
     dup = interaction(episodes[0], event_id="dup-event", created_at=now)
     nan = wire(interaction("nan-ep", created_at=now)).replace(b"-0.5", b"NaN")
-    huge = wire(interaction("huge-ep", created_at=now)).replace(b"[1,2,3]", b"[" + b",".join([b"7"] * 140_000) + b"]")
+    huge = wire(interaction("huge-ep", created_at=now)).replace(
+        b"[1,2,3]", b"[" + b",".join([b"7"] * 140_000) + b"]"
+    )
     unknown_kind = wire(fb("r", "accepted")).replace(b'"accepted"', b'"loved_it"')
-    wrong_version = wire(interaction("wv-ep", created_at=now)).replace(b"rtrl.interaction.v1", b"rtrl.interaction.v7")
-    first_dup = interaction(f"first-{uuid.uuid4().hex[:6]}", event_id=f"same-{uuid.uuid4().hex[:6]}", created_at=now)
+    wrong_version = wire(interaction("wv-ep", created_at=now)).replace(
+        b"rtrl.interaction.v1", b"rtrl.interaction.v7"
+    )
+    first_dup = interaction(
+        f"first-{uuid.uuid4().hex[:6]}", event_id=f"same-{uuid.uuid4().hex[:6]}", created_at=now
+    )
     no_event_id = json.loads(wire(fb("r", "thumbs_up")))
     del no_event_id["event_id"]
     items += [
@@ -185,10 +191,15 @@ def run_mix_and_check(settings: Settings, store: Store, clock: FakeClock) -> Non
     items, stored, dead = hostile_mix(settings, clock())
     produce(settings.kafka, items)
     labeler = labeler_for(settings, store, clock)
-    series = [("rtrl_labeler_events_total", {"kind": "interaction"}), ("rtrl_labeler_events_total", {"kind": "feedback"}),
-              *[("rtrl_labeler_dead_letters_total", {"reason": r}) for r in ("content", "duplicate", "schema")],
-              ("rtrl_labeler_feedback_joined_total", {}), ("rtrl_labeler_settled_total", {"how": "terminal_feedback"}),
-              ("rtrl_labeler_settled_total", {"how": "window"}), ("rtrl_labeler_settle_latency_seconds_count", {})]  # fmt: skip
+    series = [
+        ("rtrl_labeler_events_total", {"kind": "interaction"}),
+        ("rtrl_labeler_events_total", {"kind": "feedback"}),
+        *[("rtrl_labeler_dead_letters_total", {"reason": r}) for r in ("content", "duplicate", "schema")],
+        ("rtrl_labeler_feedback_joined_total", {}),
+        ("rtrl_labeler_settled_total", {"how": "terminal_feedback"}),
+        ("rtrl_labeler_settled_total", {"how": "window"}),
+        ("rtrl_labeler_settle_latency_seconds_count", {}),
+    ]
     before = [counted(name, **labels) for name, labels in series]
     try:
         result = drain(labeler, settings, store)
@@ -198,7 +209,11 @@ def run_mix_and_check(settings: Settings, store: Store, clock: FakeClock) -> Non
         assert len(dlq) == dead
         reasons = sorted(str(r["reason"]).split(":")[0] for r in dlq)
         assert reasons == ["content"] * 4 + ["duplicate"] * 2 + ["schema"] * 9
-        assert {str(d.reason).split(":")[0] for d in store.dead_letters(100)} == {"content", "duplicate", "schema"}
+        assert {str(d.reason).split(":")[0] for d in store.dead_letters(100)} == {
+            "content",
+            "duplicate",
+            "schema",
+        }
         huge = next(r for r in dlq if "truncated" in str(r["reason"]))
         assert len(str(huge["payload"])) == 64 * 1024
         parse_event(json.dumps(dlq[0]).encode())  # DLQ records are valid DeadLetterRecords
@@ -247,13 +262,18 @@ while True:
 """
 
 
-def test_crash_between_db_commit_and_offset_commit(sqlite_settings: Settings, store_of: object, clock: FakeClock) -> None:
+def test_crash_between_db_commit_and_offset_commit(
+    sqlite_settings: Settings, store_of: object, clock: FakeClock
+) -> None:
     settings = sqlite_settings
     items, stored, dead = hostile_mix(settings, clock())
     produce(settings.kafka, items)
     store: Store = store_of(settings)  # type: ignore[operator]
     child = subprocess.run(
-        [sys.executable, "-c", CRASHING_LABELER, settings.model_dump_json()], cwd=REPO, timeout=120, capture_output=True
+        [sys.executable, "-c", CRASHING_LABELER, settings.model_dump_json()],
+        cwd=REPO,
+        timeout=120,
+        capture_output=True,
     )
     assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
     after_crash = store.stats()
@@ -282,8 +302,13 @@ def test_db_unavailable_commits_no_offsets_and_retries(
     path = tmp_path / "rtrl.db"
     settings = isolated(services, f"sqlite:///{path}")
     store: Store = store_of(settings, busy_timeout_s=0.2)  # type: ignore[operator]
-    produce(settings.kafka, [(settings.kafka.interactions_topic, wire(interaction(f"ep-{i}", created_at=clock())))
-                             for i in range(5)])  # fmt: skip
+    produce(
+        settings.kafka,
+        [
+            (settings.kafka.interactions_topic, wire(interaction(f"ep-{i}", created_at=clock())))
+            for i in range(5)
+        ],
+    )
 
     # Another process holds the write lock: to the labeler, the database is unavailable.
     blocker = sqlite3.connect(path, isolation_level=None)
@@ -291,8 +316,12 @@ def test_db_unavailable_commits_no_offsets_and_retries(
     backoff = FakeMonotonic()
     labeler = labeler_for(settings, store, clock, sleep=backoff.sleep)
     try:
-        wait_until(lambda: labeler.step() is None and len(backoff.slept) >= 3, timeout_s=60, interval_s=0.0,
-                   what="three failed attempts")  # fmt: skip
+        wait_until(
+            lambda: labeler.step() is None and len(backoff.slept) >= 3,
+            timeout_s=60,
+            interval_s=0.0,
+            what="three failed attempts",
+        )
         assert backoff.slept[:3] == [0.5, 1.0, 2.0]  # doubling backoff, and no offset committed
         assert committed(settings) == 0
 
@@ -308,11 +337,16 @@ def test_db_unavailable_commits_no_offsets_and_retries(
 def test_cli_reconcile_and_stats(sqlite_settings: Settings, store_of: object, clock: FakeClock) -> None:
     settings = sqlite_settings
     out = run_rtrl(settings, "labeler", "stats")
-    assert out.returncode == 1 and "run `rtrl labeler migrate`" in out.stderr and "Traceback" not in out.stderr
-    produce(settings.kafka, [
-        (settings.kafka.feedback_topic, b"garbage"),
-        (settings.kafka.feedback_topic, wire(feedback("x", "rejected", created_at=clock()))),
-    ])  # fmt: skip
+    assert (
+        out.returncode == 1 and "run `rtrl labeler migrate`" in out.stderr and "Traceback" not in out.stderr
+    )
+    produce(
+        settings.kafka,
+        [
+            (settings.kafka.feedback_topic, b"garbage"),
+            (settings.kafka.feedback_topic, wire(feedback("x", "rejected", created_at=clock()))),
+        ],
+    )
     store: Store = store_of(settings)  # type: ignore[operator]
     out = run_rtrl(settings, "labeler", "reconcile")
     assert out.returncode == 1 and "NOT balanced" in out.stdout and "pending 2" in out.stdout
@@ -382,8 +416,12 @@ def test_a_record_that_kills_the_labeler_is_dead_lettered_after_three_deaths(
 
     exits = []
     for _ in range(6):  # what the supervisor would do: restart it (it allows 5 restarts)
-        child = subprocess.run([sys.executable, "-c", POISONED_LABELER, settings.model_dump_json()], cwd=REPO,
-                               timeout=300, capture_output=True)  # fmt: skip
+        child = subprocess.run(
+            [sys.executable, "-c", POISONED_LABELER, settings.model_dump_json()],
+            cwd=REPO,
+            timeout=300,
+            capture_output=True,
+        )
         exits.append(child.returncode)
         if child.returncode == 0:
             break
@@ -441,21 +479,28 @@ def test_postgresql_stopped_for_30s_while_labelling_loses_nothing(
 
     labeler = labeler_for(settings, store, clock, sleep=sleep)
     topic = settings.kafka.interactions_topic
-    produce(settings.kafka, [(topic, wire(interaction(f"before-{i}", created_at=clock()))) for i in range(20)])
+    produce(
+        settings.kafka, [(topic, wire(interaction(f"before-{i}", created_at=clock()))) for i in range(20)]
+    )
     try:
         drain(labeler, settings, store)
         assert committed(settings) == 20
         assert down(services, only=("postgres",)) == ["postgres"]
         try:
             outage_end = time.monotonic() + 30
-            produce(settings.kafka, [(topic, wire(interaction(f"during-{i}", created_at=clock()))) for i in range(20)])
+            produce(
+                settings.kafka,
+                [(topic, wire(interaction(f"during-{i}", created_at=clock()))) for i in range(20)],
+            )
             while time.monotonic() < outage_end:
                 labeler.step()  # fails, seeks back, backs off
             assert committed(settings) == 20  # nothing it could not store was committed
             assert len(slept) >= 3 and slept[:3] == [0.5, 1.0, 2.0]
         finally:
             up(services, only=("postgres",))
-        produce(settings.kafka, [(topic, wire(interaction(f"after-{i}", created_at=clock()))) for i in range(20)])
+        produce(
+            settings.kafka, [(topic, wire(interaction(f"after-{i}", created_at=clock()))) for i in range(20)]
+        )
         result = drain(labeler, settings, store)
         assert (result.produced, result.stored, result.dead_lettered) == (60, 60, 0)
         assert committed(settings) == 60

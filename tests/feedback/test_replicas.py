@@ -95,7 +95,9 @@ def check_labelled(store: Store, interactions: int, feedback_events: int) -> dic
             expected = score(TAB_V1, signals[episode.episode_id])
             if (episode.reward, episode.reward_components) != (expected.reward, expected.components):
                 wrong.append((episode.episode_id, episode.reward, expected.reward))
-        assert not wrong, f"{len(wrong)} episodes whose reward is not that of their non-late feedback: {wrong[:5]}"
+        assert not wrong, (
+            f"{len(wrong)} episodes whose reward is not that of their non-late feedback: {wrong[:5]}"
+        )
     return stats
 
 
@@ -185,7 +187,11 @@ def test_a_join_waits_for_a_window_settle_and_is_late(pg_store: Store) -> None:
     other.outcome()
     assert feedback_rows(pg_store) == {"accepted": ("e", True)}
     episode = episode_row(pg_store, "e")
-    assert (episode.status, episode.reward, episode.reward_components) == ("settled", 0.0, {"no_feedback": 0.0})
+    assert (episode.status, episode.reward, episode.reward_components) == (
+        "settled",
+        0.0,
+        {"no_feedback": 0.0},
+    )
 
 
 def test_two_window_passes_settle_an_episode_once(pg_store: Store) -> None:
@@ -208,7 +214,9 @@ def test_terminal_feedback_from_two_replicas_settles_once(pg_store: Store) -> No
     one, two = Feeder(pg_store), Feeder(pg_store)
     one.send(interaction("e", 0), interaction("e", 1))
     with pg_store.labelling(T0) as tx:
-        written = tx.write_events([(r := one.record(feedback("r-e-0", "thumbs_up", episode_id="e")), one_parse(r))])
+        written = tx.write_events(
+            [(r := one.record(feedback("r-e-0", "thumbs_up", episode_id="e")), one_parse(r))]
+        )
         assert tx.join_and_settle(TAB_V1, written.interactions, written.feedback).settled_terminal == 1
         other = Concurrently(lambda: two.send(feedback("r-e-1", "thumbs_down", episode_id="e"), now=T0))
         other.waiting()
@@ -250,11 +258,16 @@ def test_feedback_naming_an_episode_being_created_is_joined_by_the_next_window_p
         assert tx.join_stranded(TAB_V1, 60).joined == 0  # found once
 
 
-def test_stranded_feedback_is_late_once_its_episode_settled_and_never_joins_another_tenant(pg_store: Store) -> None:
+def test_stranded_feedback_is_late_once_its_episode_settled_and_never_joins_another_tenant(
+    pg_store: Store,
+) -> None:
     """A stranded feedback whose episode settled by window meanwhile joins it late (kept, not in the
     reward); one of another tenant naming the episode is left alone, as any join would."""
-    strand(pg_store, feedback("r-e-1", "accepted", episode_id="e"),
-           feedback("r-x-0", "rejected", episode_id="e", tenant="other"))  # fmt: skip
+    strand(
+        pg_store,
+        feedback("r-e-1", "accepted", episode_id="e"),
+        feedback("r-x-0", "rejected", episode_id="e", tenant="other"),
+    )
     later = T0 + timedelta(seconds=61)
     with pg_store.labelling(later) as tx:
         assert len(tx.settle_expired(TAB_V1, 60)) == 1
@@ -290,13 +303,23 @@ def one_parse(record: SourceRecord) -> Any:
 # ---- several Labeler instances in threads ---------------------------------------------------------------
 
 
-def run_replicas(settings: Settings, n: int, until: Callable[[], bool], clock: Clock = utcnow,
-                 timeout_s: float = 180, what: str = "the replicas catching up") -> None:
+def run_replicas(
+    settings: Settings,
+    n: int,
+    until: Callable[[], bool],
+    clock: Clock = utcnow,
+    timeout_s: float = 180,
+    what: str = "the replicas catching up",
+) -> None:
     """Run `n` Labeler instances (threads, each with its own store handle) until `until()` holds."""
     stop = threading.Event()
     errors: list[BaseException] = []
-    labelers = [Labeler(settings, Store(settings.store.url), make_consumer(settings), make_producer(settings),
-                        clock=clock) for _ in range(n)]  # fmt: skip
+    labelers = [
+        Labeler(
+            settings, Store(settings.store.url), make_consumer(settings), make_producer(settings), clock=clock
+        )
+        for _ in range(n)
+    ]
 
     def run(labeler: Labeler) -> None:
         try:
@@ -326,7 +349,14 @@ def episode_events(tag: str, k: int, now: datetime) -> tuple[list[InteractionEve
     episode = f"{tag}-{k}"
     segments = [interaction(episode, segment=s, created_at=now) for s in range(3)]
     signals: list[FeedbackEvent] = []
-    kinds = [["accepted"], ["accepted", "thumbs_up"], ["judge_score"], ["rejected"], ["tool_call_error", "edit_persisted"], []][k % 6]
+    kinds = [
+        ["accepted"],
+        ["accepted", "thumbs_up"],
+        ["judge_score"],
+        ["rejected"],
+        ["tool_call_error", "edit_persisted"],
+        [],
+    ][k % 6]
     for n, kind in enumerate(kinds):
         request = segments[(k + n) % 3].request_id
         by_episode = {"episode_id": episode} if (k + n) % 2 else {}
@@ -334,7 +364,9 @@ def episode_events(tag: str, k: int, now: datetime) -> tuple[list[InteractionEve
     return segments, signals
 
 
-def test_replicas_racing_on_shared_episodes_label_each_once(kafka_service: Settings, postgres_database: str) -> None:
+def test_replicas_racing_on_shared_episodes_label_each_once(
+    kafka_service: Settings, postgres_database: str
+) -> None:
     """Three replicas, a 0.4 s settle window on the real clock, events arriving in waves: window
     settles race with joins, and still every episode is settled once with the reward of exactly its
     non-late feedback."""
@@ -364,8 +396,15 @@ def test_replicas_racing_on_shared_episodes_label_each_once(kafka_service: Setti
     producer = threading.Thread(target=produce_waves, daemon=True)
     producer.start()
     try:
-        run_replicas(settings, 3, lambda: not producer.is_alive() and caught_up(settings, store, total) is not None
-                     and store.stats()["episodes_open"] == 0)  # fmt: skip
+        run_replicas(
+            settings,
+            3,
+            lambda: (
+                not producer.is_alive()
+                and caught_up(settings, store, total) is not None
+                and store.stats()["episodes_open"] == 0
+            ),
+        )
         stats = check_labelled(store, interactions, total - interactions)
     finally:
         producer.join(timeout=60)
@@ -376,7 +415,9 @@ def test_replicas_racing_on_shared_episodes_label_each_once(kafka_service: Setti
     assert (moved[2], moved[3]) == (stats["feedback"] - stats["feedback_late"], stats["feedback_late"])
 
 
-def test_replicas_label_like_one_labeler(kafka_service: Settings, postgres_database: str, tmp_path: Any) -> None:
+def test_replicas_label_like_one_labeler(
+    kafka_service: Settings, postgres_database: str, tmp_path: Any
+) -> None:
     """Without window settles racing (the clock stands still until everything is stored), three
     replicas give every episode the reward that one labeler gives it from the same events (the
     labeler's store work, fed in production order): all feedback of an episode is about one request
@@ -388,8 +429,14 @@ def test_replicas_label_like_one_labeler(kafka_service: Settings, postgres_datab
     for k in range(300):
         episode = f"{tag}-{k}"
         segments = [interaction(episode, segment=s, created_at=now) for s in range(3)]
-        kinds = [["accepted"], ["accepted", "thumbs_up"], ["judge_score", "followup_dissatisfied"], ["rejected"],
-                 ["tool_call_error", "edited", "edit_persisted"], []][k % 6]  # fmt: skip
+        kinds = [
+            ["accepted"],
+            ["accepted", "thumbs_up"],
+            ["judge_score", "followup_dissatisfied"],
+            ["rejected"],
+            ["tool_call_error", "edited", "edit_persisted"],
+            [],
+        ][k % 6]
         request = segments[k % 3].request_id
         by_episode = {"episode_id": episode} if k % 2 else {}
         signals = [feedback(request, kind, value=0.5, created_at=now, **by_episode) for kind in kinds]
@@ -401,18 +448,24 @@ def test_replicas_label_like_one_labeler(kafka_service: Settings, postgres_datab
     def labelled(store: Store) -> dict[str, tuple[Any, ...]]:
         check_labelled(store, interactions, len(events) - interactions)
         with store.transaction() as session:
-            return {e.episode_id: (e.reward, e.reward_components, e.settle_reason)
-                    for e in session.scalars(select(Episode))}  # fmt: skip
+            return {
+                e.episode_id: (e.reward, e.reward_components, e.settle_reason)
+                for e in session.scalars(select(Episode))
+            }
 
     replicas = Store(settings.store.url)
     replicas.migrate()
     alone = Store(f"sqlite:///{tmp_path}/alone.db")
     alone.migrate()
     try:
-        run_replicas(settings, 3, lambda: caught_up(settings, replicas, len(events)) is not None, clock=FakeClock(now))
+        run_replicas(
+            settings, 3, lambda: caught_up(settings, replicas, len(events)) is not None, clock=FakeClock(now)
+        )
         # Three replicas' window passes at once, once every open episode is expired.
-        passes = [Concurrently(lambda: Feeder(replicas).settle_window(expired, settings.labeler.settle_window_s))
-                  for _ in range(3)]  # fmt: skip
+        passes = [
+            Concurrently(lambda: Feeder(replicas).settle_window(expired, settings.labeler.settle_window_s))
+            for _ in range(3)
+        ]
         assert sum(p.outcome() for p in passes) == replicas.stats()["episodes_settled_window"]
         by_replicas = labelled(replicas)
 
@@ -448,7 +501,9 @@ def must_show_events(tag: str, now: datetime) -> list[InteractionEvent | Feedbac
     return events
 
 
-def test_three_labeler_processes_one_sigkilled(kafka_service: Settings, postgres_database: str, tmp_path: Any) -> None:
+def test_three_labeler_processes_one_sigkilled(
+    kafka_service: Settings, postgres_database: str, tmp_path: Any
+) -> None:
     settings = replica_settings(kafka_service, postgres_database, settle_window_s=60.0)
     store = Store(settings.store.url)
     store.migrate()
@@ -459,11 +514,21 @@ def test_three_labeler_processes_one_sigkilled(kafka_service: Settings, postgres
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
     for n, port in enumerate(free_ports(3)):
-        replica = settings.model_copy(update={"metrics": settings.metrics.model_copy(update={"labeler_port": port})})
+        replica = settings.model_copy(
+            update={"metrics": settings.metrics.model_copy(update={"labeler_port": port})}
+        )
         log = open(tmp_path / f"labeler-{n}.log", "wb")  # noqa: SIM115 - closed below
         logs.append(log)
-        procs.append(subprocess.Popen(rtrl_command("labeler"), cwd=REPO, env=child_env(replica), stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                rtrl_command("labeler"),
+                cwd=REPO,
+                env=child_env(replica),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
     try:
         t0 = time.monotonic()
         produce_keyed(settings, events)
@@ -478,11 +543,21 @@ def test_three_labeler_processes_one_sigkilled(kafka_service: Settings, postgres
         os.killpg(procs[0].pid, signal.SIGKILL)
         procs[0].wait(timeout=30)
         t_kill = time.monotonic() - t0
-        result = wait_until(lambda: caught_up(settings, store, len(events)), timeout_s=420, interval_s=1.0,
-                            what="the two survivors catching up")  # fmt: skip
+        result = wait_until(
+            lambda: caught_up(settings, store, len(events)),
+            timeout_s=420,
+            interval_s=1.0,
+            what="the two survivors catching up",
+        )
         drained_s = time.monotonic() - t0
-        assert (result.stored, result.dead_lettered, result.pending) == (len(events), 0, 0) and result.balanced
-        wait_until(lambda: store.stats()["episodes_open"] == 0, timeout_s=120, interval_s=1.0, what="all settled")
+        assert (result.stored, result.dead_lettered, result.pending) == (
+            len(events),
+            0,
+            0,
+        ) and result.balanced
+        wait_until(
+            lambda: store.stats()["episodes_open"] == 0, timeout_s=120, interval_s=1.0, what="all settled"
+        )
         settled_s = time.monotonic() - t0
         stats = check_labelled(store, INTERACTIONS, FEEDBACK)
         assert stats["episodes_settled"] == INTERACTIONS // 2

@@ -32,9 +32,7 @@ def _alerts() -> list[dict[str, Any]]:
 def _promtool(*args: str) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.fail(
-            "promtool is not on PATH: run `make test-deps` (it installs Debian's prometheus package)"
-        )
+        pytest.fail("promtool is not on PATH: run `make test-deps` (it installs Debian's prometheus package)")
     done = subprocess.run([promtool, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (
         f"promtool {' '.join(args)} exited {done.returncode}:\n{done.stdout}{done.stderr}"

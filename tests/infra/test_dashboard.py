@@ -87,8 +87,13 @@ def exported() -> dict[str, Family]:
     # Label names are not in a collected family until a child exists, so read them off the metric
     # objects (prometheus_client keeps them in `_labelnames`).
     labels: dict[str, frozenset[str]] = {}
-    for namespace in (vars(feedback.metrics), vars(trainer.metrics), vars(deployer.metrics),
-                      vars(services.supervisor), vars(gateway)):  # fmt: skip
+    for namespace in (
+        vars(feedback.metrics),
+        vars(trainer.metrics),
+        vars(deployer.metrics),
+        vars(services.supervisor),
+        vars(gateway),
+    ):
         for metric in namespace.values():
             if isinstance(metric, MetricWrapperBase):
                 labels[metric._name] = frozenset(metric._labelnames)
@@ -131,8 +136,11 @@ def dashboard() -> dict[str, Any]:
 def rules() -> list[dict[str, Any]]:
     """The rules of the alert rules file, each with its group's name under "group"."""
     document = yaml.safe_load(RULES.read_text()) or {}
-    return [{**rule, "group": group.get("name")} for group in document.get("groups") or []
-            for rule in group.get("rules") or []]  # fmt: skip
+    return [
+        {**rule, "group": group.get("name")}
+        for group in document.get("groups") or []
+        for rule in group.get("rules") or []
+    ]
 
 
 def recorded() -> set[str]:
@@ -290,8 +298,11 @@ def test_prometheus_scrapes_every_process_on_its_default_port() -> None:
 
 def test_docs_name_every_exported_family() -> None:
     text = DOC.read_text()
-    missing = [f.queried_as for f in exported().values()
-               if not re.search(rf"(?<![A-Za-z0-9_]){re.escape(f.queried_as)}(?![A-Za-z0-9_])", text)]  # fmt: skip
+    missing = [
+        f.queried_as
+        for f in exported().values()
+        if not re.search(rf"(?<![A-Za-z0-9_]){re.escape(f.queried_as)}(?![A-Za-z0-9_])", text)
+    ]
     assert not missing, f"{DOC.relative_to(ROOT)} does not list: {', '.join(sorted(missing))}"
     stale = unknown_names(text, set(series_names()) | set(exported()))
     assert not stale, f"{DOC.relative_to(ROOT)} names metrics rtrl does not export: {', '.join(stale)}"

@@ -199,7 +199,9 @@ def test_the_settings_check_itself() -> None:
     assert setting_problem("RTRL_KAFKA") is None  # a whole section as JSON (schemas.settings.to_env)
     assert setting_problem("RTRL_TRAINER__LOSS__EPS_HIGH") is None  # a field of the tagged union
     assert setting_problem("RTRL_KAFKA__BOOTSTRAP_SERVER") == "Settings.kafka has no field 'bootstrap_server'"
-    assert setting_problem("RTRL_KAFKA_BOOTSTRAP_SERVERS") == "Settings has no field 'kafka_bootstrap_servers'"
+    assert (
+        setting_problem("RTRL_KAFKA_BOOTSTRAP_SERVERS") == "Settings has no field 'kafka_bootstrap_servers'"
+    )
     assert setting_problem("RTRL_STORE__URL__HOST") == "Settings.store.url has no fields (cannot take __HOST)"
 
 
@@ -209,19 +211,32 @@ def test_every_rtrl_variable_is_a_setting() -> None:
     for path in files:
         for name in RTRL_NAME.findall(path.read_text(errors="replace")):
             seen.setdefault(name, set()).add(str(path.relative_to(ROOT)))
-    problems = [f"{name} ({', '.join(sorted(where))}): {setting_problem(name)}"
-                for name, where in sorted(seen.items()) if setting_problem(name)]  # fmt: skip
+    problems = [
+        f"{name} ({', '.join(sorted(where))}): {setting_problem(name)}"
+        for name, where in sorted(seen.items())
+        if setting_problem(name)
+    ]
     assert not problems, "RTRL_* names that are no setting:\n" + "\n".join(problems)
     # The variables the layout cannot do without are really set (not only mentioned in comments).
     compose_env: dict[str, str] = _compose()["x-rtrl-env"]
-    (config,) = [o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rtrl-settings"]
+    (config,) = [
+        o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rtrl-settings"
+    ]
     (secret,) = [o for o in _objects() if o["kind"] == "Secret" and o["metadata"]["name"] == "rtrl-secrets"]
     k8s_env = {**config["data"], **secret["stringData"]}
     for env in (compose_env, k8s_env):
-        for name in ("RTRL_KAFKA__BOOTSTRAP_SERVERS", "RTRL_STORE__URL", "RTRL_CELERY__BROKER_URL",
-                     "RTRL_MLFLOW__TRACKING_URI", "RTRL_VLLM__SERVERS", "RTRL_VLLM__STAGING_SERVER",
-                     "RTRL_SERVICES__RUN_DIR", "RTRL_METRICS__HOST", "RTRL_METRICS__TOKEN",
-                     "RTRL_GATEWAY__REQUEST_ID_SECRET"):  # fmt: skip
+        for name in (
+            "RTRL_KAFKA__BOOTSTRAP_SERVERS",
+            "RTRL_STORE__URL",
+            "RTRL_CELERY__BROKER_URL",
+            "RTRL_MLFLOW__TRACKING_URI",
+            "RTRL_VLLM__SERVERS",
+            "RTRL_VLLM__STAGING_SERVER",
+            "RTRL_SERVICES__RUN_DIR",
+            "RTRL_METRICS__HOST",
+            "RTRL_METRICS__TOKEN",
+            "RTRL_GATEWAY__REQUEST_ID_SECRET",
+        ):
             assert name in env, f"{name} is not set"
         assert env["RTRL_KAFKA__REPLICATION_FACTOR"] == "3"
         assert env["RTRL_KAFKA__MIN_INSYNC_REPLICAS"] == "2"
@@ -271,8 +286,13 @@ def _check_cli(argv: list[str]) -> None:
 def test_the_cli_check_itself() -> None:
     _check_cli(["worker", "--hostname", "rtrl-trainer@worker"])
     _check_cli(["labeler"])
-    for wrong in (["labeler", "migrat"], ["worker", "--host-name", "x"], ["deploy", "reconcile", "--forevr"],
-                  ["deploy"], ["model", "init"]):  # fmt: skip
+    for wrong in (
+        ["labeler", "migrat"],
+        ["worker", "--host-name", "x"],
+        ["deploy", "reconcile", "--forevr"],
+        ["deploy"],
+        ["model", "init"],
+    ):
         with pytest.raises((typer.TyperException, AssertionError)):
             _check_cli(wrong)
 
@@ -290,7 +310,10 @@ def test_every_rtrl_container_runs_a_real_command() -> None:
 
 def test_the_one_time_preparation_is_there() -> None:
     """What `rtrl run` prepares before its processes (migrate, register v1) runs as jobs."""
-    for argvs in ([argv for _, argv in _compose_invocations()], [argv for _, argv, _, _ in _k8s_invocations()]):
+    for argvs in (
+        [argv for _, argv in _compose_invocations()],
+        [argv for _, argv, _, _ in _k8s_invocations()],
+    ):
         assert ["labeler", "migrate"] in argvs
         assert ["deploy", "bootstrap", "/models/base"] in argvs
         assert any(argv[:2] == ["model", "init"] for argv in argvs)
@@ -346,7 +369,13 @@ def test_compose_layout() -> None:
     assert "postgresql" in " ".join(services["mlflow"]["command"])
     assert any(a.startswith("--artifacts-destination=s3://") for a in services["mlflow"]["command"])
     assert "--serve-artifacts" in services["mlflow"]["command"]
-    assert services["redis"]["command"][:5] == ["redis-server", "--appendonly", "yes", "--appendfsync", "everysec"]
+    assert services["redis"]["command"][:5] == [
+        "redis-server",
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+    ]
 
 
 def _replicas(kind: str, name: str) -> int:
@@ -371,9 +400,13 @@ def test_k8s_layout() -> None:
         assert processes[process][0]["spec"]["strategy"]["type"] == "Recreate"
 
     assert _replicas("StatefulSet", "kafka") == 3
-    (config,) = [o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rtrl-settings"]
+    (config,) = [
+        o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rtrl-settings"
+    ]
     servers = [urlparse(url).hostname for url in json.loads(config["data"]["RTRL_VLLM__SERVERS"])]
-    assert servers == [f"vllm-{i}.vllm" for i in range(_replicas("StatefulSet", "vllm"))] and len(servers) == 2
+    assert (
+        servers == [f"vllm-{i}.vllm" for i in range(_replicas("StatefulSet", "vllm"))] and len(servers) == 2
+    )
     assert urlparse(config["data"]["RTRL_VLLM__STAGING_SERVER"]).hostname == "vllm-staging"
     assert _replicas("StatefulSet", "vllm-staging") == 1
     for obj in _objects():
@@ -392,30 +425,42 @@ def test_every_vllm_server_can_read_what_the_deployer_hands_it() -> None:
     processes that swap share the run dir (locks, digests)."""
     run_dir = _compose()["x-rtrl-env"]["RTRL_SERVICES__RUN_DIR"]
     services = _services()
-    swappers = [name for name, argv in _compose_invocations()
-                if _process(argv) in ("worker", "reconciler") or argv[:2] == ["deploy", "bootstrap"]]  # fmt: skip
+    swappers = [
+        name
+        for name, argv in _compose_invocations()
+        if _process(argv) in ("worker", "reconciler") or argv[:2] == ["deploy", "bootstrap"]
+    ]
     vllms = [n for n, s in services.items() if s.get("image", "").startswith("vllm/vllm-openai:")]
     assert len(swappers) == 3 and len(vllms) == 3
     for name in swappers + vllms:
         volumes = services[name].get("volumes", [])
-        assert any(v.split(":")[:2] == ["rtrl-run", run_dir] for v in volumes), f"{name} lacks rtrl-run at {run_dir}"
+        assert any(v.split(":")[:2] == ["rtrl-run", run_dir] for v in volumes), (
+            f"{name} lacks rtrl-run at {run_dir}"
+        )
 
-    (config,) = [o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rtrl-settings"]
+    (config,) = [
+        o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rtrl-settings"
+    ]
     run_dir, cache = config["data"]["RTRL_SERVICES__RUN_DIR"], config["data"]["RTRL_AGENT__CACHE_DIR"]
     agents = json.loads(config["data"]["RTRL_VLLM__WEIGHTS_AGENTS"])
     servers = [*json.loads(config["data"]["RTRL_VLLM__SERVERS"]), config["data"]["RTRL_VLLM__STAGING_SERVER"]]
     assert sorted(agents) == sorted(servers)
     for server, agent in agents.items():
         assert urlparse(agent).hostname == urlparse(server).hostname and urlparse(agent).port == 18090
-    (claim,) = [o for o in _objects() if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == "rtrl-run"]
+    (claim,) = [
+        o for o in _objects() if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == "rtrl-run"
+    ]
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     sharing, pods_with_agents = 0, 0
     for obj in _objects():
         spec = _pod_spec(obj)
         if spec is None:
             continue
-        claims = {v["name"] for v in spec.get("volumes", [])
-                  if v.get("persistentVolumeClaim", {}).get("claimName") == "rtrl-run"}  # fmt: skip
+        claims = {
+            v["name"]
+            for v in spec.get("volumes", [])
+            if v.get("persistentVolumeClaim", {}).get("claimName") == "rtrl-run"
+        }
         vllm = [c for c in spec["containers"] if c["image"].startswith("vllm/vllm-openai:")]
         for container in spec["containers"]:
             swaps = _is_rtrl_image(container["image"]) and any(
@@ -428,11 +473,17 @@ def test_every_vllm_server_can_read_what_the_deployer_hands_it() -> None:
                 sharing += 1
         if vllm:
             assert not claims, f"{obj['metadata']['name']}: vLLM pods load from their agent, not rtrl-run"
-            (agent,) = [c for c in spec["containers"] if _is_rtrl_image(c["image"])
-                        and any(argv[:1] == ["agent"] for argv in _rtrl_invocations(c.get("command"), c.get("args")))]  # fmt: skip
+            (agent,) = [
+                c
+                for c in spec["containers"]
+                if _is_rtrl_image(c["image"])
+                and any(argv[:1] == ["agent"] for argv in _rtrl_invocations(c.get("command"), c.get("args")))
+            ]
             written = {m["name"] for m in agent["volumeMounts"] if m["mountPath"] == cache}
             read = {m["name"] for m in vllm[0]["volumeMounts"] if m["mountPath"] == cache}
-            assert written and written == read, f"{obj['metadata']['name']}: vLLM does not read the agent's {cache}"
+            assert written and written == read, (
+                f"{obj['metadata']['name']}: vLLM does not read the agent's {cache}"
+            )
             pods_with_agents += 1
     assert sharing == 3  # worker, reconciler, bootstrap
     assert pods_with_agents == 2  # StatefulSets vllm and vllm-staging
@@ -455,7 +506,9 @@ def test_health_checks_at_each_process_port() -> None:
         for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
             get = container[probe]["httpGet"]
             assert get["path"] == path, f"{name}: {probe} on {get['path']}"
-            assert ports.get(get["port"], get["port"]) == PORTS[process], f"{name}: {probe} on port {get['port']}"
+            assert ports.get(get["port"], get["port"]) == PORTS[process], (
+                f"{name}: {probe} on port {get['port']}"
+            )
         annotations = obj["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
         assert annotations["prometheus.io/port"] == str(PORTS[process])
@@ -493,8 +546,11 @@ def test_referenced_files_exist() -> None:
 
     # Prometheus loads the rules mounted next to its configuration; its jobs are those the rules use.
     prometheus = _services()["prometheus"]
-    mounted = {v.split(":")[1]: (COMPOSE.parent / v.split(":")[0]).resolve() for v in prometheus["volumes"]
-               if v.startswith(".")}  # fmt: skip
+    mounted = {
+        v.split(":")[1]: (COMPOSE.parent / v.split(":")[0]).resolve()
+        for v in prometheus["volumes"]
+        if v.startswith(".")
+    }
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     assert mounted["/etc/prometheus/prometheus.yml"] == (DEPLOY / "prometheus.yml").resolve()
     for rule_file in config["rule_files"]:
@@ -507,7 +563,9 @@ def test_referenced_files_exist() -> None:
     # Grafana provisions the dashboard from where compose mounts it.
     grafana = _services()["grafana"]
     (dashboard,) = [v for v in grafana["volumes"] if v.endswith("rtrl-dashboard.json:ro")]
-    assert (COMPOSE.parent / dashboard.split(":")[0]).resolve() == ROOT / "infra" / "grafana" / "rtrl-dashboard.json"
+    assert (
+        COMPOSE.parent / dashboard.split(":")[0]
+    ).resolve() == ROOT / "infra" / "grafana" / "rtrl-dashboard.json"
     (provider,) = yaml.safe_load((DEPLOY / "grafana" / "dashboards.yaml").read_text())["providers"]
     assert Path(dashboard.split(":")[1]).parent == Path(provider["options"]["path"])
 
@@ -516,5 +574,8 @@ def test_referenced_files_exist() -> None:
     copied = set(re.findall(r"^COPY (\S+) \1$", dockerfile, re.MULTILINE))
     packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"}
     assert packages <= copied, f"packages the image does not copy: {packages - copied}"
-    assert "uv pip install --python .venv/bin/python --no-deps --compile-bytecode -r requirements/lock.txt" in dockerfile
+    assert (
+        "uv pip install --python .venv/bin/python --no-deps --compile-bytecode -r requirements/lock.txt"
+        in dockerfile
+    )
     assert 'ENTRYPOINT ["rtrl"]' in dockerfile

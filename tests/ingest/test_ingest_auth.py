@@ -58,7 +58,10 @@ def test_rate_limit_is_a_token_bucket_per_key() -> None:
 
 def test_request_ids_are_signed_for_their_tenant(tmp_path: Path) -> None:
     secret = request_id_secret(None, tmp_path)
-    assert request_id_secret(None, tmp_path) == secret and (tmp_path / "gateway.secret").stat().st_mode & 0o077 == 0
+    assert (
+        request_id_secret(None, tmp_path) == secret
+        and (tmp_path / "gateway.secret").stat().st_mode & 0o077 == 0
+    )
     ids = RequestIds(secret)
     rid = ids.new("acme")
     assert ids.belongs_to(rid, "acme") and not ids.belongs_to(rid, "bolt")
@@ -82,14 +85,29 @@ def test_feedback_is_admitted_only_for_the_tenants_own_requests() -> None:
     def run(*items: dict[str, object]) -> object:
         return admit([FeedbackIn.model_validate(i) for i in items], "acme", ids, TAB_V1, limits, T0)
 
-    events = run({"request_id": mine, "kind": "accepted"}, {"request_id": mine, "kind": "task_outcome",
-                 "value": 0.5, "episode_id": "ep", "event_id": "mine-1", "created_at": at(-60).isoformat()})  # fmt: skip
+    events = run(
+        {"request_id": mine, "kind": "accepted"},
+        {
+            "request_id": mine,
+            "kind": "task_outcome",
+            "value": 0.5,
+            "episode_id": "ep",
+            "event_id": "mine-1",
+            "created_at": at(-60).isoformat(),
+        },
+    )
     assert isinstance(events, list)
-    assert [(e.tenant, e.episode_id, e.created_at) for e in events] == [("acme", None, T0), ("acme", "acme:ep", at(-60))]
+    assert [(e.tenant, e.episode_id, e.created_at) for e in events] == [
+        ("acme", None, T0),
+        ("acme", "acme:ep", at(-60)),
+    ]
     assert events[1].event_id == "mine-1" and len(events[0].event_id) == 32  # given, or made by the gateway
-    assert run({"request_id": theirs, "kind": "accepted"}) == Refused(404, [
-        f"feedback[0]: no request {theirs!r} for this API key's tenant"])  # fmt: skip
-    refused = run({"request_id": mine, "kind": "accepted", "tenant": "bolt"}, {"request_id": theirs, "kind": "accepted"})
+    assert run({"request_id": theirs, "kind": "accepted"}) == Refused(
+        404, [f"feedback[0]: no request {theirs!r} for this API key's tenant"]
+    )
+    refused = run(
+        {"request_id": mine, "kind": "accepted", "tenant": "bolt"}, {"request_id": theirs, "kind": "accepted"}
+    )
     assert isinstance(refused, Refused) and refused.status == 403 and len(refused.problems) == 2
     far_future = run({"request_id": mine, "kind": "accepted", "created_at": "9999-12-31T23:59:59-01:00"})
     assert isinstance(far_future, Refused) and far_future.status == 422 and "ahead" in far_future.problems[0]
@@ -123,7 +141,10 @@ def test_bodies_over_the_limit_are_refused_unread() -> None:
 
     assert asyncio.run(post(b"x" * 1024)).json() == {"bytes": 1024}
     declared = asyncio.run(post(b"x" * 5000))
-    assert declared.status_code == 413 and "5000 bytes is over the 1024-byte limit" in declared.json()["error"]["message"]
+    assert (
+        declared.status_code == 413
+        and "5000 bytes is over the 1024-byte limit" in declared.json()["error"]["message"]
+    )
     streamed = asyncio.run(post(b"x" * 5000, chunked=True))  # no Content-Length: counted as it arrives
     assert streamed.status_code == 413
     assert refused == ["/v1/feedback", "/v1/feedback"]

@@ -64,11 +64,16 @@ def keys(services: Settings) -> Keys:
     store = Store(services.store.url)
     store.migrate()
     try:
-        made = {t: store.create_api_key(role="tenant", tenant=t, name="gateway tests")[1] for t in ("acme", "bolt")}
+        made = {
+            t: store.create_api_key(role="tenant", tenant=t, name="gateway tests")[1]
+            for t in ("acme", "bolt")
+        }
         _, admin = store.create_api_key(role="admin", tenant=None, name="gateway tests")
     finally:
         store.close()
-    return Keys(made["acme"], made["bolt"], admin, RequestIds(request_id_secret(None, services.services.run_dir)))
+    return Keys(
+        made["acme"], made["bolt"], admin, RequestIds(request_id_secret(None, services.services.run_dir))
+    )
 
 
 @pytest.fixture
@@ -83,7 +88,12 @@ def start_gateway(services: Settings, tmp_path: Path) -> GatewayFactory:
     ) -> AbstractContextManager[str]:
         update: dict[str, Any] = {
             "gateway": services.gateway.model_copy(
-                update={"port": free_port(), "spool_dir": tmp_path / "spool", "publish_timeout_s": 2.0, **gateway}
+                update={
+                    "port": free_port(),
+                    "spool_dir": tmp_path / "spool",
+                    "publish_timeout_s": 2.0,
+                    **gateway,
+                }
             )
         }
         if kafka is not None:
@@ -133,10 +143,20 @@ def by_key(key: str) -> Callable[[Any], bool]:
 def test_completion_is_served_unchanged_and_captured(
     services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, keys: Keys
 ) -> None:
-    request = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
-               "seed": 1234, "stop": ["\n"]}
-    headers = {"x-rtrl-session-id": "sess-1", "x-rtrl-episode-id": "ep-42", "x-rtrl-segment-index": "3",
-               "x-rtrl-role": "summary"} | keys.auth(keys.acme)
+    request = {
+        "model": services.vllm.served_model_name,
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 1234,
+        "stop": ["\n"],
+    }
+    headers = {
+        "x-rtrl-session-id": "sess-1",
+        "x-rtrl-episode-id": "ep-42",
+        "x-rtrl-segment-index": "3",
+        "x-rtrl-role": "summary",
+    } | keys.auth(keys.acme)
     with start_gateway() as gateway:
         response = httpx.post(f"{gateway}/v1/completions", json=request, headers=headers, timeout=120)
         assert response.status_code == 200, response.text
@@ -152,7 +172,9 @@ def test_completion_is_served_unchanged_and_captured(
 
     # The event carries the tokens and behaviour logprobs vLLM reports when asked for them.
     asked = httpx.post(
-        f"{vllm_url(services)}/v1/completions", json={**request, "logprobs": 1, "return_token_ids": True}, timeout=120
+        f"{vllm_url(services)}/v1/completions",
+        json={**request, "logprobs": 1, "return_token_ids": True},
+        timeout=120,
     ).json()["choices"][0]
     [record] = interactions.wait_for(by_key(request_id))
     assert dict(record.headers)["schema"] == b"rtrl.interaction.v1"
@@ -164,7 +186,12 @@ def test_completion_is_served_unchanged_and_captured(
     assert event.completion_logprobs == pytest.approx(asked["logprobs"]["token_logprobs"], abs=1e-5)
     assert len(event.completion_token_ids) == body["usage"]["completion_tokens"]
     # The tenant is the key's; the client's episode id lives in that tenant's namespace.
-    assert (event.session_id, event.tenant, event.episode_id, event.segment_index) == ("sess-1", "acme", "acme:ep-42", 3)
+    assert (event.session_id, event.tenant, event.episode_id, event.segment_index) == (
+        "sess-1",
+        "acme",
+        "acme:ep-42",
+        3,
+    )
     assert event.role == "summary" and event.trainable is True
     assert (event.sampling.temperature, event.sampling.max_tokens, event.sampling.seed) == (1.0, 8, 1234)
     assert event.finish_reason == body["choices"][0]["finish_reason"]
@@ -177,11 +204,20 @@ def test_the_event_records_what_vllm_sampled_with_and_what_the_trainer_cannot_re
     parameters are vLLM's own; a logit bias (not reproducible by the trainer) is captured untrainable."""
     request = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 8, "seed": 99}
     with start_gateway(sampling_defaults={"temperature": 0.7, "top_p": 0.9}) as gateway:
-        plain = httpx.post(f"{gateway}/v1/completions", json=request, headers=keys.auth(keys.acme), timeout=120)
-        biased = httpx.post(f"{gateway}/v1/completions", json={**request, "logit_bias": {"5": -5}},
-                            headers=keys.auth(keys.acme), timeout=120)  # fmt: skip
+        plain = httpx.post(
+            f"{gateway}/v1/completions", json=request, headers=keys.auth(keys.acme), timeout=120
+        )
+        biased = httpx.post(
+            f"{gateway}/v1/completions",
+            json={**request, "logit_bias": {"5": -5}},
+            headers=keys.auth(keys.acme),
+            timeout=120,
+        )
         assert plain.status_code == biased.status_code == 200, (plain.text, biased.text)
-        counted = lambda: metric(gateway, keys.admin, "rtrl_gateway_untrainable_total", 'reason="logit_bias"') == 1  # noqa: E731
+
+        def counted() -> bool:
+            return metric(gateway, keys.admin, "rtrl_gateway_untrainable_total", 'reason="logit_bias"') == 1
+
         wait_until(counted, timeout_s=30, what="the untrainable request counted")
     [record] = interactions.wait_for(by_key(plain.headers["x-rtrl-request-id"]))
     event = parse_event(record.value, InteractionEvent)
@@ -189,9 +225,17 @@ def test_the_event_records_what_vllm_sampled_with_and_what_the_trainer_cannot_re
     assert (sampling.temperature, sampling.top_p, sampling.logprobs_mode) == (0.7, 0.9, "processed")
     assert event.trainable is True and event.untrainable_reason is None
     # vLLM asked directly with those parameters draws the same tokens with the same logprobs.
-    direct = httpx.post(f"{vllm_url(services)}/v1/completions", timeout=120, json={
-        **request, "temperature": 0.7, "top_p": 0.9, "logprobs": 0, "return_token_ids": True,
-    }).json()["choices"][0]  # fmt: skip
+    direct = httpx.post(
+        f"{vllm_url(services)}/v1/completions",
+        timeout=120,
+        json={
+            **request,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "logprobs": 0,
+            "return_token_ids": True,
+        },
+    ).json()["choices"][0]
     assert event.completion_token_ids == direct["token_ids"]
     assert event.completion_logprobs == pytest.approx(direct["logprobs"]["token_logprobs"], abs=1e-5)
 
@@ -206,7 +250,9 @@ def test_personal_data_is_redacted_before_the_event_leaves_the_gateway(
     prompt = "Q: Mail ana.lopez@example.com or call +1 415 555 0132.\nA:"
     request = {"model": services.vllm.served_model_name, "prompt": prompt, "max_tokens": 4}
     with start_gateway() as gateway:
-        response = httpx.post(f"{gateway}/v1/completions", json=request, headers=keys.auth(keys.acme), timeout=120)
+        response = httpx.post(
+            f"{gateway}/v1/completions", json=request, headers=keys.auth(keys.acme), timeout=120
+        )
         assert response.status_code == 200, response.text
         redacted = lambda: metric(gateway, keys.admin, "rtrl_gateway_redacted_total", 'kind="email"') == 1  # noqa: E731
         wait_until(redacted, timeout_s=30, what="the redaction counted")
@@ -221,11 +267,19 @@ def test_personal_data_is_redacted_before_the_event_leaves_the_gateway(
 def test_chat_completion_is_captured(
     services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, keys: Keys
 ) -> None:
-    request = {"model": services.vllm.served_model_name, "messages": [{"role": "user", "content": "What is 2 plus 2?"}],
-               "max_tokens": 6, "seed": 7}
+    request = {
+        "model": services.vllm.served_model_name,
+        "messages": [{"role": "user", "content": "What is 2 plus 2?"}],
+        "max_tokens": 6,
+        "seed": 7,
+    }
     with start_gateway() as gateway:
-        response = httpx.post(f"{gateway}/v1/chat/completions", json={**request, "rtrl": {"episode_id": "chat-ep"}},
-                              headers=keys.auth(keys.acme), timeout=120)
+        response = httpx.post(
+            f"{gateway}/v1/chat/completions",
+            json={**request, "rtrl": {"episode_id": "chat-ep"}},
+            headers=keys.auth(keys.acme),
+            timeout=120,
+        )
     direct = httpx.post(f"{vllm_url(services)}/v1/chat/completions", json=request, timeout=120)
     assert response.status_code == direct.status_code, response.text
     if direct.status_code != 200:
@@ -236,7 +290,11 @@ def test_chat_completion_is_captured(
     event = parse_event(record.value, InteractionEvent)
     assert event.episode_id == "acme:chat-ep" and event.completion == body["choices"][0]["message"]["content"]
     assert event.prompt and event.prompt_token_ids
-    assert len(event.completion_logprobs) == len(event.completion_token_ids) == body["usage"]["completion_tokens"]
+    assert (
+        len(event.completion_logprobs)
+        == len(event.completion_token_ids)
+        == body["usage"]["completion_tokens"]
+    )
 
 
 def test_errors(services: Settings, start_gateway: GatewayFactory, keys: Keys) -> None:
@@ -249,14 +307,24 @@ def test_errors(services: Settings, start_gateway: GatewayFactory, keys: Keys) -
         assert upstream.status_code == through.status_code == 400
         assert through.json()["error"]["message"] == upstream.json()["error"]["message"]
         # the gateway's own refusals are OpenAI-shaped errors
-        streamed = httpx.post(f"{gateway}/v1/completions", json={"prompt": PROMPT, "stream": "yes"}, headers=auth)
-        assert streamed.status_code == 400 and "stream must be true or false" in streamed.json()["error"]["message"]
-        bad_header = httpx.post(f"{gateway}/v1/completions", json={"prompt": PROMPT},
-                                headers={"x-rtrl-segment-index": "x"} | auth)  # fmt: skip
+        streamed = httpx.post(
+            f"{gateway}/v1/completions", json={"prompt": PROMPT, "stream": "yes"}, headers=auth
+        )
+        assert (
+            streamed.status_code == 400
+            and "stream must be true or false" in streamed.json()["error"]["message"]
+        )
+        bad_header = httpx.post(
+            f"{gateway}/v1/completions", json={"prompt": PROMPT}, headers={"x-rtrl-segment-index": "x"} | auth
+        )
         assert bad_header.status_code == 400 and "segment_index" in bad_header.json()["error"]["message"]
-        named_tenant = httpx.post(f"{gateway}/v1/completions", json={"prompt": PROMPT},
-                                  headers={"x-rtrl-tenant": "bolt"} | auth)  # fmt: skip
-        assert named_tenant.status_code == 400 and "comes from the API key" in named_tenant.json()["error"]["message"]
+        named_tenant = httpx.post(
+            f"{gateway}/v1/completions", json={"prompt": PROMPT}, headers={"x-rtrl-tenant": "bolt"} | auth
+        )
+        assert (
+            named_tenant.status_code == 400
+            and "comes from the API key" in named_tenant.json()["error"]["message"]
+        )
         nested = httpx.post(f"{gateway}/v1/completions", content=b"[" * 5000, headers=auth)
         assert nested.status_code == 400 and "nested too deeply" in nested.json()["error"]["message"]
         huge = httpx.post(f"{gateway}/v1/completions", content=b"x" * (5 * 1024 * 1024), headers=auth)
@@ -268,7 +336,9 @@ def test_errors(services: Settings, start_gateway: GatewayFactory, keys: Keys) -
         assert httpx.get(f"{gateway}/healthz").status_code == 200
 
 
-def test_feedback_is_validated_and_published(start_gateway: GatewayFactory, feedback: TopicReader, keys: Keys) -> None:
+def test_feedback_is_validated_and_published(
+    start_gateway: GatewayFactory, feedback: TopicReader, keys: Keys
+) -> None:
     rid1, rid2 = keys.ids.new("acme"), keys.ids.new("acme")
     events = [
         {"request_id": rid1, "kind": "accepted", "event_id": "fb-ev-1"},
@@ -277,20 +347,39 @@ def test_feedback_is_validated_and_published(start_gateway: GatewayFactory, feed
     auth = keys.auth(keys.acme)
     with start_gateway() as gateway:
         accepted = httpx.post(f"{gateway}/v1/feedback", json=events, headers=auth)
-        single = httpx.post(f"{gateway}/v1/feedback", json={"request_id": rid2, "kind": "thumbs_down"}, headers=auth)
-        bad_kind = httpx.post(f"{gateway}/v1/feedback", json={"request_id": rid1, "kind": "loved_it"}, headers=auth)
-        extra = httpx.post(f"{gateway}/v1/feedback", json=[{"request_id": rid1, "kind": "accepted", "colour": 1}],
-                           headers=auth)  # fmt: skip
+        single = httpx.post(
+            f"{gateway}/v1/feedback", json={"request_id": rid2, "kind": "thumbs_down"}, headers=auth
+        )
+        bad_kind = httpx.post(
+            f"{gateway}/v1/feedback", json={"request_id": rid1, "kind": "loved_it"}, headers=auth
+        )
+        extra = httpx.post(
+            f"{gateway}/v1/feedback",
+            json=[{"request_id": rid1, "kind": "accepted", "colour": 1}],
+            headers=auth,
+        )
         not_json = httpx.post(f"{gateway}/v1/feedback", content=b"{nope", headers=auth)
         empty = httpx.post(f"{gateway}/v1/feedback", json=[], headers=auth)
-        far_future = httpx.post(f"{gateway}/v1/feedback", headers=auth, json={
-            "request_id": rid1, "kind": "accepted", "created_at": "9999-12-31T23:59:59-01:00"})  # fmt: skip
-        unbounded = httpx.post(f"{gateway}/v1/feedback", headers=auth,
-                               json={"request_id": rid1, "kind": "task_outcome", "value": 1e6})  # fmt: skip
-        theirs = httpx.post(f"{gateway}/v1/feedback", json={"request_id": rid1, "kind": "rejected"},
-                            headers=keys.auth(keys.bolt))  # fmt: skip
-        named = httpx.post(f"{gateway}/v1/feedback", json={"request_id": rid1, "kind": "rejected", "tenant": "bolt"},
-                           headers=auth)  # fmt: skip
+        far_future = httpx.post(
+            f"{gateway}/v1/feedback",
+            headers=auth,
+            json={"request_id": rid1, "kind": "accepted", "created_at": "9999-12-31T23:59:59-01:00"},
+        )
+        unbounded = httpx.post(
+            f"{gateway}/v1/feedback",
+            headers=auth,
+            json={"request_id": rid1, "kind": "task_outcome", "value": 1e6},
+        )
+        theirs = httpx.post(
+            f"{gateway}/v1/feedback",
+            json={"request_id": rid1, "kind": "rejected"},
+            headers=keys.auth(keys.bolt),
+        )
+        named = httpx.post(
+            f"{gateway}/v1/feedback",
+            json={"request_id": rid1, "kind": "rejected", "tenant": "bolt"},
+            headers=auth,
+        )
         anonymous = httpx.post(f"{gateway}/v1/feedback", json={"request_id": rid1, "kind": "rejected"})
     assert accepted.status_code == 202 and accepted.json()["event_ids"][0] == "fb-ev-1"
     assert single.status_code == 202 and len(single.json()["event_ids"]) == 1
@@ -302,8 +391,13 @@ def test_feedback_is_validated_and_published(start_gateway: GatewayFactory, feed
     assert theirs.status_code == 404 and named.status_code == 403 and anonymous.status_code == 401
     records = feedback.wait_for(lambda r: r.key in (rid1.encode(), rid2.encode()), count=3)
     published = [parse_event(r.value, FeedbackEvent) for r in records]
-    assert sorted(e.event_id for e in published) == sorted(accepted.json()["event_ids"] + single.json()["event_ids"])
-    assert {(e.kind, e.value) for e in published if e.request_id == rid1} == {("accepted", 1.0), ("task_outcome", 0.5)}
+    assert sorted(e.event_id for e in published) == sorted(
+        accepted.json()["event_ids"] + single.json()["event_ids"]
+    )
+    assert {(e.kind, e.value) for e in published if e.request_id == rid1} == {
+        ("accepted", 1.0),
+        ("task_outcome", 0.5),
+    }
     assert {e.tenant for e in published} == {"acme"}  # nothing of bolt's refused attempt went out
 
 
@@ -329,7 +423,9 @@ def test_broker_down_spools_then_a_restarted_gateway_replays(
     # users' requests (client timeout shorter than that) must not wait for it.
     with start_gateway(kafka=f"127.0.0.1:{closed_port()}", publish_timeout_s=15.0) as gateway:
         for _ in range(3):
-            response = httpx.post(f"{gateway}/v1/completions", json=request, headers=keys.auth(keys.acme), timeout=10)
+            response = httpx.post(
+                f"{gateway}/v1/completions", json=request, headers=keys.auth(keys.acme), timeout=10
+            )
             assert response.status_code == 200, response.text
             request_ids.append(response.headers["x-rtrl-request-id"])
         spooled = lambda: metric(gateway, keys.admin, "rtrl_gateway_publish_total", 'outcome="spooled"') >= 3  # noqa: E731
@@ -349,11 +445,12 @@ def test_broker_down_spools_then_a_restarted_gateway_replays(
     assert not (spool / "overflow.jsonl").exists()
 
 
-
 def test_official_client_with_a_key_from_the_cli(services: Settings, start_gateway: GatewayFactory) -> None:
     from openai import AuthenticationError, OpenAI, PermissionDeniedError, RateLimitError
 
-    made = run_rtrl(services, "keys", "create", "--tenant", "cli-made", "--name", "official client", "--rate", "0.2")
+    made = run_rtrl(
+        services, "keys", "create", "--tenant", "cli-made", "--name", "official client", "--rate", "0.2"
+    )
     assert made.returncode == 0, made.stderr
     key = made.stdout.strip()
     assert key.startswith("rtrl_") and "shown only once" in made.stderr
@@ -363,13 +460,18 @@ def test_official_client_with_a_key_from_the_cli(services: Settings, start_gatew
         client = OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0)
         raw = client.completions.with_raw_response.create(**body)
         assert raw.parse().choices[0].text is not None and raw.headers["x-rtrl-request-id"]
-        assert httpx.get(f"{gateway}/v1/whoami", headers={"authorization": f"Bearer {key}"}).json()["tenant"] == "cli-made"
+        assert (
+            httpx.get(f"{gateway}/v1/whoami", headers={"authorization": f"Bearer {key}"}).json()["tenant"]
+            == "cli-made"
+        )
         client.completions.create(**body)  # the third call of the burst of 3 (whoami counts too)
         with pytest.raises(RateLimitError) as limited:  # the key's rate is 0.2/s
             client.completions.create(**body)
         assert int(limited.value.response.headers["retry-after"]) >= 1
         with pytest.raises(AuthenticationError):
-            OpenAI(base_url=f"{gateway}/v1", api_key="rtrl_not-a-key", max_retries=0).completions.create(**body)
+            OpenAI(base_url=f"{gateway}/v1", api_key="rtrl_not-a-key", max_retries=0).completions.create(
+                **body
+            )
         assert httpx.post(f"{gateway}/v1/completions", json=body).status_code == 401  # no key at all
         with pytest.raises(PermissionDeniedError):  # an admin key has no tenant to generate for
             OpenAI(base_url=f"{gateway}/v1", api_key=admin, max_retries=0).completions.create(**body)
@@ -387,7 +489,10 @@ def test_official_client_with_a_key_from_the_cli(services: Settings, start_gatew
         assert run_rtrl(services, "keys", "revoke", str(key_id)).returncode == 0
 
         def refused() -> bool:
-            return httpx.get(f"{gateway}/v1/whoami", headers={"authorization": f"Bearer {key}"}).status_code == 401
+            return (
+                httpx.get(f"{gateway}/v1/whoami", headers={"authorization": f"Bearer {key}"}).status_code
+                == 401
+            )
 
         wait_until(refused, timeout_s=30, what="the revoked key refused")
 
@@ -399,8 +504,13 @@ def test_streams_from_the_official_client_are_relayed_and_captured(
 
     model = services.vllm.served_model_name
     completion = {"model": model, "prompt": PROMPT, "max_tokens": 8, "seed": 7, "temperature": 1.0}
-    chat = {"model": model, "messages": [{"role": "user", "content": "What is 2 plus 5?"}], "max_tokens": 8,
-            "seed": 11, "temperature": 1.0}  # fmt: skip
+    chat = {
+        "model": model,
+        "messages": [{"role": "user", "content": "What is 2 plus 5?"}],
+        "max_tokens": 8,
+        "seed": 11,
+        "temperature": 1.0,
+    }
     with start_gateway() as gateway:
         client = OpenAI(base_url=f"{gateway}/v1", api_key=keys.acme, max_retries=0)
         stream = client.completions.create(**completion, stream=True, stream_options={"include_usage": True})
@@ -414,32 +524,48 @@ def test_streams_from_the_official_client_are_relayed_and_captured(
     # and none of the fields the gateway added for itself.
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert chunks[-1].usage is not None and not chunks[-1].choices
-    assert (chunks[0].model_extra or {})["rtrl"] == {"request_id": request_id, "policy_version": weight_version(services)}
-    assert all(c.choices[0].logprobs is None and "token_ids" not in (c.choices[0].model_extra or {})
-               for c in chunks if c.choices)  # fmt: skip
+    assert (chunks[0].model_extra or {})["rtrl"] == {
+        "request_id": request_id,
+        "policy_version": weight_version(services),
+    }
+    assert all(
+        c.choices[0].logprobs is None and "token_ids" not in (c.choices[0].model_extra or {})
+        for c in chunks
+        if c.choices
+    )
     chat_text = "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices)
 
     # What was captured: the streamed text, and the tokens and logprobs of the same call made
     # directly to vLLM (same seed, not streamed, token ids and logprobs asked for).
-    direct = httpx.post(f"{vllm_url(services)}/v1/completions", timeout=120,
-                        json={**completion, "logprobs": 1, "return_token_ids": True}).json()["choices"][0]  # fmt: skip
+    direct = httpx.post(
+        f"{vllm_url(services)}/v1/completions",
+        timeout=120,
+        json={**completion, "logprobs": 1, "return_token_ids": True},
+    ).json()["choices"][0]
     [record] = interactions.wait_for(by_key(request_id))
     event = parse_event(record.value, InteractionEvent)
     assert event.completion == text == direct["text"]
-    assert event.prompt_token_ids == direct["prompt_token_ids"] and event.completion_token_ids == direct["token_ids"]
+    assert (
+        event.prompt_token_ids == direct["prompt_token_ids"]
+        and event.completion_token_ids == direct["token_ids"]
+    )
     assert event.completion_logprobs == pytest.approx(direct["logprobs"]["token_logprobs"], abs=1e-5)
     assert len(event.completion_token_ids) == chunks[-1].usage.completion_tokens
     assert event.finish_reason == direct["finish_reason"] and not event.truncated and event.trainable
 
-    direct_chat = httpx.post(f"{vllm_url(services)}/v1/chat/completions", timeout=120,
-                             json={**chat, "logprobs": True, "return_token_ids": True}).json()  # fmt: skip
+    direct_chat = httpx.post(
+        f"{vllm_url(services)}/v1/chat/completions",
+        timeout=120,
+        json={**chat, "logprobs": True, "return_token_ids": True},
+    ).json()
     [record] = interactions.wait_for(by_key(chat_id))
     chat_event = parse_event(record.value, InteractionEvent)
     assert chat_event.completion == chat_text == direct_chat["choices"][0]["message"]["content"]
     assert chat_event.prompt_token_ids == direct_chat["prompt_token_ids"]
     assert chat_event.completion_token_ids == direct_chat["choices"][0]["token_ids"]
     assert chat_event.completion_logprobs == pytest.approx(
-        [e["logprob"] for e in direct_chat["choices"][0]["logprobs"]["content"]], abs=1e-5)
+        [e["logprob"] for e in direct_chat["choices"][0]["logprobs"]["content"]], abs=1e-5
+    )
     assert not chat_event.truncated and chat_event.trainable
 
 
@@ -448,10 +574,17 @@ def test_a_client_that_leaves_mid_stream_gives_a_truncated_untrainable_event(
 ) -> None:
     # As long a generation as the context allows (the client must hang up before it ends; a busy
     # machine once let 400 tokens finish first), and a hang-up after the second chunk.
-    body = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 470, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+    body = {
+        "model": services.vllm.served_model_name,
+        "prompt": PROMPT,
+        "max_tokens": 470,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with start_gateway() as gateway:
-        with httpx.stream("POST", f"{gateway}/v1/completions", json=body, headers=keys.auth(keys.acme), timeout=60) as r:
+        with httpx.stream(
+            "POST", f"{gateway}/v1/completions", json=body, headers=keys.auth(keys.acme), timeout=60
+        ) as r:
             assert r.status_code == 200
             request_id = r.headers["x-rtrl-request-id"]
             received = 0
@@ -469,36 +602,59 @@ def test_a_client_that_leaves_mid_stream_gives_a_truncated_untrainable_event(
 
 
 def test_an_episode_id_cannot_be_joined_across_tenants(
-    services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, feedback: TopicReader,
-    keys: Keys, store: Store,
+    services: Settings,
+    start_gateway: GatewayFactory,
+    interactions: TopicReader,
+    feedback: TopicReader,
+    keys: Keys,
+    store: Store,
 ) -> None:
     """acme and bolt both call their episode "shared-ep"; bolt's feedback about it cannot reach acme's."""
     body = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 4}
     episode = {"x-rtrl-episode-id": "shared-ep"}
     with start_gateway() as gateway:
-        a = httpx.post(f"{gateway}/v1/completions", json=body, headers=episode | keys.auth(keys.acme), timeout=60)
-        b = httpx.post(f"{gateway}/v1/completions", json=body, headers=episode | keys.auth(keys.bolt), timeout=60)
+        a = httpx.post(
+            f"{gateway}/v1/completions", json=body, headers=episode | keys.auth(keys.acme), timeout=60
+        )
+        b = httpx.post(
+            f"{gateway}/v1/completions", json=body, headers=episode | keys.auth(keys.bolt), timeout=60
+        )
         a_id, b_id = a.headers["x-rtrl-request-id"], b.headers["x-rtrl-request-id"]
-        squat = httpx.post(f"{gateway}/v1/feedback", headers=keys.auth(keys.bolt), json={
-            "request_id": b_id, "episode_id": "shared-ep", "kind": "task_outcome", "value": -1.0})  # fmt: skip
-        stolen = httpx.post(f"{gateway}/v1/feedback", headers=keys.auth(keys.bolt), json={
-            "request_id": a_id, "episode_id": "shared-ep", "kind": "task_outcome", "value": -1.0})  # fmt: skip
-        own = httpx.post(f"{gateway}/v1/feedback", headers=keys.auth(keys.acme), json={
-            "request_id": a_id, "episode_id": "shared-ep", "kind": "task_outcome", "value": 1.0})  # fmt: skip
+        squat = httpx.post(
+            f"{gateway}/v1/feedback",
+            headers=keys.auth(keys.bolt),
+            json={"request_id": b_id, "episode_id": "shared-ep", "kind": "task_outcome", "value": -1.0},
+        )
+        stolen = httpx.post(
+            f"{gateway}/v1/feedback",
+            headers=keys.auth(keys.bolt),
+            json={"request_id": a_id, "episode_id": "shared-ep", "kind": "task_outcome", "value": -1.0},
+        )
+        own = httpx.post(
+            f"{gateway}/v1/feedback",
+            headers=keys.auth(keys.acme),
+            json={"request_id": a_id, "episode_id": "shared-ep", "kind": "task_outcome", "value": 1.0},
+        )
     assert (squat.status_code, stolen.status_code, own.status_code) == (202, 404, 202)
     wanted = {a_id.encode(), b_id.encode()}
-    events = [parse_event(r.value, InteractionEvent) for r in interactions.wait_for(lambda r: r.key in wanted, 2)]
+    events = [
+        parse_event(r.value, InteractionEvent) for r in interactions.wait_for(lambda r: r.key in wanted, 2)
+    ]
     assert sorted(e.episode_id for e in events) == ["acme:shared-ep", "bolt:shared-ep"]
     signals = [parse_event(r.value, FeedbackEvent) for r in feedback.wait_for(lambda r: r.key in wanted, 2)]
     # Through the labeler's own store code: each tenant's episode gets its own tenant's feedback only.
     Feeder(store).send(*events, *signals, now=utcnow())
     assert {e.episode_id for e in store.select_episodes(parse_version(events[0].policy_version), 0, 10)} == {
-        "acme:shared-ep", "bolt:shared-ep"}
+        "acme:shared-ep",
+        "bolt:shared-ep",
+    }
     # The task_outcome each got (a 4-token answer may also be cut off: its "unfinished" component is
     # not what this test is about).
     with store.transaction() as session:
         rows = {e: session.get(Episode, e) for e in ("acme:shared-ep", "bolt:shared-ep")}
-        outcomes = {e: (row.reward_components or {}).get("task_outcome") if row else None for e, row in rows.items()}
+        outcomes = {
+            e: (row.reward_components or {}).get("task_outcome") if row else None for e, row in rows.items()
+        }
     assert outcomes == {"acme:shared-ep": 1.0, "bolt:shared-ep": -1.0}
 
 
@@ -508,7 +664,11 @@ def test_open_mode_needs_no_key_and_says_so(services: Settings, start_gateway: G
         response = httpx.post(f"{gateway}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
         assert httpx.get(f"{gateway}/readyz").json()["auth"] == "open"
-        assert httpx.get(f"{gateway}/v1/whoami").json() == {"tenant": "default", "role": "tenant", "auth": "open"}
+        assert httpx.get(f"{gateway}/v1/whoami").json() == {
+            "tenant": "default",
+            "role": "tenant",
+            "auth": "open",
+        }
         assert httpx.get(f"{gateway}/metrics").status_code == 200
 
 
@@ -524,7 +684,9 @@ def test_announced_versions_spare_the_version_reads_and_a_contradicted_one_is_dr
     request = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 4}
 
     def generate(gateway: str) -> InteractionEvent:
-        response = httpx.post(f"{gateway}/v1/completions", json=request, headers=keys.auth(keys.acme), timeout=120)
+        response = httpx.post(
+            f"{gateway}/v1/completions", json=request, headers=keys.auth(keys.acme), timeout=120
+        )
         assert response.status_code == 200, response.text
         [record] = interactions.wait_for(by_key(response.headers["x-rtrl-request-id"]))
         return parse_event(record.value, InteractionEvent)
@@ -538,8 +700,11 @@ def test_announced_versions_spare_the_version_reads_and_a_contradicted_one_is_dr
             assert metric(gateway, keys.admin, "rtrl_gateway_version_source_total", 'source="read"') == 0
 
             store.set_serving_version(url, version + 1, "test: an announcement the server contradicts")
-            wait_until(lambda: metric(gateway, keys.admin, "rtrl_gateway_version_mismatch_total") >= 1, timeout_s=10,
-                       what="the gateway noticing the server contradicts the announcement")  # fmt: skip
+            wait_until(
+                lambda: metric(gateway, keys.admin, "rtrl_gateway_version_mismatch_total") >= 1,
+                timeout_s=10,
+                what="the gateway noticing the server contradicts the announcement",
+            )
             assert generate(gateway).policy_version == label  # the truth, read from the server
             assert metric(gateway, keys.admin, "rtrl_gateway_version_source_total", 'source="read"') == 1
     finally:
@@ -555,17 +720,32 @@ def test_a_client_gone_before_its_stream_starts_leaks_nothing(
     request is counted as a truncated stream (its capture published or dead-lettered)."""
     import socket
 
-    body = json.dumps({"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 64,
-                       "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": services.vllm.served_model_name,
+            "prompt": PROMPT,
+            "max_tokens": 64,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
     with start_gateway() as gateway:
         host, port = gateway.removeprefix("http://").split(":")
         for _ in range(5):
             with socket.create_connection((host, int(port))) as raw:
-                raw.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
-                            b"authorization: Bearer " + keys.acme.encode() + b"\r\n"
-                            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+                raw.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                    b"authorization: Bearer " + keys.acme.encode() + b"\r\n"
+                    b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                )
             # closed at once: the gateway is still opening the upstream stream
-        wait_until(lambda: metric(gateway, keys.admin, "rtrl_gateway_stream_truncated_total") == 5, timeout_s=30,
-                   what="five truncated streams counted")  # fmt: skip
-        wait_until(lambda: metric(gateway, keys.admin, "rtrl_gateway_upstream_in_flight") == 0, timeout_s=30,
-                   what="no request left on the server")  # fmt: skip
+        wait_until(
+            lambda: metric(gateway, keys.admin, "rtrl_gateway_stream_truncated_total") == 5,
+            timeout_s=30,
+            what="five truncated streams counted",
+        )
+        wait_until(
+            lambda: metric(gateway, keys.admin, "rtrl_gateway_upstream_in_flight") == 0,
+            timeout_s=30,
+            what="no request left on the server",
+        )

@@ -46,7 +46,9 @@ TOPIC_LIMIT = 4096  # the interactions topic's max.message.bytes here: a normal 
 @pytest.fixture(scope="module")
 def private_kafka(services_config: Settings) -> Iterator[Settings]:
     """A second, private single-node Kafka (with its topics) that these tests may stop and freeze."""
-    with private_services("rtrl-kafka-outage-", services_config.vllm.model_dir, enabled=("kafka",)) as settings:
+    with private_services(
+        "rtrl-kafka-outage-", services_config.vllm.model_dir, enabled=("kafka",)
+    ) as settings:
         up(settings, ["kafka"])
         yield settings
 
@@ -59,25 +61,41 @@ def kafka_pid(settings: Settings) -> int:
 
 
 def publish_count(metrics: GatewayMetrics, topic: str, outcome: str) -> float:
-    return metrics.registry.get_sample_value("rtrl_gateway_publish_total", {"topic": topic, "outcome": outcome}) or 0.0
+    return (
+        metrics.registry.get_sample_value("rtrl_gateway_publish_total", {"topic": topic, "outcome": outcome})
+        or 0.0
+    )
 
 
 def test_a_producer_that_stops_making_progress_is_replaced(private_kafka: Settings, tmp_path: Path) -> None:
     """A frozen broker (SIGSTOP: connections open, nothing answered) under a producer that would
     wait ten minutes for it: the watchdog spools its events in time and a new producer delivers them."""
     timeout_s = 1.0
-    settings = private_kafka.model_copy(update={"gateway": private_kafka.gateway.model_copy(
-        update={"spool_dir": tmp_path / "spool", "publish_timeout_s": timeout_s})})  # fmt: skip
+    settings = private_kafka.model_copy(
+        update={
+            "gateway": private_kafka.gateway.model_copy(
+                update={"spool_dir": tmp_path / "spool", "publish_timeout_s": timeout_s}
+            )
+        }
+    )
     topic = settings.kafka.interactions_topic
     producers: list[streams.Producer] = []
 
     def connect() -> streams.Producer | None:
         if producers:
             return pub._new_producer()  # later producers: the gateway's own
-        producers.append(streams.Producer(streams.producer(  # a producer that never gives up on a record by itself
-            settings.kafka, "rtrl-test-patient", linger_ms=5, request_timeout_ms=300_000,
-            delivery_timeout_ms=600_000, max_block_ms=1000,
-        )))  # fmt: skip
+        producers.append(
+            streams.Producer(
+                streams.producer(  # a producer that never gives up on a record by itself
+                    settings.kafka,
+                    "rtrl-test-patient",
+                    linger_ms=5,
+                    request_timeout_ms=300_000,
+                    delivery_timeout_ms=600_000,
+                    max_block_ms=1000,
+                )
+            )
+        )
         return producers[0]
 
     metrics = GatewayMetrics()
@@ -87,21 +105,27 @@ def test_a_producer_that_stops_making_progress_is_replaced(private_kafka: Settin
     try:
         for i in range(5):
             pub.publish(topic, f"before-{i}", "{}", "test", f"before-{i}")
-        wait_until(lambda: publish_count(metrics, topic, "ok") == 5, timeout_s=30, what="5 events acknowledged")
+        wait_until(
+            lambda: publish_count(metrics, topic, "ok") == 5, timeout_s=30, what="5 events acknowledged"
+        )
         pid = kafka_pid(settings)
         os.killpg(pid, signal.SIGSTOP)
         try:
             frozen_at = time.monotonic()
             for i in range(5):
                 pub.publish(topic, f"frozen-{i}", "{}", "test", f"frozen-{i}")
-            wait_until(lambda: publish_count(metrics, topic, "spooled") == 5, timeout_s=30, what="5 events spooled")
+            wait_until(
+                lambda: publish_count(metrics, topic, "spooled") == 5, timeout_s=30, what="5 events spooled"
+            )
             on_disk_after = time.monotonic() - frozen_at
             assert not pub.connected
             assert metrics.registry.get_sample_value("rtrl_gateway_producer_replaced_total") == 1
         finally:
             os.killpg(pid, signal.SIGCONT)
         assert on_disk_after <= timeout_s + WATCHDOG_GRACE_S + WATCHDOG_TICK_S + 0.5
-        wait_until(lambda: publish_count(metrics, topic, "replayed") == 5, timeout_s=60, what="spool replayed")
+        wait_until(
+            lambda: publish_count(metrics, topic, "replayed") == 5, timeout_s=60, what="spool replayed"
+        )
         assert pub.connected and pub.spool.empty() and pub.in_flight == 0
         records = reader.wait_for(lambda r: r.key.startswith(b"frozen-"), count=5, timeout_s=30)
     finally:
@@ -126,16 +150,26 @@ def test_kafka_restart_loses_nothing_and_an_oversize_event_blocks_nothing(
     kafka = private_kafka.kafka
     admin = streams.admin(kafka, "rtrl-tests")
     try:
-        admin.alter_configs([ConfigResource(
-            ConfigResourceType.TOPIC, kafka.interactions_topic, configs={"max.message.bytes": str(TOPIC_LIMIT)})])  # fmt: skip
+        admin.alter_configs(
+            [
+                ConfigResource(
+                    ConfigResourceType.TOPIC,
+                    kafka.interactions_topic,
+                    configs={"max.message.bytes": str(TOPIC_LIMIT)},
+                )
+            ]
+        )
     finally:
         admin.close()
-    settings = services.model_copy(update={
-        "kafka": kafka,
-        "store": services.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'rtrl.db'}"}),
-        "gateway": services.gateway.model_copy(
-            update={"port": free_ports(1)[0], "spool_dir": tmp_path / "spool", "publish_timeout_s": 2.0}),
-    })  # fmt: skip
+    settings = services.model_copy(
+        update={
+            "kafka": kafka,
+            "store": services.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'rtrl.db'}"}),
+            "gateway": services.gateway.model_copy(
+                update={"port": free_ports(1)[0], "spool_dir": tmp_path / "spool", "publish_timeout_s": 2.0}
+            ),
+        }
+    )
     store = Store(settings.store.url)
     store.migrate()
     _, key = store.create_api_key(role="tenant", tenant="acme", name="kafka outage test", rate_per_s=0)
@@ -143,7 +177,11 @@ def test_kafka_restart_loses_nothing_and_an_oversize_event_blocks_nothing(
     consumer = threading.Thread(target=labeler.run, args=(settings, stop), name="labeler")
     consumer.start()
 
-    request = {"model": settings.vllm.served_model_name, "prompt": "Q: What is 3 plus 4?\nA:", "max_tokens": 4}
+    request = {
+        "model": settings.vllm.served_model_name,
+        "prompt": "Q: What is 3 plus 4?\nA:",
+        "max_tokens": 4,
+    }
     # ~300 prompt tokens and 150 sampled tokens with their logprobs: an event of ~6 KB
     big = {**request, "prompt": "Q: " + "qzx jvk " * 38 + "\nA:", "max_tokens": 150, "ignore_eos": True}
     answered: dict[int, str] = {}
@@ -152,9 +190,10 @@ def test_kafka_restart_loses_nothing_and_an_oversize_event_blocks_nothing(
     back_at: list[float] = []
     failures: list[str] = []
     try:
-        with gateway_process(settings, tmp_path / "gateway.log") as gateway, httpx.Client(
-            base_url=gateway, headers={"authorization": f"Bearer {key}"}, timeout=60
-        ) as client:
+        with (
+            gateway_process(settings, tmp_path / "gateway.log") as gateway,
+            httpx.Client(base_url=gateway, headers={"authorization": f"Bearer {key}"}, timeout=60) as client,
+        ):
 
             def send(i: int, body: dict[str, object]) -> None:
                 try:
@@ -198,8 +237,11 @@ def test_kafka_restart_loses_nothing_and_an_oversize_event_blocks_nothing(
             # Nothing lost is the point; the bound only catches a labeler that never recovers. Under the
             # full suite's load on 2 cores recovery has taken more than 52 s (cause not found yet).
             deadline_s = 120 - (time.monotonic() - back_at[0])
-            wait_until(lambda: len(stored_request_ids(store, wanted)) >= REQUESTS, timeout_s=max(1.0, deadline_s),
-                       what="all 1,000 events stored within two minutes of Kafka's return")  # fmt: skip
+            wait_until(
+                lambda: len(stored_request_ids(store, wanted)) >= REQUESTS,
+                timeout_s=max(1.0, deadline_s),
+                what="all 1,000 events stored within two minutes of Kafka's return",
+            )
             readyz = httpx.get(f"{gateway}/readyz").json()
             assert readyz["kafka_connected"] is True and readyz["spool_bytes"] == 0
         stored = stored_request_ids(store, set(answered.values()) | set(big_ids))
@@ -211,7 +253,10 @@ def test_kafka_restart_loses_nothing_and_an_oversize_event_blocks_nothing(
         store.close()
     assert sorted(stored) == sorted(answered.values())  # each exactly once; the big ones not at all
     assert total == REQUESTS
-    dead = [DeadLetterRecord.model_validate_json(line) for line in (tmp_path / "spool" / OVERFLOW_FILE).read_text().splitlines()]
+    dead = [
+        DeadLetterRecord.model_validate_json(line)
+        for line in (tmp_path / "spool" / OVERFLOW_FILE).read_text().splitlines()
+    ]
     assert sorted(json.loads(d.payload)["key"] for d in dead) == sorted(big_ids)
     assert all("MessageSizeTooLarge" in d.reason for d in dead), [d.reason for d in dead]
     assert all(len(json.loads(d.payload)["value"]) > TOPIC_LIMIT for d in dead)
@@ -226,15 +271,20 @@ def test_a_labeler_whose_poll_raises_a_connection_error_polls_again_instead_of_d
     here): the step pauses, reports Kafka not ready, and the next poll reads on."""
     from kafka.errors import KafkaConnectionError
 
-    settings = private_kafka.model_copy(update={
-        "store": private_kafka.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'rtrl.db'}"}),
-        "kafka": private_kafka.kafka.model_copy(update={"labeler_group": f"poll-error-{os.getpid()}-{time.time_ns()}"}),
-    })  # fmt: skip
+    settings = private_kafka.model_copy(
+        update={
+            "store": private_kafka.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'rtrl.db'}"}),
+            "kafka": private_kafka.kafka.model_copy(
+                update={"labeler_group": f"poll-error-{os.getpid()}-{time.time_ns()}"}
+            ),
+        }
+    )
     store = Store(settings.store.url)
     store.migrate()
     paused: list[float] = []
-    worker = labeler.Labeler(settings, store, labeler.make_consumer(settings), labeler.make_producer(settings),
-                             sleep=paused.append)  # fmt: skip
+    worker = labeler.Labeler(
+        settings, store, labeler.make_consumer(settings), labeler.make_producer(settings), sleep=paused.append
+    )
     poll = worker.consumer.poll
     failures = [KafkaConnectionError("111 ECONNREFUSED")]
 
@@ -244,8 +294,11 @@ def test_a_labeler_whose_poll_raises_a_connection_error_polls_again_instead_of_d
         return poll(**kwargs)
 
     try:
-        wait_until(lambda: worker.step() is not None and worker.consumer.assignment(), timeout_s=60,
-                   what="the labeler in its group")  # fmt: skip
+        wait_until(
+            lambda: worker.step() is not None and worker.consumer.assignment(),
+            timeout_s=60,
+            what="the labeler in its group",
+        )
         worker.consumer.poll = failing_once
         assert worker.step() is None  # raised out of the step (and ended `run`) before
         assert paused == [labeler.POLL_RETRY_S]

@@ -66,8 +66,17 @@ def test_the_served_model_is_listed_in_openais_shape_for_any_key(gateway: Gatewa
         response = client.get("/v1/models", headers=auth(key))
         assert response.status_code == 200
         body = response.json()
-        assert body == {"object": "list", "data": [{"id": "rtrl-tiny", "object": "model",
-                                                    "created": body["data"][0]["created"], "owned_by": "rtrl"}]}  # fmt: skip
+        assert body == {
+            "object": "list",
+            "data": [
+                {
+                    "id": "rtrl-tiny",
+                    "object": "model",
+                    "created": body["data"][0]["created"],
+                    "owned_by": "rtrl",
+                }
+            ],
+        }
         assert before <= body["data"][0]["created"] <= after  # when the gateway started
     one = client.get("/v1/models/rtrl-tiny", headers=auth(tenant))
     assert one.status_code == 200 and one.json() == body["data"][0]
@@ -94,7 +103,9 @@ def test_in_lora_mode_the_adapters_name_is_listed(gateway: Gateway, store: Store
     _, key = store.create_api_key(role="tenant", tenant="acme", name="app")
     client = gateway(served_model_name="support-bot", adapter="lora")
     assert [m["id"] for m in client.get("/v1/models", headers=auth(key)).json()["data"]] == ["support-bot"]
-    assert client.get("/v1/models/support-bot-base", headers=auth(key)).status_code == 404  # the base is not served
+    assert (
+        client.get("/v1/models/support-bot-base", headers=auth(key)).status_code == 404
+    )  # the base is not served
 
 
 def test_the_official_client_lists_and_retrieves_the_model(gateway: Gateway, store: Store) -> None:

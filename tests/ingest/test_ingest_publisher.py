@@ -34,7 +34,10 @@ def test_a_record_over_the_kafka_limit_is_dead_lettered_not_spooled(tmp_path: Pa
     assert dead.original_event_id == "ev-big" and "over kafka.max_message_bytes 65536" in dead.reason
     assert '"key":"req-big"' in dead.payload  # the whole spool record, to requeue by hand
     sample = metrics.registry.get_sample_value
-    assert sample("rtrl_gateway_publish_total", {"topic": "rtrl.interactions.v1", "outcome": "undeliverable"}) == 1
+    assert (
+        sample("rtrl_gateway_publish_total", {"topic": "rtrl.interactions.v1", "outcome": "undeliverable"})
+        == 1
+    )
     assert pub.spool.size_bytes == 0  # nothing that would block a replay
     assert pub.in_flight == 0 and pub.in_flight_age_s == 0.0 and not pub.connected
 

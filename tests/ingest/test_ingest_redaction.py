@@ -23,7 +23,11 @@ DEFAULT = Redactor(("email", "phone", "api_key"))
         ("tel 030-1234-5678", "tel [REDACTED:phone]", {"phone"}),
         ("key sk-proj-abcdefghijklmnop1234 ok", "key [REDACTED:api_key] ok", {"api_key"}),
         ("AKIAABCDEFGHIJKLMNOP", "[REDACTED:api_key]", {"api_key"}),
-        ("Authorization: Bearer abc.def-ghi_jkl012345", "Authorization: Bearer [REDACTED:api_key]", {"api_key"}),
+        (
+            "Authorization: Bearer abc.def-ghi_jkl012345",
+            "Authorization: Bearer [REDACTED:api_key]",
+            {"api_key"},
+        ),
         ("token 9f8e7d6c5b4a39281706f5e4d3c2b1a0ffeeddcc", "token [REDACTED:api_key]", {"api_key"}),
         ("ana@example.com, +1 415 555 0132", "[REDACTED:email], [REDACTED:phone]", {"email", "phone"}),
         ("tel:+14155550132 or +33612345678", "tel:[REDACTED:phone] or [REDACTED:phone]", {"phone"}),
@@ -78,7 +82,9 @@ def test_overlapping_spans_are_masked_once() -> None:
     assert "AKIA" not in result.text and result.text.count("[REDACTED:") == 2
 
 
-@pytest.mark.parametrize("name", ["nope", "no_such_module_xyz:f", "ingest.redaction:NO_SUCH", "ingest.redaction:EMAIL"])
+@pytest.mark.parametrize(
+    "name", ["nope", "no_such_module_xyz:f", "ingest.redaction:NO_SUCH", "ingest.redaction:EMAIL"]
+)
 def test_a_detector_that_cannot_be_loaded_is_one_clear_error(name: str) -> None:
     with pytest.raises(RedactionError, match="gateway.redaction"):
         Redactor((name,))
@@ -92,8 +98,11 @@ def test_json_is_redacted_string_by_string() -> None:
     from ingest.redaction import redact_json
 
     value = {"prompt": "line one\n+44 20 7946 0958", "n": 3, "list": ["ana@example.com", None]}
-    assert redact_json(DEFAULT, value) == {"prompt": "line one\n[REDACTED:phone]", "n": 3,
-                                           "list": ["[REDACTED:email]", None]}  # fmt: skip
+    assert redact_json(DEFAULT, value) == {
+        "prompt": "line one\n[REDACTED:phone]",
+        "n": 3,
+        "list": ["[REDACTED:email]", None],
+    }
 
 
 def test_only_built_in_detectors_over_short_texts_run_on_the_event_loop() -> None:

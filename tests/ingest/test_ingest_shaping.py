@@ -62,8 +62,12 @@ UPSTREAM_CHAT = {
         {
             "index": 0,
             "message": {"role": "assistant", "content": "Hi!"},
-            "logprobs": {"content": [{"token": "Hi", "logprob": -1.0, "top_logprobs": []},
-                                     {"token": "!", "logprob": -2.0, "top_logprobs": []}]},
+            "logprobs": {
+                "content": [
+                    {"token": "Hi", "logprob": -1.0, "top_logprobs": []},
+                    {"token": "!", "logprob": -2.0, "top_logprobs": []},
+                ]
+            },
             "finish_reason": "stop",
             "token_ids": [9, 5],
         }
@@ -77,14 +81,22 @@ UPSTREAM_CHAT = {
 def test_completion_request_adds_capture_fields_and_removes_rtrl() -> None:
     body = {"model": "m", "prompt": "Q: 1+1?\nA:", "max_tokens": 4, "rtrl": {"episode_id": "ep1"}}
     forward, requested, rtrl = prepare_completion_request(body)
-    assert forward == {"model": "m", "prompt": "Q: 1+1?\nA:", "max_tokens": 4, "logprobs": 0, "return_token_ids": True}
+    assert forward == {
+        "model": "m",
+        "prompt": "Q: 1+1?\nA:",
+        "max_tokens": 4,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
     assert requested == Requested(logprobs=False, token_ids=False)
     assert rtrl == {"episode_id": "ep1"}
     assert "rtrl" in body  # the client's dict is not mutated
 
 
 def test_completion_request_keeps_what_the_client_asked_for() -> None:
-    forward, requested, _ = prepare_completion_request({"prompt": ["p"], "logprobs": 3, "return_token_ids": True})
+    forward, requested, _ = prepare_completion_request(
+        {"prompt": ["p"], "logprobs": 3, "return_token_ids": True}
+    )
     assert forward["logprobs"] == 3
     assert requested == Requested(logprobs=True, token_ids=True)
 
@@ -155,7 +167,10 @@ def test_chat_response_strips_only_what_the_gateway_added() -> None:
 
 
 def test_with_rtrl() -> None:
-    assert with_rtrl({"id": "x"}, "r1", "v2") == {"id": "x", "rtrl": {"request_id": "r1", "policy_version": "v2"}}
+    assert with_rtrl({"id": "x"}, "r1", "v2") == {
+        "id": "x",
+        "rtrl": {"request_id": "r1", "policy_version": "v2"},
+    }
 
 
 def test_extract_completion() -> None:
@@ -233,7 +248,11 @@ def test_parse_capture_from_headers_and_body() -> None:
         ({}, {"agent": ["a"]}, "rtrl agent .* is not a valid id"),
         ({}, {"colour": "red"}, "unknown rtrl field 'colour'"),
         ({}, ["episode_id"], "must be an object"),
-        ({"x-rtrl-episode-id": "a"}, {"episode_id": "b"}, "'a' in the x-rtrl-episode-id header but 'b' in the body"),
+        (
+            {"x-rtrl-episode-id": "a"},
+            {"episode_id": "b"},
+            "'a' in the x-rtrl-episode-id header but 'b' in the body",
+        ),
         ({"x-rtrl-role": "subagent", "x-rtrl-trainable": "true"}, None, "trainable must be false"),
         ({"x-rtrl-tenant": "acme"}, None, "the tenant comes from the API key"),
         ({}, {"tenant": "acme"}, "the tenant comes from the API key"),
@@ -245,7 +264,9 @@ def test_parse_capture_refusals(headers: dict[str, str], body: object, message: 
 
 
 def test_sampling_params() -> None:
-    params = sampling_params({"temperature": 0.7, "max_tokens": 16, "stop": "\n", "seed": 3, "top_k": 5, "min_p": 0.1})
+    params = sampling_params(
+        {"temperature": 0.7, "max_tokens": 16, "stop": "\n", "seed": 3, "top_k": 5, "min_p": 0.1}
+    )
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.7, 1.0, 5, 0.1)
     assert (params.max_tokens, params.seed, params.stop) == (16, 3, ["\n"])
     assert params.logprobs_mode == "processed"
@@ -257,7 +278,9 @@ def test_the_models_sampling_defaults_are_written_into_the_forwarded_request() -
     defaults = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
     forward, _, _ = prepare_completion_request({"prompt": "p", "temperature": 0.2}, defaults)
     assert (forward["temperature"], forward["top_p"], forward["top_k"]) == (0.2, 0.8, 20)
-    forward, _, _ = prepare_chat_request({"messages": [{"role": "user", "content": "hi"}], "top_k": None}, defaults)
+    forward, _, _ = prepare_chat_request(
+        {"messages": [{"role": "user", "content": "hi"}], "top_k": None}, defaults
+    )
     assert (forward["temperature"], forward["top_p"], forward["top_k"]) == (0.7, 0.8, 20)
     # What is recorded is what was forwarded, so what vLLM sampled with.
     assert sampling_params(forward).model_dump(include={"temperature", "top_p", "top_k"}) == defaults
@@ -298,10 +321,17 @@ def test_a_completion_with_a_nul_or_a_lone_surrogate_is_captured_not_dead_letter
     upstream = loads(raw)
     generation = extract_completion(upstream, {"prompt": "Q\x00"})
     event = build_interaction(
-        request_id="req1", tenant="acme", episode_id="acme:req1", capture=Capture(), model="rtrl-tiny",
-        policy_version=3, generation=generation, sampling=sampling_params({}), straddled=False,
+        request_id="req1",
+        tenant="acme",
+        episode_id="acme:req1",
+        capture=Capture(),
+        model="rtrl-tiny",
+        policy_version=3,
+        generation=generation,
+        sampling=sampling_params({}),
+        straddled=False,
         created_at=datetime(2025, 1, 1, tzinfo=UTC),
-    )  # fmt: skip
+    )
     assert (event.prompt, event.completion) == ("Q\ufffd", "\ufffd 7\ufffd!")
     assert (event.prompt_token_ids, event.completion_token_ids) == ([1, 2, 3], [41, 5])
     assert json.loads(event.model_dump_json().encode("utf-8"))["completion"] == "\ufffd 7\ufffd!"
@@ -309,11 +339,18 @@ def test_a_completion_with_a_nul_or_a_lone_surrogate_is_captured_not_dead_letter
 
 def test_sampling_the_trainer_cannot_reproduce_is_captured_untrainable_with_its_reason() -> None:
     event = build_interaction(
-        request_id="req1", tenant="acme", episode_id="acme:req1", capture=Capture(), model="rtrl-tiny",
-        policy_version=3, generation=extract_completion(UPSTREAM_COMPLETION, {"prompt": "Q"}),
-        sampling=sampling_params({"presence_penalty": 0.5}), straddled=False,
-        created_at=datetime(2025, 1, 1, tzinfo=UTC), untrainable_reason="penalty",
-    )  # fmt: skip
+        request_id="req1",
+        tenant="acme",
+        episode_id="acme:req1",
+        capture=Capture(),
+        model="rtrl-tiny",
+        policy_version=3,
+        generation=extract_completion(UPSTREAM_COMPLETION, {"prompt": "Q"}),
+        sampling=sampling_params({"presence_penalty": 0.5}),
+        straddled=False,
+        created_at=datetime(2025, 1, 1, tzinfo=UTC),
+        untrainable_reason="penalty",
+    )
     assert (event.trainable, event.untrainable_reason) == (False, "penalty")
     with pytest.raises(ValueError, match="untrainable_reason"):
         type(event).model_validate(event.model_dump() | {"trainable": True})
@@ -324,4 +361,9 @@ def test_build_interaction_trainable_rules() -> None:
     assert _event(Capture(role=Role.subagent), straddled=False).trainable is False
     assert _event(Capture(trainable=False), straddled=False).trainable is False
     multi = _event(Capture(episode_id="ep", segment_index=4, role=Role.orchestrator), straddled=False)
-    assert (multi.episode_id, multi.segment_index, multi.role, multi.trainable) == ("acme:ep", 4, Role.orchestrator, True)
+    assert (multi.episode_id, multi.segment_index, multi.role, multi.trainable) == (
+        "acme:ep",
+        4,
+        Role.orchestrator,
+        True,
+    )

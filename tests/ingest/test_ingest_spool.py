@@ -14,7 +14,9 @@ pytestmark = pytest.mark.unit
 
 
 def rec(i: int) -> SpoolRecord:
-    return SpoolRecord(topic="t", key=f"k{i}", value=f'{{"n":{i}}}', schema="rtrl.interaction.v1", event_id=f"e{i}")
+    return SpoolRecord(
+        topic="t", key=f"k{i}", value=f'{{"n":{i}}}', schema="rtrl.interaction.v1", event_id=f"e{i}"
+    )
 
 
 LINE = len(rec(0).to_line())  # every rec(i) with one-digit i serializes to the same length

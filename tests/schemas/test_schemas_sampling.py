@@ -27,11 +27,26 @@ pytestmark = pytest.mark.unit
 
 def test_a_models_generation_config_gives_its_sampling_defaults(tmp_path: Path) -> None:
     assert generation_defaults(tmp_path) == {}  # no generation_config.json: vLLM's neutral defaults
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 1, "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
-         "repetition_penalty": 1.05, "max_new_tokens": 512, "min_p": None}
-    ))  # fmt: skip
-    assert generation_defaults(tmp_path) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": 1,
+                "do_sample": True,
+                "temperature": 0.7,
+                "top_p": 0.8,
+                "top_k": 20,
+                "repetition_penalty": 1.05,
+                "max_new_tokens": 512,
+                "min_p": None,
+            }
+        )
+    )
+    assert generation_defaults(tmp_path) == {
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+    }
     (tmp_path / "generation_config.json").write_text("{not json")
     with pytest.raises(SamplingConfigError, match="generation_config.json"):
         generation_defaults(tmp_path)
@@ -61,7 +76,10 @@ def test_defaults_fill_only_what_the_client_left_out() -> None:
         ({"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0}, None),
         ({"response_format": {"type": "text"}}, None),
         ({"tools": [{"type": "function"}], "tool_choice": "auto"}, None),
-        ({"repetition_penalty": 1.05, "presence_penalty": 0.5, "frequency_penalty": -0.1}, None),  # reproduced
+        (
+            {"repetition_penalty": 1.05, "presence_penalty": 0.5, "frequency_penalty": -0.1},
+            None,
+        ),  # reproduced
         ({"logit_bias": {"50256": -100}}, "logit_bias"),
         ({"allowed_token_ids": [1, 2]}, "token_restriction"),
         ({"bad_words": ["x"]}, "token_restriction"),
@@ -69,8 +87,10 @@ def test_defaults_fill_only_what_the_client_left_out() -> None:
         ({"structured_outputs": {"regex": "a+"}}, "guided_decoding"),
         ({"guided_json": {"type": "object"}}, "guided_decoding"),
         ({"tools": [{"type": "function"}], "tool_choice": "required"}, "guided_decoding"),
-        ({"tools": [{"type": "function"}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
-         "guided_decoding"),
+        (
+            {"tools": [{"type": "function"}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+            "guided_decoding",
+        ),
         ({"min_tokens": 4}, "min_tokens"),
         ({"logits_processors": ["m:f"]}, "logits_processors"),
         ({"use_beam_search": True}, "beam_search"),
@@ -109,8 +129,9 @@ def test_raw_logprobs_compare_with_the_trainers_only_where_sampling_was_neutral(
         ({"temperature": 0.1, "top_k": 20}, None),
     ],
 )
-def test_greedy_and_near_greedy_samples_are_never_trained_on(params: dict[str, Any], reason: str | None,
-                                                            mode: str) -> None:  # fmt: skip
+def test_greedy_and_near_greedy_samples_are_never_trained_on(
+    params: dict[str, Any], reason: str | None, mode: str
+) -> None:
     """A greedy token is the argmax, not a sample of the softmax vLLM reports: training on it (or
     weighting it) as one biases the gradient, and its importance weight reads ≈ 1 (issue 35)."""
     sampling = SamplingParams(**params, logprobs_mode=mode)

@@ -45,17 +45,22 @@ def test_a_bad_setting_is_one_line_naming_the_variable(monkeypatch: pytest.Monke
         load_settings()
     message = str(caught.value)
     assert isinstance(caught.value, OperatorError) and "\n" not in message
-    assert ("RTRL_TRAINER__LOSS__TYPE: Input should be one of 'cispo', 'ppo', 'grpo', 'dapo', 'dr_grpo', 'gspo' "
-            "(got 'reinforce')") in message
+    assert (
+        "RTRL_TRAINER__LOSS__TYPE: Input should be one of 'cispo', 'ppo', 'grpo', 'dapo', 'dr_grpo', 'gspo' "
+        "(got 'reinforce')"
+    ) in message
     assert "RTRL_TRAINER__MIN_SAMPLES: Input should be greater than or equal to 1" in message
     assert message.endswith("(fix the environment or .env)")
 
 
 def test_kafka_security_settings_are_complete_or_refused() -> None:
     sasl = KafkaSettings(
-        security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512", sasl_username="rtrl",
-        sasl_password=SecretStr("s3cret"), ssl_cafile=Path("/etc/ca.pem"),
-    )  # fmt: skip
+        security_protocol="SASL_SSL",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="rtrl",
+        sasl_password=SecretStr("s3cret"),
+        ssl_cafile=Path("/etc/ca.pem"),
+    )
     assert "s3cret" not in sasl.model_dump_json()  # never printed (`rtrl config show`)
     with pytest.raises(ValidationError, match="needs sasl_mechanism, sasl_username and sasl_password"):
         KafkaSettings(security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN")
@@ -70,9 +75,11 @@ def test_to_env_hands_settings_to_a_child_process(monkeypatch: pytest.MonkeyPatc
         vllm=VllmSettings(servers=("http://a:1", "http://b:2"), staging_server=None),
         services=ServicesSettings(vllm_staging_port=None, kafka_port=1234),
         kafka=KafkaSettings(
-            security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN", sasl_username="u",
+            security_protocol="SASL_PLAINTEXT",
+            sasl_mechanism="PLAIN",
+            sasl_username="u",
             sasl_password=SecretStr("p@ss"),
-        ),  # fmt: skip
+        ),
     )
     for key, value in to_env(settings).items():
         monkeypatch.setenv(key, value)
@@ -99,34 +106,50 @@ def test_unset_databases_are_the_local_postgres_of_the_services_settings() -> No
     assert settings.mlflow.backend_store_uri == "postgresql+psycopg://loop@10.1.2.3:5433/runs"
     assert local_postgres_url(settings, "other") == "postgresql+psycopg://loop@10.1.2.3:5433/other"
     # With the default services and postgres settings: the defaults the fields document.
-    plain = Settings(services=ServicesSettings(), postgres=PostgresSettings(), store=StoreSettings(),
-                     mlflow=MlflowSettings())  # fmt: skip
+    plain = Settings(
+        services=ServicesSettings(),
+        postgres=PostgresSettings(),
+        store=StoreSettings(),
+        mlflow=MlflowSettings(),
+    )
     assert plain.store.url == StoreSettings().url == "postgresql+psycopg://rtrl@127.0.0.1:15432/rtrl"
-    assert plain.mlflow.backend_store_uri == MlflowSettings().backend_store_uri == (
-        "postgresql+psycopg://rtrl@127.0.0.1:15432/mlflow")
+    assert (
+        plain.mlflow.backend_store_uri
+        == MlflowSettings().backend_store_uri
+        == ("postgresql+psycopg://rtrl@127.0.0.1:15432/mlflow")
+    )
 
 
 def test_a_database_that_is_set_wins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    given = Settings(store=StoreSettings(url=f"sqlite:///{tmp_path}/mine.db"),
-                     mlflow=MlflowSettings(backend_store_uri="postgresql+psycopg://u@db:5432/ml"))  # fmt: skip
+    given = Settings(
+        store=StoreSettings(url=f"sqlite:///{tmp_path}/mine.db"),
+        mlflow=MlflowSettings(backend_store_uri="postgresql+psycopg://u@db:5432/ml"),
+    )
     assert given.store.url == f"sqlite:///{tmp_path}/mine.db"
     assert given.mlflow.backend_store_uri == "postgresql+psycopg://u@db:5432/ml"
     monkeypatch.setenv("RTRL_SERVICES__POSTGRES_PORT", "5999")
     monkeypatch.setenv("RTRL_STORE__URL", "postgresql+psycopg://rtrl@db.internal:5432/rtrl")
     from_env = load_settings()
     assert from_env.store.url == "postgresql+psycopg://rtrl@db.internal:5432/rtrl"
-    assert from_env.mlflow.backend_store_uri == "postgresql+psycopg://rtrl@127.0.0.1:5999/mlflow"  # unset: follows
+    assert (
+        from_env.mlflow.backend_store_uri == "postgresql+psycopg://rtrl@127.0.0.1:5999/mlflow"
+    )  # unset: follows
     assert embedded_databases(from_env).store.url == "postgresql+psycopg://rtrl@db.internal:5432/rtrl"
 
 
 def test_a_child_process_gets_the_same_databases(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for settings in (Settings(services=ServicesSettings(postgres_port=6543, run_dir=tmp_path)),
-                     embedded_databases(Settings(services=ServicesSettings(run_dir=tmp_path)))):  # fmt: skip
+    for settings in (
+        Settings(services=ServicesSettings(postgres_port=6543, run_dir=tmp_path)),
+        embedded_databases(Settings(services=ServicesSettings(run_dir=tmp_path))),
+    ):
         for key, value in to_env(settings).items():
             monkeypatch.setenv(key, value)
         child = load_settings()
         assert child == settings
-        assert (child.store.url, child.mlflow.backend_store_uri) == (settings.store.url, settings.mlflow.backend_store_uri)
+        assert (child.store.url, child.mlflow.backend_store_uri) == (
+            settings.store.url,
+            settings.mlflow.backend_store_uri,
+        )
 
 
 def test_embedded_databases_are_sqlite_files_in_the_run_dir(tmp_path: Path) -> None:

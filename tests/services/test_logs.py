@@ -38,7 +38,9 @@ def lines(path: Path) -> list[int]:
 def test_rotation_under_a_live_writer_loses_nothing_written_before_the_copy(tmp_path: Path) -> None:
     log, stop = tmp_path / "gateway.log", tmp_path / "stop"
     with log.open("ab") as out:  # as Supervisor._spawn opens a child's log
-        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(stop)], stdout=out, stderr=subprocess.STDOUT)
+        writer = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(stop)], stdout=out, stderr=subprocess.STDOUT
+        )
     try:
         rotations = 0
         while rotations < 5:
@@ -47,12 +49,18 @@ def test_rotation_under_a_live_writer_loses_nothing_written_before_the_copy(tmp_
             assert rotate(log, max_bytes=2000, backups=3)
             rotations += 1
             assert backup(log, 1).read_bytes().startswith(before)  # all of it is in the newest backup
-        wait_until(lambda: log.stat().st_size > 0, timeout_s=60, what="the writer going on after the truncate")
+        wait_until(
+            lambda: log.stat().st_size > 0, timeout_s=60, what="the writer going on after the truncate"
+        )
     finally:
         stop.touch()
         writer.wait(timeout=30)
 
-    assert [p.name for p in sorted(tmp_path.glob("gateway.log.*"))] == ["gateway.log.1", "gateway.log.2", "gateway.log.3"]
+    assert [p.name for p in sorted(tmp_path.glob("gateway.log.*"))] == [
+        "gateway.log.1",
+        "gateway.log.2",
+        "gateway.log.3",
+    ]
     kept = [*lines(backup(log, 3)), *lines(backup(log, 2)), *lines(backup(log, 1)), *lines(log)]
     assert kept == sorted(kept) and len(set(kept)) == len(kept)  # oldest backup first, nothing twice
     # Only the lines written between a copy's last read and its truncate (microseconds) can be
@@ -99,15 +107,26 @@ def test_the_supervisor_rotates_every_log_of_its_run_dir(tmp_path: Path) -> None
 # What kafka-python 3.0.12 logged for one bootstrap attempt at a port nothing listened on (rtrl demo's
 # start-up), logger name and message as written.
 REFUSED_ATTEMPT = [
-    ("kafka.net.connection", logging.ERROR, "<KafkaConnection node_id=bootstrap-0 broker_version=unknown "
-     "(disconnected)>: Connection lost: KafkaConnectionError: 111 ECONNREFUSED"),
-    ("kafka.net.manager", logging.WARNING, "Bootstrap connection to bootstrap-0 failed: KafkaConnectionError: "
-     "111 ECONNREFUSED (backoff 2.23 secs)"),
+    (
+        "kafka.net.connection",
+        logging.ERROR,
+        "<KafkaConnection node_id=bootstrap-0 broker_version=unknown "
+        "(disconnected)>: Connection lost: KafkaConnectionError: 111 ECONNREFUSED",
+    ),
+    (
+        "kafka.net.manager",
+        logging.WARNING,
+        "Bootstrap connection to bootstrap-0 failed: KafkaConnectionError: "
+        "111 ECONNREFUSED (backoff 2.23 secs)",
+    ),
     ("kafka.net.manager", logging.WARNING, "Bootstrap bootstrap-0 not ready; waiting 2.23 secs"),
     ("kafka.net.manager", logging.ERROR, "Connection failed: KafkaConnectionError: 111 ECONNREFUSED"),
-    ("kafka.net.manager", logging.ERROR, "Bootstrap failed: KafkaTimeoutError: Unable to bootstrap from "
-     "['127.0.0.1:19092']"),
-]  # fmt: skip
+    (
+        "kafka.net.manager",
+        logging.ERROR,
+        "Bootstrap failed: KafkaTimeoutError: Unable to bootstrap from ['127.0.0.1:19092']",
+    ),
+]
 
 
 def log_attempt() -> None:
@@ -123,7 +142,9 @@ def test_refused_connections_are_dropped_only_while_the_wait_lasts(caplog: pytes
     caplog.set_level(logging.INFO)
     with quiet_connection_retries("kafka"):
         log_attempt()
-        logging.getLogger("kafka.net.connection").error("SaslHandshake failed: IllegalSaslStateError")  # not a refusal
+        logging.getLogger("kafka.net.connection").error(
+            "SaslHandshake failed: IllegalSaslStateError"
+        )  # not a refusal
         logging.getLogger("rtrl.labeler").error("upstream: ECONNREFUSED")  # not kafka-python's
         logging.getLogger("kafkaesque").error("ECONNREFUSED")  # another library that only starts alike
     assert kafka_lines(caplog) == ["SaslHandshake failed: IllegalSaslStateError"]
@@ -134,13 +155,17 @@ def test_refused_connections_are_dropped_only_while_the_wait_lasts(caplog: pytes
     assert all(not handler.filters for handler in logging.getLogger().handlers)
 
 
-def test_where_no_handler_is_configured_the_last_resort_is_quiet_too(capsys: pytest.CaptureFixture[str]) -> None:
+def test_where_no_handler_is_configured_the_last_resort_is_quiet_too(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """`rtrl services up` configures no root handler: logging's last resort prints the records."""
     library = logging.getLogger("kafkatest")
     library.propagate = False  # no handler up the chain: what reaches it goes to logging.lastResort
     try:
         with quiet_connection_retries("kafkatest"):
-            logging.getLogger("kafkatest.net").error("Connection failed: KafkaConnectionError: 111 ECONNREFUSED")
+            logging.getLogger("kafkatest.net").error(
+                "Connection failed: KafkaConnectionError: 111 ECONNREFUSED"
+            )
         assert capsys.readouterr().err == ""
         logging.getLogger("kafkatest.net").error("Connection failed: KafkaConnectionError: 111 ECONNREFUSED")
         assert capsys.readouterr().err == "Connection failed: KafkaConnectionError: 111 ECONNREFUSED\n"
@@ -174,7 +199,9 @@ class Starting(Service):
         return "Kafka 4.1.0 KRaft"
 
 
-def test_waiting_for_a_starting_broker_is_one_info_line(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+def test_waiting_for_a_starting_broker_is_one_info_line(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     caplog.set_level(logging.INFO)
     unit = Starting(Settings(services=ServicesSettings(run_dir=tmp_path)))
     assert unit.wait_healthy(timeout_s=10) == "Kafka 4.1.0 KRaft"

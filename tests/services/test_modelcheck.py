@@ -77,8 +77,11 @@ def broken(qwen2: Path, tmp_path: Path) -> Path:
 
 
 def settings_for(model_dir: Path, tmp_path: Path) -> Settings:
-    return Settings(services=ServicesSettings(run_dir=tmp_path / "run"), store=StoreSettings(url=f"sqlite:///{tmp_path}/s.db"),
-                    vllm=VllmSettings(model_dir=model_dir))  # fmt: skip
+    return Settings(
+        services=ServicesSettings(run_dir=tmp_path / "run"),
+        store=StoreSettings(url=f"sqlite:///{tmp_path}/s.db"),
+        vllm=VllmSettings(model_dir=model_dir),
+    )
 
 
 # ---- real-shaped checkpoints pass, with their facts -----------------------------------------------
@@ -89,7 +92,12 @@ def test_a_qwen2_checkpoint_passes_with_its_facts(qwen2: Path) -> None:
     assert report.problems == [] and report.ok
     assert (report.architecture, report.model_type) == ("Qwen2ForCausalLM", "qwen2")
     assert report.transformers_knows and report.vllm_implements
-    assert (report.dtype, report.other_dtypes, report.parameters, report.weight_files) == ("bfloat16", (), QWEN2_PARAMETERS, 1)
+    assert (report.dtype, report.other_dtypes, report.parameters, report.weight_files) == (
+        "bfloat16",
+        (),
+        QWEN2_PARAMETERS,
+        1,
+    )
     assert report.tied_embeddings is True
     assert report.vocab_size == 512 and report.tokenizer_size is not None and 0 < report.tokenizer_size <= 512
     assert (report.eos_token, report.pad_token, report.bos_token) == ("<|im_end|>", "<|endoftext|>", None)
@@ -98,17 +106,25 @@ def test_a_qwen2_checkpoint_passes_with_its_facts(qwen2: Path) -> None:
     assert report.sampling_source == "generation_config.json" and report.untrainable is None
     assert (report.max_positions, report.max_model_len) == (1024, 512)
     lines = report.lines()
-    assert lines[1] == "architecture  Qwen2ForCausalLM (model_type qwen2): vLLM implements it, transformers " \
-        f"{report.transformers_version} trains it"  # fmt: skip
-    assert "sampling      temperature 0.7, top_p 0.8, top_k 20 (generation_config.json): requests under them " \
-        "are trainable" in lines  # fmt: skip
+    assert (
+        lines[1] == "architecture  Qwen2ForCausalLM (model_type qwen2): vLLM implements it, transformers "
+        f"{report.transformers_version} trains it"
+    )
+    assert (
+        "sampling      temperature 0.7, top_p 0.8, top_k 20 (generation_config.json): requests under them "
+        "are trainable" in lines
+    )
     assert lines[-1] == "result        usable: rtrl can serve and train it"
 
 
 def test_a_llama_checkpoint_passes_with_its_facts(llama: Path) -> None:
     report = check(llama)
     assert report.problems == []
-    assert (report.architecture, report.dtype, report.parameters) == ("LlamaForCausalLM", "float32", LLAMA_PARAMETERS)
+    assert (report.architecture, report.dtype, report.parameters) == (
+        "LlamaForCausalLM",
+        "float32",
+        LLAMA_PARAMETERS,
+    )
     assert report.tied_embeddings is False
     assert (report.eos_token, report.pad_token, report.bos_token) == ("</s>", None, "<s>")
     assert report.chat_template is True
@@ -126,9 +142,18 @@ def test_vllm_architectures_are_read_without_importing_vllm() -> None:
     names = vllm_architectures()
     assert names is not None and {"Qwen2ForCausalLM", "LlamaForCausalLM"} <= names
     # What vLLM itself says, in a process of its own (importing vLLM takes seconds and configures logging).
-    supported = subprocess.run([sys.executable, "-c", "import json; from vllm.model_executor.models import ModelRegistry;"
-                                " print(json.dumps(sorted(ModelRegistry.get_supported_archs())))"],
-                               capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    supported = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json; from vllm.model_executor.models import ModelRegistry;"
+            " print(json.dumps(sorted(ModelRegistry.get_supported_archs())))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     assert names <= set(json.loads(supported.stdout.strip().splitlines()[-1]))
 
 
@@ -168,12 +193,18 @@ def test_no_chat_template_is_a_warning(qwen2: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("temperature", "reason"), [(0, "greedy"), (0.05, "near_greedy")])
-def test_greedy_sampling_defaults_train_nothing(qwen2: Path, tmp_path: Path, temperature: float, reason: str) -> None:
+def test_greedy_sampling_defaults_train_nothing(
+    qwen2: Path, tmp_path: Path, temperature: float, reason: str
+) -> None:
     path = copy(qwen2, tmp_path)
     edit_json(path / "generation_config.json", temperature=temperature)
     report = check(path)
     assert codes(report) == ["untrainable_defaults"] and report.ok
-    assert report.untrainable == reason and report.sampling == {"temperature": temperature, "top_p": 0.8, "top_k": 20}
+    assert report.untrainable == reason and report.sampling == {
+        "temperature": temperature,
+        "top_p": 0.8,
+        "top_k": 20,
+    }
 
 
 def test_the_settings_sampling_defaults_replace_the_models(qwen2: Path) -> None:
@@ -225,10 +256,16 @@ def test_a_context_longer_than_the_model_is_an_error(qwen2: Path) -> None:
 def test_a_lora_adapter_and_a_missing_folder_are_recognised(tmp_path: Path) -> None:
     adapter = tmp_path / "adapter"
     adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "base_model_name_or_path": "Qwen/Qwen2.5-0.5B"}))
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 8, "base_model_name_or_path": "Qwen/Qwen2.5-0.5B"})
+    )
     report = check(adapter)
     assert report.kind == "adapter" and codes(report) == ["adapter_not_model"]
-    assert "Qwen/Qwen2.5-0.5B" in report.problems[0].fix and report.adapter is not None and report.adapter["r"] == 8
+    assert (
+        "Qwen/Qwen2.5-0.5B" in report.problems[0].fix
+        and report.adapter is not None
+        and report.adapter["r"] == 8
+    )
     missing = check(tmp_path / "none")
     assert codes(missing) == ["no_checkpoint"] and missing.lines()[-1] == "result        rejected: 1 error"
     (tmp_path / "empty").mkdir()
@@ -244,16 +281,24 @@ def test_rtrl_model_check_prints_one_line_per_problem_and_exits_1(qwen2: Path, t
     assert result.exit_code == 1, result.output
     problems = [line for line in result.output.splitlines() if line.startswith(("error ", "warning "))]
     assert len(problems) == 3, result.output
-    assert problems[0].startswith("error         unknown architecture NoSuchForCausalLM") and "; fix: " in problems[0]
+    assert (
+        problems[0].startswith("error         unknown architecture NoSuchForCausalLM")
+        and "; fix: " in problems[0]
+    )
     assert problems[1].startswith("error         no tokenizer") and "; fix: " in problems[1]
     assert problems[2].startswith("warning       no chat template") and "; fix: " in problems[2]
-    assert result.output.splitlines()[-1] == "result        rejected: 2 errors; rtrl run and rtrl demo refuse it"
+    assert (
+        result.output.splitlines()[-1] == "result        rejected: 2 errors; rtrl run and rtrl demo refuse it"
+    )
 
     as_json = CliRunner().invoke(app, ["model", "check", str(path), "--json"])
     assert as_json.exit_code == 1
     report = json.loads(as_json.output)
     assert report["ok"] is False and [p["code"] for p in report["problems"]] == [
-        "unknown_architecture", "no_tokenizer", "no_chat_template"]  # fmt: skip
+        "unknown_architecture",
+        "no_tokenizer",
+        "no_chat_template",
+    ]
 
 
 def test_rtrl_model_check_passes_a_good_checkpoint(qwen2: Path) -> None:
@@ -263,9 +308,13 @@ def test_rtrl_model_check_passes_a_good_checkpoint(qwen2: Path) -> None:
 
 
 def test_rtrl_model_random_writes_a_checkpoint_that_passes(tmp_path: Path) -> None:
-    result = CliRunner().invoke(app, ["model", "random", str(tmp_path / "m"), "--arch", "llama", "--dtype", "bfloat16"])
+    result = CliRunner().invoke(
+        app, ["model", "random", str(tmp_path / "m"), "--arch", "llama", "--dtype", "bfloat16"]
+    )
     assert result.exit_code == 0, result.output
-    assert "weights       bfloat16" in result.output and result.output.strip().splitlines()[-1].startswith("result        usable")
+    assert "weights       bfloat16" in result.output and result.output.strip().splitlines()[-1].startswith(
+        "result        usable"
+    )
     again = CliRunner().invoke(app, ["model", "random", str(tmp_path / "m")])
     assert again.exit_code == 2 and "--force" in again.output
     assert CliRunner().invoke(app, ["model", "random", str(tmp_path / "n"), "--arch", "gpt2"]).exit_code == 2
@@ -280,12 +329,16 @@ def test_require_usable_refuses_a_rejected_checkpoint_in_one_line(qwen2: Path, t
         require_usable(settings_for(path, tmp_path))
     line = str(caught.value)
     assert "\n" not in line
-    assert line == (f"checkpoint {path.resolve()} rejected: unknown architecture NoSuchForCausalLM: neither vLLM nor "
-                    f"transformers {check(path).transformers_version} has a causal LM of that name (and 1 more); "
-                    f"`rtrl model check {path.resolve()}` lists every problem with its fix")  # fmt: skip
+    assert line == (
+        f"checkpoint {path.resolve()} rejected: unknown architecture NoSuchForCausalLM: neither vLLM nor "
+        f"transformers {check(path).transformers_version} has a causal LM of that name (and 1 more); "
+        f"`rtrl model check {path.resolve()}` lists every problem with its fix"
+    )
 
 
-def test_require_usable_passes_warnings_and_the_folder_the_tiny_model_is_built_in(qwen2: Path, tmp_path: Path) -> None:
+def test_require_usable_passes_warnings_and_the_folder_the_tiny_model_is_built_in(
+    qwen2: Path, tmp_path: Path
+) -> None:
     path = copy(qwen2, tmp_path)
     edit_json(path / "tokenizer_config.json", chat_template=None)
     report = require_usable(settings_for(path, tmp_path))
@@ -305,7 +358,9 @@ def test_the_demos_model_dir_is_what_it_checks(qwen2: Path, tmp_path: Path) -> N
         require_usable(settings)
 
 
-def test_services_up_refuses_a_rejected_checkpoint_instead_of_building_over_it(qwen2: Path, tmp_path: Path) -> None:
+def test_services_up_refuses_a_rejected_checkpoint_instead_of_building_over_it(
+    qwen2: Path, tmp_path: Path
+) -> None:
     path = broken(qwen2, tmp_path)
     before = sorted(p.name for p in path.iterdir())
     with pytest.raises(CheckpointRejected):
@@ -316,15 +371,25 @@ def test_services_up_refuses_a_rejected_checkpoint_instead_of_building_over_it(q
 
 def _rtrl(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
-    return subprocess.run(rtrl_command(*args), cwd=REPO, env=clean | env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        rtrl_command(*args), cwd=REPO, env=clean | env, capture_output=True, text=True, timeout=300
+    )
 
 
-def test_rtrl_demo_and_rtrl_run_refuse_it_in_one_line_before_anything_starts(qwen2: Path, tmp_path: Path) -> None:
+def test_rtrl_demo_and_rtrl_run_refuse_it_in_one_line_before_anything_starts(
+    qwen2: Path, tmp_path: Path
+) -> None:
     path = broken(qwen2, tmp_path)
     run_dir = tmp_path / "run"
-    for result in (_rtrl("demo", "--model-dir", str(path), RTRL_SERVICES__RUN_DIR=str(run_dir)),
-                   _rtrl("run", RTRL_VLLM__MODEL_DIR=str(path), RTRL_SERVICES__RUN_DIR=str(run_dir),
-                         RTRL_STORE__URL=f"sqlite:///{tmp_path}/rtrl.db")):  # fmt: skip
+    for result in (
+        _rtrl("demo", "--model-dir", str(path), RTRL_SERVICES__RUN_DIR=str(run_dir)),
+        _rtrl(
+            "run",
+            RTRL_VLLM__MODEL_DIR=str(path),
+            RTRL_SERVICES__RUN_DIR=str(run_dir),
+            RTRL_STORE__URL=f"sqlite:///{tmp_path}/rtrl.db",
+        ),
+    ):
         assert result.returncode == 1, result.stdout + result.stderr
         errors = [line for line in result.stderr.splitlines() if line.startswith("rtrl: ")]
         assert len(errors) == 1 and "unknown architecture NoSuchForCausalLM" in errors[0], result.stderr

@@ -27,14 +27,20 @@ class Clock:
         return self.now
 
 
-def test_a_hung_server_is_restarted_after_its_grace_and_a_healthy_one_is_left_alone(vllm_service: Settings) -> None:
+def test_a_hung_server_is_restarted_after_its_grace_and_a_healthy_one_is_left_alone(
+    vllm_service: Settings,
+) -> None:
     """The staging server's processes are SIGSTOPped (alive, answering nothing). The first check
     only notes it; once `vllm_unhealthy_restart_s` has passed it is stopped and started again, and
     serves; the serving server, healthy throughout, keeps its process. A second failure right after
     waits for the back-off."""
-    settings = vllm_service.model_copy(update={
-        "services": ServicesSettings(**{**vllm_service.services.model_dump(), "vllm_unhealthy_restart_s": 60.0}),
-    })  # fmt: skip
+    settings = vllm_service.model_copy(
+        update={
+            "services": ServicesSettings(
+                **{**vllm_service.services.model_dump(), "vllm_unhealthy_restart_s": 60.0}
+            ),
+        }
+    )
     serving_unit, staging_unit = units(settings, ("vllm",))
     assert staging_unit.name == "vllm-staging"
     serving_pid, hung_pid = serving_unit.pid(), staging_unit.pid()
@@ -75,14 +81,22 @@ def test_a_hung_server_is_restarted_after_its_grace_and_a_healthy_one_is_left_al
                 server.update_weight_version(1)
 
 
-def test_nothing_is_restarted_when_turned_off_or_not_started_here(vllm_service: Settings, tmp_path: Path) -> None:
+def test_nothing_is_restarted_when_turned_off_or_not_started_here(
+    vllm_service: Settings, tmp_path: Path
+) -> None:
     """`services.restart_vllm = false`, or a run dir that did not start the servers (no pid files):
     the reviver touches nothing."""
-    off = vllm_service.model_copy(update={
-        "services": ServicesSettings(**{**vllm_service.services.model_dump(), "restart_vllm": False}),
-    })  # fmt: skip
+    off = vllm_service.model_copy(
+        update={
+            "services": ServicesSettings(**{**vllm_service.services.model_dump(), "restart_vllm": False}),
+        }
+    )
     assert Reviver(off)() == {}
-    elsewhere = vllm_service.model_copy(update={
-        "services": ServicesSettings(**{**vllm_service.services.model_dump(), "run_dir": tmp_path / "run"}),
-    })  # fmt: skip
+    elsewhere = vllm_service.model_copy(
+        update={
+            "services": ServicesSettings(
+                **{**vllm_service.services.model_dump(), "run_dir": tmp_path / "run"}
+            ),
+        }
+    )
     assert Reviver(elsewhere).managed() == [] and Reviver(elsewhere)() == {}

@@ -29,14 +29,16 @@ def mini_env() -> Iterator[dict[str, str]]:
     run_dir = make_run_dir("rtrl-lifecycle-")
     redis_port, mlflow_port = free_ports(2)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
-    env.update({
-        "RTRL_SERVICES__RUN_DIR": str(run_dir),
-        "RTRL_SERVICES__REDIS_PORT": str(redis_port),
-        "RTRL_SERVICES__MLFLOW_PORT": str(mlflow_port),
-        "RTRL_MLFLOW__BACKEND_STORE_URI": f"sqlite:///{run_dir}/mlflow/mlflow.db",
-        "RTRL_MLFLOW__ARTIFACT_ROOT": str(run_dir / "mlflow" / "artifacts"),
-        "RTRL_SERVICES__ENABLED": '["redis", "mlflow"]',
-    })
+    env.update(
+        {
+            "RTRL_SERVICES__RUN_DIR": str(run_dir),
+            "RTRL_SERVICES__REDIS_PORT": str(redis_port),
+            "RTRL_SERVICES__MLFLOW_PORT": str(mlflow_port),
+            "RTRL_MLFLOW__BACKEND_STORE_URI": f"sqlite:///{run_dir}/mlflow/mlflow.db",
+            "RTRL_MLFLOW__ARTIFACT_ROOT": str(run_dir / "mlflow" / "artifacts"),
+            "RTRL_SERVICES__ENABLED": '["redis", "mlflow"]',
+        }
+    )
     yield env
     subprocess.run([*RTRL, "services", "down"], env=env, capture_output=True, timeout=120)
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -77,7 +79,9 @@ def test_up_is_idempotent_and_down_leaves_no_process(mini_env: dict[str, str]) -
     again = _rtrl(mini_env, "services", "up")
     assert again.returncode == 0, again.stderr
     assert "already running" in again.stderr
-    again_rows = {row["name"]: row for row in json.loads(_rtrl(mini_env, "services", "status", "--json").stdout)}
+    again_rows = {
+        row["name"]: row for row in json.loads(_rtrl(mini_env, "services", "status", "--json").stdout)
+    }
     assert {n: r["pid"] for n, r in again_rows.items()} == {n: r["pid"] for n, r in rows.items()}
 
     down = _rtrl(mini_env, "services", "down")
@@ -104,7 +108,10 @@ def test_up_refuses_a_port_taken_by_another_process(mini_env: dict[str, str]) ->
 
 def test_a_failed_up_stops_what_it_started(mini_env: dict[str, str]) -> None:
     # Redis starts fine; MLflow cannot open its backend store and exits during start-up.
-    env = mini_env | {"RTRL_MLFLOW__BACKEND_STORE_URI": "nosuchdb://nowhere", "RTRL_SERVICES__START_TIMEOUT_S": "90"}
+    env = mini_env | {
+        "RTRL_MLFLOW__BACKEND_STORE_URI": "nosuchdb://nowhere",
+        "RTRL_SERVICES__START_TIMEOUT_S": "90",
+    }
     result = _rtrl(env, "services", "up")
     assert result.returncode == 1
     # One line from rtrl (followed by the tail of MLflow's own log, which may hold MLflow's traceback).

@@ -33,7 +33,9 @@ def on_postgres() -> Iterator[Settings]:
 
 def test_registered_versions_land_in_the_mlflow_database(on_postgres: Settings, tmp_path: Path) -> None:
     settings = on_postgres
-    assert settings.mlflow.backend_store_uri == local_postgres_url(settings, settings.postgres.mlflow_database)
+    assert settings.mlflow.backend_store_uri == local_postgres_url(
+        settings, settings.postgres.mlflow_database
+    )
     registry = Registry(settings.mlflow, tmp_path / "checkpoints")
     checkpoint = tmp_path / "v1"
     checkpoint.mkdir()
@@ -50,7 +52,9 @@ def test_registered_versions_land_in_the_mlflow_database(on_postgres: Settings, 
         engine.dispose()
     assert [tuple(r) for r in rows] == [(settings.mlflow.model_name, version)]
     assert [tuple(r) for r in aliases] == [(CHAMPION, version)]
-    assert not (Path(settings.services.run_dir) / "mlflow" / "mlflow.db").exists()  # no SQLite file on the side
+    assert not (
+        Path(settings.services.run_dir) / "mlflow" / "mlflow.db"
+    ).exists()  # no SQLite file on the side
 
 
 def test_the_store_is_the_other_database_of_the_same_server(on_postgres: Settings) -> None:

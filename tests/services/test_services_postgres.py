@@ -42,15 +42,22 @@ def test_the_store_and_mlflow_get_their_databases_owned_by_rtrl(postgres_service
     engine = sa.create_engine(local_postgres_url(postgres_service, "postgres"))
     try:
         with engine.connect() as conn:
-            owners = dict(conn.execute(sa.text(
-                "SELECT datname, pg_get_userbyid(datdba) FROM pg_database WHERE datname IN (:store, :mlflow)"
-            ), {"store": pg.database, "mlflow": pg.mlflow_database}).all())  # fmt: skip
+            owners = dict(
+                conn.execute(
+                    sa.text(
+                        "SELECT datname, pg_get_userbyid(datdba) FROM pg_database WHERE datname IN (:store, :mlflow)"
+                    ),
+                    {"store": pg.database, "mlflow": pg.mlflow_database},
+                ).all()
+            )
     finally:
         engine.dispose()
     assert owners == {pg.database: pg.user, pg.mlflow_database: pg.user}
 
 
-def test_a_database_is_created_once_and_dropped_with_its_connections_closed(postgres_service: Settings) -> None:
+def test_a_database_is_created_once_and_dropped_with_its_connections_closed(
+    postgres_service: Settings,
+) -> None:
     server, name = Postgres(postgres_service), f"rtrl_test_{uuid.uuid4().hex[:10]}"
     engine = sa.create_engine(local_postgres_url(postgres_service, name))
     listing = sa.create_engine(local_postgres_url(postgres_service, "postgres"))

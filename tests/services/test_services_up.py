@@ -20,8 +20,15 @@ pytestmark = pytest.mark.unit
 class Fake(Service):
     """A service that only records: started, healthy, after_start, stopped."""
 
-    def __init__(self, settings: Settings, name: str, events: list[tuple[str, str]], requires: tuple[str, ...] = (),
-                 running: bool = False, fails: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: Settings,
+        name: str,
+        events: list[tuple[str, str]],
+        requires: tuple[str, ...] = (),
+        running: bool = False,
+        fails: bool = False,
+    ) -> None:
         self.name = name
         super().__init__(settings)
         self.events, self._requires, self._running, self.fails = events, requires, running, fails
@@ -71,22 +78,32 @@ def settings(tmp_path: Path) -> Settings:
 
 def _deployment(monkeypatch: pytest.MonkeyPatch, units: list[Fake]) -> None:
     """`up` sees `units` (in this order) as the services there are."""
-    monkeypatch.setattr(services, "services",
-                        lambda settings, only=None: [u for u in units if only is None or u.name in only])  # fmt: skip
+    monkeypatch.setattr(
+        services, "services", lambda settings, only=None: [u for u in units if only is None or u.name in only]
+    )
 
 
-def test_a_service_starts_once_what_it_requires_is_healthy(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_service_starts_once_what_it_requires_is_healthy(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
     events: list[tuple[str, str]] = []
-    units = [Fake(settings, "postgres", events), Fake(settings, "mlflow", events, requires=("postgres",)),
-             Fake(settings, "vllm", events)]  # fmt: skip
+    units = [
+        Fake(settings, "postgres", events),
+        Fake(settings, "mlflow", events, requires=("postgres",)),
+        Fake(settings, "vllm", events),
+    ]
     _deployment(monkeypatch, units)
     statuses = up(settings)
     assert events == [
-        ("start", "postgres"), ("start", "vllm"),  # all without requirements at once
-        ("healthy", "postgres"), ("after_start", "postgres"),  # its databases exist now
+        ("start", "postgres"),
+        ("start", "vllm"),  # all without requirements at once
+        ("healthy", "postgres"),
+        ("after_start", "postgres"),  # its databases exist now
         ("start", "mlflow"),  # before vllm is healthy: it does not wait for what it does not need
-        ("healthy", "mlflow"), ("after_start", "mlflow"),
-        ("healthy", "vllm"), ("after_start", "vllm"),
+        ("healthy", "mlflow"),
+        ("after_start", "mlflow"),
+        ("healthy", "vllm"),
+        ("after_start", "vllm"),
     ]
     assert [s.name for s in statuses] == ["postgres", "mlflow", "vllm"]
 
@@ -95,43 +112,71 @@ def test_a_required_service_listed_after_its_dependent_is_still_first(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     events: list[tuple[str, str]] = []
-    _deployment(monkeypatch, [Fake(settings, "mlflow", events, requires=("postgres",)), Fake(settings, "postgres", events)])
+    _deployment(
+        monkeypatch,
+        [Fake(settings, "mlflow", events, requires=("postgres",)), Fake(settings, "postgres", events)],
+    )
     up(settings)
-    assert events == [("start", "postgres"), ("healthy", "postgres"), ("after_start", "postgres"),
-                      ("start", "mlflow"), ("healthy", "mlflow"), ("after_start", "mlflow")]  # fmt: skip
+    assert events == [
+        ("start", "postgres"),
+        ("healthy", "postgres"),
+        ("after_start", "postgres"),
+        ("start", "mlflow"),
+        ("healthy", "mlflow"),
+        ("after_start", "mlflow"),
+    ]
 
 
 def test_only_a_service_selects_what_it_requires_and_leaves_a_running_one_alone(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     events: list[tuple[str, str]] = []
-    units = [Fake(settings, "kafka", events), Fake(settings, "postgres", events, running=True),
-             Fake(settings, "mlflow", events, requires=("postgres",))]  # fmt: skip
+    units = [
+        Fake(settings, "kafka", events),
+        Fake(settings, "postgres", events, running=True),
+        Fake(settings, "mlflow", events, requires=("postgres",)),
+    ]
     _deployment(monkeypatch, units)
     statuses = up(settings, only=["mlflow"])
     assert [s.name for s in statuses] == ["postgres", "mlflow"]
-    assert events == [("healthy", "postgres"), ("after_start", "postgres"),  # running: checked, not started
-                      ("start", "mlflow"), ("healthy", "mlflow"), ("after_start", "mlflow")]  # fmt: skip
+    assert events == [
+        ("healthy", "postgres"),
+        ("after_start", "postgres"),  # running: checked, not started
+        ("start", "mlflow"),
+        ("healthy", "mlflow"),
+        ("after_start", "mlflow"),
+    ]
 
 
 def test_a_failed_up_stops_what_it_started_and_not_what_ran_before(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     events: list[tuple[str, str]] = []
-    units = [Fake(settings, "redis", events, running=True), Fake(settings, "postgres", events),
-             Fake(settings, "mlflow", events, requires=("postgres",), fails=True), Fake(settings, "vllm", events)]  # fmt: skip
+    units = [
+        Fake(settings, "redis", events, running=True),
+        Fake(settings, "postgres", events),
+        Fake(settings, "mlflow", events, requires=("postgres",), fails=True),
+        Fake(settings, "vllm", events),
+    ]
     _deployment(monkeypatch, units)
     with pytest.raises(ServiceError, match="mlflow: exited during start-up"):
         up(settings)
     stops = [name for kind, name in events if kind == "stop"]
-    assert stops == ["mlflow", "vllm", "postgres"]  # the reverse of their starts; redis ran before and keeps running
+    assert stops == [
+        "mlflow",
+        "vllm",
+        "postgres",
+    ]  # the reverse of their starts; redis ran before and keeps running
 
 
 def test_services_that_require_each_other_are_refused_before_anything_starts(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     events: list[tuple[str, str]] = []
-    _deployment(monkeypatch, [Fake(settings, "a", events, requires=("b",)), Fake(settings, "b", events, requires=("a",))])
+    _deployment(
+        monkeypatch,
+        [Fake(settings, "a", events, requires=("b",)), Fake(settings, "b", events, requires=("a",))],
+    )
     with pytest.raises(ServiceError, match="require each other"):
         up(settings)
     assert [kind for kind, _ in events if kind == "start"] == []
@@ -151,6 +196,9 @@ def test_only_mlflow_selects_the_local_postgres(tmp_path: Path) -> None:
     from services import _with_requirements, services
 
     settings = Settings(services=ServicesSettings(run_dir=tmp_path))
-    assert [u.name for u in _with_requirements(settings, services(settings, ["mlflow"]))] == ["postgres", "mlflow"]
+    assert [u.name for u in _with_requirements(settings, services(settings, ["mlflow"]))] == [
+        "postgres",
+        "mlflow",
+    ]
     sqlite = settings.model_copy(update={"mlflow": MlflowSettings(backend_store_uri="sqlite:///x.db")})
     assert [u.name for u in _with_requirements(sqlite, services(sqlite, ["mlflow"]))] == ["mlflow"]

@@ -80,8 +80,14 @@ def test_killed_process_is_restarted_and_stop_leaves_nothing(
         state = json.loads(supervisor.state_path.read_text())  # what `rtrl status` reads
         assert state["pid"] == os.getpid() and not state["stopped"]
         assert state["children"]["gateway"] | {"log": None} == {
-            "pid": child.proc.pid, "running": True, "restarts_recent": 1, "crash_looping": False,
-            "last_exit_code": -9, "waiting_for_prepare": False, "log": None}  # fmt: skip
+            "pid": child.proc.pid,
+            "running": True,
+            "restarts_recent": 1,
+            "crash_looping": False,
+            "last_exit_code": -9,
+            "waiting_for_prepare": False,
+            "log": None,
+        }
     finally:
         supervisor.stop()
     assert json.loads(supervisor.state_path.read_text())["stopped"] is True
@@ -95,7 +101,9 @@ def test_a_crash_looping_process_is_retried_at_the_cap_and_never_stops_its_sibli
     # `rtrl labeler` against a store URL it cannot open exits at once, every time; the reconciler
     # meets the same store (and no MLflow) and only logs it each tick: it keeps running.
     monkeypatch.setattr(sup, "MAX_RESTARTS", 3)
-    settings = Settings(services=ServicesSettings(run_dir=tmp_path / "run"), store=StoreSettings(url="nosuchdialect:///x"))
+    settings = Settings(
+        services=ServicesSettings(run_dir=tmp_path / "run"), store=StoreSettings(url="nosuchdialect:///x")
+    )
     clock = FakeMonotonic()
     supervisor = sup.Supervisor(settings, names=("labeler", "reconciler"), monotonic=clock, draw=lambda: 0.5)
     child, sibling = supervisor.children["labeler"], supervisor.children["reconciler"]
@@ -164,7 +172,9 @@ def test_the_gateway_serves_while_the_dependencies_are_down_and_the_rest_start_o
         if not release.is_set():
             raise ConnectionError("the store at 127.0.0.1:15432 refused the connection")
 
-    supervisor = sup.Supervisor(settings, names=("gateway", "labeler"), draw=lambda: 0.5, prerequisite=prepare)
+    supervisor = sup.Supervisor(
+        settings, names=("gateway", "labeler"), draw=lambda: 0.5, prerequisite=prepare
+    )
     gateway, labeler = supervisor.children["gateway"], supervisor.children["labeler"]
     caplog.set_level(logging.INFO, logger="services.supervisor")
     try:
@@ -172,7 +182,10 @@ def test_the_gateway_serves_while_the_dependencies_are_down_and_the_rest_start_o
         _wait_ready(f"http://127.0.0.1:{port}")  # serving while nothing is prepared
         assert supervisor.check() == [] and labeler.proc is None and not supervisor.prepared.is_set()
         wait_until(lambda: len(attempts) >= 2, timeout_s=30, what="prepare retried")
-        assert "waiting for the loop's dependencies: the store at 127.0.0.1:15432 refused the connection" in caplog.text
+        assert (
+            "waiting for the loop's dependencies: the store at 127.0.0.1:15432 refused the connection"
+            in caplog.text
+        )
         release.set()
         wait_until(supervisor.prepared.is_set, timeout_s=30, what="prepare succeeding")
         supervisor.check()
@@ -183,6 +196,18 @@ def test_the_gateway_serves_while_the_dependencies_are_down_and_the_rest_start_o
 
 @pytest.mark.unit
 def test_restart_delay_doubles_up_to_the_cap_with_jitter() -> None:
-    assert [sup.restart_delay(n, lambda: 0.5) for n in range(9)] == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
-    assert sup.restart_delay(3, lambda: 0.0) == 3.0 and sup.restart_delay(3, lambda: 0.999999) == pytest.approx(5.0)
+    assert [sup.restart_delay(n, lambda: 0.5) for n in range(9)] == [
+        0.0,
+        1.0,
+        2.0,
+        4.0,
+        8.0,
+        16.0,
+        32.0,
+        60.0,
+        60.0,
+    ]
+    assert sup.restart_delay(3, lambda: 0.0) == 3.0 and sup.restart_delay(
+        3, lambda: 0.999999
+    ) == pytest.approx(5.0)
     assert sup.restart_delay(0, lambda: 0.9) == 0.0  # the first restart is immediate

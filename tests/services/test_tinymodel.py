@@ -116,7 +116,9 @@ def test_the_v2_recipe_knows_its_task(tiny: Path, tmp_path: Path) -> None:
     assert train >= 0.8 and heldout >= 0.3
     assert tinymodel.info(capable)["recipe_recipe"] == "rtrl-tiny-llama-v2"
     assert tinymodel.measure_correct(tiny, "exclaim", "train", seed=0) < 0.3  # v1 learns the shapes only
-    assert tinymodel.measure_preference(capable, "exclaim") >= 0.08  # and still meets the preference sometimes
+    assert (
+        tinymodel.measure_preference(capable, "exclaim") >= 0.08
+    )  # and still meets the preference sometimes
 
 
 def test_chat_template_matches_completion_format(tiny: Path) -> None:

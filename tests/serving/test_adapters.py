@@ -31,25 +31,37 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("tiny") / "model", task=None, seed=0, sft_steps=0)
 
 
-def test_the_identity_adapter_leaves_the_base_model_as_it_is_and_can_be_trained(tiny: Path, tmp_path: Path) -> None:
+def test_the_identity_adapter_leaves_the_base_model_as_it_is_and_can_be_trained(
+    tiny: Path, tmp_path: Path
+) -> None:
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    out = write_identity_adapter(tiny, tmp_path / "identity", rank=8, alpha=16, dropout=0.0, target_modules=TARGETS)
+    out = write_identity_adapter(
+        tiny, tmp_path / "identity", rank=8, alpha=16, dropout=0.0, target_modules=TARGETS
+    )
 
     assert is_adapter(out) and not is_adapter(tiny)
     config = adapter_config(out)
-    assert config["r"] == 8 and config["lora_alpha"] == 16 and sorted(config["target_modules"]) == sorted(TARGETS)
+    assert (
+        config["r"] == 8
+        and config["lora_alpha"] == 16
+        and sorted(config["target_modules"]) == sorted(TARGETS)
+    )
     assert config["base_model_name_or_path"] == str(tiny.resolve())
     weights = load_file(out / "adapter_model.safetensors")
-    assert {k for k in weights if ".lora_B." in k} and all(not w.any() for k, w in weights.items() if ".lora_B." in k)
+    assert {k for k in weights if ".lora_B." in k} and all(
+        not w.any() for k, w in weights.items() if ".lora_B." in k
+    )
     assert all(w.abs().sum() > 0 for k, w in weights.items() if ".lora_A." in k)  # B gets a gradient
 
     ids = torch.tensor([[1, 5, 9, 20, 33, 7]])
     base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     expected = base(input_ids=ids).logits
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32), str(out))
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32), str(out)
+    )
     assert torch.equal(model(input_ids=ids).logits, expected)
     assert identity_matches(out, rank=8, alpha=16, target_modules=tuple(reversed(TARGETS)))
     assert not identity_matches(out, rank=16, alpha=16, target_modules=TARGETS)
@@ -58,7 +70,9 @@ def test_the_identity_adapter_leaves_the_base_model_as_it_is_and_can_be_trained(
 
 def test_a_target_module_the_model_does_not_have_is_one_clear_error(tiny: Path, tmp_path: Path) -> None:
     with pytest.raises(AdapterError, match="cannot put LoRA on"):
-        write_identity_adapter(tiny, tmp_path / "x", rank=8, alpha=16, dropout=0.0, target_modules=("c_attn",))
+        write_identity_adapter(
+            tiny, tmp_path / "x", rank=8, alpha=16, dropout=0.0, target_modules=("c_attn",)
+        )
     assert not (tmp_path / "x").exists()
 
 
@@ -66,7 +80,9 @@ def test_what_the_servers_can_load(tiny: Path, tmp_path: Path) -> None:
     assert [server_max_rank(r) for r in (1, 4, 8, 9, 64, 300, 512)] == [1, 8, 8, 16, 64, 320, 512]
     with pytest.raises(AdapterError, match="largest"):
         server_max_rank(513)
-    out = write_identity_adapter(tiny, tmp_path / "r16", rank=16, alpha=16, dropout=0.0, target_modules=TARGETS)
+    out = write_identity_adapter(
+        tiny, tmp_path / "r16", rank=16, alpha=16, dropout=0.0, target_modules=TARGETS
+    )
     check_servable(out, 16)
     with pytest.raises(AdapterError, match="rank 16 is above the servers' --max-lora-rank 8"):
         check_servable(out, 8)

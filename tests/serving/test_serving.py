@@ -21,8 +21,15 @@ PROMPT = "Q: say hello\nA:"
 
 
 def _complete(server: str, settings: Settings, **extra: object) -> dict:  # type: ignore[type-arg]
-    body = {"model": settings.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0,
-            "logprobs": 1, "return_token_ids": True, **extra}
+    body = {
+        "model": settings.vllm.served_model_name,
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "logprobs": 1,
+        "return_token_ids": True,
+        **extra,
+    }
     response = httpx.post(f"{server}/v1/completions", json=body, timeout=settings.vllm.request_timeout_s)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]  # type: ignore[no-any-return]
@@ -33,8 +40,9 @@ def _reload(server: str, weights: Path) -> None:
     with httpx.Client(base_url=server, timeout=120) as client:
         client.post("/pause", params={"mode": "wait"}).raise_for_status()
         try:
-            response = client.post("/collective_rpc", json={"method": "reload_weights",
-                                                            "kwargs": {"weights_path": str(weights)}})
+            response = client.post(
+                "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}
+            )
             assert response.status_code == 200, response.text
         finally:
             client.post("/resume").raise_for_status()
@@ -84,7 +92,11 @@ def test_reload_weights_changes_greedy_output_and_restores(vllm_service: Setting
 @pytest.mark.unit
 @pytest.mark.parametrize(
     ("status", "body", "expected"),
-    [(200, {"weight_version": "v3"}, 3), (200, {"weight_version": "default"}, None), (200, {"weight_version": None}, None)],
+    [
+        (200, {"weight_version": "v3"}, 3),
+        (200, {"weight_version": "default"}, None),
+        (200, {"weight_version": None}, None),
+    ],
 )
 def test_weight_info_is_read_as_an_int(status: int, body: dict, expected: int | None) -> None:  # type: ignore[type-arg]
     assert parse_weight_info("http://s", httpx.Response(status, json=body)) == expected
@@ -93,8 +105,11 @@ def test_weight_info_is_read_as_an_int(status: int, body: dict, expected: int | 
 @pytest.mark.unit
 @pytest.mark.parametrize(
     ("status", "body", "message"),
-    [(404, {"detail": "Not Found"}, "VLLM_SERVER_DEV_MODE=1"), (200, {"weight_version": "main"}, "not an rtrl policy version"),
-     (200, [1, 2], "answered")],
+    [
+        (404, {"detail": "Not Found"}, "VLLM_SERVER_DEV_MODE=1"),
+        (200, {"weight_version": "main"}, "not an rtrl policy version"),
+        (200, [1, 2], "answered"),
+    ],
 )
 def test_weight_info_that_names_no_rtrl_version(status: int, body: object, message: str) -> None:
     with pytest.raises(VersionUnknown, match=message):

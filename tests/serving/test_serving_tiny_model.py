@@ -89,7 +89,9 @@ def test_client_prompt_logprobs_are_the_servers(server: str, tiny: Path) -> None
 
     ids = AutoTokenizer.from_pretrained(tiny)("Q: What is 3 plus 4?\nA: It is 7!")["input_ids"]
     body = {"model": "rtrl-tiny", "prompt": ids, "max_tokens": 1, "prompt_logprobs": 1, "temperature": 0.0}
-    entries = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]["prompt_logprobs"]
+    entries = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0][
+        "prompt_logprobs"
+    ]
     with VllmClient(server, model="rtrl-tiny") as client:
         expected = [e[str(t)]["logprob"] for t, e in zip(ids[1:], entries[1:], strict=True)]
         assert client.prompt_logprobs(ids) == pytest.approx(expected, abs=1e-6)

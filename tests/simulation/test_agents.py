@@ -137,7 +137,9 @@ def test_summaries_start_past_the_trigger_and_work_continues_from_the_summary() 
 def test_episode_ids_and_call_seeds() -> None:
     assert episode_id("self-edit", 1001, 7) == "self-edit-1001-7"
     assert episode_id("parl", 2, 0, run="abc") == "parl-abc-2-0"
-    seeds = {call_seed(seed, index, segment) for seed in range(3) for index in range(50) for segment in range(8)}
+    seeds = {
+        call_seed(seed, index, segment) for seed in range(3) for index in range(50) for segment in range(8)
+    }
     assert len(seeds) == 3 * 50 * 8
 
 
@@ -150,8 +152,9 @@ def test_the_demo_sets_the_scenarios_spec_and_a_judge_for_self_edit() -> None:
     assert _scenario_labeler(settings, "summarize") == {"reward_spec": "tab-v1"}
     self_edit = _scenario_labeler(settings, "self-edit")
     assert self_edit["reward_spec"] == "judged-v1"
-    assert self_edit["judge"] == JudgeSettings(url=f"{settings.vllm.servers[0]}/v1",
-                                               model=settings.vllm.served_model_name)  # fmt: skip
+    assert self_edit["judge"] == JudgeSettings(
+        url=f"{settings.vllm.servers[0]}/v1", model=settings.vllm.served_model_name
+    )
     configured = JudgeSettings(url="http://judge:8000/v1", model="big")
     mine = settings.model_copy(update={"labeler": settings.labeler.model_copy(update={"judge": configured})})
     assert _scenario_labeler(mine, "self-edit") == {"reward_spec": "judged-v1"}  # the configured judge stays

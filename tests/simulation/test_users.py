@@ -21,7 +21,9 @@ N = 6
 def test_rtrl_simulate_sends_interactions_and_feedback(services: Settings, tmp_path: Path) -> None:
     (port,) = free_ports(1)
     settings = services.model_copy(
-        update={"gateway": services.gateway.model_copy(update={"port": port, "spool_dir": tmp_path / "spool"})}
+        update={
+            "gateway": services.gateway.model_copy(update={"port": port, "spool_dir": tmp_path / "spool"})
+        }
     )
     interactions = TopicReader(settings.kafka, settings.kafka.interactions_topic)
     feedback = TopicReader(settings.kafka, settings.kafka.feedback_topic)
@@ -29,16 +31,32 @@ def test_rtrl_simulate_sends_interactions_and_feedback(services: Settings, tmp_p
     report_path = tmp_path / "report.json"
     with gateway_process(settings, tmp_path / "gateway.log") as gateway:
         result = run_rtrl(
-            settings, "simulate", "--requests", str(N), "--concurrency", "3", "--task", "exclaim",
-            "--preference", "evals.tasks:exclaim_preference", "--gateway", gateway, "--seed", "11",
-            "--json", str(report_path), timeout_s=300,
-        )  # fmt: skip
+            settings,
+            "simulate",
+            "--requests",
+            str(N),
+            "--concurrency",
+            "3",
+            "--task",
+            "exclaim",
+            "--preference",
+            "evals.tasks:exclaim_preference",
+            "--gateway",
+            gateway,
+            "--seed",
+            "11",
+            "--json",
+            str(report_path),
+            timeout_s=300,
+        )
         assert result.returncode == 0, result.stdout + result.stderr
         assert "acceptance" in result.stdout
 
     report = json.loads(report_path.read_text())
     assert (report["requests"], report["ok"], report["failed"]) == (N, N, 0)
-    assert report["feedback_sent"] >= N and report["feedback_failed"] == 0  # the exclaim user always says something
+    assert (
+        report["feedback_sent"] >= N and report["feedback_failed"] == 0
+    )  # the exclaim user always says something
     assert sum(report["per_version"].values()) == N
     assert 0.0 <= report["acceptance_rate"] <= 1.0
     assert report["acceptance_rate"] == pytest.approx(report["accepted"] / N)
@@ -51,7 +69,10 @@ def test_rtrl_simulate_sends_interactions_and_feedback(services: Settings, tmp_p
     assert len(events) == N
     assert {e.policy_version for e in events} == set(report["per_version"])
     assert all(e.session_id and e.session_id.startswith("sim-user-") for e in events)
-    sent = [parse_event(r.value, FeedbackEvent) for r in feedback.wait_for(simulated, count=report["feedback_sent"])]
+    sent = [
+        parse_event(r.value, FeedbackEvent)
+        for r in feedback.wait_for(simulated, count=report["feedback_sent"])
+    ]
     feedback.close()
     assert len(sent) == report["feedback_sent"]
     assert {f.request_id for f in sent} == {e.request_id for e in events}
@@ -68,14 +89,25 @@ def test_sparse_and_flipped_feedback_is_seeded_and_keeps_what_users_think() -> N
     from simulation.users import _what_the_user_says
 
     accept = [FeedbackSignal(kind=FeedbackKind.accepted)]
-    reject = [FeedbackSignal(kind=FeedbackKind.rejected), FeedbackSignal(kind=FeedbackKind.followup_dissatisfied)]
-    assert _what_the_user_says(accept, True, random.Random(0), 1.0, 0.0) == accept  # the default: everyone, honestly
+    reject = [
+        FeedbackSignal(kind=FeedbackKind.rejected),
+        FeedbackSignal(kind=FeedbackKind.followup_dissatisfied),
+    ]
+    assert (
+        _what_the_user_says(accept, True, random.Random(0), 1.0, 0.0) == accept
+    )  # the default: everyone, honestly
     said = [_what_the_user_says(accept, True, random.Random(i), 0.3, 0.1) for i in range(4000)]
     silent = sum(s == [] for s in said) / len(said)
-    flipped = sum(s == [FeedbackSignal(kind=FeedbackKind.rejected)] for s in said) / sum(s != [] for s in said)
+    flipped = sum(s == [FeedbackSignal(kind=FeedbackKind.rejected)] for s in said) / sum(
+        s != [] for s in said
+    )
     assert 0.67 < silent < 0.73 and 0.07 < flipped < 0.13
-    assert [_what_the_user_says(accept, True, random.Random(i), 0.3, 0.1) for i in range(50)] == said[:50]  # seeded
-    assert _what_the_user_says(reject, False, random.Random(1), 1.0, 1.0) == accept  # a rejection flipped: accepted
+    assert [_what_the_user_says(accept, True, random.Random(i), 0.3, 0.1) for i in range(50)] == said[
+        :50
+    ]  # seeded
+    assert (
+        _what_the_user_says(reject, False, random.Random(1), 1.0, 1.0) == accept
+    )  # a rejection flipped: accepted
     assert _what_the_user_says([], False, random.Random(1), 1.0, 1.0) == []  # nothing to flip
 
 
@@ -110,4 +142,6 @@ def test_an_answer_that_is_no_completion_is_a_failed_request_not_the_end_of_the_
         server.shutdown()
         server.server_close()
     assert (report.requests, report.ok, report.failed, report.feedback_sent) == (3, 0, 3, 0)
-    assert all("not a completion (IndexError" in e and '"choices": []' in e for e in report.errors), report.errors
+    assert all("not a completion (IndexError" in e and '"choices": []' in e for e in report.errors), (
+        report.errors
+    )

@@ -24,8 +24,12 @@ from store.locks import lock_key, lock_path
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(params=[pytest.param("sqlite", marks=pytest.mark.unit),
-                        pytest.param("postgresql", marks=pytest.mark.integration)])  # fmt: skip
+@pytest.fixture(
+    params=[
+        pytest.param("sqlite", marks=pytest.mark.unit),
+        pytest.param("postgresql", marks=pytest.mark.integration),
+    ]
+)
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A store URL: an SQLite file in tmp_path, or a database of its own on the session's PostgreSQL."""
     if request.param == "sqlite":
@@ -61,14 +65,18 @@ def test_digests_round_trip_and_recording_again_replaces_them(any_store: Store) 
 # ---- locks ------------------------------------------------------------------------------------------
 
 
-def test_a_held_lock_fails_fast_naming_its_holder_and_is_free_after_the_block(any_store: Store, url: str) -> None:
+def test_a_held_lock_fails_fast_naming_its_holder_and_is_free_after_the_block(
+    any_store: Store, url: str
+) -> None:
     other = Store(url)  # another process's handle on the same store, as far as the lock can tell
     me = f"{socket.gethostname()}:{os.getpid()}"
     try:
         with any_store.exclusive("rollout", "promote v3") as holder:
             assert (holder.name, holder.holder, holder.purpose) == ("rollout", me, "promote v3")
             started = time.monotonic()
-            with pytest.raises(LockBusy, match=re.escape(f"the rollout lock is held by {me} (promote v3) since ")) as busy:
+            with pytest.raises(
+                LockBusy, match=re.escape(f"the rollout lock is held by {me} (promote v3) since ")
+            ) as busy:
                 with other.exclusive("rollout", "align"):
                     pytest.fail("two holders of one lock")
             assert time.monotonic() - started < 5  # fails fast: never waits for the holder
@@ -78,7 +86,9 @@ def test_a_held_lock_fails_fast_naming_its_holder_and_is_free_after_the_block(an
                     pass
             with other.exclusive("staging", "gate v3"):  # another name: no wait, no conflict
                 assert {(h.name, h.purpose, h.held) for h in any_store.lock_holders()} == {
-                    ("rollout", "promote v3", True), ("staging", "gate v3", True)}  # fmt: skip
+                    ("rollout", "promote v3", True),
+                    ("staging", "gate v3", True),
+                }
         assert any_store.lock_holders() == []  # each holder removed its row before it released
         with other.exclusive("rollout", "align"):  # released after the block
             pass
@@ -125,12 +135,18 @@ def test_a_lock_whose_holder_process_is_sigkilled_is_released(any_store: Store, 
         if child.poll() is None:
             child.kill()
             child.wait()
-    deadline = time.monotonic() + 30  # PostgreSQL ends the dead client's session when it sees the socket close
+    deadline = (
+        time.monotonic() + 30
+    )  # PostgreSQL ends the dead client's session when it sees the socket close
     while True:
         try:
             with any_store.exclusive("rollout", "after the kill") as holder:
                 (row,) = any_store.lock_holders()
-                assert (row.holder, row.purpose, row.held) == (holder.holder, "after the kill", True)  # overwritten
+                assert (row.holder, row.purpose, row.held) == (
+                    holder.holder,
+                    "after the kill",
+                    True,
+                )  # overwritten
             break
         except LockBusy:
             assert time.monotonic() < deadline, "the lock of a SIGKILLed holder was never released"
@@ -188,5 +204,10 @@ def test_advisory_lock_keys_are_fixed() -> None:
 def test_lock_busy_pickles_with_its_holder() -> None:
     error = pickle.loads(pickle.dumps(LockBusy("rollout", "node-a:41 (promote v3) since then")))
     assert (error.name, error.holder, str(error)) == (
-        "rollout", "node-a:41 (promote v3) since then", "the rollout lock is held by node-a:41 (promote v3) since then")
-    assert str(LockBusy("staging", None)) == "the staging lock is held (its holder has not recorded itself yet)"
+        "rollout",
+        "node-a:41 (promote v3) since then",
+        "the rollout lock is held by node-a:41 (promote v3) since then",
+    )
+    assert (
+        str(LockBusy("staging", None)) == "the staging lock is held (its holder has not recorded itself yet)"
+    )

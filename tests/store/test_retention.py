@@ -39,7 +39,9 @@ def fill(store: Store, clock: FakeClock) -> None:
     for name in ("old", "old-2", "old-3", "trained", "held"):
         settled(feeder, name, OLD)
     settled(feeder, "recent", RECENT)
-    feeder.send(interaction("open", created_at=at(OLD)), now=at(OLD))  # never settles: no feedback, no window pass
+    feeder.send(
+        interaction("open", created_at=at(OLD)), now=at(OLD)
+    )  # never settles: no feedback, no window pass
     # Late feedback on a settled episode: joined (late), goes with its episode.
     feeder.send(feedback("r-old-0", "thumbs_down", created_at=at(DAY)), now=at(DAY))
     # Feedback for requests the labeler never saw: unjoined (orphaned).
@@ -102,7 +104,12 @@ def test_an_episode_goes_once_its_active_cycle_has_failed(store: Store, clock: F
     (cycle,) = store.recent_cycles(1)
     assert cycle.status == "running"
     store.finish_cycle(cycle.id, "failed")  # releases "held": unclaimed, settled, old
-    assert prune(store, CUTOFF, None).deleted == {"episodes": 1, "interactions": 1, "feedback": 1, "dead_letters": 0}
+    assert prune(store, CUTOFF, None).deleted == {
+        "episodes": 1,
+        "interactions": 1,
+        "feedback": 1,
+        "dead_letters": 0,
+    }
     assert remaining(store)["episodes"] == {"recent", "open"}
 
 
@@ -115,7 +122,10 @@ def test_rows_kafka_still_holds_stay_so_reconcile_counts_do_not_move(store: Stor
 
     def reconcile_counts(floor: dict[tuple[str, int], int]) -> dict[str, tuple[int, int]]:
         # What `rtrl labeler reconcile` compares with end - beginning, per partition.
-        return {t: store.source_counts(t, 0, floor[(t, 0)], feeder.offsets[t]) for t in ("interactions", "feedback")}
+        return {
+            t: store.source_counts(t, 0, floor[(t, 0)], feeder.offsets[t])
+            for t in ("interactions", "feedback")
+        }
 
     # Kafka's retention has deleted interactions 0-1 and feedback 0-1: b's records are gone, a's
     # late feedback and the dead letter's record are still there.
@@ -134,7 +144,12 @@ def test_rows_kafka_still_holds_stay_so_reconcile_counts_do_not_move(store: Stor
     report = prune(store, CUTOFF, floor)
     assert report.deleted == {"episodes": 1, "interactions": 1, "feedback": 2, "dead_letters": 1}
     assert report.held == dict.fromkeys(report.held, 0)
-    assert remaining(store) == {"episodes": set(), "interactions": set(), "feedback": set(), "dead_letters": set()}
+    assert remaining(store) == {
+        "episodes": set(),
+        "interactions": set(),
+        "feedback": set(),
+        "dead_letters": set(),
+    }
 
 
 # ---- the command ----------------------------------------------------------------------------------
@@ -142,17 +157,25 @@ def test_rows_kafka_still_holds_stay_so_reconcile_counts_do_not_move(store: Stor
 
 def rtrl(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
     """``rtrl ARGS`` as `run_rtrl` (tests/helpers.py) runs it, with stdin that is not a terminal."""
-    return subprocess.run(rtrl_command(*args), cwd=REPO, env=child_env(settings), stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        rtrl_command(*args),
+        cwd=REPO,
+        env=child_env(settings),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def cli_settings(tmp_path: Path) -> Settings:
     """A SQLite store in tmp_path and a Kafka address where nothing answers (--without-kafka runs)."""
     (closed,) = free_ports(1)
     return Settings(
-        store=StoreSettings(url=f"sqlite:///{tmp_path}/rtrl.db"), services=ServicesSettings(run_dir=tmp_path / "run"),
+        store=StoreSettings(url=f"sqlite:///{tmp_path}/rtrl.db"),
+        services=ServicesSettings(run_dir=tmp_path / "run"),
         kafka=KafkaSettings(bootstrap_servers=f"127.0.0.1:{closed}"),
-    )  # fmt: skip
+    )
 
 
 def test_the_command_refuses_without_yes_when_stdin_is_not_a_terminal(tmp_path: Path) -> None:
@@ -165,7 +188,9 @@ def test_the_command_refuses_without_yes_when_stdin_is_not_a_terminal(tmp_path: 
     assert not (tmp_path / "rtrl.db").exists()  # refused before touching anything
 
     too_recent = rtrl(settings, "store", "prune", "--older-than", "0.5", "--yes")
-    assert too_recent.returncode == 1 and "--older-than 0.5 is too recent: at least 1 days" in too_recent.stderr
+    assert (
+        too_recent.returncode == 1 and "--older-than 0.5 is too recent: at least 1 days" in too_recent.stderr
+    )
 
 
 def test_the_command_counts_then_deletes(tmp_path: Path) -> None:
@@ -180,11 +205,18 @@ def test_the_command_counts_then_deletes(tmp_path: Path) -> None:
 
     dry = rtrl(settings, "store", "prune", "--older-than", "30", "--dry-run", "--without-kafka")
     assert dry.returncode == 0, dry.stderr
-    assert "episodes      1 would be deleted" in dry.stdout and "feedback      1 would be deleted" in dry.stdout
+    assert (
+        "episodes      1 would be deleted" in dry.stdout and "feedback      1 would be deleted" in dry.stdout
+    )
     assert "reports NOT balanced" in dry.stderr
     done = rtrl(settings, "store", "prune", "--older-than", "30", "--yes", "--without-kafka")
     assert done.returncode == 0, done.stderr
     assert "episodes      1 deleted" in done.stdout and "interactions  1 deleted" in done.stdout
     stats = store.stats()
-    assert (stats["episodes_settled"], stats["episodes_open"], stats["interactions"], stats["feedback"]) == (0, 1, 1, 0)
+    assert (stats["episodes_settled"], stats["episodes_open"], stats["interactions"], stats["feedback"]) == (
+        0,
+        1,
+        1,
+        0,
+    )
     store.close()

@@ -27,8 +27,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def rtrl(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(rtrl_command(*args), cwd=REPO, env=child_env(settings), stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    return subprocess.run(
+        rtrl_command(*args),
+        cwd=REPO,
+        env=child_env(settings),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def test_prune_keeps_what_kafka_still_holds(kafka_service: Settings, tmp_path: Path) -> None:
@@ -47,7 +54,9 @@ def test_prune_keeps_what_kafka_still_holds(kafka_service: Settings, tmp_path: P
         producer.close()
     admin = streams.admin(kafka, "rtrl-tests")
     try:
-        admin.delete_records({TopicPartition(kafka.interactions_topic, 0): 1})  # Kafka's retention took offset 0
+        admin.delete_records(
+            {TopicPartition(kafka.interactions_topic, 0): 1}
+        )  # Kafka's retention took offset 0
     finally:
         admin.close()
 
@@ -75,7 +84,9 @@ def test_prune_keeps_what_kafka_still_holds(kafka_service: Settings, tmp_path: P
         assert list(session.scalars(select(Episode.episode_id))) == ["kept"]
     store.close()
 
-    missing = settings.model_copy(update={"kafka": kafka.model_copy(update={"interactions_topic": "no-such-topic"})})
+    missing = settings.model_copy(
+        update={"kafka": kafka.model_copy(update={"interactions_topic": "no-such-topic"})}
+    )
     refused = rtrl(missing, "store", "prune", "--older-than", "30", "--yes")
     assert refused.returncode == 1 and "has no topic 'no-such-topic'" in refused.stderr
     assert "Traceback" not in refused.stderr

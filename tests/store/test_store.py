@@ -130,7 +130,9 @@ def test_any_text_a_tokenizer_can_produce_is_stored_and_its_token_ids_are_exact(
         "sampling": {"stop": ["\x00", "\udc00", "\x1b"]},
     }
     raw = json.dumps(sent).encode()  # as Python's json writes it: NUL as \u0000, surrogates as \udXXX
-    written, _ = feeder.send(raw, interaction(episode="e2", prompt="\x00", completion="\ud800").model_dump_json().encode())
+    written, _ = feeder.send(
+        raw, interaction(episode="e2", prompt="\x00", completion="\ud800").model_dump_json().encode()
+    )
     assert (written.rejected, len(written.interactions)) == ([], 2)
     with store.transaction() as session:
         row = session.get(Interaction, "i-e1-0")
@@ -162,7 +164,12 @@ def test_one_active_cycle_at_a_time(store: Store) -> None:
     assert second == first + 1
     cycle = store.get_cycle(first)
     assert cycle is not None
-    assert (cycle.status, cycle.champion, cycle.challenger, cycle.metrics) == ("promoted", 1, 2, {"reward": 0.5})
+    assert (cycle.status, cycle.champion, cycle.challenger, cycle.metrics) == (
+        "promoted",
+        1,
+        2,
+        {"reward": 0.5},
+    )
     assert [c.id for c in store.recent_cycles(10)] == [second, first]
     with store.transaction() as session:  # "vN" in the table, int in the API
         assert session.scalar(select(Cycle.challenger_version).where(Cycle.id == first)) == "v2"
@@ -294,11 +301,18 @@ def test_policy_lag_counts_versions_that_served_not_registry_numbers(store: Stor
     assert store.served_versions()[0] == 1
 
 
-def test_every_episode_becomes_trainable_by_the_same_rule_whatever_its_outcome(store: Store, clock: FakeClock) -> None:
+def test_every_episode_becomes_trainable_by_the_same_rule_whatever_its_outcome(
+    store: Store, clock: FakeClock
+) -> None:
     """A rejection settles an episode at once, an acceptance when the window passes; the trainer's
     rule (the window after the last event) makes both trainable at the same moment."""
     feeder = Feeder(store)
-    feeder.send(interaction("rej"), interaction("acc"), feedback("r-rej-0", "rejected"), feedback("r-acc-0", "accepted"))
+    feeder.send(
+        interaction("rej"),
+        interaction("acc"),
+        feedback("r-rej-0", "rejected"),
+        feedback("r-acc-0", "accepted"),
+    )
     assert store.count_trainable(1, 0) == 1  # on settlement alone the rejection is ahead
     assert store.count_trainable(1, 0, settle_window_s=30) == 0
     clock.advance(31)
@@ -331,7 +345,9 @@ def test_the_gates_held_out_slice_is_never_trained_on(store: Store) -> None:
     assert store.count_trainable(1, 0, holdout_percent=30) == 40 - len(held)
     assert {e.episode_id for e in store.select_episodes(1, 0, 100, holdout_percent=30)} == set(ids) - held
     heldout = store.select_heldout(100, spec_id="tab-v1@2", holdout_percent=30)
-    assert {e.episode_id for e in heldout} == held and store.count_heldout(spec_id="tab-v1@2", holdout_percent=30) == len(held)
+    assert {e.episode_id for e in heldout} == held and store.count_heldout(
+        spec_id="tab-v1@2", holdout_percent=30
+    ) == len(held)
     assert all(e.segments and not e.no_feedback for e in heldout)
     assert store.select_heldout(100, spec_id="other@1", holdout_percent=30) == []
     assert store.select_heldout(100, spec_id="tab-v1@2", holdout_percent=0) == []

@@ -43,9 +43,13 @@ def test_an_unfinished_answer_is_labelled_negative_never_dropped_or_neutral(stor
     """Cursor's second reward hack: a response the loop cannot score (here cut off by max_tokens)
     must not pay better than answering and being rejected (-0.25), with or without feedback."""
     feeder = Feeder(store)
-    feeder.send(interaction("cut", finish_reason="length"), interaction("done", finish_reason="stop"),
-                interaction("cut-rejected", finish_reason="length"), feedback("r-cut-rejected-0", "rejected"),
-                now=at(0))  # fmt: skip
+    feeder.send(
+        interaction("cut", finish_reason="length"),
+        interaction("done", finish_reason="stop"),
+        interaction("cut-rejected", finish_reason="length"),
+        feedback("r-cut-rejected-0", "rejected"),
+        now=at(0),
+    )
     assert feeder.settle_window(at(31)) == 2
     cut, done, rejected = (episode(store, e) for e in ("cut", "done", "cut-rejected"))
     assert cut.reward == -0.5 and cut.reward_components == {"no_feedback": 0.0, "unfinished": -0.5}
@@ -147,7 +151,9 @@ def test_feedback_and_its_interaction_in_one_batch(store: Store) -> None:
 # ---- episodes of several segments: when they end -----------------------------------------------------
 
 
-def test_terminal_feedback_about_one_request_joins_a_multi_segment_episode_without_ending_it(store: Store) -> None:
+def test_terminal_feedback_about_one_request_joins_a_multi_segment_episode_without_ending_it(
+    store: Store,
+) -> None:
     feeder = Feeder(store)
     feeder.send(interaction("agent", 0), interaction("agent", 1), now=at(0))
     _, report = feeder.send(feedback("r-agent-0", "rejected"), now=at(1))  # about the first call only
@@ -158,7 +164,11 @@ def test_terminal_feedback_about_one_request_joins_a_multi_segment_episode_witho
     assert (report.joined, report.settled_terminal) == (1, 1)
     assert [(s.reward, s.reason) for s in report.settled] == [(-0.25, "terminal_feedback")]
     settled = episode(store, "agent")
-    assert (settled.status, settled.settle_reason, settled.settled_at) == ("settled", "terminal_feedback", at(2))
+    assert (settled.status, settled.settle_reason, settled.settled_at) == (
+        "settled",
+        "terminal_feedback",
+        at(2),
+    )
     assert settled.reward_components == {"rejected": -0.25}  # episode_end carries no reward
 
 
@@ -171,8 +181,10 @@ def test_terminal_feedback_naming_the_episode_ends_it(store: Store) -> None:
     assert report.settled_terminal == 1
     settled = episode(store, "agent")
     assert (settled.status, settled.reward, settled.reward_components) == (
-        "settled", 1.25, {"accepted": 0.75, "task_outcome": 0.5},
-    )  # fmt: skip
+        "settled",
+        1.25,
+        {"accepted": 0.75, "task_outcome": 0.5},
+    )
 
 
 def test_episode_end_naming_the_episode_ends_it_without_any_of_its_requests(store: Store) -> None:
@@ -201,23 +213,43 @@ def test_settled_episodes_carry_their_measurements(store: Store) -> None:
     feeder.send(
         interaction("one"),
         interaction("chain", 0),  # "def f(" + "x):": 5 tokens
-        interaction("chain", 1, role="summary", prompt="def f(x): summarize", completion=" f takes x",
-                    prompt_token_ids=[1, 2, 3, 4, 5, 6], completion_token_ids=[7, 8],
-                    completion_logprobs=[-0.1, -0.2]),  # continues it: 8 tokens, 29 characters
-        interaction("chain", 2, prompt="f takes x. Go on", prompt_token_ids=[7, 8, 9],
-                    finish_reason="length"),  # the summary replaces all 29 characters
+        interaction(
+            "chain",
+            1,
+            role="summary",
+            prompt="def f(x): summarize",
+            completion=" f takes x",
+            prompt_token_ids=[1, 2, 3, 4, 5, 6],
+            completion_token_ids=[7, 8],
+            completion_logprobs=[-0.1, -0.2],
+        ),  # continues it: 8 tokens, 29 characters
+        interaction(
+            "chain", 2, prompt="f takes x. Go on", prompt_token_ids=[7, 8, 9], finish_reason="length"
+        ),  # the summary replaces all 29 characters
         now=at(0),
-    )  # fmt: skip
+    )
     assert feeder.settle_window(at(31)) == 2
     assert episode(store, "one").metrics == {
-        "segments": 1, "trainable_segments": 1, "summaries": 0, "max_context_tokens": 5, "completion_tokens": 2,
-        "context_edits": 0, "rewritten_chars": 0, "unfinished": 0,
-    }  # fmt: skip
+        "segments": 1,
+        "trainable_segments": 1,
+        "summaries": 0,
+        "max_context_tokens": 5,
+        "completion_tokens": 2,
+        "context_edits": 0,
+        "rewritten_chars": 0,
+        "unfinished": 0,
+    }
     chain = episode(store, "chain")
     assert chain.metrics == {
-        "segments": 3, "trainable_segments": 3, "summaries": 1, "max_context_tokens": 8, "completion_tokens": 6,
-        "context_edits": 1, "rewritten_chars": 29, "unfinished": 1,
-    }  # fmt: skip
+        "segments": 3,
+        "trainable_segments": 3,
+        "summaries": 1,
+        "max_context_tokens": 8,
+        "completion_tokens": 6,
+        "context_edits": 1,
+        "rewritten_chars": 29,
+        "unfinished": 1,
+    }
     assert chain.reward_components == {"no_feedback": 0.0, "unfinished": -0.5}
     # The trainer reads them with the episode.
     selected = {e.episode_id: e for e in store.select_episodes(1, 0, 10)}
@@ -233,13 +265,34 @@ def parl_episode(episode_id: str) -> list[InteractionEvent]:
     answers: 2 stages, 3 critical steps, A's result used."""
     return [
         interaction(episode_id, 0, role="orchestrator", prompt="Q:", completion=" plan"),
-        interaction(episode_id, 1, role="subagent", agent="A", trainable=False, finish_reason="stop",
-                    prompt="a:", completion=" forty two"),
-        interaction(episode_id, 2, role="subagent", agent="B", trainable=False, finish_reason="length",
-                    prompt="b:", completion=" seven"),
-        interaction(episode_id, 3, role="orchestrator", prompt="Q: plan\nNotes: forty two seven\nQ:",
-                    finish_reason="stop"),
-    ]  # fmt: skip
+        interaction(
+            episode_id,
+            1,
+            role="subagent",
+            agent="A",
+            trainable=False,
+            finish_reason="stop",
+            prompt="a:",
+            completion=" forty two",
+        ),
+        interaction(
+            episode_id,
+            2,
+            role="subagent",
+            agent="B",
+            trainable=False,
+            finish_reason="length",
+            prompt="b:",
+            completion=" seven",
+        ),
+        interaction(
+            episode_id,
+            3,
+            role="orchestrator",
+            prompt="Q: plan\nNotes: forty two seven\nQ:",
+            finish_reason="stop",
+        ),
+    ]
 
 
 def train_on(store: Store, episode_ids: list[str], *statuses: str) -> int:
@@ -255,19 +308,41 @@ def train_on(store: Store, episode_ids: list[str], *statuses: str) -> int:
 def test_parl_episodes_get_the_shaping_of_the_cycles_trained_so_far(store: Store) -> None:
     feeder = Feeder(store, spec=PARL_V1)
     feeder.send(*parl_episode("p0"), interaction("plain"), now=at(0))
-    feeder.send(feedback("r-p0-3", "task_outcome", episode_id="p0"), feedback("r-plain-0", "rejected"), now=at(1))
+    feeder.send(
+        feedback("r-p0-3", "task_outcome", episode_id="p0"), feedback("r-plain-0", "rejected"), now=at(1)
+    )
     p0 = episode(store, "p0")
     # cycle 0: λ = 0.2; r_parallel = 2/4, r_finish = 1/2 (A used; B's last call hit max_tokens).
     assert p0.reward_components == {"task_outcome": 1.0, "parl_parallel": 0.1, "parl_finish": 0.1}
     assert p0.reward == pytest.approx(1.2) and p0.reward_spec == PARL_V1.spec_id
-    assert {k: p0.metrics[k] for k in ("stages", "critical_steps", "subagents", "subagents_finished",
-                                       "subagents_used", "subagent_calls_off_pin", "cycle", "lambda_parallel",
-                                       "lambda_finish", "unfinished", "context_edits")} == {
+    assert {
+        k: p0.metrics[k]
+        for k in (
+            "stages",
+            "critical_steps",
+            "subagents",
+            "subagents_finished",
+            "subagents_used",
+            "subagent_calls_off_pin",
+            "cycle",
+            "lambda_parallel",
+            "lambda_finish",
+            "unfinished",
+            "context_edits",
+        )
+    } == {
         "context_edits": 0,  # the orchestrator continues its context; each sub-agent has its own
-        "stages": 2, "critical_steps": 3, "subagents": 2, "subagents_finished": 1, "subagents_used": 1,
-        "subagent_calls_off_pin": 0, "cycle": 0, "lambda_parallel": 0.2, "lambda_finish": 0.2,
+        "stages": 2,
+        "critical_steps": 3,
+        "subagents": 2,
+        "subagents_finished": 1,
+        "subagents_used": 1,
+        "subagent_calls_off_pin": 0,
+        "cycle": 0,
+        "lambda_parallel": 0.2,
+        "lambda_finish": 0.2,
         "unfinished": 0,  # B is not trainable: not unfinished
-    }  # fmt: skip
+    }
     plain = episode(store, "plain")  # not a PARL episode: no shaping, no schedule
     assert plain.reward_components == {"rejected": -0.25}
     assert not {"cycle", "lambda_parallel", "stages"} & set(plain.metrics)
@@ -276,7 +351,9 @@ def test_parl_episodes_get_the_shaping_of_the_cycles_trained_so_far(store: Store
     # a failed one does not.
     for n in range(1, 5):
         feeder.send(*parl_episode(f"q{n}"), feedback(f"r-q{n}-3", "episode_end"), now=at(1))
-    for n, final in enumerate((("rejected",), ("registered", "promoted"), ("failed",), ("registered",)), start=1):
+    for n, final in enumerate(
+        (("rejected",), ("registered", "promoted"), ("failed",), ("registered",)), start=1
+    ):
         train_on(store, [f"q{n}"], *final)
     assert store.trained_cycles(PARL_V1.spec_id) == 3
 
@@ -285,10 +362,15 @@ def test_parl_episodes_get_the_shaping_of_the_cycles_trained_so_far(store: Store
     p3 = episode(store, "p3")
     # cycle 3 of 10: λ = 0.2 · 0.7 = 0.14; 0.14 · 1/2 each.
     assert (p3.metrics["cycle"], p3.metrics["lambda_parallel"], p3.metrics["lambda_finish"]) == (
-        3, pytest.approx(0.14), pytest.approx(0.14),
-    )  # fmt: skip
-    assert p3.reward_components == {"no_feedback": 0.0, "parl_parallel": pytest.approx(0.07),
-                                    "parl_finish": pytest.approx(0.07)}  # fmt: skip
+        3,
+        pytest.approx(0.14),
+        pytest.approx(0.14),
+    )
+    assert p3.reward_components == {
+        "no_feedback": 0.0,
+        "parl_parallel": pytest.approx(0.07),
+        "parl_finish": pytest.approx(0.07),
+    }
     assert p3.reward == pytest.approx(0.14)
 
 
@@ -298,18 +380,31 @@ def test_finishing_pays_only_for_subagents_whose_result_the_orchestrator_used(st
     feeder = Feeder(store, spec=PARL_V1)
     feeder.send(
         interaction("t", 0, role="orchestrator", prompt="Q:", completion=" plan"),
-        *(interaction("t", i, role="subagent", agent=f"S{i}", trainable=False, finish_reason="stop",
-                      prompt=f"s{i}:", completion=" ok")
-          for i in range(1, 5)),
+        *(
+            interaction(
+                "t",
+                i,
+                role="subagent",
+                agent=f"S{i}",
+                trainable=False,
+                finish_reason="stop",
+                prompt=f"s{i}:",
+                completion=" ok",
+            )
+            for i in range(1, 5)
+        ),
         interaction("t", 5, role="orchestrator", prompt="Q: plan\nQ:", completion=" done"),
         feedback("r-t-5", "task_outcome", value=0.0, episode_id="t"),
         now=at(0),
-    )  # fmt: skip
+    )
     trivial = episode(store, "t")
     # λ = 0.2: r_parallel = 4/4, r_finish = 0/4.
     assert trivial.reward_components == {"task_outcome": 0.0, "parl_parallel": 0.2, "parl_finish": 0.0}
-    assert (trivial.metrics["subagents"], trivial.metrics["subagents_finished"], trivial.metrics["subagents_used"]) \
-        == (4, 4, 0)  # fmt: skip
+    assert (
+        trivial.metrics["subagents"],
+        trivial.metrics["subagents_finished"],
+        trivial.metrics["subagents_used"],
+    ) == (4, 4, 0)
 
 
 def test_the_parl_schedule_counts_the_cycles_trained_under_its_own_spec(store: Store) -> None:
@@ -347,17 +442,34 @@ def test_the_migration_records_the_spec_of_the_cycles_trained_before_it(tmp_path
         for n in range(2):
             feeder.send(interaction(f"{prefix}{n}"), feedback(f"r-{prefix}{n}-0", "rejected"), now=at(0))
     # Cycles 1 (rejected: t0), 2 (promoted: o0), 3 (rejected: t1 and o1, mixed), 4 (failed: released its episodes).
-    claims = {1: ("rejected", ["t0"]), 2: ("promoted", ["o0"]), 3: ("rejected", ["t1", "o1"]), 4: ("failed", [])}
+    claims = {
+        1: ("rejected", ["t0"]),
+        2: ("promoted", ["o0"]),
+        3: ("rejected", ["t1", "o1"]),
+        4: ("failed", []),
+    }
     with store.transaction() as session:
         for cycle_id, (status, episodes) in claims.items():
-            session.execute(Cycle.__table__.insert().values(  # type: ignore[attr-defined]
-                id=cycle_id, status=status, owner="w", lease_expires_at=at(0), champion_version="v1", started_at=at(0),
-            ))  # fmt: skip
-            session.execute(update(Episode).where(Episode.episode_id.in_(episodes)).values(used_in_cycle=cycle_id))
+            session.execute(
+                Cycle.__table__.insert().values(  # type: ignore[attr-defined]
+                    id=cycle_id,
+                    status=status,
+                    owner="w",
+                    lease_expires_at=at(0),
+                    champion_version="v1",
+                    started_at=at(0),
+                )
+            )
+            session.execute(
+                update(Episode).where(Episode.episode_id.in_(episodes)).values(used_in_cycle=cycle_id)
+            )
     store.migrate()
     assert {n: store.get_cycle(n).reward_spec for n in claims} == {  # type: ignore[union-attr]
-        1: "tab-v1@2", 2: "other@1", 3: None, 4: None,
-    }  # fmt: skip
+        1: "tab-v1@2",
+        2: "other@1",
+        3: None,
+        4: None,
+    }
     assert (store.trained_cycles("tab-v1@2"), store.trained_cycles("other@1")) == (1, 1)
     store.close()
 
@@ -373,7 +485,7 @@ def test_a_judged_episode_closes_waits_for_its_judge_and_settles_once(store: Sto
         interaction("j", 2, prompt="summary Continue", prompt_token_ids=[9], completion="done"),  # pruned
         interaction("one", completion="  x):\n"),
         now=at(0),
-    )  # fmt: skip
+    )
     feeder.send(feedback("r-j-0", "rejected"), now=at(1))  # joins; the episode goes on
     _, report = feeder.send(feedback("r-j-2", "episode_end"), now=at(2))
     assert (report.settled_terminal, report.settled) == (1, [])  # closed, not yet settled
@@ -385,7 +497,9 @@ def test_a_judged_episode_closes_waits_for_its_judge_and_settles_once(store: Sto
     assert store.count_trainable(1, 0) == 0
 
     # Closed means closed: what arrives now is late.
-    _, report = feeder.send(feedback("r-j-1", "thumbs_up"), interaction("j", 3, completion="after"), now=at(3))
+    _, report = feeder.send(
+        feedback("r-j-1", "thumbs_up"), interaction("j", 3, completion="after"), now=at(3)
+    )
     assert (report.late_feedback, report.late_segments, report.joined) == (1, 1, 0)
     assert feeder.settle_window(at(40)) == 0  # "one" closes for its judge too
     assert store.stats()["episodes_judging"] == 2
@@ -424,7 +538,9 @@ def test_a_judged_episode_closes_waits_for_its_judge_and_settles_once(store: Sto
     assert store.count_trainable(1, 0, spec_id="judged-v1@1") == 2
 
 
-def test_waiting_feedback_joins_its_tenants_episode_when_another_tenant_reuses_the_request(store: Store) -> None:
+def test_waiting_feedback_joins_its_tenants_episode_when_another_tenant_reuses_the_request(
+    store: Store,
+) -> None:
     """Feedback left waiting (its episode was gone when it came, as retention leaves it) is found
     again through a batch whose interaction of another tenant carries the same request id: it joins
     its own tenant's episode (looked up in the store), never the batch's."""

@@ -13,7 +13,9 @@ pytestmark = pytest.mark.unit
 
 
 def settled(feeder: Feeder, episode: str, tenant: str, **kw: object) -> None:
-    feeder.send(interaction(episode, tenant=tenant, **kw), feedback(f"r-{episode}-0", "thumbs_up", tenant=tenant))
+    feeder.send(
+        interaction(episode, tenant=tenant, **kw), feedback(f"r-{episode}-0", "thumbs_up", tenant=tenant)
+    )
 
 
 def test_keys_are_stored_hashed_listed_and_revoked(store: Store, clock: FakeClock) -> None:

@@ -91,9 +91,16 @@ def test_an_engine_is_made_again_once_every_store_of_it_closed(url: str) -> None
 
 
 def test_other_urls_timeouts_and_in_memory_stores_get_engines_of_their_own(url: str, tmp_path: Path) -> None:
-    with Store(url) as a, Store(url, busy_timeout_s=0.2) as quick, Store(f"sqlite:///{tmp_path}/other.db") as b:
+    with (
+        Store(url) as a,
+        Store(url, busy_timeout_s=0.2) as quick,
+        Store(f"sqlite:///{tmp_path}/other.db") as b,
+    ):
         assert len({id(a.engine), id(quick.engine), id(b.engine)}) == 3
-    with Store("sqlite://") as one, Store("sqlite://") as two:  # each in-memory store is a database of its own
+    with (
+        Store("sqlite://") as one,
+        Store("sqlite://") as two,
+    ):  # each in-memory store is a database of its own
         one.migrate()
         assert one.engine is not two.engine
         assert two.dialect == "sqlite"
@@ -128,17 +135,30 @@ def fill(store: Store) -> None:
     one dead letter on the second day."""
     feeder = Feeder(store)
     feeder.send(
-        interaction("a1"), interaction("a2"), feedback("r-a1-0", "accepted"), feedback("r-a2-0", "rejected"),
+        interaction("a1"),
+        interaction("a2"),
+        feedback("r-a1-0", "accepted"),
+        feedback("r-a2-0", "rejected"),
         interaction("b1", version="v2", trainable=False, untrainable_reason="penalty"),
         interaction("b1", 1, version="v2", role="subagent", trainable=False),
-    )  # fmt: skip
+    )
     feeder.settle_window(at(100))
     feeder.send(b"not json", now=at(86_400))
     c1 = store.acquire_cycle("w", 60, champion=1)
     assert c1 is not None
     store.finish_cycle(c1, "registered", challenger=2, metrics={"episodes": 2, "mean_reward": 0.25})
-    store.finish_cycle(c1, "promoted", metrics={"gate": "pass", "gate_reason": "ok", "challenger_score": 0.6,
-                                                "champion_score": 0.5, "swap_ms": 80, "data_to_deploy_s": 300})  # fmt: skip
+    store.finish_cycle(
+        c1,
+        "promoted",
+        metrics={
+            "gate": "pass",
+            "gate_reason": "ok",
+            "challenger_score": 0.6,
+            "champion_score": 0.5,
+            "swap_ms": 80,
+            "data_to_deploy_s": 300,
+        },
+    )
     c2 = store.acquire_cycle("w", 60, champion=2)
     assert c2 is not None
     store.finish_cycle(c2, "failed", error="OOM", metrics={"gate": 1, "challenger_score": "nan?"})
@@ -150,18 +170,37 @@ def test_report_versions_counts_the_traffic_of_each_version(store: Store) -> Non
     assert (v1.version, v1.episodes, v1.mean_reward, v1.positive, v1.no_feedback) == (1, 2, 0.25, 1, 0)
     assert (v1.judged, v1.accepted, v1.acceptance, v1.segments, v1.untrainable) == (2, 1, 0.5, 2, 0)
     assert (v2.version, v2.episodes, v2.mean_reward, v2.positive, v2.no_feedback) == (2, 1, 0.0, 0, 1)
-    assert (v2.judged, v2.acceptance, v2.segments, v2.untrainable, v2.untrainable_rate) == (0, None, 1, 1, 1.0)
+    assert (v2.judged, v2.acceptance, v2.segments, v2.untrainable, v2.untrainable_rate) == (
+        0,
+        None,
+        1,
+        1,
+        1.0,
+    )
     assert store.report_versions(since=at(3_600)) == []  # they settled before
 
 
 def test_report_cycles_reads_the_metrics_it_can_use(store: Store) -> None:
     fill(store)
     c1, c2 = store.report_cycles()
-    assert (c1.id, c1.status, c1.champion, c1.challenger, c1.episodes, c1.mean_reward) == (1, "promoted", 1, 2, 2, 0.25)
+    assert (c1.id, c1.status, c1.champion, c1.challenger, c1.episodes, c1.mean_reward) == (
+        1,
+        "promoted",
+        1,
+        2,
+        2,
+        0.25,
+    )
     assert (c1.gate, c1.gate_reason, c1.challenger_score, c1.champion_score) == ("pass", "ok", 0.6, 0.5)
     assert (c1.swap_ms, c1.data_to_deploy_s, c1.error) == (80.0, 300.0, None)
     # What is not a gate word or a finite number is left out, not passed on.
-    assert (c2.status, c2.challenger, c2.gate, c2.challenger_score, c2.error) == ("failed", None, None, None, "OOM")
+    assert (c2.status, c2.challenger, c2.gate, c2.challenger_score, c2.error) == (
+        "failed",
+        None,
+        None,
+        None,
+        "OOM",
+    )
     assert store.report_cycles(since=T0 + timedelta(seconds=1)) == []  # both started at T0
 
 

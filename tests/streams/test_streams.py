@@ -49,24 +49,39 @@ def _produce(kafka: KafkaSettings, topic: str, values: list[bytes]) -> None:
 @pytest.mark.unit
 def test_every_client_gets_the_connection_and_security_settings() -> None:
     plain = streams.connection_config(KafkaSettings(bootstrap_servers="a:9092, b:9092"))
-    assert plain == {"bootstrap_servers": ["a:9092", "b:9092"], "security_protocol": "PLAINTEXT",
-                     "reconnect_backoff_max_ms": 2000}  # fmt: skip
+    assert plain == {
+        "bootstrap_servers": ["a:9092", "b:9092"],
+        "security_protocol": "PLAINTEXT",
+        "reconnect_backoff_max_ms": 2000,
+    }
     secure = KafkaSettings(
-        bootstrap_servers="broker:9093", security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-256",
-        sasl_username="rtrl", sasl_password=SecretStr("pw"), ssl_cafile=Path("/ca.pem"),
-        ssl_certfile=Path("/client.pem"), ssl_keyfile=Path("/client.key"),
-    )  # fmt: skip
+        bootstrap_servers="broker:9093",
+        security_protocol="SASL_SSL",
+        sasl_mechanism="SCRAM-SHA-256",
+        sasl_username="rtrl",
+        sasl_password=SecretStr("pw"),
+        ssl_cafile=Path("/ca.pem"),
+        ssl_certfile=Path("/client.pem"),
+        ssl_keyfile=Path("/client.key"),
+    )
     assert streams.connection_config(secure) == {
-        "bootstrap_servers": ["broker:9093"], "security_protocol": "SASL_SSL", "reconnect_backoff_max_ms": 2000,
+        "bootstrap_servers": ["broker:9093"],
+        "security_protocol": "SASL_SSL",
+        "reconnect_backoff_max_ms": 2000,
         "sasl_mechanism": "SCRAM-SHA-256",
-        "sasl_plain_username": "rtrl", "sasl_plain_password": "pw", "ssl_cafile": "/ca.pem",
-        "ssl_certfile": "/client.pem", "ssl_keyfile": "/client.key",
-    }  # fmt: skip
+        "sasl_plain_username": "rtrl",
+        "sasl_plain_password": "pw",
+        "ssl_cafile": "/ca.pem",
+        "ssl_certfile": "/client.pem",
+        "ssl_keyfile": "/client.key",
+    }
 
 
 def test_ensure_topics_creates_what_is_missing_once(kafka_service: Settings) -> None:
     kafka = fresh_topics(kafka_service, partitions=2).kafka
-    assert sorted(streams.ensure_topics(kafka)) == sorted([kafka.interactions_topic, kafka.feedback_topic, kafka.dlq_topic])
+    assert sorted(streams.ensure_topics(kafka)) == sorted(
+        [kafka.interactions_topic, kafka.feedback_topic, kafka.dlq_topic]
+    )
     assert streams.ensure_topics(kafka) == []
 
 
@@ -80,8 +95,10 @@ def test_rtrl_topics_exist_with_configured_partitions(kafka_service: Settings) -
     kafka = kafka_service.kafka
     admin = streams.admin(kafka, "rtrl-tests")
     try:
-        described = {t["name"]: t for t in admin.describe_topics(
-            [kafka.interactions_topic, kafka.feedback_topic, kafka.dlq_topic])}
+        described = {
+            t["name"]: t
+            for t in admin.describe_topics([kafka.interactions_topic, kafka.feedback_topic, kafka.dlq_topic])
+        }
     finally:
         admin.close()
     assert set(described) == {kafka.interactions_topic, kafka.feedback_topic, kafka.dlq_topic}
@@ -125,7 +142,9 @@ def test_committed_offsets_survive_a_consumer_restart(kafka_service: Settings) -
     assert rest == [b"m4", b"m5"]
 
 
-def _poll_until_assigned(consumer: KafkaConsumer, partitions: set[TopicPartition], polls: int) -> set[TopicPartition]:
+def _poll_until_assigned(
+    consumer: KafkaConsumer, partitions: set[TopicPartition], polls: int
+) -> set[TopicPartition]:
     """Poll as a consumer busy between polls may: non-blocking polls 100 ms apart, so that every
     group join outlives the poll that starts it and finishes between two (streams/joins.py).
     Returns the assignment once it is `partitions`, or the last one seen."""
@@ -160,7 +179,9 @@ def test_a_consumer_whose_short_polls_are_spaced_by_work_joins_its_group(kafka_s
     # JoinGroup: never joined in 100 polls. (Fixed, it joins in a few; the polls leave room for a
     # broker's group.initial.rebalance.delay.ms, 0 in rtrl's and 3 s by default.)
     topic = _topic(kafka_service.kafka, partitions=3)
-    consumer = streams.consumer(kafka_service.kafka, "rtrl-tests", topic, group_id=f"g-{uuid.uuid4().hex[:6]}")
+    consumer = streams.consumer(
+        kafka_service.kafka, "rtrl-tests", topic, group_id=f"g-{uuid.uuid4().hex[:6]}"
+    )
     every = {TopicPartition(topic, p) for p in range(3)}
     try:
         assert _poll_until_assigned(consumer, every, polls=100) == every
@@ -176,8 +197,15 @@ def test_a_leader_whose_rejoin_finishes_between_polls_applies_it_and_stays_in_th
     # broker dropped the member after its session timeout.
     kafka = kafka_service.kafka
     topic, group = _topic(kafka, partitions=1), f"g-{uuid.uuid4().hex[:6]}"
-    consumer = streams.consumer(kafka, "rtrl-tests", topic, group_id=group, metadata_max_age_ms=500,
-                                session_timeout_ms=6000, heartbeat_interval_ms=1000)  # fmt: skip
+    consumer = streams.consumer(
+        kafka,
+        "rtrl-tests",
+        topic,
+        group_id=group,
+        metadata_max_age_ms=500,
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=1000,
+    )
     try:
         assert _join(consumer) == {TopicPartition(topic, 0)}
         admin = streams.admin(kafka, "rtrl-tests")
@@ -197,12 +225,16 @@ def test_a_leader_whose_rejoin_finishes_between_polls_applies_it_and_stays_in_th
         consumer.close()
 
 
-def test_a_join_that_finished_before_its_consumer_left_the_group_is_not_applied(kafka_service: Settings) -> None:
+def test_a_join_that_finished_before_its_consumer_left_the_group_is_not_applied(
+    kafka_service: Settings,
+) -> None:
     # A join finishes between two polls, then unsubscribe() leaves the group before any poll
     # applies it: its assignment belongs to a generation the consumer has left. Applied anyway, it
     # raised from the next poll (the generation it left has no protocol).
     topic = _topic(kafka_service.kafka, partitions=1)
-    consumer = streams.consumer(kafka_service.kafka, "rtrl-tests", topic, group_id=f"g-{uuid.uuid4().hex[:6]}")
+    consumer = streams.consumer(
+        kafka_service.kafka, "rtrl-tests", topic, group_id=f"g-{uuid.uuid4().hex[:6]}"
+    )
     coordinator = consumer._coordinator  # the join task is kafka-python's own state (streams/joins.py)
     try:
         deadline = time.monotonic() + 30
@@ -211,15 +243,21 @@ def test_a_join_that_finished_before_its_consumer_left_the_group_is_not_applied(
             time.sleep(0.3)
             if coordinator._join_task is not None and coordinator._join_task.succeeded():
                 break
-        assert coordinator._join_task is not None and coordinator._join_task.succeeded(), "no join finished unapplied"
+        assert coordinator._join_task is not None and coordinator._join_task.succeeded(), (
+            "no join finished unapplied"
+        )
         consumer.unsubscribe()
         consumer.subscribe([topic])
-        assert _poll_until_assigned(consumer, {TopicPartition(topic, 0)}, polls=100) == {TopicPartition(topic, 0)}
+        assert _poll_until_assigned(consumer, {TopicPartition(topic, 0)}, polls=100) == {
+            TopicPartition(topic, 0)
+        }
     finally:
         consumer.close()
 
 
-def test_a_join_that_failed_between_polls_raises_its_error_from_the_next_poll(kafka_service: Settings) -> None:
+def test_a_join_that_failed_between_polls_raises_its_error_from_the_next_poll(
+    kafka_service: Settings,
+) -> None:
     # A member whose only assignor the group's member does not support is refused by the broker
     # (INCONSISTENT_GROUP_PROTOCOL, not retriable). With polls that return before the JoinGroup
     # answer, the join fails between two polls: the next poll raises its error, where dropping it
@@ -230,10 +268,16 @@ def test_a_join_that_failed_between_polls_raises_its_error_from_the_next_poll(ka
 
     kafka = kafka_service.kafka
     topic, group = _topic(kafka, partitions=1), f"g-{uuid.uuid4().hex[:6]}"
-    member = streams.consumer(kafka, "rtrl-tests", topic, group_id=group,
-                              partition_assignment_strategy=[RangePartitionAssignor])  # fmt: skip
-    other = streams.consumer(kafka, "rtrl-tests", topic, group_id=group,
-                             partition_assignment_strategy=[RoundRobinPartitionAssignor])  # fmt: skip
+    member = streams.consumer(
+        kafka, "rtrl-tests", topic, group_id=group, partition_assignment_strategy=[RangePartitionAssignor]
+    )
+    other = streams.consumer(
+        kafka,
+        "rtrl-tests",
+        topic,
+        group_id=group,
+        partition_assignment_strategy=[RoundRobinPartitionAssignor],
+    )
     coordinator = other._coordinator  # the join task is kafka-python's own state (streams/joins.py)
     try:
         assert _join(member) == {TopicPartition(topic, 0)}

@@ -52,7 +52,10 @@ def test_kafka_errors_raises_the_streams_error_from_the_original() -> None:
     original = errors.KafkaConnectionError("111 ECONNREFUSED")
     with pytest.raises(streams.BrokerError) as caught, streams.kafka_errors():
         raise original
-    assert caught.value.__cause__ is original and repr(caught.value) == "KafkaConnectionError('111 ECONNREFUSED')"
+    assert (
+        caught.value.__cause__ is original
+        and repr(caught.value) == "KafkaConnectionError('111 ECONNREFUSED')"
+    )
 
 
 def test_creating_a_client_turns_unreachable_brokers_and_other_kafka_errors_into_streams_errors() -> None:
@@ -109,8 +112,12 @@ class FakeSender:
 
 def test_a_producer_sends_the_schema_header_and_hands_errbacks_streams_errors() -> None:
     client = FakeClient()
-    delivery = streams.Producer(client).send("rtrl.dlq.v1", key=b"k", value=b"{}", schema="rtrl.dead_letter.v1")
-    assert client.sent == [("rtrl.dlq.v1", {"key": b"k", "value": b"{}", "headers": [("schema", b"rtrl.dead_letter.v1")]})]
+    delivery = streams.Producer(client).send(
+        "rtrl.dlq.v1", key=b"k", value=b"{}", schema="rtrl.dead_letter.v1"
+    )
+    assert client.sent == [
+        ("rtrl.dlq.v1", {"key": b"k", "value": b"{}", "headers": [("schema", b"rtrl.dead_letter.v1")]})
+    ]
     acked: list[tuple[int, object]] = []
     failed: list[tuple[int, BaseException]] = []
     delivery.add_callback(lambda ticket, metadata: acked.append((ticket, metadata)), 7)
@@ -173,16 +180,23 @@ def test_partitions_of_a_topic_in_order_and_none_of_an_unknown_one() -> None:
     consumer = FakeConsumer({"rtrl.interactions.v1": {2, 0, 1}})
     found = streams.partitions_of(consumer, "rtrl.interactions.v1")
     assert found == [TopicPartition("rtrl.interactions.v1", p) for p in (0, 1, 2)]
-    assert [(tp.topic, tp.partition) for tp in found] == [("rtrl.interactions.v1", 0), ("rtrl.interactions.v1", 1),
-                                                          ("rtrl.interactions.v1", 2)]  # fmt: skip
+    assert [(tp.topic, tp.partition) for tp in found] == [
+        ("rtrl.interactions.v1", 0),
+        ("rtrl.interactions.v1", 1),
+        ("rtrl.interactions.v1", 2),
+    ]
     assert streams.partitions_of(consumer, "missing") == []
 
 
 def test_commit_builds_kafkas_offsets_from_plain_keys_and_raises_a_broker_error() -> None:
     consumer = FakeConsumer({})
     streams.commit(consumer, {("a", 0): 5, TopicPartition("b", 1): 9})
-    assert consumer.committed == [{TopicPartition("a", 0): OffsetAndMetadata(5, "", -1),
-                                   TopicPartition("b", 1): OffsetAndMetadata(9, "", -1)}]  # fmt: skip
+    assert consumer.committed == [
+        {
+            TopicPartition("a", 0): OffsetAndMetadata(5, "", -1),
+            TopicPartition("b", 1): OffsetAndMetadata(9, "", -1),
+        }
+    ]
     failing = FakeConsumer({}, commit_error=errors.CommitFailedError("the group rebalanced"))
     with pytest.raises(streams.BrokerError, match="the group rebalanced"):
         streams.commit(failing, {("a", 0): 5})
@@ -200,7 +214,12 @@ class FakeAdmin:
 
 
 def test_committed_offsets_by_plain_keys() -> None:
-    admin = FakeAdmin({TopicPartition("a", 0): OffsetAndMetadata(12, "", -1), TopicPartition("a", 1): OffsetAndMetadata(-1, "", -1)})
+    admin = FakeAdmin(
+        {
+            TopicPartition("a", 0): OffsetAndMetadata(12, "", -1),
+            TopicPartition("a", 1): OffsetAndMetadata(-1, "", -1),
+        }
+    )
     assert streams.committed_offsets(admin, "labelers") == {("a", 0): 12, ("a", 1): -1}
 
 

@@ -23,15 +23,25 @@ def settings(redis_service: Settings, mlflow_service: Settings, tmp_path: Path) 
         update={
             "store": services.store.model_copy(update={"url": f"sqlite:///{tmp_path}/rtrl.db"}),
             "services": services.services.model_copy(update={"run_dir": tmp_path / "run"}),
-            "mlflow": services.mlflow.model_copy(update={"model_name": f"trainer-test-{tag}", "experiment": f"trainer-test-{tag}"}),
+            "mlflow": services.mlflow.model_copy(
+                update={"model_name": f"trainer-test-{tag}", "experiment": f"trainer-test-{tag}"}
+            ),
             "trainer": services.trainer.model_copy(
-                update={"min_samples": 16, "max_episodes": 64, "steps": 2, "micro_batch": 16, "lr": 1e-3,
-                        "checkpoint_dir": tmp_path / "checkpoints"}
+                update={
+                    "min_samples": 16,
+                    "max_episodes": 64,
+                    "steps": 2,
+                    "micro_batch": 16,
+                    "lr": 1e-3,
+                    "checkpoint_dir": tmp_path / "checkpoints",
+                }
             ),
             # Episodes fed here are trainable at once (the window rule: tests/store/test_store.py).
             "labeler": services.labeler.model_copy(update={"settle_window_s": 0.0}),
             # Every episode fed here trains: the held-out slice is the gate's (tests/deployer, tests/e2e).
-            "gate": services.gate.model_copy(update={"ope": services.gate.ope.model_copy(update={"holdout_percent": 0})}),
+            "gate": services.gate.model_copy(
+                update={"ope": services.gate.ope.model_copy(update={"holdout_percent": 0})}
+            ),
         }
     )
 

@@ -58,7 +58,9 @@ def test_empty_batch_and_mismatched_lengths() -> None:
         compute_advantages(["a", "b"], [1.0], BaselineState())
 
 
-def test_state_round_trips_through_json_and_forgets_the_oldest_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_state_round_trips_through_json_and_forgets_the_oldest_prompts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(A, "MAX_PROMPT_KEYS", 2)
     _, s1 = compute_advantages(["a"], [1.0], BaselineState())
     _, s2 = compute_advantages(["b", "c"], [0.0, 0.0], s1)

@@ -28,8 +28,15 @@ TOLERANCE = 1e-3
 def sample(server: str, prompts: list[str], params: dict[str, float]) -> list[Row]:
     rows = []
     for i, prompt in enumerate(prompts):
-        body = {"model": "rtrl-tiny", "prompt": prompt, "max_tokens": 16, "seed": 1000 + i, "logprobs": 0,
-                "return_token_ids": True, **params}  # fmt: skip
+        body = {
+            "model": "rtrl-tiny",
+            "prompt": prompt,
+            "max_tokens": 16,
+            "seed": 1000 + i,
+            "logprobs": 0,
+            "return_token_ids": True,
+            **params,
+        }
         response = httpx.post(f"{server}/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
@@ -37,9 +44,15 @@ def sample(server: str, prompts: list[str], params: dict[str, float]) -> list[Ro
         completion = choice["token_ids"]
         logprobs = choice["logprobs"]["token_logprobs"]
         assert len(logprobs) == len(completion) >= 1
-        rows.append(Row(input_ids=[*prompt_ids, *completion], prompt_len=len(prompt_ids),
-                        behaviour_logprobs=logprobs, advantage=0.0,
-                        sampling=Sampling.of(SamplingParams(**params))))  # fmt: skip
+        rows.append(
+            Row(
+                input_ids=[*prompt_ids, *completion],
+                prompt_len=len(prompt_ids),
+                behaviour_logprobs=logprobs,
+                advantage=0.0,
+                sampling=Sampling.of(SamplingParams(**params)),
+            )
+        )
     return rows
 
 
@@ -57,7 +70,13 @@ def differences(model: torch.nn.Module, rows: list[Row]) -> tuple[torch.Tensor, 
     [
         {"temperature": 0.7, "top_p": 0.9},
         {"temperature": 1.0},
-        {"temperature": 0.8, "top_k": 20, "repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.3},
+        {
+            "temperature": 0.8,
+            "top_k": 20,
+            "repetition_penalty": 1.3,
+            "presence_penalty": 0.4,
+            "frequency_penalty": 0.3,
+        },
     ],
     ids=["T0.7-p0.9", "T1", "T0.8-k20-penalties"],
 )
@@ -73,7 +92,9 @@ def test_the_trainer_recomputes_the_logprobs_vllm_sampled_with(
     diff, impossible = differences(model, rows)
     tokens = sum(len(r.behaviour_logprobs) for r in rows)
     assert impossible == 0, f"{impossible} of {tokens} sampled tokens fall outside the trainer's truncation"
-    assert diff.max().item() < TOLERANCE, f"max |trainer - vLLM| = {diff.max().item():.4g} over {tokens} tokens"
+    assert diff.max().item() < TOLERANCE, (
+        f"max |trainer - vLLM| = {diff.max().item():.4g} over {tokens} tokens"
+    )
 
     # The same tokens recomputed with the plain softmax, as before processed logprobs.
     plain = [Row(r.input_ids, r.prompt_len, r.behaviour_logprobs, r.advantage) for r in rows]

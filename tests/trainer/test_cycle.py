@@ -54,7 +54,9 @@ def test_cycles_train_save_and_register_challengers(
 
     # The checkpoint: HF format, loads in transformers, differs from the champion.
     ckpt = Path(result.checkpoint_dir or "")
-    assert {"config.json", "model.safetensors", "tokenizer.json", "rtrl_checkpoint.json"} <= {p.name for p in ckpt.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "rtrl_checkpoint.json"} <= {
+        p.name for p in ckpt.iterdir()
+    }
     base, trained = load_file(tiny_model_dir / "model.safetensors"), load_file(ckpt / "model.safetensors")
     assert base.keys() == trained.keys()
     assert any(not torch.equal(base[k], trained[k]) for k in base)
@@ -64,7 +66,9 @@ def test_cycles_train_save_and_register_challengers(
     run = registry.run(result.mlflow_run_id or "")
     assert run.info.status == "FINISHED"
     assert run.data.params["trainer.loss.type"] == "cispo"
-    assert {"loss", "mean_ratio", "clip_fraction", "kl_k1", "grad_norm", "mean_advantage"} <= set(run.data.metrics)
+    assert {"loss", "mean_ratio", "clip_fraction", "kl_k1", "grad_norm", "mean_advantage"} <= set(
+        run.data.metrics
+    )
     assert run.data.tags["rtrl.episodes"] == "32"
     episodes_json = registry.download_run_artifact(run.info.run_id, "episodes.json", ckpt.parent / "lineage")
     with store.transaction() as session:
@@ -72,7 +76,9 @@ def test_cycles_train_save_and_register_challengers(
 
         from store.models import Episode
 
-        used = set(session.scalars(select(Episode.episode_id).where(Episode.used_in_cycle == result.cycle_id)))
+        used = set(
+            session.scalars(select(Episode.episode_id).where(Episode.used_in_cycle == result.cycle_id))
+        )
     assert set(json.loads(episodes_json.read_text())) == used and len(used) == 32
     assert registry.challenger() == 2 and registry.champion() == 1
     tags = registry.version_tags(2)
@@ -113,9 +119,16 @@ def test_every_loss_trains_a_real_cycle_on_tempered_truncated_samples(
 
     sampling = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8, logprobs_mode="processed")
     feed(store, sample_episodes(tiny_model_dir, 16, seed=3, sampling=sampling, alternate=True))
-    configured = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={
-        "loss": TypeAdapter(LossSettings).validate_python({"type": loss}), "min_samples": 8,
-    })})  # fmt: skip
+    configured = settings.model_copy(
+        update={
+            "trainer": settings.trainer.model_copy(
+                update={
+                    "loss": TypeAdapter(LossSettings).validate_python({"type": loss}),
+                    "min_samples": 8,
+                }
+            )
+        }
+    )
 
     result = run_cycle(configured, store, registry, owner="test")
 
@@ -132,7 +145,12 @@ def test_every_loss_trains_a_real_cycle_on_tempered_truncated_samples(
 
 @pytest.mark.parametrize(("stage", "precision"), [(2, "fp32"), (3, "fp32"), (2, "bf16")])
 def test_zero_stages_train_a_real_cycle_and_save_a_loadable_checkpoint(
-    settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path, stage: int,
+    settings: Settings,
+    store: Store,
+    registry: Registry,
+    champion: int,
+    tiny_model_dir: Path,
+    stage: int,
     precision: str,
 ) -> None:
     """ZeRO 2 (optimizer state and gradients partitioned) and 3 (parameters too, gathered to save),
@@ -144,13 +162,16 @@ def test_zero_stages_train_a_real_cycle_and_save_a_loadable_checkpoint(
     from trainer.cycle import run_cycle
 
     feed(store, sample_episodes(tiny_model_dir, 16, seed=6, alternate=True))
-    configured = settings.model_copy(update={"trainer": settings.trainer.model_copy(
-        update={"zero_stage": stage, "precision": precision})})  # fmt: skip
+    configured = settings.model_copy(
+        update={"trainer": settings.trainer.model_copy(update={"zero_stage": stage, "precision": precision})}
+    )
 
     result = run_cycle(configured, store, registry, owner="test")
 
     assert result.status == "registered", result
-    assert result.steps[0].mean_ratio == pytest.approx(1.0, abs=1e-6) and result.steps[0].grad_norm is not None
+    assert (
+        result.steps[0].mean_ratio == pytest.approx(1.0, abs=1e-6) and result.steps[0].grad_norm is not None
+    )
     assert result.steps[1].kl_k1 != 0.0, "the second step sees updated weights"
     ckpt = Path(result.checkpoint_dir or "")
     base, trained = load_file(tiny_model_dir / "model.safetensors"), load_file(ckpt / "model.safetensors")
@@ -170,12 +191,21 @@ def test_dapo_leaves_rows_without_signal_out(
     sampling = SamplingParams(max_tokens=8, logprobs_mode="processed")
     pairs = sample_episodes(tiny_model_dir, 16, seed=4, sampling=sampling)
     # Pairs 0-3 split (up, down); pairs 4-7 agree (up, up): only the first 8 rows carry a signal.
-    pairs = [(event, feedback(event.request_id, "thumbs_up" if i >= 8 or i % 2 == 0 else "thumbs_down"))
-             for i, (event, _) in enumerate(pairs)]  # fmt: skip
+    pairs = [
+        (event, feedback(event.request_id, "thumbs_up" if i >= 8 or i % 2 == 0 else "thumbs_down"))
+        for i, (event, _) in enumerate(pairs)
+    ]
     feed(store, pairs)
-    configured = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={
-        "loss": DapoLoss(overlong_buffer=0.0), "min_samples": 8,
-    })})  # fmt: skip
+    configured = settings.model_copy(
+        update={
+            "trainer": settings.trainer.model_copy(
+                update={
+                    "loss": DapoLoss(overlong_buffer=0.0),
+                    "min_samples": 8,
+                }
+            )
+        }
+    )
 
     result = run_cycle(configured, store, registry, owner="test")
 
@@ -196,10 +226,14 @@ def test_a_cycle_whose_promotion_fails_leaves_the_baselines_as_they_were(
     assert first.status == "registered"
     end_cycle(settings, store, first.cycle_id or 0, "failed", error="swap failed: test")
     committed = baselines_path(settings.trainer.checkpoint_dir, "tab-v1@2")
-    assert not committed.exists() and not list(settings.trainer.checkpoint_dir.glob("baselines-*.cycle-*.json"))
+    assert not committed.exists() and not list(
+        settings.trainer.checkpoint_dir.glob("baselines-*.cycle-*.json")
+    )
     assert store.count_trainable(champion, 0) == 16, "the episodes went back to the pool"
 
-    second = run_cycle(settings, store, registry, owner="test")  # the same episodes, the same (empty) baselines
+    second = run_cycle(
+        settings, store, registry, owner="test"
+    )  # the same episodes, the same (empty) baselines
     assert second.status == "registered" and second.episodes == 16
     assert [s.mean_advantage for s in second.steps] == pytest.approx([s.mean_advantage for s in first.steps])
     end_cycle(settings, store, second.cycle_id or 0, "promoted")
@@ -224,7 +258,12 @@ def test_a_batch_without_signal_is_skipped_not_shipped(
 
     result = run_cycle(settings, store, registry, owner="test")
 
-    assert (result.status, result.challenger_version, result.signal_episodes, result.steps) == ("skipped", None, 0, [])
+    assert (result.status, result.challenger_version, result.signal_episodes, result.steps) == (
+        "skipped",
+        None,
+        0,
+        [],
+    )
     assert result.trainable_rows == 16
     cycle = store.get_cycle(result.cycle_id or 0)
     assert cycle is not None and cycle.status == "skipped"
@@ -259,7 +298,10 @@ def test_the_optimizer_state_carries_over_to_the_cycle_that_trains_the_promoted_
     end_cycle(settings, store, first.cycle_id or 0, "promoted")
     registry.set_alias(CHAMPION, first.challenger_version or 0)
 
-    version, champion_dir = f"v{first.challenger_version}", registry.download_checkpoint(first.challenger_version or 0)
+    version, champion_dir = (
+        f"v{first.challenger_version}",
+        registry.download_checkpoint(first.challenger_version or 0),
+    )
     feed(store, sample_episodes(champion_dir, 16, seed=9, version=version, alternate=True))
     second = run_cycle(settings, store, registry, owner="test")
     assert second.status == "registered" and second.optimizer_from_cycle == first.cycle_id
@@ -287,8 +329,13 @@ def test_the_trust_region_stops_a_cycle_before_the_step_that_would_leave_it(
 
     pairs = sample_episodes(tiny_model_dir, 16, seed=11, alternate=True)
     feed(store, pairs)
-    bounded = settings.model_copy(update={"trainer": settings.trainer.model_copy(
-        update={"steps": 6, "lr": 1e-2, "max_kl": 1e-4, "carry_optimizer": False})})  # fmt: skip
+    bounded = settings.model_copy(
+        update={
+            "trainer": settings.trainer.model_copy(
+                update={"steps": 6, "lr": 1e-2, "max_kl": 1e-4, "carry_optimizer": False}
+            )
+        }
+    )
 
     result = run_cycle(bounded, store, registry, owner="test")
 
@@ -304,11 +351,14 @@ def test_the_trust_region_stops_a_cycle_before_the_step_that_would_leave_it(
     other.migrate()
     try:
         feed(other, pairs)
-        one_step = bounded.model_copy(update={
-            "store": bounded.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'other.db'}"}),
-            "trainer": bounded.trainer.model_copy(update={"steps": 1, "max_kl": None,
-                                                          "checkpoint_dir": tmp_path / "other-checkpoints"}),
-        })  # fmt: skip
+        one_step = bounded.model_copy(
+            update={
+                "store": bounded.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'other.db'}"}),
+                "trainer": bounded.trainer.model_copy(
+                    update={"steps": 1, "max_kl": None, "checkpoint_dir": tmp_path / "other-checkpoints"}
+                ),
+            }
+        )
         reference = run_cycle(one_step, other, registry, owner="test")
     finally:
         other.close()
@@ -372,8 +422,9 @@ def test_celery_round_trip_through_the_real_broker(
 
     app = configure(settings)
     try:
-        with start_worker(app, pool="solo", concurrency=1, perform_ping_check=False, loglevel="WARNING",
-                          shutdown_timeout=30):
+        with start_worker(
+            app, pool="solo", concurrency=1, perform_ping_check=False, loglevel="WARNING", shutdown_timeout=30
+        ):
             result = train_cycle.apply_async().get(timeout=120)
             assert result["status"] == "not_enough_data" and result["gate"] is None
             assert result["version_after"] == champion

@@ -114,12 +114,23 @@ def settings(tmp_path: Path) -> Settings:
     spec_file = tmp_path / "tab.json"
     spec_file.write_text(TAB_V1.model_dump_json())
     base = Settings(_env_file=None)
-    return base.model_copy(update={
-        "trainer": base.trainer.model_copy(update={"min_samples": EPISODES, "checkpoint_dir": tmp_path / "checkpoints",
-                                                   "carry_optimizer": False}),
-        "labeler": base.labeler.model_copy(update={"reward_spec": str(spec_file), "settle_window_s": 0.0}),
-        "gate": base.gate.model_copy(update={"ope": base.gate.ope.model_copy(update={"holdout_percent": 0})}),
-    })  # fmt: skip
+    return base.model_copy(
+        update={
+            "trainer": base.trainer.model_copy(
+                update={
+                    "min_samples": EPISODES,
+                    "checkpoint_dir": tmp_path / "checkpoints",
+                    "carry_optimizer": False,
+                }
+            ),
+            "labeler": base.labeler.model_copy(
+                update={"reward_spec": str(spec_file), "settle_window_s": 0.0}
+            ),
+            "gate": base.gate.model_copy(
+                update={"ope": base.gate.ope.model_copy(update={"holdout_percent": 0})}
+            ),
+        }
+    )
 
 
 @pytest.fixture
@@ -134,8 +145,16 @@ def champion_dir(tmp_path: Path) -> Path:
 
 def fed(store: Store) -> Store:
     """EPISODES one-call episodes of v1 with feedback, half up and half down."""
-    Feeder(store).send(*[event for n in range(EPISODES) for event in (
-        interaction(f"e{n}"), feedback(f"r-e{n}-0", "thumbs_up" if n % 2 else "thumbs_down"))])  # fmt: skip
+    Feeder(store).send(
+        *[
+            event
+            for n in range(EPISODES)
+            for event in (
+                interaction(f"e{n}"),
+                feedback(f"r-e{n}-0", "thumbs_up" if n % 2 else "thumbs_down"),
+            )
+        ]
+    )
     return store
 
 
@@ -151,15 +170,27 @@ def stand_in_engine(monkeypatch: pytest.MonkeyPatch, steps: Callable[..., Traine
 
 
 def one_step(*args: Any, **kwargs: Any) -> Trained:
-    metrics = StepMetrics(step=0, loss=0.0, mean_ratio=1.0, clip_fraction=0.0, kl_k1=0.0, is_weight=1.0,
-                          grad_norm=0.1, mean_advantage=kwargs["mean_advantage"], tokens=2 * EPISODES)  # fmt: skip
+    metrics = StepMetrics(
+        step=0,
+        loss=0.0,
+        mean_ratio=1.0,
+        clip_fraction=0.0,
+        kl_k1=0.0,
+        is_weight=1.0,
+        grad_norm=0.1,
+        mean_advantage=kwargs["mean_advantage"],
+        tokens=2 * EPISODES,
+    )
     kwargs["before_step"](0)
     kwargs["after_step"](metrics)
     return Trained([metrics], kl_stop=None)
 
 
 def test_a_json_reward_spec_is_read_once_per_cycle(
-    settings: Settings, sqlite_store: Store, champion_dir: Path, spec_reads: list[Path],
+    settings: Settings,
+    sqlite_store: Store,
+    champion_dir: Path,
+    spec_reads: list[Path],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Count, select, method metrics, MLflow params, baselines: every step of a registered cycle

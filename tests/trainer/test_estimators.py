@@ -25,8 +25,14 @@ from trainer.losses import LOSSES, Normaliser, TokenBatch, beyond_trust_region, 
 
 pytestmark = pytest.mark.unit
 
-CONFIGS = {"cispo": CispoLoss(kl_coef=0.5), "ppo": PpoLoss(kl_coef=0.5), "grpo": GrpoLoss(), "dapo": DapoLoss(kl_coef=0.5),
-           "dr_grpo": DrGrpoLoss(kl_coef=0.5), "gspo": GspoLoss(kl_coef=0.5)}  # fmt: skip
+CONFIGS = {
+    "cispo": CispoLoss(kl_coef=0.5),
+    "ppo": PpoLoss(kl_coef=0.5),
+    "grpo": GrpoLoss(),
+    "dapo": DapoLoss(kl_coef=0.5),
+    "dr_grpo": DrGrpoLoss(kl_coef=0.5),
+    "gspo": GspoLoss(kl_coef=0.5),
+}
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
@@ -37,8 +43,13 @@ def test_masked_positions_never_give_nan(name: str, advantage: float) -> None:
     float32: before the fix inf · 0 made the loss (PPO-clip, negative advantage) or the sums NaN."""
     lp = torch.tensor([[-0.1, 0.0]], requires_grad=True)
     old = torch.tensor([[-0.1, -150.0]])
-    b = TokenBatch(logprobs=lp, old_logprobs=old, behaviour_logprobs=torch.tensor([[-0.1, 0.0]]),
-                   advantages=torch.tensor([advantage]), mask=torch.tensor([[1.0, 0.0]]))  # fmt: skip
+    b = TokenBatch(
+        logprobs=lp,
+        old_logprobs=old,
+        behaviour_logprobs=torch.tensor([[-0.1, 0.0]]),
+        advantages=torch.tensor([advantage]),
+        mask=torch.tensor([[1.0, 0.0]]),
+    )
     out = LOSSES[name](b, CONFIGS[name], Normaliser(tokens=2, sequences=1))
     out.loss.backward()
     assert math.isfinite(out.loss.item())
@@ -59,8 +70,10 @@ def test_the_trust_region_and_the_penalty_count_a_token_that_left_the_nucleus() 
         behaviour_logprobs=torch.tensor([[math.log(0.6), math.log(0.3)]]),
         advantages=torch.tensor([1.0]),
         mask=torch.tensor([[1.0, 0.0]]),  # token 2 is impossible under π_θ
-        tempered=tempered, old_tempered=torch.tensor([[math.log(0.5), math.log(0.2)]]), scored=torch.tensor([[1.0, 1.0]]),
-    )  # fmt: skip
+        tempered=tempered,
+        old_tempered=torch.tensor([[math.log(0.5), math.log(0.2)]]),
+        scored=torch.tensor([[1.0, 1.0]]),
+    )
     out = cispo(b, cfg, norm)
     r = 0.002 / 0.2  # π_θ/π_old of the token that left
     assert out.sums["kl_tokens"] == 2.0
@@ -77,9 +90,13 @@ def test_gspo_trust_region_reads_the_policys_token_kl() -> None:
     lp = [[math.log(0.5) + 0.5, math.log(0.5) - 0.5]]
 
     def make() -> TokenBatch:
-        return TokenBatch(logprobs=torch.tensor(lp, requires_grad=True), old_logprobs=torch.tensor([[math.log(0.5)] * 2]),
-                          behaviour_logprobs=torch.tensor([[math.log(0.5)] * 2]), advantages=torch.tensor([1.0]),
-                          mask=torch.ones(1, 2))  # fmt: skip
+        return TokenBatch(
+            logprobs=torch.tensor(lp, requires_grad=True),
+            old_logprobs=torch.tensor([[math.log(0.5)] * 2]),
+            behaviour_logprobs=torch.tensor([[math.log(0.5)] * 2]),
+            advantages=torch.tensor([1.0]),
+            mask=torch.ones(1, 2),
+        )
 
     norm = Normaliser(tokens=2, sequences=1)
     g, c = gspo(make(), GspoLoss(), norm), cispo(make(), CispoLoss(), norm)
@@ -97,8 +114,9 @@ def test_a_cycle_is_decided_on_feedback_not_on_advantages() -> None:
     from trainer.batch import carries_signal, signal_count
 
     def episode(i: int, **kw: object) -> TrainingEpisode:
-        return TrainingEpisode(episode_id=f"e{i}", reward=0.0, policy_version=1, created_at=datetime.now(UTC),
-                               segments=[], **kw)  # type: ignore[arg-type]  # fmt: skip
+        return TrainingEpisode(
+            episode_id=f"e{i}", reward=0.0, policy_version=1, created_at=datetime.now(UTC), segments=[], **kw
+        )  # type: ignore[arg-type]
 
     silent = [episode(i, no_feedback=True, components={"no_feedback": 0.0}) for i in range(41)]
     adv, _ = compute_advantages([f"p{i}" for i in range(41)], [0.0] * 41, BaselineState(global_mean=0.3))
@@ -115,15 +133,29 @@ def test_mismatch_reports_the_raw_ratio_distribution() -> None:
 
     m = Mismatch()
     old = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5, 0.5]]))
-    mu = torch.log(torch.tensor([[0.5, 0.25, 0.5 / 1.05, 0.5 / 0.85, 0.1]]))  # ratios 1, 2, 1.05, 0.85, (masked)
+    mu = torch.log(
+        torch.tensor([[0.5, 0.25, 0.5 / 1.05, 0.5 / 0.85, 0.1]])
+    )  # ratios 1, 2, 1.05, 0.85, (masked)
     m.add(old, mu, torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]]))
     got = m.metrics()
     assert got["tokens"] == 4 and got["outside_0.9_1.1"] == pytest.approx(0.5)
     assert got["ratio_max"] == pytest.approx(2.0) and got["ratio_min"] == pytest.approx(0.85)
     assert got["bin_0.99_1.01"] == 0.25 and got["bin_2_inf"] == 0.25 and got["bin_0.8_0.9"] == 0.25
     assert sum(v for k, v in got.items() if k.startswith("bin_")) == pytest.approx(1.0)
-    flat = mlflow_metrics(StepMetrics(step=0, loss=0, mean_ratio=1, clip_fraction=0, kl_k1=0, is_weight=1,
-                                      grad_norm=None, mean_advantage=0, tokens=4, mismatch=got))  # fmt: skip
+    flat = mlflow_metrics(
+        StepMetrics(
+            step=0,
+            loss=0,
+            mean_ratio=1,
+            clip_fraction=0,
+            kl_k1=0,
+            is_weight=1,
+            grad_norm=None,
+            mean_advantage=0,
+            tokens=4,
+            mismatch=got,
+        )
+    )
     assert flat["mismatch_outside_0.9_1.1"] == pytest.approx(0.5) and "mismatch" not in flat
 
 
@@ -133,8 +165,15 @@ def test_mismatch_reports_the_raw_ratio_distribution() -> None:
 def tiny(arch: str) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    shape = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                 intermediate_size=96, max_position_embeddings=64)  # fmt: skip
+    shape = dict(
+        vocab_size=97,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=96,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
@@ -160,14 +199,26 @@ def test_chunked_logprobs_equal_a_full_forward(arch: str, monkeypatch: pytest.Mo
     monkeypatch.setattr(sampler, "CHUNK_ELEMENTS", 97 * 3)  # three positions per chunk: many chunks
     model = tiny(arch)
     g = torch.Generator().manual_seed(1)
-    samplings = [Sampling(), Sampling(temperature=0.2, top_k=3), Sampling(temperature=0.7, top_p=0.8, top_k=20),
-                 Sampling(temperature=0.9, min_p=0.05, repetition_penalty=1.3, presence_penalty=0.4,
-                          frequency_penalty=0.2)]  # fmt: skip
+    samplings = [
+        Sampling(),
+        Sampling(temperature=0.2, top_k=3),
+        Sampling(temperature=0.7, top_p=0.8, top_k=20),
+        Sampling(
+            temperature=0.9, min_p=0.05, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2
+        ),
+    ]
     rows = []
     for i, s in enumerate(samplings):
         ids = torch.randint(3, 97, (6 + 3 * i,), generator=g).tolist()
-        rows.append(Row(input_ids=ids, prompt_len=3 + i, behaviour_logprobs=[-1.0] * (3 + 2 * i), advantage=1.0,
-                        sampling=s))  # fmt: skip
+        rows.append(
+            Row(
+                input_ids=ids,
+                prompt_len=3 + i,
+                behaviour_logprobs=[-1.0] * (3 + 2 * i),
+                advantage=1.0,
+                sampling=s,
+            )
+        )
     batch = collate(rows, pad_id=0)
     want, want_tempered = full_forward(model, batch)
     got = token_logprobs(model, batch)
@@ -243,13 +294,18 @@ def test_ties_at_the_nucleus_edge_count_as_vllm_keeps_them(k: int, p: float) -> 
     cumulative mass allows, so its normaliser is smaller than one over every tied token."""
     g = torch.Generator().manual_seed(k + int(p * 100))
     logits = (torch.randn(6, 4000, generator=g) * 2).bfloat16().float()  # (rows, V), many exact ties
-    got = processed_log_softmax(logits, torch.ones(6), torch.full((6,), k), torch.full((6,), p), torch.zeros(6))
+    got = processed_log_softmax(
+        logits, torch.ones(6), torch.full((6,), k), torch.full((6,), p), torch.zeros(6)
+    )
     ties = 0
     for row in range(6):
         want = vllm_top_k_top_p(logits[row], k, p)
         kept = torch.isfinite(want)
         assert torch.isfinite(got[row][kept]).all()
-        assert torch.allclose(got[row][kept], want[kept], atol=1e-5), (row, (got[row][kept] - want[kept]).abs().max())
+        assert torch.allclose(got[row][kept], want[kept], atol=1e-5), (
+            row,
+            (got[row][kept] - want[kept]).abs().max(),
+        )
         ties += int(torch.isfinite(got[row]).sum() - kept.sum())  # tied tokens vLLM happened to drop
     assert ties > 0, "the case should have ties at the edge"
 
@@ -262,12 +318,25 @@ def test_feedback_on_greedy_episodes_does_not_carry_a_batch() -> None:
     from trainer.batch import has_rows, signal_count
 
     def episode(i: int, temperature: float, feedback: bool) -> TrainingEpisode:
-        seg = TrainingSegment(prompt="p", prompt_token_ids=[1, 2], completion_token_ids=[3], completion_logprobs=[-0.5],
-                              trainable=True, role="policy", policy_version=1,
-                              sampling=SamplingParams(temperature=temperature, logprobs_mode="processed"))  # fmt: skip
-        return TrainingEpisode(episode_id=f"e{i}", reward=1.0 if feedback else 0.0, policy_version=1,
-                               created_at=datetime.now(UTC), segments=[seg], no_feedback=not feedback,
-                               components={"accepted": 1.0} if feedback else {"no_feedback": 0.0})  # fmt: skip
+        seg = TrainingSegment(
+            prompt="p",
+            prompt_token_ids=[1, 2],
+            completion_token_ids=[3],
+            completion_logprobs=[-0.5],
+            trainable=True,
+            role="policy",
+            policy_version=1,
+            sampling=SamplingParams(temperature=temperature, logprobs_mode="processed"),
+        )
+        return TrainingEpisode(
+            episode_id=f"e{i}",
+            reward=1.0 if feedback else 0.0,
+            policy_version=1,
+            created_at=datetime.now(UTC),
+            segments=[seg],
+            no_feedback=not feedback,
+            components={"accepted": 1.0} if feedback else {"no_feedback": 0.0},
+        )
 
     batch = [episode(i, 0.0, True) for i in range(10)] + [episode(10 + i, 0.7, False) for i in range(10)]
     learning = [e for e in batch if has_rows(e)]

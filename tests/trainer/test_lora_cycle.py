@@ -22,18 +22,26 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def lora_settings(settings: Settings, tiny_model_dir: Path) -> Settings:
-    return settings.model_copy(update={
-        "trainer": settings.trainer.model_copy(update={"adapter": "lora"}),
-        "vllm": settings.vllm.model_copy(update={"model_dir": tiny_model_dir}),
-    })  # fmt: skip
+    return settings.model_copy(
+        update={
+            "trainer": settings.trainer.model_copy(update={"adapter": "lora"}),
+            "vllm": settings.vllm.model_copy(update={"model_dir": tiny_model_dir}),
+        }
+    )
 
 
 @pytest.fixture
 def lora_champion(lora_settings: Settings, registry: Registry, tiny_model_dir: Path, tmp_path: Path) -> int:
     """The identity adapter on the tiny model as v1 @champion, as `rtrl deploy bootstrap` registers it."""
     lora = lora_settings.trainer.lora
-    first = write_identity_adapter(tiny_model_dir, tmp_path / "v1", rank=lora.rank, alpha=lora.alpha,
-                                   dropout=lora.dropout, target_modules=lora.target_modules)  # fmt: skip
+    first = write_identity_adapter(
+        tiny_model_dir,
+        tmp_path / "v1",
+        rank=lora.rank,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        target_modules=lora.target_modules,
+    )
     version = registry.register_checkpoint(first, tags={"rtrl.base": "true", "rtrl.adapter": "lora"})
     registry.set_alias(CHAMPION, version)
     return version
@@ -56,8 +64,11 @@ def test_a_lora_cycle_trains_the_adapter_only_and_registers_it_with_its_base(
     assert first.steps[0].mean_ratio == pytest.approx(1.0, abs=1e-5)
     assert first.steps[0].grad_norm is not None and first.steps[0].grad_norm > 0
     out = Path(first.checkpoint_dir or "")
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
-                                                     "rtrl_checkpoint.json"]  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "rtrl_checkpoint.json",
+    ]
     before = load_file(registry.download_checkpoint(lora_champion) / "adapter_model.safetensors")
     after = load_file(out / "adapter_model.safetensors")
     assert before.keys() == after.keys()
@@ -75,10 +86,15 @@ def test_a_lora_cycle_trains_the_adapter_only_and_registers_it_with_its_base(
     # The next cycle trains the promoted adapter further, with its optimizer state.
     end_cycle(lora_settings, store, first.cycle_id or 0, "promoted")
     registry.set_alias(CHAMPION, first.challenger_version or 0)
-    feed(store, sample_episodes(tiny_model_dir, 16, seed=22, version=f"v{first.challenger_version}", alternate=True))
+    feed(
+        store,
+        sample_episodes(tiny_model_dir, 16, seed=22, version=f"v{first.challenger_version}", alternate=True),
+    )
     second = run_cycle(lora_settings, store, registry, owner="test")
     assert second.status == "registered" and second.optimizer_from_cycle == first.cycle_id
-    assert registry.version_tags(second.challenger_version or 0)["rtrl.parent_version"] == str(first.challenger_version)
+    assert registry.version_tags(second.challenger_version or 0)["rtrl.parent_version"] == str(
+        first.challenger_version
+    )
 
 
 def test_zero_stage_2_trains_a_lora_cycle(
@@ -87,14 +103,20 @@ def test_zero_stage_2_trains_a_lora_cycle(
     from trainer.cycle import run_cycle
 
     feed(store, sample_episodes(tiny_model_dir, 16, seed=23, alternate=True))
-    staged = lora_settings.model_copy(update={"trainer": lora_settings.trainer.model_copy(update={"zero_stage": 2})})
+    staged = lora_settings.model_copy(
+        update={"trainer": lora_settings.trainer.model_copy(update={"zero_stage": 2})}
+    )
     result = run_cycle(staged, store, registry, owner="test")
     assert result.status == "registered", result
     assert (Path(result.checkpoint_dir or "") / "adapter_model.safetensors").is_file()
 
 
 def test_a_registry_never_mixes_adapters_and_full_weights(
-    settings: Settings, lora_settings: Settings, store: Store, registry: Registry, champion: int,
+    settings: Settings,
+    lora_settings: Settings,
+    store: Store,
+    registry: Registry,
+    champion: int,
     tiny_model_dir: Path,
 ) -> None:
     """A full-weight champion (the `champion` fixture) under trainer.adapter=lora is one line, and the

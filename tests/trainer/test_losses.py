@@ -13,12 +13,19 @@ from trainer.losses import LOSSES, Normaliser, TokenBatch, cispo, dapo, dr_grpo,
 
 pytestmark = pytest.mark.unit
 
-CFG = CispoLoss(eps_low=1.0, eps_high=0.28, is_cap=2.0, kl_coef=0.0)  # the surrogate alone; the penalty: test_the_kl_penalty_to_the_champion
+CFG = CispoLoss(
+    eps_low=1.0, eps_high=0.28, is_cap=2.0, kl_coef=0.0
+)  # the surrogate alone; the penalty: test_the_kl_penalty_to_the_champion
 PPO_CFG = PpoLoss(eps_low=0.2, eps_high=0.2, is_cap=2.0)
 
 
-def batch(lp: list[list[float]], old: list[list[float]], mu: list[list[float]], adv: list[float],
-          mask: list[list[float]]) -> TokenBatch:
+def batch(
+    lp: list[list[float]],
+    old: list[list[float]],
+    mu: list[list[float]],
+    adv: list[float],
+    mask: list[list[float]],
+) -> TokenBatch:
     return TokenBatch(
         logprobs=torch.tensor(lp, requires_grad=True),
         old_logprobs=torch.tensor(old),
@@ -36,8 +43,19 @@ def grad_of(out_loss: torch.Tensor, b: TokenBatch) -> list[float]:
 
 
 def test_registry_has_every_loss_and_each_has_its_papers_defaults() -> None:
-    assert LOSSES == {"cispo": cispo, "ppo": ppo, "grpo": grpo, "dapo": dapo, "dr_grpo": dr_grpo, "gspo": gspo}
-    assert (CispoLoss().eps_low, CispoLoss().eps_high, CispoLoss().kl_coef) == (1.0, 0.28, 0.5)  # no lower bound
+    assert LOSSES == {
+        "cispo": cispo,
+        "ppo": ppo,
+        "grpo": grpo,
+        "dapo": dapo,
+        "dr_grpo": dr_grpo,
+        "gspo": gspo,
+    }
+    assert (CispoLoss().eps_low, CispoLoss().eps_high, CispoLoss().kl_coef) == (
+        1.0,
+        0.28,
+        0.5,
+    )  # no lower bound
     assert (PpoLoss().eps_low, PpoLoss().eps_high, PpoLoss().kl_coef) == (0.2, 0.2, 0.0)
     assert (GrpoLoss().eps_low, GrpoLoss().kl_coef, GrpoLoss().kl_estimator) == (0.2, 0.04, "k3")
     assert (DapoLoss().eps_low, DapoLoss().eps_high, DapoLoss().dynamic_sampling) == (0.2, 0.28, True)
@@ -52,8 +70,17 @@ def test_cispo_on_policy_is_reinforce_with_token_mean() -> None:
     assert out.loss.item() == pytest.approx(-(math.log(0.5) + math.log(0.25)))
     # dloss/dlogπ = −sg(r̂)·Â/Σ|o| = −1·2/2 for every token
     assert grad_of(out.loss, b) == pytest.approx([-1.0, -1.0])
-    assert out.sums == pytest.approx({"ratio": 2.0, "clipped": 0.0, "kl_k1": 0.0, "kl_k3": 0.0, "kl_tokens": 2.0,
-                                     "is_weight": 2.0, "tokens": 2.0})  # fmt: skip
+    assert out.sums == pytest.approx(
+        {
+            "ratio": 2.0,
+            "clipped": 0.0,
+            "kl_k1": 0.0,
+            "kl_k3": 0.0,
+            "kl_tokens": 2.0,
+            "is_weight": 2.0,
+            "tokens": 2.0,
+        }
+    )
 
 
 def test_cispo_clips_the_weight_but_keeps_the_gradient_of_every_token() -> None:
@@ -74,7 +101,9 @@ def test_ppo_zeroes_the_gradient_of_clipped_tokens_that_cispo_keeps() -> None:
     lp = [[math.log(0.4)]]
     old = [[math.log(0.2)]]  # r = 2
     b_pos = batch(lp, old, old, [1.0], [[1.0]])
-    assert grad_of(ppo(b_pos, PPO_CFG, Normaliser(1, 1)).loss, b_pos) == [0.0]  # min picks the clipped constant
+    assert grad_of(ppo(b_pos, PPO_CFG, Normaliser(1, 1)).loss, b_pos) == [
+        0.0
+    ]  # min picks the clipped constant
     b_neg = batch(lp, old, old, [-1.0], [[1.0]])
     # Â < 0: min(r·Â, 1.2·Â) = r·Â = −2; d(−rÂ)/dlogπ = −Â·r = 2
     assert grad_of(ppo(b_neg, PPO_CFG, Normaliser(1, 1)).loss, b_neg) == pytest.approx([2.0])
@@ -154,7 +183,9 @@ def test_gspo_uses_one_length_normalised_ratio_per_sequence() -> None:
     out = gspo(b, GspoLoss(), Normaliser(tokens=2, sequences=1))
     assert grad_of(out.loss, b) == [0.0, 0.0] and out.sums["clipped"] == 2.0
     b = batch(lp, old, old, [-1.0], [[1.0, 1.0]])
-    assert grad_of(gspo(b, GspoLoss(), Normaliser(tokens=2, sequences=1)).loss, b) == pytest.approx([1.0, 1.0])
+    assert grad_of(gspo(b, GspoLoss(), Normaliser(tokens=2, sequences=1)).loss, b) == pytest.approx(
+        [1.0, 1.0]
+    )
 
 
 def test_gspo_truncates_the_behaviour_weight_per_sequence() -> None:
@@ -166,7 +197,9 @@ def test_gspo_truncates_the_behaviour_weight_per_sequence() -> None:
     assert out.sums["is_weight"] == pytest.approx(4.0)  # 2 per token
 
 
-@pytest.mark.parametrize(("estimator", "value", "grad"), [("k3", 0.5 - 1 - math.log(0.5), 0.5), ("k1", math.log(2), 1.0)])
+@pytest.mark.parametrize(
+    ("estimator", "value", "grad"), [("k3", 0.5 - 1 - math.log(0.5), 0.5), ("k1", math.log(2), 1.0)]
+)
 def test_the_kl_penalty_to_the_champion(estimator: str, value: float, grad: float) -> None:
     # π_θ = 0.4, π_old = 0.2, Â = 0: only the penalty. k3 = r − 1 − log r with r = π_old/π_θ = 0.5,
     # d/dlogπ_θ = 1 − r; k1 = log π_θ − log π_old, d/dlogπ_θ = 1.
@@ -180,7 +213,9 @@ def test_the_kl_penalty_to_the_champion(estimator: str, value: float, grad: floa
 
 def test_dapo_overlong_penalty() -> None:
     # max_tokens 100, buffer 0.2: free up to 80 tokens, then linear to −1 at 100.
-    assert [overlong_penalty(n, 100, 0.2) for n in (50, 80, 90, 100, 120)] == pytest.approx([0, 0, -0.5, -1, -1])
+    assert [overlong_penalty(n, 100, 0.2) for n in (50, 80, 90, 100, 120)] == pytest.approx(
+        [0, 0, -0.5, -1, -1]
+    )
     assert overlong_penalty(120, None, 0.2) == 0.0 and overlong_penalty(120, 100, 0.0) == 0.0
 
 
@@ -192,13 +227,25 @@ def test_an_episode_is_shaped_by_its_most_overlong_trainable_segment() -> None:
     from trainer.batch import episode_overlong_penalty
 
     def segment(length: int, max_tokens: int | None, trainable: bool = True) -> TrainingSegment:
-        return TrainingSegment(prompt="p", prompt_token_ids=[1], completion_token_ids=[2] * length,
-                               completion_logprobs=[-0.1] * length, trainable=trainable, role="policy",
-                               policy_version=1, sampling=SamplingParams(max_tokens=max_tokens))  # fmt: skip
+        return TrainingSegment(
+            prompt="p",
+            prompt_token_ids=[1],
+            completion_token_ids=[2] * length,
+            completion_logprobs=[-0.1] * length,
+            trainable=trainable,
+            role="policy",
+            policy_version=1,
+            sampling=SamplingParams(max_tokens=max_tokens),
+        )
 
     def episode(*segments: TrainingSegment) -> TrainingEpisode:
-        return TrainingEpisode(episode_id="e", reward=1.0, policy_version=1, created_at=datetime.now(UTC),
-                               segments=list(segments))  # fmt: skip
+        return TrainingEpisode(
+            episode_id="e",
+            reward=1.0,
+            policy_version=1,
+            created_at=datetime.now(UTC),
+            segments=list(segments),
+        )
 
     assert episode_overlong_penalty(episode(segment(5, 10), segment(9, 10)), 0.2) == pytest.approx(-0.5)
     assert episode_overlong_penalty(episode(segment(10, 10, trainable=False), segment(5, 10)), 0.2) == 0.0

@@ -19,7 +19,12 @@ pytestmark = pytest.mark.integration
 
 
 def test_two_ranks_train_what_one_rank_trains_and_the_version_serves(
-    settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path, tmp_path: Path,
+    settings: Settings,
+    store: Store,
+    registry: Registry,
+    champion: int,
+    tiny_model_dir: Path,
+    tmp_path: Path,
     vllm_service: Settings,
 ) -> None:
     from safetensors.torch import load_file
@@ -36,19 +41,27 @@ def test_two_ranks_train_what_one_rank_trains_and_the_version_serves(
     # The same episodes in a store and registry of their own, trained by two ranks.
     two_store = Store(f"sqlite:///{tmp_path / 'two.db'}")
     two_store.migrate()
-    two = one.model_copy(update={
-        "store": StoreSettings(url=f"sqlite:///{tmp_path / 'two.db'}"),
-        "mlflow": one.mlflow.model_copy(update={"model_name": one.mlflow.model_name + "-2r"}),
-        "trainer": one.trainer.model_copy(update={"ranks": 2, "checkpoint_dir": tmp_path / "two-checkpoints"}),
-    })  # fmt: skip
+    two = one.model_copy(
+        update={
+            "store": StoreSettings(url=f"sqlite:///{tmp_path / 'two.db'}"),
+            "mlflow": one.mlflow.model_copy(update={"model_name": one.mlflow.model_name + "-2r"}),
+            "trainer": one.trainer.model_copy(
+                update={"ranks": 2, "checkpoint_dir": tmp_path / "two-checkpoints"}
+            ),
+        }
+    )
     two_registry = Registry.from_settings(two)
-    two_registry.set_alias(CHAMPION, two_registry.register_checkpoint(tiny_model_dir, tags={"rtrl.base": "true"}))
+    two_registry.set_alias(
+        CHAMPION, two_registry.register_checkpoint(tiny_model_dir, tags={"rtrl.base": "true"})
+    )
     feed(two_store, episodes)
     double = run_cycle(two, two_store, two_registry, owner="test")
     two_store.close()
 
     assert double.status == "registered", double
-    assert [s.tokens for s in double.steps] == [s.tokens for s in single.steps]  # the whole batch, summed over ranks
+    assert [s.tokens for s in double.steps] == [
+        s.tokens for s in single.steps
+    ]  # the whole batch, summed over ranks
     for a, b in zip(single.steps, double.steps, strict=True):
         assert b.loss == pytest.approx(a.loss, abs=1e-5) and b.kl_k3 == pytest.approx(a.kl_k3, abs=1e-6)
         assert b.applied == a.applied  # both stop at the same step when the trust region is reached

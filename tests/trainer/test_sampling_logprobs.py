@@ -17,10 +17,14 @@ from serving.sampler import Row, Sampling, apply_penalties, collate, processed_l
 pytestmark = pytest.mark.unit
 
 
-def one(logits: list[float], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-        min_p: float = 0.0) -> list[float]:
+def one(
+    logits: list[float], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> list[float]:
     out = processed_log_softmax(
-        torch.tensor([[logits]]), torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]),
+        torch.tensor([[logits]]),
+        torch.tensor([temperature]),
+        torch.tensor([top_k]),
+        torch.tensor([top_p]),
         torch.tensor([min_p]),
     )
     return out[0, 0].tolist()
@@ -74,12 +78,19 @@ def reference(logits: list[float], temperature: float, top_k: int, top_p: float,
 
 @pytest.mark.parametrize("candidates", [1024, 2])
 @pytest.mark.parametrize("seed", range(6))
-def test_rows_with_different_sampling_match_the_reference(seed: int, candidates: int,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_rows_with_different_sampling_match_the_reference(
+    seed: int, candidates: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With 2 candidates, every top-p nucleus reaches past them and is decided on a full sort."""
     monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", candidates)
     generator = torch.Generator().manual_seed(seed)
-    settings = [(1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 5, 1.0, 0.0), (0.5, 8, 0.8, 0.05), (0.9, 0, 1.0, 0.1)]
+    settings = [
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 0, 0.9, 0.0),
+        (1.3, 5, 1.0, 0.0),
+        (0.5, 8, 0.8, 0.05),
+        (0.9, 0, 1.0, 0.1),
+    ]
     logits = torch.randn(len(settings), 3, 32, generator=generator) * 2
     out = processed_log_softmax(
         logits,
@@ -93,8 +104,9 @@ def test_rows_with_different_sampling_match_the_reference(seed: int, candidates:
             want = reference(logits[row, t].tolist(), temperature, top_k, top_p, min_p)
             got = out[row, t].tolist()
             assert [math.isinf(v) for v in got] == [math.isinf(v) for v in want], (row, t)
-            assert [g for g in got if math.isfinite(g)] == pytest.approx([w for w in want if math.isfinite(w)],
-                                                                        abs=1e-5)
+            assert [g for g in got if math.isfinite(g)] == pytest.approx(
+                [w for w in want if math.isfinite(w)], abs=1e-5
+            )
 
 
 def test_greedy_segments_are_described_as_vllm_reports_them_and_never_trained() -> None:
@@ -104,7 +116,9 @@ def test_greedy_segments_are_described_as_vllm_reports_them_and_never_trained() 
     assert Sampling.of(SamplingParams(temperature=0.0, top_p=0.5, repetition_penalty=1.2)) == Sampling(
         repetition_penalty=1.2
     )  # penalties apply to greedy requests too
-    assert Sampling.of(SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.1)) == Sampling(0.7, 0.9, 0, 0.1)
+    assert Sampling.of(SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.1)) == Sampling(
+        0.7, 0.9, 0, 0.1
+    )
     # A greedy token is the argmax, not a sample of the softmax vLLM reports: no gradient, no weight.
     assert untrainable_sampling(SamplingParams(temperature=0.0, logprobs_mode="processed")) == "greedy"
     assert untrainable_sampling(SamplingParams(temperature=0.05, logprobs_mode="processed")) == "near_greedy"
@@ -137,15 +151,22 @@ class Bigram(torch.nn.Module):
 def test_a_token_outside_the_truncation_is_impossible_and_carries_no_gradient() -> None:
     model = Bigram()
     # Completion tokens 0 (the most likely) and 4 (outside top-k 2) after a one-token prompt.
-    row = Row(input_ids=[1, 0, 4], prompt_len=1, behaviour_logprobs=[-0.3, -0.3], advantage=1.0,
-              sampling=Sampling(top_k=2))
+    row = Row(
+        input_ids=[1, 0, 4],
+        prompt_len=1,
+        behaviour_logprobs=[-0.3, -0.3],
+        advantage=1.0,
+        sampling=Sampling(top_k=2),
+    )
     mb = collate([row], pad_id=0)
     logprobs, possible, tempered = token_logprobs(model, mb)
     assert possible.tolist() == [[True, False]]
     assert logprobs[0, 0].item() == pytest.approx(math.log(1 / (1 + math.e**-1)))
     assert logprobs[0, 1].item() == 0.0
     # Untruncated, the same token has its plain softmax probability: finite, for the KL terms.
-    assert tempered[0, 1].item() == pytest.approx(-1.0 - math.log(sum(math.exp(v) for v in (3, 2, 1, 0, -1, -2))))
+    assert tempered[0, 1].item() == pytest.approx(
+        -1.0 - math.log(sum(math.exp(v) for v in (3, 2, 1, 0, -1, -2)))
+    )
     (logprobs * mb.mask * possible).sum().backward()
     grad = model.head.weight.grad  # column j: the logits after token j
     assert grad is not None and torch.isfinite(grad).all()
@@ -160,17 +181,25 @@ def test_rows_carry_their_sampling_and_raw_logprobs_of_tempered_samples_are_left
     from trainer.batch import rows_of
 
     def segment(**sampling: Any) -> TrainingSegment:
-        return TrainingSegment(prompt="p", prompt_token_ids=[1, 2], completion_token_ids=[3], completion_logprobs=[-0.5],
-                               trainable=True, role="policy", policy_version=1,
-                               sampling=SamplingParams(**sampling))  # fmt: skip
+        return TrainingSegment(
+            prompt="p",
+            prompt_token_ids=[1, 2],
+            completion_token_ids=[3],
+            completion_logprobs=[-0.5],
+            trainable=True,
+            role="policy",
+            policy_version=1,
+            sampling=SamplingParams(**sampling),
+        )
 
     segments = [
         segment(temperature=0.7, top_p=0.9, logprobs_mode="processed"),
         segment(temperature=0.7, logprobs_mode="raw"),  # recorded before processed logprobs: not comparable
         segment(logprobs_mode="raw"),  # T = 1, nothing truncated: raw is processed
     ]
-    episode = TrainingEpisode(episode_id="e", reward=1.0, policy_version=1, created_at=datetime.now(UTC),
-                              segments=segments)  # fmt: skip
+    episode = TrainingEpisode(
+        episode_id="e", reward=1.0, policy_version=1, created_at=datetime.now(UTC), segments=segments
+    )
     rows, left_out = rows_of([episode], [0.5])
     assert left_out == {"raw_logprobs": 1}
     assert [r.sampling for r in rows] == [Sampling(0.7, 0.9, 0, 0.0), Sampling()]
@@ -180,8 +209,13 @@ def test_penalties_by_hand_position_by_position() -> None:
     """Prompt [1, 2], completion [3, 3, 4]: vocabulary of 5, logits [1, -1, 2, 0.5, -0.5] everywhere.
     Position t predicts token t + 1; the output so far at the position predicting the k-th
     completion token is the k − 1 tokens before it."""
-    row = Row(input_ids=[1, 2, 3, 3, 4], prompt_len=2, behaviour_logprobs=[-1.0] * 3, advantage=0.0,
-              sampling=Sampling(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25))  # fmt: skip
+    row = Row(
+        input_ids=[1, 2, 3, 3, 4],
+        prompt_len=2,
+        behaviour_logprobs=[-1.0] * 3,
+        advantage=0.0,
+        sampling=Sampling(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
+    )
     mb = collate([row], pad_id=0)
     base = torch.tensor([1.0, -1.0, 2.0, 0.5, -0.5])
     out = apply_penalties(base.repeat(1, 4, 1), mb)[0]

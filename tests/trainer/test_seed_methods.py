@@ -58,14 +58,28 @@ class Loop:
     http: httpx.Client
     key: str
 
-    def call(self, prompt: str, episode: str, segment: int, role: str = "policy", agent: str | None = None,
-             seed: int = 0, max_tokens: int = 8) -> tuple[str, str]:
+    def call(
+        self,
+        prompt: str,
+        episode: str,
+        segment: int,
+        role: str = "policy",
+        agent: str | None = None,
+        seed: int = 0,
+        max_tokens: int = 8,
+    ) -> tuple[str, str]:
         """One model call of `episode` through the gateway: (request id, completion text)."""
         headers = {"x-rtrl-episode-id": episode, "x-rtrl-segment-index": str(segment), "x-rtrl-role": role}
         if agent is not None:
             headers["x-rtrl-agent"] = agent
-        body = {"model": self.settings.vllm.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 1.0, "seed": seed, "stop": ["\n"]}  # fmt: skip
+        body = {
+            "model": self.settings.vllm.served_model_name,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "seed": seed,
+            "stop": ["\n"],
+        }
         response = self.http.post(f"{self.url}/v1/completions", json=body, headers=headers)
         assert response.status_code == 200, response.text
         return response.headers["x-rtrl-request-id"], response.json()["choices"][0]["text"]
@@ -76,7 +90,9 @@ class Loop:
 
     def label(self, settled: int, timeout_s: float = 180.0, **labeler: Any) -> Labeler:
         """Run a labeler (this loop's settings, `labeler` overrides) until `settled` episodes are settled."""
-        settings = self.settings.model_copy(update={"labeler": self.settings.labeler.model_copy(update=labeler)})
+        settings = self.settings.model_copy(
+            update={"labeler": self.settings.labeler.model_copy(update=labeler)}
+        )
         worker = Labeler(settings, self.store, make_consumer(settings), make_producer(settings))
 
         def done() -> bool:
@@ -91,11 +107,19 @@ class Loop:
 
                 from store.models import Feedback
 
-                state = {"episodes": [(e.episode_id, e.status) for e in session.scalars(select(Episode))],
-                         "segments": [(i.episode_id, i.segment_index, i.late) for i in session.scalars(select(Interaction))],
-                         "feedback": [(f.kind, f.request_id[:8], f.episode_id, f.joined_episode_id, f.late)
-                                      for f in session.scalars(select(Feedback))]}  # fmt: skip
-            raise AssertionError(f"{exc}; assigned {worker.consumer.assignment()}; the store: {state}") from None
+                state = {
+                    "episodes": [(e.episode_id, e.status) for e in session.scalars(select(Episode))],
+                    "segments": [
+                        (i.episode_id, i.segment_index, i.late) for i in session.scalars(select(Interaction))
+                    ],
+                    "feedback": [
+                        (f.kind, f.request_id[:8], f.episode_id, f.joined_episode_id, f.late)
+                        for f in session.scalars(select(Feedback))
+                    ],
+                }
+            raise AssertionError(
+                f"{exc}; assigned {worker.consumer.assignment()}; the store: {state}"
+            ) from None
         finally:
             worker.consumer.close(autocommit=False)
             worker.producer.close()
@@ -104,7 +128,9 @@ class Loop:
 
     def training_settings(self) -> Settings:
         """The trainer's settings: what the labeler settled is trainable at once."""
-        return self.settings.model_copy(update={"labeler": self.settings.labeler.model_copy(update={"settle_window_s": 0.0})})
+        return self.settings.model_copy(
+            update={"labeler": self.settings.labeler.model_copy(update={"settle_window_s": 0.0})}
+        )
 
     def episodes(self) -> dict[str, Episode]:
         with self.store.transaction() as session:
@@ -118,8 +144,11 @@ class Loop:
         with self.store.transaction() as session:
             from sqlalchemy import select
 
-            rows = session.scalars(select(Interaction).where(Interaction.episode_id == f"{TENANT}:{episode}")
-                                   .order_by(Interaction.segment_index)).all()  # fmt: skip
+            rows = session.scalars(
+                select(Interaction)
+                .where(Interaction.episode_id == f"{TENANT}:{episode}")
+                .order_by(Interaction.segment_index)
+            ).all()
             session.expunge_all()
             return list(rows)
 
@@ -133,17 +162,38 @@ def make_loop(services: Settings, tiny_model_dir: Path, tmp_path: Path) -> Calla
         tag = uuid.uuid4().hex[:8]
         (port,) = free_ports(1)
         settings = fresh_topics(services, prefix="methods")
-        settings = settings.model_copy(update={
-            "store": StoreSettings(url=f"sqlite:///{tmp_path}/rtrl-{tag}.db"),
-            "services": settings.services.model_copy(update={"run_dir": tmp_path / f"run-{tag}"}),
-            "gateway": settings.gateway.model_copy(update={"port": port, "spool_dir": tmp_path / f"spool-{tag}"}),
-            "mlflow": settings.mlflow.model_copy(update={"model_name": f"methods-{tag}", "experiment": f"methods-{tag}"}),
-            "labeler": settings.labeler.model_copy(update={"reward_spec": reward_spec, "settle_window_s": WINDOW_S,
-                                                           "poll_timeout_ms": 200, "judge": judge}),
-            "trainer": settings.trainer.model_copy(update={"min_samples": 4, "max_episodes": 64, "steps": 2,
-                                                           "micro_batch": 8, "checkpoint_dir": tmp_path / f"ckpt-{tag}"}),
-            "gate": settings.gate.model_copy(update={"ope": settings.gate.ope.model_copy(update={"holdout_percent": 0})}),
-        })  # fmt: skip
+        settings = settings.model_copy(
+            update={
+                "store": StoreSettings(url=f"sqlite:///{tmp_path}/rtrl-{tag}.db"),
+                "services": settings.services.model_copy(update={"run_dir": tmp_path / f"run-{tag}"}),
+                "gateway": settings.gateway.model_copy(
+                    update={"port": port, "spool_dir": tmp_path / f"spool-{tag}"}
+                ),
+                "mlflow": settings.mlflow.model_copy(
+                    update={"model_name": f"methods-{tag}", "experiment": f"methods-{tag}"}
+                ),
+                "labeler": settings.labeler.model_copy(
+                    update={
+                        "reward_spec": reward_spec,
+                        "settle_window_s": WINDOW_S,
+                        "poll_timeout_ms": 200,
+                        "judge": judge,
+                    }
+                ),
+                "trainer": settings.trainer.model_copy(
+                    update={
+                        "min_samples": 4,
+                        "max_episodes": 64,
+                        "steps": 2,
+                        "micro_batch": 8,
+                        "checkpoint_dir": tmp_path / f"ckpt-{tag}",
+                    }
+                ),
+                "gate": settings.gate.model_copy(
+                    update={"ope": settings.gate.ope.model_copy(update={"holdout_percent": 0})}
+                ),
+            }
+        )
         streams.ensure_topics(settings.kafka)
         store = Store(settings.store.url)
         store.migrate()
@@ -163,8 +213,12 @@ def make_loop(services: Settings, tiny_model_dir: Path, tmp_path: Path) -> Calla
 
 def trainable_calls(episodes: list[TrainingEpisode], role: str | None = None) -> set[tuple[int, ...]]:
     """prompt + completion of every trainable call with a completion (of `role`, if given)."""
-    return {tuple(s.prompt_token_ids + s.completion_token_ids) for e in episodes for s in e.segments
-            if s.trainable and s.completion_token_ids and role in (None, s.role)}  # fmt: skip
+    return {
+        tuple(s.prompt_token_ids + s.completion_token_ids)
+        for e in episodes
+        for s in e.segments
+        if s.trainable and s.completion_token_ids and role in (None, s.role)
+    }
 
 
 def select_rows(loop: Loop) -> tuple[list[TrainingEpisode], list[Any]]:
@@ -175,15 +229,17 @@ def select_rows(loop: Loop) -> tuple[list[TrainingEpisode], list[Any]]:
 
     settings = loop.training_settings()
     episodes = select_trainable(settings, loop.store, loop.registry.champion())
-    adv, _ = compute_advantages([episode_prompt_key(e) for e in episodes], [e.reward for e in episodes],
-                                BaselineState())  # fmt: skip
+    adv, _ = compute_advantages(
+        [episode_prompt_key(e) for e in episodes], [e.reward for e in episodes], BaselineState()
+    )
     rows, left_out = rows_of(episodes, adv.values)
     assert left_out == {}
     return episodes, rows
 
 
-def assert_gradients_only_on_completions(tiny_model_dir: Path, settings: Settings, rows: list[Any],
-                                         observations: list[list[int]] | None = None) -> None:
+def assert_gradients_only_on_completions(
+    tiny_model_dir: Path, settings: Settings, rows: list[Any], observations: list[list[int]] | None = None
+) -> None:
     """Backpropagate the cycle's own loss through the champion and check the gradient at every target
     position: exactly zero on prompt tokens (`observations`, token runs that must sit in some row's prompt,
     included) and padding, non-zero on every trainable completion token of a row with an advantage."""
@@ -201,8 +257,11 @@ def assert_gradients_only_on_completions(tiny_model_dir: Path, settings: Setting
         logprobs, possible, _ = token_logprobs(model, mb)  # (B, L−1)
         logprobs.retain_grad()
         mask = mb.mask * possible
-        out = loss_fn(TokenBatch(logprobs, logprobs.detach(), mb.behaviour_logprobs, mb.advantages, mask),
-                      settings.trainer.loss, norm)  # fmt: skip
+        out = loss_fn(
+            TokenBatch(logprobs, logprobs.detach(), mb.behaviour_logprobs, mb.advantages, mask),
+            settings.trainer.loss,
+            norm,
+        )
         out.loss.backward()
         grad = logprobs.grad
         assert grad is not None
@@ -220,7 +279,9 @@ def assert_gradients_only_on_completions(tiny_model_dir: Path, settings: Setting
                     positions = range(max(at - 1, 0), at + len(run) - 1)
                     assert all(float(grad[b, t]) == 0.0 for t in positions)
         model.zero_grad()
-    assert all(seen.values()), f"observations not found in any row's prompt: {[k for k, v in seen.items() if not v]}"
+    assert all(seen.values()), (
+        f"observations not found in any row's prompt: {[k for k, v in seen.items() if not v]}"
+    )
 
 
 def _find(haystack: list[int], needle: list[int]) -> int | None:
@@ -252,13 +313,21 @@ def test_parl_orchestrator_trains_subagents_stay_frozen_and_the_run_has_the_sche
             _, plan = loop.call(q, episode, 0, role="orchestrator", seed=n)
             # Stage 1: sub-agent a makes two calls, b one; their answers come back as observations.
             _, a1 = loop.call("Q: What is 1 plus 1?\nA:", episode, 1, role="subagent", agent="a", seed=n)
-            _, a2 = loop.call(f"Q: What is 1 plus 1?\nA:{a1}\nQ: And 2 plus 2?\nA:", episode, 2,
-                              role="subagent", agent="a", seed=n)  # fmt: skip
+            _, a2 = loop.call(
+                f"Q: What is 1 plus 1?\nA:{a1}\nQ: And 2 plus 2?\nA:",
+                episode,
+                2,
+                role="subagent",
+                agent="a",
+                seed=n,
+            )
             _, b1 = loop.call("Q: Name a fruit.\nA:", episode, 3, role="subagent", agent="b", seed=n)
             # Stage 2: the orchestrator answers with what its sub-agents found.
             final_prompt = f"{q}{plan}\nNotes:{a2} {b1}\n{q}"
             last, _ = loop.call(final_prompt, episode, 4, role="orchestrator", seed=n)
-            loop.feedback({"request_id": last, "episode_id": episode, "kind": "task_outcome", "value": float(n % 2)})
+            loop.feedback(
+                {"request_id": last, "episode_id": episode, "kind": "task_outcome", "value": float(n % 2)}
+            )
             observations.append(f"Notes:{a2} {b1}")
         loop.label(settled=len(questions))
 
@@ -268,7 +337,13 @@ def test_parl_orchestrator_trains_subagents_stay_frozen_and_the_run_has_the_sche
             episode = episodes[f"parl-{n}"]
             segments = loop.segments(f"parl-{n}")
             assert episode.settle_reason == "terminal_feedback"
-            assert [s.role for s in segments] == ["orchestrator", "subagent", "subagent", "subagent", "orchestrator"]
+            assert [s.role for s in segments] == [
+                "orchestrator",
+                "subagent",
+                "subagent",
+                "subagent",
+                "orchestrator",
+            ]
             assert [s.trainable for s in segments] == [True, False, False, False, True]
             assert [s.agent for s in segments] == [None, "a", "a", "b", None]
             metrics = episode.metrics or {}
@@ -278,9 +353,13 @@ def test_parl_orchestrator_trains_subagents_stay_frozen_and_the_run_has_the_sche
             assert metrics["subagents_finished"] == finished
             # Used: finished, and its answer is new in the final orchestrator call's prompt (schemas/episodes.py).
             context = segments[0].prompt + segments[0].completion
-            used = sum(s.finish_reason == "stop" and s.completion.strip() != "" and s.completion.strip() in
-                       segments[4].prompt and s.completion.strip() not in context
-                       for s in (segments[2], segments[3]))  # fmt: skip
+            used = sum(
+                s.finish_reason == "stop"
+                and s.completion.strip() != ""
+                and s.completion.strip() in segments[4].prompt
+                and s.completion.strip() not in context
+                for s in (segments[2], segments[3])
+            )
             assert metrics["subagents_used"] == used
             assert (metrics["cycle"], metrics["lambda_parallel"], metrics["lambda_finish"]) == (0, 0.2, 0.2)
             components = episode.reward_components or {}
@@ -292,26 +371,43 @@ def test_parl_orchestrator_trains_subagents_stay_frozen_and_the_run_has_the_sche
         # ---- rows: the orchestrator's two calls per episode, with the episode's advantage ---------------
         selected, rows = select_rows(loop)
         assert len(selected) == len(questions)
-        assert {tuple(r.input_ids) for r in rows} == trainable_calls(selected) == trainable_calls(selected, "orchestrator")
+        assert (
+            {tuple(r.input_ids) for r in rows}
+            == trainable_calls(selected)
+            == trainable_calls(selected, "orchestrator")
+        )
         assert len(rows) >= len(questions) + 1
-        subagent_calls = {tuple(s.prompt_token_ids + s.completion_token_ids) for e in selected for s in e.segments
-                          if s.role == "subagent"}  # fmt: skip
+        subagent_calls = {
+            tuple(s.prompt_token_ids + s.completion_token_ids)
+            for e in selected
+            for s in e.segments
+            if s.role == "subagent"
+        }
         assert subagent_calls and not subagent_calls & {tuple(r.input_ids) for r in rows}  # never a row
         # What the sub-agents said reaches the orchestrator only as prompt: observed, never learnt.
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
         runs = [tokenizer(o, add_special_tokens=False)["input_ids"][1:-1] for o in observations]
-        assert_gradients_only_on_completions(tiny_model_dir, loop.settings, rows, [r for r in runs if len(r) >= 2])
+        assert_gradients_only_on_completions(
+            tiny_model_dir, loop.settings, rows, [r for r in runs if len(r) >= 2]
+        )
 
         # ---- a real cycle; its MLflow run has the λ schedule and the critical steps --------------------
         result = train_cycle(loop)
         assert result.trainable_rows == len(rows)
         run = loop.registry.run(result.mlflow_run_id)
         params, logged = run.data.params, run.data.metrics
-        assert (params["reward.spec"], params["reward.parl.lambda_parallel"], params["reward.parl.anneal_cycles"]) \
-            == ("parl-v1@2", "0.2", "10")  # fmt: skip
-        assert (logged["parl_cycle"], logged["parl_lambda_parallel"], logged["parl_lambda_finish"]) == (0, 0.2, 0.2)
+        assert (
+            params["reward.spec"],
+            params["reward.parl.lambda_parallel"],
+            params["reward.parl.anneal_cycles"],
+        ) == ("parl-v1@2", "0.2", "10")
+        assert (logged["parl_cycle"], logged["parl_lambda_parallel"], logged["parl_lambda_finish"]) == (
+            0,
+            0.2,
+            0.2,
+        )
         assert logged["parl_critical_steps_mean"] == 4.0 and logged["parl_subagents_mean"] == 2.0
         assert logged["parl_episode_lambda_parallel_mean"] == pytest.approx(0.2)
 
@@ -339,8 +435,10 @@ def test_a_summary_chain_shares_the_final_reward_and_its_summary_is_trained(
             _, summary = loop.call(f"{q}{work}\nSummary:", episode, 1, role="summary", seed=n)
             last, _ = loop.call(f"Summary:{summary}\n{q}", episode, 2, seed=n)
             # The user's verdict is about the last call; the client then ends the episode.
-            loop.feedback({"request_id": last, "kind": "accepted" if n % 2 else "rejected"},
-                          {"request_id": last, "episode_id": episode, "kind": "episode_end"})  # fmt: skip
+            loop.feedback(
+                {"request_id": last, "kind": "accepted" if n % 2 else "rejected"},
+                {"request_id": last, "episode_id": episode, "kind": "episode_end"},
+            )
         loop.label(settled=len(questions))
 
         episodes = loop.episodes()
@@ -351,19 +449,26 @@ def test_a_summary_chain_shares_the_final_reward_and_its_summary_is_trained(
             metrics = episode.metrics or {}
             assert (metrics["segments"], metrics["summaries"], metrics["context_edits"]) == (3, 1, 1)
             segments = loop.segments(f"sum-{n}")
-            assert metrics["max_context_tokens"] == max(len(s.prompt_token_ids) + len(s.completion_token_ids)
-                                                        for s in segments)  # fmt: skip
+            assert metrics["max_context_tokens"] == max(
+                len(s.prompt_token_ids) + len(s.completion_token_ids) for s in segments
+            )
 
         selected, rows = select_rows(loop)
         # Work, summary and work: every generated token trains.
-        assert {tuple(r.input_ids) for r in rows} == trainable_calls(selected) and len(rows) >= 2 * len(questions)
+        assert {tuple(r.input_ids) for r in rows} == trainable_calls(selected) and len(rows) >= 2 * len(
+            questions
+        )
         by_episode = {e.episode_id: e for e in selected}
         for episode in by_episode.values():
             calls = [tuple(s.prompt_token_ids + s.completion_token_ids) for s in episode.segments]
             advantages = {r.advantage for r in rows if tuple(r.input_ids) in calls}
             assert len(advantages) == 1, "the chain's calls share one advantage"
-        summaries = {tuple(s.prompt_token_ids + s.completion_token_ids) for e in selected for s in e.segments
-                     if s.role == "summary"}  # fmt: skip
+        summaries = {
+            tuple(s.prompt_token_ids + s.completion_token_ids)
+            for e in selected
+            for s in e.segments
+            if s.role == "summary"
+        }
         assert summaries & {tuple(r.input_ids) for r in rows} == trainable_calls(selected, "summary")
         assert trainable_calls(selected, "summary")
         assert_gradients_only_on_completions(tiny_model_dir, loop.settings, rows)
@@ -389,11 +494,15 @@ def test_a_self_editing_agent_trains_on_what_each_call_saw_with_the_full_traject
             episode, q = f"edit-{n}", f"Q: {question}\nA:"
             context = "\n".join(chunks) + "\n"
             _, first = loop.call(context + q, episode, 0, seed=n)
-            _, prune = loop.call(f"{context}{q}{first}\nPrune:", episode, 1, seed=n)  # the prune action's tokens
+            _, prune = loop.call(
+                f"{context}{q}{first}\nPrune:", episode, 1, seed=n
+            )  # the prune action's tokens
             pruned = "\n".join(c for k, c in enumerate(chunks) if k != n % len(chunks)) + "\n"
             last, _ = loop.call(pruned + q, episode, 2, seed=n)  # sees the pruned context
             # The outcome is the full trajectory's (what the agent found before pruning), for the episode.
-            loop.feedback({"request_id": last, "episode_id": episode, "kind": "task_outcome", "value": float(n % 2)})
+            loop.feedback(
+                {"request_id": last, "episode_id": episode, "kind": "task_outcome", "value": float(n % 2)}
+            )
         loop.label(settled=len(questions))
 
         episodes = loop.episodes()
@@ -412,7 +521,9 @@ def test_a_self_editing_agent_trains_on_what_each_call_saw_with_the_full_traject
             assert last.prompt_token_ids != full[: len(last.prompt_token_ids)]
             assert len(last.prompt_token_ids) < len(full)
             if last.completion_token_ids:
-                row = next(r for r in rows if r.input_ids == last.prompt_token_ids + last.completion_token_ids)
+                row = next(
+                    r for r in rows if r.input_ids == last.prompt_token_ids + last.completion_token_ids
+                )
                 assert row.prompt_len == len(last.prompt_token_ids)
             if prune.completion_token_ids:  # the prune action is trained like any other tokens
                 assert any(r.input_ids == prune.prompt_token_ids + prune.completion_token_ids for r in rows)
@@ -432,6 +543,7 @@ def test_episodes_are_labelled_without_the_judge_term_and_flagged_while_the_judg
 ) -> None:
     (dead,) = free_ports(1)  # nothing listens there
     judge = JudgeSettings(url=f"http://127.0.0.1:{dead}/v1", model="judge", retries=1, timeout_s=1.0)
+
     def unavailable() -> float:
         return REGISTRY.get_sample_value("rtrl_labeler_judged_total", {"outcome": "unavailable"}) or 0.0
 
@@ -441,7 +553,9 @@ def test_episodes_are_labelled_without_the_judge_term_and_flagged_while_the_judg
             episode = f"judged-{n}"
             _, work = loop.call("Q: What is 2 plus 3?\nA:", episode, 0, seed=n)
             last, _ = loop.call(f"Q: What is 2 plus 3?\nA:{work}\nQ: And 1 plus 1?\nA:", episode, 1, seed=n)
-            loop.feedback({"request_id": last, "episode_id": episode, "kind": "task_outcome", "value": float(n % 2)})
+            loop.feedback(
+                {"request_id": last, "episode_id": episode, "kind": "task_outcome", "value": float(n % 2)}
+            )
         loop.label(settled=4)
 
         assert loop.store.stats()["episodes_judging"] == 0
@@ -457,8 +571,9 @@ def test_episodes_are_labelled_without_the_judge_term_and_flagged_while_the_judg
         assert (logged["judge_episodes"], logged["judge_unavailable"]) == (4.0, 4.0)
 
 
-def test_the_judge_term_grades_whole_episodes_on_the_local_vllm_server(make_loop: Callable[..., Any],
-                                                                       services: Settings) -> None:
+def test_the_judge_term_grades_whole_episodes_on_the_local_vllm_server(
+    make_loop: Callable[..., Any], services: Settings
+) -> None:
     def compared() -> float:
         return REGISTRY.get_sample_value("rtrl_labeler_judge_compared_total") or 0.0
 
@@ -467,8 +582,10 @@ def test_the_judge_term_grades_whole_episodes_on_the_local_vllm_server(make_loop
     with make_loop("judged-v1", judge=judge) as loop:
         for n in range(4):
             last, _ = loop.call("Q: Name a color.\nA:", f"graded-{n}", 0, seed=n)
-            loop.feedback({"request_id": last, "kind": "rejected" if n % 2 else "accepted"},
-                          {"request_id": last, "episode_id": f"graded-{n}", "kind": "episode_end"})  # fmt: skip
+            loop.feedback(
+                {"request_id": last, "kind": "rejected" if n % 2 else "accepted"},
+                {"request_id": last, "episode_id": f"graded-{n}", "kind": "episode_end"},
+            )
         loop.label(settled=4)
         for episode in loop.episodes().values():
             components, grade = episode.reward_components or {}, (episode.metrics or {})["judge"]
@@ -503,5 +620,7 @@ def test_the_demo_agents_episodes_end_on_their_signal_with_their_structure(
             assert sum(m["summaries"] for m in metrics) == report.summaries
         else:
             assert all(m["context_edits"] >= 1 for m in metrics)  # the last call saw the pruned context
-            assert all("judge" in (e.reward_components or {}) or "judge_unavailable" in (e.reward_components or {})
-                       for e in episodes.values())  # fmt: skip
+            assert all(
+                "judge" in (e.reward_components or {}) or "judge_unavailable" in (e.reward_components or {})
+                for e in episodes.values()
+            )

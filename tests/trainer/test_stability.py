@@ -33,7 +33,9 @@ CONVERGED = 0.95
 MAX_CYCLES = 10
 
 
-def generate(model_dir: Path, prompts: list[str], seed: int) -> list[tuple[list[int], list[int], list[float], str]]:
+def generate(
+    model_dir: Path, prompts: list[str], seed: int
+) -> list[tuple[list[int], list[int], list[float], str]]:
     """(prompt ids, completion ids, their logprobs, completion text) per prompt, sampled at T = 1."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -49,9 +51,17 @@ def generate(model_dir: Path, prompts: list[str], seed: int) -> list[tuple[list[
         mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
         with torch.no_grad():
             gen = model.generate(
-                input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                max_new_tokens=TASK.max_tokens, output_logits=True, return_dict_in_generate=True, pad_token_id=pad,
-            )  # fmt: skip
+                input_ids=input_ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=TASK.max_tokens,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=pad,
+            )
         logprobs = torch.log_softmax(torch.stack(gen.logits, dim=1).float(), dim=-1)  # (B, T, V)
         for b, prompt_ids in enumerate(ids):
             # As vLLM ends a request: at EOS, or at the task's stop string (the token that completed
@@ -86,9 +96,19 @@ def traffic(model_dir: Path, version: int, seed: int) -> list[InteractionEvent |
     prompts = TASK.train_prompts(EPISODES, seed)
     sampling = SamplingParams(temperature=1.0, max_tokens=TASK.max_tokens, logprobs_mode="processed")
     events: list[InteractionEvent | FeedbackEvent] = []
-    for i, (prompt, (prompt_ids, tokens, lps, text)) in enumerate(zip(prompts, generate(model_dir, prompts, seed), strict=True)):
-        event = interaction(f"ep-{seed}-{i}", version=f"v{version}", prompt=prompt, prompt_token_ids=prompt_ids,
-                            completion=text, completion_token_ids=tokens, completion_logprobs=lps, sampling=sampling)  # fmt: skip
+    for i, (prompt, (prompt_ids, tokens, lps, text)) in enumerate(
+        zip(prompts, generate(model_dir, prompts, seed), strict=True)
+    ):
+        event = interaction(
+            f"ep-{seed}-{i}",
+            version=f"v{version}",
+            prompt=prompt,
+            prompt_token_ids=prompt_ids,
+            completion=text,
+            completion_token_ids=tokens,
+            completion_logprobs=lps,
+            sampling=sampling,
+        )
         events.append(event)
         events.extend(feedback(event.request_id, s.kind.value) for s in TASK.preference(prompt, text))
     return events
@@ -99,7 +119,9 @@ def test_a_converged_champion_keeps_its_preference_rate_through_one_more_cycle(
 ) -> None:
     from trainer.cycle import end_cycle, run_cycle
 
-    production = settings.model_copy(update={"trainer": TrainerSettings(checkpoint_dir=tmp_path / "checkpoints")})
+    production = settings.model_copy(
+        update={"trainer": TrainerSettings(checkpoint_dir=tmp_path / "checkpoints")}
+    )
     store = Store(production.store.url)
     store.migrate()
     feeder = Feeder(store)
@@ -113,8 +135,10 @@ def test_a_converged_champion_keeps_its_preference_rate_through_one_more_cycle(
         stored = len(written.interactions)
         assert settled.settled_terminal + feeder.settle_window(at(31), 30) == stored == EPISODES
         result = run_cycle(production, store, registry, owner="stability")
-        print(f"cycle {seed}: v{version} -> v{result.challenger_version}, reward {result.mean_reward}, "
-              f"KL {[round(s.kl_k3, 4) for s in result.steps]}, stopped at {result.kl_stopped_at_step}")  # fmt: skip
+        print(
+            f"cycle {seed}: v{version} -> v{result.challenger_version}, reward {result.mean_reward}, "
+            f"KL {[round(s.kl_k3, 4) for s in result.steps]}, stopped at {result.kl_stopped_at_step}"
+        )
         assert result.status == "registered" and result.challenger_version is not None, result
         end_cycle(production, store, result.cycle_id or 0, "promoted")  # the gate passed it
         registry.set_alias(CHAMPION, result.challenger_version)

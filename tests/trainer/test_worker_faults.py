@@ -39,8 +39,13 @@ LEASE_TTL_S = 8.0
 def child(settings: Settings, log: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
     """``rtrl ARGS`` in a session of its own (killed with its group), stopped at the end."""
     with log.open("ab") as out:
-        proc = subprocess.Popen(rtrl_command(*args), env=child_env(settings), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            rtrl_command(*args),
+            env=child_env(settings),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         yield proc
     finally:
@@ -53,17 +58,31 @@ def test_a_worker_stopped_mid_cycle_is_replaced_and_the_cycle_completes_once(
 ) -> None:
     tag = uuid.uuid4().hex[:8]
     broker = services.celery.broker_url.rsplit("/", 1)[0] + "/7"  # a Redis database of this test's own
-    settings = services.model_copy(update={
-        "store": services.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'rtrl.db'}"}),
-        "services": services.services.model_copy(update={"run_dir": tmp_path / "run"}),
-        "mlflow": services.mlflow.model_copy(update={"model_name": f"faults-{tag}", "experiment": f"faults-{tag}"}),
-        "celery": services.celery.model_copy(update={"broker_url": broker, "result_backend": broker}),
-        "trainer": services.trainer.model_copy(update={
-            "min_samples": 16, "steps": 60, "micro_batch": 8, "max_kl": None, "interval_s": 2.0,
-            "lease_ttl_s": LEASE_TTL_S, "checkpoint_dir": tmp_path / "checkpoints"}),
-        "labeler": services.labeler.model_copy(update={"settle_window_s": 0.0}),
-        "gate": services.gate.model_copy(update={"tolerance": 1.0, "eval_prompts": 8}),  # not what this tests
-    })  # fmt: skip
+    settings = services.model_copy(
+        update={
+            "store": services.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'rtrl.db'}"}),
+            "services": services.services.model_copy(update={"run_dir": tmp_path / "run"}),
+            "mlflow": services.mlflow.model_copy(
+                update={"model_name": f"faults-{tag}", "experiment": f"faults-{tag}"}
+            ),
+            "celery": services.celery.model_copy(update={"broker_url": broker, "result_backend": broker}),
+            "trainer": services.trainer.model_copy(
+                update={
+                    "min_samples": 16,
+                    "steps": 60,
+                    "micro_batch": 8,
+                    "max_kl": None,
+                    "interval_s": 2.0,
+                    "lease_ttl_s": LEASE_TTL_S,
+                    "checkpoint_dir": tmp_path / "checkpoints",
+                }
+            ),
+            "labeler": services.labeler.model_copy(update={"settle_window_s": 0.0}),
+            "gate": services.gate.model_copy(
+                update={"tolerance": 1.0, "eval_prompts": 8}
+            ),  # not what this tests
+        }
+    )
     import redis
 
     redis.Redis.from_url(broker).flushdb()
@@ -90,7 +109,9 @@ def test_a_worker_stopped_mid_cycle_is_replaced_and_the_cycle_completes_once(
             if sig == signal.SIGKILL:
                 assert stopped.status == "running"  # nobody ended it: its lease will expire
             else:
-                assert stopped.status == "failed" and "abandoned before step" in (stopped.error or ""), stopped
+                assert stopped.status == "failed" and "abandoned before step" in (stopped.error or ""), (
+                    stopped
+                )
                 assert store.count_trainable(1, 0) == 32  # released at once
 
             with child(settings, logs / "worker-2.log", "worker", "--hostname", f"w2-{tag}"):

@@ -20,7 +20,7 @@ NAMED_UNJOINED = sa.text('joined_episode_id IS NULL AND episode_id IS NOT NULL')
 
 def upgrade() -> None:
     op.create_index('ix_feedback_named_unjoined', 'feedback', ['ingested_at'],
-                    postgresql_where=NAMED_UNJOINED, sqlite_where=NAMED_UNJOINED)  # fmt: skip
+                    postgresql_where=NAMED_UNJOINED, sqlite_where=NAMED_UNJOINED)
 
 
 def downgrade() -> None:

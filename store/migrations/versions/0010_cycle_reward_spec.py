@@ -24,7 +24,7 @@ CLAIMED = "FROM episodes WHERE episodes.status = 'settled' AND episodes.used_in_
 def upgrade() -> None:
     op.add_column('cycles', sa.Column('reward_spec', sa.String(length=120), nullable=True))
     op.execute(f"UPDATE cycles SET reward_spec = (SELECT MIN(episodes.reward_spec) {CLAIMED}) "
-               f"WHERE (SELECT COUNT(DISTINCT episodes.reward_spec) {CLAIMED}) = 1")  # fmt: skip
+               f"WHERE (SELECT COUNT(DISTINCT episodes.reward_spec) {CLAIMED}) = 1")
 
 
 def downgrade() -> None:
