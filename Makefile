@@ -35,6 +35,7 @@ demo-methods: install system-deps  ## the loop on each RL method's simulated age
 
 lint: install  ## style, the layer contract (docs/architecture.md, Layers), strict types on every package
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
