@@ -6,10 +6,11 @@ that served the selected samples; the result is a new registered version of
 ``settings.mlflow.model_name`` with alias ``challenger``, which the task then sends through the
 eval gate and the deployer.
 
-`run_cycle` is the list of steps; each step is a function below it, in the order it runs. The
-reward spec is resolved once, when the cycle starts (a ``.json`` spec is read from disk there
-and nowhere else in the cycle), and handed to the steps with the cycle's id, champion and files
-(`_Cycle`).
+`run_cycle` is the list of steps; each step is a function below it, in the order it runs, but
+for the training itself (`trainer.training.train`: the optimizer steps, here or on ranks, and the
+checkpoint saved). The reward spec is resolved once, when the cycle starts (a ``.json`` spec is
+read from disk there and nowhere else in the cycle), and handed to the steps with the cycle's id,
+champion and files (`_Cycle`).
 
 Guarantees (docs/architecture.md, Contracts: one cycle at a time):
 * the store's cycle lease admits one active cycle; the episodes are claimed for the cycle right
@@ -19,7 +20,7 @@ Guarantees (docs/architecture.md, Contracts: one cycle at a time):
   a version registered by this cycle is deleted (a registration that fails deletes its own
   version, `registry.Registry.register_checkpoint`), then the MLflow run is marked FAILED, each
   even when the one before raised, and the exception propagates; the DeepSpeed engine is closed
-  when its steps end, however they end;
+  when its steps end, however they end (trainer/training.py);
 * the running reward baselines are persisted only once the cycle is registered.
 """
 
@@ -43,7 +44,7 @@ from schemas.clock import utcnow
 from schemas.episodes import batch_metrics
 from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import DapoLoss, Settings, TrainerSettings
-from serving.sampler import MicroBatch, Row, micro_batches
+from serving.sampler import Row
 from store import Store, TrainingEpisode
 from trainer import checkpoint
 from trainer.advantages import BaselineState, compute_advantages
@@ -55,14 +56,11 @@ from trainer.batch import (
     rows_of,
     signal_count,
 )
-from trainer.engine import close_engine, save_optimizer_state, start_engine, state_dict
-from trainer.errors import Abandoned, InsufficientData
+from trainer.errors import InsufficientData
 from trainer.lease import expire_abandoned
-from trainer.losses import Normaliser, loss_function
-from trainer.optimizer_state import carried_state, continue_optimizer, state_meta
-from trainer.ranks import train_on_ranks
 from trainer.selection import count_trainable, select_trainable
-from trainer.steps import StepMetrics, Trained, mlflow_metrics, run_steps
+from trainer.steps import StepMetrics
+from trainer.training import Training, train
 
 log = logging.getLogger(__name__)
 
@@ -179,16 +177,6 @@ class _Batch:
     no_signal: int = 0  # rows dropped for a zero advantage (DAPO's dynamic sampling)
 
 
-@dataclass(frozen=True)
-class _Training:
-    """What the steps did, and where the optimizer came from."""
-
-    trained: Trained
-    carried_from: int | None  # the cycle whose optimizer state continued; None: fresh
-    tokens: int
-    train_s: float
-
-
 def run_cycle(
     settings: Settings,
     store: Store,
@@ -238,7 +226,20 @@ def run_cycle(
         # ---- champion weights into DeepSpeed, steps, save ---------------------------------------
         champion_dir, base_dir = _champion_checkpoint(settings, registry, champion)
         run_id = _start_run(settings, registry, cycle, batch.method_metrics)
-        training = _train(cfg, store, registry, cycle, run_id, batch, champion_dir, base_dir, stopping)
+        training = train(
+            cfg,
+            store,
+            registry,
+            champion=cycle.champion,
+            files=cycle.files,
+            run_id=run_id,
+            rows=batch.rows,
+            advantages=batch.advantages,
+            episodes=len(batch.episodes),
+            champion_dir=champion_dir,
+            base_dir=base_dir,
+            stopping=stopping,
+        )
         result = _result(cycle, run_id, batch, training)
         _log_lineage(registry, run_id, batch.episodes, result)
 
@@ -427,157 +428,7 @@ def _start_run(
     return run_id
 
 
-def _train(
-    cfg: TrainerSettings,
-    store: Store,
-    registry: Registry,
-    cycle: _Cycle,
-    run_id: str,
-    batch: _Batch,
-    champion_dir: Path,
-    base_dir: Path | None,
-    stopping: Callable[[], bool],
-) -> _Training:
-    """The optimizer steps from the champion's weights, on this process or on ``trainer.ranks``
-    rank processes, the checkpoint saved to the cycle's ``out_dir``, and the optimizer state kept
-    for the next cycle (``trainer.carry_optimizer``)."""
-    train_started = time.monotonic()
-    pad_id = 0  # padded positions are masked out of attention and loss; any id works
-    batches = micro_batches(batch.rows, cfg.micro_batch, pad_id)
-    norm = Normaliser(tokens=sum(b.tokens for b in batches), sequences=len(batch.rows))
-    lineage = {
-        "cycle_id": cycle.id,
-        "parent_version": cycle.champion,
-        "mlflow_run_id": run_id,
-        "episodes": len(batch.episodes),
-        "loss": cfg.loss.type,
-        "adapter": cfg.adapter,
-        "base_model": None if base_dir is None else str(base_dir),
-        "ranks": cfg.ranks,
-    }
-    mean_advantage = sum(batch.advantages) / len(batch.advantages)
-    if cfg.ranks > 1:
-        trained, carried_from = _train_on_ranks(
-            cfg, registry, cycle, batches, norm, mean_advantage, champion_dir, base_dir, lineage, stopping
-        )
-        for metrics in trained.steps:
-            registry.log_metrics(run_id, mlflow_metrics(metrics), metrics.step)
-    else:
-        trained, carried_from = _train_here(
-            cfg,
-            store,
-            registry,
-            cycle,
-            run_id,
-            batches,
-            norm,
-            mean_advantage,
-            champion_dir,
-            base_dir,
-            lineage,
-            stopping,
-        )
-    if trained.kl_stop is not None:
-        log.info(
-            "cycle %d: KL(champion ‖ policy) %.4f > trainer.max_kl %g after %d of %d steps: stopping there",
-            cycle.id,
-            trained.steps[-1].kl_k3,
-            cfg.max_kl,
-            trained.kl_stop,
-            cfg.steps,
-        )
-    if cfg.carry_optimizer:
-        cycle.files.keep_optimizer_state(state_meta(cfg), cfg.keep_optimizer_states)
-    return _Training(trained, carried_from, norm.tokens, round(time.monotonic() - train_started, 3))
-
-
-def _train_here(
-    cfg: TrainerSettings,
-    store: Store,
-    registry: Registry,
-    cycle: _Cycle,
-    run_id: str,
-    batches: list[MicroBatch],
-    norm: Normaliser,
-    mean_advantage: float,
-    champion_dir: Path,
-    base_dir: Path | None,
-    lineage: dict[str, Any],
-    stopping: Callable[[], bool],
-) -> tuple[Trained, int | None]:
-    """The steps of a cycle in this process (a world of one), each logged to the run and renewing
-    the lease; the engine is closed once they end, however they end. Returns the steps and the
-    cycle whose optimizer continued."""
-
-    def check_stopping(where: str) -> None:
-        if stopping():
-            raise Abandoned(f"the worker is stopping; cycle abandoned {where}")
-
-    def after_step(metrics: StepMetrics) -> None:
-        registry.log_metrics(run_id, mlflow_metrics(metrics), metrics.step)
-        store.heartbeat_cycle(cycle.id, cfg.lease_ttl_s)
-
-    with ExitStack() as engine_open:
-        engine = start_engine(champion_dir, cfg, accumulation=len(batches), base_dir=base_dir)
-        carried_from = None
-        if cfg.carry_optimizer:
-            engine, carried_from = continue_optimizer(
-                engine, registry, cycle.champion, champion_dir, cfg, len(batches), base_dir
-            )
-        engine_open.callback(close_engine, engine)
-        trained = run_steps(
-            engine,
-            batches,
-            cfg,
-            loss_function(cfg.loss),
-            norm,
-            mean_advantage=mean_advantage,
-            before_step=lambda step: check_stopping(f"before step {step}"),
-            after_step=after_step,
-        )
-        if cfg.carry_optimizer:
-            save_optimizer_state(engine, cycle.files.optimizer_dir)
-        weights = state_dict(engine)
-    check_stopping("before saving")
-    checkpoint.save(weights, cycle.files.out_dir, champion_dir, lineage)
-    return trained, carried_from
-
-
-def _train_on_ranks(
-    cfg: TrainerSettings,
-    registry: Registry,
-    cycle: _Cycle,
-    batches: list[MicroBatch],
-    norm: Normaliser,
-    mean_advantage: float,
-    champion_dir: Path,
-    base_dir: Path | None,
-    lineage: dict[str, Any],
-    stopping: Callable[[], bool],
-) -> tuple[Trained, int | None]:
-    """The steps of a multi-rank cycle (trainer/ranks.py); rank 0 saves the checkpoint to the
-    cycle's ``out_dir``. Returns the steps and the cycle whose optimizer continued."""
-    optimizer_from = carried_state(registry, cycle.champion, cfg) if cfg.carry_optimizer else None
-    result = train_on_ranks(
-        cfg,
-        cycle.files.ranks_dir,
-        batches=batches,
-        norm=(norm.tokens, norm.sequences),
-        mean_advantage=mean_advantage,
-        champion_dir=champion_dir,
-        base_dir=base_dir,
-        out_dir=cycle.files.out_dir,
-        lineage=lineage,
-        optimizer_from=None if optimizer_from is None else optimizer_from[0],
-        optimizer_to=cycle.files.optimizer_dir if cfg.carry_optimizer else None,
-        stopping=stopping,
-    )
-    steps = [StepMetrics.model_validate(m) for m in result["steps"]]
-    carried = optimizer_from[1] if optimizer_from is not None and result["optimizer_carried"] else None
-    return Trained(steps, result["kl_stop"]), carried
-
-
-def _result(cycle: _Cycle, run_id: str, batch: _Batch, training: _Training) -> CycleResult:
+def _result(cycle: _Cycle, run_id: str, batch: _Batch, training: Training) -> CycleResult:
     """The registered cycle's result, all but its challenger and its length (`_register` adds them)."""
     rewards = [e.reward for e in batch.episodes]
     first_interaction_at = min(e.created_at for e in batch.episodes)

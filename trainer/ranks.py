@@ -65,13 +65,11 @@ def train_on_ranks(
     ``{"steps": [StepMetrics...], "kl_stop": int | None, "optimizer_carried": bool}``, with the
     checkpoint written to `out_dir`. Raises Abandoned when `stopping` answers True, RanksFailed
     when a rank fails."""
-    import torch
-
-    from trainer.engine import _free_port
-
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / RESULT).unlink(missing_ok=True)
-    torch.save(
+    _write_job(
+        cfg,
+        work_dir,
         {
             "batches": [{f.name: getattr(mb, f.name) for f in fields(mb)} for mb in batches],
             "norm": list(norm),
@@ -83,9 +81,39 @@ def train_on_ranks(
             "optimizer_from": None if optimizer_from is None else str(optimizer_from),
             "optimizer_to": None if optimizer_to is None else str(optimizer_to),
         },
-        work_dir / JOB,
     )
+    proc = _launch(cfg, work_dir)
+    try:
+        while proc.poll() is None:
+            if stopping():
+                raise Abandoned("the worker is stopping; cycle abandoned while its ranks trained")
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            _stop_group(proc)
+    if proc.returncode != 0 or not (work_dir / RESULT).is_file():
+        tail = (work_dir / LOG).read_text(errors="replace")[-3000:]
+        raise RanksFailed(
+            f"the {cfg.ranks} training ranks failed (exit {proc.returncode}); "
+            f"{work_dir / LOG} ends with:\n{tail}"
+        )
+    result: dict[str, Any] = json.loads((work_dir / RESULT).read_text())
+    return result
+
+
+def _write_job(cfg: TrainerSettings, work_dir: Path, job: dict[str, Any]) -> None:
+    """The job every rank reads (`main`): `job` as ``job.pt``, the trainer's settings as ``trainer.json``."""
+    import torch
+
+    torch.save(job, work_dir / JOB)
     (work_dir / SETTINGS).write_text(cfg.model_dump_json())
+
+
+def _launch(cfg: TrainerSettings, work_dir: Path) -> subprocess.Popen[bytes]:
+    """Start the launcher of ``cfg.ranks`` ranks on `work_dir` in a process group of its own, its
+    output (and the ranks') into ``ranks.log``."""
+    from trainer.engine import _free_port
+
     # The worker's own single-process rendezvous must not reach the ranks: the launcher sets theirs.
     env = {
         k: v
@@ -108,7 +136,7 @@ def train_on_ranks(
         str(work_dir),
     ]
     with (work_dir / LOG).open("wb") as sink:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             command,
             env=env,
             stdout=sink,
@@ -116,22 +144,6 @@ def train_on_ranks(
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-    try:
-        while proc.poll() is None:
-            if stopping():
-                raise Abandoned("the worker is stopping; cycle abandoned while its ranks trained")
-            time.sleep(0.5)
-    finally:
-        if proc.poll() is None:
-            _stop_group(proc)
-    if proc.returncode != 0 or not (work_dir / RESULT).is_file():
-        tail = (work_dir / LOG).read_text(errors="replace")[-3000:]
-        raise RanksFailed(
-            f"the {cfg.ranks} training ranks failed (exit {proc.returncode}); "
-            f"{work_dir / LOG} ends with:\n{tail}"
-        )
-    result: dict[str, Any] = json.loads((work_dir / RESULT).read_text())
-    return result
 
 
 def _stop_group(proc: subprocess.Popen[bytes]) -> None:

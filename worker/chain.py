@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from registry import Registry
 from schemas.clock import utcnow
@@ -25,6 +25,9 @@ from store import Store
 from trainer import metrics
 from trainer.errors import Abandoned, AfterRegistration
 from trainer.lease import keep_lease
+
+if TYPE_CHECKING:
+    from trainer.cycle import CycleResult
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,9 @@ def _chain(
     takeover_suffix: str | None,
     stopping: Callable[[], bool],
 ) -> dict[str, Any]:
-    from deployer import gate, rollout
+    """The cycle, then, for a registered challenger, the gate and the fleet (`_gate_and_promote`).
+    After registration any exception fails the cycle; an Exception is raised again as the final
+    `AfterRegistration`."""
     from trainer.cycle import end_cycle, run_cycle
 
     try:
@@ -104,64 +109,7 @@ def _chain(
         out["status"] = "abandoned"
         return out
     try:
-        gate_started = time.monotonic()
-        decision = gate.evaluate(settings, registry, result.challenger_version, store)
-        out["gate_s"] = round(time.monotonic() - gate_started, 3)
-        out.update(
-            gate="pass" if decision.passed else "fail",
-            gate_reason=decision.reason,
-            challenger_score=decision.challenger_score,
-            champion_score=decision.champion_score,
-        )
-        gate_metrics = {
-            "gate": out["gate"],
-            "gate_reason": decision.reason,
-            "challenger_score": decision.challenger_score,
-            "champion_score": decision.champion_score,
-        }
-        if not decision.passed:
-            end_cycle(settings, store, result.cycle_id, "rejected", metrics=gate_metrics)
-            out["status"] = "rejected"
-            return out
-        deploy_started = time.monotonic()
-        swap = rollout.promote(settings, registry, result.challenger_version, store=store)
-        out["deploy_s"] = round(time.monotonic() - deploy_started, 3)
-        out["swap"] = swap.model_dump(mode="json")
-        if not swap.ok:
-            # Not deployed (the fleet is back on the champion): the data was not learnt from in
-            # production, so the cycle fails and its episodes go back to the pool.
-            end_cycle(
-                settings,
-                store,
-                result.cycle_id,
-                "failed",
-                metrics=gate_metrics,
-                error=f"swap failed: {swap.error}",
-            )
-            out["status"] = "failed"
-            return out
-        deployed_at = utcnow()
-        out.update(
-            status="promoted",
-            version_after=result.challenger_version,
-            swap_ms=swap.swap_ms,
-            deployed_at=deployed_at.isoformat(),
-        )
-        if result.first_interaction_at is not None:
-            out["data_to_deploy_s"] = round((deployed_at - result.first_interaction_at).total_seconds(), 3)
-        end_cycle(
-            settings,
-            store,
-            result.cycle_id,
-            "promoted",
-            metrics=gate_metrics
-            | {
-                "swap_ms": swap.swap_ms,
-                "deployed_at": out["deployed_at"],
-                "data_to_deploy_s": out["data_to_deploy_s"],
-            },
-        )
-        return out
+        return _gate_and_promote(settings, store, registry, result, out)
     except BaseException as exc:
         # The registered version stays (@challenger, never @champion); the cycle must not stay
         # active until its lease expires.
@@ -176,3 +124,89 @@ def _chain(
             # Even a transient cause is final here: a retry would train and register another version.
             raise AfterRegistration(f"v{result.challenger_version}: {type(exc).__name__}: {exc}") from exc
         raise
+
+
+def _gate_and_promote(
+    settings: Settings, store: Store, registry: Registry, result: CycleResult, out: dict[str, Any]
+) -> dict[str, Any]:
+    """The registered challenger through the eval gate: a fail ends the cycle ``rejected``, a pass
+    promotes it (`_promote`). Returns `out` with the gate's decision and scores."""
+    from deployer import gate
+    from trainer.cycle import end_cycle
+
+    assert result.cycle_id is not None and result.challenger_version is not None
+    gate_started = time.monotonic()
+    decision = gate.evaluate(settings, registry, result.challenger_version, store)
+    out["gate_s"] = round(time.monotonic() - gate_started, 3)
+    out.update(
+        gate="pass" if decision.passed else "fail",
+        gate_reason=decision.reason,
+        challenger_score=decision.challenger_score,
+        champion_score=decision.champion_score,
+    )
+    gate_metrics = {
+        "gate": out["gate"],
+        "gate_reason": decision.reason,
+        "challenger_score": decision.challenger_score,
+        "champion_score": decision.champion_score,
+    }
+    if not decision.passed:
+        end_cycle(settings, store, result.cycle_id, "rejected", metrics=gate_metrics)
+        out["status"] = "rejected"
+        return out
+    return _promote(settings, store, registry, result, out, gate_metrics)
+
+
+def _promote(
+    settings: Settings,
+    store: Store,
+    registry: Registry,
+    result: CycleResult,
+    out: dict[str, Any],
+    gate_metrics: dict[str, Any],
+) -> dict[str, Any]:
+    """The challenger that passed the gate onto the fleet: the cycle ends ``promoted``, or ``failed``
+    when the swap fails. Returns `out` with the swap, its timings and the served version."""
+    from deployer import rollout
+    from trainer.cycle import end_cycle
+
+    assert result.cycle_id is not None and result.challenger_version is not None
+    deploy_started = time.monotonic()
+    swap = rollout.promote(settings, registry, result.challenger_version, store=store)
+    out["deploy_s"] = round(time.monotonic() - deploy_started, 3)
+    out["swap"] = swap.model_dump(mode="json")
+    if not swap.ok:
+        # Not deployed (the fleet is back on the champion): the data was not learnt from in
+        # production, so the cycle fails and its episodes go back to the pool.
+        end_cycle(
+            settings,
+            store,
+            result.cycle_id,
+            "failed",
+            metrics=gate_metrics,
+            error=f"swap failed: {swap.error}",
+        )
+        out["status"] = "failed"
+        return out
+    deployed_at = utcnow()
+    out.update(
+        status="promoted",
+        version_after=result.challenger_version,
+        swap_ms=swap.swap_ms,
+        deployed_at=deployed_at.isoformat(),
+    )
+    if result.first_interaction_at is not None:
+        out["data_to_deploy_s"] = round((deployed_at - result.first_interaction_at).total_seconds(), 3)
+    end_cycle(
+        settings,
+        store,
+        result.cycle_id,
+        "promoted",
+        metrics=gate_metrics
+        | {
+            "swap_ms": swap.swap_ms,
+            "deployed_at": out["deployed_at"],
+            "data_to_deploy_s": out["data_to_deploy_s"],
+        },
+    )
+    return out

@@ -23,7 +23,7 @@ from registry import Registry
 from schemas.rewards import TAB_V1, RewardSpec
 from schemas.settings import Settings
 from store import Store
-from trainer import cycle
+from trainer import cycle, training
 from trainer.steps import StepMetrics, Trained
 
 pytestmark = pytest.mark.unit
@@ -159,13 +159,13 @@ def fed(store: Store) -> Store:
 
 
 def stand_in_engine(monkeypatch: pytest.MonkeyPatch, steps: Callable[..., Trained]) -> list[object]:
-    """Replace the engine functions the cycle calls; `steps` runs as `run_steps`. Returns the
-    engines closed so far."""
+    """Replace the engine functions the cycle's training calls (trainer/training.py); `steps` runs
+    as `run_steps`. Returns the engines closed so far."""
     closed: list[object] = []
-    monkeypatch.setattr(cycle, "start_engine", lambda *args, **kwargs: object())
-    monkeypatch.setattr(cycle, "close_engine", closed.append)
-    monkeypatch.setattr(cycle, "state_dict", lambda engine: {"w": torch.zeros(1)})
-    monkeypatch.setattr(cycle, "run_steps", steps)
+    monkeypatch.setattr(training, "start_engine", lambda *args, **kwargs: object())
+    monkeypatch.setattr(training, "close_engine", closed.append)
+    monkeypatch.setattr(training, "state_dict", lambda engine: {"w": torch.zeros(1)})
+    monkeypatch.setattr(training, "run_steps", steps)
     return closed
 
 
