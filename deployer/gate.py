@@ -16,6 +16,8 @@ conclusive, and no alarm fired. The suites (``gate.suites``, plus ``gate.offline
   the demo's simulated users.
 - offline JSONL suites with exact / contains / regex / function scorers.
 
+Each suite's verdict is scored in deployer/gate_suites.py; this module samples, decides and records.
+
 Prompt suites generate on the *staging* vLLM server (``settings.vllm.staging_server``, never in
 front of users): the gate swaps it to the challenger with the same verified swap the fleet gets (so
 a checkpoint that does not load or does not match its probe fails here, before any user sees it),
@@ -38,43 +40,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-import evals
 from deployer import alarms, metrics, ope, swap
 from deployer.alarms import Alarm, Behaviour
 from deployer.errors import GateError
-from evals.judge import Judge
-from evals.stats import Interval, importance_weights, off_policy, paired_interval, snips
-from evals.suites import PromptSuite, judge_suite, load_offline, retention_suite
+from deployer.gate_suites import SuiteResult, against_anchor, ope_suite, prompt_suites, score_prompts
+from evals.suites import PromptSuite
 from registry import Registry
 from schemas.clock import utcnow
-from schemas.rewards import get_spec
 from schemas.sampling import served_defaults
-from schemas.settings import JudgeSettings, Settings
+from schemas.settings import Settings
 from serving import AdapterError, Generation, VllmClient
 from store import Store
-
-
-class SuiteResult(BaseModel):
-    """One suite's verdict: both models' figures, the difference's interval, and whether it decides."""
-
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    kind: Literal["ope", "prompts"]
-    challenger: float | None
-    champion: float | None
-    difference: Interval | None
-    conclusive: bool
-    passed: bool | None = Field(description="None when inconclusive (it does not decide).")
-    n: int = Field(description="Prompts (prompt suites) or usable held-out episodes (ope).")
-    ess: float | None = Field(None, description="ope: the smaller effective sample size of the two models.")
-    margin: float = Field(0.0, description="Its non-inferiority margin (`gate.margins` or `gate.tolerance`).")
-    note: str = ""
 
 
 class GateDecision(BaseModel):
@@ -106,11 +85,6 @@ class GateDecision(BaseModel):
     decided_at: datetime
 
 
-def margin(settings: Settings, suite: str) -> float:
-    """The non-inferiority margin of `suite`: ``gate.margins[suite]``, else ``gate.tolerance``."""
-    return settings.gate.margins.get(suite, settings.gate.tolerance)
-
-
 def decide(suites: list[SuiteResult], fired: list[Alarm]) -> tuple[bool, str]:
     """Pass when at least one suite is conclusive, every conclusive one is non-inferior (lower bound
     above −its margin), no alarm fired."""
@@ -134,122 +108,6 @@ def decide(suites: list[SuiteResult], fired: list[Alarm]) -> tuple[bool, str]:
         if s.conclusive and s.difference is not None
     ]
     return True, "non-inferior on " + ", ".join(parts) + "; no alarm"
-
-
-def _prompt_suites(settings: Settings) -> list[tuple[PromptSuite, bool]]:
-    """(suite, oracle?) for every configured prompt suite; raises GateError on a bad suite."""
-    cfg = settings.gate
-    suites: list[tuple[PromptSuite, bool]] = []
-    try:
-        task = evals.get_task(cfg.task)
-        if "retention" in cfg.suites:
-            suites.append((retention_suite(task, cfg.eval_prompts), False))
-        if "oracle" in cfg.suites:
-            preference = evals.load_preference(cfg.preference) if cfg.preference else task.preference
-            reward = evals.scorer(preference, get_spec(settings.labeler.reward_spec))
-            prompts = tuple(task.heldout_prompts(cfg.eval_prompts))
-            suites.append(
-                (
-                    PromptSuite(
-                        name="oracle",
-                        prompts=prompts,
-                        lines=tuple({} for _ in prompts),
-                        scorer=lambda prompt, completion, _line: reward(prompt, completion),
-                        max_tokens=task.max_tokens,
-                        stop=task.stop,
-                    ),
-                    True,
-                )
-            )
-        if "judge" in cfg.suites:
-            assert cfg.judge is not None  # GateSettings refuses "judge" without it
-            suites.append((judge_suite(task, cfg.eval_prompts, cfg.judge), False))
-        suites.extend((load_offline(offline), False) for offline in cfg.offline)
-    except evals.TaskError as exc:
-        raise GateError(str(exc)) from exc
-    return suites
-
-
-def _score_prompts(
-    suite: PromptSuite,
-    challenger: list[list[Generation]],
-    champion: list[list[Generation]],
-    settings: Settings,
-) -> SuiteResult:
-    if suite.judge is not None:
-        return _score_judged(suite, suite.judge, challenger, champion, settings)
-
-    def per_prompt(generations: list[list[Generation]]) -> list[float]:
-        return [sum(suite.score(i, g.text) for g in gens) / len(gens) for i, gens in enumerate(generations)]
-
-    return _paired(suite.name, per_prompt(challenger), per_prompt(champion), settings)
-
-
-def _score_judged(
-    suite: PromptSuite,
-    judge: JudgeSettings,
-    challenger: list[list[Generation]],
-    champion: list[list[Generation]],
-    settings: Settings,
-) -> SuiteResult:
-    """Both models' generations graded by the judge; prompts without a grade on either side are left
-    out, and an outage follows `gate.judge.outage` (docs/gate.md, Judge)."""
-    items = [
-        (suite.prompts[i], g.text)
-        for model in (challenger, champion)
-        for i, gens in enumerate(model)
-        for g in gens
-    ]
-    with Judge(judge) as grader:
-        judged = grader.score_many(items)
-    verdicts = iter(judged.verdicts)
-    means: list[list[float | None]] = []
-    for model in (challenger, champion):
-        per_prompt: list[float | None] = []
-        for gens in model:
-            scores = [v.score for v in (next(verdicts) for _ in gens) if v.score is not None]
-            per_prompt.append(sum(scores) / len(scores) if scores else None)
-        means.append(per_prompt)
-    pairs = [(a, b) for a, b in zip(*means, strict=True) if a is not None and b is not None]
-    failed = f"{judged.failed} of {len(items)} judgements failed" + (
-        f" (first: {judged.first_error()})" if judged.failed else ""
-    )
-    if judged.outage or len(pairs) < 2:
-        block = judge.outage == "block"
-        return SuiteResult(
-            name=suite.name,
-            kind="prompts",
-            challenger=None,
-            champion=None,
-            difference=None,
-            conclusive=block,
-            passed=False if block else None,
-            n=len(pairs),
-            margin=margin(settings, suite.name),
-            note=f"judge out ({judge.outage}): {failed}",
-        )
-    result = _paired(suite.name, [a for a, _ in pairs], [b for _, b in pairs], settings)
-    return result.model_copy(update={"note": f"{len(pairs)} prompts graded by {judge.model}; {failed}"})
-
-
-def _paired(name: str, ours: list[float], theirs: list[float], settings: Settings) -> SuiteResult:
-    """A prompt suite's verdict from per-prompt mean scores of both models (paired bootstrap)."""
-    cfg = settings.gate
-    interval = paired_interval(
-        ours, theirs, confidence=cfg.confidence, resamples=cfg.bootstrap_resamples, seed=cfg.seed
-    )
-    allowed = margin(settings, name)
-    return SuiteResult(
-        name=name,
-        kind="prompts",
-        challenger=float(np.mean(ours)),
-        champion=float(np.mean(theirs)),
-        difference=interval,
-        conclusive=True,
-        passed=interval.low > -allowed,
-        n=len(ours),
-        margin=allowed,
-    )
 
 
 def _generate(
@@ -298,83 +156,6 @@ def _load(server: VllmClient, target: swap.Target, settings: Settings, store: St
         swap.save_digests(settings, store, target.version, digests)
 
 
-def ope_suite(
-    settings: Settings, store: Store, challenger: ope.Weights, champion: ope.Weights
-) -> tuple[SuiteResult, list[Alarm]]:
-    """The off-policy suite on the store's held-out traffic and the alarms it feeds (kl, no_feedback)."""
-    cfg = settings.gate
-    spec_id = get_spec(settings.labeler.reward_spec).spec_id
-    episodes = store.select_heldout(
-        cfg.ope.max_episodes, spec_id=spec_id, holdout_percent=cfg.ope.holdout_percent
-    )
-    logged, skipped = ope.usable(episodes)
-    skipped_note = f"; {skipped} held-out episodes could not be rescored" if skipped else ""
-    if len(logged) < 2:
-        note = f"{len(logged)} usable held-out episodes under {spec_id}{skipped_note}"
-        return SuiteResult(
-            name="ope",
-            kind="ope",
-            challenger=None,
-            champion=None,
-            difference=None,
-            conclusive=False,
-            passed=None,
-            n=len(logged),
-            margin=margin(settings, "ope"),
-            note=note,
-        ), []
-    chal_scored = ope.sequence_logprobs(challenger, logged)
-    champ_scored = ope.sequence_logprobs(champion, logged)
-    chal, champ = ope.challenger_logprobs(chal_scored, champ_scored), champ_scored.processed
-    behaviour = [e.behaviour for e in logged]
-    estimate = off_policy(
-        [e.reward for e in logged],
-        behaviour,
-        chal,
-        champ,
-        clip=cfg.ope.clip,
-        confidence=cfg.confidence,
-        resamples=cfg.bootstrap_resamples,
-        seed=cfg.seed,
-    )
-    ess = min(estimate.ess_challenger, estimate.ess_champion)
-    conclusive = ess >= cfg.ope.min_ess
-    note = (
-        f"{len(logged)} held-out episodes, effective sample size challenger {estimate.ess_challenger:.1f}, "
-        f"champion {estimate.ess_champion:.1f} (min {cfg.ope.min_ess:g}){skipped_note}"
-    )
-    suite = SuiteResult(
-        name="ope",
-        kind="ope",
-        challenger=estimate.challenger,
-        champion=estimate.champion,
-        difference=estimate.difference,
-        conclusive=conclusive,
-        passed=(estimate.difference.low > -margin(settings, "ope")) if conclusive else None,
-        n=len(logged),
-        ess=ess,
-        margin=margin(settings, "ope"),
-        note=note,
-    )
-    found: list[Alarm] = []
-    w0 = importance_weights(champ, behaviour, cfg.ope.clip)
-    w1 = importance_weights(chal, behaviour, cfg.ope.clip)
-    if estimate.ess_champion >= cfg.ope.min_ess:
-        # KL(champion || challenger) per token: champion-weighted log-ratio over champion-weighted tokens,
-        # on the tempered logprobs (no truncation): a logged token that left the challenger's nucleus
-        # is a large move, counted as such, not an infinite one (docs/gate.md, Alarms).
-        gap = np.asarray(champ_scored.tempered) - np.asarray(chal_scored.tempered)
-        kept = np.isfinite(np.asarray(champ))
-        kl = snips(w0[kept], gap[kept]) / max(
-            snips(w0[kept], np.asarray([e.tokens for e in logged], dtype=np.float64)[kept]), 1.0
-        )
-        found.append(alarms.kl_alarm(kl, cfg.alarms))
-    if conclusive:
-        silent = np.asarray([float(e.no_feedback) for e in logged])
-        found.append(alarms.no_feedback_alarm(snips(w1, silent), snips(w0, silent), cfg.alarms))
-    return suite, found
-
-
 def anchor_version(settings: Settings, registry: Registry, champion: int) -> int | None:
     """The version `gate.anchor` names, unless it is the champion itself (or none is configured)."""
     spec = settings.gate.anchor
@@ -387,25 +168,6 @@ def anchor_version(settings: Settings, registry: Registry, champion: int) -> int
             f"gate.anchor names v{anchor}, which is not registered under {settings.mlflow.model_name!r}"
         )
     return None if anchor == champion else anchor
-
-
-def _against_anchor(result: SuiteResult, anchor: int, settings: Settings) -> SuiteResult:
-    """A prompt suite's challenger-vs-anchor verdict, under `gate.anchor_margin`."""
-    allowed = settings.gate.anchor_margin
-    passed = (
-        None if not result.conclusive else result.difference is not None and result.difference.low > -allowed
-    )
-    return result.model_copy(
-        update={
-            "name": f"{result.name}_anchor",
-            "margin": allowed,
-            "passed": passed,
-            "note": (
-                f"challenger vs the anchor v{anchor} (the champion column is the anchor's)"
-                + (f"; {result.note}" if result.note else "")
-            ),
-        }
-    )
 
 
 @dataclass(frozen=True)
@@ -461,7 +223,7 @@ def _plan(settings: Settings, registry: Registry, version: int) -> _Plan:
     and the prompt suites; raises GateError on a bad suite or anchor."""
     champion = registry.champion()
     anchor = anchor_version(settings, registry, champion)
-    suites = [s for s, _ in _prompt_suites(settings)]
+    suites = [s for s, _ in prompt_suites(settings)]
     anchored = (
         [i for i, s in enumerate(suites) if s.name in settings.gate.anchor_suites]
         if anchor is not None
@@ -506,15 +268,15 @@ def _score(
     cfg = settings.gate
     generated = staged.generated
     results = [
-        _score_prompts(suite, generated["challenger"][i], generated["champion"][i], settings)
+        score_prompts(suite, generated["challenger"][i], generated["champion"][i], settings)
         for i, suite in enumerate(plan.suites)
     ]
     for position, index in enumerate(plan.anchored):
         assert plan.anchor is not None
-        versus = _score_prompts(
+        versus = score_prompts(
             plan.suites[index], generated["challenger"][index], generated["anchor"][position], settings
         )
-        results.append(_against_anchor(versus, plan.anchor, settings))
+        results.append(against_anchor(versus, plan.anchor, settings))
     behaviour, found = _behaviour_alarms(settings, plan, generated)
     if "ope" in cfg.suites:
         chal, champ = staged.targets["challenger"], staged.targets["champion"]

@@ -257,89 +257,107 @@ def render(report: dict[str, Any]) -> str:
         return False
 
     if not failed("services"):
-        lines.append(
-            "services  "
-            + " · ".join(f"{s['name']} {'ok' if s['healthy'] else s['detail']}" for s in report["services"])
-            or "none enabled"
-        )
+        lines.append(_services_line(report["services"]))
     if not failed("daemon"):
-        daemon = report["daemon"]
-        if not daemon.get("running"):
-            lines.append("daemon    not running")
-        else:
-            children = ", ".join(
-                f"{name} "
-                + (
-                    "waiting"
-                    if c.get("waiting_for_prepare")
-                    else f"pid {c['pid']}"
-                    if c.get("running")
-                    else "DOWN"
-                )
-                + (f" ({c['restarts_recent']} restarts)" if c.get("restarts_recent") else "")
-                for name, c in daemon["children"].items()
-            )
-            lines.append(f"daemon    rtrl run pid {daemon['pid']}: {children}")
+        lines.append(_daemon_line(report["daemon"]))
     if not failed("labeler"):
-        lab = report["labeler"]
-        lines.append(
-            f"labeler   lag {lab['pending']} · produced {lab['produced']} = stored {lab['stored']} + "
-            f"dead-lettered {lab['dead_lettered']} ({'balanced' if lab['balanced'] else 'NOT balanced'})"
-            + (f" · {lab['judging']} waiting for the judge" if lab.get("judging") else "")
-        )
+        lines.append(_labeler_line(report["labeler"]))
     if not failed("trainer"):
-        tr = report["trainer"]
-        paused = tr["paused"]
-        text = (
-            f"PAUSED since {paused.get('since')} ({paused.get('reason')})"
-            if isinstance(paused, dict)
-            else ("running" if paused is False else f"pause state {paused}")
-        )
-        now = (
-            "; ".join(f"cycle {c['id']} {c['status']} on v{c['champion']}" for c in tr["running"])
-            or "no cycle under way"
-        )
-        last = tr["last"]
-        done = (
-            "no cycle finished yet"
-            if last is None
-            else (
-                f"last: cycle {last['id']} {last['status']}"
-                + (f" v{last['challenger']}" if last["challenger"] else "")
-                + (f", gate {last['gate']}" if last["gate"] else "")
-                + (f" ({last['gate_reason']})" if last["gate_reason"] else "")
-                + (f", error: {last['error'][:120]}" if last["error"] else "")
-            )
-        )
-        lines.append(f"trainer   {text} · {now} · {done}")
+        lines.append(_trainer_line(report["trainer"]))
     if not failed("registry"):
-        reg = report["registry"]
-        lines.append(
-            f"registry  @champion v{reg['champion']} (latest registered v{reg['latest']})"
-            if reg["champion"] is not None
-            else "registry  empty (`rtrl run` registers the base model)"
-        )
+        lines.append(_registry_line(report["registry"]))
     if not failed("fleet"):
-        for row in report["fleet"]:
-            state = row.get("error") or (
-                f"v{row['version']}"
-                + (" PAUSED" if row.get("paused") else "")
-                + (
-                    ""
-                    if row.get("in_rotation") in (None, True)
-                    else f", out of rotation ({row.get('rotation_reason')})"
-                )
-            )
-            lines.append(f"fleet     {row['role']:<8} {row['url']}  {state}")
+        lines.extend(_fleet_lines(report["fleet"]))
     if "locks" in report and not failed("locks"):
-        held = [
-            f"{lock['name']} held by {lock['holder']} ({lock['purpose']}) since {lock['since']}"
-            + (" (held: unknown)" if lock["held"] is None else "")
-            for lock in report["locks"]
-            if lock["held"] is not False
-        ]
-        lines.append("locks     " + (" · ".join(held) or "none held"))
+        lines.append(_locks_line(report["locks"]))
     problems = report["problems"]
     lines.append("problems  " + ("none" if not problems else f"{len(problems)}"))
     lines.extend(f"  - {p}" for p in problems)
     return "\n".join(lines)
+
+
+def _services_line(services: list[dict[str, Any]]) -> str:
+    return (
+        "services  " + " · ".join(f"{s['name']} {'ok' if s['healthy'] else s['detail']}" for s in services)
+        or "none enabled"
+    )
+
+
+def _daemon_line(daemon: dict[str, Any]) -> str:
+    if not daemon.get("running"):
+        return "daemon    not running"
+    children = ", ".join(
+        f"{name} "
+        + ("waiting" if c.get("waiting_for_prepare") else f"pid {c['pid']}" if c.get("running") else "DOWN")
+        + (f" ({c['restarts_recent']} restarts)" if c.get("restarts_recent") else "")
+        for name, c in daemon["children"].items()
+    )
+    return f"daemon    rtrl run pid {daemon['pid']}: {children}"
+
+
+def _labeler_line(lab: dict[str, Any]) -> str:
+    return (
+        f"labeler   lag {lab['pending']} · produced {lab['produced']} = stored {lab['stored']} + "
+        f"dead-lettered {lab['dead_lettered']} ({'balanced' if lab['balanced'] else 'NOT balanced'})"
+        + (f" · {lab['judging']} waiting for the judge" if lab.get("judging") else "")
+    )
+
+
+def _trainer_line(tr: dict[str, Any]) -> str:
+    paused = tr["paused"]
+    text = (
+        f"PAUSED since {paused.get('since')} ({paused.get('reason')})"
+        if isinstance(paused, dict)
+        else ("running" if paused is False else f"pause state {paused}")
+    )
+    now = (
+        "; ".join(f"cycle {c['id']} {c['status']} on v{c['champion']}" for c in tr["running"])
+        or "no cycle under way"
+    )
+    last = tr["last"]
+    done = (
+        "no cycle finished yet"
+        if last is None
+        else (
+            f"last: cycle {last['id']} {last['status']}"
+            + (f" v{last['challenger']}" if last["challenger"] else "")
+            + (f", gate {last['gate']}" if last["gate"] else "")
+            + (f" ({last['gate_reason']})" if last["gate_reason"] else "")
+            + (f", error: {last['error'][:120]}" if last["error"] else "")
+        )
+    )
+    return f"trainer   {text} · {now} · {done}"
+
+
+def _registry_line(reg: dict[str, Any]) -> str:
+    return (
+        f"registry  @champion v{reg['champion']} (latest registered v{reg['latest']})"
+        if reg["champion"] is not None
+        else "registry  empty (`rtrl run` registers the base model)"
+    )
+
+
+def _fleet_lines(fleet: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for row in fleet:
+        state = row.get("error") or (
+            f"v{row['version']}"
+            + (" PAUSED" if row.get("paused") else "")
+            + (
+                ""
+                if row.get("in_rotation") in (None, True)
+                else f", out of rotation ({row.get('rotation_reason')})"
+            )
+        )
+        lines.append(f"fleet     {row['role']:<8} {row['url']}  {state}")
+    return lines
+
+
+def _locks_line(locks: list[dict[str, Any]]) -> str:
+    held = [
+        f"{lock['name']} held by {lock['holder']} ({lock['purpose']}) since {lock['since']}"
+        + (" (held: unknown)" if lock["held"] is None else "")
+        for lock in locks
+        if lock["held"] is not False
+    ]
+    return "locks     " + (" · ".join(held) or "none held")

@@ -72,13 +72,14 @@ from typing import Any, Protocol
 from sqlalchemy import Table, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from schemas.episodes import SegmentShape, episode_metrics, is_parl
+from schemas.episodes import episode_metrics, is_parl
 from schemas.events import CONTROL_KINDS, InteractionEvent
 from schemas.rewards import RewardResult, RewardSpec, Shaping, judge_disagrees, score
 from schemas.versions import parse_version
 from store.bulk import among, insert_rows, update_rows
 from store.episode_rows import EPISODE_COLUMNS, EPISODES, EpisodeRow, lock_episodes, save_rows
 from store.models import Cycle, Episode, Feedback, Interaction
+from store.settle_reads import read_segments, read_signals, segment_shapes
 
 FEEDBACK: Table = Feedback.__table__  # type: ignore[assignment]
 
@@ -294,7 +295,7 @@ def _settle_terminal(
     # episode_end ends any episode; other terminal feedback ends an episode of one call, or an
     # episode of several when it names the episode (the module docstring).
     by_id = {e.episode_id: e for e in touched}
-    signals = _signals(session, sorted(by_id))
+    signals = read_signals(session, sorted(by_id))
     ending_kinds = {k.value for k in spec.terminal | CONTROL_KINDS}
     control = {k.value for k in CONTROL_KINDS}
     ending = {e for e, rows in signals.items() if any(r.kind in ending_kinds for r in rows)}
@@ -303,7 +304,7 @@ def _settle_terminal(
         for e in ending
         if any(r.kind in control or (r.kind in ending_kinds and r.episode_id is not None) for r in signals[e])
     }
-    segments_of = _segments(session, sorted(ending))
+    segments_of = read_segments(session, sorted(ending))
     # An episode of one call: its only (non-late) segment is segment 0.
     terminal |= {e for e in ending - terminal if [s.segment_index for s in segments_of.get(e, [])] == [0]}
     report.settled += settle(
@@ -376,12 +377,12 @@ def settle(
 ) -> list[Settled]:
     """Close each episode: measure its segments and score it from its joined, non-late feedback
     (oldest first), or, under a judged spec, leave it ``judging`` for `settle_judged` (not returned).
-    `segments_of` (`_segments`) and `signals` (`_signals`) are what the caller read of these
+    `segments_of` (`read_segments`) and `signals` (`read_signals`) are what the caller read of these
     episodes already in this transaction; read here when None. The caller writes the changes (`save_rows`)."""
     if not episodes:
         return []
     ids = [e.episode_id for e in episodes]
-    shapes = _segment_shapes(session, ids, _segments(session, ids) if segments_of is None else segments_of)
+    shapes = segment_shapes(session, ids, read_segments(session, ids) if segments_of is None else segments_of)
     cycle = trained_cycles(session, spec.spec_id) if spec.parl is not None else 0
     scored: list[EpisodeRow] = []
     for episode in episodes:
@@ -397,7 +398,7 @@ def settle(
         else:
             scored.append(episode)
     if signals is None:
-        signals = _signals(session, [e.episode_id for e in scored])
+        signals = read_signals(session, [e.episode_id for e in scored])
     return [_score(episode, spec, signals.get(episode.episode_id, []), None, now) for episode in scored]
 
 
@@ -476,7 +477,7 @@ def settle_judged(
     if not grades:
         return []
     episodes = [e for e in lock_episodes(session, set(grades)).values() if e.status == "judging"]
-    signals = _signals(session, [e.episode_id for e in episodes])
+    signals = read_signals(session, [e.episode_id for e in episodes])
     settled = [
         _score(e, spec, signals[e.episode_id], grades[e.episode_id], now, judged=True) for e in episodes
     ]
@@ -524,84 +525,6 @@ def _score(
         judge=None if not judged else ("scored" if grade is not None else "unavailable"),
         judge_disagrees=disagrees,
     )
-
-
-def _signals(session: Session, episode_ids: list[str]) -> dict[str, list[Any]]:
-    """Each episode's joined, non-late feedback (kind, value, and the episode id the sender named),
-    oldest first."""
-    signals: dict[str, list[Any]] = defaultdict(list)
-    if not episode_ids:
-        return signals
-    rows = session.execute(
-        select(Feedback.joined_episode_id, Feedback.kind, Feedback.value, Feedback.episode_id)
-        .where(among(session, Feedback.joined_episode_id, episode_ids), Feedback.late.is_(False))
-        .order_by(Feedback.created_at, Feedback.event_id)
-    )
-    for row in rows:
-        signals[row.joined_episode_id].append(row)
-    return signals
-
-
-def _segments(session: Session, episode_ids: list[str]) -> dict[str, list[Any]]:
-    """Each episode's non-late segments in order, without their text: index, role, agent, finish
-    reason, trainable, the version that served it, and token counts counted by the database
-    (``json_array_length``, on SQLite and PostgreSQL alike)."""
-    segments: dict[str, list[Any]] = defaultdict(list)
-    if not episode_ids:
-        return segments
-    rows = session.execute(
-        select(
-            Interaction.episode_id,
-            Interaction.segment_index,
-            Interaction.role,
-            Interaction.agent,
-            Interaction.finish_reason,
-            Interaction.trainable,
-            Interaction.policy_version,
-            func.json_array_length(Interaction.prompt_token_ids).label("prompt_len"),
-            func.json_array_length(Interaction.completion_token_ids).label("completion_len"),
-        )
-        .where(among(session, Interaction.episode_id, episode_ids), Interaction.late.is_(False))
-        .order_by(Interaction.episode_id, Interaction.segment_index)
-    )
-    for row in rows:
-        segments[row.episode_id].append(row)
-    return segments
-
-
-def _segment_shapes(
-    session: Session, episode_ids: list[str], segments_of: dict[str, list[Any]]
-) -> dict[str, list[SegmentShape]]:
-    """The segments of `episode_ids` (from `segments_of`, `_segments`) as schemas/episodes.py
-    measures them. The text is read only for episodes of several segments (one segment's lengths
-    suffice)."""
-    per_episode = {e: segments_of[e] for e in episode_ids if segments_of.get(e)}
-    several = sorted(e for e, segs in per_episode.items() if len(segs) > 1)
-    text: dict[tuple[str, int], tuple[str, str]] = {}
-    if several:
-        for row in session.execute(
-            select(
-                Interaction.episode_id, Interaction.segment_index, Interaction.prompt, Interaction.completion
-            ).where(among(session, Interaction.episode_id, several), Interaction.late.is_(False))
-        ):
-            text[(row.episode_id, row.segment_index)] = (row.prompt, row.completion)
-    return {
-        episode_id: [
-            SegmentShape(
-                role=r.role,
-                agent=r.agent,
-                prompt_len=int(r.prompt_len or 0),
-                completion_len=int(r.completion_len or 0),
-                finish_reason=r.finish_reason,
-                trainable=bool(r.trainable),
-                prompt=text.get((episode_id, r.segment_index), ("", ""))[0],
-                completion=text.get((episode_id, r.segment_index), ("", ""))[1],
-                version=r.policy_version,
-            )
-            for r in segs
-        ]
-        for episode_id, segs in per_episode.items()
-    }
 
 
 def _target(feedback: Any, by_request: dict[tuple[str, str], str | None]) -> str | None:

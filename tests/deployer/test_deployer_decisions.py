@@ -11,7 +11,8 @@ import pytest
 
 from deployer.alarms import Alarm
 from deployer.errors import RolloutBusy
-from deployer.gate import GateDecision, SuiteResult, cause, decide
+from deployer.gate import GateDecision, cause, decide
+from deployer.gate_suites import SuiteResult
 from deployer.probe import max_abs_diff
 from deployer.rollout import SwapResult
 from deployer.swap import ServerSwap, digests_agree, rollout_lock, verdict

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from episodes import feed, sample_episodes, tuned_copy
 
-from deployer import gate, ope
+from deployer import gate_suites, ope
 from evals import get_task
 from schemas.rewards import get_spec
 from schemas.settings import Settings
@@ -57,7 +57,7 @@ def test_ope_on_held_out_traffic_ranks_a_better_and_a_worse_challenger_correctly
     spec_id = get_spec(settings.labeler.reward_spec).spec_id
     estimates = {}
     for name, path in (("champion", tiny_model_dir), ("better", better), ("worse", worse)):
-        suite, fired = gate.ope_suite(settings, store, ope.Weights(path), champion)
+        suite, fired = gate_suites.ope_suite(settings, store, ope.Weights(path), champion)
         print(name, suite.model_dump_json(), [a.name for a in fired if a.fired])
         assert suite.n == LOGGED and suite.conclusive, suite.note
         estimates[name] = suite

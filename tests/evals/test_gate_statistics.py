@@ -262,14 +262,14 @@ def test_kl_alarm() -> None:
 
 
 def test_the_gates_prompt_suites_score_every_prompt() -> None:
-    from deployer.gate import _prompt_suites
+    from deployer.gate_suites import prompt_suites
     from schemas.settings import Settings
 
     settings = Settings()
     settings = settings.model_copy(
         update={"gate": settings.gate.model_copy(update={"suites": ("oracle", "retention", "ope")})}
     )
-    suites = {suite.name: suite for suite, _ in _prompt_suites(settings)}
+    suites = {suite.name: suite for suite, _ in prompt_suites(settings)}
     assert set(suites) == {"oracle", "retention"}  # ope is not a prompt suite
     assert suites["oracle"].prompts == suites["retention"].prompts  # generated once, scored twice
     oracle = suites["oracle"]

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from deployer import gate
+from deployer import gate, gate_suites
 from evals.judge import NOT_ASKED, Judge
 from evals.suites import PromptSuite
 from schemas.settings import JudgeSettings, Settings
@@ -134,7 +134,7 @@ def test_the_gate_judge_suite_decides_and_follows_its_outage_policy(vllm_service
     settings = vllm_service.model_copy(
         update={"gate": vllm_service.gate.model_copy(update={"bootstrap_resamples": 200})}
     )
-    live = gate._score_prompts(suite_of(local_judge(settings)), generations(), generations(), settings)
+    live = gate_suites.score_prompts(suite_of(local_judge(settings)), generations(), generations(), settings)
     print(live.model_dump_json())
     assert live.conclusive and live.passed and live.n == len(ITEMS)
     assert (
@@ -143,12 +143,12 @@ def test_the_gate_judge_suite_decides_and_follows_its_outage_policy(vllm_service
     assert "0 of 16 judgements failed" in live.note
 
     down = JudgeSettings(url=f"http://127.0.0.1:{free_ports(1)[0]}/v1", model="judge", retries=0)
-    out = gate._score_prompts(suite_of(down), generations(), generations(), settings)
+    out = gate_suites.score_prompts(suite_of(down), generations(), generations(), settings)
     assert not out.conclusive and out.passed is None and out.note.startswith("judge out (inconclusive)")
     passed, reason = gate.decide([out], [])
     assert not passed and "no suite was conclusive: judge: judge out (inconclusive)" in reason
 
-    blocking = gate._score_prompts(
+    blocking = gate_suites.score_prompts(
         suite_of(down.model_copy(update={"outage": "block"})), generations(), generations(), settings
     )
     passed, reason = gate.decide([live.model_copy(update={"name": "retention"}), blocking], [])
@@ -165,5 +165,5 @@ def test_a_gate_with_the_judge_suite_needs_the_judge_configured(vllm_service: Se
             )
         }
     )
-    names = [s.name for s, _ in gate._prompt_suites(settings)]
+    names = [s.name for s, _ in gate_suites.prompt_suites(settings)]
     assert names == ["retention", "judge"]
