@@ -157,6 +157,17 @@ def _sentencepiece_tokenizer(vocab: int) -> tuple[Any, dict[str, Any]]:
     return tokenizer, config
 
 
+@dataclass(frozen=True)
+class _Family:
+    """A family's model config and class, and what its generation_config.json holds."""
+
+    config: Any  # Qwen2Config or LlamaConfig
+    model_cls: Any
+    dtype: str
+    sampling: dict[str, Any]  # the sampling defaults
+    generation: dict[str, Any]  # eos / bos / pad token ids
+
+
 def build(
     out_dir: Path,
     arch: str = "qwen2",
@@ -173,9 +184,6 @@ def build(
 
     `dtype`, `tie_word_embeddings` and `generation_config` (the sampling defaults; {} writes none)
     override the family's own; returns `out_dir`."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
     if arch not in ARCHS:
         raise ValueError(f"unknown architecture {arch!r}; known: {', '.join(ARCHS)}")
     if size not in SIZES:
@@ -191,7 +199,17 @@ def build(
     if rows < tokens:
         raise ValueError(f"vocab_size {rows} < the tokenizer's {tokens} tokens")
     ids = {name: tokenizer.token_to_id(name) for name in ("<|endoftext|>", "<|im_end|>", "<s>", "</s>")}
-    common: dict[str, Any] = dict(
+    family = (_qwen2 if arch == "qwen2" else _llama)(_common(shape, rows), ids, dtype, tie_word_embeddings)
+    _save_model(family, out_dir, seed, generation_config)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    tok_config["model_max_length"] = shape.max_position_embeddings
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
+def _common(shape: Size, rows: int) -> dict[str, Any]:
+    """The config fields both families share: the size's shape and `rows` embedding rows."""
+    return dict(
         vocab_size=rows,
         hidden_size=shape.hidden_size,
         num_hidden_layers=shape.num_hidden_layers,
@@ -201,50 +219,63 @@ def build(
         max_position_embeddings=shape.max_position_embeddings,
         hidden_act="silu",
     )
-    config: Qwen2Config | LlamaConfig
-    if arch == "qwen2":
-        dtype = dtype or "bfloat16"
-        config = Qwen2Config(
-            **common,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-            use_sliding_window=False,
-            tie_word_embeddings=True if tie_word_embeddings is None else tie_word_embeddings,
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            dtype=dtype,
-            architectures=["Qwen2ForCausalLM"],
-        )
-        defaults = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
-        eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-        gen_ids: dict[str, Any] = {"bos_token_id": ids["<|endoftext|>"], "pad_token_id": ids["<|endoftext|>"]}
-        model_cls: Any = Qwen2ForCausalLM
-    else:
-        dtype = dtype or "float32"
-        config = LlamaConfig(
-            **common,
-            rms_norm_eps=1e-5,
-            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-            tie_word_embeddings=False if tie_word_embeddings is None else tie_word_embeddings,
-            bos_token_id=ids["<s>"],
-            eos_token_id=ids["</s>"],
-            dtype=dtype,
-            architectures=["LlamaForCausalLM"],
-        )
-        defaults = {"temperature": 0.6, "top_p": 0.9}
-        eos = [ids["</s>"]]
-        gen_ids = {"bos_token_id": ids["<s>"]}
-        model_cls = LlamaForCausalLM
+
+
+def _qwen2(common: dict[str, Any], ids: dict[str, int], dtype: str | None, tie: bool | None) -> _Family:
+    """Qwen2.5's: bf16, tied, rope theta 1e6, ChatML's eos; temperature 0.7, top-p 0.8, top-k 20."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    dtype = dtype or "bfloat16"
+    config = Qwen2Config(
+        **common,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        use_sliding_window=False,
+        tie_word_embeddings=True if tie is None else tie,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        dtype=dtype,
+        architectures=["Qwen2ForCausalLM"],
+    )
+    generation = {
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "bos_token_id": ids["<|endoftext|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+    sampling = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    return _Family(config, Qwen2ForCausalLM, dtype, sampling, generation)
+
+
+def _llama(common: dict[str, Any], ids: dict[str, int], dtype: str | None, tie: bool | None) -> _Family:
+    """Llama-2's: fp32, untied, rope theta 1e4, <s> and </s>; temperature 0.6, top-p 0.9."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dtype = dtype or "float32"
+    config = LlamaConfig(
+        **common,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        tie_word_embeddings=False if tie is None else tie,
+        bos_token_id=ids["<s>"],
+        eos_token_id=ids["</s>"],
+        dtype=dtype,
+        architectures=["LlamaForCausalLM"],
+    )
+    generation = {"eos_token_id": [ids["</s>"]], "bos_token_id": ids["<s>"]}
+    sampling = {"temperature": 0.6, "top_p": 0.9}
+    return _Family(config, LlamaForCausalLM, dtype, sampling, generation)
+
+
+def _save_model(family: _Family, out_dir: Path, seed: int, sampling: dict[str, Any] | None) -> None:
+    """The model's random weights (seeded) as safetensors, its config.json and generation_config.json
+    (`sampling`, or the family's defaults when None)."""
+    import torch
+    from transformers import GenerationConfig
+
     torch.manual_seed(seed)
-    model = model_cls(config).to(getattr(torch, dtype)).eval()
+    model = family.model_cls(family.config).to(getattr(torch, family.dtype)).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     for weights in out_dir.glob("*.safetensors"):
         weights.chmod(0o644)  # safetensors writes 0600; servers may run as another user
-    sampling = defaults if generation_config is None else generation_config
-    GenerationConfig(eos_token_id=eos, do_sample=bool(sampling), **gen_ids, **sampling).save_pretrained(
-        out_dir
-    )
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    tok_config["model_max_length"] = shape.max_position_embeddings
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
-    return out_dir
+    sampling = family.sampling if sampling is None else sampling
+    GenerationConfig(do_sample=bool(sampling), **family.generation, **sampling).save_pretrained(out_dir)
