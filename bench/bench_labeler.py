@@ -47,8 +47,9 @@ import statistics
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from datetime import UTC, datetime, timedelta
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import psutil
@@ -288,53 +289,11 @@ def replicas_rate(
     try:
         for process in processes:
             process.start()
-        assigned: dict[int, list[tuple[str, int]]] = {}
-        changed, deadline = time.monotonic(), time.monotonic() + 300
-        while True:  # ---- until every partition is assigned, to every replica some, for STABLE_S ----
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the labeler group did not settle on an assignment: {assigned}")
-            try:
-                kind, pid, *rest = reports.get(timeout=0.2)
-                assigned[pid] = rest[0]
-                changed = time.monotonic()
-            except queue.Empty:
-                pass
-            owned = [tp for tps in assigned.values() for tp in tps]
-            busy = min(replicas, len(partitions) // 2)  # the range assignor gives extra replicas nothing
-            if (
-                len(owned) == len(set(owned))
-                and set(owned) == partitions
-                and sum(1 for tps in assigned.values() if tps) == busy
-                and time.monotonic() - changed >= STABLE_S
-            ):
-                break
+        wait_for_stable_group(reports, partitions, replicas)
         pids = {process.pid for process in processes if process.pid is not None}
         cpu_before = cpu_seconds(pids)
         go.set()
-        first: list[float] = []
-        per: dict[int, int] = {}
-        stored = feedback = joined = 0
-        end = 0.0
-        deadline = time.monotonic() + 1800
-        while stored < n_interactions or feedback < n_feedback or joined < n_feedback:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the labeler group did not store every record within 30 minutes")
-            if not any(process.is_alive() for process in processes):
-                raise RuntimeError("every labeler replica exited")
-            try:
-                kind, pid, *rest = reports.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            if kind == "first":
-                first.append(rest[0])
-            elif kind == "step":
-                if rest[4]:  # never stored: waiting on would only time out
-                    raise RuntimeError(dead_lettered(store, rest[4]))
-                end = max(end, rest[0])
-                stored, feedback, joined = stored + rest[1], feedback + rest[2], joined + rest[3]
-                per[pid] = per.get(pid, 0) + rest[1] + rest[2]
-            elif kind == "assigned" and go.is_set():
-                raise RuntimeError("the labeler group rebalanced during the run")
+        first, end, per = wait_for_every_record(store, processes, go, reports, n_interactions, n_feedback)
         cpu_after = cpu_seconds(pids)
         stop.set()
         for process in processes:
@@ -349,6 +308,71 @@ def replicas_rate(
     seconds = end - min(first)
     cpu = {part: round(cpu_after[part] - cpu_before[part], 2) for part in cpu_after}
     return (n_interactions + n_feedback) / seconds, seconds, sorted(per.values(), reverse=True), cpu
+
+
+def wait_for_stable_group(reports: Any, partitions: set[tuple[str, int]], replicas: int) -> None:
+    """Read the replicas' assignment `reports` until every one of `partitions` is assigned to one
+    replica, every replica that can get some has some, and nothing changed for STABLE_S; raises
+    after 5 minutes."""
+    assigned: dict[int, list[tuple[str, int]]] = {}
+    changed, deadline = time.monotonic(), time.monotonic() + 300
+    busy = min(replicas, len(partitions) // 2)  # the range assignor gives extra replicas nothing
+    while True:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the labeler group did not settle on an assignment: {assigned}")
+        try:
+            kind, pid, *rest = reports.get(timeout=0.2)
+            assigned[pid] = rest[0]
+            changed = time.monotonic()
+        except queue.Empty:
+            pass
+        owned = [tp for tps in assigned.values() for tp in tps]
+        if (
+            len(owned) == len(set(owned))
+            and set(owned) == partitions
+            and sum(1 for tps in assigned.values() if tps) == busy
+            and time.monotonic() - changed >= STABLE_S
+        ):
+            return
+
+
+def wait_for_every_record(
+    store: Store,
+    processes: Sequence[BaseProcess],
+    go: Any,
+    reports: Any,
+    n_interactions: int,
+    n_feedback: int,
+) -> tuple[list[float], float, dict[int, int]]:
+    """Read the replicas' `reports` (once `go` is set) until their steps report every record stored
+    and every feedback joined: (the times of their first batches, the time of the last step, records
+    stored per replica pid). Raises if a record was dead-lettered, every replica exited, the group
+    rebalanced, or 30 minutes passed."""
+    first: list[float] = []
+    per: dict[int, int] = {}
+    stored = feedback = joined = 0
+    end = 0.0
+    deadline = time.monotonic() + 1800
+    while stored < n_interactions or feedback < n_feedback or joined < n_feedback:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the labeler group did not store every record within 30 minutes")
+        if not any(process.is_alive() for process in processes):
+            raise RuntimeError("every labeler replica exited")
+        try:
+            kind, pid, *rest = reports.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if kind == "first":
+            first.append(rest[0])
+        elif kind == "step":
+            if rest[4]:  # never stored: waiting on would only time out
+                raise RuntimeError(dead_lettered(store, rest[4]))
+            end = max(end, rest[0])
+            stored, feedback, joined = stored + rest[1], feedback + rest[2], joined + rest[3]
+            per[pid] = per.get(pid, 0) + rest[1] + rest[2]
+        elif kind == "assigned" and go.is_set():
+            raise RuntimeError("the labeler group rebalanced during the run")
+    return first, end, per
 
 
 def cpu_seconds(labelers: Collection[int]) -> dict[str, float]:
@@ -388,7 +412,7 @@ def fresh(settings: Settings, name: str) -> Settings:
     )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--interactions", type=int, default=20_000)
     parser.add_argument("--feedback", type=int, default=20_000)
@@ -414,34 +438,49 @@ def main() -> None:
         parser.error("--partitions must be >= 1")
     if args.replicas is not None and args.replicas < 1:
         parser.error("--replicas must be >= 1")
+    return args
+
+
+def bench_settings(base: Settings, tag: str, partitions: int | None) -> Settings:
+    """`base` with topics and a labeler group of the run's own (`partitions` per topic, or the
+    default), and a settle window that never fires during the run."""
+    kafka = base.kafka.model_copy(
+        update={
+            "interactions_topic": f"bench.{tag}.interactions",
+            "feedback_topic": f"bench.{tag}.feedback",
+            "dlq_topic": f"bench.{tag}.dlq",
+            "labeler_group": f"bench.{tag}.labeler",
+            "partitions": partitions or base.kafka.partitions,
+        }
+    )
+    return base.model_copy(
+        update={
+            "kafka": kafka,
+            # Episodes settle by their terminal feedback; the window never fires during the run.
+            "labeler": base.labeler.model_copy(update={"settle_window_s": 3600.0}),
+        }
+    )
+
+
+def produce_events(settings: Settings, n_interactions: int, n_feedback: int, tag: str) -> tuple[int, int]:
+    """Produce the run's interactions and feedback into its topics; returns only their counts. The
+    one labeler runs in this process: produced events kept alive here would be in its heap (frozen,
+    or scanned by the collector's passes), where `rtrl labeler` holds nothing like them."""
+    interactions, feedback = events(n_interactions, n_feedback, tag)
+    produce(settings, interactions, feedback)
+    return len(interactions), len(feedback)
+
+
+def main() -> None:
+    args = parse_args()
     with private_services("rtrl-bench-labeler-", enabled=("kafka", "postgres")) as base:
         up(base)
         tag = uuid.uuid4().hex[:8]
-        kafka = base.kafka.model_copy(
-            update={
-                "interactions_topic": f"bench.{tag}.interactions",
-                "feedback_topic": f"bench.{tag}.feedback",
-                "dlq_topic": f"bench.{tag}.dlq",
-                "labeler_group": f"bench.{tag}.labeler",
-                "partitions": args.partitions or base.kafka.partitions,
-            }
-        )
-        settings = base.model_copy(
-            update={
-                "kafka": kafka,
-                # Episodes settle by their terminal feedback; the window never fires during the run.
-                "labeler": base.labeler.model_copy(update={"settle_window_s": 3600.0}),
-            }
-        )
+        settings = bench_settings(base, tag, args.partitions)
         replicas = args.replicas or settings.kafka.partitions
         streams.ensure_topics(settings.kafka)
-        interactions, feedback = events(args.interactions, args.feedback, tag)
-        produce(settings, interactions, feedback)
-        n_interactions, n_feedback = len(interactions), len(feedback)
+        n_interactions, n_feedback = produce_events(settings, args.interactions, args.feedback, tag)
         total = n_interactions + n_feedback
-        # The one labeler runs in this process: produced events kept alive here would be in its heap
-        # (frozen, or scanned by the collector's passes), where `rtrl labeler` holds nothing like them.
-        del interactions, feedback
         # A pass takes a fraction of a second, and its rate moved 2x between runs on this machine:
         # the median of three passes (each a group of its own) is the baseline, all three reported.
         raw_passes = [raw_rate(settings, total) for _ in range(RAW_PASSES)]

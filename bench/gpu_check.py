@@ -44,6 +44,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -113,17 +115,40 @@ def train_child(kind: str, model_dir: Path, device: str, args: argparse.Namespac
     import torch
 
     from schemas.settings import CispoLoss, TrainerSettings
-    from serving.sampler import token_logprobs
-    from trainer.losses import TokenBatch, cispo
 
     precision = "bf16" if device == "cuda" else "fp32"
     cfg = TrainerSettings(micro_batch=args.micro_batch, precision=precision, loss=CispoLoss())
     batches, norm = rows_and_batches(args.rows, args.seq_len, args.micro_batch, device)
     out: dict[str, Any] = {"precision": precision, "tokens_per_step": norm.tokens}
+    one_step = step_over(batches, norm, cfg, device)
+    started = time.perf_counter()
+    if kind == "rtrl":
+        engine, run = rtrl_step(model_dir, cfg, len(batches), one_step)
+        _sync(device)
+        out["engine_start_s"] = time.perf_counter() - started
+    else:
+        run = plain_step(model_dir, cfg, device, one_step)
+    out["step_s"] = median_step_s(run, device, args.steps)
+    if device == "cuda":
+        out["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    if kind == "rtrl":
+        from trainer.checkpoint import save
+        from trainer.engine import state_dict
 
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
+        start = time.perf_counter()
+        save(state_dict(engine), args.work / "trained", model_dir, {"source": "bench/gpu_check.py"})
+        out["save_s"] = time.perf_counter() - start
+    return out
+
+
+def step_over(batches: list[Any], norm: Any, cfg: Any, device: str) -> Callable[..., None]:
+    """``one_step(model, backward, step, autocast=False)``: one optimizer step over `batches`, each
+    micro-batch's token logprobs (under bf16 autocast if asked) and CISPO loss, ``backward(loss)``,
+    then ``step(last)``, `last` true for the last micro-batch."""
+    import torch
+
+    from serving.sampler import token_logprobs
+    from trainer.losses import TokenBatch, cispo
 
     def one_step(model: Any, backward: Any, step: Any, autocast: bool = False) -> None:
         for k, mb in enumerate(batches):
@@ -139,56 +164,68 @@ def train_child(kind: str, model_dir: Path, device: str, args: argparse.Namespac
             backward(loss)
             step(k == len(batches) - 1)
 
-    started = time.perf_counter()
-    if kind == "rtrl":
-        from trainer.engine import start_engine
+    return one_step
 
-        engine = start_engine(model_dir, cfg, accumulation=len(batches))
-        sync()
-        out["engine_start_s"] = time.perf_counter() - started
 
-        def run() -> None:
-            one_step(
-                engine, lambda loss: engine.backward(loss, scale_wrt_gas=False), lambda _last: engine.step()
-            )
-    else:
-        from transformers import AutoModelForCausalLM
+def rtrl_step(
+    model_dir: Path, cfg: Any, accumulation: int, one_step: Callable[..., None]
+) -> tuple[Any, Callable[[], None]]:
+    """The cycle's DeepSpeed engine on `model_dir` (`trainer.engine.start_engine`) and one
+    optimizer step of it: ``engine.backward`` per micro-batch, ``engine.step`` after each."""
+    from trainer.engine import start_engine
 
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        model = model.to(device)
-        model.train()
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
-        )
+    engine = start_engine(model_dir, cfg, accumulation=accumulation)
 
-        def step(last: bool) -> None:
-            if last:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+    def run() -> None:
+        one_step(engine, lambda loss: engine.backward(loss, scale_wrt_gas=False), lambda _last: engine.step())
 
-        def run() -> None:
-            one_step(model, lambda loss: loss.backward(), step, autocast=device == "cuda")
+    return engine, run
 
-    run()  # warm-up: kernels, allocator, optimizer state
-    sync()
+
+def plain_step(model_dir: Path, cfg: Any, device: str, one_step: Callable[..., None]) -> Callable[[], None]:
+    """One optimizer step in plain PyTorch: fp32 weights on `device` (under bf16 autocast on cuda),
+    ``loss.backward()``, clipping at 1.0 and ``torch.optim.AdamW`` after the last micro-batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+    )
+
+    def step(last: bool) -> None:
+        if last:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def run() -> None:
+        one_step(model, lambda loss: loss.backward(), step, autocast=device == "cuda")
+
+    return run
+
+
+def median_step_s(run: Callable[[], None], device: str, steps: int) -> float:
+    """One warm-up step (kernels, allocator, optimizer state), then the median seconds of `steps`."""
+    run()
+    _sync(device)
     times = []
-    for _ in range(args.steps):
+    for _ in range(steps):
         start = time.perf_counter()
         run()
-        sync()
+        _sync(device)
         times.append(time.perf_counter() - start)
-    out["step_s"] = statistics.median(times)
-    if device == "cuda":
-        out["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    if kind == "rtrl":
-        from trainer.checkpoint import save
-        from trainer.engine import state_dict
+    return statistics.median(times)
 
-        start = time.perf_counter()
-        save(state_dict(engine), args.work / "trained", model_dir, {"source": "bench/gpu_check.py"})
-        out["save_s"] = time.perf_counter() - start
-    return out
+
+def _sync(device: str) -> None:
+    """Wait for the GPU's queued work on cuda (a clock then reads finished work); nothing on CPU."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 # ---- the swap ------------------------------------------------------------------------------------
@@ -223,7 +260,7 @@ def swap_child(model_dir: Path, trained: Path, args: argparse.Namespace) -> dict
     """Start the server on `model_dir`, then alternate raw reloads and verified swaps between it
     and `trained`; in a dry run only the probe references and the command."""
     from deployer.probe import build_probe, reference_logprobs
-    from deployer.swap import Target, probe_tolerance, swap_server
+    from deployer.swap import Target, probe_tolerance
     from services.testing import free_ports
     from serving import VllmClient, meaningful_digests
 
@@ -246,44 +283,28 @@ def swap_child(model_dir: Path, trained: Path, args: argparse.Namespace) -> dict
     if args.dry_run:
         return out
 
-    log = (args.work / "vllm.log").open("w")
-    server = subprocess.Popen(
-        command, env=os.environ | env, stdout=log, stderr=subprocess.STDOUT, cwd=args.work
-    )
+    url, model = settings.vllm.servers[0], settings.vllm.served_model_name
+    with (
+        vllm_server(command, env, args.work) as server,
+        VllmClient(url, model=model, timeout_s=settings.vllm.request_timeout_s) as client,
+    ):
+        out["server_start_s"] = wait_until_healthy(client, server, args)
+        client.update_weight_version(1)
+        # On CPU the linear layers digest to sha256 of nothing (docs/platform.md, Weight digests on
+        # CPU); on a GPU every tensor should have a digest of its own.
+        digests = client.weight_digests()
+        out |= {"digests": len(digests), "digests_meaningful": len(meaningful_digests(digests))}
+        return out | alternate_swaps(client, targets, settings, args.swaps)
+
+
+@contextmanager
+def vllm_server(command: list[str], env: dict[str, str], work: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """The server's process, run in `work` with its output in ``vllm.log`` there; terminated on
+    leaving (killed if it has not exited 60 s later)."""
+    log = (work / "vllm.log").open("w")
+    server = subprocess.Popen(command, env=os.environ | env, stdout=log, stderr=subprocess.STDOUT, cwd=work)
     try:
-        url, model = settings.vllm.servers[0], settings.vllm.served_model_name
-        with VllmClient(url, model=model, timeout_s=settings.vllm.request_timeout_s) as client:
-            started = time.perf_counter()
-            while not _healthy(client):
-                if server.poll() is not None:
-                    raise RuntimeError(f"vLLM exited with {server.returncode}; see {args.work / 'vllm.log'}")
-                if time.perf_counter() - started > args.server_timeout_s:
-                    raise RuntimeError(
-                        f"vLLM not healthy after {args.server_timeout_s:.0f} s; see {args.work / 'vllm.log'}"
-                    )
-                time.sleep(2)
-            out["server_start_s"] = time.perf_counter() - started
-            client.update_weight_version(1)
-            # On CPU the linear layers digest to sha256 of nothing (docs/platform.md, Weight digests on
-            # CPU); on a GPU every tensor should have a digest of its own.
-            digests = client.weight_digests()
-            out |= {"digests": len(digests), "digests_meaningful": len(meaningful_digests(digests))}
-            raw_ms, rtrl_ms, reload_ms, total_ms, diffs, errors = [], [], [], [], [], []
-            for i in range(args.swaps * 2):
-                start = time.perf_counter()
-                client.pause("wait")
-                try:
-                    client.reload_weights(targets[i % 2].path)
-                finally:
-                    client.resume()
-                raw_ms.append((time.perf_counter() - start) * 1000)
-                step, _ = swap_server(client, targets[(i + 1) % 2], settings, restore=None)
-                rtrl_ms.append(step.pause_ms)
-                reload_ms.append(step.reload_ms)
-                total_ms.append(step.total_ms)
-                diffs.append(step.max_abs_logprob_diff)
-                if not step.verified:
-                    errors.append(step.error)
+        yield server
     finally:
         server.terminate()
         try:
@@ -291,8 +312,47 @@ def swap_child(model_dir: Path, trained: Path, args: argparse.Namespace) -> dict
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+def wait_until_healthy(client: Any, server: subprocess.Popen[bytes], args: argparse.Namespace) -> float:
+    """Seconds until the server answers healthy; raises if it exits first or takes longer than
+    ``--server-timeout-s``."""
+    started = time.perf_counter()
+    while not _healthy(client):
+        if server.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {server.returncode}; see {args.work / 'vllm.log'}")
+        if time.perf_counter() - started > args.server_timeout_s:
+            raise RuntimeError(
+                f"vLLM not healthy after {args.server_timeout_s:.0f} s; see {args.work / 'vllm.log'}"
+            )
+        time.sleep(2)
+    return time.perf_counter() - started
+
+
+def alternate_swaps(client: Any, targets: list[Any], settings: Any, swaps: int) -> dict[str, Any]:
+    """``2 * swaps`` rounds, alternating the two targets, of a raw ``pause → reload_weights →
+    resume`` to one and rtrl's verified swap to the other: the medians of their times, how many
+    swaps verified, the probe's largest difference and the first errors."""
+    from deployer.swap import swap_server
+
+    raw_ms, rtrl_ms, reload_ms, total_ms, diffs, errors = [], [], [], [], [], []
+    for i in range(swaps * 2):
+        start = time.perf_counter()
+        client.pause("wait")
+        try:
+            client.reload_weights(targets[i % 2].path)
+        finally:
+            client.resume()
+        raw_ms.append((time.perf_counter() - start) * 1000)
+        step, _ = swap_server(client, targets[(i + 1) % 2], settings, restore=None)
+        rtrl_ms.append(step.pause_ms)
+        reload_ms.append(step.reload_ms)
+        total_ms.append(step.total_ms)
+        diffs.append(step.max_abs_logprob_diff)
+        if not step.verified:
+            errors.append(step.error)
     measured = [d for d in diffs if d is not None]
-    return out | {
+    return {
         "swap_ms": statistics.median(rtrl_ms),
         "swap_ms_raw": statistics.median(raw_ms),
         "reload_ms": statistics.median(reload_ms),
