@@ -40,7 +40,7 @@ lint: install  ## style, the layer contract (docs/architecture.md, Layers), stri
 	$(VENV)/bin/mypy
 
 test: install test-deps lint
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest --durations=40 --durations-min=5 $(PYTEST_ARGS)
 
 bench: install system-deps  ## every benchmark under bench/; each prints one JSON object last
 	@set -e; for b in bench/bench_*.py; do echo "== $$b"; $(VENV)/bin/python $$b; done
