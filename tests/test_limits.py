@@ -23,7 +23,10 @@ def _sources() -> list[Path]:
     packages = [p.rstrip("*") for p in config["tool"]["setuptools"]["packages"]["find"]["include"]]
     roots = [REPO / p for p in packages] + [REPO / "bench"]
     return sorted(
-        path for root in roots for path in root.rglob("*.py") if "migrations" not in path.relative_to(REPO).parts
+        path
+        for root in roots
+        for path in root.rglob("*.py")
+        if "migrations" not in path.relative_to(REPO).parts
     )
 
 
