@@ -13,7 +13,8 @@ defaults apply (the gateway writes them into each request); each cycle trains on
 tokens under that truncation, the staging server and the serving server load the new weights and
 verify them against transformers, and the gate promotes; a rollback puts v2 back, verified. The
 ``qwen2-lora`` case runs the same loop in LoRA mode (``trainer.adapter=lora``): an adapter per
-version on the generated base, loaded in place and probed by greedy continuation (docs/lora.md). The weights (random, from
+version on the generated base, registered with its base lineage, loaded in place and probed by
+greedy continuation (docs/lora.md), and rolled back the same way. The weights (random, from
 simulation/checkpoints.py) learn nothing worth gating, so the gate's judgement is switched off
 (`gate_without_judgement`): the subject is the loop on a foreign checkpoint, not the gate.
 """
@@ -43,7 +44,7 @@ from schemas.settings import Settings
 from services.launch import child_env, rtrl_command
 from services.testing import free_ports, make_run_dir, start_reaper
 from serving import VllmClient
-from serving.adapters import is_adapter
+from serving.adapters import base_model_name, is_adapter
 from simulation.checkpoints import build
 
 pytestmark = pytest.mark.e2e
@@ -159,7 +160,7 @@ def test_two_chat_cycles_on_a_checkpoint_rtrl_did_not_build(
 
     # The serving server serves v3 exactly as transformers computes it.
     registry = Registry.from_settings(settings)
-    assert registry.champion() == 3
+    assert registry.versions() == [1, 2, 3] and registry.champion() == 3
     v3 = registry.download_checkpoint(3)
     base = settings.vllm.model_dir
     probe = build_probe(base)
@@ -174,6 +175,8 @@ def test_two_chat_cycles_on_a_checkpoint_rtrl_did_not_build(
             observed = [server.prompt_logprobs(list(ids)) for ids in probe.token_ids]
             diff = max_abs_diff(reference_logprobs(v3, probe), observed)
     assert diff <= 1e-3, diff
+    if lora:
+        adapters_with_lineage(settings, registry, prompt, (tokens, served_logprobs))
 
     # A rollback puts v2 back on the serving server, verified.
     rolled = run_rtrl(settings, "deploy", "rollback", timeout_s=300)
@@ -182,3 +185,22 @@ def test_two_chat_cycles_on_a_checkpoint_rtrl_did_not_build(
     assert result["ok"] and result["version"] == 2 and all(s["verified"] for s in result["servers"]), result
     with VllmClient(settings.vllm.servers[0], model=settings.vllm.served_model_name) as server:
         assert server.weight_version() == 2 and server.health()
+
+
+def adapters_with_lineage(
+    settings: Settings, registry: Registry, prompt: list[int], served: tuple[list[int], list[float]]
+) -> None:
+    """LoRA mode: every version is an adapter on the base model (no full weights), with its lineage
+    in MLflow, and v3's adapter changes what the base alone would answer on the same server."""
+    base = settings.vllm.model_dir.resolve()
+    for version in (1, 2, 3):
+        path = registry.download_checkpoint(version)
+        assert is_adapter(path) and not (path / "model.safetensors").exists(), version
+        tags = registry.version_tags(version)
+        assert tags["rtrl.adapter"] == "lora" and tags["rtrl.base_model"] == str(base), tags
+    assert registry.version_tags(3)["rtrl.parent_version"] == "2"
+    with VllmClient(
+        settings.vllm.servers[0], model=base_model_name(settings.vllm.served_model_name)
+    ) as plain:
+        alone = plain.greedy_logprobs(prompt, ADAPTER_PROBE_TOKENS)
+    assert alone != served, "the adapter changed nothing"

@@ -1,7 +1,7 @@
 """LoRA cycles (``trainer.adapter=lora``) on real services: DeepSpeed trains only the adapter on the
 frozen base model, the cycle saves and registers an adapter with its base lineage, the next
 cycle continues it (and its optimizer), and a registry's versions never mix adapters and full
-weights. Serving the adapter is tests/e2e/test_lora.py."""
+weights. Serving the adapter is the ``qwen2-lora`` case of tests/e2e/test_checkpoints.py."""
 
 from __future__ import annotations
 
