@@ -199,12 +199,23 @@ def pytest_runtest_makereport(
             report.sections.append((f"{path} (last {LOG_TAIL_LINES} lines)", text))
 
 
+TIERS = {"unit": 0, "integration": 1, "e2e": 2}
+
+
+def _tier(item: pytest.Item) -> str | None:
+    """The test's tier: its closest tier marker (a test's own mark overrides its module's)."""
+    return next((m.name for m in item.iter_markers() if m.name in TIERS), None)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the tiers in order, unit → integration → e2e: cheap failures first, and the end-to-end
-    test (which swaps the shared vLLM servers' weights) after the tests that expect the base model."""
-    rank = {"unit": 0, "integration": 1, "e2e": 2}
-
-    def tier(item: pytest.Item) -> int:
-        return min((rank[m.name] for m in item.iter_markers() if m.name in rank), default=0)
-
-    items.sort(key=tier)  # stable: keeps file order within a tier
+    """Every test carries a tier marker (a test without one is a collection error, so ``-m unit``
+    never silently leaves one out), and the tiers run in order, unit → integration → e2e: cheap
+    failures first, and the end-to-end tests (which swap the shared vLLM servers' weights) after
+    the tests that expect the base model."""
+    untiered = [item.nodeid for item in items if _tier(item) is None]
+    if untiered:
+        raise pytest.UsageError(
+            f"{len(untiered)} tests carry no tier marker "
+            f"(add pytestmark = pytest.mark.unit, integration or e2e): {untiered[:5]}"
+        )
+    items.sort(key=lambda item: TIERS[_tier(item) or "unit"])  # stable: keeps file order within a tier

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from episodes import feed, sample_episodes, tuned_copy
 
 from deployer import gate_suites, ope
@@ -17,6 +18,8 @@ from store import Store
 
 LOGGED = 192  # held-out episodes logged from the base model (every one held out below)
 TRUTH = 192  # on-policy samples per model for the ground truth
+
+pytestmark = pytest.mark.unit  # no service: transformers rescoring and a SQLite store (about 20 s)
 
 
 def on_policy_reward(model_dir: Path, seed: int, spec_id: str, tmp_path: Path) -> float:
