@@ -213,9 +213,11 @@ def gate_settings(settings: Settings, store_url: str) -> Settings:
 def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
     deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """The same weights as challenger pass in at least 19 of 20 seeded gate runs; weights with noise
-    added fail in at least 19 of 20. Each run samples the retention suite with its seed on the staging
-    server and reweights held-out logged traffic (sampled from the base model) for the ope suite."""
+    """The same weights as challenger pass in every seeded gate run; weights with noise added fail in
+    every one. Each run samples the retention suite with its seed on the staging server and
+    reweights held-out logged traffic (sampled from the base model) for the ope suite. A few seeds
+    show the behaviour; the error rates over 20 seeds (at most 1 in 20 wrong) are measured by
+    bench/bench_gate.py (RTRL_TEST_GATE_RUNS=20 runs them here too)."""
     from episodes import feed, sample_episodes
 
     from store import Store
@@ -230,7 +232,7 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
     noised = registry.register_checkpoint(
         perturbed_copy(tiny_model_dir, tmp_path / "noised", std=0.3, seed=4)
     )
-    runs = int(os.environ.get("RTRL_TEST_GATE_RUNS", "20"))
+    runs = int(os.environ.get("RTRL_TEST_GATE_RUNS", "3"))
     outcomes: dict[int, list[bool]] = {same: [], noised: []}
     started = time.monotonic()
     for seed in range(runs):

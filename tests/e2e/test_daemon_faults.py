@@ -2,7 +2,8 @@
 worker and the serving vLLM server each SIGKILLed.
 
 The daemon (gateway, labeler, worker, beat, reconciler under the supervisor) runs against the
-session's services with a store, topics, registry model and Redis database of this test's own;
+session's services with a store (a PostgreSQL database, as in production), topics, registry model
+and Redis database of this test's own;
 simulated users send requests and feedback through the gateway the whole time. Killed: the labeler
 three times (the supervisor restarts it), the worker while a cycle runs (its lease expires, the
 cycle runs again on the restarted worker), and, once a challenger is promoted, the serving vLLM
@@ -126,7 +127,7 @@ def _kill_group(pid: int) -> None:
 
 
 def test_rtrl_run_heals_a_killed_labeler_worker_and_vllm_server(
-    services: Settings, tiny_model_dir: Path, tmp_path: Path
+    services: Settings, postgres_database: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     import redis
 
@@ -143,7 +144,7 @@ def test_rtrl_run_heals_a_killed_labeler_worker_and_vllm_server(
     redis.Redis.from_url(broker).flushdb()
     settings = fresh_topics(services, prefix="daemon").model_copy(
         update={
-            "store": services.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'rtrl.db'}"}),
+            "store": services.store.model_copy(update={"url": postgres_database}),  # as `rtrl run` deploys it
             "mlflow": services.mlflow.model_copy(
                 update={"model_name": f"daemon-{tag}", "experiment": f"daemon-{tag}"}
             ),

@@ -33,16 +33,13 @@ pytestmark = pytest.mark.e2e
 REQUESTS_PER_CYCLE = 48
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def loop_settings(request: pytest.FixtureRequest, services: Settings, tmp_path: Path) -> Settings:
-    """The session's services, with a store (SQLite, or a database of its own on the session's
-    PostgreSQL), topics, registry model and gateway of this test's own."""
+@pytest.fixture()
+def loop_settings(services: Settings, tmp_path: Path) -> Settings:
+    """The session's services, with a store (SQLite, as `rtrl demo` embeds it), topics, registry
+    model and gateway of this test's own. The same loop on PostgreSQL, as `rtrl run` deploys it,
+    is tests/e2e/test_daemon_faults.py."""
     suffix = tmp_path.name.replace("_", "-")[-24:]
-    url = (
-        f"sqlite:///{tmp_path / 'rtrl.db'}"
-        if request.param == "sqlite"
-        else request.getfixturevalue("postgres_database")
-    )
+    url = f"sqlite:///{tmp_path / 'rtrl.db'}"
     return fresh_topics(services, prefix="e2e").model_copy(
         update={
             "store": StoreSettings(url=url),
