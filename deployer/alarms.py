@@ -141,26 +141,26 @@ def generation_alarms(challenger: Behaviour, champion: Behaviour, cfg: AlarmSett
             threshold=entropy_floor,
             detail=f"entropy {challenger.entropy:.3f} vs champion {champion.entropy:.3f} nats/token",
         ),
-        Alarm(
-            name="repetition",
-            fired=challenger.repetition - champion.repetition > cfg.repetition_rate,
-            value=challenger.repetition - champion.repetition,
-            threshold=cfg.repetition_rate,
-            detail=f"repetitive completions {challenger.repetition:.1%} vs champion {champion.repetition:.1%}",
+        _rise(
+            "repetition",
+            challenger.repetition,
+            champion.repetition,
+            cfg.repetition_rate,
+            f"repetitive completions {challenger.repetition:.1%} vs champion {champion.repetition:.1%}",
         ),
-        Alarm(
-            name="truncation",
-            fired=challenger.truncated - champion.truncated > cfg.truncation_rate,
-            value=challenger.truncated - champion.truncated,
-            threshold=cfg.truncation_rate,
-            detail=f"cut off by max_tokens {challenger.truncated:.1%} vs champion {champion.truncated:.1%}",
+        _rise(
+            "truncation",
+            challenger.truncated,
+            champion.truncated,
+            cfg.truncation_rate,
+            f"cut off by max_tokens {challenger.truncated:.1%} vs champion {champion.truncated:.1%}",
         ),
-        Alarm(
-            name="no_action",
-            fired=challenger.no_action - champion.no_action > cfg.no_action_rate,
-            value=challenger.no_action - champion.no_action,
-            threshold=cfg.no_action_rate,
-            detail=f"non-answers {challenger.no_action:.1%} vs champion {champion.no_action:.1%}",
+        _rise(
+            "no_action",
+            challenger.no_action,
+            champion.no_action,
+            cfg.no_action_rate,
+            f"non-answers {challenger.no_action:.1%} vs champion {champion.no_action:.1%}",
         ),
     ]
 
@@ -169,12 +169,12 @@ def no_action_anchor_alarm(
     challenger: Behaviour, anchor: Behaviour, anchor_version: int, cfg: AlarmSettings
 ) -> Alarm:
     """no_action against the anchor, on the anchored suites' generations of both."""
-    return Alarm(
-        name="no_action_anchor",
-        fired=challenger.no_action - anchor.no_action > cfg.no_action_rate,
-        value=challenger.no_action - anchor.no_action,
-        threshold=cfg.no_action_rate,
-        detail=f"non-answers {challenger.no_action:.1%} vs anchor v{anchor_version} {anchor.no_action:.1%}",
+    return _rise(
+        "no_action_anchor",
+        challenger.no_action,
+        anchor.no_action,
+        cfg.no_action_rate,
+        f"non-answers {challenger.no_action:.1%} vs anchor v{anchor_version} {anchor.no_action:.1%}",
     )
 
 
@@ -190,10 +190,17 @@ def kl_alarm(kl_per_token: float, cfg: AlarmSettings) -> Alarm:
 
 
 def no_feedback_alarm(challenger: float, champion: float, cfg: AlarmSettings) -> Alarm:
-    return Alarm(
-        name="no_feedback",
-        fired=challenger - champion > cfg.no_action_rate,
-        value=challenger - champion,
-        threshold=cfg.no_action_rate,
-        detail=f"estimated episodes without feedback {challenger:.1%} vs champion {champion:.1%}",
+    return _rise(
+        "no_feedback",
+        challenger,
+        champion,
+        cfg.no_action_rate,
+        f"estimated episodes without feedback {challenger:.1%} vs champion {champion:.1%}",
     )
+
+
+def _rise(name: str, challenger: float, baseline: float, rate: float, detail: str) -> Alarm:
+    """The alarm on a share that fires when the challenger's is up by more than `rate` on the
+    baseline's (the champion's, or the anchor's)."""
+    rise = challenger - baseline
+    return Alarm(name=name, fired=rise > rate, value=rise, threshold=rate, detail=detail)

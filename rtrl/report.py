@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from html import escape
 
@@ -36,49 +36,30 @@ from rtrl.charts import (
 )
 from schemas.clock import utcnow
 from schemas.rewards import NO_FEEDBACK
-from store.reports import CycleRow, ReportStore, TenantRow, VersionRow
+from store.reports import CycleRow, ReportRows, ReportStore
 
 # ---- what the page shows -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ReportData:
-    """Everything `render` draws; `collect` reads it from the store."""
+@dataclass(frozen=True, kw_only=True)
+class ReportData(ReportRows):
+    """Everything `render` draws: the store's numbers (`ReportRows`: versions, cycles, dead letters,
+    tenants) and when, over what window and from which store they were read; `collect` reads it."""
 
     generated_at: datetime
     since: datetime | None  # None: the whole history
     store: str  # the store's URL, password hidden
-    versions: list[VersionRow] = field(default_factory=list)  # by version
-    cycles: list[CycleRow] = field(default_factory=list)  # by id
-    dead_letters: dict[date, Counter[str]] = field(default_factory=dict)  # day -> reason prefix -> count
-    tenants: list[TenantRow] = field(default_factory=list)  # the busiest, most episodes first
-    tenant_count: int = 0
-
-
-TOP_TENANTS = 20
 
 
 def collect(
     store: ReportStore, *, since: datetime | None = None, now: Callable[[], datetime] = utcnow
 ) -> ReportData:
-    """Read the report's numbers from `store` (one transaction, `ReportStore.report`); only what
-    happened at or after `since` when given (episodes by when they settled, segments and feedback
-    by when they were ingested, cycles by when they started, dead letters by when they were written)."""
-    rows = store.report(since, top_tenants=TOP_TENANTS)
-    return ReportData(
-        generated_at=now(),
-        since=since,
-        store=store.where,
-        versions=rows.versions,
-        cycles=rows.cycles,
-        dead_letters=rows.dead_letters,
-        tenants=rows.tenants,
-        tenant_count=rows.tenant_count,
-    )
-
-
-def _rate(part: int, whole: int) -> float | None:
-    return part / whole if whole else None
+    """Read the report's numbers from `store` (one transaction, `ReportStore.report`, the busiest
+    `store.reports.TOP_TENANTS` tenants); only what happened at or after `since` when given
+    (episodes by when they settled, segments and feedback by when they were ingested, cycles by
+    when they started, dead letters by when they were written)."""
+    rows = store.report(since)
+    return ReportData(**vars(rows), generated_at=now(), since=since, store=store.where)
 
 
 # ---- plots of this report (the generic ones are in rtrl/charts.py) --------------------------------
@@ -445,8 +426,7 @@ def _tenants_section(data: ReportData) -> str:
     if not data.tenants:
         return _section("tenants", "Tenants", how, _empty("No settled episodes yet."))
     rows = [
-        [escape(t.tenant), str(t.episodes), num(t.mean_reward), pct(_rate(t.no_feedback, t.episodes))]
-        for t in data.tenants
+        [escape(t.tenant), str(t.episodes), num(t.mean_reward), pct(t.no_feedback_rate)] for t in data.tenants
     ]
     more = data.tenant_count - len(data.tenants)
     note = f"<p>{more} more tenant(s) not shown.</p>" if more > 0 else ""

@@ -277,10 +277,8 @@ def render(report: dict[str, Any]) -> str:
 
 
 def _services_line(services: list[dict[str, Any]]) -> str:
-    return (
-        "services  " + " · ".join(f"{s['name']} {'ok' if s['healthy'] else s['detail']}" for s in services)
-        or "none enabled"
-    )
+    listed = " · ".join(f"{s['name']} {'ok' if s['healthy'] else s['detail']}" for s in services)
+    return "services  " + (listed or "none enabled")  # none: services.enabled is empty (external services)
 
 
 def _daemon_line(daemon: dict[str, Any]) -> str:

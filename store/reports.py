@@ -88,10 +88,16 @@ class CycleRow:
 
 @dataclass(frozen=True)
 class TenantRow:
+    """The settled episodes of one tenant."""
+
     tenant: str
     episodes: int
     mean_reward: float | None
-    no_feedback: int
+    no_feedback: int  # settled by the window with the no_feedback component (no signal at all)
+
+    @property
+    def no_feedback_rate(self) -> float | None:
+        return _rate(self.no_feedback, self.episodes)
 
 
 @dataclass(frozen=True)

@@ -76,39 +76,23 @@ def train(
         "base_model": None if base_dir is None else str(base_dir),
         "ranks": cfg.ranks,
     }
-    mean_advantage = sum(advantages) / len(advantages)
+    work = _Work(
+        champion=champion,
+        files=files,
+        batches=batches,
+        norm=norm,
+        mean_advantage=sum(advantages) / len(advantages),
+        champion_dir=champion_dir,
+        base_dir=base_dir,
+        lineage=lineage,
+        stopping=stopping,
+    )
     if cfg.ranks > 1:
-        trained, carried_from = _train_on_ranks(
-            cfg,
-            registry,
-            champion,
-            files,
-            batches,
-            norm,
-            mean_advantage,
-            champion_dir,
-            base_dir,
-            lineage,
-            stopping,
-        )
+        trained, carried_from = _train_on_ranks(cfg, registry, work)
         for metrics in trained.steps:
             registry.log_metrics(run_id, mlflow_metrics(metrics), metrics.step)
     else:
-        trained, carried_from = _train_here(
-            cfg,
-            store,
-            registry,
-            champion,
-            files,
-            run_id,
-            batches,
-            norm,
-            mean_advantage,
-            champion_dir,
-            base_dir,
-            lineage,
-            stopping,
-        )
+        trained, carried_from = _train_here(cfg, store, registry, run_id, work)
     if trained.kl_stop is not None:
         log.info(
             "cycle %d: KL(champion ‖ policy) %.4f > trainer.max_kl %g after %d of %d steps: stopping there",
@@ -123,27 +107,32 @@ def train(
     return Training(trained, carried_from, norm.tokens, round(time.monotonic() - train_started, 3))
 
 
+@dataclass(frozen=True)
+class _Work:
+    """What either way of training takes: the micro-batches and their normaliser, the champion whose
+    weights they start from, the cycle's files, the checkpoint's lineage and when to give up."""
+
+    champion: int
+    files: checkpoint.CycleFiles
+    batches: list[MicroBatch]
+    norm: Normaliser
+    mean_advantage: float
+    champion_dir: Path
+    base_dir: Path | None
+    lineage: dict[str, Any]
+    stopping: Callable[[], bool]
+
+
 def _train_here(
-    cfg: TrainerSettings,
-    store: Store,
-    registry: Registry,
-    champion: int,
-    files: checkpoint.CycleFiles,
-    run_id: str,
-    batches: list[MicroBatch],
-    norm: Normaliser,
-    mean_advantage: float,
-    champion_dir: Path,
-    base_dir: Path | None,
-    lineage: dict[str, Any],
-    stopping: Callable[[], bool],
+    cfg: TrainerSettings, store: Store, registry: Registry, run_id: str, work: _Work
 ) -> tuple[Trained, int | None]:
     """The steps of a cycle in this process (a world of one), each logged to the run and renewing
     the lease; the engine is closed once they end, however they end. Returns the steps and the
     cycle whose optimizer continued."""
+    files = work.files
 
     def check_stopping(where: str) -> None:
-        if stopping():
+        if work.stopping():
             raise Abandoned(f"the worker is stopping; cycle abandoned {where}")
 
     def after_step(metrics: StepMetrics) -> None:
@@ -151,20 +140,21 @@ def _train_here(
         store.heartbeat_cycle(files.cycle_id, cfg.lease_ttl_s)
 
     with ExitStack() as engine_open:
-        engine = start_engine(champion_dir, cfg, accumulation=len(batches), base_dir=base_dir)
+        accumulation = len(work.batches)
+        engine = start_engine(work.champion_dir, cfg, accumulation=accumulation, base_dir=work.base_dir)
         carried_from = None
         if cfg.carry_optimizer:
             engine, carried_from = continue_optimizer(
-                engine, registry, champion, champion_dir, cfg, len(batches), base_dir
+                engine, registry, work.champion, work.champion_dir, cfg, accumulation, work.base_dir
             )
         engine_open.callback(close_engine, engine)
         trained = run_steps(
             engine,
-            batches,
+            work.batches,
             cfg,
             loss_function(cfg.loss),
-            norm,
-            mean_advantage=mean_advantage,
+            work.norm,
+            mean_advantage=work.mean_advantage,
             before_step=lambda step: check_stopping(f"before step {step}"),
             after_step=after_step,
         )
@@ -172,39 +162,27 @@ def _train_here(
             save_optimizer_state(engine, files.optimizer_dir)
         weights = state_dict(engine)
     check_stopping("before saving")
-    checkpoint.save(weights, files.out_dir, champion_dir, lineage)
+    checkpoint.save(weights, files.out_dir, work.champion_dir, work.lineage)
     return trained, carried_from
 
 
-def _train_on_ranks(
-    cfg: TrainerSettings,
-    registry: Registry,
-    champion: int,
-    files: checkpoint.CycleFiles,
-    batches: list[MicroBatch],
-    norm: Normaliser,
-    mean_advantage: float,
-    champion_dir: Path,
-    base_dir: Path | None,
-    lineage: dict[str, Any],
-    stopping: Callable[[], bool],
-) -> tuple[Trained, int | None]:
+def _train_on_ranks(cfg: TrainerSettings, registry: Registry, work: _Work) -> tuple[Trained, int | None]:
     """The steps of a multi-rank cycle (trainer/ranks.py); rank 0 saves the checkpoint to the
     cycle's ``out_dir``. Returns the steps and the cycle whose optimizer continued."""
-    optimizer_from = carried_state(registry, champion, cfg) if cfg.carry_optimizer else None
+    optimizer_from = carried_state(registry, work.champion, cfg) if cfg.carry_optimizer else None
     result = train_on_ranks(
         cfg,
-        files.ranks_dir,
-        batches=batches,
-        norm=(norm.tokens, norm.sequences),
-        mean_advantage=mean_advantage,
-        champion_dir=champion_dir,
-        base_dir=base_dir,
-        out_dir=files.out_dir,
-        lineage=lineage,
+        work.files.ranks_dir,
+        batches=work.batches,
+        norm=(work.norm.tokens, work.norm.sequences),
+        mean_advantage=work.mean_advantage,
+        champion_dir=work.champion_dir,
+        base_dir=work.base_dir,
+        out_dir=work.files.out_dir,
+        lineage=work.lineage,
         optimizer_from=None if optimizer_from is None else optimizer_from[0],
-        optimizer_to=files.optimizer_dir if cfg.carry_optimizer else None,
-        stopping=stopping,
+        optimizer_to=work.files.optimizer_dir if cfg.carry_optimizer else None,
+        stopping=work.stopping,
     )
     steps = [StepMetrics.model_validate(m) for m in result["steps"]]
     carried = optimizer_from[1] if optimizer_from is not None and result["optimizer_carried"] else None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import tomllib
 import types
 import typing
 from collections.abc import Iterator
@@ -569,10 +570,13 @@ def test_referenced_files_exist() -> None:
     (provider,) = yaml.safe_load((DEPLOY / "grafana" / "dashboards.yaml").read_text())["providers"]
     assert Path(dashboard.split(":")[1]).parent == Path(provider["options"]["path"])
 
-    # The image copies every package of pyproject.toml and the lock it installs.
+    # The image copies every package (each folder with an __init__.py, and each that pyproject.toml's
+    # package discovery includes) and the lock it installs.
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     copied = set(re.findall(r"^COPY (\S+) \1$", dockerfile, re.MULTILINE))
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"}
+    packages |= {pattern.rstrip("*").rstrip(".") for pattern in find["include"]}
     assert packages <= copied, f"packages the image does not copy: {packages - copied}"
     assert (
         "uv pip install --python .venv/bin/python --no-deps --compile-bytecode -r requirements/lock.txt"

@@ -162,3 +162,22 @@ def test_the_deploy_locks_held_are_shown_and_stale_rows_are_not() -> None:
     assert "locks     rollout held by node-a:41 (promote v3) since 2026-12-03T10:00:00+00:00\n" in text
     assert "node-b" not in text  # its holder was killed: the lock is free
     assert "locks     none held" in render({**report, "locks": []})
+
+
+@pytest.mark.unit
+def test_the_services_line_says_when_none_is_enabled() -> None:
+    base = {
+        "services": [],
+        "daemon": {"running": False},
+        "labeler": {"pending": 0, "produced": 0, "stored": 0, "dead_lettered": 0, "balanced": True},
+        "trainer": {"paused": False, "running": [], "last": None},
+        "registry": {"champion": None, "latest": None},
+        "fleet": [],
+        "problems": [],
+    }
+    assert "services  none enabled" in render(base).splitlines()
+    two = [
+        {"name": "kafka", "healthy": True, "pid": 1, "detail": ""},
+        {"name": "redis", "healthy": False, "pid": None, "detail": "not running"},
+    ]
+    assert "services  kafka ok · redis not running" in render({**base, "services": two}).splitlines()
