@@ -38,8 +38,11 @@ from store import Store
 pytestmark = pytest.mark.e2e
 
 
+PACE_S = 1.0
+
+
 class Traffic:
-    """Simulated users in a thread (batches of 8 requests with feedback) and a prober of the
+    """Simulated users in a thread (batches of 8 requests with feedback, PACE_S apart) and a prober of the
     gateway's /healthz every 0.2 s, until `stop`."""
 
     def __init__(self, settings: Settings, gateway: str, key: str) -> None:
@@ -77,6 +80,9 @@ class Traffic:
                 self.unanswered.extend(
                     e for e in report.errors if "APIConnectionError" in e or "APITimeoutError" in e
                 )
+                # A pause between batches: traffic all along, at a rate that leaves the 2-core
+                # machine's CPU to the cycles (unpaced, ~15 requests/s kept a promotion 400 s away).
+                self.stop.wait(PACE_S)
         except BaseException:
             self.crashed = traceback.format_exc()
             raise
@@ -233,7 +239,11 @@ def test_rtrl_run_heals_a_killed_labeler_worker_and_vllm_server(
 
         print(
             f"killed {killed}; users: {traffic.ok} ok, {traffic.failed} failed {traffic.errors[:5]}; "
-            f"probes {traffic.probes}"
+            f"probes {traffic.probes}; cycles",
+            [
+                (c.id, c.status, c.challenger, len(c.episode_ids), c.started_at.strftime("%H:%M:%S"), c.error)
+                for c in store.recent_cycles(20)
+            ],
         )
         assert traffic.unanswered == [], traffic.unanswered[:10]  # the gateway answered throughout
         wait_until(lambda: not store.active_cycles(), timeout_s=600, what="the last cycle finished")
