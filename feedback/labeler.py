@@ -448,6 +448,8 @@ def make_consumer(settings: Settings) -> Any:
         group_id=kafka.labeler_group,
         auto_offset_reset="earliest",
         max_poll_records=settings.labeler.max_poll_records,
+        session_timeout_ms=settings.labeler.session_timeout_ms,
+        heartbeat_interval_ms=min(3_000, settings.labeler.session_timeout_ms // 3),
     )
 
 

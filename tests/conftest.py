@@ -41,7 +41,10 @@ def services_config() -> Iterator[Settings]:
     process if the session is killed before its teardown.
     """
     with private_services("rtrl-services-") as settings:
-        yield settings
+        # A killed labeler's partitions move after the group's session timeout: the broker's least
+        # (6 s) rather than Kafka's 45 s, so tests that kill labelers wait 6 s for it, not 45.
+        labeler = settings.labeler.model_copy(update={"session_timeout_ms": 6_000})
+        yield settings.model_copy(update={"labeler": labeler})
 
 
 def _up(settings: Settings, *only: str) -> Settings:

@@ -16,6 +16,15 @@ class LabelerSettings(Section):
     )
     poll_timeout_ms: int = Field(500, description="Kafka poll timeout.")
     max_poll_records: int = Field(500, description="Records per poll (one DB transaction).")
+    session_timeout_ms: int = Field(
+        45_000,
+        ge=6_000,
+        le=300_000,
+        description="How long the labeler group waits for a member that stopped heartbeating (a killed or "
+        "hung labeler) before its partitions go to the others: a killed labeler's partitions stall this "
+        "long. Kafka's default; the broker refuses less than its group.min.session.timeout.ms (6 s by "
+        "default). Heartbeats go every third of it, at most every 3 s.",
+    )
     reward_spec: str = Field(
         "tab-v1", description="Name of the reward spec (schemas/rewards.py) or a path to a .json spec."
     )

@@ -406,7 +406,10 @@ while idle < 20:  # done: partitions assigned (a dead member's go after its sess
 def test_a_record_that_kills_the_labeler_is_dead_lettered_after_three_deaths(
     sqlite_settings: Settings, store_of: object, clock: FakeClock
 ) -> None:
-    settings = sqlite_settings
+    # Each restart waits out the dead member's session (6 s in tests); a short poll ends the last idle.
+    settings = sqlite_settings.model_copy(
+        update={"labeler": sqlite_settings.labeler.model_copy(update={"poll_timeout_ms": 100})}
+    )
     t_int = settings.kafka.interactions_topic
     now = clock()
     items = [(t_int, wire(interaction(f"ok-{i}", created_at=now))) for i in range(30)]
