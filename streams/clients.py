@@ -31,7 +31,8 @@ def _bootstrapping(kafka: KafkaSettings) -> Iterator[None]:
         ) from exc
 
 
-def _create(kafka: KafkaSettings, factory: Callable[..., Any], *args: Any, **config: Any) -> Any:
+def _create(kafka: KafkaSettings, factory: Callable[..., Any], *args: Any, **options: Any) -> Any:
+    config = {**connection_config(kafka), **options}  # the caller's options win (the gateway's timeouts)
     with kafka_errors(), _bootstrapping(kafka):  # unreachable brokers first, other Kafka errors after
         return factory(*args, **config)
 
@@ -44,6 +45,7 @@ def connection_config(kafka: KafkaSettings) -> dict[str, Any]:
         ],
         "security_protocol": kafka.security_protocol,
         "reconnect_backoff_max_ms": kafka.reconnect_backoff_max_ms,
+        "bootstrap_timeout_ms": kafka.bootstrap_timeout_ms,
     }
     if kafka.sasl_mechanism is not None:
         assert kafka.sasl_password is not None  # KafkaSettings validates SASL settings as a set
@@ -73,7 +75,7 @@ def producer(kafka: KafkaSettings, client_id: str, **options: Any) -> Any:
         "max_request_size": kafka.max_message_bytes,
         **options,
     }
-    return _create(kafka, KafkaProducer, **connection_config(kafka), client_id=client_id, **options)
+    return _create(kafka, KafkaProducer, client_id=client_id, **options)
 
 
 def consumer(kafka: KafkaSettings, client_id: str, *topics: str, **options: Any) -> Any:
@@ -84,11 +86,11 @@ def consumer(kafka: KafkaSettings, client_id: str, *topics: str, **options: Any)
 
     fix_join_race()
     options = {"enable_auto_commit": False, "max_partition_fetch_bytes": kafka.max_message_bytes, **options}
-    return _create(kafka, KafkaConsumer, *topics, **connection_config(kafka), client_id=client_id, **options)
+    return _create(kafka, KafkaConsumer, *topics, client_id=client_id, **options)
 
 
 def admin(kafka: KafkaSettings, client_id: str, **options: Any) -> Any:
     """A `kafka.admin.KafkaAdminClient`."""
     from kafka.admin import KafkaAdminClient
 
-    return _create(kafka, KafkaAdminClient, **connection_config(kafka), client_id=client_id, **options)
+    return _create(kafka, KafkaAdminClient, client_id=client_id, **options)

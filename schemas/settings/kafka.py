@@ -57,6 +57,14 @@ class KafkaSettings(Section):
         description="Longest wait between a client's attempts to reconnect to a broker. kafka-python's own "
         "default (30 s) can keep a labeler idle for half a minute after a broker comes back.",
     )
+    bootstrap_timeout_ms: int = Field(
+        10_000,
+        ge=500,
+        le=300_000,
+        description="How long a new client waits for a first answer from the brokers before it reports "
+        "them unreachable (a CLI command's one-line error; a daemon's restart by its supervisor). "
+        "kafka-python's own default is 30 s.",
+    )
 
     @model_validator(mode="after")
     def _security_complete(self) -> KafkaSettings:

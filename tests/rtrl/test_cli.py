@@ -67,7 +67,13 @@ def test_services_that_do_not_answer_are_one_line(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path}/rtrl.db"
     assert rtrl("labeler", "migrate", RTRL_STORE__URL=db).returncode == 0
     kafka = one_line_error(
-        rtrl("labeler", "reconcile", RTRL_STORE__URL=db, RTRL_KAFKA__BOOTSTRAP_SERVERS=f"127.0.0.1:{closed}")
+        rtrl(
+            "labeler",
+            "reconcile",
+            RTRL_STORE__URL=db,
+            RTRL_KAFKA__BOOTSTRAP_SERVERS=f"127.0.0.1:{closed}",
+            RTRL_KAFKA__BOOTSTRAP_TIMEOUT_MS="1000",
+        )
     )
     assert f"cannot reach Kafka at 127.0.0.1:{closed}" in kafka and "RTRL_KAFKA__BOOTSTRAP_SERVERS" in kafka
 

@@ -53,6 +53,7 @@ def test_every_client_gets_the_connection_and_security_settings() -> None:
         "bootstrap_servers": ["a:9092", "b:9092"],
         "security_protocol": "PLAINTEXT",
         "reconnect_backoff_max_ms": 2000,
+        "bootstrap_timeout_ms": 10_000,
     }
     secure = KafkaSettings(
         bootstrap_servers="broker:9093",
@@ -68,6 +69,7 @@ def test_every_client_gets_the_connection_and_security_settings() -> None:
         "bootstrap_servers": ["broker:9093"],
         "security_protocol": "SASL_SSL",
         "reconnect_backoff_max_ms": 2000,
+        "bootstrap_timeout_ms": 10_000,
         "sasl_mechanism": "SCRAM-SHA-256",
         "sasl_plain_username": "rtrl",
         "sasl_plain_password": "pw",
