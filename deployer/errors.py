@@ -24,3 +24,8 @@ class RolloutBusy(DeployError, OperatorError):
 
 class NothingToRollBack(DeployError, OperatorError):
     """A rollback was asked for, but no previous champion is recorded."""
+
+
+class NotAuthorized(DeployError, OperatorError):
+    """A promotion without grounds: the version has no passing gate decision in rtrl's store and
+    never served (deployer/trust.py); ``--force --reason`` records an operator's own."""

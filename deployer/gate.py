@@ -43,7 +43,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployer import alarms, metrics, ope, swap
+from deployer import alarms, metrics, ope, swap, trust
 from deployer.alarms import Alarm, Behaviour
 from deployer.errors import GateError
 from deployer.gate_suites import SuiteResult, against_anchor, ope_suite, prompt_suites, score_prompts
@@ -204,7 +204,7 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store)
         raise GateError(
             "settings.vllm.staging_server is not set; the gate never generates on serving servers"
         )
-    plan = _plan(settings, registry, version)
+    plan = _plan(settings, registry, version, store)
     staged = _sample_on_staging(settings, registry, store, staging, plan)
     if staged.load_failure is None:
         results, found, behaviour = _score(settings, store, plan, staged)
@@ -218,10 +218,10 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store)
     return decision
 
 
-def _plan(settings: Settings, registry: Registry, version: int) -> _Plan:
+def _plan(settings: Settings, registry: Registry, version: int, store: Store) -> _Plan:
     """The champion, the anchor (`gate.anchor`) when a suite of `gate.anchor_suites` is configured,
     and the prompt suites; raises GateError on a bad suite or anchor."""
-    champion = registry.champion()
+    champion = trust.champion(registry, store)  # rtrl's record, not an alias moved by hand
     anchor = anchor_version(settings, registry, champion)
     suites = [s for s, _ in prompt_suites(settings)]
     anchored = (
@@ -372,6 +372,7 @@ def record(
             decision.reason,
             decision.model_dump(mode="json"),
             decision.decided_at,
+            model=registry.model_name,
         )
     tags = {
         "gate": "pass" if decision.passed else "fail",

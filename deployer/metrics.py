@@ -67,6 +67,11 @@ RECONCILE = Counter(
     "restarted), error (a server could not be aligned), busy (a rollout held the fleet), failed (the check itself failed).",
     ["outcome"],
 )
+ALIAS_REFUSED = Counter(
+    "rtrl_deployer_alias_refused_total",
+    "Times the reconciler found @champion moved outside rtrl (to a version rtrl did not promote) and put it back "
+    "(deployer/trust.py; alert RtrlChampionAliasMoved).",
+)
 RESTARTS = Counter(
     "rtrl_deployer_server_restarts_total",
     "Local vLLM servers the reconciler restarted, by server.",

@@ -10,6 +10,10 @@ already done, leaves the registry alias where it was and returns ``ok=False`` wi
 Only a fully verified fleet moves ``@champion``. When the version has no recorded digests yet,
 the canary's (once its probe passed) become the baseline for the rest of the fleet.
 
+A promotion needs grounds in rtrl's own store (deployer/trust.py): a passing gate decision, or a
+version that served before; an operator's ``--force`` is recorded with who and why. Every move of
+@champion is recorded there first, and the fleet follows that record, not an alias moved by hand.
+
 `rollback` is a promotion of the previous champion. `align_fleet` brings servers that restarted (or
 were never given a version) back to the champion, and resumes and puts back what a deployer that
 died mid-swap left paused or out of rotation; `bootstrap` registers the base model as v1
@@ -32,7 +36,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployer import metrics
+from deployer import metrics, trust
 from deployer.errors import NothingToRollBack, RolloutBusy
 from deployer.swap import (
     DEPLOYER_MARK,
@@ -156,29 +160,49 @@ def _swap_servers(
 
 
 def promote(
-    settings: Settings, registry: Registry, version: int, *, store: Store | None = None
+    settings: Settings,
+    registry: Registry,
+    version: int,
+    *,
+    store: Store | None = None,
+    force_reason: str | None = None,
+    role: str = "",
 ) -> SwapResult:
-    """Swap the fleet to `version` and, when every server verified, move @champion to it.
+    """Swap the fleet to `version` and, when every server verified, record the promotion and move
+    @champion to it. Raises NotAuthorized before touching a server when `version` has no grounds
+    (deployer/trust.py) and no `force_reason` is given; `role` names the caller in the record.
 
     The lock, the digests and the swaps' announcements are in `store`: the caller's (the worker's
     chain passes the one it holds, its schema checked when it was opened), else one opened, checked
     and closed here."""
     if store is not None:
-        return _promote(settings, registry, store, version)
+        return _promote(settings, registry, store, version, force_reason, role)
     own = Store(settings.store.url)
     try:
         own.check_schema()
-        return _promote(settings, registry, own, version)
+        return _promote(settings, registry, own, version, force_reason, role)
     finally:
         own.close()
 
 
-def _promote(settings: Settings, registry: Registry, store: Store, version: int) -> SwapResult:
+def _promote(
+    settings: Settings, registry: Registry, store: Store, version: int, force_reason: str | None, role: str
+) -> SwapResult:
     with rollout_lock(store, "rollout", f"promote v{version}"):
-        previous = registry.champion()
+        previous = trust.champion(registry, store)  # first: adopts the alias when no record exists yet
+        grounds = trust.grounds(registry, store, version, force_reason)  # or NotAuthorized, nothing touched
         result = _swap_fleet(settings, registry, store, version, previous)
         metrics.ROLLOUTS.labels("ok" if result.ok else "failed").inc()
         if result.ok:
+            # The record first: an alias set without it would be refused by the next reconcile.
+            store.record_promotion(
+                registry.model_name,
+                version,
+                grounds.kind,
+                trust.actor(role),
+                grounds.reason,
+                grounds.gate_decision_id,
+            )
             registry.set_alias(CHAMPION, version)
             metrics.CHAMPION.set(version)
             if version != previous:
@@ -195,17 +219,25 @@ def _promote(settings: Settings, registry: Registry, store: Store, version: int)
 
 
 def rollback(
-    settings: Settings, registry: Registry, to_version: int | None = None, *, store: Store | None = None
+    settings: Settings,
+    registry: Registry,
+    to_version: int | None = None,
+    *,
+    store: Store | None = None,
+    role: str = "",
 ) -> SwapResult:
-    """Serve `to_version` (default: the previous champion) again: re-swap the fleet, move @champion
-    (`promote`, in `store` when given)."""
+    """Serve `to_version` (default: the champion rtrl promoted before this one) again: re-swap the
+    fleet, move @champion (`promote`, in `store` when given). A version that never served needs
+    ``rtrl deploy promote --force``."""
     if to_version is None:
-        to_version = registry.previous_champion()
+        with Store(settings.store.url) as own:
+            own.check_schema()
+            to_version = own.previous_champion(registry.model_name)
         if to_version is None:
             raise NothingToRollBack(
                 "no previous champion recorded; pass the version to roll back to (--to N)"
             )
-    return promote(settings, registry, to_version, store=store)
+    return promote(settings, registry, to_version, store=store, role=role)
 
 
 def bootstrap(settings: Settings, registry: Registry, model_dir: Path, *, keep_going: bool = False) -> int:
@@ -241,9 +273,15 @@ def bootstrap(settings: Settings, registry: Registry, model_dir: Path, *, keep_g
             raise RegistryError(
                 f"registered the base model as version {version}; expected 1 (concurrent bootstrap?)"
             )
+        with Store(settings.store.url) as store:
+            store.check_schema()
+            store.record_promotion(
+                registry.model_name, version, "bootstrap", trust.actor("bootstrap"), f"base model {model_dir}"
+            )
         registry.set_alias(CHAMPION, version)
-    champion = registry.champion()
     report = align_fleet(settings, registry, keep_going=keep_going)
+    champion = report.champion
+    assert champion is not None  # align_fleet raises NoChampion otherwise
     for url, problem in report.errors.items():
         log.warning(
             "%s not on @champion v%d yet (%s); the fleet reconciler retries it", url, champion, problem
@@ -271,8 +309,10 @@ def align_fleet(settings: Settings, registry: Registry, *, keep_going: bool = Fa
     try:
         store.check_schema()  # the lock, the digests and what each server serves are there
         with rollout_lock(store, "rollout", "align the fleet to @champion"):
-            version = registry.champion()
-            report.champion = version
+            alias = trust.guard_alias(registry, store)  # an alias moved outside rtrl is put back
+            version = report.champion = alias.champion
+            if not alias.agrees:
+                report.alias_refused = alias.alias
             want = target(settings, registry, store, version)
             rotation = store.rotation()
             drain = len(settings.vllm.servers) > 1
@@ -308,6 +348,11 @@ class FleetReport(BaseModel):
     """What `align_fleet` found and did."""
 
     champion: int | None = None
+    alias_refused: int | None = Field(
+        None,
+        description="The version @champion pointed at though rtrl never promoted it; the alias was put back "
+        "(deployer/trust.py).",
+    )
     restarted: list[str] = Field(
         default_factory=list,
         description="Dead servers restarted first (`rtrl deploy reconcile` on local services).",
@@ -328,7 +373,8 @@ class FleetReport(BaseModel):
     @property
     def changed(self) -> bool:
         return bool(
-            self.restarted
+            self.alias_refused is not None
+            or self.restarted
             or self.swaps
             or self.relabelled
             or self.resumed

@@ -36,6 +36,7 @@ from store.errors import (
 )
 from store.events import BatchWrite, Rejected, SourceRecord
 from store.labelling import DeadLetterEntry, Labelling, LabellingStore
+from store.promotions import PromotionRecord, PromotionStore
 from store.reports import CycleRow, ReportRows, ReportStore, TenantRow, VersionRow
 from store.retention import RetentionStore
 from store.settle import Settled, SettleReport
@@ -58,6 +59,8 @@ __all__ = [
     "LeaseLost",
     "LockBusy",
     "LockHolder",
+    "PromotionRecord",
+    "PromotionStore",
     "Rejected",
     "ReportRows",
     "ReportStore",

@@ -235,11 +235,14 @@ class CycleStore(StoreBase):
         reason: str,
         record: dict[str, Any],
         decided_at: datetime,
+        model: str | None = None,
     ) -> None:
-        """Keep one decision of the eval gate (every run of the gate adds one)."""
+        """Keep one decision of the eval gate (every run of the gate adds one) on version
+        `challenger` of registry model `model` (what authorises its promotion: store/promotions.py)."""
         with self.transaction() as session:
             session.add(
                 GateDecisionRow(
+                    model=model,
                     challenger_version=challenger,
                     champion_version=champion,
                     passed=passed,

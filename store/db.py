@@ -8,6 +8,7 @@ process's engine of a URL and close):
 - `EpisodeStore` (store/episodes.py): the trainer's selection and claims of episodes;
 - `CycleStore` (store/cycles.py): cycles and their leases, gate decisions, served versions;
 - `DeployStore` (store/deploys.py): rotation, announced versions, weight digests, deploy locks;
+- `PromotionStore` (store/promotions.py): every move of @champion rtrl made, and its grounds;
 - `TenantStore` (store/tenants.py): tenants and API keys;
 - `ReportStore` (store/reports.py): stats, reconciliation counts, ``rtrl report``'s numbers;
 - `RetentionStore` (store/retention.py): ``rtrl store prune``.
@@ -19,12 +20,22 @@ from store.cycles import CycleStore
 from store.deploys import DeployStore
 from store.episodes import EpisodeStore
 from store.labelling import LabellingStore
+from store.promotions import PromotionStore
 from store.reports import ReportStore
 from store.retention import RetentionStore
 from store.tenants import TenantStore
 
 
-class Store(LabellingStore, EpisodeStore, CycleStore, DeployStore, TenantStore, ReportStore, RetentionStore):
+class Store(
+    LabellingStore,
+    EpisodeStore,
+    CycleStore,
+    DeployStore,
+    PromotionStore,
+    TenantStore,
+    ReportStore,
+    RetentionStore,
+):
     """Handle on the SQL store with every typed store's methods. Thread-safe; stores opened on
     one URL in a process share its engine.
 

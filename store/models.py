@@ -249,6 +249,8 @@ class GateDecisionRow(Base):
     __tablename__ = "gate_decisions"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # The registry model the version belongs to (NULL: a decision recorded before revision 0011).
+    model: Mapped[str | None] = mapped_column(String(200), nullable=True)
     challenger_version: Mapped[int] = mapped_column(Integer, index=True)
     champion_version: Mapped[int] = mapped_column(Integer)
     passed: Mapped[bool] = mapped_column(Boolean)
@@ -270,6 +272,25 @@ class RecordedDigests(Base):
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     digests: Mapped[dict[str, str]] = mapped_column(JSON)  # tensor name -> sha256 hex
     recorded_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class Promotion(Base):
+    """Every move of @champion that rtrl made, and on what grounds: the record the deployer, the
+    reconciler, the trainer and the gate trust over the registry's alias (deployer/trust.py,
+    docs/security.md, The registry). The newest row of a model is its champion."""
+
+    __tablename__ = "promotions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(200), index=True)
+    version: Mapped[int] = mapped_column(Integer)
+    # gate (a passing gate decision), served (a version that served before: a rollback),
+    # bootstrap (the base model, v1), adopted (the alias found when rtrl first kept a record), force.
+    grounds: Mapped[str] = mapped_column(String(16))
+    gate_decision_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    actor: Mapped[str] = mapped_column(String(300))  # user@host, or the process that moved it
+    reason: Mapped[str] = mapped_column(Text)
+    promoted_at: Mapped[datetime] = mapped_column(UtcDateTime)
 
 
 class DeployLockHolder(Base):

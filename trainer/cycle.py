@@ -198,7 +198,8 @@ def run_cycle(
     # ---- lease --------------------------------------------------------------------------------
     _reclaim(settings, store, owner, takeover_suffix)
     expire_abandoned(settings, store)  # a dead worker's cycle releases its episodes before we count
-    champion = registry.champion()
+    # rtrl's record of its promotions, not the alias (which anyone who can write MLflow moves).
+    champion = store.recorded_champion(registry.model_name, registry.champion, "trainer")
     spec = get_spec(settings.labeler.reward_spec)  # once per cycle: every step below is handed it
     available = count_trainable(settings, store, champion, spec_id=spec.spec_id)
     if available < cfg.min_samples:

@@ -172,7 +172,7 @@ def _promote(
 
     assert result.cycle_id is not None and result.challenger_version is not None
     deploy_started = time.monotonic()
-    swap = rollout.promote(settings, registry, result.challenger_version, store=store)
+    swap = rollout.promote(settings, registry, result.challenger_version, store=store, role="worker")
     out["deploy_s"] = round(time.monotonic() - deploy_started, 3)
     out["swap"] = swap.model_dump(mode="json")
     if not swap.ok:

@@ -27,6 +27,7 @@ import redis.exceptions
 from celery import Task
 from celery.signals import worker_shutting_down
 
+from deployer import trust
 from registry import Registry, RegistryUnavailable
 from schemas.clock import utcnow
 from schemas.settings import Settings
@@ -182,7 +183,7 @@ def maybe_train() -> str:
     due = next_cycle_due(settings, res.store)
     if due is not None and due > utcnow():
         return f"cadence: next cycle not before {due.isoformat()} (trainer.cadence_s {settings.trainer.cadence_s:g})"
-    champion = res.registry.champion()
+    champion = trust.champion(res.registry, res.store)
     available = count_trainable(settings, res.store, champion)
     if available < settings.trainer.min_samples:
         return f"waiting: {available} < {settings.trainer.min_samples} trainable episodes of v{champion}"

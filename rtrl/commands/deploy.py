@@ -3,12 +3,15 @@
     rtrl deploy bootstrap [MODEL_DIR]   register the base model as v1 @champion, set server versions
     rtrl deploy status                  champion/challenger and every server's version and pause state
     rtrl deploy gate VERSION            the eval gate on VERSION (as `rtrl gate run`)
-    rtrl deploy promote VERSION         rolling verified swap, then move @champion
+    rtrl deploy promote VERSION         rolling verified swap, then move @champion (needs a passing
+                                        gate decision, or --force --reason WHY)
     rtrl deploy rollback [--to VERSION] swap back to the previous champion
     rtrl deploy rotation [URL --in|--out] which servers the gateways route users to
     rtrl deploy reconcile [--forever]   every server back on @champion, resumed, in rotation
 
-Promote, rollback and gate print their result as JSON and exit 1 when it is a failure.
+Promote, rollback and gate print their result as JSON and exit 1 when it is a failure. The fleet
+serves what rtrl promoted, by its own record in the store: an @champion alias moved in MLflow by
+hand is put back by the reconciler and shown by `status` (deployer/trust.py, docs/security.md).
 """
 
 from __future__ import annotations
@@ -60,9 +63,17 @@ def status() -> None:
     """Champion and challenger versions, and each server's weight version and pause state."""
     from registry import CHAMPION
     from serving import VllmClient
+    from store import Store
 
     settings, registry = _open()
-    champion = registry.alias(CHAMPION)
+    alias = registry.alias(CHAMPION)
+    with Store(settings.store.url) as store:
+        store.check_schema()
+        record = store.champion_record(registry.model_name)
+        history = store.promotions(registry.model_name, limit=5)
+        previous = store.previous_champion(registry.model_name)
+    # rtrl's record decides; before the first record, the alias is what the next deployer adopts.
+    champion = record.version if record is not None else alias
     servers = []
     urls = [(url, "serving") for url in settings.vllm.servers]
     if settings.vllm.staging_server is not None:
@@ -78,9 +89,29 @@ def status() -> None:
         "challenger": challenger,
         "challenger_gate": gate_tags.get("gate"),  # pass | fail | None (not judged yet)
         "challenger_gate_reason": gate_tags.get("gate_reason"),
-        "previous_champion": registry.previous_champion() if champion is not None else None,
+        "previous_champion": previous,
+        # The registry's alias when it disagrees with rtrl's record (moved outside rtrl: the next
+        # reconcile puts it back), else None.
+        "alias_refused": alias if record is not None and alias != record.version else None,
+        "promotions": [
+            {
+                "version": p.version,
+                "grounds": p.grounds,
+                "actor": p.actor,
+                "reason": p.reason,
+                "at": p.promoted_at.isoformat(),
+            }
+            for p in history
+        ],
         "servers": servers,
     }
+    if report["alias_refused"] is not None:
+        typer.echo(
+            f"warning: @{CHAMPION} points at v{alias}, which rtrl did not promote; serving v{champion}. "
+            f"`rtrl deploy promote {alias}` needs a passing gate decision (or --force --reason)",
+            err=True,
+        )
+
     typer.echo(json.dumps(report, indent=2))
 
 
@@ -95,12 +126,27 @@ def gate(
 
 
 @deploy_app.command("promote")
-def promote(version: int = typer.Argument(..., min=1, help="Registered version to serve.")) -> None:
-    """Swap every server to VERSION (verified, rolling) and move @champion; exit 1 on rollback."""
+def promote(
+    version: int = typer.Argument(..., min=1, help="Registered version to serve."),
+    force: bool = typer.Option(
+        False, "--force", help="Serve VERSION without a passing gate decision (needs --reason; recorded)."
+    ),
+    reason: str | None = typer.Option(None, "--reason", help="Why it is forced: kept with who forced it."),
+) -> None:
+    """Swap every server to VERSION (verified, rolling) and move @champion; exit 1 on rollback.
+
+    VERSION needs a passing gate decision (`rtrl gate run VERSION`) or to have served before;
+    --force --reason WHY serves it anyway, recorded with who and why (`rtrl deploy status`)."""
     from deployer.rollout import promote as run_promote
 
+    if force and reason is None:
+        raise typer.BadParameter(
+            "--force needs --reason 'WHY' (recorded with who forced it)", param_hint="--reason"
+        )
+    if reason is not None and not force:
+        raise typer.BadParameter("--reason goes with --force", param_hint="--reason")
     settings, registry = _open()
-    result = run_promote(settings, registry, version)
+    result = run_promote(settings, registry, version, force_reason=reason if force else None, role="cli")
     typer.echo(result.model_dump_json(indent=2))
     if not result.ok:
         raise typer.Exit(1)
@@ -116,7 +162,7 @@ def rollback(
     from deployer.rollout import rollback as run_rollback
 
     settings, registry = _open()
-    result = run_rollback(settings, registry, to)
+    result = run_rollback(settings, registry, to, role="cli")
     typer.echo(result.model_dump_json(indent=2))
     if not result.ok:
         raise typer.Exit(1)

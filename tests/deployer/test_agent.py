@@ -179,7 +179,7 @@ def test_a_server_that_cannot_see_the_deployers_files_loads_from_the_artifact_st
     with_agent = settings.model_copy(
         update={"vllm": settings.vllm.model_copy(update={"weights_agents": {hidden_server + "/": agent}})}
     )
-    done = promote(with_agent, registry, 2)
+    done = promote(with_agent, registry, 2, force_reason="by hand in a test")
     assert done.ok, done.error
     assert done.servers[0].verified and done.servers[0].max_abs_logprob_diff is not None
     assert registry.champion() == 2 and server.weight_version() == 2
@@ -194,7 +194,7 @@ def test_a_server_that_cannot_see_the_deployers_files_loads_from_the_artifact_st
     # Without the agent the server is handed a path it cannot see. The promotion fails and
     # @champion stays; vLLM 0.32 takes the missing path for a Hub repo id, fails, and its engine
     # dies with it (docs/platform.md, Hot-swap endpoints): why a server on another host needs an agent.
-    failed = promote(settings, registry, 2)
+    failed = promote(settings, registry, 2, force_reason="by hand in a test")
     assert not failed.ok and registry.champion() == 1 and not failed.servers[0].verified, failed
     server.close()
 

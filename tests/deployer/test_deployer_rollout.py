@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from deployer import gate, rollout, swap
 from deployer.probe import PROBE_TOLERANCES
 from registry import Registry
+from schemas.clock import utcnow
 from schemas.settings import (
     GateSettings,
     MlflowSettings,
@@ -104,7 +105,7 @@ def test_bootstrap_promote_and_rollback(
 
     v2 = registry.register_checkpoint(perturbed_copy(tiny_model_dir, tmp_path / "v2", std=0.05, seed=2))
     assert v2 == 2
-    result = rollout.promote(settings, registry, v2)
+    result = rollout.promote(settings, registry, v2, force_reason="by hand in a test")
     print("promote v2:", result.model_dump_json())
     assert result.ok, result.error
     assert result.previous_version == 1 and not result.rolled_back
@@ -127,6 +128,56 @@ def test_bootstrap_promote_and_rollback(
         assert greedy(server) == base_text
 
 
+def test_an_alias_moved_outside_rtrl_is_refused_and_only_a_version_with_grounds_is_promoted(
+    deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Anyone who can write MLflow can move @champion. The reconciler puts it back on the version
+    rtrl promoted, without swapping a server; promoting a version without a passing gate decision
+    is refused before any server is touched; a passing decision in rtrl's store is enough."""
+    from helpers import run_rtrl
+
+    from deployer.errors import NotAuthorized
+    from deployer.reconcile import reconcile_once
+    from registry import CHAMPION
+
+    settings = deploy_settings
+    registry = Registry.from_settings(settings)
+    rollout.bootstrap(settings, registry, tiny_model_dir)
+    v2 = registry.register_checkpoint(perturbed_copy(tiny_model_dir, tmp_path / "v2", std=0.05, seed=3))
+    registry.set_alias(CHAMPION, v2)  # what a `POST .../registered-models/alias` does
+
+    report = reconcile_once(settings, registry)
+    assert report is not None and report.champion == 1 and report.alias_refused == v2, report
+    assert registry.champion() == 1 and not report.swaps
+    with serving(settings) as server:
+        assert server.weight_version() == 1
+
+    registry.set_alias(CHAMPION, v2)
+    status = run_rtrl(settings, "deploy", "status")
+    assert status.returncode == 0, status.stderr
+    shown = json.loads(status.stdout)
+    assert (shown["champion"], shown["alias_refused"]) == (1, v2)
+    assert "which rtrl did not promote" in status.stderr
+    assert [p["grounds"] for p in shown["promotions"]] == ["bootstrap"]
+
+    with pytest.raises(NotAuthorized, match=f"v{v2} has no passing gate decision"):
+        rollout.promote(settings, registry, v2)
+    refused = run_rtrl(settings, "deploy", "promote", str(v2))
+    assert refused.returncode == 1 and "--force --reason" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    with serving(settings) as server:
+        assert server.weight_version() == 1
+
+    with Store(settings.store.url) as store:
+        store.record_gate_decision(v2, 1, True, "passed", {}, utcnow(), model=registry.model_name)
+    promoted = rollout.promote(settings, registry, v2)
+    assert promoted.ok, promoted.error
+    with Store(settings.store.url) as store:
+        latest = store.champion_record(registry.model_name)
+    assert latest is not None and (latest.version, latest.grounds) == (v2, "gate")
+    assert registry.champion() == v2
+
+
 def test_failed_verification_restores_previous_weights(
     deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -142,7 +193,7 @@ def test_failed_verification_restores_previous_weights(
     store = Store(settings.store.url)  # the session's store, where the gate would have recorded them
     swap.save_digests(settings, store, v2, {name: "0" * 64 for name in meaningful_digests(digests)})
 
-    result = rollout.promote(settings, registry, v2)
+    result = rollout.promote(settings, registry, v2, force_reason="by hand in a test")
     print("tampered promote:", result.model_dump_json())
     assert not result.ok and result.rolled_back
     step = result.servers[0]
@@ -173,7 +224,7 @@ def test_failed_verification_restores_previous_weights(
             )
         }
     )
-    result = rollout.promote(fleet, registry, v2)
+    result = rollout.promote(fleet, registry, v2, force_reason="by hand in a test")
     print("dead second server:", result.model_dump_json())
     assert not result.ok and result.rolled_back
     assert [s.verified for s in result.servers] == [True, False, True]  # canary, dead server, canary back
@@ -381,7 +432,7 @@ def test_gate_holds_the_line_at_the_anchor_when_the_champion_has_slipped(
     slipped = registry.register_checkpoint(
         perturbed_copy(tiny_model_dir, tmp_path / "slipped", std=0.3, seed=4)
     )
-    rollout.promote(settings, registry, slipped)
+    rollout.promote(settings, registry, slipped, force_reason="by hand in a test")
     same = registry.register_checkpoint(
         perturbed_copy(tmp_path / "slipped", tmp_path / "same", std=0.0, seed=0)
     )
@@ -508,7 +559,7 @@ def test_a_swap_under_load_through_the_gateway_fails_nothing_and_no_request_wait
             before = len(served)
             with monkeypatch.context() as patch:
                 patch.setattr(rollout, "swap_server", probed_swap_server)
-                result = rollout.promote(settings, registry, v2)
+                result = rollout.promote(settings, registry, v2, force_reason="by hand in a test")
             during = len(served) - before
             time.sleep(1)
             stop.set()
@@ -554,7 +605,7 @@ def test_the_reconciler_brings_back_a_restarted_server_and_undoes_a_dead_deploye
     registry = Registry.from_settings(settings)
     rollout.bootstrap(settings, registry, tiny_model_dir)
     v2 = registry.register_checkpoint(perturbed_copy(tiny_model_dir, tmp_path / "v2", std=0.05, seed=8))
-    assert rollout.promote(settings, registry, v2).ok
+    assert rollout.promote(settings, registry, v2, force_reason="by hand in a test").ok
     url = settings.vllm.servers[0].rstrip("/")
     staging = settings.vllm.staging_server
     assert staging is not None
@@ -649,7 +700,7 @@ def test_a_server_killed_while_paused_mid_swap_leaves_the_fleet_on_the_champion(
     try:
         with monkeypatch.context() as patch:
             patch.setattr(VllmClient, "pause", pause_then_die)
-            result = rollout.promote(settings, registry, v2)
+            result = rollout.promote(settings, registry, v2, force_reason="by hand in a test")
         print("promote with a server killed mid-swap:", result.model_dump_json())
         assert not result.ok and result.rolled_back and registry.champion() == 1
         assert [s.url for s in result.servers][:2] == [live, victim] and not result.servers[1].verified

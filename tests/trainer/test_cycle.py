@@ -297,6 +297,7 @@ def test_the_optimizer_state_carries_over_to_the_cycle_that_trains_the_promoted_
     assert optimizer_dir(settings.trainer.checkpoint_dir, first.cycle_id or 0).is_dir()
     end_cycle(settings, store, first.cycle_id or 0, "promoted")
     registry.set_alias(CHAMPION, first.challenger_version or 0)
+    store.record_promotion(registry.model_name, first.challenger_version or 0, "force", "test", "by hand")
 
     version, champion_dir = (
         f"v{first.challenger_version}",

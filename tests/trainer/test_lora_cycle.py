@@ -86,6 +86,7 @@ def test_a_lora_cycle_trains_the_adapter_only_and_registers_it_with_its_base(
     # The next cycle trains the promoted adapter further, with its optimizer state.
     end_cycle(lora_settings, store, first.cycle_id or 0, "promoted")
     registry.set_alias(CHAMPION, first.challenger_version or 0)
+    store.record_promotion(registry.model_name, first.challenger_version or 0, "force", "test", "by hand")
     feed(
         store,
         sample_episodes(tiny_model_dir, 16, seed=22, version=f"v{first.challenger_version}", alternate=True),

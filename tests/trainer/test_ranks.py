@@ -77,6 +77,6 @@ def test_two_ranks_train_what_one_rank_trains_and_the_version_serves(
     # The version two ranks trained loads and verifies on the session's serving server.
     serving = two.model_copy(update={"vllm": vllm_service.vllm, "services": two.services})
     Store(serving.store.url).migrate()
-    swapped = promote(serving, two_registry, double.challenger_version or 0)
+    swapped = promote(serving, two_registry, double.challenger_version or 0, force_reason="by hand in a test")
     assert swapped.ok and swapped.servers[0].verified, swapped.error
     assert promote(serving, two_registry, 1).ok  # the session's server back on the base model

@@ -142,6 +142,9 @@ def test_a_converged_champion_keeps_its_preference_rate_through_one_more_cycle(
         assert result.status == "registered" and result.challenger_version is not None, result
         end_cycle(production, store, result.cycle_id or 0, "promoted")  # the gate passed it
         registry.set_alias(CHAMPION, result.challenger_version)
+        store.record_promotion(
+            registry.model_name, result.challenger_version, "force", "test", "the gate passed it"
+        )
         return result.challenger_version, registry.download_checkpoint(result.challenger_version)
 
     try:
