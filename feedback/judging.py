@@ -10,14 +10,18 @@ An episode of such a spec closes as ``judging`` (store/settle.py), and a judge p
 2. grades them outside any transaction with evals/judge.py: ``concurrency`` judgements in flight,
    each try bounded by ``timeout_s``, timeouts, refused connections, 429 and 5xx tried again
    (``retries``); once more judgements failed than ``max_failure_rate`` allows, the rest of the
-   pass is not asked (one round of timeouts per pass, not one per episode);
+   pass is not asked (one round of timeouts per pass, not one per episode). What the episode says
+   is data to the judge, never its instructions, and is cut to the judge's limits; an answer the
+   judge got wrong, or an exception while grading one episode, is that episode's failed judgement
+   (logged with its id), never the pass's (docs/security.md, Judge);
 3. settles them in one transaction: with the judge's grade as the ``judge`` term, or, where the
    judge failed or was not asked, without the judge term, flagged with the component
    ``judge_unavailable`` and counted (``rtrl_labeler_judged_total{outcome="unavailable"}``). Never
    dropped, and never waiting for a judge that is out.
 
 A labeler that dies between 2 and 3 leaves the episodes ``judging``; the next pass (of any
-replica) grades them again. Two replicas may grade one episode at once: only the first settles it
+replica) grades them again. Nothing an episode holds can make grading raise past 2, so an episode
+cannot be retried first after every restart (a crash loop). Two replicas may grade one episode at once: only the first settles it
 (`store.settle.settle_judged` locks and checks), so nothing is counted twice.
 
 Agreement: where the episode's feedback also gave an outcome, the grade (good at ≥ 0.5) is
@@ -79,6 +83,13 @@ def judge_pass(store: Store, spec: RewardSpec, judge: Judge, batch: int, now: da
             judged.first_error(),
             ", an outage" if judged.outage else "",
         )
+    for w, v in zip(waiting, judged.verdicts, strict=True):
+        if v.unexpected:
+            log.error(
+                "judge: grading episode %s raised (%s); labelled without the judge term",
+                w.episode_id,
+                v.error,
+            )
     grades = {w.episode_id: v.score for w, v in zip(waiting, judged.verdicts, strict=True)}
     with store.labelling(now) as tx:
         settled = tx.settle_judged(spec, grades)

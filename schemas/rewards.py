@@ -53,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.errors import OperatorError
 from schemas.events import CONTROL_KINDS, SCORED_KINDS, FeedbackKind
+from schemas.settings.judge import rubric_problem
 
 NO_FEEDBACK = "no_feedback"
 CLAMPED = "clamped"
@@ -134,15 +135,16 @@ class JudgeTerm(BaseModel):
     rubric: str = Field(
         DEFAULT_EPISODE_RUBRIC,
         max_length=20_000,
-        description="The judge's instructions: {prompt} (the episode's first prompt), {completion} (every completion "
-        "of the episode, in order, nothing pruned) and {scale} are replaced.",
+        description="The judge's instructions: {prompt} (the episode's first prompt) and {completion} (every "
+        "completion of the episode, in order, nothing pruned), each exactly once, become delimited data blocks and "
+        "{scale} the top grade (docs/gate.md, Judge).",
     )
 
     @model_validator(mode="after")
     def _placeholders(self) -> JudgeTerm:
-        missing = [p for p in ("{prompt}", "{completion}") if p not in self.rubric]
-        if missing:
-            raise ValueError(f"the judge rubric must contain {' and '.join(missing)}")
+        problem = rubric_problem(self.rubric)
+        if problem:
+            raise ValueError(problem)
         return self
 
 

@@ -33,8 +33,24 @@ class JudgeSettings(Section):
     api_key: SecretStr | None = Field(None, description="Bearer key for the judge endpoint (never printed).")
     rubric: str = Field(
         DEFAULT_RUBRIC,
-        description="The judge's instructions; {prompt}, {completion} and {scale} are replaced (nothing else is "
-        "a placeholder). The judge answers with one digit from 1 to `scale`.",
+        max_length=20_000,
+        description="The judge's instructions: {prompt} and {completion} (each exactly once) become delimited data "
+        "blocks and {scale} the top grade, in one pass (nothing else is a placeholder, and the text put in is never "
+        "read for placeholders; docs/gate.md, Judge). The judge answers with one digit from 1 to `scale`.",
+    )
+    max_prompt_chars: int = Field(
+        8_000,
+        ge=100,
+        le=1_000_000,
+        description="The most characters of a prompt the judge is shown: a longer one is cut in the middle (its "
+        "first and last halves kept, the cut marked in the text), so no item makes a huge judge request.",
+    )
+    max_completion_chars: int = Field(
+        16_000,
+        ge=100,
+        le=1_000_000,
+        description="The most characters of a completion (an episode's whole trajectory) the judge is shown, cut "
+        "in the middle like a prompt.",
     )
     scale: int = Field(5, ge=2, le=9, description="Scores run from 1 to this; normalised to [0, 1].")
     timeout_s: float = Field(30.0, gt=0, description="Per judgement, each try.")
@@ -57,7 +73,16 @@ class JudgeSettings(Section):
     @field_validator("rubric")
     @classmethod
     def _placeholders(cls, value: str) -> str:
-        missing = [p for p in ("{prompt}", "{completion}") if p not in value]
-        if missing:
-            raise ValueError(f"the rubric must contain {' and '.join(missing)}")
+        problem = rubric_problem(value)
+        if problem:
+            raise ValueError(problem)
         return value
+
+
+def rubric_problem(rubric: str) -> str | None:
+    """Why `rubric` cannot be a judge's rubric, or None: it must show the judge the prompt and the
+    completion, each once (so a judge request is bounded by the rubric and the two limits)."""
+    wrong = [f"{p} (found {rubric.count(p)})" for p in ("{prompt}", "{completion}") if rubric.count(p) != 1]
+    if wrong:
+        return f"the judge rubric must contain each of {{prompt}} and {{completion}} exactly once: {', '.join(wrong)}"
+    return None
