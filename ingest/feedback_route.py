@@ -1,20 +1,34 @@
 """``POST /v1/feedback``: one feedback object or a list of them (`ingest.intake`).
 
-202 with the event ids once queued for ``settings.kafka.feedback_topic``; 403/404 for another
-tenant's requests, 422 with the reason on bad input.
+202 ``{"event_ids": [...]}`` once queued for ``settings.kafka.feedback_topic``: the ids the events
+are stored under, in the order sent. A client's ``event_id`` is its tenant's idempotency key, so
+the id returned for it is `intake.scoped_event_id` of (tenant, key), not the key itself; the same
+key sent again by the same tenant gets the same id (and is deduplicated downstream). Items without
+a key get fresh ids. 403/404 for another tenant's requests, 422 with the reason on bad input.
+
+No body can hold the event loop (docs/security.md, Feedback bodies): `intake.precheck` refuses
+bodies with more events or values than a valid one can have before anything is parsed, which
+bounds the rest; a body of more than `INLINE_VALUES` values is then parsed and admitted in a
+worker thread, one at a time per gateway (`Gateway.feedback_parsing`), so a flood of big bodies
+waits its turn there while the loop serves everyone else.
 """
 
 from __future__ import annotations
 
-import json
-
-from pydantic import ValidationError
+import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ingest import intake
 from ingest.gateway import Gateway
 from schemas.clock import utcnow
+from schemas.events import FeedbackEvent
+
+# Bodies of up to this many values (a few events) are parsed on the event loop: well under 1 ms,
+# less than the hop to a thread.
+INLINE_VALUES = 256
+
+Admitted = list[tuple[FeedbackEvent, str]]  # each event with its wire JSON
 
 
 async def feedback(gw: Gateway, request: Request) -> Response:
@@ -31,13 +45,28 @@ async def feedback(gw: Gateway, request: Request) -> Response:
 
 async def _feedback(gw: Gateway, request: Request, tenant: str) -> Response:
     raw = await request.body()  # its size is bounded by the BodyLimit middleware
-    try:
-        if raw.lstrip()[:1] == b"[":
-            items = intake.MANY.validate_json(raw, strict=True)
-        else:
-            items = [intake.ONE.validate_json(raw, strict=True)]
-    except ValidationError as exc:
-        return JSONResponse({"detail": json.loads(exc.json(include_url=False))}, status_code=422)
+    problem = intake.precheck(raw)
+    if problem is not None:
+        return JSONResponse({"detail": problem}, status_code=422)
+    if intake.values_in(raw) <= INLINE_VALUES:
+        admitted = _admit(gw, raw, tenant)
+    else:
+        admitted = await anyio.to_thread.run_sync(_admit, gw, raw, tenant, limiter=gw.feedback_parsing)
+    if isinstance(admitted, Response):
+        return admitted
+    topic = gw.settings.kafka.feedback_topic
+    for event, value in admitted:
+        gw.publisher.publish(topic, event.request_id, value, event.schema_version, event.event_id)
+    return JSONResponse({"event_ids": [event.event_id for event, _ in admitted]}, status_code=202)
+
+
+def _admit(gw: Gateway, raw: bytes, tenant: str) -> Admitted | Response:
+    """The events of a body that passed `intake.precheck`, with their wire JSON, or the refusal.
+    Runs in a worker thread for big bodies: it touches nothing but `gw`'s immutable parts and its
+    metrics (thread-safe)."""
+    items = intake.parse(raw)
+    if isinstance(items, intake.Invalid):
+        return JSONResponse({"detail": items.errors, "error_count": items.error_count}, status_code=422)
     if not 1 <= len(items) <= intake.MAX_FEEDBACK_EVENTS:
         return JSONResponse(
             {"detail": f"send between 1 and {intake.MAX_FEEDBACK_EVENTS} feedback events, got {len(items)}"},
@@ -48,9 +77,4 @@ async def _feedback(gw: Gateway, request: Request, tenant: str) -> Response:
         if events.status in (403, 404):
             gw.metrics.auth.labels("foreign_tenant" if events.status == 403 else "foreign_request").inc()
         return JSONResponse({"detail": events.problems}, status_code=events.status)
-    topic = gw.settings.kafka.feedback_topic
-    for event in events:
-        gw.publisher.publish(
-            topic, event.request_id, event.model_dump_json(), event.schema_version, event.event_id
-        )
-    return JSONResponse({"event_ids": [e.event_id for e in events]}, status_code=202)
+    return [(event, event.model_dump_json()) for event in events]

@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -56,6 +57,9 @@ class Gateway:
         self.limiter = RateLimiter(settings.gateway.rate_limit_per_s, settings.gateway.rate_limit_burst)
         self.started_at = int(time.time())  # the `created` of the served model (ingest/served_models.py)
         self.tasks: set[asyncio.Task[None]] = set()  # captures of streams, held until they finish
+        # Big feedback bodies are parsed in a thread, one at a time (ingest/feedback_route.py): a
+        # flood of them puts one thread, not one per request, beside the event loop for the GIL.
+        self.feedback_parsing = anyio.CapacityLimiter(1)
 
     def authenticate(self, request: Request, role: str | None) -> Caller | Response:
         """The caller of `request` when its key is valid, of `role` (any when None) and within its

@@ -12,7 +12,7 @@ from factories import T0, FakeMonotonic, at
 from fastapi import FastAPI, Request
 
 from ingest.auth import Caller, KeyCache, RateLimiter, RequestIds, namespaced, request_id_secret
-from ingest.intake import FeedbackIn, Refused, admit
+from ingest.intake import FeedbackIn, Refused, admit, scoped_event_id
 from ingest.limits import BodyLimit
 from schemas.rewards import TAB_V1
 from schemas.settings import LimitsSettings
@@ -101,7 +101,8 @@ def test_feedback_is_admitted_only_for_the_tenants_own_requests() -> None:
         ("acme", None, T0),
         ("acme", "acme:ep", at(-60)),
     ]
-    assert events[1].event_id == "mine-1" and len(events[0].event_id) == 32  # given, or made by the gateway
+    # the client's key scoped to its tenant, or made by the gateway
+    assert events[1].event_id == scoped_event_id("acme", "mine-1") and len(events[0].event_id) == 32
     assert run({"request_id": theirs, "kind": "accepted"}) == Refused(
         404, [f"feedback[0]: no request {theirs!r} for this API key's tenant"]
     )

@@ -7,6 +7,7 @@ with its own spool directory.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -20,6 +21,7 @@ from factories import Feeder
 from helpers import TopicReader, run_rtrl
 
 from ingest.auth import RequestIds, request_id_secret
+from ingest.intake import scoped_event_id
 from schemas.clock import utcnow, wait_until
 from schemas.events import FeedbackEvent, InteractionEvent, parse_event
 from schemas.settings import Settings
@@ -381,7 +383,10 @@ def test_feedback_is_validated_and_published(
             headers=auth,
         )
         anonymous = httpx.post(f"{gateway}/v1/feedback", json={"request_id": rid1, "kind": "rejected"})
-    assert accepted.status_code == 202 and accepted.json()["event_ids"][0] == "fb-ev-1"
+    # the client's idempotency key is acme's: the event is stored under an id derived from both
+    assert accepted.status_code == 202 and accepted.json()["event_ids"][0] == scoped_event_id(
+        "acme", "fb-ev-1"
+    )
     assert single.status_code == 202 and len(single.json()["event_ids"]) == 1
     assert bad_kind.status_code == 422 and bad_kind.json()["detail"][0]["loc"] == ["kind"]
     assert extra.status_code == 422 and extra.json()["detail"][0]["type"] == "extra_forbidden"
@@ -399,6 +404,49 @@ def test_feedback_is_validated_and_published(
         ("task_outcome", 0.5),
     }
     assert {e.tenant for e in published} == {"acme"}  # nothing of bolt's refused attempt went out
+
+
+def test_one_tenants_oversized_feedback_bodies_do_not_stall_another(
+    start_gateway: GatewayFactory, keys: Keys
+) -> None:
+    """acme posts bodies of 349,000 empty items (just under the 1 MiB limit) 8 at a time, with no
+    rate limit; meanwhile every request of bolt's (feedback and the model list, no vLLM needed)
+    succeeds well within its deadline. Before the item count was checked ahead of validation,
+    bolt got one request through in 20 s while acme received eight 422s."""
+    flood = b"[" + b",".join([b"{}"] * 349_000) + b"]"
+    stop = threading.Event()
+    answers: list[httpx.Response] = []
+
+    def abuse(gateway: str) -> None:
+        headers = keys.auth(keys.acme) | {"content-type": "application/json"}
+        with httpx.Client(headers=headers, timeout=120) as http:
+            while not stop.is_set():
+                answers.append(http.post(f"{gateway}/v1/feedback", content=flood))
+
+    latencies: list[float] = []
+    with start_gateway(rate_limit_per_s=0) as gateway:
+        abusers = [threading.Thread(target=abuse, args=(gateway,), daemon=True) for _ in range(8)]
+        for thread in abusers:
+            thread.start()
+        try:
+            wait_until(lambda: len(answers) >= 8, timeout_s=60, what="acme's flood under way")
+            with httpx.Client(headers=keys.auth(keys.bolt), timeout=10) as http:
+                for i in range(40):
+                    started = time.monotonic()
+                    if i % 2:
+                        response = http.get(f"{gateway}/v1/models")
+                    else:
+                        item = {"request_id": keys.ids.new("bolt"), "kind": "accepted"}
+                        response = http.post(f"{gateway}/v1/feedback", json=item)
+                    latencies.append(time.monotonic() - started)
+                    assert response.status_code == (200 if i % 2 else 202), response.text
+        finally:
+            stop.set()
+            for thread in abusers:
+                thread.join(timeout=120)
+    assert {r.status_code for r in answers} == {422} and len(answers) >= 16
+    assert "this body has 349000" in answers[0].json()["detail"]
+    assert max(latencies) < 2.0, f"bolt's latencies under acme's flood: {sorted(latencies)}"
 
 
 def metric(gateway: str, admin_key: str, name: str, label: str = "") -> float:

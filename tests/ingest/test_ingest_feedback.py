@@ -1,0 +1,173 @@
+"""``POST /v1/feedback`` with the whole application in-process (a SQLite store for the keys, a
+publisher that never reaches a broker): bodies no tenant can stall the gateway with, and idempotency
+keys scoped to the caller's tenant (docs/security.md, Feedback bodies and Idempotency keys)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from ingest import intake
+from ingest.app import create_app
+from ingest.auth import RequestIds, request_id_secret
+from ingest.feedback_route import INLINE_VALUES
+from schemas.events import Id, new_id
+from schemas.settings import GatewaySettings, ServicesSettings, Settings, StoreSettings, VllmSettings
+from store import Store
+
+pytestmark = pytest.mark.unit
+
+FLOOD = b"[" + b",".join([b"{}"] * 349_000) + b"]"  # what the hostile tenant sent: just under 1 MiB
+
+
+class Gateway:
+    """A started in-process gateway, its tenants' keys, request ids as it signs them, what it
+    published and, for each `intake.parse` call, whether it ran on the event loop."""
+
+    def __init__(self, client: TestClient, keys: dict[str, str], run_dir: Path) -> None:
+        self.client = client
+        self.keys = keys
+        self.ids = RequestIds(request_id_secret(None, run_dir))
+        self.published: list[dict[str, Any]] = []
+        self.parsed_on_loop: list[bool] = []
+
+    def post(self, tenant: str, body: object | bytes) -> Any:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return self.client.post(
+            "/v1/feedback",
+            content=content,
+            headers={"authorization": f"Bearer {self.keys[tenant]}", "content-type": "application/json"},
+        )
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.fixture
+def gateway(store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Gateway]:
+    keys = {t: store.create_api_key(role="tenant", tenant=t, name="app")[1] for t in ("acme", "bolt")}
+    settings = Settings(
+        store=StoreSettings(url=f"sqlite:///{tmp_path}/rtrl.db"),
+        gateway=GatewaySettings(spool_dir=tmp_path / "spool", auth="keys", rate_limit_per_s=0),
+        services=ServicesSettings(run_dir=tmp_path / "run"),
+        vllm=VllmSettings(sampling_defaults={}),
+    )
+    with TestClient(create_app(settings, connect=lambda: None), raise_server_exceptions=True) as client:
+        gw = Gateway(client, keys, tmp_path / "run")
+        publisher = client.app.state.gateway.publisher  # type: ignore[attr-defined]
+        monkeypatch.setattr(
+            publisher,
+            "publish",
+            lambda topic, key, value, schema, event_id: gw.published.append(json.loads(value)),
+        )
+        parse = intake.parse
+
+        def spied(raw: bytes) -> list[intake.FeedbackIn] | intake.Invalid:
+            gw.parsed_on_loop.append(_on_event_loop())
+            return parse(raw)
+
+        monkeypatch.setattr(intake, "parse", spied)
+        yield gw
+
+
+def test_a_flood_of_empty_items_is_refused_before_it_is_parsed(gateway: Gateway) -> None:
+    assert len(FLOOD) < GatewaySettings().max_feedback_bytes  # the body limit lets it in
+    refused = gateway.post("acme", FLOOD)
+    assert refused.status_code == 422
+    assert refused.json() == {
+        "detail": "send between 1 and 1000 feedback events per request; this body has 349000 "
+        "(its '{' characters, counted before parsing)"
+    }
+    many_values = gateway.post("acme", b"[" + b",".join([b"1"] * 9000) + b"]")
+    many_keys = gateway.post("acme", json.dumps({f"k{i}": 0 for i in range(20_000)}).encode())
+    for response, values in ((many_values, 9000), (many_keys, 20_000)):
+        assert response.status_code == 422
+        assert response.json()["detail"] == (
+            f"a feedback body of at most 1000 events has at most 8000 values; this body has {values} "
+            "(its commas plus one, counted before parsing)"
+        )
+    assert gateway.parsed_on_loop == []  # none of them reached validation
+    assert gateway.published == []
+
+
+def test_the_largest_valid_body_passes_the_precheck() -> None:
+    item = {
+        "event_id": "e" * 200,
+        "request_id": "r" * 200,
+        "episode_id": "p" * 200,
+        "tenant": "acme",
+        "kind": "task_outcome",
+        "value": 0.5,
+        "created_at": "2026-12-05T08:30:15,5+00:00",  # ISO 8601 allows a comma before the fraction
+    }
+    body = json.dumps([item] * intake.MAX_FEEDBACK_EVENTS).encode()
+    assert intake.precheck(body) is None and intake.precheck(json.dumps(item).encode()) is None
+    assert len(intake.parse(body)) == intake.MAX_FEEDBACK_EVENTS  # type: ignore[arg-type]
+    assert intake.precheck(json.dumps([item] * (intake.MAX_FEEDBACK_EVENTS + 1)).encode()) is not None
+
+
+def test_a_refusal_lists_ten_errors_and_their_count_without_the_input(gateway: Gateway) -> None:
+    long_id = "x" * 10_000
+    response = gateway.post("acme", [{"request_id": long_id, "kind": "loved_it"}] * 50)
+    assert response.status_code == 422
+    body = response.json()
+    assert body["error_count"] == 100  # two errors in each of 50 items
+    assert [(e["loc"], e["type"]) for e in body["detail"][:2]] == [
+        ([0, "request_id"], "string_too_long"),
+        ([0, "kind"], "enum"),
+    ]
+    assert len(body["detail"]) == intake.MAX_ERRORS_SHOWN and all("input" not in e for e in body["detail"])
+    assert len(response.content) < 5000  # the 500 kB of ids are not sent back
+    assert gateway.post("acme", b"{nope").json()["detail"][0]["type"] == "json_invalid"
+
+
+def test_big_bodies_are_parsed_off_the_event_loop(gateway: Gateway) -> None:
+    rid = gateway.ids.new("acme")
+    small = gateway.post("acme", {"request_id": rid, "kind": "accepted"})
+    batch = [{"request_id": rid, "kind": "task_outcome", "value": 0.5}] * intake.MAX_FEEDBACK_EVENTS
+    assert intake.values_in(json.dumps(batch).encode()) > INLINE_VALUES
+    big = gateway.post("acme", batch)
+    bad = gateway.post("acme", [{"request_id": rid, "kind": "loved_it"}] * 200)
+    assert (small.status_code, big.status_code, bad.status_code) == (202, 202, 422)
+    assert gateway.parsed_on_loop == [True, False, False]
+    assert len(gateway.published) == 1 + intake.MAX_FEEDBACK_EVENTS
+
+
+def test_an_idempotency_key_belongs_to_the_callers_tenant(gateway: Gateway) -> None:
+    def send(tenant: str, **item: str) -> list[str]:
+        response = gateway.post(tenant, [{"request_id": gateway.ids.new(tenant), "kind": "accepted", **item}])
+        assert response.status_code == 202, response.text
+        ids: list[str] = response.json()["event_ids"]
+        return ids
+
+    first, retry = send("acme", event_id="k-1"), send("acme", event_id="k-1")
+    theirs = send("bolt", event_id="k-1")
+    fresh, fresh_again = send("acme"), send("acme")
+    assert first == retry == [intake.scoped_event_id("acme", "k-1")]  # a retry is recognised downstream
+    assert theirs == [intake.scoped_event_id("bolt", "k-1")] != first  # bolt's key is not acme's
+    assert fresh != fresh_again and uuid.UUID(fresh[0]).version == 4  # no key: a fresh id each time
+    assert [e["event_id"] for e in gateway.published] == first + retry + theirs + fresh + fresh_again
+    assert [e["tenant"] for e in gateway.published] == ["acme", "acme", "bolt", "acme", "acme"]
+
+
+def test_scoped_event_ids_are_ids_of_their_own_kind() -> None:
+    from pydantic import TypeAdapter
+
+    scoped: Callable[[str, str], str] = intake.scoped_event_id
+    assert scoped("acme", "k") == scoped("acme", "k")
+    assert len({scoped("acme", "k"), scoped("bolt", "k"), scoped("acme", "k2"), scoped("acm", "ek")}) == 4
+    assert TypeAdapter(Id).validate_python(scoped("acme", "x" * 200)) == scoped("acme", "x" * 200)
+    assert len(scoped("acme", "k")) == len(new_id()) == 32
+    assert uuid.UUID(scoped("acme", "k")).version == 5 != uuid.UUID(new_id()).version
