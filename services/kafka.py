@@ -4,18 +4,31 @@ Started by `rtrl services up`. The jars of ``org.apache.kafka:kafka_2.13:<servic
 are resolved once with Maven (``infra/kafka/pom.xml``) into ``<services.cache_dir>/kafka-<ver>/lib``
 and shared between checkouts; the storage is formatted once into ``<run_dir>/kafka/data``.
 rtrl creates its topics explicitly (`streams.ensure_topics`); the broker does not auto-create them.
+
+Two client listeners: PLAINTEXT on ``services.kafka_port``, which rtrl's own processes on this host
+use (its clients connect as ANONYMOUS, a super user: loopback only), and SASL_PLAINTEXT with
+SCRAM-SHA-512 on ``services.kafka_sasl_port``, what a secured cluster looks like: one principal per
+component (`streams.acls`), its password generated once into ``<run_dir>/kafka/scram.json``
+(mode 0600), and only the ACLs of its part (the StandardAuthorizer; no ACL, no access). `secured`
+gives a component's client settings for it.
 """
 
 from __future__ import annotations
 
 import base64
+import json
+import os
+import secrets
 import shutil
 import subprocess
 import uuid
 from pathlib import Path
 
+from pydantic import SecretStr
+
 import streams
 from schemas.settings import KafkaSettings, Settings
+from streams import acls
 
 from .base import Service, ServiceError
 
@@ -94,7 +107,8 @@ class Kafka(Service):
 
     @property
     def ports(self) -> tuple[int, ...]:
-        return (self.settings.services.kafka_port, self.settings.services.kafka_controller_port)
+        s = self.settings.services
+        return (s.kafka_port, s.kafka_controller_port, s.kafka_sasl_port)
 
     @property
     def address(self) -> str:
@@ -108,15 +122,26 @@ class Kafka(Service):
         s = self.settings.services
         broker = f"{s.host}:{s.kafka_port}"
         controller = f"{s.host}:{s.kafka_controller_port}"
+        sasl = f"{s.host}:{s.kafka_sasl_port}"
+        listeners = f"PLAINTEXT://{broker},SASL_PLAINTEXT://{sasl},CONTROLLER://{controller}"
         props = {
             "process.roles": "broker,controller",
             "node.id": "1",
             "controller.quorum.bootstrap.servers": controller,
-            "listeners": f"PLAINTEXT://{broker},CONTROLLER://{controller}",
-            "advertised.listeners": f"PLAINTEXT://{broker},CONTROLLER://{controller}",
+            "listeners": listeners,
+            "advertised.listeners": listeners,
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT",
+            # The secured listener: SCRAM principals, each allowed only what its ACLs say.
+            "sasl.enabled.mechanisms": acls.SCRAM_MECHANISM,
+            "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config": (
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+            ),
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            # The broker itself and the loopback PLAINTEXT clients of this host.
+            "super.users": "User:ANONYMOUS",
+            "allow.everyone.if.no.acl.found": "false",
             "log.dirs": str(self.data_dir / "data"),
             "num.partitions": str(self.settings.kafka.partitions),
             # One node: every internal topic has one replica.
@@ -205,5 +230,37 @@ class Kafka(Service):
             raise ServiceError(f"no unfenced broker or no controller yet: {cluster}")
         return f"Kafka {self.settings.services.kafka_version} KRaft, cluster {cluster['cluster_id']}"
 
+    @property
+    def credentials_path(self) -> Path:
+        return self.data_dir / "scram.json"
+
+    def credentials(self) -> dict[str, str]:
+        """Each component principal's SCRAM password on the SASL listener, made on first use."""
+        path = self.credentials_path
+        if path.exists():
+            found: dict[str, str] = json.loads(path.read_text())
+            if set(acls.PRINCIPALS) <= set(found):
+                return found
+        made = {principal: secrets.token_urlsafe(24) for principal in acls.PRINCIPALS}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump(made, out)
+        return made
+
+    def secured(self, principal: str) -> KafkaSettings:
+        """settings.kafka pointed at the SASL listener as `principal` (one of `streams.acls.PRINCIPALS`)."""
+        return self._own_broker().model_copy(
+            update={
+                "bootstrap_servers": f"{self.host}:{self.settings.services.kafka_sasl_port}",
+                "security_protocol": "SASL_PLAINTEXT",
+                "sasl_mechanism": acls.SCRAM_MECHANISM,
+                "sasl_username": principal,
+                "sasl_password": SecretStr(self.credentials()[principal]),
+            }
+        )
+
     def after_start(self) -> None:
-        streams.ensure_topics(self._own_broker())
+        own = self._own_broker()
+        streams.ensure_topics(own)
+        acls.apply(own, self.settings.kafka, self.credentials())

@@ -61,12 +61,13 @@ def services_settings(
     `embedded`: the store and MLflow's backend are SQLite files in the run dir, as under `rtrl demo`
     (what the test sessions use); False: the databases of the run dir's PostgreSQL, as under `rtrl run`.
     """
-    kafka, controller, pg, redis, mlflow, vllm, staging = free_ports(7)
+    kafka, controller, sasl, pg, redis, mlflow, vllm, staging = free_ports(8)
     services = ServicesSettings(
         run_dir=run_dir,
         host=HOST,
         kafka_port=kafka,
         kafka_controller_port=controller,
+        kafka_sasl_port=sasl,
         postgres_port=pg,
         redis_port=redis,
         mlflow_port=mlflow,

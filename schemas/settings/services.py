@@ -22,6 +22,11 @@ class ServicesSettings(Section):
     host: str = Field("127.0.0.1", description="Interface the local services bind to.")
     kafka_port: int = Field(19092, description="Kafka broker (PLAINTEXT listener).")
     kafka_controller_port: int = Field(19093, description="Kafka KRaft controller listener.")
+    kafka_sasl_port: int = Field(
+        19094,
+        description="Kafka's SASL_PLAINTEXT listener (SCRAM-SHA-512, one principal per component with its "
+        "ACLs; credentials in <run_dir>/kafka/scram.json): what a secured cluster looks like (docs/security.md).",
+    )
     kafka_version: str = Field("4.4.0", description="org.apache.kafka:kafka_2.13 version from Maven Central.")
     postgres_port: int = Field(15432, description="PostgreSQL server.")
     redis_port: int = Field(16379, description="Redis server (Celery broker and result backend).")
