@@ -49,10 +49,14 @@ def test_a_prompt_of_placeholders_does_not_multiply_the_completion() -> None:
     assert len(text) < 8_000 + 100 + 1_000  # the prompt's limit, the completion, the rubric and the tags
 
 
-def test_a_fresh_nonce_per_request_and_never_one_the_text_holds() -> None:
-    first, second = (content(CFG, "p", "c", nonce=None) for _ in range(2))
-    assert first != second and first.count("<prompt-") == 2  # the notice names it, then the block
+def test_the_nonce_is_the_items_digest_and_never_one_the_text_holds() -> None:
+    first, again, other = (content(CFG, "p", c, nonce=None) for c in ("c", "c", "d"))
+    assert first == again and first != other  # the same item is the same request (temperature 0 repeats)
+    assert first.count("<prompt-") == 2  # the notice names it, then the block
     assert "<prompt-n0nce>" not in content(CFG, "p", "I know n0nce", nonce="n0nce")
+    plain = content(CFG, "p", "c", nonce=None)
+    name = plain.split("<prompt-", 1)[1].split(">", 1)[0]
+    assert "<prompt-" + name not in content(CFG, "p", f"c {name}", nonce=None)  # a text naming it gets another
 
 
 def test_long_text_is_cut_in_the_middle_and_the_cut_says_so() -> None:
