@@ -152,6 +152,7 @@ def labeler_rate(
     are printed."""
     store = Store(settings.store.url)
     store.migrate()
+    store.set_tenant("default")  # the bench's events' tenant: refused without a row (labeler.unknown_tenants)
     labeler = Labeler(settings, store, make_consumer(settings), make_producer(settings))
     freeze_heap()  # as `feedback.labeler.run` does before its loop
     profiler = cProfile.Profile() if profile else None
@@ -275,6 +276,7 @@ def replicas_rate(
     (the replicas idle, paused, before; the first batch follows within milliseconds)."""
     store = Store(settings.store.url)
     store.migrate()
+    store.set_tenant("default")  # the bench's events' tenant: refused without a row (labeler.unknown_tenants)
     context = multiprocessing.get_context("spawn")
     go, stop, reports = context.Event(), context.Event(), context.Queue()
     processes = [
@@ -457,7 +459,8 @@ def bench_settings(base: Settings, tag: str, partitions: int | None) -> Settings
         update={
             "kafka": kafka,
             # Episodes settle by their terminal feedback; the window never fires during the run.
-            "labeler": base.labeler.model_copy(update={"settle_window_s": 3600.0}),
+            # The tiny model's vocabulary (the bench's token ids are below 116): no model is built.
+            "labeler": base.labeler.model_copy(update={"settle_window_s": 3600.0, "vocab_size": 384}),
         }
     )
 

@@ -14,8 +14,9 @@ Replicas). The loop is ``Labeler.step``:
 
 Error policy: no single record can stop the labeler.
 
-* a record that fails validation or is a duplicate -> dead letter with a reason (feedback/records.py,
-  store/events.py);
+* a record that fails validation (a token id outside the serving model's vocabulary included), is a
+  duplicate, or names a tenant with no row (``labeler.unknown_tenants``) -> dead letter with a reason
+  (feedback/records.py, store/events.py);
 * the database is unreachable or locked, the transaction lost a deadlock to another replica, or
   the DLQ producer fails -> nothing of the batch is committed, the consumer seeks back to the
   batch's first offsets, backs off (0.5 s doubling to 30 s) and processes it again;
@@ -57,7 +58,7 @@ from typing import Any
 import streams
 from feedback import metrics
 from feedback.judging import judge_for, judge_pass
-from feedback.records import Checks, parse_record
+from feedback.records import Checks, parse_record, vocab_size
 from schemas.clock import Clock, Sleep, utcnow
 from schemas.events import DEAD_LETTER_SCHEMA, FeedbackEvent, InteractionEvent
 from schemas.rewards import RewardSpec, get_spec
@@ -79,6 +80,7 @@ POLL_RETRY_S = (
 # A record started this many times by labeler processes that then died is dead-lettered unprocessed.
 # With a first death in batch mode that is 3 deaths in all: the supervisor's 5 restarts suffice.
 POISON_AFTER = 2
+OPEN_TENANT = "default"  # the tenant of every call to a gateway with gateway.auth=open (ingest/auth.py)
 
 
 @dataclass
@@ -126,7 +128,8 @@ class Labeler:
         self.consumer = consumer
         self.producer = producer
         self.spec = spec or get_spec(settings.labeler.reward_spec)
-        self.checks = Checks(spec=self.spec, limits=settings.limits)
+        # The serving model's vocabulary, once (a one-line operator error when nothing gives it).
+        self.checks = Checks(spec=self.spec, limits=settings.limits, vocab_size=vocab_size(settings))
         self.judge = judge_for(self.spec, settings.labeler.judge)  # None unless the spec has a judge term
         self.clock = clock
         self.sleep = sleep
@@ -149,7 +152,13 @@ class Labeler:
 
     def run(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set."""
-        log.info("labeler consuming %s with spec %s", sorted(self.expected), self.spec.spec_id)
+        log.info(
+            "labeler consuming %s with spec %s; token ids below %s; tenants without a row: %s",
+            sorted(self.expected),
+            self.spec.spec_id,
+            self.checks.vocab_size,
+            self.settings.labeler.unknown_tenants,
+        )
         while not stop.is_set():
             self.step()
 
@@ -276,7 +285,7 @@ class Labeler:
         try:
             with self.store.labelling(now) as tx:
                 # ---- write events idempotently; collect dead letters (invalid + duplicates) -------
-                written = tx.write_events(parsed)
+                written = tx.write_events(parsed, self.settings.labeler.unknown_tenants)
                 # ---- dead letters reach the DLQ topic before the DB commits: never lost ---------------
                 self._produce_dead_letters(written.rejected, now)
                 # ---- join feedback, settle on terminal feedback --------------------------------------
@@ -472,6 +481,15 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+def prepare_store(settings: Settings, store: Store) -> None:
+    """Migrate the store; under ``gateway.auth=open`` give the open gateway's one tenant its row
+    (ingest/auth.py, OPEN_TENANT), so that ``labeler.unknown_tenants=refuse`` keeps a local loop
+    without keys running (docs/security.md, Forged events)."""
+    store.migrate()
+    if settings.gateway.auth == "open":
+        store.set_tenant(OPEN_TENANT)
+
+
 def run(settings: Settings, stop: threading.Event | None = None, readiness: Readiness | None = None) -> None:
     """Run the labeler until SIGTERM/SIGINT (or ``stop``): migrate, create topics, consume.
     `readiness` (the exporter's, `rtrl labeler`) hears whether the store and Kafka work. On the
@@ -479,7 +497,7 @@ def run(settings: Settings, stop: threading.Event | None = None, readiness: Read
     set-up heap before consuming (`freeze_heap`); on another thread (a test's) it does neither."""
     stop = stop or threading.Event()
     store = Store(settings.store.url)
-    store.migrate()
+    prepare_store(settings, store)
     streams.ensure_topics(settings.kafka)
     consumer = make_consumer(settings)
     producer = make_producer(settings)

@@ -103,7 +103,7 @@ LAST_STEP = Gauge(
     "Unix time of the labeler's last completed poll → store → commit round (idle rounds included).",
 )
 
-REASONS = ("schema", "content", "duplicate", "record", "poison")
+REASONS = ("schema", "content", "duplicate", "unknown tenant", "record", "poison")
 # Every known series exists from the start (at 0), so the first increment is an increase a rule sees.
 for _reason in (*REASONS, "other"):
     DEAD_LETTERS.labels(_reason)

@@ -2,7 +2,10 @@
 
 Pure: no Kafka client, no SQL. Beyond the wire schema (schemas/events.py) a record is refused when
 its ``created_at`` lies outside the accepted window (``settings.limits``: a skewed or hostile
-clock, or data past retention) or a scored feedback value lies outside the reward spec's range.
+clock, or data past retention), a scored feedback value lies outside the reward spec's range, or
+an interaction carries a token id the serving model has no embedding row for (`vocab_size`: read
+once at start-up; such an episode would fail every training cycle that selected it). Whether the
+event's tenant exists is asked of the store, once per batch (store/events.py).
 Text a model produced is never a reason: a NUL or a lone surrogate in it arrives as U+FFFD
 (`schemas.events.storable_text`). The reasons' classes are listed in store/events.py, which writes
 the results.
@@ -13,7 +16,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
+from typing import Any
 
+from schemas.errors import OperatorError
 from schemas.events import (
     FeedbackEvent,
     InteractionEvent,
@@ -23,7 +29,7 @@ from schemas.events import (
     storable_text,
 )
 from schemas.rewards import RewardSpec
-from schemas.settings import LimitsSettings
+from schemas.settings import LimitsSettings, Settings
 from schemas.versions import parse_version
 from store.events import Event, Rejected, SourceRecord
 
@@ -34,6 +40,7 @@ class Checks:
 
     spec: RewardSpec
     limits: LimitsSettings
+    vocab_size: int | None = None  # token ids must be below it; None: not checked (`vocab_size`)
 
 
 def parse_record(
@@ -62,7 +69,52 @@ def parse_record(
             parse_version(event.policy_version)
         except ValueError as exc:
             return Rejected(record, f"content: {exc}", event.event_id)
+        if checks.vocab_size is not None:
+            highest = max(max(event.prompt_token_ids, default=0), max(event.completion_token_ids, default=0))
+            if highest >= checks.vocab_size:
+                return Rejected(
+                    record,
+                    f"content: token id outside the vocabulary ({highest} >= {checks.vocab_size})",
+                    event.event_id,
+                )
     return event
+
+
+class VocabularyUnknown(OperatorError):
+    """Neither ``labeler.vocab_size`` nor the serving model's config.json gives a vocabulary size."""
+
+
+def vocab_size(settings: Settings) -> int:
+    """The serving model's vocabulary: ``labeler.vocab_size``, else ``vocab_size`` of config.json in
+    ``vllm.model_dir`` (a multimodal config nests it in ``text_config``). Read once, at start-up:
+    plain JSON, no model or tokenizer is loaded. Every version rtrl trains keeps the base model's
+    embedding, so the base model's size holds for the whole fleet."""
+    if settings.labeler.vocab_size is not None:
+        return settings.labeler.vocab_size
+    path = Path(settings.vllm.model_dir).expanduser() / "config.json"
+    try:
+        config: Any = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise VocabularyUnknown(
+            f"the labeler cannot read the serving model's vocabulary size from {path} ({exc}): set "
+            "RTRL_VLLM__MODEL_DIR to the served model's directory or RTRL_LABELER__VOCAB_SIZE to its vocab_size"
+        ) from None
+    size = _config_vocab_size(config)
+    if size is None:
+        raise VocabularyUnknown(
+            f"{path} has no vocab_size (nor text_config.vocab_size): set RTRL_LABELER__VOCAB_SIZE to the "
+            "rows of the served model's input embedding"
+        )
+    return size
+
+
+def _config_vocab_size(config: Any) -> int | None:
+    if not isinstance(config, dict):
+        return None
+    value = config.get("vocab_size")
+    if value is None and isinstance(config.get("text_config"), dict):
+        value = config["text_config"].get("vocab_size")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _readable_event_id(raw: bytes) -> str | None:

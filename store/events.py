@@ -17,6 +17,15 @@ Dead-letter reasons (``Rejected.reason`` starts with the class, for stats and al
                       stored as U+FFFD, schemas.events.storable_text)
 * ``duplicate: ...``  a second record carrying an event_id already stored from another offset, or a
                       second event for an (episode_id, segment_index) that is already stored
+* ``unknown tenant: <id>``  the event's tenant has no row in ``tenants`` (``labeler.unknown_tenants
+                      = refuse``, the default): one query per batch asks which of its tenants exist.
+                      Anyone who reaches a broker can write any tenant into a record; the gateway
+                      writes only the tenants of its keys, and a key's tenant has a row
+                      (docs/security.md, Forged events). An event stored from the same record before
+                      (while the setting said accept) stays a replay.
+
+The labeler adds ``record: ...`` and ``poison: ...`` (feedback/labeler.py, its error policy);
+token ids outside the serving model's vocabulary are a ``content`` reason (feedback/records.py).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import Table, select
 from sqlalchemy.orm import Session
@@ -33,7 +42,7 @@ from schemas.events import DeadLetterRecord, FeedbackEvent, InteractionEvent
 from schemas.versions import parse_version
 from store.bulk import among, insert_rows
 from store.errors import DatabaseUnavailable
-from store.models import DeadLetter, Feedback, Interaction
+from store.models import DeadLetter, Feedback, Interaction, Tenant
 
 # What of a rejected payload travels on the DLQ topic: the broker's default message limit is 1 MB
 # and a dead letter that cannot be produced would block the partition forever. The SQL row keeps
@@ -114,7 +123,10 @@ class BatchWrite:
 
 
 def write_events(
-    session: Session, parsed: Sequence[tuple[SourceRecord, Event | Rejected]], now: datetime
+    session: Session,
+    parsed: Sequence[tuple[SourceRecord, Event | Rejected]],
+    now: datetime,
+    unknown_tenants: Literal["refuse", "accept"] = "accept",
 ) -> BatchWrite:
     """Insert the valid events of a batch (idempotently) and collect everything to dead-letter.
 
@@ -122,8 +134,11 @@ def write_events(
     row (its event_id, or an interaction's episode and segment, stored before or by a concurrent
     replica meanwhile); only the skipped ones are looked up, to tell a replay (stored from the same
     offset) from a duplicate. The one read before the insert is whether the batch's event ids are
-    in the other table (an event_id is unique across interactions and feedback)."""
+    in the other table (an event_id is unique across interactions and feedback); with
+    `unknown_tenants` = refuse, one more: which of the batch's tenants exist."""
     out = BatchWrite()
+    if unknown_tenants == "refuse":
+        parsed = _refuse_unknown_tenants(session, parsed)
     out.rejected.extend(e for _, e in parsed if isinstance(e, Rejected))
     batch = _Batch.of([(r, e) for r, e in parsed if not isinstance(e, Rejected)])
     elsewhere, inserted = _insert_new(session, batch.candidates, now)
@@ -236,6 +251,27 @@ def _name_skipped(
                 (position, _duplicate_segment(record, event, segment_of.get(key, batch.segments[key])))
             )
     return duplicates
+
+
+def _refuse_unknown_tenants(
+    session: Session, parsed: Sequence[tuple[SourceRecord, Event | Rejected]]
+) -> list[tuple[SourceRecord, Event | Rejected]]:
+    """`parsed` with each event whose tenant has no row turned into an ``unknown tenant`` reject,
+    unless that event is stored from this very record (a replay: it stays one)."""
+    tenants = {e.tenant for _, e in parsed if not isinstance(e, Rejected)}
+    if not tenants:
+        return list(parsed)
+    known = set(session.scalars(select(Tenant.tenant).where(among(session, Tenant.tenant, sorted(tenants)))))
+    unknown = [e.event_id for _, e in parsed if not isinstance(e, Rejected) and e.tenant not in known]
+    if not unknown:
+        return list(parsed)
+    stored = {**_sources(session, Interaction, unknown), **_sources(session, Feedback, unknown)}
+    return [
+        (r, Rejected(r, f"unknown tenant: {e.tenant}", e.event_id))
+        if not isinstance(e, Rejected) and e.tenant not in known and stored.get(e.event_id) != r.source
+        else (r, e)
+        for r, e in parsed
+    ]
 
 
 def _write_dead_letters(session: Session, out: BatchWrite, now: datetime) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Literal
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -46,10 +47,13 @@ class Labelling:
         self.now = now
 
     def write_events(
-        self, parsed: Sequence[tuple[events.SourceRecord, events.Event | events.Rejected]]
+        self,
+        parsed: Sequence[tuple[events.SourceRecord, events.Event | events.Rejected]],
+        unknown_tenants: Literal["refuse", "accept"] = "accept",
     ) -> events.BatchWrite:
-        """Insert the valid events idempotently and the dead letters; see store/events.py."""
-        return events.write_events(self._session, parsed, self.now)
+        """Insert the valid events idempotently and the dead letters; with `unknown_tenants` =
+        refuse, an event of a tenant without a row is a dead letter too; see store/events.py."""
+        return events.write_events(self._session, parsed, self.now, unknown_tenants)
 
     def join_and_settle(
         self, spec: RewardSpec, interactions: list[InteractionEvent], feedback: list[FeedbackEvent]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from feedback.records import Checks, parse_record
 from schemas.events import FeedbackEvent, InteractionEvent
@@ -96,12 +96,25 @@ def wire(event: InteractionEvent | FeedbackEvent) -> bytes:
 
 class Feeder:
     """Assigns offsets per topic like a one-partition Kafka topic and runs the labeler's store work
-    (validate, write, join, settle) for a batch, without Kafka."""
+    (validate, write, join, settle) for a batch, without Kafka.
 
-    def __init__(self, store: Store, spec: RewardSpec = TAB_V1, limits: LimitsSettings | None = None) -> None:
+    Its events are of tenants without a row (``default``) unless a test makes them: it stores them
+    (`unknown_tenants` accept) and checks no vocabulary (`vocab_size` None) unless told to, as the
+    tests that use it are about what comes after those checks."""
+
+    def __init__(
+        self,
+        store: Store,
+        spec: RewardSpec = TAB_V1,
+        limits: LimitsSettings | None = None,
+        *,
+        unknown_tenants: Literal["refuse", "accept"] = "accept",
+        vocab_size: int | None = None,
+    ) -> None:
         self.store = store
         self.spec = spec
-        self.checks = Checks(spec=spec, limits=limits or LimitsSettings())
+        self.checks = Checks(spec=spec, limits=limits or LimitsSettings(), vocab_size=vocab_size)
+        self.unknown_tenants: Literal["refuse", "accept"] = unknown_tenants
         self.offsets: Counter[str] = Counter()
 
     def record(
@@ -124,7 +137,8 @@ class Feeder:
     def process(self, records: list[SourceRecord], now: datetime = T0) -> tuple[BatchWrite, SettleReport]:
         with self.store.labelling(now) as tx:
             written = tx.write_events(
-                [(r, parse_record(r, TOPICS[r.topic], self.checks, now)) for r in records]
+                [(r, parse_record(r, TOPICS[r.topic], self.checks, now)) for r in records],
+                self.unknown_tenants,
             )
             report = tx.join_and_settle(self.spec, written.interactions, written.feedback)
         return written, report

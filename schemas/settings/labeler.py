@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from schemas.settings.judge import JudgeSettings
@@ -35,4 +37,20 @@ class LabelerSettings(Section):
     )
     judge_batch: int = Field(
         64, ge=1, le=10_000, description="Episodes graded per judge pass of the labeler."
+    )
+    unknown_tenants: Literal["refuse", "accept"] = Field(
+        "refuse",
+        description="What the labeler does with an interaction or feedback event whose tenant has no row in the "
+        "store's tenants table (`rtrl tenants set`, or a tenant key, creates one): refuse = dead-letter it "
+        "(`unknown tenant: <id>`), so a record forged on Kafka for a made-up tenant never trains; accept = store "
+        "it, and it trains as a tenant with training on (docs/security.md, Forged events).",
+    )
+    vocab_size: int | None = Field(
+        None,
+        ge=1,
+        lt=2**31,
+        description="Token ids at or above this are refused (dead letter `content: token id outside the "
+        "vocabulary`): the rows of the serving model's embedding. None: vocab_size of config.json in "
+        "vllm.model_dir (or its text_config), read once at start-up; set it where the labeler cannot read that "
+        "directory.",
     )

@@ -28,6 +28,7 @@ from prometheus_client import REGISTRY
 import streams
 from feedback.labeler import Labeler, make_consumer, make_producer
 from feedback.reconcile import Reconciliation, reconcile
+from feedback.records import vocab_size
 from schemas.clock import utcnow, wait_until
 from schemas.events import FeedbackEvent, new_id, parse_event
 from schemas.settings import Settings, StoreSettings
@@ -119,6 +120,7 @@ def store_of(request: pytest.FixtureRequest) -> Iterator[object]:
     def open_store(settings: Settings, **kw: object) -> Store:
         store = Store(settings.store.url, **kw)  # type: ignore[arg-type]
         store.migrate()
+        store.set_tenant("default")  # the tenant of tests/factories.py's events (labeler.unknown_tenants)
         opened.append(store)
         return store
 
@@ -175,8 +177,12 @@ def hostile_mix(settings: Settings, now: datetime) -> tuple[list[tuple[str, byte
         (t_fb, wire(fb("r", "accepted", created_at=datetime.fromisoformat("9999-12-31T23:59:59-01:00")))),
         (t_int, wire(interaction("future-ep", created_at=now + timedelta(days=3650)))),  # ten years ahead
         (t_fb, wire(fb("r", "task_outcome", value=5.0))),  # outside the reward spec's [-1, 1]
+        # Forged on the broker (docs/security.md, Forged events): a tenant with no row, and a token
+        # id past the serving model's vocabulary (that one would fail every cycle that selected it).
+        (t_int, wire(interaction("forged-tenant-ep", tenant="nobody", created_at=now))),
+        (t_int, wire(interaction("forged-vocab-ep", completion_token_ids=[4, 2**31 - 1], created_at=now))),
     ]
-    return items, stored + 1, 15
+    return items, stored + 1, 17
 
 
 # ---- tests -------------------------------------------------------------------------------------------
@@ -194,7 +200,10 @@ def run_mix_and_check(settings: Settings, store: Store, clock: FakeClock) -> Non
     series = [
         ("rtrl_labeler_events_total", {"kind": "interaction"}),
         ("rtrl_labeler_events_total", {"kind": "feedback"}),
-        *[("rtrl_labeler_dead_letters_total", {"reason": r}) for r in ("content", "duplicate", "schema")],
+        *[
+            ("rtrl_labeler_dead_letters_total", {"reason": r})
+            for r in ("content", "duplicate", "schema", "unknown tenant")
+        ],
         ("rtrl_labeler_feedback_joined_total", {}),
         ("rtrl_labeler_settled_total", {"how": "terminal_feedback"}),
         ("rtrl_labeler_settled_total", {"how": "window"}),
@@ -208,11 +217,16 @@ def run_mix_and_check(settings: Settings, store: Store, clock: FakeClock) -> Non
         dlq = dlq_records(settings)
         assert len(dlq) == dead
         reasons = sorted(str(r["reason"]).split(":")[0] for r in dlq)
-        assert reasons == ["content"] * 4 + ["duplicate"] * 2 + ["schema"] * 9
+        assert reasons == ["content"] * 5 + ["duplicate"] * 2 + ["schema"] * 9 + ["unknown tenant"]
         assert {str(d.reason).split(":")[0] for d in store.dead_letters(100)} == {
             "content",
             "duplicate",
             "schema",
+            "unknown tenant",
+        }
+        assert {str(r["reason"]) for r in dlq} >= {
+            "unknown tenant: nobody",
+            f"content: token id outside the vocabulary ({2**31 - 1} >= {vocab_size(settings)})",
         }
         huge = next(r for r in dlq if "truncated" in str(r["reason"]))
         assert len(str(huge["payload"])) == 64 * 1024
@@ -229,7 +243,7 @@ def run_mix_and_check(settings: Settings, store: Store, clock: FakeClock) -> Non
         # The metrics count what was committed, once: 21 interactions and 15 feedback stored, the
         # dead letters by reason, 15 feedback joined, 5 + 16 settled with their latency.
         moved = [counted(name, **labels) - b for (name, labels), b in zip(series, before, strict=True)]
-        assert moved == [21, 15, 4, 2, 9, 15, 5, 16, 21]
+        assert moved == [21, 15, 5, 2, 9, 1, 15, 5, 16, 21]
         assert counted("rtrl_labeler_store_up") == 1.0
     finally:
         close(labeler)

@@ -37,6 +37,7 @@ from schemas.rewards import TAB_V1, score
 from schemas.settings import LimitsSettings, Settings, StoreSettings
 from services.launch import child_env, rtrl_command
 from services.testing import free_ports
+from services.tinymodel import VOCAB_SIZE as TINY_VOCAB_SIZE
 from store import SourceRecord, Store
 from store.models import Episode, Feedback, Interaction
 
@@ -48,7 +49,13 @@ PARTITIONS = 6
 def replica_settings(services: Settings, store_url: str, settle_window_s: float, **labeler: Any) -> Settings:
     """Fresh topics of PARTITIONS partitions, a group and a store of this test's own."""
     settings = fresh_topics(services, partitions=PARTITIONS)
-    update = {"settle_window_s": settle_window_s, "poll_timeout_ms": 100, **labeler}
+    # The tiny model's vocabulary: these labelers run without the model being built.
+    update = {
+        "settle_window_s": settle_window_s,
+        "poll_timeout_ms": 100,
+        "vocab_size": TINY_VOCAB_SIZE,
+        **labeler,
+    }
     settings = settings.model_copy(
         update={"store": StoreSettings(url=store_url), "labeler": settings.labeler.model_copy(update=update)}
     )
@@ -142,6 +149,7 @@ class Concurrently:
 def pg_store(postgres_database: str) -> Iterator[Store]:
     store = Store(postgres_database)
     store.migrate()
+    store.set_tenant("default")  # the tenant of tests/factories.py's events (labeler.unknown_tenants)
     yield store
     store.close()
 
@@ -373,6 +381,7 @@ def test_replicas_racing_on_shared_episodes_label_each_once(
     settings = replica_settings(kafka_service, postgres_database, settle_window_s=0.4, max_poll_records=50)
     store = Store(settings.store.url)
     store.migrate()
+    store.set_tenant("default")
     tag = f"ep-{uuid.uuid4().hex[:8]}"
     series = [("rtrl_labeler_settled_total", {"how": h}) for h in ("terminal_feedback", "window")]
     series += [("rtrl_labeler_feedback_joined_total", {}), ("rtrl_labeler_feedback_late_total", {})]
@@ -455,6 +464,7 @@ def test_replicas_label_like_one_labeler(
 
     replicas = Store(settings.store.url)
     replicas.migrate()
+    replicas.set_tenant("default")
     alone = Store(f"sqlite:///{tmp_path}/alone.db")
     alone.migrate()
     try:
@@ -507,6 +517,7 @@ def test_three_labeler_processes_one_sigkilled(
     settings = replica_settings(kafka_service, postgres_database, settle_window_s=60.0)
     store = Store(settings.store.url)
     store.migrate()
+    store.set_tenant("default")
     events = must_show_events(f"ms-{uuid.uuid4().hex[:8]}", utcnow())
     assert sum(isinstance(e, InteractionEvent) for e in events) == INTERACTIONS
     assert len(events) - INTERACTIONS == FEEDBACK

@@ -32,6 +32,7 @@ from schemas.settings import Settings
 from services import down, services, up
 from services.launch import gateway_process
 from services.testing import free_ports, private_services
+from services.tinymodel import VOCAB_SIZE as TINY_VOCAB_SIZE
 from store import Store
 from store.models import Interaction
 
@@ -50,7 +51,9 @@ def private_kafka(services_config: Settings) -> Iterator[Settings]:
         "rtrl-kafka-outage-", services_config.vllm.model_dir, enabled=("kafka",)
     ) as settings:
         up(settings, ["kafka"])
-        yield settings
+        # The tiny model's vocabulary: this test's labeler starts without the model being built.
+        vocab = {"vocab_size": TINY_VOCAB_SIZE}
+        yield settings.model_copy(update={"labeler": settings.labeler.model_copy(update=vocab)})
 
 
 def kafka_pid(settings: Settings) -> int:
