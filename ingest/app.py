@@ -5,7 +5,10 @@ their api key): a tenant key for completions and feedback, an admin key for ``/m
 (`ingest.gateway.Gateway.authenticate`, `ingest.auth`; ``gateway.auth = open`` turns keys off for
 local experiments). Missing or unknown keys are 401, the wrong kind of key 403, a key over its
 rate 429 with ``Retry-After``; bodies over the route's limit are 413 before they are read
-(`ingest.limits`).
+(`ingest.limits`). A tenant with ``gateway.max_concurrent_per_tenant`` completion requests or
+streams in flight gets 429 with ``Retry-After`` for the next (`ingest.slots`); a request that gets no
+connection to vLLM within ``gateway.upstream_acquire_timeout_s`` a 503; a stream whose client
+takes no chunk for ``gateway.stream_write_timeout_s`` is ended (`ingest.relay`).
 
 Endpoints, one module per role:
 
@@ -145,6 +148,12 @@ def create_app(settings: Settings, connect: Connect | None = None) -> Starlette:
             settings.services.run_dir,
         )
     )
+    if settings.gateway.max_concurrent_per_tenant == 0:
+        log.warning(
+            "no cap on the requests a tenant may have in flight (RTRL_GATEWAY__MAX_CONCURRENT_PER_TENANT=0): "
+            "one tenant can take all %d upstream connections",
+            settings.gateway.upstream_connections,
+        )
     if settings.gateway.auth == "open":
         log.warning(
             "GATEWAY AUTH IS OPEN: no API keys, every caller is tenant %r. For local experiments only; "
@@ -171,7 +180,8 @@ def _lifespan(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         store = Store(settings.store.url)  # keys (unless open) and the servers' rotation
         keys = None if settings.gateway.auth == "open" else KeyCache(store, settings.gateway.keys_refresh_s)
-        async with new_session() as client:
+        gw = settings.gateway
+        async with new_session(gw.upstream_connections, gw.upstream_acquire_timeout_s) as client:
             publisher = Publisher(settings, metrics, connect=connect)
             publisher.start()
             if keys is not None:
