@@ -43,10 +43,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -69,6 +71,9 @@ from schemas.sampling import served_defaults
 from schemas.settings import Settings
 from serving.aio import new_session
 from store import Store
+
+if TYPE_CHECKING:
+    import uvicorn  # imported when the gateway runs (`run`), not when the app is built
 
 log = logging.getLogger(__name__)
 
@@ -275,10 +280,23 @@ def run(settings: Settings) -> None:
         settings.gateway.spool_dir,
         settings.gateway.auth,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(settings),
         host=settings.gateway.host,
         port=settings.gateway.port,
         log_level="info",
         access_log=settings.gateway.access_log,
     )
+    uvicorn.Server(config).run(sockets=[listening_socket(config, settings.gateway.socket_send_buffer_bytes)])
+
+
+def listening_socket(config: uvicorn.Config, send_buffer_bytes: int) -> socket.socket:
+    """uvicorn's listening socket for `config`, whose connections get a `send_buffer_bytes` kernel
+    send buffer (accepted sockets inherit it; 0 leaves the kernel's autotuning). Autotuned, a
+    connection whose client does not read absorbs ~3 MB of a stream (measured) before the
+    gateway's send blocks and ``gateway.stream_write_timeout_s`` starts counting
+    (docs/security.md, Slow readers and stream floods)."""
+    sock: socket.socket = config.bind_socket()
+    if send_buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+    return sock

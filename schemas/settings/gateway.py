@@ -99,6 +99,15 @@ class GatewaySettings(Section):
         description="A stream whose client does not take a chunk within this many seconds is ended, its "
         "vLLM request released, and it is captured truncated (never trained on).",
     )
+    socket_send_buffer_bytes: int = Field(
+        256 * 1024,
+        ge=0,
+        le=16 * 1024 * 1024,
+        description="Kernel send buffer (SO_SNDBUF, which Linux doubles) of each client connection: what a "
+        "client that does not read holds in kernel memory, and how far a stream runs ahead of it before "
+        "stream_write_timeout_s counts; 0 = the kernel's autotuning (up to net.ipv4.tcp_wmem, ~3 MB a "
+        "connection measured).",
+    )
     redaction: tuple[str, ...] = Field(
         ("email", "phone", "api_key"),
         description="Detectors masking text in events before they leave the gateway: email, phone, api_key "

@@ -770,8 +770,9 @@ def test_a_client_gone_before_its_stream_starts_leaks_nothing(
 
 def unread_stream(gateway: str, key: str, body: dict[str, Any]) -> Any:
     """A raw connection that sends a streaming request, reads its status line and nothing more: the
-    client of issue 37 that opens streams and never reads them (a 4 KB receive buffer, so the
-    gateway's writes block once a few hundred kilobytes wait). Returns (socket, status)."""
+    client of issue 37 that opens streams and never reads them (a 4 KB receive buffer; the
+    gateway's writes block once its socket's send buffer and its own 64 KiB are full). Returns
+    (socket, status)."""
     import socket
 
     host, port = gateway.removeprefix("http://").split(":")
@@ -812,7 +813,9 @@ def test_a_tenant_flooding_unread_streams_gets_429_past_its_cap_and_others_are_s
     Retry-After at once, bolt's completions are served meanwhile, and once acme's streams end (vLLM
     finished, or the write timeout ended them) its slots are back."""
     cap = 4
-    with start_gateway(max_concurrent_per_tenant=cap, stream_write_timeout_s=3.0) as gateway:
+    with start_gateway(
+        max_concurrent_per_tenant=cap, stream_write_timeout_s=3.0, socket_send_buffer_bytes=16384
+    ) as gateway:
         opened = [unread_stream(gateway, keys.acme, long_stream(services)) for _ in range(cap + 2)]
         try:
             statuses = [status for _, status in opened]
@@ -854,7 +857,9 @@ def test_a_stream_not_read_for_the_write_timeout_is_ended_and_its_upstream_relea
     the gateway's send blocked, the stream is ended, vLLM's connection closed (the server's in-flight
     count back to 0), the connection to the client dropped, and the event captured truncated and
     untrainable, as for a client that hung up."""
-    with start_gateway(stream_write_timeout_s=1.0) as gateway:
+    # A 16 KiB send buffer: the ~0.5 MB stream blocks after ~100 KB (autotuned, the kernel would
+    # absorb ~3 MB, more than the tiny model's context can produce).
+    with start_gateway(stream_write_timeout_s=1.0, socket_send_buffer_bytes=16384) as gateway:
         raw, status = unread_stream(gateway, keys.acme, long_stream(services))
         try:
             assert status == 200

@@ -199,3 +199,24 @@ def test_a_per_tenant_cap_that_lets_a_few_tenants_fill_the_pool_is_refused_in_on
     assert load_settings().gateway.max_concurrent_per_tenant == 64
     monkeypatch.setenv("RTRL_GATEWAY__MAX_CONCURRENT_PER_TENANT", "0")  # no cap: allowed, logged at start
     assert load_settings().gateway.max_concurrent_per_tenant == 0
+
+
+def test_client_connections_get_the_configured_kernel_send_buffer() -> None:
+    """What bounds how far a stream runs ahead of a client that does not read (Linux doubles it)."""
+    import uvicorn
+
+    from ingest.app import listening_socket
+
+    config = uvicorn.Config(lambda scope, receive, send: None, host="127.0.0.1", port=0)
+    sock = listening_socket(config, 65536)
+    sock.listen()  # uvicorn's server does this when it starts
+    try:
+        with socket.create_connection(sock.getsockname()) as client:
+            accepted, _ = sock.accept()
+            with accepted:
+                assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * 65536
+                assert client.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) != 2 * 65536
+    finally:
+        sock.close()
+    autotuned = listening_socket(config, 0)
+    autotuned.close()
