@@ -287,16 +287,28 @@ def run(settings: Settings) -> None:
         log_level="info",
         access_log=settings.gateway.access_log,
     )
-    uvicorn.Server(config).run(sockets=[listening_socket(config, settings.gateway.socket_send_buffer_bytes)])
+    gw = settings.gateway
+    sock = listening_socket(config, gw.socket_send_buffer_bytes, gw.client_stall_timeout_s)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
-def listening_socket(config: uvicorn.Config, send_buffer_bytes: int) -> socket.socket:
-    """uvicorn's listening socket for `config`, whose connections get a `send_buffer_bytes` kernel
-    send buffer (accepted sockets inherit it; 0 leaves the kernel's autotuning). Autotuned, a
-    connection whose client does not read absorbs ~3 MB of a stream (measured) before the
-    gateway's send blocks and ``gateway.stream_write_timeout_s`` starts counting
-    (docs/security.md, Slow readers and stream floods)."""
+def listening_socket(
+    config: uvicorn.Config, send_buffer_bytes: int, stall_timeout_s: float = 0
+) -> socket.socket:
+    """uvicorn's listening socket for `config`; accepted connections inherit its options
+    (docs/security.md, Slow readers and stream floods):
+
+    * a `send_buffer_bytes` kernel send buffer (0: the kernel's autotuning). Autotuned, a
+      connection whose client does not read absorbed ~3 MB of a stream (measured) before the
+      gateway's send blocked and ``gateway.stream_write_timeout_s`` started counting;
+    * TCP_USER_TIMEOUT of `stall_timeout_s` (0: none): the kernel aborts a connection whose client
+      has taken no byte for that long. Without it, a client that never reads kept its socket and
+      the data buffered for it after its stream was ended, for as long as it kept the connection.
+    """
     sock: socket.socket = config.bind_socket()
     if send_buffer_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+    user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)  # Linux
+    if stall_timeout_s and user_timeout is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, user_timeout, int(stall_timeout_s * 1000))
     return sock

@@ -108,6 +108,14 @@ class GatewaySettings(Section):
         "stream_write_timeout_s counts; 0 = the kernel's autotuning (up to net.ipv4.tcp_wmem, ~3 MB a "
         "connection measured).",
     )
+    client_stall_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        le=3600,
+        description="A client connection that takes no byte for this long while the gateway has data for "
+        "it (TCP_USER_TIMEOUT) is aborted by the kernel, freeing the socket and its buffers: a client that "
+        "never reads keeps nothing after its stream was ended; 0 = the kernel's default (never).",
+    )
     redaction: tuple[str, ...] = Field(
         ("email", "phone", "api_key"),
         description="Detectors masking text in events before they leave the gateway: email, phone, api_key "

@@ -201,22 +201,32 @@ def test_a_per_tenant_cap_that_lets_a_few_tenants_fill_the_pool_is_refused_in_on
     assert load_settings().gateway.max_concurrent_per_tenant == 0
 
 
-def test_client_connections_get_the_configured_kernel_send_buffer() -> None:
-    """What bounds how far a stream runs ahead of a client that does not read (Linux doubles it)."""
+def test_client_connections_get_the_send_buffer_and_stall_timeout_of_the_settings() -> None:
+    """What bounds how far a stream runs ahead of a client that does not read (Linux doubles the
+    buffer), and how long the connection of a client that never reads outlives its stream."""
     import uvicorn
 
     from ingest.app import listening_socket
 
     config = uvicorn.Config(lambda scope, receive, send: None, host="127.0.0.1", port=0)
-    sock = listening_socket(config, 65536)
+    sock = listening_socket(config, 65536, stall_timeout_s=1.5)
     sock.listen()  # uvicorn's server does this when it starts
     try:
         with socket.create_connection(sock.getsockname()) as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             accepted, _ = sock.accept()
             with accepted:
                 assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * 65536
-                assert client.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) != 2 * 65536
+                assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 1500
+                # The client reads nothing: once the buffers are full, the kernel gives up on it.
+                accepted.settimeout(10)
+                started = time.monotonic()
+                with pytest.raises(OSError) as gave_up:
+                    while time.monotonic() - started < 10:
+                        accepted.send(b"x" * 65536)
+                assert isinstance(gave_up.value, TimeoutError) or gave_up.value.errno == 110  # ETIMEDOUT
+                assert time.monotonic() - started < 8
     finally:
         sock.close()
-    autotuned = listening_socket(config, 0)
+    autotuned = listening_socket(config, 0, 0)
     autotuned.close()
