@@ -5,7 +5,10 @@ their api key): a tenant key for completions and feedback, an admin key for ``/m
 (`ingest.gateway.Gateway.authenticate`, `ingest.auth`; ``gateway.auth = open`` turns keys off for
 local experiments). Missing or unknown keys are 401, the wrong kind of key 403, a key over its
 rate 429 with ``Retry-After``; bodies over the route's limit are 413 before they are read
-(`ingest.limits`).
+(`ingest.limits`). A tenant with ``gateway.max_concurrent_per_tenant`` completion requests or
+streams in flight gets 429 with ``Retry-After`` for the next (`ingest.slots`); a request that gets no
+connection to vLLM within ``gateway.upstream_acquire_timeout_s`` a 503; a stream whose client
+takes no chunk for ``gateway.stream_write_timeout_s`` is ended (`ingest.relay`).
 
 Endpoints, one module per role:
 
@@ -42,10 +45,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -68,6 +73,9 @@ from schemas.sampling import served_defaults
 from schemas.settings import Settings
 from serving.aio import new_session
 from store import Store
+
+if TYPE_CHECKING:
+    import uvicorn  # imported when the gateway runs (`run`), not when the app is built
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +155,12 @@ def create_app(settings: Settings, connect: Connect | None = None) -> Starlette:
             settings.services.run_dir,
         )
     )
+    if settings.gateway.max_concurrent_per_tenant == 0:
+        log.warning(
+            "no cap on the requests a tenant may have in flight (RTRL_GATEWAY__MAX_CONCURRENT_PER_TENANT=0): "
+            "one tenant can take all %d upstream connections",
+            settings.gateway.upstream_connections,
+        )
     if settings.gateway.auth == "open":
         log.warning(
             "GATEWAY AUTH IS OPEN: no API keys, every caller is tenant %r. For local experiments only; "
@@ -173,7 +187,8 @@ def _lifespan(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         store = Store(settings.store.url)  # keys (unless open) and the servers' rotation
         keys = None if settings.gateway.auth == "open" else KeyCache(store, settings.gateway.keys_refresh_s)
-        async with new_session() as client:
+        gw = settings.gateway
+        async with new_session(gw.upstream_connections, gw.upstream_acquire_timeout_s) as client:
             publisher = Publisher(settings, metrics, connect=connect)
             publisher.start()
             if keys is not None:
@@ -267,10 +282,35 @@ def run(settings: Settings) -> None:
         settings.gateway.spool_dir,
         settings.gateway.auth,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(settings),
         host=settings.gateway.host,
         port=settings.gateway.port,
         log_level="info",
         access_log=settings.gateway.access_log,
     )
+    gw = settings.gateway
+    sock = listening_socket(config, gw.socket_send_buffer_bytes, gw.client_stall_timeout_s)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def listening_socket(
+    config: uvicorn.Config, send_buffer_bytes: int, stall_timeout_s: float = 0
+) -> socket.socket:
+    """uvicorn's listening socket for `config`; accepted connections inherit its options
+    (docs/security.md, Slow readers and stream floods):
+
+    * a `send_buffer_bytes` kernel send buffer (0: the kernel's autotuning). Autotuned, a
+      connection whose client does not read absorbed ~3 MB of a stream (measured) before the
+      gateway's send blocked and ``gateway.stream_write_timeout_s`` started counting;
+    * TCP_USER_TIMEOUT of `stall_timeout_s` (0: none): the kernel aborts a connection whose client
+      has taken no byte for that long. Without it, a client that never reads kept its socket and
+      the data buffered for it after its stream was ended, for as long as it kept the connection.
+    """
+    sock: socket.socket = config.bind_socket()
+    if send_buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+    user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)  # Linux
+    if stall_timeout_s and user_timeout is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, user_timeout, int(stall_timeout_s * 1000))
+    return sock

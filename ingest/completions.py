@@ -5,6 +5,12 @@ The client's body is checked and shaped (`ingest.shaping`), sent to a vLLM serve
 those extras: a whole body with an ``rtrl`` object, or a stream (`ingest.relay`). The capture
 (`ingest.capture`) runs after the response is sent. Upstream errors pass through with their
 status; no server in rotation is a 503, no reachable server a 502, an upstream timeout a 504.
+
+Each request holds one of its tenant's slots (`ingest.slots`, ``gateway.max_concurrent_per_tenant``)
+from its authentication until its response is made (a whole body) or its stream's relay closes
+(`ingest.relay`), whatever ends it; a tenant without a free slot gets 429. No connection to vLLM
+within ``gateway.upstream_acquire_timeout_s`` (the pool in use, `serving.aio.new_session`) is a
+503 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -38,11 +44,12 @@ from ingest.shaping import (
     shape_completion_response,
     with_rtrl,
 )
+from ingest.slots import Slot
 from ingest.streaming import StreamCapture
 from schemas.clock import utcnow
 from schemas.versions import format_version
 from serving import ServingError
-from serving.aio import UpstreamRefused, UpstreamResponse, UpstreamTimeout
+from serving.aio import UpstreamNoConnection, UpstreamRefused, UpstreamResponse, UpstreamTimeout
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +62,23 @@ async def generate(gw: Gateway, request: Request, chat: bool) -> Response:
         response = caller
     else:
         assert caller.tenant is not None
-        response = await _generate(gw, request, caller.tenant, gw.ids.new(caller.tenant), chat)
+        slot = gw.admit(caller.tenant)
+        if isinstance(slot, Response):
+            response = slot
+        else:
+            relayed = False
+            try:
+                response = await _generate(gw, request, slot, gw.ids.new(caller.tenant), chat)
+                relayed = isinstance(response, RelayResponse)  # its relay gives the slot back
+            finally:  # an answer, an error, the client gone (cancelled): the slot comes back
+                if not relayed:
+                    slot.release()
     gw.metrics.requests.labels(endpoint, str(response.status_code)).inc()
     return response
 
 
-async def _generate(gw: Gateway, request: Request, tenant: str, request_id: str, chat: bool) -> Response:
+async def _generate(gw: Gateway, request: Request, slot: Slot, request_id: str, chat: bool) -> Response:
+    tenant = slot.tenant
     endpoint, path = ("chat", "/v1/chat/completions") if chat else ("completions", "/v1/completions")
     try:
         raw = await request.body()
@@ -88,6 +106,17 @@ async def _generate(gw: Gateway, request: Request, tenant: str, request_id: str,
         return error(503, f"{exc}; retry shortly", request_id, headers={"Retry-After": "1"})
     except UpstreamUnavailable as exc:
         return error(502, str(exc), request_id)
+    except UpstreamNoConnection:
+        gw.metrics.shed.labels("upstream_connection").inc()
+        in_flight = sum(s.in_flight for s in gw.fleet.servers)
+        return error(
+            503,
+            f"no connection to vLLM within {gw.settings.gateway.upstream_acquire_timeout_s}s: the gateway has "
+            f"{in_flight} requests on its {gw.settings.gateway.upstream_connections} upstream connections "
+            "(gateway.upstream_connections), or the server is slow to accept one; retry shortly",
+            request_id,
+            headers={"Retry-After": "1"},
+        )
     except UpstreamTimeout:
         return error(504, f"vLLM did not answer within {gw.fleet.timeout_s}s", request_id)
     except ServingError as exc:
@@ -111,8 +140,13 @@ async def _generate(gw: Gateway, request: Request, tenant: str, request_id: str,
         )
     served = Served(server, request_id, tenant, episode_id, capture, chat, forward, before, announced)
     if stream:
-        relay = Relay(served, upstream, requested, functools.partial(_finish_stream, gw))
-        return RelayResponse(relay, headers={HEADER_REQUEST_ID: request_id, "cache-control": "no-cache"})
+        relay = Relay(served, upstream, requested, functools.partial(_finish_stream, gw), slot.release)
+        return RelayResponse(
+            relay,
+            headers={HEADER_REQUEST_ID: request_id, "cache-control": "no-cache"},
+            write_timeout_s=gw.settings.gateway.stream_write_timeout_s,
+            on_slow_reader=gw.metrics.shed.labels("slow_reader").inc,
+        )
     created_at = utcnow()
     payload = upstream.json()
     shape = shape_chat_response if chat else shape_completion_response

@@ -2,7 +2,8 @@
 
 `ingest.app` builds one `Gateway` in the application's lifespan; every route handler
 (`ingest.completions`, `ingest.feedback_route`, `ingest.served_models`, `ingest.operations`) is a
-function of it and the request. `Gateway.authenticate` is the key check all API routes make.
+function of it and the request. `Gateway.authenticate` is the key check all API routes make;
+`Gateway.admit` the per-tenant cap on completion requests and streams in flight (`ingest.slots`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ingest.publisher import Publisher
 from ingest.redaction import Redactor
 from ingest.responses import error
 from ingest.routing import Fleet
+from ingest.slots import Slot, TenantSlots
 from schemas.rewards import RewardSpec
 from schemas.settings import Settings
 
@@ -55,6 +57,10 @@ class Gateway:
         self.ids = ids
         self.spec = spec
         self.limiter = RateLimiter(settings.gateway.rate_limit_per_s, settings.gateway.rate_limit_burst)
+        self.slots = TenantSlots(settings.gateway.max_concurrent_per_tenant)
+        metrics.tenant_in_flight.set_function(lambda: self.slots.in_flight)
+        metrics.tenants_at_cap.set_function(lambda: self.slots.tenants_at_cap)
+        metrics.upstream_connections.set(settings.gateway.upstream_connections)
         self.started_at = int(time.time())  # the `created` of the served model (ingest/served_models.py)
         self.tasks: set[asyncio.Task[None]] = set()  # captures of streams, held until they finish
         # Big feedback bodies are parsed in a thread, one at a time (ingest/feedback_route.py): a
@@ -98,3 +104,18 @@ class Gateway:
             )
         self.metrics.auth.labels("ok").inc()
         return caller
+
+    def admit(self, tenant: str) -> Slot | Response:
+        """A slot for one more completion request or stream of `tenant` (release it when the request
+        ends), or the 429 that refuses it: the tenant has ``gateway.max_concurrent_per_tenant`` in
+        flight at this gateway already."""
+        slot = self.slots.take(tenant)
+        if slot is not None:
+            return slot
+        self.metrics.shed.labels("tenant_cap").inc()
+        return error(
+            429,
+            f"this tenant has {self.slots.cap} completion requests or streams in flight at this gateway, its "
+            "cap (gateway.max_concurrent_per_tenant); retry when one has ended",
+            headers={"Retry-After": "1"},
+        )

@@ -17,10 +17,14 @@ class GatewayMetrics:
     auth: Counter
     body_refused: Counter
     keys_age: Gauge
+    shed: Counter
+    tenant_in_flight: Gauge
+    tenants_at_cap: Gauge
     upstream_latency: Histogram
     upstream_requests: Counter
     in_flight: Gauge
     in_rotation: Gauge
+    upstream_connections: Gauge
     version_source: Counter
     version_mismatch: Counter
     straddled: Counter
@@ -37,6 +41,7 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory, open fds, start time
         self._request_families()
+        self._load_families()
         self._upstream_families()
         self._capture_families()
         self._publish_families()
@@ -68,6 +73,29 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+    def _load_families(self) -> None:
+        """Load the gateway refused or cut short to stay up for everyone (docs/security.md); no
+        tenant label, so a tenant count cannot grow the families."""
+        self.shed = Counter(
+            "rtrl_gateway_shed_total",
+            "Requests refused or streams ended to protect the gateway, by reason: tenant_cap (429: the tenant "
+            "had gateway.max_concurrent_per_tenant in flight), upstream_connection (503: no connection to "
+            "vLLM within gateway.upstream_acquire_timeout_s), slow_reader (a stream whose client took no "
+            "chunk within gateway.stream_write_timeout_s, ended and captured truncated).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.tenant_in_flight = Gauge(
+            "rtrl_gateway_tenant_requests_in_flight",
+            "Completion requests and streams in flight at this gateway, all tenants together.",
+            registry=self.registry,
+        )
+        self.tenants_at_cap = Gauge(
+            "rtrl_gateway_tenants_at_cap",
+            "Tenants with gateway.max_concurrent_per_tenant requests in flight now (their next one is 429).",
+            registry=self.registry,
+        )
+
     def _upstream_families(self) -> None:
         """The vLLM fleet behind the gateway: latency, requests and in-flight per server, rotation."""
         self.upstream_latency = Histogram(
@@ -87,6 +115,12 @@ class GatewayMetrics:
             "rtrl_gateway_upstream_in_flight",
             "Requests this gateway has on each vLLM server now (streams until they end).",
             ["server"],
+            registry=self.registry,
+        )
+        self.upstream_connections = Gauge(
+            "rtrl_gateway_upstream_connections",
+            "Connections the gateway may hold to its vLLM servers (gateway.upstream_connections): "
+            "sum(rtrl_gateway_upstream_in_flight) near it means requests are waiting for one.",
             registry=self.registry,
         )
         self.in_rotation = Gauge(

@@ -4,6 +4,14 @@
 relays vLLM's server-sent events to the client while capturing them (`ingest.streaming`), and
 `RelayResponse` is its response: together they make sure a stream's capture is handed on exactly
 once, however the stream ends.
+
+A client that stops reading must not hold vLLM's connection: when the client does not take a chunk,
+the server's send waits (uvicorn pauses writing once the socket's buffers are full), and the relay
+with it, and its upstream connection and tenant slot stay held for as long as the client keeps
+the connection open (issue 37: one tenant's unread streams took every connection of the pool).
+`RelayResponse` gives every send ``gateway.stream_write_timeout_s``; past it the stream is ended:
+the relay closes (upstream connection closed, so vLLM aborts the generation; slot given back), the
+capture is truncated, as for a client that hung up, and the client's connection is dropped.
 """
 
 from __future__ import annotations
@@ -49,8 +57,10 @@ class Relay:
     relays vLLM's server-sent events while capturing them; `close` gives the upstream connection
     back, takes the request off the server's in-flight count and hands the capture to `finish`,
     exactly once, however the stream ends: finished, vLLM gone, the client gone mid-stream (its
-    disconnect cancels `chunks`), or the client gone before the first chunk (`chunks` never runs;
-    `RelayResponse` closes it then, and the empty capture is dead-lettered with the reason)."""
+    disconnect cancels `chunks`), the client gone before the first chunk (`chunks` never runs;
+    `RelayResponse` closes it then, and the empty capture is dead-lettered with the reason), or
+    the client too slow to read (`RelayResponse` ends it). `release` (the tenant's slot,
+    `ingest.slots`) is called then too."""
 
     def __init__(
         self,
@@ -58,6 +68,7 @@ class Relay:
         upstream: UpstreamResponse,
         requested: Requested,
         finish: Callable[[Served, StreamCapture, datetime], None],
+        release: Callable[[], None] = lambda: None,
     ) -> None:
         self.served = served
         self.upstream = upstream
@@ -65,6 +76,7 @@ class Relay:
         self.stream = StreamCapture(served.chat)
         self.created_at = utcnow()
         self._finish = finish
+        self._release = release
         self._closed = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -112,22 +124,80 @@ class Relay:
         try:
             await self.upstream.aclose()
         finally:
+            self._release()
             if self.stream.chunks == 0 and self.stream.problem is None:
                 self.stream.problem = "the client went away before the stream started"
             self._finish(self.served, self.stream, self.created_at)
 
 
+class SlowReader(Exception):
+    """The client did not take a chunk of its stream within the write timeout."""
+
+
 class RelayResponse(StreamingResponse):
     """A `Relay`'s event stream to the client; closes the relay when the response ends, even if
-    its body never started (a client that disconnected at once)."""
+    its body never started (a client that disconnected at once), and ends it when a send to the
+    client has waited `write_timeout_s` (`on_slow_reader` is called then; see the module
+    docstring)."""
 
-    def __init__(self, relay: Relay, headers: dict[str, str]) -> None:
+    def __init__(
+        self,
+        relay: Relay,
+        headers: dict[str, str],
+        write_timeout_s: float = 30.0,
+        on_slow_reader: Callable[[], None] = lambda: None,
+    ) -> None:
         super().__init__(relay.chunks(), media_type="text/event-stream", headers=headers)
         self.relay = relay
+        self.write_timeout_s = write_timeout_s
+        self._on_slow_reader = on_slow_reader
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except SlowReader:
+            # The response stays incomplete: returning without finishing it makes the server drop
+            # the connection (uvicorn logs "ASGI callable returned without completing response").
+            stream = self.relay.stream
+            stream.problem = stream.problem or (
+                f"the client took no chunk of the stream for {self.write_timeout_s}s; the gateway ended it"
+            )
+            self._on_slow_reader()
+            log.info("request %s: %s", self.relay.served.request_id, stream.problem)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.relay.close()
+
+    async def stream_response(self, send: Any) -> None:
+        """Starlette's, with a watch on each send: one that has waited `write_timeout_s` is
+        cancelled and raises `SlowReader`. A timer per send would cost ~10 us a chunk (measured);
+        the watch is one timer per quarter of the timeout, so a stuck send is ended between 1 and
+        1.25 times the timeout after it began."""
+        loop = asyncio.get_running_loop()
+        timeout_s, every_s = self.write_timeout_s, self.write_timeout_s / 4
+        sending_since: float | None = None
+        timer: asyncio.TimerHandle | None = None
+
+        async def watched(message: Any) -> None:
+            nonlocal sending_since
+            sending_since = loop.time()
+            await send(message)
+            sending_since = None
+
+        with anyio.CancelScope() as stuck:
+
+            def watch() -> None:
+                nonlocal timer
+                if sending_since is not None and loop.time() - sending_since >= timeout_s:
+                    stuck.cancel()  # the task is waiting in that send: the cancellation lands there
+                else:
+                    timer = loop.call_later(every_s, watch)
+
+            timer = loop.call_later(every_s, watch)
+            try:
+                await super().stream_response(watched)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        if stuck.cancelled_caught:
+            raise SlowReader

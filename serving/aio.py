@@ -9,6 +9,9 @@ Errors are the serving package's, so the gateway decides on them without knowing
 
 * `UpstreamRefused`: the connection was not made; vLLM never saw the request (safe to send it to
   another server);
+* `UpstreamNoConnection`: no connection within the pool's acquire timeout (every connection of the
+  pool in use, or the server slow to accept one); vLLM never saw the request, and another server
+  would wait for the same pool;
 * `UpstreamTimeout`: no byte for ``timeout_s`` (connecting, or between two reads of a body);
 * `UpstreamFailed`: anything else on the way (a reset, a malformed answer, a stream cut short).
 
@@ -37,6 +40,10 @@ class UpstreamRefused(UpstreamError):
     """The server refused the connection (or could not be reached): it never saw the request."""
 
 
+class UpstreamNoConnection(UpstreamError):
+    """No connection within the pool's acquire timeout (`new_session`): the request never left."""
+
+
 class UpstreamTimeout(UpstreamError):
     """The server sent nothing for the client's timeout."""
 
@@ -46,6 +53,8 @@ class UpstreamFailed(UpstreamError):
 
 
 def _upstream_error(url: str, exc: BaseException) -> UpstreamError:
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):  # before TimeoutError: it is one too
+        return UpstreamNoConnection(f"{url}: no connection in time ({exc!r})")
     if isinstance(exc, aiohttp.ClientConnectorError):
         return UpstreamRefused(f"{url}: {exc}")
     if isinstance(exc, TimeoutError):  # aiohttp's ServerTimeoutError is one too
@@ -66,8 +75,15 @@ def loads(raw: bytes | str) -> Any:
         return json.loads(raw)
 
 
-def new_session(max_connections: int = 1024) -> aiohttp.ClientSession:
-    """The gateway's connection pool to every vLLM server (one per gateway process; close it)."""
+def new_session(max_connections: int = 1024, acquire_timeout_s: float | None = None) -> aiohttp.ClientSession:
+    """The gateway's connection pool to every vLLM server (one per gateway process; close it).
+
+    At most `max_connections` at once (``gateway.upstream_connections``); a call waits at most
+    `acquire_timeout_s` for one (a free one of the pool, or a new one made: aiohttp's ``connect``
+    timeout covers both, ``sock_connect`` only the latter), then raises `UpstreamNoConnection`.
+    Without it a call would wait for a free connection as long as it takes (issue 37: streams no
+    one reads held every connection, and the gateway hung for everyone).
+    """
     return aiohttp.ClientSession(
         # Idle connections are dropped before vLLM's own keep-alive timeout (5 s) closes them, so
         # a request never goes out on a connection the server is closing.
@@ -75,6 +91,8 @@ def new_session(max_connections: int = 1024) -> aiohttp.ClientSession:
         # No cookies, no decompression surprises: vLLM's answers are small JSON or event streams.
         cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,
+        # The pool's acquire timeout; `AsyncVllmClient` carries it into its own per-call timeouts.
+        timeout=aiohttp.ClientTimeout(total=None, connect=acquire_timeout_s),
     )
 
 
@@ -118,14 +136,17 @@ class UpstreamResponse:
 class AsyncVllmClient:
     """One vLLM server for the gateway, on the gateway's `new_session` pool (the caller closes it).
 
-    `timeout_s` bounds connecting and each wait for data, not a whole generation or stream.
+    `timeout_s` bounds connecting and each wait for data, not a whole generation or stream; the
+    session's ``connect`` timeout (`new_session`) bounds the wait for a connection of the pool.
     """
 
     def __init__(self, base_url: str, http: aiohttp.ClientSession, *, timeout_s: float) -> None:
         self.url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._http = http
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, connect=http.timeout.connect, sock_connect=timeout_s, sock_read=timeout_s
+        )
         self._probe_timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
 
     async def health(self) -> bool:

@@ -5,9 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from schemas.settings.section import Section
+
+# The per-tenant cap must leave the upstream pool to at least this many tenants at their cap at once,
+# so that a few hostile tenants cannot take every connection (docs/security.md).
+TENANTS_TO_FILL_THE_POOL = 4
 
 
 class GatewaySettings(Section):
@@ -66,11 +70,68 @@ class GatewaySettings(Section):
     max_feedback_bytes: int = Field(
         1024 * 1024, ge=1024, description="Largest feedback request body; larger is 413, refused unread."
     )
+    upstream_connections: int = Field(
+        1024,
+        ge=8,
+        le=65_536,
+        description="Connections the gateway holds to its vLLM servers at most, all servers together "
+        "(each request or stream in flight holds one). At least "
+        f"{TENANTS_TO_FILL_THE_POOL} x max_concurrent_per_tenant.",
+    )
+    upstream_acquire_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        description="How long a request may wait for a connection to vLLM (a free one of the pool, or a "
+        "new one being made) before it is answered 503 with Retry-After.",
+    )
+    max_concurrent_per_tenant: int = Field(
+        64,
+        ge=0,
+        description="Completion requests and streams one tenant may have in flight at this gateway at once "
+        "(0 = no cap); past it 429 with Retry-After. At most upstream_connections / "
+        f"{TENANTS_TO_FILL_THE_POOL}.",
+    )
+    stream_write_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="A stream whose client does not take a chunk within this many seconds is ended, its "
+        "vLLM request released, and it is captured truncated (never trained on).",
+    )
+    socket_send_buffer_bytes: int = Field(
+        256 * 1024,
+        ge=0,
+        le=16 * 1024 * 1024,
+        description="Kernel send buffer (SO_SNDBUF, which Linux doubles) of each client connection: what a "
+        "client that does not read holds in kernel memory, and how far a stream runs ahead of it before "
+        "stream_write_timeout_s counts; 0 = the kernel's autotuning (up to net.ipv4.tcp_wmem, ~3 MB a "
+        "connection measured).",
+    )
+    client_stall_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        le=3600,
+        description="A client connection that takes no byte for this long while the gateway has data for "
+        "it (TCP_USER_TIMEOUT) is aborted by the kernel, freeing the socket and its buffers: a client that "
+        "never reads keeps nothing after its stream was ended; 0 = the kernel's default (never).",
+    )
     redaction: tuple[str, ...] = Field(
         ("email", "phone", "api_key"),
         description="Detectors masking text in events before they leave the gateway: email, phone, api_key "
         "or module:function (see ingest/redaction.py); [] turns redaction off.",
     )
+
+    @model_validator(mode="after")
+    def _pool_outlasts_a_few_tenants(self) -> GatewaySettings:
+        cap, pool = self.max_concurrent_per_tenant, self.upstream_connections
+        if cap * TENANTS_TO_FILL_THE_POOL > pool:
+            raise ValueError(
+                f"max_concurrent_per_tenant {cap} lets {pool // cap} tenants take all {pool} "
+                f"upstream_connections; lower it to at most {pool // TENANTS_TO_FILL_THE_POOL} or raise "
+                f"upstream_connections to at least {cap * TENANTS_TO_FILL_THE_POOL}"
+            )
+        return self
 
 
 class LimitsSettings(Section):

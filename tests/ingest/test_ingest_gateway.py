@@ -814,3 +814,127 @@ def test_a_client_gone_before_its_stream_starts_leaks_nothing(
             timeout_s=30,
             what="no request left on the server",
         )
+
+
+def unread_stream(gateway: str, key: str, body: dict[str, Any]) -> Any:
+    """A raw connection that sends a streaming request, reads its status line and nothing more: the
+    client of issue 37 that opens streams and never reads them (a 4 KB receive buffer; the
+    gateway's writes block once its socket's send buffer and its own 64 KiB are full). Returns
+    (socket, status)."""
+    import socket
+
+    host, port = gateway.removeprefix("http://").split(":")
+    raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.settimeout(60)
+    raw.connect((host, int(port)))
+    data = json.dumps(body).encode()
+    raw.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+        b"authorization: Bearer " + key.encode() + b"\r\n"
+        b"content-length: " + str(len(data)).encode() + b"\r\n\r\n" + data
+    )
+    head = b""
+    while len(head) < 12:  # "HTTP/1.1 200"
+        more = raw.recv(12 - len(head))
+        assert more, "the gateway closed the connection before answering"
+        head += more
+    return raw, int(head[9:12])
+
+
+def long_stream(services: Settings) -> dict[str, Any]:
+    """A stream of ~0.5 MB: as long a generation as the context allows, 20 logprobs per token."""
+    return {
+        "model": services.vllm.served_model_name,
+        "prompt": PROMPT,
+        "max_tokens": 470,
+        "ignore_eos": True,
+        "logprobs": 20,
+        "stream": True,
+    }
+
+
+def test_a_tenant_flooding_unread_streams_gets_429_past_its_cap_and_others_are_served(
+    services: Settings, start_gateway: GatewayFactory, keys: Keys
+) -> None:
+    """acme opens more streams than its cap (4) and reads none: past the cap it gets 429 with
+    Retry-After at once, bolt's completions are served meanwhile, and once acme's streams end (vLLM
+    finished, or the write timeout ended them) its slots are back."""
+    cap = 4
+    with start_gateway(
+        max_concurrent_per_tenant=cap, stream_write_timeout_s=3.0, socket_send_buffer_bytes=16384
+    ) as gateway:
+        opened = [unread_stream(gateway, keys.acme, long_stream(services)) for _ in range(cap + 2)]
+        try:
+            statuses = [status for _, status in opened]
+            assert statuses == [200] * cap + [429, 429], statuses
+            assert metric(gateway, keys.admin, "rtrl_gateway_tenants_at_cap") == 1
+            for _ in range(3):
+                started = time.monotonic()
+                served = httpx.post(
+                    f"{gateway}/v1/completions",
+                    json={"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 4},
+                    headers=keys.auth(keys.bolt),
+                    timeout=60,
+                )
+                assert served.status_code == 200, served.text
+                assert time.monotonic() - started < 30
+            assert metric(gateway, keys.admin, "rtrl_gateway_shed_total", 'reason="tenant_cap"') == 2
+            wait_until(
+                lambda: metric(gateway, keys.admin, "rtrl_gateway_tenant_requests_in_flight") == 0,
+                timeout_s=60,
+                what="acme's unread streams ended and their slots given back",
+            )
+        finally:
+            for raw, _ in opened:
+                raw.close()
+        assert metric(gateway, keys.admin, "rtrl_gateway_upstream_in_flight") == 0
+        again = httpx.post(
+            f"{gateway}/v1/completions",
+            json={"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 4},
+            headers=keys.auth(keys.acme),
+            timeout=60,
+        )
+        assert again.status_code == 200, again.text
+
+
+def test_a_stream_not_read_for_the_write_timeout_is_ended_and_its_upstream_released(
+    services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, keys: Keys
+) -> None:
+    """The client reads the status line and then nothing: 1 to 1.25 s (the write timeout) after
+    the gateway's send blocked, the stream is ended, vLLM's connection closed (the server's in-flight
+    count back to 0), the connection to the client dropped, and the event captured truncated and
+    untrainable, as for a client that hung up."""
+    # A 16 KiB send buffer: the ~0.5 MB stream blocks after ~100 KB (autotuned, the kernel would
+    # absorb ~3 MB, more than the tiny model's context can produce).
+    with start_gateway(stream_write_timeout_s=1.0, socket_send_buffer_bytes=16384) as gateway:
+        raw, status = unread_stream(gateway, keys.acme, long_stream(services))
+        try:
+            assert status == 200
+            wait_until(
+                lambda: metric(gateway, keys.admin, "rtrl_gateway_shed_total", 'reason="slow_reader"') == 1,
+                timeout_s=60,
+                what="the gateway ending the stream nobody reads",
+            )
+            wait_until(
+                lambda: metric(gateway, keys.admin, "rtrl_gateway_stream_truncated_total") == 1,
+                timeout_s=10,
+                what="the ended stream counted as truncated",
+            )
+            assert metric(gateway, keys.admin, "rtrl_gateway_upstream_in_flight") == 0
+            assert metric(gateway, keys.admin, "rtrl_gateway_tenant_requests_in_flight") == 0
+            received = b""
+            while chunk := raw.recv(65536):  # what the gateway had sent, then the end of the connection
+                received += chunk
+        finally:
+            raw.close()
+    request_id = next(
+        line.split(b":", 1)[1].strip().decode()
+        for line in received.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+        if line.lower().startswith(b"x-rtrl-request-id:")
+    )
+    assert b"data: [DONE]" not in received
+    [record] = interactions.wait_for(by_key(request_id))
+    event = parse_event(record.value, InteractionEvent)
+    assert event.truncated and not event.trainable
+    assert len(event.completion_token_ids) < 470
