@@ -56,7 +56,9 @@ def test_the_nonce_is_the_items_digest_and_never_one_the_text_holds() -> None:
     assert "<prompt-n0nce>" not in content(CFG, "p", "I know n0nce", nonce="n0nce")
     plain = content(CFG, "p", "c", nonce=None)
     name = plain.split("<prompt-", 1)[1].split(">", 1)[0]
-    assert "<prompt-" + name not in content(CFG, "p", f"c {name}", nonce=None)  # a text naming it gets another
+    assert "<prompt-" + name not in content(
+        CFG, "p", f"c {name}", nonce=None
+    )  # a text naming it gets another
 
 
 def test_long_text_is_cut_in_the_middle_and_the_cut_says_so() -> None:
