@@ -8,7 +8,8 @@ context manager on the process's one engine of its URL (store/base.py, store/eng
 
 - the labeler writes a batch through `LabellingStore.labelling` (events, dead letters, join, settle);
 - the trainer leases cycles (`CycleStore.acquire_cycle`, ...) and reads batches
-  (`EpisodeStore.select_episodes`, `EpisodeStore.mark_used`);
+  (`EpisodeStore.select_episodes`, `EpisodeStore.mark_used`); an episode of too many failed cycles
+  is quarantined, and operators list and release it (`EpisodeStore.quarantined`, `release_quarantined`);
 - the deployer takes servers out of rotation and the gateways read it (`DeployStore.set_rotation`,
   `DeployStore.rotation`), holds its locks across hosts (`DeployStore.exclusive`, store/locks.py)
   and keeps the weight digests it verifies swaps against (`DeployStore.record_digests`);
@@ -23,7 +24,7 @@ from store.base import StoreBase
 from store.cycles import CycleRecord, CycleStore
 from store.db import Store
 from store.deploys import DeployStore, LockHolder, RotationRecord
-from store.episodes import EpisodeStore, TrainingEpisode, TrainingSegment
+from store.episodes import EpisodeStore, QuarantinedEpisode, TrainingEpisode, TrainingSegment
 from store.errors import (
     DatabaseError,
     DatabaseUnavailable,
@@ -61,6 +62,7 @@ __all__ = [
     "LockHolder",
     "PromotionRecord",
     "PromotionStore",
+    "QuarantinedEpisode",
     "Rejected",
     "ReportRows",
     "ReportStore",

@@ -9,6 +9,16 @@ makes this hold inside the database, so two workers racing on PostgreSQL cannot 
 from); ``rejected`` keeps them (a model was trained on them and judged), so a rejected batch is not
 retrained forever. The claims themselves are `EpisodeStore.mark_used` (store/episodes.py).
 
+Every failure counts against the episodes it releases (``episodes.failed_cycles``), on each path
+that fails a cycle (``finish_cycle``, an expired lease, a reclaimed job), unless the caller says the
+failure was not the data's (``count_failure=False``: the worker was stopping, or the store, MLflow,
+the network or the disk failed, trainer/cycle.py `NOT_THE_DATAS`; or the batch had trained and
+registered). The count and the release are one transaction, so two paths failing one cycle count
+it once. An episode at ``max_episode_failures`` is quarantined instead of released
+(`release_claims`): one poisoned episode cannot fail every cycle that selects it (docs/security.md,
+Poisoned episodes). `EpisodeStore.quarantined` lists them and `EpisodeStore.release_quarantined`
+gives them back.
+
 Policy versions are ``int`` in this API and ``"vN"`` in the tables (schemas/versions.py).
 """
 
@@ -22,6 +32,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from schemas.settings.trainer import MAX_EPISODE_FAILURES_DEFAULT
 from schemas.versions import format_version, parse_version
 from store import settle
 from store.base import StoreBase
@@ -42,6 +53,7 @@ _TRANSITIONS = {
     "registered": {"promoted", "rejected", "failed"},
 }
 _ACTIVE_SLOT = 1
+QUARANTINE_REASON_CHARS = 2000  # of the failed cycle's error, kept on each episode it quarantines
 
 
 @dataclass(frozen=True)
@@ -71,8 +83,16 @@ class CycleStore(StoreBase):
         with self.transaction() as session:
             return settle.trained_cycles(session, spec_id)
 
-    def acquire_cycle(self, owner: str, ttl_s: float, champion: int) -> int | None:
-        """Start a cycle training from version `champion`; its id, or None when another cycle holds the lease."""
+    def acquire_cycle(
+        self,
+        owner: str,
+        ttl_s: float,
+        champion: int,
+        *,
+        max_episode_failures: int = MAX_EPISODE_FAILURES_DEFAULT,
+    ) -> int | None:
+        """Start a cycle training from version `champion`; its id, or None when another cycle holds the lease.
+        A cycle whose lease expired is failed first, its episodes released or quarantined (`release_claims`)."""
         now = self.clock()
         try:
             with self.transaction() as session:
@@ -86,6 +106,7 @@ class CycleStore(StoreBase):
                         "failed",
                         now,
                         error=f"lease expired at {cycle.lease_expires_at.isoformat()}",
+                        quarantine_after=max_episode_failures,
                     )
                 cycle = Cycle(
                     status="running",
@@ -103,24 +124,34 @@ class CycleStore(StoreBase):
                 return None  # another worker inserted its active cycle between our read and our insert
             raise
 
-    def reclaim_cycle(self, owner_suffix: str, reason: str) -> int | None:
+    def reclaim_cycle(
+        self, owner_suffix: str, reason: str, *, max_episode_failures: int = MAX_EPISODE_FAILURES_DEFAULT
+    ) -> int | None:
         """Fail the active cycle whose owner ends with ``:owner_suffix`` and release its episodes.
 
         For a job delivered again after its worker died (the suffix is the Celery task id, which
         acks_late redelivers unchanged): the old cycle's lease is still valid but nobody runs it,
-        so it ends now and the cycle re-runs instead of waiting for the lease to expire.
-        Returns the failed cycle's id, or None when there was none.
+        so it ends now and the cycle re-runs instead of waiting for the lease to expire. The failure
+        counts against its episodes: a batch that kills its worker (a CUDA assert aborts the process)
+        is a poisoned batch. Returns the failed cycle's id, or None when there was none.
         """
         with self.transaction() as session:
             active = session.scalars(select(Cycle).where(Cycle.status.in_(ACTIVE_CYCLE_STATUSES))).all()
             for cycle in active:
                 if cycle.owner.endswith(f":{owner_suffix}"):
-                    self._end_cycle(session, cycle.id, "failed", self.clock(), error=reason)
+                    self._end_cycle(
+                        session,
+                        cycle.id,
+                        "failed",
+                        self.clock(),
+                        error=reason,
+                        quarantine_after=max_episode_failures,
+                    )
                     return cycle.id
         return None
 
-    def expire_cycles(self) -> list[int]:
-        """Fail every active cycle whose lease has expired and release its episodes; their ids.
+    def expire_cycles(self, *, max_episode_failures: int = MAX_EPISODE_FAILURES_DEFAULT) -> list[int]:
+        """Fail every active cycle whose lease has expired and release (or quarantine) its episodes; their ids.
 
         A lease expires when its worker stopped renewing it: the process died (SIGKILL, OOM, the
         machine) or hung. Called before anything counts trainable episodes, so that episodes a
@@ -138,6 +169,7 @@ class CycleStore(StoreBase):
                     now,
                     error=f"lease expired at {cycle.lease_expires_at.isoformat()}: its worker "
                     f"({cycle.owner}) stopped renewing it",
+                    quarantine_after=max_episode_failures,
                 )
             return [c.id for c in expired]
 
@@ -170,8 +202,14 @@ class CycleStore(StoreBase):
         challenger: int | None = None,
         metrics: dict[str, Any] | None = None,
         error: str | None = None,
-    ) -> None:
-        """Move a cycle to ``registered`` (still active) or a final status (promoted/rejected/failed)."""
+        *,
+        count_failure: bool = True,
+        max_episode_failures: int = MAX_EPISODE_FAILURES_DEFAULT,
+    ) -> list[str]:
+        """Move a cycle to ``registered`` (still active) or a final status (promoted/rejected/failed).
+
+        ``failed`` releases its episodes, counting the failure against each (`release_claims`) unless
+        `count_failure` is False; returns the ids of those it quarantined instead (else [])."""
         if status not in CYCLE_STATUSES or status == "running":
             raise ValueError(f"cannot finish a cycle as {status!r}; use one of {CYCLE_STATUSES[1:]}")
         with self.transaction() as session:
@@ -179,7 +217,7 @@ class CycleStore(StoreBase):
             if cycle is None:
                 raise LeaseLost(f"cycle {cycle_id} does not exist")
             if cycle.status == status and status in FINAL_CYCLE_STATUSES:
-                return  # a retried finish is a no-op
+                return []  # a retried finish is a no-op
             if status not in _TRANSITIONS.get(cycle.status, set()):
                 raise LeaseLost(f"cycle {cycle_id} is {cycle.status}; cannot move it to {status}")
             if challenger is not None:
@@ -188,19 +226,33 @@ class CycleStore(StoreBase):
                 cycle.metrics = {**(cycle.metrics or {}), **metrics}
             if status == "registered":
                 cycle.status = status
-            else:
-                self._end_cycle(session, cycle_id, status, self.clock(), error=error)
+                return []
+            return self._end_cycle(
+                session,
+                cycle_id,
+                status,
+                self.clock(),
+                error=error,
+                quarantine_after=max_episode_failures if count_failure else None,
+            )
 
     @staticmethod
-    def _end_cycle(session: Session, cycle_id: int, status: str, now: datetime, error: str | None) -> None:
+    def _end_cycle(
+        session: Session,
+        cycle_id: int,
+        status: str,
+        now: datetime,
+        error: str | None,
+        quarantine_after: int | None,
+    ) -> list[str]:
+        """End the cycle; a failed one gives its claims back (`release_claims`). The quarantined ids."""
         values: dict[str, Any] = {"status": status, "finished_at": now, "active_slot": None}
         if error is not None:
             values["error"] = error
         session.execute(update(Cycle).where(Cycle.id == cycle_id).values(**values))
-        if status == "failed":
-            session.execute(
-                update(Episode).where(Episode.used_in_cycle == cycle_id).values(used_in_cycle=None)
-            )
+        if status != "failed":
+            return []
+        return release_claims(session, cycle_id, now, error or "failed", quarantine_after)
 
     def get_cycle(self, cycle_id: int) -> CycleRecord | None:
         with self.transaction() as session:
@@ -268,6 +320,34 @@ class CycleStore(StoreBase):
         """Every version a serving server was announced on, most recently served first
         (`DeployStore.set_serving_version` announces them)."""
         return served_versions(self)
+
+
+def release_claims(
+    session: Session, cycle_id: int, now: datetime, error: str, quarantine_after: int | None
+) -> list[str]:
+    """Give the episodes a failed cycle claimed back to the pool; the ids of those quarantined instead.
+
+    With `quarantine_after`, the failure counts against every one of them (``failed_cycles`` + 1),
+    and those that reach it are quarantined, with the cycle's error, rather than released: they stay
+    ``settled`` and unclaimed, and selection skips them (store/episodes.py). All the batch is counted,
+    not the one episode that broke it: a batch fails as a whole (docs/security.md, Poisoned episodes).
+    None: the failure was not the data's; the episodes go back uncounted.
+    """
+    claimed = Episode.used_in_cycle == cycle_id
+    quarantined: list[str] = []
+    if quarantine_after is not None:
+        session.execute(update(Episode).where(claimed).values(failed_cycles=Episode.failed_cycles + 1))
+        spent = (claimed, Episode.failed_cycles >= quarantine_after)
+        quarantined = list(
+            session.scalars(select(Episode.episode_id).where(*spent).order_by(Episode.episode_id))
+        )
+        if quarantined:
+            reason = f"cycle {cycle_id} failed: {error}"[:QUARANTINE_REASON_CHARS]
+            session.execute(
+                update(Episode).where(*spent).values(quarantined_at=now, quarantine_reason=reason)
+            )
+    session.execute(update(Episode).where(claimed).values(used_in_cycle=None))
+    return quarantined
 
 
 def served_versions(store: StoreBase) -> list[int]:

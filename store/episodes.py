@@ -3,8 +3,10 @@
 ``select_episodes`` then ``mark_used``: selection only reads; ``mark_used`` claims the episodes for
 the cycle in one conditional UPDATE and fails (claiming none) if any is already claimed, so an
 episode is never used by two cycles. A failed cycle gives its claims back
-(`CycleStore.finish_cycle`, store/cycles.py). ``select_heldout`` reads the eval gate's held-out
-traffic, which never trains.
+(`CycleStore.finish_cycle`, store/cycles.py), but an episode claimed by
+``trainer.max_episode_failures`` failed cycles is quarantined (``quarantined_at`` set): neither
+selection nor ``mark_used`` takes it until `release_quarantined` (``rtrl dlq episodes --release``).
+``select_heldout`` reads the eval gate's held-out traffic, which never trains.
 """
 
 from __future__ import annotations
@@ -42,6 +44,17 @@ class TrainingSegment:
 
 
 @dataclass(frozen=True)
+class QuarantinedEpisode:
+    """An episode taken out of training after too many failed cycles (`EpisodeStore.quarantined`)."""
+
+    episode_id: str
+    tenant: str
+    failed_cycles: int
+    quarantined_at: datetime
+    reason: str  # the error of the cycle that quarantined it, truncated
+
+
+@dataclass(frozen=True)
 class TrainingEpisode:
     """A settled, labelled episode: its reward and its segments ordered by segment_index."""
 
@@ -72,6 +85,7 @@ class EpisodeStore(StoreBase):
         condition = (
             (Episode.status == "settled")
             & Episode.used_in_cycle.is_(None)
+            & Episode.quarantined_at.is_(None)
             & self._within_lag(champion_number, max_lag)
             & ~tenant_off  # a tenant switched off does not train (a tenant without a row does)
         )
@@ -157,6 +171,7 @@ class EpisodeStore(StoreBase):
                     Episode.reward_spec == spec_id,
                     Episode.eval_bucket < holdout_percent,
                     Episode.used_in_cycle.is_(None),
+                    Episode.quarantined_at.is_(None),
                     ~tenant_off,
                 )
                 .order_by(Episode.first_event_at.desc(), Episode.episode_id)
@@ -177,6 +192,7 @@ class EpisodeStore(StoreBase):
                     Episode.reward_spec == spec_id,
                     Episode.eval_bucket < holdout_percent,
                     Episode.used_in_cycle.is_(None),
+                    Episode.quarantined_at.is_(None),
                 )
             )
             return int(session.scalar(query) or 0)
@@ -248,13 +264,14 @@ class EpisodeStore(StoreBase):
                     Episode.episode_id.in_(wanted),
                     Episode.used_in_cycle.is_(None),
                     Episode.status == "settled",
+                    Episode.quarantined_at.is_(None),
                 )
                 .values(used_in_cycle=cycle_id)
             ).rowcount  # type: ignore[attr-defined]
             if claimed != len(wanted):
                 # Raising rolls the whole UPDATE back: no episode is claimed.
                 raise EpisodesUnavailable(
-                    f"cycle {cycle_id}: only {claimed} of {len(wanted)} episodes are settled and unused"
+                    f"cycle {cycle_id}: only {claimed} of {len(wanted)} episodes are settled, unused and not quarantined"
                 )
             cycle.episode_ids = [*(cycle.episode_ids or []), *wanted]
             specs = set(
@@ -265,3 +282,42 @@ class EpisodeStore(StoreBase):
                 )
             )
             cycle.reward_spec = specs.pop() if len(specs) == 1 else None
+
+    # ---- quarantine ------------------------------------------------------------------------------
+
+    def quarantined(self, limit: int) -> list[QuarantinedEpisode]:
+        """Episodes quarantined after too many failed cycles (store/cycles.py `release_claims`),
+        the newest first."""
+        with self.transaction() as session:
+            rows = session.scalars(
+                select(Episode)
+                .where(Episode.quarantined_at.is_not(None))
+                .order_by(Episode.quarantined_at.desc(), Episode.episode_id)
+                .limit(limit)
+            ).all()
+            return [
+                QuarantinedEpisode(
+                    episode_id=e.episode_id,
+                    tenant=e.tenant,
+                    failed_cycles=e.failed_cycles,
+                    quarantined_at=e.quarantined_at,  # type: ignore[arg-type]  # not None: the WHERE
+                    reason=e.quarantine_reason or "",
+                )
+                for e in rows
+            ]
+
+    def release_quarantined(self, episode_ids: Sequence[str]) -> list[str]:
+        """Put quarantined episodes back in the pool with no failure counted (an operator judged them
+        innocent, or fixed what broke them): ``trainer.max_episode_failures`` more failed cycles
+        quarantine one again. Returns the ids released; an id not quarantined is left out."""
+        with self.transaction() as session:
+            wanted = Episode.episode_id.in_(sorted(set(episode_ids))) & Episode.quarantined_at.is_not(None)
+            released = list(
+                session.scalars(select(Episode.episode_id).where(wanted).order_by(Episode.episode_id))
+            )
+            session.execute(
+                update(Episode)
+                .where(wanted)
+                .values(quarantined_at=None, quarantine_reason=None, failed_cycles=0)
+            )
+            return released

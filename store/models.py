@@ -154,6 +154,13 @@ class Episode(Base):
     # ``gate.ope.holdout_percent`` are kept for the eval gate and never trained on. None on rows
     # older than the column (trainable, never held out).
     eval_bucket: Mapped[int | None] = mapped_column(Integer)
+    # Failed cycles that had claimed it (store/cycles.py `release_claims`). At
+    # ``trainer.max_episode_failures`` it is quarantined instead of released: ``quarantined_at`` set,
+    # with the failed cycle's error, and never selected again until an operator releases it
+    # (`rtrl dlq episodes --release`; docs/security.md, Poisoned episodes). It stays ``settled``.
+    failed_cycles: Mapped[int] = mapped_column(Integer, server_default="0")
+    quarantined_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    quarantine_reason: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (
         Index("ix_episodes_open", "status", "last_event_at"),

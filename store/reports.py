@@ -147,6 +147,7 @@ class ReportStore(StoreBase):
                     Episode, (Episode.status == "settled") & (Episode.settle_reason == "window")
                 ),
                 "episodes_used": count(Episode, Episode.used_in_cycle.is_not(None)),
+                "episodes_quarantined": count(Episode, Episode.quarantined_at.is_not(None)),
                 "dead_letters": count(DeadLetter),
             }
             if orphan_after_s is not None:

@@ -39,13 +39,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from registry import CHALLENGER, Registry, flatten
+from registry import CHALLENGER, Registry, RegistryUnavailable, flatten
 from schemas.clock import utcnow
 from schemas.episodes import batch_metrics
 from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import DapoLoss, Settings, TrainerSettings
 from serving.sampler import Row
-from store import Store, TrainingEpisode
+from store import DatabaseError, Store, TrainingEpisode
 from trainer import checkpoint
 from trainer.advantages import BaselineState, compute_advantages
 from trainer.batch import (
@@ -56,13 +56,19 @@ from trainer.batch import (
     rows_of,
     signal_count,
 )
-from trainer.errors import InsufficientData
+from trainer.errors import Abandoned, InsufficientData
 from trainer.lease import expire_abandoned
 from trainer.selection import count_trainable, select_trainable
 from trainer.steps import StepMetrics
 from trainer.training import Training, train
 
 log = logging.getLogger(__name__)
+
+# Failures that say nothing about the batch, which do not count against its episodes
+# (docs/security.md, Poisoned episodes): the worker was stopping, or the store, MLflow, the network
+# or the disk failed. Celery retries the transient ones (worker/tasks.py), and every retry selects
+# the same newest batch: counted, one MLflow outage would quarantine it.
+NOT_THE_DATAS = (Abandoned, DatabaseError, RegistryUnavailable, OSError)
 
 
 class CycleResult(BaseModel):
@@ -137,9 +143,11 @@ def end_cycle(settings: Settings, store: Store, cycle_id: int, status: str, **fi
     that include their rewards are committed. failed: its episodes go back to the pool, so its
     baselines are discarded — committed, they would hold those episodes' own rewards when they
     train again (a leak into their advantages). The status is recorded first: a crash in between
-    loses a baseline update, never leaks one.
+    loses a baseline update, never leaks one. A registered cycle's failure (the gate, the swap, a
+    stopping worker) does not count against its episodes: they trained and registered a version
+    (docs/security.md, Poisoned episodes).
     """
-    store.finish_cycle(cycle_id, status, **fields)
+    store.finish_cycle(cycle_id, status, count_failure=False, **fields)
     if status in ("promoted", "rejected", "skipped"):
         checkpoint.commit_baselines(settings.trainer.checkpoint_dir, cycle_id)
     else:
@@ -206,14 +214,16 @@ def run_cycle(
         return CycleResult(
             cycle_id=None, status="not_enough_data", champion_version=champion, episodes=available
         )
-    cycle_id = store.acquire_cycle(owner, cfg.lease_ttl_s, champion)
+    cycle_id = store.acquire_cycle(
+        owner, cfg.lease_ttl_s, champion, max_episode_failures=cfg.max_episode_failures
+    )
     if cycle_id is None:
         return CycleResult(cycle_id=None, status="busy", champion_version=champion)
     files = checkpoint.CycleFiles(cfg.checkpoint_dir, spec.spec_id, cycle_id)
     cycle = _Cycle(cycle_id, champion, spec, files, started, started_at)
 
     with ExitStack() as cleanup:
-        cleanup.push(_undo_on_failure(store, registry, cycle))
+        cleanup.push(_undo_on_failure(store, registry, cycle, cfg.max_episode_failures))
         # ---- select, claim, advantages ---------------------------------------------------------
         episodes = _claim(settings, store, cycle)
         batch = _advantages(cfg, cycle, episodes, _method_metrics(cycle.spec, store, episodes))
@@ -254,19 +264,27 @@ def _reclaim(settings: Settings, store: Store, owner: str, takeover_suffix: str 
     cycle, its episodes back in the pool, so that it runs again now."""
     if takeover_suffix is None:
         return
-    reclaimed = store.reclaim_cycle(takeover_suffix, reason=f"worker lost; re-run by {owner}")
+    reclaimed = store.reclaim_cycle(
+        takeover_suffix,
+        reason=f"worker lost; re-run by {owner}",
+        max_episode_failures=settings.trainer.max_episode_failures,
+    )
     if reclaimed is not None:
         checkpoint.discard_baselines(settings.trainer.checkpoint_dir, reclaimed)
         log.warning("cycle %d was abandoned by a lost worker; re-running it", reclaimed)
 
 
 def _undo_on_failure(
-    store: Store, registry: Registry, cycle: _Cycle
+    store: Store, registry: Registry, cycle: _Cycle, max_episode_failures: int
 ) -> Callable[[type[BaseException] | None, BaseException | None, TracebackType | None], None]:
     """The cycle's exit callback: on any exception, a half-finished cycle never leaves a version
     behind and its episodes go back to the pool. The cycle is failed first (its episodes free at
     once, before any call to the registry), then its version deleted, then its run FAILED; each
-    runs even when one before it raised. The exception propagates."""
+    runs even when one before it raised. The exception propagates.
+
+    The failure counts against the claimed episodes, and those at `max_episode_failures` are
+    quarantined instead of released (store/cycles.py `release_claims`), unless it says nothing
+    about them (`NOT_THE_DATAS`, or an interrupt)."""
 
     def undo(_type: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None) -> None:
         if exc is None:
@@ -276,7 +294,21 @@ def _undo_on_failure(
                 undoing.callback(registry.end_run, cycle.run_id, "FAILED")
             if cycle.version is not None:
                 undoing.callback(registry.delete_version, cycle.version)
-            store.finish_cycle(cycle.id, "failed", error=f"{type(exc).__name__}: {exc}"[:10_000])
+            quarantined = store.finish_cycle(
+                cycle.id,
+                "failed",
+                error=f"{type(exc).__name__}: {exc}"[:10_000],
+                count_failure=isinstance(exc, Exception) and not isinstance(exc, NOT_THE_DATAS),
+                max_episode_failures=max_episode_failures,
+            )
+            if quarantined:
+                log.warning(
+                    "cycle %d: %d episodes failed %d cycles and are quarantined (rtrl dlq episodes): %s",
+                    cycle.id,
+                    len(quarantined),
+                    max_episode_failures,
+                    ", ".join(quarantined[:10]),
+                )
 
     return undo
 

@@ -5,7 +5,9 @@ Its worker renews it from a thread every quarter of ``trainer.lease_ttl_s`` (`ke
 long as the job runs, training, gate and swap included, so the TTL can be short whatever a cycle's
 length. When the worker dies (SIGKILL, OOM, the host) the renewals stop; within the TTL the lease
 has expired, and the next reader (beat's check, or the next cycle) fails that cycle and releases
-its episodes (`expire_abandoned`): the loop re-runs it within minutes, not hours.
+its episodes (`expire_abandoned`): the loop re-runs it within minutes, not hours. That failure
+counts against the episodes like any other (a batch that kills its worker is a poisoned batch): at
+``trainer.max_episode_failures`` they are quarantined instead (docs/security.md, Poisoned episodes).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ log = logging.getLogger(__name__)
 def expire_abandoned(settings: Settings, store: Store) -> list[int]:
     """Fail the cycles whose lease expired (their episodes go back to the pool, their staged
     baselines are discarded); their ids."""
-    expired = store.expire_cycles()
+    expired = store.expire_cycles(max_episode_failures=settings.trainer.max_episode_failures)
     for cycle_id in expired:
         checkpoint.discard_baselines(settings.trainer.checkpoint_dir, cycle_id)
         log.warning(

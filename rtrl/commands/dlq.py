@@ -1,8 +1,10 @@
-"""`rtrl dlq list|show|replay`: the records rtrl could not use, with their reasons.
+"""`rtrl dlq list|show|replay|episodes`: the records and episodes rtrl could not use, with their reasons.
 
     rtrl dlq list [--reason schema:] [--limit 50]   newest first: id, source, when, reason
     rtrl dlq show ID                                 everything about one, the payload as text
     rtrl dlq replay ID [ID ...]                      produce the original bytes to their topic again
+    rtrl dlq episodes [--limit 50]                   quarantined episodes, newest first, with reasons
+    rtrl dlq episodes --release ID [--release ID]    put quarantined episodes back in the pool
 
 Dead letters are read from the store (``dead_letters``: the labeler writes one row per record it
 refused). A replay is for a record refused by a labeler bug that is now fixed: it goes to the end
@@ -10,6 +12,11 @@ of its topic as a new record and is labelled (or dead-lettered) again. Records t
 back to. The DLQ topic (``settings.kafka.dlq_topic``) carries the same records for other consumers.
 A replay is produced before it is marked: a crash in between can replay a record twice, and the
 labeler then dead-letters the second copy as a duplicate; it is never lost.
+
+A quarantined episode is a settled episode that ``trainer.max_episode_failures`` failed cycles had
+claimed (store/cycles.py `release_claims`): the trainer no longer selects it. Release one that
+an operator judged innocent (it shared batches with a poisoned one, or an outage failed them): it
+goes back with no failure counted (docs/security.md, Poisoned episodes).
 """
 
 from __future__ import annotations
@@ -18,7 +25,10 @@ import json
 
 import typer
 
-dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters: records rtrl refused, with the reasons.")
+dlq_app = typer.Typer(
+    no_args_is_help=True,
+    help="Dead letters: records rtrl refused, and episodes quarantined after failed cycles, with the reasons.",
+)
 
 
 @dlq_app.command("list")
@@ -121,6 +131,44 @@ def replay(letter_ids: list[str] = typer.Argument(..., help="Ids from `rtrl dlq 
                 producer.close()
     if failed:
         raise typer.Exit(1)
+
+
+@dlq_app.command("episodes")
+def episodes(
+    release: list[str] = typer.Option(
+        [], "--release", help="Put this quarantined episode back in the pool (repeat for several)."
+    ),
+    limit: int = typer.Option(50, min=1, help="How many to list, newest first."),
+) -> None:
+    """Quarantined episodes as JSON lines (newest first), or release some with --release."""
+    from schemas.errors import OperatorError
+    from schemas.settings import load_settings
+    from store import Store
+
+    with Store(load_settings().store.url) as store:
+        store.check_schema()
+        if not release:
+            for e in store.quarantined(limit):
+                typer.echo(
+                    json.dumps(
+                        {
+                            "episode_id": e.episode_id,
+                            "tenant": e.tenant,
+                            "failed_cycles": e.failed_cycles,
+                            "quarantined_at": e.quarantined_at.isoformat(),
+                            "reason": e.reason[:300],
+                        }
+                    )
+                )
+            return
+        released = store.release_quarantined(release)
+    for episode_id in released:
+        typer.echo(f"{episode_id}: released; trainable again")
+    unknown = sorted(set(release) - set(released))
+    if unknown:
+        raise OperatorError(
+            f"not quarantined: {', '.join(map(repr, unknown))} (see `rtrl dlq episodes` for the ids)"
+        )
 
 
 def _record_key(payload: bytes, fallback: str) -> bytes:

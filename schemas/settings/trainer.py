@@ -16,6 +16,9 @@ from schemas.settings.section import Section
 # the same speed, and with 0.25 the eval gate's alarms rejected the first challenger of the demo
 # (punctuation-only answers 20 % vs 0 %), with 0.1 they passed it (docs/gate.md).
 MAX_KL_DEFAULT = 0.1
+# Failed cycles an episode may be claimed by before it is quarantined (docs/security.md, Poisoned
+# episodes): the store's default too, for callers without settings.
+MAX_EPISODE_FAILURES_DEFAULT = 3
 
 
 class LoraSettings(Section):
@@ -142,6 +145,16 @@ class TrainerSettings(Section):
         description="The cycle lease: its worker renews it every quarter of this while the job runs (training, "
         "gate, swap); one not renewed for this long belongs to a dead worker, and the cycle is failed and "
         "its episodes released at the next check (trainer/lease.py).",
+    )
+    max_episode_failures: int = Field(
+        MAX_EPISODE_FAILURES_DEFAULT,
+        ge=1,
+        le=100,
+        description="An episode claimed by this many failed cycles (failed in training, or whose worker died) is "
+        "quarantined with the last cycle's error instead of going back to the pool: never selected again until "
+        "`rtrl dlq episodes --release ID` (docs/security.md, Poisoned episodes). A whole batch is counted, so an "
+        "innocent episode needs this many failures, each beside whatever broke it; 1 quarantines a batch on "
+        "its first failure.",
     )
     max_cycle_s: float = Field(
         6 * 3600.0,

@@ -152,3 +152,34 @@ def test_help_does_not_import_the_heavy_stack() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_quarantined_episodes_are_listed_and_released(tmp_path: Path) -> None:
+    import json
+
+    from factories import Feeder, feedback, interaction
+
+    from store import Store
+
+    env = {"RTRL_STORE__URL": f"sqlite:///{tmp_path}/rtrl.db"}
+    with Store(env["RTRL_STORE__URL"]) as store:
+        store.migrate()
+        feeder = Feeder(store)
+        for name in ("e1", "e2"):
+            feeder.send(interaction(name), feedback(f"r-{name}-0", "edit_persisted"))
+        cycle = store.acquire_cycle("w", 60, 1)
+        assert cycle is not None
+        store.mark_used(cycle, ["e1", "e2"])
+        store.finish_cycle(cycle, "failed", error="IndexError: index out of range", max_episode_failures=1)
+    listed = rtrl("dlq", "episodes", **env)
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [(r["episode_id"], r["failed_cycles"]) for r in rows] == [("e1", 1), ("e2", 1)]
+    assert rows[0]["reason"] == f"cycle {cycle} failed: IndexError: index out of range"
+    released = rtrl("dlq", "episodes", "--release", "e2", **env)
+    assert released.returncode == 0 and released.stdout == "e2: released; trainable again\n"
+    line = one_line_error(
+        rtrl("dlq", "episodes", "--release", "e1", "--release", "e2", "--release", "nope", **env)
+    )
+    assert line == "rtrl: not quarantined: 'e2', 'nope' (see `rtrl dlq episodes` for the ids)"
+    assert rtrl("dlq", "episodes", **env).stdout == ""  # e1 was released before the error
