@@ -61,7 +61,8 @@ def test_kafka_errors_raises_the_streams_error_from_the_original() -> None:
 def test_creating_a_client_turns_unreachable_brokers_and_other_kafka_errors_into_streams_errors() -> None:
     kafka = KafkaSettings(bootstrap_servers="broker-a:9092")
 
-    def factory(error: Exception) -> Any:
+    def factory(error: Exception, **config: Any) -> Any:
+        assert config["bootstrap_servers"] == ["broker-a:9092"]  # the connection settings come along
         raise error
 
     with pytest.raises(streams.BrokersUnreachable, match="cannot reach Kafka at broker-a:9092 .*refused"):
