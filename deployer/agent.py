@@ -53,7 +53,7 @@ class _Cache:
     """The agent's downloads: one at a time, the most recently asked-for kept."""
 
     def __init__(self, settings: Settings) -> None:
-        self.registry = Registry(settings.mlflow, settings.agent.cache_dir)
+        self.registry = Registry(settings.mlflow, settings.agent.cache_dir, settings.services.run_dir)
         self.keep = settings.agent.keep_versions
         self._lock = threading.Lock()
         self._recent: list[int] = []  # most recent last

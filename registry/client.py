@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from registry.credentials import sign_in
 from registry.errors import NoChampion, RegistryError, RegistryUnavailable
 from schemas.settings import MlflowSettings, Settings
 from schemas.versions import format_version
@@ -96,9 +97,10 @@ class Registry:
     its own working directory.
     """
 
-    def __init__(self, mlflow: MlflowSettings, checkpoints_dir: Path) -> None:
+    def __init__(self, mlflow: MlflowSettings, checkpoints_dir: Path, run_dir: Path | None = None) -> None:
         from mlflow.tracking import MlflowClient
 
+        sign_in(mlflow, run_dir)  # configured credentials, else the local services' (registry/credentials.py)
         self.settings = mlflow
         self.model_name = mlflow.model_name
         self.checkpoints_dir = checkpoints_dir.expanduser().resolve()
@@ -111,7 +113,7 @@ class Registry:
     @classmethod
     def from_settings(cls, settings: Settings) -> Registry:
         """The registry of ``settings.mlflow``, keeping checkpoints under ``<services.run_dir>/deploy``."""
-        return cls(settings.mlflow, settings.services.run_dir / "deploy")
+        return cls(settings.mlflow, settings.services.run_dir / "deploy", settings.services.run_dir)
 
     # ---- experiment and runs --------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr, model_validator
 
 from schemas.settings.section import Section
 
@@ -43,5 +43,19 @@ class MlflowSettings(Section):
     artifact_root: Path = Field(
         Path(".rtrl/run/mlflow/artifacts"), description="Artifact root of the local server."
     )
+    username: str | None = Field(
+        None,
+        description="MLflow user rtrl signs in as (MLflow's basic-auth app). Unset with the local services: "
+        "the admin credentials `rtrl services up` made in <services.run_dir>/mlflow/auth.json.",
+    )
+    password: SecretStr | None = Field(None, description="Password of `username` (never printed).")
     experiment: str = Field("rtrl", description="Experiment that training cycles log to.")
     model_name: str = Field("rtrl-policy", description="Registered model name.")
+
+    @model_validator(mode="after")
+    def _credentials_complete(self) -> MlflowSettings:
+        if (self.username is None) != (self.password is None):
+            raise ValueError(
+                "set both RTRL_MLFLOW__USERNAME and RTRL_MLFLOW__PASSWORD, or neither (the local services' own)"
+            )
+        return self

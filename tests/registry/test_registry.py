@@ -23,7 +23,7 @@ def registry(mlflow_service: Settings, tmp_path: Path) -> Registry:
     mlflow = mlflow_service.mlflow.model_copy(
         update={"model_name": f"registry-test-{tag}", "experiment": f"registry-test-{tag}"}
     )
-    return Registry(mlflow, tmp_path / "checkpoints")
+    return Registry(mlflow, tmp_path / "checkpoints", mlflow_service.services.run_dir)
 
 
 def checkpoint(directory: Path, marker: str) -> Path:
@@ -92,3 +92,36 @@ def test_racing_processes_get_one_experiment(registry: Registry) -> None:
     for thread in threads:
         thread.join()
     assert len(ids) == 4 and len(set(ids)) == 1
+
+
+def test_mlflow_refuses_whoever_does_not_sign_in_as_rtrl(
+    registry: Registry, mlflow_service: Settings, tmp_path: Path
+) -> None:
+    """The local MLflow runs its basic-auth app (services/mlflow.py): moving an alias or reading a
+    model needs rtrl's credentials; /health alone is open."""
+    import httpx
+
+    from registry.credentials import credentials
+
+    version = registry.register_checkpoint(checkpoint(tmp_path / "a", "a"))
+    uri = registry.settings.tracking_uri.rstrip("/")
+    move = {"name": registry.model_name, "alias": CHAMPION, "version": str(version)}
+    found = credentials(registry.settings, mlflow_service.services.run_dir)
+    assert found is not None
+    user, password = found
+    for auth in (None, (user, "not-" + password), ("someone", password)):
+        moved = httpx.post(f"{uri}/api/2.0/mlflow/registered-models/alias", json=move, auth=auth, timeout=10)
+        assert moved.status_code == 401, (auth and auth[0], moved.status_code, moved.text[:200])
+        read = httpx.get(
+            f"{uri}/api/2.0/mlflow/registered-models/get",
+            params={"name": registry.model_name},
+            auth=auth,
+            timeout=10,
+        )
+        assert read.status_code == 401
+    assert registry.alias(CHAMPION) is None  # nothing moved
+    assert httpx.get(f"{uri}/health", timeout=10).status_code == 200
+    signed = httpx.post(
+        f"{uri}/api/2.0/mlflow/registered-models/alias", json=move, auth=(user, password), timeout=10
+    )
+    assert signed.status_code == 200 and registry.alias(CHAMPION) == version

@@ -36,7 +36,7 @@ def test_registered_versions_land_in_the_mlflow_database(on_postgres: Settings, 
     assert settings.mlflow.backend_store_uri == local_postgres_url(
         settings, settings.postgres.mlflow_database
     )
-    registry = Registry(settings.mlflow, tmp_path / "checkpoints")
+    registry = Registry(settings.mlflow, tmp_path / "checkpoints", settings.services.run_dir)
     checkpoint = tmp_path / "v1"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text(json.dumps({"marker": "on-postgres"}))
