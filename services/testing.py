@@ -10,6 +10,7 @@ deployment on ports that do not collide with the dev instance or another test ru
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -19,6 +20,8 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+
+from pydantic import SecretStr
 
 from schemas.settings import (
     CelerySettings,
@@ -83,7 +86,11 @@ def services_settings(
             broker_url=f"redis://{HOST}:{redis}/0", result_backend=f"redis://{HOST}:{redis}/1"
         ),
         mlflow=MlflowSettings(
-            tracking_uri=f"http://{HOST}:{mlflow}", artifact_root=run_dir / "mlflow" / "artifacts"
+            tracking_uri=f"http://{HOST}:{mlflow}",
+            artifact_root=run_dir / "mlflow" / "artifacts",
+            # In the settings themselves, so that settings derived with another run dir still sign in.
+            username="rtrl-admin",
+            password=SecretStr(secrets.token_urlsafe(24)),
         ),
         vllm=VllmSettings(
             servers=(f"http://{HOST}:{vllm}",),
