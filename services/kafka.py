@@ -32,7 +32,7 @@ from streams import acls
 
 from .base import Service, ServiceError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 POM = REPO_ROOT / "infra" / "kafka" / "pom.xml"
 # A small heap, the serial collector and the C1 compiler only: a one-node development broker
 # starts faster and takes less memory and CPU next to vLLM on a small machine.
