@@ -136,6 +136,34 @@ class RateLimiter:
             return (1.0 - tokens) / rate
 
 
+class EventRate:
+    """Feedback events a second per tenant (``gateway.feedback_events_per_s``): a token bucket a body
+    spends its event count from, so that one tenant's flood of events about one episode cannot bury
+    the labeler (issue 37: 36,000 ``accepted`` events in 10 s left it 18,000 records behind)."""
+
+    def __init__(self, rate_per_s: float, burst: float, monotonic: Monotonic = time.monotonic) -> None:
+        self._rate = rate_per_s
+        self._burst = burst
+        self._monotonic = monotonic
+        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at); tenants come from keys
+        self._lock = threading.Lock()
+
+    def take(self, tenant: str, events: int) -> float | None:
+        """Spend `events` of the tenant's bucket: None when allowed, else seconds until they are due."""
+        if self._rate <= 0:
+            return None  # off
+        cost = min(float(events), self._burst)  # a body of more than the burst waits for a full bucket
+        now = self._monotonic()
+        with self._lock:
+            tokens, at = self._buckets.get(tenant, (self._burst, now))
+            tokens = min(self._burst, tokens + (now - at) * self._rate)
+            if tokens >= cost:
+                self._buckets[tenant] = (tokens - cost, now)
+                return None
+            self._buckets[tenant] = (tokens, now)
+            return (cost - tokens) / self._rate
+
+
 class RequestIds:
     """Request ids signed for their tenant: ``<32 hex random>.<16 hex signature>``."""
 

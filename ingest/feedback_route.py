@@ -15,6 +15,8 @@ waits its turn there while the loop serves everyone else.
 
 from __future__ import annotations
 
+import math
+
 import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -48,6 +50,17 @@ async def _feedback(gw: Gateway, request: Request, tenant: str) -> Response:
     problem = intake.precheck(raw)
     if problem is not None:
         return JSONResponse({"detail": problem}, status_code=422)
+    wait_s = gw.feedback_rate.take(tenant, max(1, raw.count(b"{")))  # its events, exactly (`intake.precheck`)
+    if wait_s is not None:
+        gw.metrics.shed.labels("feedback_rate").inc()
+        return JSONResponse(
+            {
+                "detail": f"this tenant sends more than {gw.settings.gateway.feedback_events_per_s:g} feedback events "
+                "a second (gateway.feedback_events_per_s); retry after Retry-After seconds"
+            },
+            status_code=429,
+            headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
+        )
     if intake.values_in(raw) <= INLINE_VALUES:
         admitted = _admit(gw, raw, tenant)
     else:

@@ -18,7 +18,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ingest.auth import OPEN_CALLER, Caller, KeyCache, RateLimiter, RequestIds
+from ingest.auth import OPEN_CALLER, Caller, EventRate, KeyCache, RateLimiter, RequestIds
 from ingest.metrics import GatewayMetrics
 from ingest.publisher import Publisher
 from ingest.redaction import Redactor
@@ -57,7 +57,12 @@ class Gateway:
         self.ids = ids
         self.spec = spec
         self.limiter = RateLimiter(settings.gateway.rate_limit_per_s, settings.gateway.rate_limit_burst)
-        self.slots = TenantSlots(settings.gateway.max_concurrent_per_tenant)
+        self.slots = TenantSlots(
+            settings.gateway.max_concurrent_per_tenant, settings.gateway.max_inflight_tokens_per_tenant
+        )
+        self.feedback_rate = EventRate(
+            settings.gateway.feedback_events_per_s, settings.gateway.feedback_events_burst
+        )
         metrics.tenant_in_flight.set_function(lambda: self.slots.in_flight)
         metrics.tenants_at_cap.set_function(lambda: self.slots.tenants_at_cap)
         metrics.upstream_connections.set(settings.gateway.upstream_connections)

@@ -79,7 +79,9 @@ class GatewayMetrics:
         self.shed = Counter(
             "rtrl_gateway_shed_total",
             "Requests refused or streams ended to protect the gateway, by reason: tenant_cap (429: the tenant "
-            "had gateway.max_concurrent_per_tenant in flight), upstream_connection (503: no connection to "
+            "had gateway.max_concurrent_per_tenant in flight), tenant_tokens (429: its requests in flight asked for "
+            "gateway.max_inflight_tokens_per_tenant), feedback_rate (429: over gateway.feedback_events_per_s), "
+            "upstream_connection (503: no connection to "
             "vLLM within gateway.upstream_acquire_timeout_s), slow_reader (a stream whose client took no "
             "chunk within gateway.stream_write_timeout_s, ended and captured truncated).",
             ["reason"],

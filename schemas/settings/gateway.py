@@ -92,6 +92,25 @@ class GatewaySettings(Section):
         "(0 = no cap); past it 429 with Retry-After. At most upstream_connections / "
         f"{TENANTS_TO_FILL_THE_POOL}.",
     )
+    max_inflight_tokens_per_tenant: int = Field(
+        16384,
+        ge=0,
+        description="Tokens one tenant's completion requests and streams in flight at this gateway may ask for "
+        "together (each request's max_tokens times n; 0 = no budget); past it 429 with Retry-After. A request "
+        "alone is always let through, so the budget never refuses a tenant's only request.",
+    )
+    feedback_events_per_s: float = Field(
+        100.0,
+        ge=0,
+        description="Feedback events a second one tenant may send through this gateway (0 = unlimited); a body "
+        "spends its event count, past it 429 with Retry-After.",
+    )
+    feedback_events_burst: float = Field(
+        1000.0,
+        ge=1,
+        description="Feedback events a tenant may send at once before feedback_events_per_s limits it (at least "
+        "one full body of 1,000 events to send it whole).",
+    )
     stream_write_timeout_s: float = Field(
         30.0,
         gt=0,

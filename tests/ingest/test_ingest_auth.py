@@ -11,7 +11,7 @@ import pytest
 from factories import T0, FakeMonotonic, at
 from fastapi import FastAPI, Request
 
-from ingest.auth import Caller, KeyCache, RateLimiter, RequestIds, namespaced, request_id_secret
+from ingest.auth import Caller, EventRate, KeyCache, RateLimiter, RequestIds, namespaced, request_id_secret
 from ingest.intake import FeedbackIn, Refused, admit, scoped_event_id
 from ingest.limits import BodyLimit
 from schemas.rewards import TAB_V1
@@ -54,6 +54,18 @@ def test_rate_limit_is_a_token_bucket_per_key() -> None:
     assert [limiter.take(b) for _ in range(2)] == [None, None]
     assert limiter.take(b) == pytest.approx(1.5)  # its own rate, 0.5/s: 0.25 tokens left, 0.75 to go
     assert RateLimiter(rate_per_s=0, burst=1).take(a) is None  # 0 = unlimited
+
+
+def test_feedback_events_are_a_token_bucket_per_tenant_spent_by_the_body() -> None:
+    clock = FakeMonotonic()
+    rate = EventRate(rate_per_s=100.0, burst=1000, monotonic=clock)
+    assert rate.take("acme", 1000) is None  # one full body at once
+    assert rate.take("acme", 1) == pytest.approx(0.01)
+    assert rate.take("bolt", 600) is None  # another tenant has its own bucket
+    clock.now += 3.0
+    assert rate.take("acme", 300) is None  # 3 s at 100 a second
+    assert rate.take("acme", 5000) == pytest.approx(10.0)  # more than a burst waits for a full bucket
+    assert EventRate(rate_per_s=0, burst=1).take("acme", 10**6) is None  # 0 = unlimited
 
 
 def test_request_ids_are_signed_for_their_tenant(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 
 from ingest import intake
 from ingest.app import create_app
-from ingest.auth import RequestIds, request_id_secret
+from ingest.auth import EventRate, RequestIds, request_id_secret
 from ingest.feedback_route import INLINE_VALUES
 from schemas.events import Id, new_id
 from schemas.settings import GatewaySettings, ServicesSettings, Settings, StoreSettings, VllmSettings
@@ -60,7 +60,9 @@ def gateway(store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> It
     keys = {t: store.create_api_key(role="tenant", tenant=t, name="app")[1] for t in ("acme", "bolt")}
     settings = Settings(
         store=StoreSettings(url=f"sqlite:///{tmp_path}/rtrl.db"),
-        gateway=GatewaySettings(spool_dir=tmp_path / "spool", auth="keys", rate_limit_per_s=0),
+        gateway=GatewaySettings(
+            spool_dir=tmp_path / "spool", auth="keys", rate_limit_per_s=0, feedback_events_per_s=0
+        ),
         services=ServicesSettings(run_dir=tmp_path / "run"),
         vllm=VllmSettings(sampling_defaults={}),
     )
@@ -160,6 +162,20 @@ def test_an_idempotency_key_belongs_to_the_callers_tenant(gateway: Gateway) -> N
     assert fresh != fresh_again and uuid.UUID(fresh[0]).version == 4  # no key: a fresh id each time
     assert [e["event_id"] for e in gateway.published] == first + retry + theirs + fresh + fresh_again
     assert [e["tenant"] for e in gateway.published] == ["acme", "acme", "bolt", "acme", "acme"]
+
+
+def test_a_tenant_past_its_feedback_events_a_second_gets_429_and_others_are_served(gateway: Gateway) -> None:
+    gw = gateway.client.app.state.gateway  # type: ignore[attr-defined]
+    gw.feedback_rate = EventRate(rate_per_s=100.0, burst=1000)  # the defaults; the fixture turned them off
+    rid = gateway.ids.new("acme")
+    flood = [{"request_id": rid, "kind": "accepted"}] * intake.MAX_FEEDBACK_EVENTS
+    assert gateway.post("acme", flood).status_code == 202  # one full body passes at once
+    refused = gateway.post("acme", flood)
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 9
+    assert "gateway.feedback_events_per_s" in refused.json()["detail"]
+    other = gateway.post("bolt", {"request_id": gateway.ids.new("bolt"), "kind": "accepted"})
+    assert other.status_code == 202  # bolt has its own budget
+    assert len(gateway.published) == intake.MAX_FEEDBACK_EVENTS + 1  # nothing of the refused body
 
 
 def test_scoped_event_ids_are_ids_of_their_own_kind() -> None:

@@ -230,3 +230,55 @@ def test_client_connections_get_the_send_buffer_and_stall_timeout_of_the_setting
         sock.close()
     autotuned = listening_socket(config, 0, 0)
     autotuned.close()
+
+
+def test_a_tenants_requests_in_flight_ask_for_at_most_its_token_budget() -> None:
+    slots = TenantSlots(0, max_tokens=1000)
+    alone = slots.take("acme")
+    assert alone is not None and alone.reserve(5000)  # a tenant's only request always passes
+    second = slots.take("acme")
+    assert second is not None and not second.reserve(1)  # anything more is over the budget
+    assert slots.tokens("acme") == 5000
+    other = slots.take("bolt")
+    assert other is not None and other.reserve(1000)  # another tenant has its own budget
+    alone.release()
+    assert second.reserve(600) and not (third := slots.take("acme")).reserve(401)  # type: ignore[union-attr]
+    assert third is not None and third.reserve(400)
+    for slot in (second, third, other):
+        slot.release()
+    assert slots._tokens == {} and slots._held == {}  # nothing left behind per tenant seen
+    with pytest.raises(ValueError, match=">= 0"):
+        TenantSlots(1, max_tokens=-1)
+
+
+def test_past_its_token_budget_a_tenant_gets_429_and_others_are_served(
+    tmp_path: Path, store: Store, started: list[TestClient]
+) -> None:
+    (closed,) = free_ports(1)  # nothing listens: every generation is a 502, vLLM never reached
+    _, acme = store.create_api_key(role="tenant", tenant="acme", name="t")
+    _, bolt = store.create_api_key(role="tenant", tenant="bolt", name="t")
+    _, admin = store.create_api_key(role="admin", tenant=None, name="t")
+    settings = gateway_settings(
+        tmp_path, (f"http://127.0.0.1:{closed}",), max_inflight_tokens_per_tenant=1000, rate_limit_per_s=0
+    )
+    client, gw = start(settings, clients=started)
+    model = settings.vllm.served_model_name
+    held = gw.slots.take("acme")
+    assert held is not None and held.reserve(900)  # acme's streams in flight ask for 900 tokens
+    body = {"model": model, "prompt": "hi", "max_tokens": 200}
+    refused = client.post("/v1/completions", json=body, headers={"authorization": f"Bearer {acme}"})
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert "max_inflight_tokens_per_tenant" in refused.json()["error"]["message"]
+    assert shed(client, admin, "tenant_tokens") == 1
+    fits = client.post(
+        "/v1/completions", json=body | {"max_tokens": 100}, headers={"authorization": f"Bearer {acme}"}
+    )
+    assert fits.status_code == 502  # within the budget: it reached for vLLM
+    other = client.post("/v1/completions", json=body, headers={"authorization": f"Bearer {bolt}"})
+    assert other.status_code == 502  # bolt is not held back by acme
+    held.release()
+    alone = client.post(
+        "/v1/completions", json=body | {"max_tokens": 2000}, headers={"authorization": f"Bearer {acme}"}
+    )
+    assert alone.status_code == 502  # alone, a request over the whole budget still goes
+    assert (gw.slots.in_flight, gw.slots._tokens) == (0, {})
