@@ -61,6 +61,7 @@ from starlette.routing import Route
 import streams
 from ingest import completions, feedback_route, operations, served_models
 from ingest.auth import OPEN_CALLER, KeyCache, RequestIds, request_id_secret
+from ingest.forwarding import RequestPolicy
 from ingest.gateway import Gateway
 from ingest.limits import BodyLimit
 from ingest.metrics import GatewayMetrics
@@ -147,14 +148,14 @@ def create_app(settings: Settings, connect: Connect | None = None) -> Starlette:
         "sampling defaults written into requests that leave them out: %s",
         sampling_defaults or "none (vLLM's neutral ones)",
     )
-    ids = RequestIds(
-        request_id_secret(
-            None
-            if settings.gateway.request_id_secret is None
-            else settings.gateway.request_id_secret.get_secret_value(),
-            settings.services.run_dir,
-        )
+    secret = request_id_secret(
+        None
+        if settings.gateway.request_id_secret is None
+        else settings.gateway.request_id_secret.get_secret_value(),
+        settings.services.run_dir,
     )
+    ids = RequestIds(secret)
+    policy = RequestPolicy.from_settings(settings, secret)  # its cache salts are keyed by the same secret
     if settings.gateway.max_concurrent_per_tenant == 0:
         log.warning(
             "no cap on the requests a tenant may have in flight (RTRL_GATEWAY__MAX_CONCURRENT_PER_TENANT=0): "
@@ -169,7 +170,9 @@ def create_app(settings: Settings, connect: Connect | None = None) -> Starlette:
         )
 
     def gateway(fleet: Fleet, publisher: Publisher, keys: KeyCache | None) -> Gateway:
-        return Gateway(settings, fleet, publisher, metrics, keys, ids, spec, redactor, sampling_defaults)
+        return Gateway(
+            settings, fleet, publisher, metrics, keys, ids, spec, redactor, sampling_defaults, policy
+        )
 
     return _application(settings, metrics, _lifespan(settings, metrics, gateway, connect))
 

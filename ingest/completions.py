@@ -1,7 +1,8 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: a generation relayed to the fleet.
 
-The client's body is checked and shaped (`ingest.shaping`), sent to a vLLM server of the fleet
-(`ingest.routing`) with token ids and sampled-token logprobs added, and the answer relayed without
+The client's body is checked (`ingest.forwarding`: only the fields, tokens and model this gateway
+allows, plus the tenant's prefix-cache salt) and shaped (`ingest.shaping`), sent to a vLLM server
+of the fleet (`ingest.routing`) with token ids and sampled-token logprobs added, and the answer relayed without
 those extras: a whole body with an ``rtrl`` object, or a stream (`ingest.relay`). The capture
 (`ingest.capture`) runs after the response is sent. Upstream errors pass through with their
 status; no server in rotation is a 503, no reachable server a 502, an upstream timeout a 504.
@@ -35,6 +36,8 @@ from ingest.responses import FastJSONResponse, error, why_not_json
 from ingest.routing import Announced, NoServerInRotation, Server, UpstreamUnavailable
 from ingest.shaping import (
     HEADER_REQUEST_ID,
+    Capture,
+    Requested,
     RequestError,
     lora_request,
     parse_capture,
@@ -81,22 +84,15 @@ async def _generate(gw: Gateway, request: Request, slot: Slot, request_id: str, 
     tenant = slot.tenant
     endpoint, path = ("chat", "/v1/chat/completions") if chat else ("completions", "/v1/completions")
     try:
-        raw = await request.body()
-        try:
-            body = orjson.loads(raw)  # strict (no NaN, Infinity or lone surrogates), 5-20x the stdlib
-        except orjson.JSONDecodeError:
-            raise RequestError(why_not_json(raw)) from None
-        prepare = prepare_chat_request if chat else prepare_completion_request
-        forward, requested, body_rtrl = prepare(body, gw.sampling_defaults)
-        if gw.lora:
-            lora_request(forward, gw.settings.vllm.served_model_name)
-        capture = parse_capture(request.headers, body_rtrl)
+        forward, requested, capture = await _read(gw, request, tenant, chat)
+        _reserve_tokens(gw, slot, forward)
         try:
             episode_id = namespaced(tenant, capture.episode_id or request_id)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
     except RequestError as exc:
-        return error(exc.status_code, str(exc), request_id)
+        retry = {"Retry-After": "1"} if exc.status_code == 429 else None
+        return error(exc.status_code, str(exc), request_id, headers=retry)
 
     stream = forward.get("stream") is True
     started = time.perf_counter()
@@ -157,6 +153,40 @@ async def _generate(gw: Gateway, request: Request, slot: Slot, request_id: str, 
     )
     task = BackgroundTask(publish_interaction, gw, served, payload, created_at)
     return FastJSONResponse(client_body, headers={HEADER_REQUEST_ID: request_id}, background=task)
+
+
+def _reserve_tokens(gw: Gateway, slot: Slot, forward: dict[str, Any]) -> None:
+    """Reserve what the request may generate against its tenant's budget of tokens in flight, or refuse it."""
+    limit = forward.get("max_completion_tokens", forward.get("max_tokens"))
+    n = forward.get("n", 1)
+    tokens = (limit if isinstance(limit, int) else gw.settings.vllm.max_model_len) * (
+        n if isinstance(n, int) else 1
+    )
+    if not slot.reserve(max(1, tokens)):
+        gw.metrics.shed.labels("tenant_tokens").inc()
+        raise RequestError(
+            f"this tenant's requests in flight at this gateway already ask for {gw.slots.tokens(slot.tenant)} "
+            f"tokens; with this one's {tokens} that is over its budget of {gw.slots.max_tokens} "
+            "(gateway.max_inflight_tokens_per_tenant): retry when one has ended, or ask for fewer (max_tokens)",
+            status_code=429,
+        )
+
+
+async def _read(
+    gw: Gateway, request: Request, tenant: str, chat: bool
+) -> tuple[dict[str, Any], Requested, Capture]:
+    """(the body to forward, what the client asked for, its capture metadata), or RequestError."""
+    raw = await request.body()
+    try:
+        body = orjson.loads(raw)  # strict (no NaN, Infinity or lone surrogates), 5-20x the stdlib
+    except orjson.JSONDecodeError:
+        raise RequestError(why_not_json(raw)) from None
+    prepare = prepare_chat_request if chat else prepare_completion_request
+    # The allow-list, the token budget, the model and the tenant's cache salt (ingest/forwarding.py).
+    forward, requested, body_rtrl = prepare(gw.policy.apply(body, chat, tenant), gw.sampling_defaults)
+    if gw.lora:
+        lora_request(forward, gw.settings.vllm.served_model_name)
+    return forward, requested, parse_capture(request.headers, body_rtrl)
 
 
 def _finish_stream(gw: Gateway, served: Served, stream: StreamCapture, created_at: datetime) -> None:

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ingest.auth import OPEN_CALLER, Caller, EventRate, KeyCache, RateLimiter, RequestIds
+from ingest.forwarding import RequestPolicy
 from ingest.metrics import GatewayMetrics
 from ingest.publisher import Publisher
 from ingest.redaction import Redactor
@@ -43,8 +44,10 @@ class Gateway:
         spec: RewardSpec,
         redactor: Redactor,
         sampling_defaults: Mapping[str, Any],
+        policy: RequestPolicy,
     ) -> None:
         self.settings = settings
+        self.policy = policy  # what of a request reaches vLLM (ingest/forwarding.py)
         self.sampling_defaults = sampling_defaults  # written into requests (schemas/sampling.py)
         self.lora = (
             settings.trainer.adapter == "lora"

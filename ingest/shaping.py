@@ -257,7 +257,10 @@ def sampling_params(
     defaults into it; vLLM's neutral defaults where neither set one), and what kind of logprobs
     the server reports (`settings.vllm.logprobs_mode`)."""
     stop = body.get("stop")
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    # vLLM's chat endpoint takes max_completion_tokens over max_tokens when both are set.
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
     fields = {
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),

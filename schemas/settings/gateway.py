@@ -5,13 +5,39 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from schemas.settings.section import Section
 
 # The per-tenant cap must leave the upstream pool to at least this many tenants at their cap at once,
 # so that a few hostile tenants cannot take every connection (docs/security.md).
 TENANTS_TO_FILL_THE_POOL = 4
+
+# The request fields of /v1/chat/completions and /v1/completions the gateway forwards to vLLM by
+# default: what OpenAI's clients send for a text generation (docs/security.md, Forwarded fields and
+# token budgets). Each belongs to the endpoints that take it (ingest/forwarding.py).
+FORWARDED_FIELDS = (
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "user",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+)
+# Set by the gateway, never taken from a client (ingest/forwarding.py).
+GATEWAY_SET_FIELDS = ("cache_salt",)
 
 
 class GatewaySettings(Section):
@@ -135,11 +161,49 @@ class GatewaySettings(Section):
         "it (TCP_USER_TIMEOUT) is aborted by the kernel, freeing the socket and its buffers: a client that "
         "never reads keeps nothing after its stream was ended; 0 = the kernel's default (never).",
     )
+    forwarded_fields: tuple[str, ...] = Field(
+        FORWARDED_FIELDS,
+        description="Request fields of /v1/chat/completions and /v1/completions forwarded to vLLM; any other "
+        "field is a 400 naming it (a null one is dropped). Penalties are left out: presence_penalty, "
+        "frequency_penalty and repetition_penalty are accepted only at their neutral value (0, 0, 1) unless "
+        "listed here. The gateway's own fields (rtrl, return_token_ids, return_prompt_text) are always "
+        "accepted; cache_salt never is (the gateway sets it per tenant). docs/security.md, Forwarded fields "
+        "and token budgets.",
+    )
+    max_tokens_per_request: int = Field(
+        4096,
+        ge=1,
+        le=1_000_000,
+        description="Most tokens one completion request may ask vLLM to generate: a max_tokens or "
+        "max_completion_tokens above it is a 400; a request that sets neither gets this (or "
+        "vllm.max_model_len when smaller) before it is forwarded.",
+    )
+    max_top_logprobs: int = Field(
+        5,
+        ge=0,
+        le=20,
+        description="Most alternatives per token a request may ask for (top_logprobs of a chat request, "
+        "logprobs of a completion request); more is a 400. Each one is an entry per generated token in "
+        "vLLM's answer, which the gateway reads whole.",
+    )
     redaction: tuple[str, ...] = Field(
         ("email", "phone", "api_key"),
         description="Detectors masking text in events before they leave the gateway: email, phone, api_key "
         "or module:function (see ingest/redaction.py); [] turns redaction off.",
     )
+
+    @field_validator("forwarded_fields")
+    @classmethod
+    def _clients_do_not_set_the_gateways_fields(cls, fields: tuple[str, ...]) -> tuple[str, ...]:
+        owned = sorted(set(fields) & set(GATEWAY_SET_FIELDS))
+        if owned:
+            raise ValueError(
+                f"{', '.join(owned)} cannot be forwarded from clients: the gateway sets it itself (one "
+                "prefix-cache salt per tenant, docs/security.md)"
+            )
+        if any(not f or not f.isidentifier() for f in fields):
+            raise ValueError(f"forwarded_fields must be request field names, got {list(fields)!r}")
+        return fields
 
     @model_validator(mode="after")
     def _pool_outlasts_a_few_tenants(self) -> GatewaySettings:

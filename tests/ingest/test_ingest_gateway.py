@@ -25,6 +25,7 @@ from ingest.intake import scoped_event_id
 from schemas.clock import utcnow, wait_until
 from schemas.events import FeedbackEvent, InteractionEvent, parse_event
 from schemas.settings import Settings
+from schemas.settings.gateway import FORWARDED_FIELDS
 from schemas.versions import parse_version
 from services.launch import gateway_process
 from services.testing import free_ports
@@ -34,6 +35,8 @@ from store.models import Episode
 pytestmark = pytest.mark.integration
 
 PROMPT = "Q: What is 3 plus 4?\nA:"
+# Long generations for the stream tests: ignore_eos, and 20 logprobs a token, are not forwarded by default.
+LONG_STREAMS = {"forwarded_fields": (*FORWARDED_FIELDS, "ignore_eos"), "max_top_logprobs": 20}
 
 
 def free_port() -> int:
@@ -205,7 +208,10 @@ def test_the_event_records_what_vllm_sampled_with_and_what_the_trainer_cannot_re
     """The model's sampling defaults are written into a request that sets none, so the recorded
     parameters are vLLM's own; a logit bias (not reproducible by the trainer) is captured untrainable."""
     request = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 8, "seed": 99}
-    with start_gateway(sampling_defaults={"temperature": 0.7, "top_p": 0.9}) as gateway:
+    with start_gateway(
+        sampling_defaults={"temperature": 0.7, "top_p": 0.9},
+        forwarded_fields=(*FORWARDED_FIELDS, "logit_bias"),
+    ) as gateway:
         plain = httpx.post(
             f"{gateway}/v1/completions", json=request, headers=keys.auth(keys.acme), timeout=120
         )
@@ -303,7 +309,8 @@ def test_errors(services: Settings, start_gateway: GatewayFactory, keys: Keys) -
     auth = keys.auth(keys.acme)
     with start_gateway() as gateway:
         # vLLM's own refusal passes through with its status and body
-        too_long = {"model": services.vllm.served_model_name, "prompt": PROMPT, "max_tokens": 100_000}
+        prompt = "Q: " + "one two " * services.vllm.max_model_len + "\nA:"  # longer than the context
+        too_long = {"model": services.vllm.served_model_name, "prompt": prompt, "max_tokens": 4}
         upstream = httpx.post(f"{vllm_url(services)}/v1/completions", json=too_long, timeout=60)
         through = httpx.post(f"{gateway}/v1/completions", json=too_long, headers=auth, timeout=60)
         assert upstream.status_code == through.status_code == 400
@@ -636,7 +643,7 @@ def test_a_client_that_leaves_mid_stream_gives_a_truncated_untrainable_event(
         "stream": True,
     }
     finished_first = 0
-    with start_gateway() as gateway:
+    with start_gateway(**LONG_STREAMS) as gateway:
         for _ in range(5):
             with httpx.stream(
                 "POST", f"{gateway}/v1/completions", json=body, headers=keys.auth(keys.acme), timeout=60
@@ -794,7 +801,7 @@ def test_a_client_gone_before_its_stream_starts_leaks_nothing(
             "stream": True,
         }
     ).encode()
-    with start_gateway() as gateway:
+    with start_gateway(**LONG_STREAMS) as gateway:
         host, port = gateway.removeprefix("http://").split(":")
         for _ in range(5):
             with socket.create_connection((host, int(port))) as raw:
@@ -862,7 +869,10 @@ def test_a_tenant_flooding_unread_streams_gets_429_past_its_cap_and_others_are_s
     finished, or the write timeout ended them) its slots are back."""
     cap = 4
     with start_gateway(
-        max_concurrent_per_tenant=cap, stream_write_timeout_s=3.0, socket_send_buffer_bytes=16384
+        max_concurrent_per_tenant=cap,
+        stream_write_timeout_s=3.0,
+        socket_send_buffer_bytes=16384,
+        **LONG_STREAMS,
     ) as gateway:
         opened = [unread_stream(gateway, keys.acme, long_stream(services)) for _ in range(cap + 2)]
         try:
@@ -907,7 +917,7 @@ def test_a_stream_not_read_for_the_write_timeout_is_ended_and_its_upstream_relea
     untrainable, as for a client that hung up."""
     # A 16 KiB send buffer: the ~0.5 MB stream blocks after ~100 KB (autotuned, the kernel would
     # absorb ~3 MB, more than the tiny model's context can produce).
-    with start_gateway(stream_write_timeout_s=1.0, socket_send_buffer_bytes=16384) as gateway:
+    with start_gateway(stream_write_timeout_s=1.0, socket_send_buffer_bytes=16384, **LONG_STREAMS) as gateway:
         raw, status = unread_stream(gateway, keys.acme, long_stream(services))
         try:
             assert status == 200
@@ -938,3 +948,104 @@ def test_a_stream_not_read_for_the_write_timeout_is_ended_and_its_upstream_relea
     event = parse_event(record.value, InteractionEvent)
     assert event.truncated and not event.trainable
     assert len(event.completion_token_ids) < 470
+
+
+def test_a_tenant_asks_only_for_what_the_gateway_allows(
+    services: Settings, start_gateway: GatewayFactory, interactions: TopicReader, keys: Keys
+) -> None:
+    """Issue 37: every request field but `rtrl` went to vLLM. Fields off gateway.forwarded_fields, an
+    image part, a client's own cache_salt, more tokens than the budget or more alternatives than the
+    cap are 400s naming what is refused, another model a 404, all before vLLM; an ordinary request is
+    served, and one without max_tokens is capped at the budget (the event records it, and vLLM asked
+    directly with that limit answers the same)."""
+    model = services.vllm.served_model_name
+    completion = {"model": model, "prompt": PROMPT, "temperature": 1.0, "seed": 5}
+    image = [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/meta-data/"}},
+    ]
+    with start_gateway(max_tokens_per_request=6) as gateway:
+
+        def post(path: str, body: dict[str, Any]) -> httpx.Response:
+            return httpx.post(f"{gateway}{path}", json=body, headers=keys.auth(keys.acme), timeout=120)
+
+        refusals = {
+            "'prompt_logprobs'": post("/v1/completions", completion | {"prompt_logprobs": 20}),
+            "'ignore_eos'": post("/v1/completions", completion | {"ignore_eos": True, "max_tokens": 6}),
+            "'min_tokens'": post("/v1/completions", completion | {"min_tokens": 6}),
+            "'presence_penalty'": post("/v1/completions", completion | {"presence_penalty": 1.5}),
+            "'cache_salt'": post("/v1/completions", completion | {"cache_salt": "guessed"}),
+            "gateway.max_tokens_per_request": post("/v1/completions", completion | {"max_tokens": 100_000}),
+            "gateway.max_top_logprobs": post("/v1/completions", completion | {"logprobs": 20}),
+            "'image_url' part": post(
+                "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": image}]}
+            ),
+        }
+        for named, refused in refusals.items():
+            assert refused.status_code == 400, (named, refused.text)
+            assert named in refused.json()["error"]["message"], refused.text
+        other = post("/v1/completions", completion | {"model": f"{model}-base"})
+        assert other.status_code == 404 and "is not served here" in other.json()["error"]["message"]
+        assert metric(gateway, keys.admin, "rtrl_gateway_upstream_requests_total") == 0  # none reached vLLM
+
+        neutral = post("/v1/completions", completion | {"max_tokens": 4, "presence_penalty": 0, "user": "u1"})
+        assert neutral.status_code == 200, neutral.text
+        capped = post("/v1/completions", completion)  # no max_tokens: the budget is written in
+        assert capped.status_code == 200, capped.text
+    body = capped.json()
+    assert body["usage"]["completion_tokens"] <= 6
+    direct = httpx.post(
+        f"{vllm_url(services)}/v1/completions", json=completion | {"max_tokens": 6}, timeout=120
+    ).json()
+    assert without_volatile(body) == without_volatile(direct)
+    [record] = interactions.wait_for(by_key(capped.headers["x-rtrl-request-id"]))
+    event = parse_event(record.value, InteractionEvent)
+    assert (
+        event.sampling.max_tokens == 6
+        and len(event.completion_token_ids) == body["usage"]["completion_tokens"]
+    )
+
+
+def prefix_cache_hits(services: Settings) -> float:
+    """vLLM's count of prompt tokens served from its prefix cache."""
+    text = httpx.get(f"{vllm_url(services)}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:prefix_cache_hits_total")
+    )
+
+
+def test_tenants_do_not_share_prefix_cache_blocks(
+    services: Settings, start_gateway: GatewayFactory, keys: Keys
+) -> None:
+    """Each tenant's requests carry its own cache_salt: acme's second call of a long prompt is served
+    from the prefix cache, bolt's call of the same prompt is not (on today's code it was: a tenant
+    could time another's prompts). Sequenced so the metric settles: acme, acme, bolt, acme; the hits
+    are exactly twice acme's."""
+    prompt = "Q: " + "alpha beta gamma delta epsilon " * 24 + "\nA:"  # several full KV blocks
+    body = {"model": services.vllm.served_model_name, "prompt": prompt, "max_tokens": 1}
+    with start_gateway() as gateway:
+
+        def call(key: str) -> None:
+            response = httpx.post(f"{gateway}/v1/completions", json=body, headers=keys.auth(key), timeout=120)
+            assert response.status_code == 200, response.text
+
+        call(keys.acme)
+        time.sleep(1.0)  # vLLM's metrics follow its engine steps
+        start = prefix_cache_hits(services)
+        call(keys.acme)
+        wait_until(
+            lambda: prefix_cache_hits(services) > start, timeout_s=30, what="acme's second call cached"
+        )
+        time.sleep(1.0)
+        per_call = prefix_cache_hits(services) - start
+        call(keys.bolt)
+        call(keys.acme)
+        wait_until(
+            lambda: prefix_cache_hits(services) >= start + 2 * per_call,
+            timeout_s=30,
+            what="acme's third call",
+        )
+        time.sleep(1.0)
+    assert prefix_cache_hits(services) - start == 2 * per_call  # bolt's call hit nothing of acme's

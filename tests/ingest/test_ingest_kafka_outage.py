@@ -169,7 +169,12 @@ def test_kafka_restart_loses_nothing_and_an_oversize_event_blocks_nothing(
             "kafka": kafka,
             "store": services.store.model_copy(update={"url": f"sqlite:///{tmp_path / 'rtrl.db'}"}),
             "gateway": services.gateway.model_copy(
-                update={"port": free_ports(1)[0], "spool_dir": tmp_path / "spool", "publish_timeout_s": 2.0}
+                update={
+                    "port": free_ports(1)[0],
+                    "spool_dir": tmp_path / "spool",
+                    "publish_timeout_s": 2.0,
+                    "forwarded_fields": (*services.gateway.forwarded_fields, "ignore_eos"),  # the big events
+                }
             ),
         }
     )

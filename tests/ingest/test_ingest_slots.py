@@ -104,7 +104,7 @@ def test_past_its_cap_a_tenant_gets_429_and_every_ending_gives_its_slot_back(
         tmp_path, (f"http://127.0.0.1:{closed}",), max_concurrent_per_tenant=2, rate_limit_per_s=0
     )
     client, gw = start(settings, clients=started)
-    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    body = {"model": settings.vllm.served_model_name, "prompt": "hi", "max_tokens": 2}
 
     held = [gw.slots.take("acme"), gw.slots.take("acme")]  # two of acme's requests in flight
     refused = client.post("/v1/completions", json=body, headers={"authorization": f"Bearer {acme}"})
@@ -112,7 +112,11 @@ def test_past_its_cap_a_tenant_gets_429_and_every_ending_gives_its_slot_back(
     assert refused.headers["retry-after"] == "1"
     assert "max_concurrent_per_tenant" in refused.json()["error"]["message"]
     assert shed(client, admin, "tenant_cap") == 1
-    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    chat = {
+        "model": settings.vllm.served_model_name,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+    }
     other = client.post("/v1/chat/completions", json=chat, headers={"authorization": f"Bearer {bolt}"})
     assert other.status_code == 502  # bolt is not held back by acme (its call reached for vLLM)
     assert gw.slots.held("bolt") == 0  # and its slot came back with the error
@@ -152,7 +156,7 @@ def test_no_connection_to_vllm_in_time_is_a_503_not_a_wait(
     )
     client, gw = start(settings, clients=started)
     wait_until(lambda: gw.fleet.servers[0].announced is not None, timeout_s=10, what="the announcement read")
-    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    body = {"model": settings.vllm.served_model_name, "prompt": "hi", "max_tokens": 2}
     answers: list[int] = []
 
     def hang() -> None:
