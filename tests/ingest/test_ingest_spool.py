@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -102,13 +103,14 @@ def test_the_overflow_file_is_bounded_too(tmp_path: Path) -> None:
 
 
 def test_a_batch_is_written_with_one_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    from ingest import spool as module
-
     synced: list[int] = []
     real = os.fsync
-    monkeypatch.setattr(module.os, "fsync", lambda fd: synced.append(fd) or real(fd))
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
     spool = Spool(tmp_path, max_bytes=100 * LINE, segment_bytes=100 * LINE)
     synced.clear()  # the directory's, at creation
     assert spool.append_many([rec(i) for i in range(5)]) == ["spooled"] * 5
