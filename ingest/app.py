@@ -21,7 +21,8 @@ Endpoints, one module per role:
   key's tenant is published to ``settings.kafka.interactions_topic`` (`ingest.capture`). Upstream
   errors pass through with their status; no reachable server is a 502, an upstream timeout a 504.
 - ``POST /v1/feedback`` (`ingest.feedback_route`): one feedback object or a list of them
-  (`ingest.intake`): 202 with the stored event ids once queued for ``settings.kafka.feedback_topic``
+  (`ingest.intake`): 202 with the stored event ids once they are on ``settings.kafka.feedback_topic``
+  or fsynced in the spool, else 503 with ``Retry-After``
   (a client's ``event_id`` is its tenant's idempotency key: the stored id is derived from both);
   403/404 for another tenant's requests, 422 with the reason on bad input, before parsing for a
   body with more events or values than a valid one can have.
