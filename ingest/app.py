@@ -21,7 +21,8 @@ Endpoints, one module per role:
   key's tenant is published to ``settings.kafka.interactions_topic`` (`ingest.capture`). Upstream
   errors pass through with their status; no reachable server is a 502, an upstream timeout a 504.
 - ``POST /v1/feedback`` (`ingest.feedback_route`): one feedback object or a list of them
-  (`ingest.intake`): 202 with the stored event ids once queued for ``settings.kafka.feedback_topic``
+  (`ingest.intake`): 202 with the stored event ids once they are on ``settings.kafka.feedback_topic``
+  or fsynced in the spool, else 503 with ``Retry-After``
   (a client's ``event_id`` is its tenant's idempotency key: the stored id is derived from both);
   403/404 for another tenant's requests, 422 with the reason on bad input, before parsing for a
   body with more events or values than a valid one can have.
@@ -39,12 +40,20 @@ event that cannot be built (e.g. the server did not report its version) becomes 
 The application's lifespan owns what the routes share (`ingest.gateway.Gateway`): the HTTP client
 of the fleet, the store, the key cache, the publisher threads, and two background tasks that
 follow the deployer (`follow_rotation`, `verify_announcements`).
+
+Graceful shutdown (SIGTERM, docs/security.md, Accepted means durable): uvicorn stops accepting and
+waits up to ``gateway.shutdown_grace_s`` for the requests in flight (a completion's capture runs
+inside its request, a feedback request waits for its events to be durable); the lifespan then
+waits up to as long again for the captures of streams (`finish_captures`), and closes the
+publisher in a worker thread: what Kafka takes within ``publish_timeout_s`` is sent, the rest
+spooled. Give the process that long (the manifests' terminationGracePeriodSeconds).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import sys
 import time
@@ -115,6 +124,20 @@ async def follow_rotation(fleet: Fleet, store: Store, every_s: float) -> None:
                 log.info("servers out of rotation: %s", ", ".join(sorted(fleet.out)) or "none")
             failing = False
         await asyncio.sleep(every_s)
+
+
+async def finish_captures(tasks: set[asyncio.Task[None]], grace_s: float) -> int:
+    """Wait up to `grace_s` for the capture tasks still running (streams' captures, `Gateway.tasks`)
+    so their events reach the publisher before it closes; cancel the rest. Returns how many were
+    cancelled (logged: their events are lost)."""
+    if not tasks:
+        return 0
+    _, pending = await asyncio.wait(set(tasks), timeout=grace_s)
+    for task in pending:
+        task.cancel()
+    if pending:
+        log.error("shutdown: %d captures still running after %gs were cancelled", len(pending), grace_s)
+    return len(pending)
 
 
 async def verify_announcements(fleet: Fleet, metrics: GatewayMetrics) -> None:
@@ -203,13 +226,14 @@ def _lifespan(
             metrics.in_rotation.set_function(lambda: len(fleet.in_rotation))
             rotation = asyncio.create_task(follow_rotation(fleet, store, settings.gateway.rotation_refresh_s))
             verifier = asyncio.create_task(verify_announcements(fleet, metrics))
-            app.state.gateway = gateway(fleet, publisher, keys)
+            app.state.gateway = gw_state = gateway(fleet, publisher, keys)
             try:
                 yield
             finally:
                 rotation.cancel()
                 verifier.cancel()
-                publisher.close()
+                await finish_captures(gw_state.tasks, gw.shutdown_grace_s)
+                await asyncio.to_thread(publisher.close)  # joins threads, fsyncs: off the event loop
                 if keys is not None:
                     keys.close()
                 store.close()
@@ -291,6 +315,8 @@ def run(settings: Settings) -> None:
         port=settings.gateway.port,
         log_level="info",
         access_log=settings.gateway.access_log,
+        # SIGTERM: stop accepting, let requests in flight (and their captures) finish for this long.
+        timeout_graceful_shutdown=math.ceil(settings.gateway.shutdown_grace_s),
     )
     gw = settings.gateway
     sock = listening_socket(config, gw.socket_send_buffer_bytes, gw.client_stall_timeout_s)

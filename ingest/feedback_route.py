@@ -1,7 +1,13 @@
 """``POST /v1/feedback``: one feedback object or a list of them (`ingest.intake`).
 
-202 ``{"event_ids": [...]}`` once queued for ``settings.kafka.feedback_topic``: the ids the events
-are stored under, in the order sent. A client's ``event_id`` is its tenant's idempotency key, so
+202 ``{"event_ids": [...]}`` once every event is durable: acknowledged by Kafka on
+``settings.kafka.feedback_topic``, or fsynced in the gateway's spool (`Publisher.publish_confirmed`;
+awaited on the event loop, never blocking it). When that does not happen within
+`Publisher.confirm_within_s` (publish_timeout_s + 1.25 s), or an event went to the overflow file
+or nowhere (spool full), the answer is 503 with ``Retry-After`` and the reason in one line: the
+client retries with the same ``event_id``s, and the events that did land are deduplicated
+downstream (docs/security.md, Accepted means durable). The ids are those the events are stored
+under, in the order sent. A client's ``event_id`` is its tenant's idempotency key, so
 the id returned for it is `intake.scoped_event_id` of (tenant, key), not the key itself; the same
 key sent again by the same tenant gets the same id (and is deduplicated downstream). Items without
 a key get fresh ids. 403/404 for another tenant's requests, 422 with the reason on bad input.
@@ -15,7 +21,9 @@ waits its turn there while the loop serves everyone else.
 
 from __future__ import annotations
 
+import asyncio
 import math
+from concurrent.futures import Future
 
 import anyio.to_thread
 from starlette.requests import Request
@@ -23,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from ingest import intake
 from ingest.gateway import Gateway
+from ingest.responses import error
 from schemas.clock import utcnow
 from schemas.events import FeedbackEvent
 
@@ -68,9 +77,38 @@ async def _feedback(gw: Gateway, request: Request, tenant: str) -> Response:
     if isinstance(admitted, Response):
         return admitted
     topic = gw.settings.kafka.feedback_topic
-    for event, value in admitted:
-        gw.publisher.publish(topic, event.request_id, value, event.schema_version, event.event_id)
+    confirmations = [
+        gw.publisher.publish_confirmed(topic, event.request_id, value, event.schema_version, event.event_id)
+        for event, value in admitted
+    ]
+    problem = await not_durable(confirmations, gw.publisher.confirm_within_s)
+    if problem is not None:
+        retry_s = max(1, math.ceil(gw.settings.gateway.publish_timeout_s))
+        return error(
+            503,
+            f"feedback not stored: {problem}; retry with the same event_id values",
+            headers={"Retry-After": str(retry_s)},
+        )
     return JSONResponse({"event_ids": [event.event_id for event, _ in admitted]}, status_code=202)
+
+
+async def not_durable(confirmations: list[Future[str]], timeout_s: float) -> str | None:
+    """None once every confirmation says its event is on Kafka or in the spool; else why not (the
+    first failure's reason, or the timeout). Waits on the event loop without blocking it."""
+    if all(c.done() and c.exception() is None for c in confirmations):
+        return None
+    waiting = [asyncio.wrap_future(c) for c in confirmations]
+    _, pending = await asyncio.wait(waiting, timeout=timeout_s)
+    for future in pending:
+        future.cancel()  # stop waiting here; the event still settles in the publisher
+    failures = [str(f.exception()) for f in waiting if not f.cancelled() and f.exception() is not None]
+    if failures:
+        return failures[0]
+    if pending:
+        return (
+            f"{len(pending)} of {len(waiting)} events were not on Kafka or in the spool within {timeout_s:g}s"
+        )
+    return None
 
 
 def _admit(gw: Gateway, raw: bytes, tenant: str) -> Admitted | Response:

@@ -33,6 +33,9 @@ class GatewayMetrics:
     redacted: Counter
     publish: Counter
     spool_bytes: Gauge
+    spool_max_bytes: Gauge
+    overflow_bytes: Gauge
+    overflow_max_bytes: Gauge
     kafka_connected: Gauge
     oldest_in_flight: Gauge
     producer_replaced: Counter
@@ -178,14 +181,31 @@ class GatewayMetrics:
             "rtrl_gateway_publish_total",
             "Events by publish outcome: ok (acked by Kafka), spooled, replayed (acked from the spool), "
             "overflow (spool full, written to overflow.jsonl), undeliverable (too large for Kafka, written to "
-            "overflow.jsonl), dead_letter (not a valid event, sent to the dead-letter topic), lost (the disk refused both "
-            "the spool and the overflow file; each is logged as LOST).",
+            "overflow.jsonl), dead_letter (not a valid event, sent to the dead-letter topic), dropped (the overflow file "
+            "was full too, or both publish queues; each is logged as DROPPED), lost (the disk refused both the spool and "
+            "the overflow file; each is logged as LOST). A feedback event that ends in neither ok nor spooled is "
+            "answered 503, not 202.",
             ["topic", "outcome"],
             registry=self.registry,
         )
         self.spool_bytes = Gauge(
             "rtrl_gateway_spool_bytes",
             "Bytes of events waiting in the on-disk spool.",
+            registry=self.registry,
+        )
+        self.spool_max_bytes = Gauge(
+            "rtrl_gateway_spool_max_bytes",
+            "The spool's bound (gateway.spool_max_bytes); past it events go to overflow.jsonl.",
+            registry=self.registry,
+        )
+        self.overflow_bytes = Gauge(
+            "rtrl_gateway_overflow_bytes",
+            "Bytes of the overflow file (spool_dir/overflow.jsonl): dead letters waiting to be requeued by hand.",
+            registry=self.registry,
+        )
+        self.overflow_max_bytes = Gauge(
+            "rtrl_gateway_overflow_max_bytes",
+            "The overflow file's bound (gateway.overflow_max_bytes); past it events are dropped, counted and logged.",
             registry=self.registry,
         )
         self.kafka_connected = Gauge(

@@ -1,7 +1,10 @@
 """Background Kafka publishing for the gateway, with the on-disk spool as the fallback.
 
-`Publisher.publish` never blocks and never raises: it puts the record on a bounded in-memory queue
-and returns. A sender thread hands records to a `streams.Producer` (a kafka-python producer, acks=all,
+`Publisher.publish` never blocks, never raises and never touches the disk: it puts the record on a
+bounded in-memory queue and returns. `Publisher.publish_confirmed` does the same and returns a
+future that resolves once the record is durable, acknowledged by Kafka or fsynced in the spool (or
+fails with `NotDurable` and the reason): the feedback route answers 202 only then
+(docs/security.md, Accepted means durable). A sender thread hands records to a `streams.Producer` (a kafka-python producer, acks=all,
 a linger of `LINGER_MS`; not idempotent, see `_new_producer`). Every accepted record ends in one of three places:
 
 * **Kafka**, acknowledged;
@@ -10,7 +13,16 @@ a linger of `LINGER_MS`; not idempotent, see `_new_producer`). Every accepted re
   in-flight bound is reached;
 * **the overflow file** (``spool_dir/overflow.jsonl``, a dead letter with the reason): when Kafka
   will never take it as it is (over ``kafka.max_message_bytes``, or refused by the broker as too
-  large), or when the spool is full.
+  large), or when the spool is full;
+* **nowhere, counted and logged** (outcome ``dropped``, or ``lost`` when the disk fails): when the
+  overflow file is full too (``overflow_max_bytes``), or when both in-memory queues are full.
+  A confirmed record (feedback) that ends here fails its future, so its client gets a 503 and
+  retries: only fire-and-forget records (captures) can be lost, and never silently.
+
+Disk writes never run on the event loop. What `publish` cannot queue (the queue is full, the record
+is too large for Kafka) goes to a second bounded queue that a disk thread writes, as does what the
+sender spools while there is no producer; the disk thread writes whatever has gathered with one
+fsync (`Spool.append_many`), so the spool keeps up with an outage at any request rate.
 
 Nothing depends on the producer keeping its promises. A watchdog thread gives every record handed
 to the producer a deadline of ``publish_timeout_s`` + `WATCHDOG_GRACE_S`; a record still unsettled
@@ -42,6 +54,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import streams
@@ -51,7 +64,8 @@ from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 
-QUEUE_SIZE = 10_000  # records waiting for the sender thread
+QUEUE_SIZE = 10_000  # records waiting for the sender thread (and, apart, for the disk thread)
+DISK_BATCH = 1_000  # records the disk thread writes with one fsync at most
 MAX_IN_FLIGHT = 20_000  # records handed to the producer and not yet settled
 # Records wait up to this long to share a produce request. Nobody waits for a capture event, and
 # one request per record cost the gateway about 0.6 ms of CPU per generation more than batching
@@ -61,6 +75,17 @@ WATCHDOG_GRACE_S = 1.0  # the producer's own delivery timeout fires first; the w
 WATCHDOG_TICK_S = 0.25
 RETIRE_AFTER_FAILED_REPLAYS = 2
 RECORD_OVERHEAD_BYTES = 512  # record and batch headers around key + value + schema header
+
+
+class NotDurable(Exception):
+    """A confirmed record is neither on Kafka nor in the spool (the message says why and where it is)."""
+
+
+@dataclass(frozen=True)
+class _ToDisk:
+    record: SpoolRecord
+    reason: str
+    undeliverable: bool  # a dead letter (Kafka will never take it), not a spool append
 
 
 @dataclass
@@ -85,10 +110,19 @@ class Publisher:
         self._timeout_s = settings.gateway.publish_timeout_s
         self._metrics = metrics
         self._replay_interval_s = replay_interval_s
-        self.spool = Spool(settings.gateway.spool_dir, settings.gateway.spool_max_bytes)
+        gateway = settings.gateway
+        self.spool = Spool(
+            gateway.spool_dir, gateway.spool_max_bytes, overflow_max_bytes=gateway.overflow_max_bytes
+        )
         metrics.spool_bytes.set_function(lambda: self.spool.size_bytes)
+        metrics.overflow_bytes.set_function(lambda: self.spool.overflow_bytes)
+        metrics.spool_max_bytes.set(gateway.spool_max_bytes)
+        metrics.overflow_max_bytes.set(gateway.overflow_max_bytes)
         metrics.oldest_in_flight.set_function(lambda: self.in_flight_age_s)
         self._queue: queue.Queue[SpoolRecord | None] = queue.Queue(maxsize=QUEUE_SIZE)
+        self._disk: queue.Queue[_ToDisk | None] = queue.Queue(maxsize=QUEUE_SIZE)
+        self._waiters: dict[int, Future[str]] = {}  # id(record) -> its confirmation
+        self._waiters_lock = threading.Lock()
         self._producer: streams.Producer | None = None
         self._producer_lock = threading.Lock()
         self._failed_replays = 0
@@ -102,6 +136,7 @@ class Publisher:
             threading.Thread(target=self._send_loop, name="rtrl-publisher-send", daemon=True),
             threading.Thread(target=self._replay_loop, name="rtrl-publisher-replay", daemon=True),
             threading.Thread(target=self._watchdog_loop, name="rtrl-publisher-watchdog", daemon=True),
+            threading.Thread(target=self._disk_loop, name="rtrl-publisher-disk", daemon=True),
         ]
 
     # ---- API ----------------------------------------------------------------------------------
@@ -126,23 +161,57 @@ class Publisher:
             oldest = next(iter(self._in_flight.values()), None)
         return 0.0 if oldest is None else time.monotonic() - oldest.sent_at
 
+    @property
+    def confirm_within_s(self) -> float:
+        """The longest a record waits for its fate once the sender took it: Kafka's acknowledgement
+        within publish_timeout_s, else the watchdog spools it by its next tick after the grace."""
+        return self._timeout_s + WATCHDOG_GRACE_S + WATCHDOG_TICK_S
+
     def publish(self, topic: str, key: str, value: str, schema: str, event_id: str | None = None) -> None:
-        """Queue one record for Kafka. Never blocks on the broker; never drops the record."""
+        """Queue one record for Kafka. Never blocks on the broker or the disk; never drops the
+        record silently (outcome ``dropped`` or ``lost``, logged, when nowhere can take it)."""
+        self._accept(SpoolRecord(topic=topic, key=key, value=value, schema=schema, event_id=event_id))
+
+    def publish_confirmed(
+        self, topic: str, key: str, value: str, schema: str, event_id: str | None = None
+    ) -> Future[str]:
+        """`publish`, and a future of the record's durability: its result is ``kafka`` (acknowledged)
+        or ``spooled`` (fsynced in the spool); it fails with `NotDurable` when the record went to
+        the overflow file or nowhere. Await it with ``asyncio.wrap_future`` (never blocks the loop)."""
         record = SpoolRecord(topic=topic, key=key, value=value, schema=schema, event_id=event_id)
-        size = len(key.encode()) + len(value.encode()) + len(schema) + RECORD_OVERHEAD_BYTES
+        confirmed: Future[str] = Future()
+        confirmed.set_running_or_notify_cancel()  # a waiter that gives up cannot cancel it under us
+        with self._waiters_lock:
+            self._waiters[id(record)] = confirmed
+        self._accept(record)
+        return confirmed
+
+    def _accept(self, record: SpoolRecord) -> None:
+        size = len(record.key.encode()) + len(record.value.encode()) + len(record.schema)
+        size += RECORD_OVERHEAD_BYTES
         if size > self._kafka.max_message_bytes:
-            self._undeliverable(
-                record,
-                f"record of about {size} bytes is over kafka.max_message_bytes {self._kafka.max_message_bytes}",
-            )
+            limit = self._kafka.max_message_bytes
+            reason = f"record of about {size} bytes is over kafka.max_message_bytes {limit}"
+            self._to_disk(_ToDisk(record, reason, undeliverable=True))
             return
-        if self._closed:
+        if self._closed:  # the threads are gone: write it here (only a request racing shutdown)
             self._spool(record, "publisher closed")
             return
         try:
             self._queue.put_nowait(record)
         except queue.Full:
-            self._spool(record, f"publish queue full ({QUEUE_SIZE} records)")
+            self._to_disk(_ToDisk(record, f"publish queue full ({QUEUE_SIZE} records)", undeliverable=False))
+
+    def _resolve(self, record: SpoolRecord, where: str | None, reason: str = "") -> None:
+        """Settle the confirmation of `record`, if it has one: durable `where`, or not (`reason`)."""
+        with self._waiters_lock:
+            confirmed = self._waiters.pop(id(record), None)
+        if confirmed is None:
+            return
+        if where is not None:
+            confirmed.set_result(where)
+        else:
+            confirmed.set_exception(NotDurable(reason))
 
     def close(self, timeout_s: float | None = None) -> None:
         """Stop the threads; flush what the broker takes in `timeout_s`, spool the rest."""
@@ -156,6 +225,10 @@ class Publisher:
             pass
         self._threads[0].join(timeout=timeout_s + 5)
         self._stop.set()
+        try:  # the disk thread writes everything handed to it before, then exits
+            self._disk.put(None, timeout=timeout_s)
+        except queue.Full:
+            pass
         for thread in self._threads[1:]:
             thread.join(timeout=timeout_s + 5)
         while True:  # what a stuck or dead sender left queued
@@ -165,6 +238,7 @@ class Publisher:
                 break
             if record is not None:
                 self._spool(record, "queued at shutdown")
+        self._write(self._drain_disk()[0])  # what a stuck or dead disk thread left
         with self._producer_lock:
             producer, self._producer = self._producer, None
         if producer is not None:
@@ -207,8 +281,10 @@ class Publisher:
 
     def _send(self, record: SpoolRecord) -> None:
         producer = self._producer
-        if producer is None:
-            self._spool(record, "no connection to the Kafka broker")
+        if producer is None:  # the disk thread spools it, in a batch with the others waiting
+            self._to_disk(
+                _ToDisk(record, "no connection to the Kafka broker", undeliverable=False), block=True
+            )
             return
         with self._in_flight_lock:
             if len(self._in_flight) >= MAX_IN_FLIGHT:
@@ -256,6 +332,7 @@ class Publisher:
         record = self._settle(ticket)
         if record is not None:
             self._metrics.publish.labels(record.topic, "ok").inc()
+            self._resolve(record, "kafka")
 
     def _on_error(self, ticket: int, exc: BaseException) -> None:
         record = self._settle(ticket)
@@ -266,52 +343,93 @@ class Publisher:
         else:
             self._spool(record, f"kafka did not acknowledge: {exc!r}")
 
-    def _spool(self, record: SpoolRecord, reason: str) -> None:
+    # ---- the disk ---------------------------------------------------------------------------------
+
+    def _to_disk(self, item: _ToDisk, block: bool = False) -> None:
+        """Hand `item` to the disk thread. The event loop's callers never wait: when that queue is
+        full too, the record is dropped, counted and logged (its confirmation fails)."""
         try:
-            appended = self.spool.append(record)
+            self._disk.put(item, block=block)
+        except queue.Full:
+            reason = f"{item.reason}; and the disk queue is full ({QUEUE_SIZE} records)"
+            self._fate(item.record, "dropped", reason, f"the gateway is overloaded: {reason}")
+
+    def _disk_loop(self) -> None:
+        stop = False
+        while not stop:
+            first = self._disk.get()
+            items, stop = self._drain_disk(DISK_BATCH - 1) if first is not None else ([], True)
+            try:
+                self._write([first, *items] if first is not None else items)
+            except Exception:  # noqa: BLE001 - this thread must outlive any one batch
+                log.exception("the publisher's disk thread failed on a batch")
+
+    def _drain_disk(self, most: int = QUEUE_SIZE) -> tuple[list[_ToDisk], bool]:
+        """Up to `most` items waiting for the disk thread, and whether close() asked it to stop."""
+        items: list[_ToDisk] = []
+        while len(items) < most:
+            try:
+                item = self._disk.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                return items, True
+            items.append(item)
+        return items, False
+
+    def _write(self, items: list[_ToDisk]) -> None:
+        spool = [(item.record, item.reason) for item in items if not item.undeliverable]
+        if spool:
+            self._spool_many(spool)
+        for item in items:
+            if item.undeliverable:
+                self._undeliverable(item.record, item.reason)
+
+    def _spool(self, record: SpoolRecord, reason: str) -> None:
+        self._spool_many([(record, reason)])
+
+    def _spool_many(self, batch: list[tuple[SpoolRecord, str]]) -> None:
+        """Spool every record of `batch` (with why), fsynced once; settle their confirmations."""
+        try:
+            outcomes = self.spool.append_many([record for record, _ in batch])
         except OSError as exc:  # the disk is full or gone: nothing left to put it on; say so loudly
-            log.error(
-                "LOST %s record %s: spooling it failed (%r) after: %s",
-                record.topic,
-                record.event_id,
-                exc,
-                reason,
-            )
-            self._metrics.publish.labels(record.topic, "lost").inc()
+            for record, reason in batch:
+                why = f"spooling it failed ({exc!r}) after: {reason}"
+                self._fate(record, "lost", why, f"the gateway could not write its spool: {exc!r}")
             return
-        if appended:
-            log.info("spooled %s record %s: %s", record.topic, record.event_id, reason)
-            self._metrics.publish.labels(record.topic, "spooled").inc()
-        else:
-            log.error(
-                "spool full: %s record %s written to %s",
-                record.topic,
-                record.event_id,
-                self.spool.overflow_path,
-            )
-            self._metrics.publish.labels(record.topic, "overflow").inc()
+        for (record, reason), outcome in zip(batch, outcomes, strict=True):
+            if outcome == "spooled":
+                self._metrics.publish.labels(record.topic, outcome).inc()
+                log.info("spooled %s record %s: %s", record.topic, record.event_id, reason)
+                self._resolve(record, "spooled")
+            elif outcome == "overflow":
+                why = f"spool full, written to {self.spool.overflow_path} after: {reason}"
+                self._fate(record, outcome, why, "the gateway's spool is full (Kafka is unreachable)")
+            else:
+                why = f"spool and overflow file (overflow_max_bytes {self.spool.overflow_max_bytes}) full after: {reason}"
+                self._fate(record, outcome, why, "the gateway's spool and overflow file are full")
 
     def _undeliverable(self, record: SpoolRecord, reason: str) -> None:
+        never = f"kafka will never take this record: {reason}"
         try:
-            self.spool.dead_letter(record, reason)
+            written = self.spool.dead_letter(record, reason)
         except OSError as exc:
-            log.error(
-                "LOST %s record %s: dead-lettering it failed (%r) after: %s",
-                record.topic,
-                record.event_id,
-                exc,
-                reason,
-            )
-            self._metrics.publish.labels(record.topic, "lost").inc()
+            self._fate(record, "lost", f"dead-lettering it failed ({exc!r}) after: {reason}", never)
             return
-        log.error(
-            "%s record %s dead-lettered to %s: %s",
-            record.topic,
-            record.event_id,
-            self.spool.overflow_path,
-            reason,
-        )
-        self._metrics.publish.labels(record.topic, "undeliverable").inc()
+        if written:
+            self._fate(
+                record, "undeliverable", f"dead-lettered to {self.spool.overflow_path}: {reason}", never
+            )
+        else:
+            self._fate(record, "dropped", f"overflow file full after: {reason}", never)
+
+    def _fate(self, record: SpoolRecord, outcome: str, why: str, told: str) -> None:
+        """A record that is neither on Kafka nor in the spool: logged (LOST/DROPPED loudly), counted
+        by `outcome`, and its confirmation failed with `told` (what a client may read)."""
+        self._metrics.publish.labels(record.topic, outcome).inc()
+        word = outcome.upper() if outcome in ("lost", "dropped") else outcome
+        log.error("%s %s record %s: %s", word, record.topic, record.event_id, why)
+        self._resolve(record, None, told)
 
     # ---- the watchdog -------------------------------------------------------------------------
 
@@ -451,7 +569,9 @@ class Publisher:
                 log.warning("replay of %s incomplete: %s; retrying later", path.name, problem)
                 return False
             self._failed_replays = 0
-            self.spool.remove(segment, undeliverable)
+            dropped = self.spool.remove(segment, undeliverable)
+            if dropped:
+                log.error("DROPPED %d dead letters of %s: overflow file full", dropped, path.name)
             refused = {id(r) for r, _ in undeliverable}
             for record in segment.records:
                 outcome = "undeliverable" if id(record) in refused else "replayed"

@@ -12,11 +12,14 @@ When Kafka is down or slow the gateway still answers users; their events wait he
 - ``overflow.jsonl``: dead letters (`schemas.DeadLetterRecord` JSON, one per line) for records the
   spool refused because it was full (``spool_max_bytes``), for lines the replayer could not read
   (a crash mid-write) and for records Kafka will never take (over the message size limit). Nothing
-  is dropped silently; the runbook (docs/runbooks/gateway.md) says how to requeue them.
+  is dropped silently; the runbook (docs/runbooks/gateway.md) says how to requeue them. The
+  overflow file is bounded too (``overflow_max_bytes``): past it a record is refused (`append`
+  says ``dropped``, `dead_letter` returns False) and the publisher counts and logs it with the
+  reason; a feedback request waiting for it is answered 503 (docs/security.md, Accepted means durable).
 
-fsync policy: every append is written, flushed and fsynced before `append` returns. Appends run
-only on the publisher's background threads, never on the request path, and they only happen while
-the broker is failing, so the cost of durability is paid when it matters and never by a user.
+fsync policy: every append is written, flushed and fsynced before `append` returns
+(`append_many`: one fsync for the batch, before it returns). Appends run only on the publisher's
+background threads, never on the event loop (docs/security.md, Accepted means durable).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Literal
 
 from schemas.events import DeadLetterRecord
 
@@ -36,6 +39,8 @@ SEGMENT_SUFFIX = ".jsonl"
 OVERFLOW_FILE = "overflow.jsonl"
 MIN_SEGMENT_BYTES = 64 * 1024
 MAX_SEGMENT_BYTES = 8 * 1024 * 1024
+
+Appended = Literal["spooled", "overflow", "dropped"]  # in a segment / in overflow.jsonl / nowhere
 
 
 @dataclass(frozen=True)
@@ -73,17 +78,27 @@ class Segment:
 
 
 class Spool:
-    """Thread-safe bounded spool in `directory`. Past `max_bytes`, appends go to the overflow file."""
+    """Thread-safe bounded spool in `directory`. Past `max_bytes`, appends go to the overflow file;
+    past `overflow_max_bytes` of that file, they are refused."""
 
-    def __init__(self, directory: Path, max_bytes: int, segment_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        max_bytes: int,
+        segment_bytes: int | None = None,
+        overflow_max_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
         self.directory = directory
         self.max_bytes = max_bytes
+        self.overflow_max_bytes = overflow_max_bytes
         self.segment_bytes = segment_bytes or min(MAX_SEGMENT_BYTES, max(MIN_SEGMENT_BYTES, max_bytes // 8))
         directory.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         existing = self._segment_paths()
         self._next_seq = (self._seq(existing[-1]) + 1) if existing else 1
         self._bytes = sum(p.stat().st_size for p in existing)
+        overflow = self.overflow_path
+        self._overflow_bytes = overflow.stat().st_size if overflow.exists() else 0
         self._active: IO[bytes] | None = None
         self._active_path: Path | None = None
         self._active_size = 0
@@ -112,32 +127,52 @@ class Spool:
         with self._lock:
             return self._bytes
 
+    @property
+    def overflow_bytes(self) -> int:
+        """Bytes of the overflow file (what `overflow_max_bytes` bounds)."""
+        with self._lock:
+            return self._overflow_bytes
+
     def empty(self) -> bool:
         with self._lock:
             return not self._segment_paths()
 
     # -- writing --
 
-    def append(self, record: SpoolRecord) -> bool:
-        """Durably spool `record`; False when the spool is full and it went to the overflow file."""
-        line = record.to_line()
+    def append(self, record: SpoolRecord) -> Appended:
+        """Durably spool `record`: ``spooled``; ``overflow`` when the spool is full and it went to
+        the overflow file; ``dropped`` when that is full too (written nowhere)."""
+        return self.append_many([record])[0]
+
+    def append_many(self, records: Sequence[SpoolRecord]) -> list[Appended]:
+        """`append` for each record, with one fsync for the whole batch (a group commit): what the
+        spool can take during an outage is not bounded by the disk's fsyncs per second."""
+        outcomes: list[Appended] = []
         with self._lock:
-            if self._bytes + len(line) > self.max_bytes:
-                self._dead_letter_locked(
-                    line,
-                    f"spool full: {self._bytes} + {len(line)} bytes > spool_max_bytes {self.max_bytes}",
-                    record.event_id,
-                )
-                return False
-            if self._active is None or self._active_size + len(line) > self.segment_bytes:
-                self._open_next_locked()
-            assert self._active is not None
-            self._active.write(line)
+            for record in records:
+                line = record.to_line()
+                if self._bytes + len(line) > self.max_bytes:
+                    reason = (
+                        f"spool full: {self._bytes} + {len(line)} bytes > spool_max_bytes {self.max_bytes}"
+                    )
+                    written = self._dead_letter_locked(line, reason, record.event_id)
+                    outcomes.append("overflow" if written else "dropped")
+                    continue
+                if self._active is None or self._active_size + len(line) > self.segment_bytes:
+                    self._sync_active_locked()
+                    self._open_next_locked()
+                assert self._active is not None
+                self._active.write(line)
+                self._active_size += len(line)
+                self._bytes += len(line)
+                outcomes.append("spooled")
+            self._sync_active_locked()
+        return outcomes
+
+    def _sync_active_locked(self) -> None:
+        if self._active is not None:
             self._active.flush()
             os.fsync(self._active.fileno())
-            self._active_size += len(line)
-            self._bytes += len(line)
-            return True
 
     def _open_next_locked(self) -> None:
         self._close_active_locked()
@@ -155,17 +190,24 @@ class Spool:
         self._active_path = None
         self._active_size = 0
 
-    def _dead_letter_locked(self, payload: bytes, reason: str, event_id: str | None) -> None:
+    def _dead_letter_locked(self, payload: bytes, reason: str, event_id: str | None) -> bool:
+        """Append a dead letter to the overflow file; False (nothing written) when that would take
+        the file past `overflow_max_bytes`."""
         record = DeadLetterRecord(
             source="gateway.spool",
             original_event_id=event_id,
             reason=reason,
             payload=payload.decode("utf-8", errors="replace").rstrip("\n"),
         )
+        line = record.model_dump_json().encode() + b"\n"
+        if self._overflow_bytes + len(line) > self.overflow_max_bytes:
+            return False
         with open(self.overflow_path, "ab") as out:
-            out.write(record.model_dump_json().encode() + b"\n")
+            out.write(line)
             out.flush()
             os.fsync(out.fileno())
+        self._overflow_bytes += len(line)
+        return True
 
     # -- replaying --
 
@@ -197,23 +239,27 @@ class Spool:
             )
         return Segment(path=path, records=records, bad_lines=bad)
 
-    def dead_letter(self, record: SpoolRecord, reason: str) -> None:
-        """Write `record` to the overflow file with `reason`: Kafka will never take it as it is."""
+    def dead_letter(self, record: SpoolRecord, reason: str) -> bool:
+        """Write `record` to the overflow file with `reason`: Kafka will never take it as it is.
+        False when the overflow file is full (nothing written)."""
         with self._lock:
-            self._dead_letter_locked(record.to_line(), reason, record.event_id)
+            return self._dead_letter_locked(record.to_line(), reason, record.event_id)
 
-    def remove(self, segment: Segment, undeliverable: Sequence[tuple[SpoolRecord, str]] = ()) -> None:
+    def remove(self, segment: Segment, undeliverable: Sequence[tuple[SpoolRecord, str]] = ()) -> int:
         """Delete a replayed segment, dead-lettering the lines that could not be read and the
-        `undeliverable` records (with their reasons) that Kafka refused for good."""
+        `undeliverable` records (with their reasons) that Kafka refused for good. Returns how many
+        of those the full overflow file refused (the caller logs and counts them)."""
+        dropped = 0
         with self._lock:
             for line, reason in segment.bad_lines:
-                self._dead_letter_locked(line, reason, None)
+                dropped += not self._dead_letter_locked(line, reason, None)
             for record, reason in undeliverable:
-                self._dead_letter_locked(record.to_line(), reason, record.event_id)
+                dropped += not self._dead_letter_locked(record.to_line(), reason, record.event_id)
             size = segment.path.stat().st_size
             segment.path.unlink()
             _fsync_dir(self.directory)
             self._bytes = max(0, self._bytes - size)
+        return dropped
 
     def close(self) -> None:
         with self._lock:

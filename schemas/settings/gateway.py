@@ -55,13 +55,29 @@ class GatewaySettings(Section):
     )
     spool_max_bytes: int = Field(
         256 * 1024 * 1024,
-        description="Spool bound; past it new records go to the overflow file (spool_dir/overflow.jsonl).",
+        description="Spool bound; past it new records go to the overflow file (spool_dir/overflow.jsonl), "
+        "and feedback is answered 503 (alert RtrlGatewaySpoolFilling past 80%).",
+    )
+    overflow_max_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=0,
+        description="Bound of the overflow file (spool_dir/overflow.jsonl, dead letters to requeue by hand); past "
+        "it records are dropped, each logged as DROPPED with its reason and counted "
+        '(rtrl_gateway_publish_total{outcome="dropped"}).',
+    )
+    shutdown_grace_s: float = Field(
+        10.0,
+        ge=0,
+        le=300,
+        description="On SIGTERM, how long the gateway waits for requests in flight and their captures to finish "
+        "before it flushes its publisher (what Kafka does not take then is spooled) and exits.",
     )
     publish_timeout_s: float = Field(
         5.0,
         gt=0,
         description="How long an event may wait for Kafka's acknowledgement before it is spooled to disk "
-        "(a producer that does not settle its events within this plus 1 s is replaced).",
+        "(a producer that does not settle its events within this plus 1 s is replaced). A feedback request "
+        "waits this plus 1.25 s for its events to be on Kafka or in the spool, else it is answered 503.",
     )
     auth: Literal["keys", "open"] = Field(
         "keys",

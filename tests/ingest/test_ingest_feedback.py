@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from ingest import intake
 from ingest.app import create_app
 from ingest.auth import EventRate, RequestIds, request_id_secret
 from ingest.feedback_route import INLINE_VALUES
+from schemas.clock import wait_until
 from schemas.events import Id, new_id
 from schemas.settings import GatewaySettings, ServicesSettings, Settings, StoreSettings, VllmSettings
 from store import Store
@@ -69,11 +72,14 @@ def gateway(store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> It
     with TestClient(create_app(settings, connect=lambda: None), raise_server_exceptions=True) as client:
         gw = Gateway(client, keys, tmp_path / "run")
         publisher = client.app.state.gateway.publisher  # type: ignore[attr-defined]
-        monkeypatch.setattr(
-            publisher,
-            "publish",
-            lambda topic, key, value, schema, event_id: gw.published.append(json.loads(value)),
-        )
+
+        def confirmed(topic: str, key: str, value: str, schema: str, event_id: str) -> Future[str]:
+            gw.published.append(json.loads(value))
+            on_kafka: Future[str] = Future()
+            on_kafka.set_result("kafka")
+            return on_kafka
+
+        monkeypatch.setattr(publisher, "publish_confirmed", confirmed)
         parse = intake.parse
 
         def spied(raw: bytes) -> list[intake.FeedbackIn] | intake.Invalid:
@@ -187,3 +193,101 @@ def test_scoped_event_ids_are_ids_of_their_own_kind() -> None:
     assert TypeAdapter(Id).validate_python(scoped("acme", "x" * 200)) == scoped("acme", "x" * 200)
     assert len(scoped("acme", "k")) == len(new_id()) == 32
     assert uuid.UUID(scoped("acme", "k")).version == 5 != uuid.UUID(new_id()).version
+
+
+# ---- Accepted means durable (docs/security.md) ---------------------------------------------------
+
+
+def durable_app(store: Store, tmp_path: Path, **gateway: Any) -> tuple[TestClient, dict[str, str]]:
+    """The whole application with its real publisher and no broker: feedback can only be spooled."""
+    keys = {"acme": store.create_api_key(role="tenant", tenant="acme", name="app")[1]}
+    settings = Settings(
+        store=StoreSettings(url=f"sqlite:///{tmp_path}/rtrl.db"),
+        gateway=GatewaySettings(spool_dir=tmp_path / "spool", auth="keys", rate_limit_per_s=0, **gateway),
+        services=ServicesSettings(run_dir=tmp_path / "run"),
+        vllm=VllmSettings(sampling_defaults={}),
+    )
+    return TestClient(create_app(settings, connect=lambda: None)), keys
+
+
+def send_feedback(client: TestClient, key: str, run_dir: Path, event_id: str = "k-1") -> Any:
+    rid = RequestIds(request_id_secret(None, run_dir)).new("acme")
+    body = {"request_id": rid, "kind": "accepted", "event_id": event_id}
+    return client.post("/v1/feedback", json=body, headers={"authorization": f"Bearer {key}"})
+
+
+def test_feedback_is_answered_202_only_once_it_is_in_the_spool(store: Store, tmp_path: Path) -> None:
+    client, keys = durable_app(store, tmp_path)
+    with client:
+        publisher = client.app.state.gateway.publisher  # type: ignore[attr-defined]
+        response = send_feedback(client, keys["acme"], tmp_path / "run")
+        assert response.status_code == 202, response.text
+        spooled = [r for p in publisher.spool.sealed_segments() for r in publisher.spool.read(p).records]
+        assert [r.event_id for r in spooled] == response.json()["event_ids"]  # on disk before the 202
+
+
+def test_feedback_the_spool_cannot_take_is_answered_503(store: Store, tmp_path: Path) -> None:
+    client, keys = durable_app(store, tmp_path, spool_max_bytes=10, overflow_max_bytes=0)
+    with client:
+        response = send_feedback(client, keys["acme"], tmp_path / "run")
+    assert response.status_code == 503 and response.headers["retry-after"] == "5"
+    message = response.json()["error"]["message"]
+    assert message == (
+        "feedback not stored: the gateway's spool and overflow file are full; "
+        "retry with the same event_id values"
+    )
+
+
+def test_feedback_waits_for_durability_without_holding_the_event_loop(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While one feedback request waits for its event to be acknowledged, the gateway answers
+    others; a confirmation that never comes is a 503 after `confirm_within_s`."""
+    client, keys = durable_app(store, tmp_path, publish_timeout_s=0.5)
+    pending: list[Future[str]] = []
+
+    def never_yet(topic: str, key: str, value: str, schema: str, event_id: str) -> Future[str]:
+        pending.append(Future())
+        return pending[-1]
+
+    with client:
+        monkeypatch.setattr(client.app.state.gateway.publisher, "publish_confirmed", never_yet)  # type: ignore[attr-defined]
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            waiting = pool.submit(send_feedback, client, keys["acme"], tmp_path / "run")
+            wait_until(lambda: bool(pending), timeout_s=10, what="the feedback request waiting")
+            assert client.get("/healthz").status_code == 200  # the loop is free meanwhile
+            pending[0].set_result("kafka")
+            assert waiting.result(timeout=10).status_code == 202
+        started = time.monotonic()
+        timed_out = send_feedback(client, keys["acme"], tmp_path / "run", event_id="k-2")
+        waited = time.monotonic() - started
+    assert timed_out.status_code == 503 and timed_out.headers["retry-after"] == "1"
+    assert (
+        "1 of 1 events were not on Kafka or in the spool within 1.75s" in timed_out.json()["error"]["message"]
+    )
+    assert 1.75 <= waited < 5
+
+
+def test_shutdown_awaits_captures_then_flushes_the_publisher(store: Store, tmp_path: Path) -> None:
+    """A capture still running when the gateway stops publishes its event before the publisher
+    closes (no broker: into the spool); one that outlasts shutdown_grace_s is cancelled."""
+    client, _ = durable_app(store, tmp_path, shutdown_grace_s=1.0)
+    with client:
+        gw = client.app.state.gateway  # type: ignore[attr-defined]
+        publisher = gw.publisher
+
+        async def capture(delay_s: float, key: str) -> None:
+            await asyncio.sleep(delay_s)
+            gw.publisher.publish("rtrl.interactions.v1", key, "{}", "rtrl.interaction.v1", key)
+
+        async def start() -> None:
+            for delay_s, key in ((0.2, "late"), (30.0, "never")):
+                task = asyncio.get_running_loop().create_task(capture(delay_s, key))
+                gw.tasks.add(task)
+                task.add_done_callback(gw.tasks.discard)
+
+        client.portal.call(start)  # type: ignore[union-attr]
+        started = time.monotonic()
+    assert time.monotonic() - started < 5
+    spooled = [r.key for p in publisher.spool.sealed_segments() for r in publisher.spool.read(p).records]
+    assert spooled == ["late"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,7 @@ def test_append_then_replay_in_order_across_segments(tmp_path: Path) -> None:
     # Two records per segment: 5 appends make segments 1, 2 and an open segment 3.
     spool = Spool(tmp_path, max_bytes=100 * LINE, segment_bytes=2 * LINE)
     for i in range(5):
-        assert spool.append(rec(i)) is True
+        assert spool.append(rec(i)) == "spooled"
     assert spool.size_bytes == 5 * LINE
     names = [p.name for p in spool.sealed_segments()]
     assert names == ["segment-000000000001.jsonl", "segment-000000000002.jsonl", "segment-000000000003.jsonl"]
@@ -71,9 +72,9 @@ def test_a_segment_is_kept_until_removed(tmp_path: Path) -> None:
 
 def test_bound_sends_new_records_to_overflow(tmp_path: Path) -> None:
     spool = Spool(tmp_path, max_bytes=2 * LINE + 1)
-    assert spool.append(rec(1)) is True
-    assert spool.append(rec(2)) is True
-    assert spool.append(rec(3)) is False  # would make 3 * LINE > bound
+    assert spool.append(rec(1)) == "spooled"
+    assert spool.append(rec(2)) == "spooled"
+    assert spool.append(rec(3)) == "overflow"  # would make 3 * LINE > bound
     assert spool.size_bytes == 2 * LINE
     [dead] = overflow(tmp_path)
     assert dead.source == "gateway.spool" and dead.original_event_id == "e3"
@@ -81,7 +82,40 @@ def test_bound_sends_new_records_to_overflow(tmp_path: Path) -> None:
     assert SpoolRecord.from_line(dead.payload.encode()) == rec(3)
     # once replayed, there is room again
     assert [r.key for r in replay_all(spool)] == ["k1", "k2"]
-    assert spool.append(rec(4)) is True
+    assert spool.append(rec(4)) == "spooled"
+
+
+def test_the_overflow_file_is_bounded_too(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, max_bytes=LINE, overflow_max_bytes=1)
+    assert spool.overflow_bytes == 0
+    assert spool.append(rec(1)) == "spooled"
+    assert spool.append(rec(2)) == "dropped"  # the spool is full and no dead letter fits in 1 byte
+    assert overflow(tmp_path) == [] and spool.overflow_bytes == 0
+    assert spool.dead_letter(rec(3), "too large") is False
+    roomy = Spool(tmp_path / "roomy", max_bytes=LINE, overflow_max_bytes=10 * LINE)
+    assert roomy.append_many([rec(1), rec(2)]) == ["spooled", "overflow"]
+    size = (tmp_path / "roomy" / OVERFLOW_FILE).stat().st_size
+    assert roomy.overflow_bytes == size > LINE
+    # a restarted gateway counts what its predecessor left against the bound
+    again = Spool(tmp_path / "roomy", max_bytes=LINE, overflow_max_bytes=size + 1)
+    assert again.overflow_bytes == size
+    assert again.append_many([rec(3), rec(4)]) == ["dropped", "dropped"]  # its segment holds rec(1)
+
+
+def test_a_batch_is_written_with_one_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[int] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    spool = Spool(tmp_path, max_bytes=100 * LINE, segment_bytes=100 * LINE)
+    synced.clear()  # the directory's, at creation
+    assert spool.append_many([rec(i) for i in range(5)]) == ["spooled"] * 5
+    assert len(synced) == 2  # the new segment's directory entry, then the five records at once
+    assert [r.key for r in replay_all(spool)] == ["k0", "k1", "k2", "k3", "k4"]
 
 
 def test_restart_replays_what_a_previous_process_left(tmp_path: Path) -> None:
