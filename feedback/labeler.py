@@ -15,8 +15,9 @@ Replicas). The loop is ``Labeler.step``:
 Error policy: no single record can stop the labeler.
 
 * a record that fails validation (a token id outside the serving model's vocabulary included), is a
-  duplicate, or names a tenant with no row (``labeler.unknown_tenants``) -> dead letter with a reason
-  (feedback/records.py, store/events.py);
+  duplicate, names a tenant with no row (``labeler.unknown_tenants``), or is past a cap (a prompt
+  over ``limits.max_prompt_bytes``, a segment or a feedback past its episode's cap: store/caps.py)
+  -> dead letter with a reason (feedback/records.py, store/events.py);
 * the database is unreachable or locked, the transaction lost a deadlock to another replica, or
   the DLQ producer fails -> nothing of the batch is committed, the consumer seeks back to the
   batch's first offsets, backs off (0.5 s doubling to 30 s) and processes it again;
@@ -58,12 +59,12 @@ from typing import Any
 import streams
 from feedback import metrics
 from feedback.judging import judge_for, judge_pass
-from feedback.records import Checks, parse_record, vocab_size
+from feedback.records import Checks, holdout_key, parse_record, vocab_size
 from schemas.clock import Clock, Sleep, utcnow
 from schemas.events import DEAD_LETTER_SCHEMA, FeedbackEvent, InteractionEvent
 from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import Settings
-from store import DatabaseUnavailable, Rejected, Settled, SettleReport, SourceRecord, Store
+from store import Caps, DatabaseUnavailable, Rejected, Settled, SettleReport, SourceRecord, Store
 from store.events import Event
 from telemetry import Readiness
 
@@ -130,6 +131,9 @@ class Labeler:
         self.spec = spec or get_spec(settings.labeler.reward_spec)
         # The serving model's vocabulary, once (a one-line operator error when nothing gives it).
         self.checks = Checks(spec=self.spec, limits=settings.limits, vocab_size=vocab_size(settings))
+        limits = settings.limits
+        self.caps = Caps(segments=limits.max_segments_per_episode, feedback=limits.max_feedback_per_episode)
+        self.holdout_key = holdout_key(settings)  # the eval gate's held-out buckets (store/settle.py)
         self.judge = judge_for(self.spec, settings.labeler.judge)  # None unless the spec has a judge term
         self.clock = clock
         self.sleep = sleep
@@ -285,11 +289,13 @@ class Labeler:
         try:
             with self.store.labelling(now) as tx:
                 # ---- write events idempotently; collect dead letters (invalid + duplicates) -------
-                written = tx.write_events(parsed, self.settings.labeler.unknown_tenants)
+                written = tx.write_events(parsed, self.settings.labeler.unknown_tenants, self.caps)
                 # ---- dead letters reach the DLQ topic before the DB commits: never lost ---------------
                 self._produce_dead_letters(written.rejected, now)
                 # ---- join feedback, settle on terminal feedback --------------------------------------
-                settled = tx.join_and_settle(self.spec, written.interactions, written.feedback)
+                settled = tx.join_and_settle(
+                    self.spec, written.interactions, written.feedback, holdout_key=self.holdout_key
+                )
             # ---- the DB transaction committed when the block above exited ----------------------------
         except (DatabaseUnavailable, streams.BrokerError) as exc:
             raise Transient(str(exc)) from exc

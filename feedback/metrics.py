@@ -23,7 +23,8 @@ POLL_FAILURES = Counter(
 )
 DEAD_LETTERS = Counter(
     "rtrl_labeler_dead_letters_total",
-    "Records dead-lettered (DLQ topic and dead_letters table), by reason: schema, content, duplicate, record "
+    "Records dead-lettered (DLQ topic and dead_letters table), by reason: schema, content, duplicate, unknown "
+    "tenant, cap (past a cap per episode or over the prompt size: docs/security.md, Caps per episode), record "
     "(the store refused it alone), poison (labelers died on it), other.",
     ["reason"],
 )
@@ -103,7 +104,7 @@ LAST_STEP = Gauge(
     "Unix time of the labeler's last completed poll → store → commit round (idle rounds included).",
 )
 
-REASONS = ("schema", "content", "duplicate", "unknown tenant", "record", "poison")
+REASONS = ("schema", "content", "duplicate", "unknown tenant", "cap", "record", "poison")
 # Every known series exists from the start (at 0), so the first increment is an increase a rule sees.
 for _reason in (*REASONS, "other"):
     DEAD_LETTERS.labels(_reason)

@@ -21,6 +21,7 @@ from schemas.events import FeedbackEvent, InteractionEvent
 from schemas.rewards import RewardSpec
 from store import events, settle
 from store.base import StoreBase
+from store.caps import Caps
 from store.models import DeadLetter, LabelerProgress
 
 
@@ -50,16 +51,26 @@ class Labelling:
         self,
         parsed: Sequence[tuple[events.SourceRecord, events.Event | events.Rejected]],
         unknown_tenants: Literal["refuse", "accept"] = "accept",
+        caps: Caps | None = None,
     ) -> events.BatchWrite:
         """Insert the valid events idempotently and the dead letters; with `unknown_tenants` =
-        refuse, an event of a tenant without a row is a dead letter too; see store/events.py."""
-        return events.write_events(self._session, parsed, self.now, unknown_tenants)
+        refuse, an event of a tenant without a row is a dead letter too, and with `caps` one past a
+        cap of its episode (store/caps.py); see store/events.py."""
+        return events.write_events(self._session, parsed, self.now, unknown_tenants, caps)
 
     def join_and_settle(
-        self, spec: RewardSpec, interactions: list[InteractionEvent], feedback: list[FeedbackEvent]
+        self,
+        spec: RewardSpec,
+        interactions: list[InteractionEvent],
+        feedback: list[FeedbackEvent],
+        *,
+        holdout_key: bytes,
     ) -> settle.SettleReport:
-        """Open episodes, join feedback, settle on terminal feedback; see store/settle.py."""
-        return settle.join_and_settle(self._session, self._dialect, spec, self.now, interactions, feedback)
+        """Open episodes (their held-out bucket keyed by `holdout_key`), join feedback, settle on
+        terminal feedback; see store/settle.py."""
+        return settle.join_and_settle(
+            self._session, self._dialect, spec, self.now, interactions, feedback, holdout_key
+        )
 
     def join_stranded(self, spec: RewardSpec, window_s: float) -> settle.SettleReport:
         """Join feedback left unjoined by two replicas' concurrent writes; see store/settle.py."""

@@ -62,7 +62,7 @@ Concurrency (several labeler replicas on one PostgreSQL store, READ COMMITTED):
 
 from __future__ import annotations
 
-import hashlib
+import hmac
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -87,11 +87,16 @@ FEEDBACK: Table = Feedback.__table__  # type: ignore[assignment]
 WINDOW_BATCH = 1000
 
 
-def eval_bucket(episode_id: str) -> int:
-    """0..99, from SHA-256 of the episode id: the same on every replica and in every run. Episodes
-    whose bucket is below ``gate.ope.holdout_percent`` are the eval gate's held-out traffic and
-    are never trained on (`Store.select_heldout`, `Store.select_episodes`)."""
-    return int.from_bytes(hashlib.sha256(episode_id.encode()).digest()[:8], "big") % 100
+def eval_bucket(episode_id: str, key: bytes) -> int:
+    """0..99, from HMAC-SHA256 of the episode id keyed by `key` (``labeler.holdout_secret``): the
+    same on every replica and in every run that shares the key, and unknown to a client, who chooses
+    its episode ids but so cannot choose which are held out. Episodes whose bucket is below
+    ``gate.ope.holdout_percent`` are the eval gate's held-out traffic and are never trained on
+    (`Store.select_heldout`, `Store.select_episodes`). Stored when the episode opens: a new key
+    moves only episodes opened after it (docs/security.md, Caps per episode and held-out membership)."""
+    if not key:
+        raise ValueError("the held-out key is empty (labeler.holdout_secret)")
+    return int.from_bytes(hmac.digest(key, episode_id.encode(), "sha256")[:8], "big") % 100
 
 
 @dataclass(frozen=True)
@@ -137,8 +142,10 @@ def join_and_settle(
     now: datetime,
     interactions: list[InteractionEvent],
     feedback: Sequence[_FeedbackKey],
+    holdout_key: bytes | None = None,
 ) -> SettleReport:
     """Open/extend episodes for new segments, join waiting feedback, settle on terminal feedback.
+    `holdout_key` (`eval_bucket`) is needed when `interactions` may open episodes.
 
     Every episode it changes is locked first (see the module docstring, Concurrency)."""
     report = SettleReport()
@@ -147,7 +154,7 @@ def join_and_settle(
     segments_by_episode: dict[str, list[InteractionEvent]] = defaultdict(list)
     for event in interactions:
         segments_by_episode[event.episode_id].append(event)
-    episodes = _open_episodes(session, segments_by_episode, now)
+    episodes = _open_episodes(session, segments_by_episode, now, holdout_key)
     # The episode of each (request, tenant): the batch's own interaction's (the last, should two of
     # the batch carry one), else the stored interaction's, looked up for what needs it.
     by_request: dict[tuple[str, str], str | None] = {
@@ -165,12 +172,17 @@ def join_and_settle(
 
 
 def _open_episodes(
-    session: Session, segments_by_episode: dict[str, list[InteractionEvent]], now: datetime
+    session: Session,
+    segments_by_episode: dict[str, list[InteractionEvent]],
+    now: datetime,
+    holdout_key: bytes | None,
 ) -> dict[str, EpisodeRow]:
     """Create the episodes of the new segments unless they are there (another replica may race us
     to it); returns those this transaction created."""
     if not segments_by_episode:
         return {}
+    if holdout_key is None:
+        raise ValueError("opening episodes needs the held-out key (labeler.holdout_secret)")
     new_rows: list[dict[str, Any]] = []
     for episode_id in sorted(segments_by_episode):  # one order for every replica: no deadlock
         segments = segments_by_episode[episode_id]
@@ -184,7 +196,7 @@ def _open_episodes(
                 "status": "open",
                 "first_event_at": min(s.created_at for s in segments),
                 "last_event_at": now,
-                "eval_bucket": eval_bucket(episode_id),
+                "eval_bucket": eval_bucket(episode_id, holdout_key),
             }
         )
     created = insert_rows(session, EPISODES, new_rows, conflict=["episode_id"], returning="episode_id")
