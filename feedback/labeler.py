@@ -35,6 +35,9 @@ Error policy: no single record can stop the labeler.
 * broker connection errors -> kafka-python reconnects inside ``poll``; a poll that raises one
   (kafka-python 3.0.12 lets a failed metadata refresh out of it while no broker answers) is
   retried after ``POLL_RETRY_S``, nothing read, the readiness check ``kafka`` failing meanwhile;
+* the window pass (join stranded feedback, settle expired episodes) fails for any other reason ->
+  the expired episodes are settled one at a time, each in its own transaction; one that fails alone
+  is closed without a reward and quarantined with the error (``rtrl dlq episodes``), never read again;
 * the judge is out -> its episodes are labelled without the judge term and flagged (feedback/judging.py);
   the store fails during a judge pass -> the episodes stay ``judging`` for the next pass.
 
@@ -206,13 +209,7 @@ class Labeler:
                     report = StepReport(records=len(records))
                     self._one_by_one(batch, now, report, count_attempts=False)
             if window_due:
-                with self.store.labelling(now) as tx:
-                    stranded = tx.join_stranded(self.spec, labeler.settle_window_s)
-                    expired = tx.settle_expired(self.spec, labeler.settle_window_s)
-                _count_stranded(stranded, report)
-                report.settled_window = len(expired)
-                _count_settled(expired)
-                self._last_window_check = now
+                self._window_pass(now, report)
             if self.judge is not None and (window_due or report.settle.settled_terminal):
                 report.judged = self._judge(now)
         except (Transient, DatabaseUnavailable) as exc:
@@ -238,6 +235,49 @@ class Labeler:
         if records or report.settled_window:
             log.debug("%s", report)
         return report
+
+    def _window_pass(self, now: datetime, report: StepReport) -> None:
+        """Join stranded feedback and settle the expired episodes (one transaction); where that
+        fails for a reason tied to an episode, settle them one at a time (`_settle_one_by_one`)."""
+        window_s = self.settings.labeler.settle_window_s
+        try:
+            with self.store.labelling(now) as tx:
+                stranded = tx.join_stranded(self.spec, window_s)
+                expired = tx.settle_expired(self.spec, window_s)
+        except DatabaseUnavailable:
+            raise
+        except Exception as exc:  # tied to an episode: find it, close it (the error policy)
+            log.warning("window pass failed (%r): settling the expired episodes one at a time", exc)
+            stranded, expired = SettleReport(), self._settle_one_by_one(now)
+        _count_stranded(stranded, report)
+        report.settled_window = len(expired)
+        _count_settled(expired)
+        self._last_window_check = now
+
+    def _settle_one_by_one(self, now: datetime) -> list[Settled]:
+        """Each expired episode in its own transaction; one that fails alone is closed without a
+        reward and quarantined with the error (store/episode_rows.py, `close_unsettled`)."""
+        window_s = self.settings.labeler.settle_window_s
+        with self.store.labelling(now) as tx:
+            expired = tx.expired_ids(window_s)
+        settled: list[Settled] = []
+        for episode_id in expired:
+            try:
+                with self.store.labelling(now) as tx:
+                    settled += tx.settle_expired(self.spec, window_s, [episode_id])
+            except DatabaseUnavailable:
+                raise
+            except Exception as exc:  # this episode alone fails: kept, quarantined with the reason
+                reason = f"settle: {type(exc).__name__}: {exc}"
+                log.error(
+                    "episode %s cannot be settled (%s): closed without a reward, quarantined",
+                    episode_id,
+                    reason,
+                )
+                with self.store.labelling(now) as tx:
+                    if tx.close_unsettled(episode_id, reason):
+                        metrics.SETTLE_FAILED.inc()
+        return settled
 
     def _judge(self, now: datetime) -> int:
         """A judge pass (feedback/judging.py); the episodes it settled. A store failure leaves them

@@ -46,6 +46,11 @@ SETTLED = Counter(
     "Episodes settled (labelled with a reward), by how: terminal_feedback or window.",
     ["how"],
 )
+SETTLE_FAILED = Counter(
+    "rtrl_labeler_settle_failed_total",
+    "Expired episodes that settling failed on alone (the window pass's error policy): closed without a reward "
+    "and quarantined with the error (rtrl dlq episodes), never trained.",
+)
 SETTLED_BY_VERSION = Counter(
     "rtrl_labeler_settled_by_version_total",
     "Episodes settled, by the policy version that served them and the sign of their reward (positive, zero, "

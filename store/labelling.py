@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from schemas.events import FeedbackEvent, InteractionEvent
 from schemas.rewards import RewardSpec
-from store import events, settle
+from store import episode_rows, events, settle, settle_reads
 from store.base import StoreBase
 from store.caps import Caps
 from store.models import DeadLetter, LabelerProgress
@@ -76,9 +76,20 @@ class Labelling:
         """Join feedback left unjoined by two replicas' concurrent writes; see store/settle.py."""
         return settle.join_stranded(self._session, self._dialect, spec, self.now, window_s)
 
-    def settle_expired(self, spec: RewardSpec, window_s: float) -> list[settle.Settled]:
-        """Settle open episodes whose last event is older than the window; returns them."""
-        return settle.settle_expired(self._session, spec, self.now, window_s)
+    def settle_expired(
+        self, spec: RewardSpec, window_s: float, episode_ids: list[str] | None = None
+    ) -> list[settle.Settled]:
+        """Settle open episodes whose last event is older than the window (of `episode_ids` when
+        given); returns them."""
+        return settle.settle_expired(self._session, spec, self.now, window_s, episode_ids)
+
+    def expired_ids(self, window_s: float) -> list[str]:
+        """The open episodes whose last event is older than the window (at most a pass's worth)."""
+        return settle_reads.expired_ids(self._session, self.now, window_s)
+
+    def close_unsettled(self, episode_id: str, reason: str) -> bool:
+        """Close and quarantine an open episode that settling fails on; see store/episode_rows.py."""
+        return episode_rows.close_unsettled(self._session, episode_id, self.now, reason)
 
     def awaiting_judge(self, limit: int) -> list[settle.ToJudge]:
         """Closed episodes waiting for the judge of the reward spec; see store/settle.py."""

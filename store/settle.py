@@ -79,12 +79,19 @@ from schemas.versions import parse_version
 from store.bulk import among, insert_rows, update_rows
 from store.episode_rows import EPISODE_COLUMNS, EPISODES, EpisodeRow, lock_episodes, save_rows
 from store.models import Cycle, Episode, Feedback, Interaction
-from store.settle_reads import read_segments, read_signals, segment_shapes
+from store.settle_reads import (
+    WINDOW_BATCH,
+    read_segments,
+    read_signals,
+    segment_shapes,
+    within_text_budget,
+)
 
 FEEDBACK: Table = Feedback.__table__  # type: ignore[assignment]
 
-# Settle at most this many expired episodes per pass, so one pass cannot make a huge transaction.
-WINDOW_BATCH = 1000
+# Of the expired episodes of a pass (at most WINDOW_BATCH), those whose text (read to compare each
+# call's context with the next, schemas/episodes.py) stays within this many characters (the first always).
+WINDOW_TEXT_CHARS = 32 * 1024 * 1024
 
 
 def eval_bucket(episode_id: str, key: bytes) -> int:
@@ -357,22 +364,28 @@ def join_stranded(
     return join_and_settle(session, dialect, spec, now, [], stranded) if stranded else SettleReport()
 
 
-def settle_expired(session: Session, spec: RewardSpec, now: datetime, window_s: float) -> list[Settled]:
-    """Settle open episodes whose last event is older than the window (at most WINDOW_BATCH); returns them.
+def settle_expired(
+    session: Session, spec: RewardSpec, now: datetime, window_s: float, episode_ids: list[str] | None = None
+) -> list[Settled]:
+    """Settle open episodes whose last event is older than the window (at most WINDOW_BATCH, and of
+    those the first whose text fits WINDOW_TEXT_CHARS, `within_text_budget`); returns them.
+    `episode_ids`: only these (the labeler's pass one episode at a time, feedback/labeler.py).
 
     On PostgreSQL the episodes are locked, skipping those another transaction holds (a replica
     joining to or settling them now): they are settled by a later pass if still expired then."""
-    expired = [
-        EpisodeRow.of(row)
-        for row in session.execute(
-            select(*(EPISODES.c[name] for name in EPISODE_COLUMNS))
-            .where(EPISODES.c.status == "open", EPISODES.c.last_event_at < now - timedelta(seconds=window_s))
-            .order_by(EPISODES.c.last_event_at)
-            .limit(WINDOW_BATCH)
-            .with_for_update(skip_locked=True)
-        )
-    ]
-    settled = settle(session, spec, now, expired, "window")
+    query = (
+        select(*(EPISODES.c[name] for name in EPISODE_COLUMNS))
+        .where(EPISODES.c.status == "open", EPISODES.c.last_event_at < now - timedelta(seconds=window_s))
+        .order_by(EPISODES.c.last_event_at)
+        .limit(WINDOW_BATCH)
+        .with_for_update(skip_locked=True)
+    )
+    if episode_ids is not None:
+        query = query.where(among(session, EPISODES.c.episode_id, episode_ids))
+    expired = [EpisodeRow.of(row) for row in session.execute(query)]
+    segments_of = read_segments(session, [e.episode_id for e in expired])
+    expired = within_text_budget(expired, segments_of, WINDOW_TEXT_CHARS)
+    settled = settle(session, spec, now, expired, "window", segments_of=segments_of)
     save_rows(session, expired)
     return settled
 

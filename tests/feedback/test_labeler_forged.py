@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import stat
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -214,3 +215,37 @@ def test_the_held_out_key_is_the_setting_else_one_kept_in_the_run_dir(tmp_path: 
     assert stat.S_IMODE(path.stat().st_mode) == 0o600  # readable by the labeler's user only
     assert holdout_key(settings) == key  # made once: every labeler on the host shares it
     assert holdout_key(settings_with(tmp_path, vocab=384, holdout_secret="s3cret")) == b"s3cret"
+
+
+def test_an_episode_that_settling_fails_on_is_closed_and_quarantined_not_a_crash_loop(
+    tmp_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window pass is under the error policy: settling fails -> one episode at a time; the one
+    that fails alone is closed without a reward and quarantined, the others settle."""
+    import store.settle as settle_module
+
+    real = settle_module.episode_metrics
+
+    def breaks_on_boom(segments: Any) -> Any:
+        if any(s.prompt.startswith("boom") for s in segments):
+            raise RuntimeError("boom")
+        return real(segments)
+
+    monkeypatch.setattr(settle_module, "episode_metrics", breaks_on_boom)
+    settings = settings_with(tmp_path, vocab=384)
+    store.set_tenant("default")
+    events = [interaction("ok", 0), interaction("ok", 1), interaction("bad", 0, prompt="boom")]
+    events.append(interaction("bad", 1, prompt="boom again"))
+    records = [FakeRecord(settings.kafka.interactions_topic, i, wire(e)) for i, e in enumerate(events)]
+    now = [T0]
+    labeler = Labeler(settings, store, FakeConsumer(records), FakeProducer(), clock=lambda: now[0])  # type: ignore[arg-type]
+    labeler.step()
+    now[0] = T0 + timedelta(seconds=settings.labeler.settle_window_s + 5)
+    report = labeler.step()
+    assert report is not None and report.settled_window == 1
+    quarantined = store.quarantined(10)
+    assert [(q.episode_id, q.reason) for q in quarantined] == [("bad", "settle: RuntimeError: boom")]
+    stats = store.stats()
+    assert (stats["episodes_open"], stats["episodes_settled"]) == (0, 2)
+    now[0] += timedelta(seconds=2)
+    assert labeler.step() is not None  # nothing left to fail on
