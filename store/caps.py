@@ -155,13 +155,13 @@ def _stored_feedback(session: Session, keys: Iterable[Key], requests_of: dict[Ke
             .where(among(session, Feedback.joined_episode_id, episodes))
             .group_by(Feedback.joined_episode_id, Feedback.tenant)
         ):
-            have[("episode", episode_id, tenant)] += n
+            have[("episode", str(episode_id), tenant)] += n
         for episode_id, tenant, n in session.execute(
             select(Feedback.episode_id, Feedback.tenant, func.count())
             .where(among(session, Feedback.episode_id, episodes), Feedback.joined_episode_id.is_(None))
             .group_by(Feedback.episode_id, Feedback.tenant)
         ):
-            have[("episode", episode_id, tenant)] += n
+            have[("episode", str(episode_id), tenant)] += n
     joining = {r: k for k, requests in requests_of.items() if k in wanted for r in requests}
     requests = sorted({k[1] for k in wanted if k[0] == "request"} | set(joining))
     if requests:

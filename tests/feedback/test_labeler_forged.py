@@ -222,16 +222,14 @@ def test_an_episode_that_settling_fails_on_is_closed_and_quarantined_not_a_crash
 ) -> None:
     """The window pass is under the error policy: settling fails -> one episode at a time; the one
     that fails alone is closed without a reward and quarantined, the others settle."""
-    import store.settle as settle_module
-
-    real = settle_module.episode_metrics
+    from schemas.episodes import episode_metrics as real
 
     def breaks_on_boom(segments: Any) -> Any:
         if any(s.prompt.startswith("boom") for s in segments):
             raise RuntimeError("boom")
         return real(segments)
 
-    monkeypatch.setattr(settle_module, "episode_metrics", breaks_on_boom)
+    monkeypatch.setattr("store.settle.episode_metrics", breaks_on_boom)
     settings = settings_with(tmp_path, vocab=384)
     store.set_tenant("default")
     events = [interaction("ok", 0), interaction("ok", 1), interaction("bad", 0, prompt="boom")]
