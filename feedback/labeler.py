@@ -15,8 +15,9 @@ Replicas). The loop is ``Labeler.step``:
 Error policy: no single record can stop the labeler.
 
 * a record that fails validation (a token id outside the serving model's vocabulary included), is a
-  duplicate, or names a tenant with no row (``labeler.unknown_tenants``) -> dead letter with a reason
-  (feedback/records.py, store/events.py);
+  duplicate, names a tenant with no row (``labeler.unknown_tenants``), or is past a cap (a prompt
+  over ``limits.max_prompt_bytes``, a segment or a feedback past its episode's cap: store/caps.py)
+  -> dead letter with a reason (feedback/records.py, store/events.py);
 * the database is unreachable or locked, the transaction lost a deadlock to another replica, or
   the DLQ producer fails -> nothing of the batch is committed, the consumer seeks back to the
   batch's first offsets, backs off (0.5 s doubling to 30 s) and processes it again;
@@ -34,6 +35,9 @@ Error policy: no single record can stop the labeler.
 * broker connection errors -> kafka-python reconnects inside ``poll``; a poll that raises one
   (kafka-python 3.0.12 lets a failed metadata refresh out of it while no broker answers) is
   retried after ``POLL_RETRY_S``, nothing read, the readiness check ``kafka`` failing meanwhile;
+* the window pass (join stranded feedback, settle expired episodes) fails for any other reason ->
+  the expired episodes are settled one at a time, each in its own transaction; one that fails alone
+  is closed without a reward and quarantined with the error (``rtrl dlq episodes``), never read again;
 * the judge is out -> its episodes are labelled without the judge term and flagged (feedback/judging.py);
   the store fails during a judge pass -> the episodes stay ``judging`` for the next pass.
 
@@ -58,12 +62,12 @@ from typing import Any
 import streams
 from feedback import metrics
 from feedback.judging import judge_for, judge_pass
-from feedback.records import Checks, parse_record, vocab_size
+from feedback.records import Checks, holdout_key, parse_record, vocab_size
 from schemas.clock import Clock, Sleep, utcnow
 from schemas.events import DEAD_LETTER_SCHEMA, FeedbackEvent, InteractionEvent
 from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import Settings
-from store import DatabaseUnavailable, Rejected, Settled, SettleReport, SourceRecord, Store
+from store import Caps, DatabaseUnavailable, Rejected, Settled, SettleReport, SourceRecord, Store
 from store.events import Event
 from telemetry import Readiness
 
@@ -130,6 +134,9 @@ class Labeler:
         self.spec = spec or get_spec(settings.labeler.reward_spec)
         # The serving model's vocabulary, once (a one-line operator error when nothing gives it).
         self.checks = Checks(spec=self.spec, limits=settings.limits, vocab_size=vocab_size(settings))
+        limits = settings.limits
+        self.caps = Caps(segments=limits.max_segments_per_episode, feedback=limits.max_feedback_per_episode)
+        self.holdout_key = holdout_key(settings)  # the eval gate's held-out buckets (store/settle.py)
         self.judge = judge_for(self.spec, settings.labeler.judge)  # None unless the spec has a judge term
         self.clock = clock
         self.sleep = sleep
@@ -202,13 +209,7 @@ class Labeler:
                     report = StepReport(records=len(records))
                     self._one_by_one(batch, now, report, count_attempts=False)
             if window_due:
-                with self.store.labelling(now) as tx:
-                    stranded = tx.join_stranded(self.spec, labeler.settle_window_s)
-                    expired = tx.settle_expired(self.spec, labeler.settle_window_s)
-                _count_stranded(stranded, report)
-                report.settled_window = len(expired)
-                _count_settled(expired)
-                self._last_window_check = now
+                self._window_pass(now, report)
             if self.judge is not None and (window_due or report.settle.settled_terminal):
                 report.judged = self._judge(now)
         except (Transient, DatabaseUnavailable) as exc:
@@ -234,6 +235,49 @@ class Labeler:
         if records or report.settled_window:
             log.debug("%s", report)
         return report
+
+    def _window_pass(self, now: datetime, report: StepReport) -> None:
+        """Join stranded feedback and settle the expired episodes (one transaction); where that
+        fails for a reason tied to an episode, settle them one at a time (`_settle_one_by_one`)."""
+        window_s = self.settings.labeler.settle_window_s
+        try:
+            with self.store.labelling(now) as tx:
+                stranded = tx.join_stranded(self.spec, window_s)
+                expired = tx.settle_expired(self.spec, window_s)
+        except DatabaseUnavailable:
+            raise
+        except Exception as exc:  # tied to an episode: find it, close it (the error policy)
+            log.warning("window pass failed (%r): settling the expired episodes one at a time", exc)
+            stranded, expired = SettleReport(), self._settle_one_by_one(now)
+        _count_stranded(stranded, report)
+        report.settled_window = len(expired)
+        _count_settled(expired)
+        self._last_window_check = now
+
+    def _settle_one_by_one(self, now: datetime) -> list[Settled]:
+        """Each expired episode in its own transaction; one that fails alone is closed without a
+        reward and quarantined with the error (store/episode_rows.py, `close_unsettled`)."""
+        window_s = self.settings.labeler.settle_window_s
+        with self.store.labelling(now) as tx:
+            expired = tx.expired_ids(window_s)
+        settled: list[Settled] = []
+        for episode_id in expired:
+            try:
+                with self.store.labelling(now) as tx:
+                    settled += tx.settle_expired(self.spec, window_s, [episode_id])
+            except DatabaseUnavailable:
+                raise
+            except Exception as exc:  # this episode alone fails: kept, quarantined with the reason
+                reason = f"settle: {type(exc).__name__}: {exc}"
+                log.error(
+                    "episode %s cannot be settled (%s): closed without a reward, quarantined",
+                    episode_id,
+                    reason,
+                )
+                with self.store.labelling(now) as tx:
+                    if tx.close_unsettled(episode_id, reason):
+                        metrics.SETTLE_FAILED.inc()
+        return settled
 
     def _judge(self, now: datetime) -> int:
         """A judge pass (feedback/judging.py); the episodes it settled. A store failure leaves them
@@ -285,11 +329,13 @@ class Labeler:
         try:
             with self.store.labelling(now) as tx:
                 # ---- write events idempotently; collect dead letters (invalid + duplicates) -------
-                written = tx.write_events(parsed, self.settings.labeler.unknown_tenants)
+                written = tx.write_events(parsed, self.settings.labeler.unknown_tenants, self.caps)
                 # ---- dead letters reach the DLQ topic before the DB commits: never lost ---------------
                 self._produce_dead_letters(written.rejected, now)
                 # ---- join feedback, settle on terminal feedback --------------------------------------
-                settled = tx.join_and_settle(self.spec, written.interactions, written.feedback)
+                settled = tx.join_and_settle(
+                    self.spec, written.interactions, written.feedback, holdout_key=self.holdout_key
+                )
             # ---- the DB transaction committed when the block above exited ----------------------------
         except (DatabaseUnavailable, streams.BrokerError) as exc:
             raise Transient(str(exc)) from exc

@@ -23,7 +23,8 @@ POLL_FAILURES = Counter(
 )
 DEAD_LETTERS = Counter(
     "rtrl_labeler_dead_letters_total",
-    "Records dead-lettered (DLQ topic and dead_letters table), by reason: schema, content, duplicate, record "
+    "Records dead-lettered (DLQ topic and dead_letters table), by reason: schema, content, duplicate, unknown "
+    "tenant, cap (past a cap per episode or over the prompt size: docs/security.md, Caps per episode), record "
     "(the store refused it alone), poison (labelers died on it), other.",
     ["reason"],
 )
@@ -44,6 +45,11 @@ SETTLED = Counter(
     "rtrl_labeler_settled_total",
     "Episodes settled (labelled with a reward), by how: terminal_feedback or window.",
     ["how"],
+)
+SETTLE_FAILED = Counter(
+    "rtrl_labeler_settle_failed_total",
+    "Expired episodes that settling failed on alone (the window pass's error policy): closed without a reward "
+    "and quarantined with the error (rtrl dlq episodes), never trained.",
 )
 SETTLED_BY_VERSION = Counter(
     "rtrl_labeler_settled_by_version_total",
@@ -103,7 +109,7 @@ LAST_STEP = Gauge(
     "Unix time of the labeler's last completed poll → store → commit round (idle rounds included).",
 )
 
-REASONS = ("schema", "content", "duplicate", "unknown tenant", "record", "poison")
+REASONS = ("schema", "content", "duplicate", "unknown tenant", "cap", "record", "poison")
 # Every known series exists from the start (at 0), so the first increment is an increase a rule sees.
 for _reason in (*REASONS, "other"):
     DEAD_LETTERS.labels(_reason)

@@ -4,7 +4,9 @@ Pure: no Kafka client, no SQL. Beyond the wire schema (schemas/events.py) a reco
 its ``created_at`` lies outside the accepted window (``settings.limits``: a skewed or hostile
 clock, or data past retention), a scored feedback value lies outside the reward spec's range, or
 an interaction carries a token id the serving model has no embedding row for (`vocab_size`: read
-once at start-up; such an episode would fail every training cycle that selected it). Whether the
+once at start-up; such an episode would fail every training cycle that selected it), or its prompt
+is over ``limits.max_prompt_bytes`` (a ``cap`` reason). `holdout_key` is the labeler's other
+start-up read: the key of the eval gate's held-out buckets. Whether the
 event's tenant exists is asked of the store, once per batch (store/events.py).
 Text a model produced is never a reason: a NUL or a lone surrogate in it arrives as U+FFFD
 (`schemas.events.storable_text`). The reasons' classes are listed in store/events.py, which writes
@@ -29,6 +31,7 @@ from schemas.events import (
     storable_text,
 )
 from schemas.rewards import RewardSpec
+from schemas.secrets import kept_secret
 from schemas.settings import LimitsSettings, Settings
 from schemas.versions import parse_version
 from store.events import Event, Rejected, SourceRecord
@@ -63,6 +66,14 @@ def parse_record(
         if problem is not None:
             return Rejected(record, f"content: {problem}", event.event_id)
     if isinstance(event, InteractionEvent):
+        # Settling compares an episode's prompts with each other (schemas/episodes.py): their size is its cost.
+        size = len(event.prompt.encode())
+        if size > checks.limits.max_prompt_bytes:
+            return Rejected(
+                record,
+                f"cap: prompt of {size} bytes over limits.max_prompt_bytes ({checks.limits.max_prompt_bytes})",
+                event.event_id,
+            )
         # Its text holds no NUL and no lone surrogate: the schema replaced them (storable_text), so
         # whatever the tokenizer produced is stored, on every backend.
         try:
@@ -78,6 +89,16 @@ def parse_record(
                     event.event_id,
                 )
     return event
+
+
+def holdout_key(settings: Settings) -> bytes:
+    """The key of the held-out buckets (store/settle.py, `eval_bucket`): ``labeler.holdout_secret``,
+    else the one kept in ``<services.run_dir>/labeler.holdout_secret`` (made once, mode 0600)."""
+    configured = settings.labeler.holdout_secret
+    return kept_secret(
+        None if configured is None else configured.get_secret_value(),
+        Path(settings.services.run_dir) / "labeler.holdout_secret",
+    )
 
 
 class VocabularyUnknown(OperatorError):

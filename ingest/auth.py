@@ -21,7 +21,6 @@ import hashlib
 import hmac
 import logging
 import math
-import os
 import secrets
 import threading
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 from schemas.clock import Monotonic
 from schemas.events import MAX_ID_CHARS
 from schemas.keys import hash_key
+from schemas.secrets import kept_secret
 from store import ApiKeyRecord, Store
 
 log = logging.getLogger(__name__)
@@ -187,24 +187,7 @@ class RequestIds:
 def request_id_secret(configured: str | None, run_dir: Path) -> bytes:
     """The configured secret, else one kept in ``<run_dir>/gateway.secret`` (made once, mode 0600):
     gateways on one host share it; gateways on several hosts need the setting."""
-    if configured:
-        return configured.encode()
-    path = run_dir / "gateway.secret"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{secrets.token_hex(4)}")
-        fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
-        )  # never readable by others, not even briefly
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_hex(32))
-        try:
-            os.link(tmp, path)  # atomic and never overwrites: a gateway starting at the same time wins once
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink()
-    return path.read_text().strip().encode()
+    return kept_secret(configured, run_dir / "gateway.secret")
 
 
 def namespaced(tenant: str, episode_id: str) -> str:

@@ -21,6 +21,7 @@ Importing this package imports SQLAlchemy but neither torch nor Kafka.
 """
 
 from store.base import StoreBase
+from store.caps import Caps
 from store.cycles import CycleRecord, CycleStore
 from store.db import Store
 from store.deploys import DeployStore, LockHolder, RotationRecord
@@ -46,6 +47,7 @@ from store.tenants import ApiKeyRecord, TenantRecord, TenantStore
 __all__ = [
     "ApiKeyRecord",
     "BatchWrite",
+    "Caps",
     "CycleRecord",
     "CycleRow",
     "CycleStore",

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Table, select
+from sqlalchemy import Table, select, update
 from sqlalchemy.orm import Session
 
 from store.bulk import among, update_rows
@@ -94,3 +94,23 @@ def lock_episodes(session: Session, ids: set[str]) -> dict[str, EpisodeRow]:
         .with_for_update()
     )
     return {row.episode_id: EpisodeRow.of(row) for row in session.execute(query)}
+
+
+def close_unsettled(session: Session, episode_id: str, now: datetime, reason: str) -> bool:
+    """Close an open episode that settling fails on alone (feedback/labeler.py, the window pass's
+    error policy): ``settled`` with reason ``error`` and no reward, and quarantined with `reason`, so
+    no pass reads it again and no cycle trains it (`rtrl dlq episodes` lists it). False when it is
+    not open any more."""
+    result = session.execute(
+        update(EPISODES)
+        .where(EPISODES.c.episode_id == episode_id, EPISODES.c.status == "open")
+        .values(
+            status="settled",
+            settled_at=now,
+            settle_reason="error",
+            metrics={"settle_error": reason[:500]},
+            quarantined_at=now,
+            quarantine_reason=reason[:9_000],
+        )
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]

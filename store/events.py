@@ -23,6 +23,9 @@ Dead-letter reasons (``Rejected.reason`` starts with the class, for stats and al
                       writes only the tenants of its keys, and a key's tenant has a row
                       (docs/security.md, Forged events). An event stored from the same record before
                       (while the setting said accept) stays a replay.
+* ``cap: ...``        a segment past ``limits.max_segments_per_episode`` or a feedback past
+                      ``limits.max_feedback_per_episode`` of its episode (store/caps.py), or a prompt
+                      over ``limits.max_prompt_bytes`` (feedback/records.py)
 
 The labeler adds ``record: ...`` and ``poison: ...`` (feedback/labeler.py, its error policy);
 token ids outside the serving model's vocabulary are a ``content`` reason (feedback/records.py).
@@ -33,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import Table, select
 from sqlalchemy.orm import Session
@@ -43,6 +46,9 @@ from schemas.versions import parse_version
 from store.bulk import among, insert_rows
 from store.errors import DatabaseUnavailable
 from store.models import DeadLetter, Feedback, Interaction, Tenant
+
+if TYPE_CHECKING:
+    from store.caps import Caps
 
 # What of a rejected payload travels on the DLQ topic: the broker's default message limit is 1 MB
 # and a dead letter that cannot be produced would block the partition forever. The SQL row keeps
@@ -127,6 +133,7 @@ def write_events(
     parsed: Sequence[tuple[SourceRecord, Event | Rejected]],
     now: datetime,
     unknown_tenants: Literal["refuse", "accept"] = "accept",
+    caps: Caps | None = None,
 ) -> BatchWrite:
     """Insert the valid events of a batch (idempotently) and collect everything to dead-letter.
 
@@ -135,10 +142,15 @@ def write_events(
     replica meanwhile); only the skipped ones are looked up, to tell a replay (stored from the same
     offset) from a duplicate. The one read before the insert is whether the batch's event ids are
     in the other table (an event_id is unique across interactions and feedback); with
-    `unknown_tenants` = refuse, one more: which of the batch's tenants exist."""
+    `unknown_tenants` = refuse, one more: which of the batch's tenants exist; with `caps`, how
+    much the batch's episodes hold (store/caps.py)."""
     out = BatchWrite()
     if unknown_tenants == "refuse":
         parsed = _refuse_unknown_tenants(session, parsed)
+    if caps is not None:
+        from store.caps import apply_caps  # store/caps.py builds on this module's records
+
+        parsed = apply_caps(session, parsed, caps)
     out.rejected.extend(e for _, e in parsed if isinstance(e, Rejected))
     batch = _Batch.of([(r, e) for r, e in parsed if not isinstance(e, Rejected)])
     elsewhere, inserted = _insert_new(session, batch.candidates, now)
@@ -195,8 +207,8 @@ def _insert_new(
         "feedback": [e.event_id for _, _, e in candidates if isinstance(e, FeedbackEvent)],
     }
     elsewhere = {
-        **_sources(session, Feedback, ids["interactions"]),
-        **_sources(session, Interaction, ids["feedback"]),
+        **sources_of(session, Feedback, ids["interactions"]),
+        **sources_of(session, Interaction, ids["feedback"]),
     }
     rows: dict[str, list[dict[str, Any]]] = {"interactions": [], "feedback": []}
     for _, record, event in candidates:
@@ -219,8 +231,10 @@ def _name_skipped(
     skipped = [(p, r, e) for p, r, e in batch.candidates if e.event_id not in inserted]
     stored = {
         **elsewhere,
-        **_sources(session, Interaction, [e.event_id for _, _, e in skipped if e.event_id not in elsewhere]),
-        **_sources(session, Feedback, [e.event_id for _, _, e in skipped if e.event_id not in elsewhere]),
+        **sources_of(
+            session, Interaction, [e.event_id for _, _, e in skipped if e.event_id not in elsewhere]
+        ),
+        **sources_of(session, Feedback, [e.event_id for _, _, e in skipped if e.event_id not in elsewhere]),
     }
     segment_of = _stored_segments(session, [e for _, _, e in skipped if e.event_id not in stored])
     for position, record, event in skipped:
@@ -265,7 +279,7 @@ def _refuse_unknown_tenants(
     unknown = [e.event_id for _, e in parsed if not isinstance(e, Rejected) and e.tenant not in known]
     if not unknown:
         return list(parsed)
-    stored = {**_sources(session, Interaction, unknown), **_sources(session, Feedback, unknown)}
+    stored = {**sources_of(session, Interaction, unknown), **sources_of(session, Feedback, unknown)}
     return [
         (r, Rejected(r, f"unknown tenant: {e.tenant}", e.event_id))
         if not isinstance(e, Rejected) and e.tenant not in known and stored.get(e.event_id) != r.source
@@ -289,7 +303,7 @@ def _write_dead_letters(session: Session, out: BatchWrite, now: datetime) -> Non
         insert_rows(session, DEAD_LETTERS, [r.to_row(now) for r in out.rejected], conflict=["event_id"])
 
 
-def _sources(
+def sources_of(
     session: Session, model: type[Interaction] | type[Feedback], event_ids: list[str]
 ) -> dict[str, str]:
     """Where each of `event_ids` stored in `model`'s table came from (topic:partition:offset)."""

@@ -19,8 +19,9 @@ from sqlalchemy.orm import Session
 
 from schemas.events import FeedbackEvent, InteractionEvent
 from schemas.rewards import RewardSpec
-from store import events, settle
+from store import episode_rows, events, settle, settle_reads
 from store.base import StoreBase
+from store.caps import Caps
 from store.models import DeadLetter, LabelerProgress
 
 
@@ -50,24 +51,45 @@ class Labelling:
         self,
         parsed: Sequence[tuple[events.SourceRecord, events.Event | events.Rejected]],
         unknown_tenants: Literal["refuse", "accept"] = "accept",
+        caps: Caps | None = None,
     ) -> events.BatchWrite:
         """Insert the valid events idempotently and the dead letters; with `unknown_tenants` =
-        refuse, an event of a tenant without a row is a dead letter too; see store/events.py."""
-        return events.write_events(self._session, parsed, self.now, unknown_tenants)
+        refuse, an event of a tenant without a row is a dead letter too, and with `caps` one past a
+        cap of its episode (store/caps.py); see store/events.py."""
+        return events.write_events(self._session, parsed, self.now, unknown_tenants, caps)
 
     def join_and_settle(
-        self, spec: RewardSpec, interactions: list[InteractionEvent], feedback: list[FeedbackEvent]
+        self,
+        spec: RewardSpec,
+        interactions: list[InteractionEvent],
+        feedback: list[FeedbackEvent],
+        *,
+        holdout_key: bytes,
     ) -> settle.SettleReport:
-        """Open episodes, join feedback, settle on terminal feedback; see store/settle.py."""
-        return settle.join_and_settle(self._session, self._dialect, spec, self.now, interactions, feedback)
+        """Open episodes (their held-out bucket keyed by `holdout_key`), join feedback, settle on
+        terminal feedback; see store/settle.py."""
+        return settle.join_and_settle(
+            self._session, self._dialect, spec, self.now, interactions, feedback, holdout_key
+        )
 
     def join_stranded(self, spec: RewardSpec, window_s: float) -> settle.SettleReport:
         """Join feedback left unjoined by two replicas' concurrent writes; see store/settle.py."""
         return settle.join_stranded(self._session, self._dialect, spec, self.now, window_s)
 
-    def settle_expired(self, spec: RewardSpec, window_s: float) -> list[settle.Settled]:
-        """Settle open episodes whose last event is older than the window; returns them."""
-        return settle.settle_expired(self._session, spec, self.now, window_s)
+    def settle_expired(
+        self, spec: RewardSpec, window_s: float, episode_ids: list[str] | None = None
+    ) -> list[settle.Settled]:
+        """Settle open episodes whose last event is older than the window (of `episode_ids` when
+        given); returns them."""
+        return settle.settle_expired(self._session, spec, self.now, window_s, episode_ids)
+
+    def expired_ids(self, window_s: float) -> list[str]:
+        """The open episodes whose last event is older than the window (at most a pass's worth)."""
+        return settle_reads.expired_ids(self._session, self.now, window_s)
+
+    def close_unsettled(self, episode_id: str, reason: str) -> bool:
+        """Close and quarantine an open episode that settling fails on; see store/episode_rows.py."""
+        return episode_rows.close_unsettled(self._session, episode_id, self.now, reason)
 
     def awaiting_judge(self, limit: int) -> list[settle.ToJudge]:
         """Closed episodes waiting for the judge of the reward spec; see store/settle.py."""

@@ -62,7 +62,7 @@ Concurrency (several labeler replicas on one PostgreSQL store, READ COMMITTED):
 
 from __future__ import annotations
 
-import hashlib
+import hmac
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -79,19 +79,31 @@ from schemas.versions import parse_version
 from store.bulk import among, insert_rows, update_rows
 from store.episode_rows import EPISODE_COLUMNS, EPISODES, EpisodeRow, lock_episodes, save_rows
 from store.models import Cycle, Episode, Feedback, Interaction
-from store.settle_reads import read_segments, read_signals, segment_shapes
+from store.settle_reads import (
+    WINDOW_BATCH,
+    read_segments,
+    read_signals,
+    segment_shapes,
+    within_text_budget,
+)
 
 FEEDBACK: Table = Feedback.__table__  # type: ignore[assignment]
 
-# Settle at most this many expired episodes per pass, so one pass cannot make a huge transaction.
-WINDOW_BATCH = 1000
+# Of the expired episodes of a pass (at most WINDOW_BATCH), those whose text (read to compare each
+# call's context with the next, schemas/episodes.py) stays within this many characters (the first always).
+WINDOW_TEXT_CHARS = 32 * 1024 * 1024
 
 
-def eval_bucket(episode_id: str) -> int:
-    """0..99, from SHA-256 of the episode id: the same on every replica and in every run. Episodes
-    whose bucket is below ``gate.ope.holdout_percent`` are the eval gate's held-out traffic and
-    are never trained on (`Store.select_heldout`, `Store.select_episodes`)."""
-    return int.from_bytes(hashlib.sha256(episode_id.encode()).digest()[:8], "big") % 100
+def eval_bucket(episode_id: str, key: bytes) -> int:
+    """0..99, from HMAC-SHA256 of the episode id keyed by `key` (``labeler.holdout_secret``): the
+    same on every replica and in every run that shares the key, and unknown to a client, who chooses
+    its episode ids but so cannot choose which are held out. Episodes whose bucket is below
+    ``gate.ope.holdout_percent`` are the eval gate's held-out traffic and are never trained on
+    (`Store.select_heldout`, `Store.select_episodes`). Stored when the episode opens: a new key
+    moves only episodes opened after it (docs/security.md, Caps per episode and held-out membership)."""
+    if not key:
+        raise ValueError("the held-out key is empty (labeler.holdout_secret)")
+    return int.from_bytes(hmac.digest(key, episode_id.encode(), "sha256")[:8], "big") % 100
 
 
 @dataclass(frozen=True)
@@ -137,8 +149,10 @@ def join_and_settle(
     now: datetime,
     interactions: list[InteractionEvent],
     feedback: Sequence[_FeedbackKey],
+    holdout_key: bytes | None = None,
 ) -> SettleReport:
     """Open/extend episodes for new segments, join waiting feedback, settle on terminal feedback.
+    `holdout_key` (`eval_bucket`) is needed when `interactions` may open episodes.
 
     Every episode it changes is locked first (see the module docstring, Concurrency)."""
     report = SettleReport()
@@ -147,7 +161,7 @@ def join_and_settle(
     segments_by_episode: dict[str, list[InteractionEvent]] = defaultdict(list)
     for event in interactions:
         segments_by_episode[event.episode_id].append(event)
-    episodes = _open_episodes(session, segments_by_episode, now)
+    episodes = _open_episodes(session, segments_by_episode, now, holdout_key)
     # The episode of each (request, tenant): the batch's own interaction's (the last, should two of
     # the batch carry one), else the stored interaction's, looked up for what needs it.
     by_request: dict[tuple[str, str], str | None] = {
@@ -165,12 +179,17 @@ def join_and_settle(
 
 
 def _open_episodes(
-    session: Session, segments_by_episode: dict[str, list[InteractionEvent]], now: datetime
+    session: Session,
+    segments_by_episode: dict[str, list[InteractionEvent]],
+    now: datetime,
+    holdout_key: bytes | None,
 ) -> dict[str, EpisodeRow]:
     """Create the episodes of the new segments unless they are there (another replica may race us
     to it); returns those this transaction created."""
     if not segments_by_episode:
         return {}
+    if holdout_key is None:
+        raise ValueError("opening episodes needs the held-out key (labeler.holdout_secret)")
     new_rows: list[dict[str, Any]] = []
     for episode_id in sorted(segments_by_episode):  # one order for every replica: no deadlock
         segments = segments_by_episode[episode_id]
@@ -184,7 +203,7 @@ def _open_episodes(
                 "status": "open",
                 "first_event_at": min(s.created_at for s in segments),
                 "last_event_at": now,
-                "eval_bucket": eval_bucket(episode_id),
+                "eval_bucket": eval_bucket(episode_id, holdout_key),
             }
         )
     created = insert_rows(session, EPISODES, new_rows, conflict=["episode_id"], returning="episode_id")
@@ -345,22 +364,28 @@ def join_stranded(
     return join_and_settle(session, dialect, spec, now, [], stranded) if stranded else SettleReport()
 
 
-def settle_expired(session: Session, spec: RewardSpec, now: datetime, window_s: float) -> list[Settled]:
-    """Settle open episodes whose last event is older than the window (at most WINDOW_BATCH); returns them.
+def settle_expired(
+    session: Session, spec: RewardSpec, now: datetime, window_s: float, episode_ids: list[str] | None = None
+) -> list[Settled]:
+    """Settle open episodes whose last event is older than the window (at most WINDOW_BATCH, and of
+    those the first whose text fits WINDOW_TEXT_CHARS, `within_text_budget`); returns them.
+    `episode_ids`: only these (the labeler's pass one episode at a time, feedback/labeler.py).
 
     On PostgreSQL the episodes are locked, skipping those another transaction holds (a replica
     joining to or settling them now): they are settled by a later pass if still expired then."""
-    expired = [
-        EpisodeRow.of(row)
-        for row in session.execute(
-            select(*(EPISODES.c[name] for name in EPISODE_COLUMNS))
-            .where(EPISODES.c.status == "open", EPISODES.c.last_event_at < now - timedelta(seconds=window_s))
-            .order_by(EPISODES.c.last_event_at)
-            .limit(WINDOW_BATCH)
-            .with_for_update(skip_locked=True)
-        )
-    ]
-    settled = settle(session, spec, now, expired, "window")
+    query = (
+        select(*(EPISODES.c[name] for name in EPISODE_COLUMNS))
+        .where(EPISODES.c.status == "open", EPISODES.c.last_event_at < now - timedelta(seconds=window_s))
+        .order_by(EPISODES.c.last_event_at)
+        .limit(WINDOW_BATCH)
+        .with_for_update(skip_locked=True)
+    )
+    if episode_ids is not None:
+        query = query.where(among(session, EPISODES.c.episode_id, episode_ids))
+    expired = [EpisodeRow.of(row) for row in session.execute(query)]
+    segments_of = read_segments(session, [e.episode_id for e in expired])
+    expired = within_text_budget(expired, segments_of, WINDOW_TEXT_CHARS)
+    settled = settle(session, spec, now, expired, "window", segments_of=segments_of)
     save_rows(session, expired)
     return settled
 

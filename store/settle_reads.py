@@ -7,6 +7,7 @@ locked (store/settle.py, Concurrency).
 from __future__ import annotations
 
 from collections import defaultdict
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
@@ -14,7 +15,11 @@ from sqlalchemy.orm import Session
 
 from schemas.episodes import SegmentShape
 from store.bulk import among
+from store.episode_rows import EPISODES, EpisodeRow
 from store.models import Feedback, Interaction
+
+# Settle at most this many expired episodes per pass, so one pass cannot make a huge transaction.
+WINDOW_BATCH = 1000
 
 
 def read_signals(session: Session, episode_ids: list[str]) -> dict[str, list[Any]]:
@@ -35,8 +40,8 @@ def read_signals(session: Session, episode_ids: list[str]) -> dict[str, list[Any
 
 def read_segments(session: Session, episode_ids: list[str]) -> dict[str, list[Any]]:
     """Each episode's non-late segments in order, without their text: index, role, agent, finish
-    reason, trainable, the version that served it, and token counts counted by the database
-    (``json_array_length``, on SQLite and PostgreSQL alike)."""
+    reason, trainable, the version that served it, and token counts and the text's characters
+    counted by the database (``json_array_length``, ``length``, on SQLite and PostgreSQL alike)."""
     segments: dict[str, list[Any]] = defaultdict(list)
     if not episode_ids:
         return segments
@@ -51,6 +56,7 @@ def read_segments(session: Session, episode_ids: list[str]) -> dict[str, list[An
             Interaction.policy_version,
             func.json_array_length(Interaction.prompt_token_ids).label("prompt_len"),
             func.json_array_length(Interaction.completion_token_ids).label("completion_len"),
+            (func.length(Interaction.prompt) + func.length(Interaction.completion)).label("text_chars"),
         )
         .where(among(session, Interaction.episode_id, episode_ids), Interaction.late.is_(False))
         .order_by(Interaction.episode_id, Interaction.segment_index)
@@ -93,3 +99,33 @@ def segment_shapes(
         ]
         for episode_id, segs in per_episode.items()
     }
+
+
+def within_text_budget(
+    episodes: list[EpisodeRow], segments_of: dict[str, list[Any]], budget: int
+) -> list[EpisodeRow]:
+    """The first of `episodes` (at least one) whose text `segment_shapes` would read (episodes of
+    several segments) adds up to at most `budget` characters: what one settling pass holds in
+    memory and compares, whatever the episodes hold (docs/security.md, Caps per episode)."""
+    kept: list[EpisodeRow] = []
+    total = 0
+    for episode in episodes:
+        segments = segments_of.get(episode.episode_id, [])
+        chars = sum(int(s.text_chars or 0) for s in segments) if len(segments) > 1 else 0
+        if kept and total + chars > budget:
+            break
+        kept.append(episode)
+        total += chars
+    return kept
+
+
+def expired_ids(session: Session, now: datetime, window_s: float) -> list[str]:
+    """The episodes `settle_expired` would look at now, oldest last event first (no lock)."""
+    return list(
+        session.scalars(
+            select(EPISODES.c.episode_id)
+            .where(EPISODES.c.status == "open", EPISODES.c.last_event_at < now - timedelta(seconds=window_s))
+            .order_by(EPISODES.c.last_event_at)
+            .limit(WINDOW_BATCH)
+        )
+    )

@@ -15,9 +15,10 @@ from feedback.records import Checks, parse_record
 from schemas.events import FeedbackEvent, InteractionEvent
 from schemas.rewards import TAB_V1, RewardSpec
 from schemas.settings import LimitsSettings, Settings
-from store import BatchWrite, SettleReport, SourceRecord, Store
+from store import BatchWrite, Caps, SettleReport, SourceRecord, Store
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+HOLDOUT_KEY = b"test-holdout-key"  # the held-out buckets' key of the tests' episodes (store/settle.py)
 TOPICS: dict[str, Any] = {"interactions": InteractionEvent, "feedback": FeedbackEvent}
 
 
@@ -99,8 +100,8 @@ class Feeder:
     (validate, write, join, settle) for a batch, without Kafka.
 
     Its events are of tenants without a row (``default``) unless a test makes them: it stores them
-    (`unknown_tenants` accept) and checks no vocabulary (`vocab_size` None) unless told to, as the
-    tests that use it are about what comes after those checks."""
+    (`unknown_tenants` accept) and checks no vocabulary (`vocab_size` None) and no caps per episode
+    (`caps` None) unless told to, as the tests that use it are about what comes after those checks."""
 
     def __init__(
         self,
@@ -110,8 +111,10 @@ class Feeder:
         *,
         unknown_tenants: Literal["refuse", "accept"] = "accept",
         vocab_size: int | None = None,
+        caps: Caps | None = None,
     ) -> None:
         self.store = store
+        self.caps = caps
         self.spec = spec
         self.checks = Checks(spec=spec, limits=limits or LimitsSettings(), vocab_size=vocab_size)
         self.unknown_tenants: Literal["refuse", "accept"] = unknown_tenants
@@ -139,8 +142,11 @@ class Feeder:
             written = tx.write_events(
                 [(r, parse_record(r, TOPICS[r.topic], self.checks, now)) for r in records],
                 self.unknown_tenants,
+                self.caps,
             )
-            report = tx.join_and_settle(self.spec, written.interactions, written.feedback)
+            report = tx.join_and_settle(
+                self.spec, written.interactions, written.feedback, holdout_key=HOLDOUT_KEY
+            )
         return written, report
 
     def settle_window(self, now: datetime, window_s: float = 30.0) -> int:

@@ -246,3 +246,25 @@ class LimitsSettings(Section):
         gt=0,
         description="An event's created_at may be at most this old (the data's retention).",
     )
+    max_segments_per_episode: int = Field(
+        256,
+        ge=1,
+        le=10_001,
+        description="Segments (served calls) one episode may have; the labeler dead-letters each segment past "
+        "it (`cap: ...`), the episode keeps its first ones: the work of settling, judging and training one "
+        "episode stays bounded whatever a tenant sends (docs/security.md, Caps per episode).",
+    )
+    max_feedback_per_episode: int = Field(
+        64,
+        ge=1,
+        le=100_000,
+        description="Feedback events one episode may receive (and one request whose episode is not known yet); "
+        "the labeler dead-letters each past it (`cap: ...`), so a flooded episode still settles by its window "
+        "and its feedback is read at most this many rows at a time.",
+    )
+    max_prompt_bytes: int = Field(
+        256 * 1024,
+        ge=1024,
+        description="Largest prompt text of an interaction (UTF-8 bytes); the labeler dead-letters a larger one "
+        "(`cap: ...`): settling compares an episode's prompts with each other, so their size is its cost.",
+    )

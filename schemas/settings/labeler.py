@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from schemas.settings.judge import JudgeSettings
 from schemas.settings.section import Section
@@ -53,4 +53,11 @@ class LabelerSettings(Section):
         "vocabulary`): the rows of the serving model's embedding. None: vocab_size of config.json in "
         "vllm.model_dir (or its text_config), read once at start-up; set it where the labeler cannot read that "
         "directory.",
+    )
+    holdout_secret: SecretStr | None = Field(
+        None,
+        description="Key of the HMAC-SHA256 of an episode's id that decides whether the episode is in the eval "
+        "gate's held-out slice (gate.ope.holdout_percent): a client that chooses its episode ids cannot choose "
+        "which are held out. The same on every labeler replica. Unset: one is made in "
+        "<services.run_dir>/labeler.holdout_secret (mode 0600; enough for labelers on one host).",
     )

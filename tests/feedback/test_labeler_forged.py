@@ -1,10 +1,13 @@
 """Forged events through `Labeler.step` without a broker (docs/security.md, Forged events): where the
 labeler's vocabulary comes from (`feedback.records.vocab_size`), the one-line error when nothing
-gives it, and the defaults (refuse unknown tenants, check token ids) wired from the settings."""
+gives it, and the defaults (refuse unknown tenants, check token ids) wired from the settings; the
+caps per episode and the held-out key (docs/security.md, Caps per episode and held-out membership)."""
 
 from __future__ import annotations
 
 import json
+import stat
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +17,17 @@ from kafka.structs import TopicPartition
 
 from feedback import metrics
 from feedback.labeler import Labeler, prepare_store
-from feedback.records import VocabularyUnknown, vocab_size
+from feedback.records import VocabularyUnknown, holdout_key, vocab_size
 from schemas.errors import OperatorError
 from schemas.events import DeadLetterRecord
-from schemas.settings import GatewaySettings, LabelerSettings, Settings, StoreSettings, VllmSettings
+from schemas.settings import (
+    GatewaySettings,
+    LabelerSettings,
+    ServicesSettings,
+    Settings,
+    StoreSettings,
+    VllmSettings,
+)
 from store import Store
 
 pytestmark = pytest.mark.unit
@@ -28,6 +38,7 @@ def settings_with(model_dir: Path, vocab: int | None = None, **labeler: Any) -> 
         vllm=VllmSettings(model_dir=model_dir),
         labeler=LabelerSettings(vocab_size=vocab, **labeler),
         store=StoreSettings(url="sqlite://"),
+        services=ServicesSettings(run_dir=model_dir / "run"),
     )
 
 
@@ -159,3 +170,80 @@ def test_an_open_gateways_tenant_has_a_row(tmp_path: Path, auth: str, tenants: l
         assert [t.tenant for t in store.tenants()] == tenants
     finally:
         store.close()
+
+
+def test_the_labeler_dead_letters_what_is_past_a_cap_and_counts_it(tmp_path: Path, store: Store) -> None:
+    """limits.max_segments_per_episode / max_feedback_per_episode / max_prompt_bytes, wired from the
+    settings: each refused record reaches the DLQ topic with its reason and rtrl_labeler_dead_letters_total{reason="cap"}."""
+    settings = settings_with(tmp_path, vocab=384)
+    limits = settings.limits.model_copy(
+        update={"max_segments_per_episode": 2, "max_feedback_per_episode": 1, "max_prompt_bytes": 1024}
+    )
+    settings = settings.model_copy(update={"limits": limits})
+    store.set_tenant("default")
+    events = [
+        interaction("e1", 0),
+        interaction("e1", 1),
+        interaction("e1", 2),
+        interaction("e2", prompt="é" * 513),  # 1026 bytes in UTF-8, 513 characters
+        feedback("r-e1-0", "edited", 0.5),
+        feedback("r-e1-1", "edited", 0.5),
+    ]
+    records = [
+        FakeRecord(settings.kafka.interactions_topic if i < 4 else settings.kafka.feedback_topic, i, wire(e))
+        for i, e in enumerate(events)
+    ]
+    before = metrics.DEAD_LETTERS.labels("cap")._value.get()
+    producer = FakeProducer()
+    labeler = Labeler(settings, store, FakeConsumer(records), producer, clock=lambda: T0)  # type: ignore[arg-type]
+    report = labeler.step()
+    assert report is not None and (report.interactions, report.feedback, report.dead_lettered) == (2, 1, 3)
+    assert sorted(d.reason for d in producer.sent) == [
+        "cap: episode e1 has its 1 feedback (limits.max_feedback_per_episode)",
+        "cap: episode e1 has its 2 segments (limits.max_segments_per_episode)",
+        "cap: prompt of 1026 bytes over limits.max_prompt_bytes (1024)",
+    ]
+    assert metrics.DEAD_LETTERS.labels("cap")._value.get() == before + 3
+    assert store.stats()["dead_letters"] == 3
+
+
+def test_the_held_out_key_is_the_setting_else_one_kept_in_the_run_dir(tmp_path: Path) -> None:
+    settings = settings_with(tmp_path, vocab=384)
+    key = holdout_key(settings)
+    path = tmp_path / "run" / "labeler.holdout_secret"
+    assert len(key) == 64 and path.read_bytes().strip() == key
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # readable by the labeler's user only
+    assert holdout_key(settings) == key  # made once: every labeler on the host shares it
+    assert holdout_key(settings_with(tmp_path, vocab=384, holdout_secret="s3cret")) == b"s3cret"
+
+
+def test_an_episode_that_settling_fails_on_is_closed_and_quarantined_not_a_crash_loop(
+    tmp_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window pass is under the error policy: settling fails -> one episode at a time; the one
+    that fails alone is closed without a reward and quarantined, the others settle."""
+    from schemas.episodes import episode_metrics as real
+
+    def breaks_on_boom(segments: Any) -> Any:
+        if any(s.prompt.startswith("boom") for s in segments):
+            raise RuntimeError("boom")
+        return real(segments)
+
+    monkeypatch.setattr("store.settle.episode_metrics", breaks_on_boom)
+    settings = settings_with(tmp_path, vocab=384)
+    store.set_tenant("default")
+    events = [interaction("ok", 0), interaction("ok", 1), interaction("bad", 0, prompt="boom")]
+    events.append(interaction("bad", 1, prompt="boom again"))
+    records = [FakeRecord(settings.kafka.interactions_topic, i, wire(e)) for i, e in enumerate(events)]
+    now = [T0]
+    labeler = Labeler(settings, store, FakeConsumer(records), FakeProducer(), clock=lambda: now[0])  # type: ignore[arg-type]
+    labeler.step()
+    now[0] = T0 + timedelta(seconds=settings.labeler.settle_window_s + 5)
+    report = labeler.step()
+    assert report is not None and report.settled_window == 1
+    quarantined = store.quarantined(10)
+    assert [(q.episode_id, q.reason) for q in quarantined] == [("bad", "settle: RuntimeError: boom")]
+    stats = store.stats()
+    assert (stats["episodes_open"], stats["episodes_settled"]) == (0, 2)
+    now[0] += timedelta(seconds=2)
+    assert labeler.step() is not None  # nothing left to fail on

@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from factories import T0, TOPICS, FakeClock, Feeder, feedback, fresh_topics, interaction, wire
+from factories import HOLDOUT_KEY, T0, TOPICS, FakeClock, Feeder, feedback, fresh_topics, interaction, wire
 from helpers import REPO, run_rtrl, stop_group
 from prometheus_client import REGISTRY
 from sqlalchemy import func, select
@@ -172,7 +172,7 @@ def test_two_replicas_open_the_same_episode(pg_store: Store) -> None:
     one, two = Feeder(pg_store), Feeder(pg_store)
     with pg_store.labelling(T0) as tx:
         written = tx.write_events([(r := one.record(interaction("e", 0, version="v2")), one_parse(r))])
-        tx.join_and_settle(TAB_V1, written.interactions, written.feedback)
+        tx.join_and_settle(TAB_V1, written.interactions, written.feedback, holdout_key=HOLDOUT_KEY)
         other = Concurrently(lambda: two.send(interaction("e", 1, version="v1"), now=T0))
         assert other.waiting()
     _, report = other.outcome()
@@ -225,7 +225,12 @@ def test_terminal_feedback_from_two_replicas_settles_once(pg_store: Store) -> No
         written = tx.write_events(
             [(r := one.record(feedback("r-e-0", "thumbs_up", episode_id="e")), one_parse(r))]
         )
-        assert tx.join_and_settle(TAB_V1, written.interactions, written.feedback).settled_terminal == 1
+        assert (
+            tx.join_and_settle(
+                TAB_V1, written.interactions, written.feedback, holdout_key=HOLDOUT_KEY
+            ).settled_terminal
+            == 1
+        )
         other = Concurrently(lambda: two.send(feedback("r-e-1", "thumbs_down", episode_id="e"), now=T0))
         other.waiting()
     _, report = other.outcome()
@@ -241,7 +246,7 @@ def strand(store: Store, *items: FeedbackEvent, now: datetime = T0) -> None:
     one, two = Feeder(store), Feeder(store)
     with store.labelling(now) as tx:
         written = tx.write_events([(r := one.record(interaction("e", 0)), one_parse(r))])
-        tx.join_and_settle(TAB_V1, written.interactions, written.feedback)
+        tx.join_and_settle(TAB_V1, written.interactions, written.feedback, holdout_key=HOLDOUT_KEY)
         other = Concurrently(lambda: two.send(*items, now=now))
         assert not other.waiting(10)  # nothing of ours to wait for
         _, report = other.outcome()

@@ -323,3 +323,16 @@ def test_a_parl_batch_without_subagents_has_no_finished_share_to_divide_by() -> 
     out = batch_metrics([orchestrator_only])
     assert (out["parl_subagents_finished_share"], out["episode_context_edits_mean"]) == (0.0, 0.0)
     assert not {"judge_episodes", "parl_episode_lambda_parallel_mean"} & set(out)
+
+
+def test_a_long_context_is_compared_in_milliseconds_not_seconds() -> None:
+    """Prompts of a few hundred kilobytes (limits.max_prompt_bytes): the common prefix is found by
+    slice comparisons, not a Python loop over characters (docs/security.md, Caps per episode)."""
+    import time
+
+    long = "x" * 250_000
+    segments = [seg(long, "y"), seg(long + "z", "w")] * 20  # every call rewrites the last character
+    started = time.perf_counter()
+    metrics = episode_metrics(segments)
+    assert metrics["context_edits"] == 39 and metrics["rewritten_chars"] > 0
+    assert time.perf_counter() - started < 1.0

@@ -9,7 +9,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from factories import fresh_topics, interaction, wire
+from factories import HOLDOUT_KEY, fresh_topics, interaction, wire
 from kafka.structs import TopicPartition
 
 import streams
@@ -68,7 +68,7 @@ def test_prune_keeps_what_kafka_still_holds(kafka_service: Settings, tmp_path: P
     records = [SourceRecord(kafka.interactions_topic, 0, offset, wire(e)) for offset, e in enumerate(events)]
     with store.labelling(then) as tx:
         written = tx.write_events([(r, parse_record(r, InteractionEvent, checks, then)) for r in records])
-        tx.join_and_settle(spec, written.interactions, written.feedback)
+        tx.join_and_settle(spec, written.interactions, written.feedback, holdout_key=HOLDOUT_KEY)
     with store.labelling(then + timedelta(hours=1)) as tx:
         assert len(tx.settle_expired(spec, settings.labeler.settle_window_s)) == 2
 

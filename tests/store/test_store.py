@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from factories import FakeClock, Feeder, at, feedback, interaction
+from factories import HOLDOUT_KEY, FakeClock, Feeder, at, feedback, interaction
 from sqlalchemy import select
 
 from store import EpisodesUnavailable, LeaseLost, Store, StoreNotMigrated, UnsupportedStoreUrl
@@ -333,15 +333,15 @@ def test_reward_spec_versions_are_never_mixed(store: Store) -> None:
 
 
 def test_the_gates_held_out_slice_is_never_trained_on(store: Store) -> None:
-    """Episodes below the held-out percent (by a hash of their id) are the gate's: never selected
+    """Episodes below the held-out percent (by a keyed hash of their id) are the gate's: never selected
     for training, selected by `select_heldout`; together the two are every settled episode."""
     from store.settle import eval_bucket
 
     feeder = Feeder(store)
     ids = [f"e{i}" for i in range(40)]
     feeder.send(*[interaction(i) for i in ids], *[feedback(f"r-{i}-0", "thumbs_up") for i in ids])
-    held = {i for i in ids if eval_bucket(i) < 30}
-    assert 0 < len(held) < 40 and eval_bucket("e1") == eval_bucket("e1")
+    held = {i for i in ids if eval_bucket(i, HOLDOUT_KEY) < 30}
+    assert 0 < len(held) < 40 and eval_bucket("e1", HOLDOUT_KEY) == eval_bucket("e1", HOLDOUT_KEY)
     assert store.count_trainable(1, 0, holdout_percent=30) == 40 - len(held)
     assert {e.episode_id for e in store.select_episodes(1, 0, 100, holdout_percent=30)} == set(ids) - held
     heldout = store.select_heldout(100, spec_id="tab-v1@2", holdout_percent=30)
