@@ -77,6 +77,13 @@ RESTARTS = Counter(
     "Local vLLM servers the reconciler restarted, by server.",
     ["server"],
 )
+ARTEFACTS_PRUNED = Counter(
+    "rtrl_artefacts_pruned_total",
+    "Artefacts retention deleted, by kind: checkpoint (a cycle's checkpoint or ranks' work directory), download "
+    "(the deployer's copy of a version), registry (a version the gate rejected, with its checkpoint artifacts; "
+    "deployer/artefacts.py).",
+    ["kind"],
+)
 
 
 # Every outcome of the counters exists from the start (at 0): a first failure is an increase a rule sees.
@@ -94,6 +101,8 @@ for _outcome in ("ok", "failed"):
     ROLLOUTS.labels(_outcome)
 for _outcome in ("aligned", "changed", "error", "busy", "failed"):
     RECONCILE.labels(_outcome)
+for _kind in ("checkpoint", "download", "registry"):
+    ARTEFACTS_PRUNED.labels(_kind)
 
 # Unlabelled gauges exist from import in every process that imports this module: NaN, not 0, until
 # this process sets them, so `== 0` alerts and min() across processes see only real values.

@@ -4,15 +4,17 @@ The trainer logs cycles and registers checkpoints through it, the deployer moves
 downloads checkpoints, the CLI reads it. Importing this package does not import MLflow.
 """
 
-from registry.client import CHALLENGER, CHAMPION, Registry, flatten
+from registry.client import CHALLENGER, CHAMPION, DOWNLOAD_COMPLETE, Registry, VersionRecord, flatten
 from registry.errors import NoChampion, RegistryError, RegistryUnavailable
 
 __all__ = [
     "CHALLENGER",
     "CHAMPION",
+    "DOWNLOAD_COMPLETE",
     "NoChampion",
     "Registry",
     "RegistryError",
     "RegistryUnavailable",
+    "VersionRecord",
     "flatten",
 ]

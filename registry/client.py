@@ -20,6 +20,9 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +41,17 @@ CHECKPOINT_ARTIFACT = "checkpoint"
 # How long a new model version may stay PENDING_REGISTRATION before registration fails.
 REGISTRATION_TIMEOUT_S = 60
 # Written last into a downloaded checkpoint directory: its presence means the download completed.
-_COMPLETE = ".rtrl-complete"
+DOWNLOAD_COMPLETE = ".rtrl-complete"
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    """A registered version as retention sees it (`Registry.version_records`)."""
+
+    version: int
+    source: str  # the artifact URI of its checkpoint folder
+    run_id: str | None
+    created_at: datetime
 
 
 def _unanswered(exc: Exception) -> bool:
@@ -249,8 +262,51 @@ class Registry:
         return int(created.version)
 
     def delete_version(self, version: int) -> None:
-        """Undo a registration whose cycle could not be finished (deliberate compensation)."""
-        self._client.delete_model_version(self.model_name, str(version))
+        """Undo a registration whose cycle could not be finished (deliberate compensation), or
+        delete a version retention let go (deployer/artefacts.py). A version already gone is no
+        error; any other refusal raises RegistryError."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.delete_model_version(self.model_name, str(version))
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise RegistryError(f"deleting {self.model_name} version {version} failed: {exc}") from exc
+
+    def version_records(self) -> list[VersionRecord]:
+        """Every registered version with where its checkpoint is and when it was registered, ascending."""
+        found = self._client.search_model_versions(f"name = '{self.model_name}'")
+        return sorted(
+            (
+                VersionRecord(
+                    version=int(v.version),
+                    source=str(v.source or ""),
+                    run_id=v.run_id or None,
+                    created_at=datetime.fromtimestamp((v.creation_timestamp or 0) / 1000, tz=UTC),
+                )
+                for v in found
+            ),
+            key=lambda record: record.version,
+        )
+
+    def delete_checkpoint_artifacts(self, source: str) -> None:
+        """Delete the artifact folder a version was registered from (its `VersionRecord.source`),
+        through the tracking server's artifact proxy or the artifact store itself; the run and its
+        other artifacts stay. Deleting what is already gone is no error (the stores ignore it)."""
+        from mlflow.exceptions import MlflowException
+        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+        uri = self.settings.tracking_uri
+        # The folder by name, from its parent (the run's artifact root): the proxy's DELETE is then
+        # on ".../artifacts/checkpoint", never on a bare root.
+        parent, _, name = source.rstrip("/").rpartition("/")
+        if not parent or not name:
+            raise RegistryError(f"{source!r} names no artifact folder to delete")
+        try:
+            repository = get_artifact_repository(parent, tracking_uri=uri)
+            _answered(uri, repository.delete_artifacts, name)
+        except (MlflowException, NotImplementedError) as exc:  # a store that cannot delete, or refused
+            raise RegistryError(f"deleting the artifacts at {source} failed: {exc}") from exc
 
     def _by_alias(self, alias: str) -> ModelVersion | None:
         from mlflow.exceptions import MlflowException
@@ -318,7 +374,11 @@ class Registry:
         from mlflow.exceptions import MlflowException
 
         target = self.checkpoints_dir / format_version(version)
-        if (target / _COMPLETE).is_file():
+        if (target / DOWNLOAD_COMPLETE).is_file():
+            # The marker's time is the copy's last use: retention keeps a copy used recently
+            # (deployer/artefacts.py). A read-only copy is still a good copy.
+            with suppress(OSError):
+                os.utime(target / DOWNLOAD_COMPLETE)
             return target
         try:
             source = self._client.get_model_version_download_uri(self.model_name, str(version))
@@ -342,9 +402,9 @@ class Registry:
                     f"version {version}'s artifacts at {source} are neither an HF checkpoint "
                     "(no config.json) nor a LoRA adapter (no adapter_config.json)"
                 )
-            (downloaded / _COMPLETE).write_text(source + "\n")
+            (downloaded / DOWNLOAD_COMPLETE).write_text(source + "\n")
             if target.exists():  # an older, incomplete copy, or another process won the race
-                if (target / _COMPLETE).is_file():
+                if (target / DOWNLOAD_COMPLETE).is_file():
                     return target
                 shutil.rmtree(target)
             downloaded.rename(target)

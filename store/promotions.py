@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import or_, select
+from sqlalchemy import func, or_, select
 
 from store.base import StoreBase
 from store.models import GateDecisionRow, Promotion
@@ -132,3 +132,24 @@ class PromotionStore(StoreBase):
                 select(Promotion.id).where(Promotion.model == model, Promotion.version == version).limit(1)
             ).first()
             return ("served", None) if served is not None else None
+
+    def rejected_versions(self, model: str) -> dict[int, datetime]:
+        """The versions of `model` the gate rejected and rtrl never promoted, with when: those whose
+        newest gate decision failed (when it was decided); what retention may delete from the
+        registry (deployer/artefacts.py)."""
+        of_model = or_(GateDecisionRow.model == model, GateDecisionRow.model.is_(None))
+        newest = (
+            select(func.max(GateDecisionRow.id).label("id"))
+            .where(of_model)
+            .group_by(GateDecisionRow.challenger_version)
+            .subquery()
+        )
+        promoted = select(Promotion.version).where(Promotion.model == model)
+        with self.transaction() as session:
+            rows = session.execute(
+                select(GateDecisionRow.challenger_version, GateDecisionRow.decided_at)
+                .join(newest, GateDecisionRow.id == newest.c.id)
+                .where(GateDecisionRow.passed.is_(False), GateDecisionRow.challenger_version.not_in(promoted))
+                .order_by(GateDecisionRow.challenger_version)
+            ).all()
+            return {int(version): decided_at for version, decided_at in rows}

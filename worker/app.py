@@ -5,8 +5,10 @@ that keeps the DeepSpeed process group between cycles) and ``rtrl beat``. Both c
 with the `Settings` they built once at start-up, before the app connects anywhere; clients that
 only send tasks (``rtrl train now``, the demo) call it too.
 
-Queue ``rtrl.trainer`` carries the two tasks defined in worker/tasks.py:
-``rtrl.train_cycle`` (one cycle + gate + deploy) and ``rtrl.maybe_train`` (beat's check). The
+Queue ``rtrl.trainer`` carries the three tasks defined in worker/tasks.py:
+``rtrl.train_cycle`` (one cycle + gate + deploy), ``rtrl.maybe_train`` (beat's check) and
+``rtrl.prune_artefacts`` (artefact retention, every ``deployer.retention.interval_s``; between
+cycles, as the worker runs one task at a time). The
 queue's and the tasks' names are explicit, not derived from the module: messages waiting in Redis
 and beat's schedule file name them, so they outlive a move of the code.
 """
@@ -22,6 +24,7 @@ from schemas.settings import Settings, load_settings
 QUEUE = "rtrl.trainer"
 BEAT_TASK = "rtrl.maybe_train"
 CYCLE_TASK = "rtrl.train_cycle"
+PRUNE_TASK = "rtrl.prune_artefacts"
 
 app = Celery("rtrl", include=["worker.tasks"])
 _settings: Settings | None = None
@@ -38,6 +41,19 @@ def configure(settings: Settings) -> Celery:
     """Point the app at the settings' broker/backend and install the beat schedule; returns the app."""
     global _settings
     _settings = settings
+    schedule = {
+        "maybe-train": {
+            "task": BEAT_TASK,
+            "schedule": settings.trainer.interval_s,
+            "options": {"queue": QUEUE},
+        },
+    }
+    if settings.deployer.retention.interval_s is not None:  # null: a CronJob runs `rtrl deploy prune`
+        schedule["prune-artefacts"] = {
+            "task": PRUNE_TASK,
+            "schedule": settings.deployer.retention.interval_s,
+            "options": {"queue": QUEUE},
+        }
     app.conf.update(
         broker_url=settings.celery.broker_url,
         result_backend=settings.celery.result_backend,
@@ -58,13 +74,7 @@ def configure(settings: Settings) -> Celery:
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         timezone="UTC",
-        beat_schedule={
-            "maybe-train": {
-                "task": BEAT_TASK,
-                "schedule": settings.trainer.interval_s,
-                "options": {"queue": QUEUE},
-            },
-        },
+        beat_schedule=schedule,
     )
     return app
 

@@ -1,5 +1,6 @@
-"""Celery tasks of the worker: the cycle chain (train → gate → deploy, worker/chain.py) and beat's
-periodic check, with their retries; and `rtrl train pause|resume`'s flag in Redis.
+"""Celery tasks of the worker: the cycle chain (train → gate → deploy, worker/chain.py), beat's
+periodic check and artefact retention (deployer/artefacts.py), with their retries; and `rtrl train
+pause|resume`'s flag in Redis.
 
 Registered on the app in worker/app.py; run by ``rtrl worker``. The worker process opens one
 `store.Store` and one `registry.Registry` on first use and keeps them (`worker_resources`), and
@@ -35,7 +36,7 @@ from serving import Unreachable
 from store import DatabaseUnavailable, Store
 from trainer.lease import expire_abandoned
 from trainer.selection import count_trainable
-from worker.app import BEAT_TASK, CYCLE_TASK, QUEUE, app, current_settings
+from worker.app import BEAT_TASK, CYCLE_TASK, PRUNE_TASK, QUEUE, app, current_settings
 from worker.chain import run_chain
 
 log = logging.getLogger(__name__)
@@ -195,3 +196,17 @@ def maybe_train() -> str:
     task = train_cycle.apply_async(queue=QUEUE)
     log.info("enqueued cycle %s (%d trainable episodes of v%d)", task.id, available, champion)
     return f"enqueued {task.id}"
+
+
+@app.task(name=PRUNE_TASK)  # type: ignore[untyped-decorator]
+def prune_artefacts() -> str:
+    """Delete the artefacts ``deployer.retention`` does not keep (as ``rtrl deploy prune``); returns
+    the summary. Not retried: the next run, a day later, finds whatever this one left."""
+    from deployer.artefacts import prune
+
+    res = worker_resources()
+    report = prune(res.settings, res.registry, res.store)
+    log.info("artefact retention: %s", report.summary())
+    for error in report.errors:
+        log.error("artefact retention: %s", error)
+    return report.summary()

@@ -8,6 +8,8 @@
     rtrl deploy rollback [--to VERSION] swap back to the previous champion
     rtrl deploy rotation [URL --in|--out] which servers the gateways route users to
     rtrl deploy reconcile [--forever]   every server back on @champion, resumed, in rotation
+    rtrl deploy prune [--dry-run]       delete checkpoints, downloads and rejected registry
+                                        versions that deployer.retention does not keep
 
 Promote, rollback and gate print their result as JSON and exit 1 when it is a failure. The fleet
 serves what rtrl promoted, by its own record in the store: an @champion alias moved in MLflow by
@@ -269,6 +271,35 @@ def rotation(
                     }
                 )
             )
+
+
+@deploy_app.command("prune")
+def prune(
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be deleted; change nothing."),
+    verbose: bool = typer.Option(False, "--verbose", help="Also print what is kept, and why."),
+) -> None:
+    """Delete the cycle checkpoints, downloaded versions and registry versions the gate rejected that
+    deployer.retention does not keep (the champion, the previous champions, what a server serves, a
+    challenger in flight and the anchor always stay; nothing younger than min_age_s goes). One line
+    per deletion, then a summary; exit 1 when a deletion failed (the next run tries it again).
+    Safe while a cycle runs, and idempotent (docs/runbooks/deployer.md, Artefact retention)."""
+    from deployer.artefacts import prune as run_prune
+    from store import Store
+
+    settings, registry = _open()
+    with Store(settings.store.url) as store:
+        store.check_schema()
+        report = run_prune(settings, registry, store, dry_run=dry_run)
+    verb = "would delete" if dry_run else "deleted"
+    for decision in report.decisions:
+        if decision.delete or verbose:
+            word = verb if decision.delete else "kept"
+            typer.echo(f"{word} {decision.artefact.kind} {decision.artefact.name}: {decision.reason}")
+    for error in report.errors:
+        typer.echo(f"error: {error}", err=True)
+    typer.echo(report.summary())
+    if report.errors:
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:

@@ -24,14 +24,14 @@ One module per section (or a few small related ones), each a frozen `Section`; t
 - `losses`: the `LossSettings` union (`CispoLoss`, `PpoLoss`, ...); `trainer`: `TrainerSettings`,
   `LoraSettings`.
 - `gate`: `GateSettings` and its `OpeSettings`, `AlarmSettings`, `OfflineSuiteSettings`.
-- `deployer`: `DeployerSettings`, `AgentSettings`; `telemetry`: `MetricsSettings`.
+- `deployer`: `DeployerSettings` (with `RetentionSettings`), `AgentSettings`; `telemetry`: `MetricsSettings`.
 
 The package imports nothing else of rtrl but `schemas.errors`: `schemas.sampling` and the rest
 import it, never the reverse.
 """
 
 from schemas.settings.backends import CelerySettings, MlflowSettings, StoreSettings
-from schemas.settings.deployer import AgentSettings, DeployerSettings
+from schemas.settings.deployer import AgentSettings, DeployerSettings, RetentionSettings
 from schemas.settings.gate import AlarmSettings, GateSettings, GateSuite, OfflineSuiteSettings, OpeSettings
 from schemas.settings.gateway import GatewaySettings, LimitsSettings
 from schemas.settings.judge import DEFAULT_RUBRIC, JudgeSettings
@@ -89,6 +89,7 @@ __all__ = [
     "OpeSettings",
     "PostgresSettings",
     "PpoLoss",
+    "RetentionSettings",
     "Section",
     "ServicesSettings",
     "Settings",

@@ -10,8 +10,44 @@ from pydantic import Field, SecretStr
 from schemas.settings.section import Section
 
 
+class RetentionSettings(Section):
+    """Which artefacts `rtrl deploy prune` keeps (deployer/artefacts.py; docs/runbooks/deployer.md,
+    Artefact retention): cycle checkpoints, downloaded versions, and registry versions the gate rejected."""
+
+    keep_previous: int = Field(
+        3,
+        ge=0,
+        description="Champions before the current one that are kept, by rtrl's record of its promotions: what "
+        "`rtrl deploy rollback` can go back to without a download from a pruned registry. The champion, any version a "
+        "server is announced on, the challenger of a cycle in progress, @challenger and the gate's anchor (and the "
+        "bootstrap's base) are always kept.",
+    )
+    min_age_s: float = Field(
+        86400.0,
+        ge=0,
+        description="Nothing younger is deleted: a checkpoint or leftover by its modification time, a download by "
+        "its last use, a rejected registry version by the gate decision that rejected it.",
+    )
+    prune_registry: bool = Field(
+        True,
+        description="Also delete registry versions the gate rejected (and never served), with their checkpoint "
+        "artifacts; their MLflow runs (metrics, the gate's record) stay. False: only local files are pruned.",
+    )
+    interval_s: float | None = Field(
+        86400.0,
+        gt=0,
+        description="Beat enqueues the prune on the worker this often (between cycles, task rtrl.prune_artefacts). "
+        "null: beat does not schedule it (the Kubernetes manifests run `rtrl deploy prune` as a CronJob instead).",
+    )
+
+
 class DeployerSettings(Section):
     """The rolling hot-swap of the vLLM fleet."""
+
+    retention: RetentionSettings = Field(
+        default_factory=RetentionSettings,
+        description="What `rtrl deploy prune` keeps of checkpoints, downloads and rejected registry versions.",
+    )
 
     probe_tolerance: float | None = Field(
         None,

@@ -96,7 +96,8 @@ def _env(service: dict[str, Any]) -> dict[str, str]:
 
 
 def _pod_spec(obj: dict[str, Any]) -> dict[str, Any] | None:
-    template = obj.get("spec", {}).get("template")
+    spec = obj.get("spec", {})
+    template = spec.get("jobTemplate", {}).get("spec", {}).get("template") or spec.get("template")
     return None if template is None else template["spec"]
 
 
@@ -254,12 +255,15 @@ def _nest(env: dict[str, str]) -> dict[str, Any]:
     """``RTRL_A__B=v`` → ``{"a": {"b": v}}``, values decoded as pydantic-settings decodes them."""
     out: dict[str, Any] = {}
     for name, value in env.items():
-        section, field = name.removeprefix("RTRL_").lower().split("__", 1)
+        *sections, field = name.removeprefix("RTRL_").lower().split("__")
         try:
             decoded = json.loads(value) if value[:1] in "[{" else value
         except json.JSONDecodeError:
             decoded = value
-        out.setdefault(section, {})[field] = decoded
+        inner = out
+        for section in sections:
+            inner = inner.setdefault(section, {})
+        inner[field] = None if decoded == "null" else decoded  # Settings' env_parse_none_str
     return out
 
 
@@ -318,6 +322,32 @@ def test_the_one_time_preparation_is_there() -> None:
         assert ["labeler", "migrate"] in argvs
         assert ["deploy", "bootstrap", "/models/base"] in argvs
         assert any(argv[:2] == ["model", "init"] for argv in argvs)
+
+
+def test_artefact_retention_is_scheduled_once() -> None:
+    """Beat schedules `rtrl deploy prune`'s task where it runs the loop (compose, `rtrl run`); in
+    Kubernetes a CronJob runs the command instead, on the volume of the checkpoints and downloads."""
+    from worker import app as worker_app
+
+    compose_env = Settings.model_validate(_nest(dict(_compose()["x-rtrl-env"])))
+    assert compose_env.deployer.retention.interval_s is not None
+    assert "prune-artefacts" in worker_app.configure(compose_env).conf.beat_schedule
+    (config,) = [
+        o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rtrl-settings"
+    ]
+    assert Settings.model_validate(_nest(config["data"])).deployer.retention.interval_s is None
+    (cron,) = [o for o in _objects() if o["kind"] == "CronJob"]
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    spec = _pod_spec(cron)
+    assert spec is not None
+    (container,) = spec["containers"]
+    assert container["args"] == ["deploy", "prune"]
+    claims = {v["name"] for v in spec["volumes"] if v["persistentVolumeClaim"]["claimName"] == "rtrl-run"}
+    mounts = {m["mountPath"] for m in container["volumeMounts"] if m["name"] in claims}
+    assert mounts == {config["data"]["RTRL_SERVICES__RUN_DIR"]}
+    assert config["data"]["RTRL_TRAINER__CHECKPOINT_DIR"].startswith(
+        config["data"]["RTRL_SERVICES__RUN_DIR"] + "/"
+    )
 
 
 # ---- the layout ----------------------------------------------------------------------------------------
