@@ -171,7 +171,7 @@ def load_settings() -> Settings:
     unset = placeholders(settings)
     if unset:  # the value is never shown: it is (part of) a secret
         raise SettingsError(
-            f"placeholder secret: {', '.join(unset)} still hold {PLACEHOLDER}; set a real value in the "
+            f"placeholder secret: {', '.join(unset)} still {'holds' if len(unset) == 1 else 'hold'} {PLACEHOLDER}; set a real value in the "
             "component's Secret (infra/deploy/k8s/secrets.yaml), infra/deploy/.env or the environment"
         )
     return settings

@@ -170,7 +170,9 @@ def test_a_placeholder_secret_is_refused_naming_the_setting(monkeypatch: pytest.
     """The CHANGE-ME values of infra/deploy/k8s/secrets.yaml and env.example never run: a secret, or
     a URL with a password in it, that still holds one stops the process at start-up, in one line
     that names the settings and never shows the value."""
-    monkeypatch.setenv("RTRL_STORE__URL", "postgresql+psycopg://rtrl_labeler:CHANGE-ME-labeler@postgres:5432/rtrl")
+    monkeypatch.setenv(
+        "RTRL_STORE__URL", "postgresql+psycopg://rtrl_labeler:CHANGE-ME-labeler@postgres:5432/rtrl"
+    )
     monkeypatch.setenv("RTRL_KAFKA__SECURITY_PROTOCOL", "SASL_PLAINTEXT")
     monkeypatch.setenv("RTRL_KAFKA__SASL_MECHANISM", "SCRAM-SHA-512")
     monkeypatch.setenv("RTRL_KAFKA__SASL_USERNAME", "rtrl-labeler")
@@ -180,7 +182,9 @@ def test_a_placeholder_secret_is_refused_naming_the_setting(monkeypatch: pytest.
         load_settings()
     message = str(caught.value)
     assert isinstance(caught.value, OperatorError) and "\n" not in message
-    assert message.startswith("placeholder secret: RTRL_KAFKA__SASL_PASSWORD, RTRL_STORE__URL still hold CHANGE-ME;")
+    assert message.startswith(
+        "placeholder secret: RTRL_KAFKA__SASL_PASSWORD, RTRL_STORE__URL still hold CHANGE-ME;"
+    )
     assert "infra/deploy/k8s/secrets.yaml" in message
     assert "labeler" not in message.split(";")[1]  # no value shown, not even a URL's user
     assert "RTRL_METRICS__TOKEN" not in message
