@@ -222,8 +222,8 @@ def test_network_policies_let_only_the_users_of_each_service_in() -> None:
             ("redis", 6379): "RTRL_CELERY__BROKER_URL" in env,
             ("mlflow", 5000): "RTRL_MLFLOW__USERNAME" in env,
         }
-        for service, used in uses.items():
-            assert (component in REACHES[service]) == used, f"{component} and {service}"
+        for target, used in uses.items():
+            assert (component in REACHES[target]) == used, f"{component} and {target}"
     # The set-up reaches the brokers' internal listener, where ANONYMOUS is the super user.
     (setup,) = _component_pod("kafka-setup")["containers"]
     servers = _env(setup)["RTRL_KAFKA__BOOTSTRAP_SERVERS"].split(",")
