@@ -78,6 +78,7 @@ for _name in (
     "labeler",
     "keys",
     "dlq",
+    "kafka",
     "store",
     "trainer",
     "deploy",

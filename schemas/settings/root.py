@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.errors import OperatorError
@@ -120,13 +120,38 @@ class SettingsError(OperatorError):
     """The environment (or .env) holds a setting rtrl cannot use; the message names the variable."""
 
 
+# What infra/deploy/k8s/secrets.yaml and env.example hold until the operator replaces it.
+PLACEHOLDER = "CHANGE-ME"
+
+
+def placeholders(settings: Settings) -> list[str]:
+    """The ``RTRL_*`` variables whose value (a secret, or a URL with a password in it) still holds
+    the `PLACEHOLDER` of the manifests: a cluster applied as shipped would run on credentials that
+    anyone who read the repository knows (docs/security.md, Least privilege in the manifests)."""
+    found: list[str] = []
+
+    def walk(model: BaseModel, prefix: str) -> None:
+        for name in type(model).model_fields:
+            value, variable = getattr(model, name), f"{prefix}__{name.upper()}"
+            if isinstance(value, BaseModel):
+                walk(value, variable)
+                continue
+            text = value.get_secret_value() if isinstance(value, SecretStr) else value
+            if isinstance(text, str) and PLACEHOLDER.lower() in text.lower():
+                found.append(variable)
+
+    walk(settings, "RTRL")
+    return [variable.replace("RTRL__", "RTRL_", 1) for variable in found]
+
+
 def load_settings() -> Settings:
-    """``Settings()`` from the environment and .env, with a one-line error naming the variable.
+    """``Settings()`` from the environment and .env, with a one-line error naming the variable;
+    a setting that still holds the manifests' `PLACEHOLDER` is refused the same way.
 
     What every entry point calls once at start-up.
     """
     try:
-        return Settings()
+        settings = Settings()
     except ValidationError as exc:
         problems = []
         for error in exc.errors():
@@ -143,3 +168,10 @@ def load_settings() -> Settings:
         raise SettingsError(
             "bad setting: " + "; ".join(problems) + " (fix the environment or .env)"
         ) from None
+    unset = placeholders(settings)
+    if unset:  # the value is never shown: it is (part of) a secret
+        raise SettingsError(
+            f"placeholder secret: {', '.join(unset)} still {'holds' if len(unset) == 1 else 'hold'} {PLACEHOLDER}; set a real value in the "
+            "component's Secret (infra/deploy/k8s/secrets.yaml), infra/deploy/.env or the environment"
+        )
+    return settings

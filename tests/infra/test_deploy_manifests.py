@@ -219,36 +219,69 @@ def test_every_rtrl_variable_is_a_setting() -> None:
         if setting_problem(name)
     ]
     assert not problems, "RTRL_* names that are no setting:\n" + "\n".join(problems)
-    # The variables the layout cannot do without are really set (not only mentioned in comments).
-    compose_env: dict[str, str] = _compose()["x-rtrl-env"]
-    (config,) = [
-        o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rtrl-settings"
-    ]
-    (secret,) = [o for o in _objects() if o["kind"] == "Secret" and o["metadata"]["name"] == "rtrl-secrets"]
-    k8s_env = {**config["data"], **secret["stringData"]}
-    for env in (compose_env, k8s_env):
+    # The variables each process cannot do without are really set (not only mentioned in comments),
+    # from its own environment: compose's service, or the ConfigMap and Secrets of its k8s pod.
+    envs = [(f"compose {name}", argv, _compose_env(name)) for name, argv in _compose_invocations()]
+    envs += [(f"k8s {name}", argv, k8s_env(container)) for name, argv, _, container in _k8s_invocations()]
+    checked = set()
+    for where, argv, env in envs:
+        process = _process(argv)
+        if process is None:
+            continue
+        checked.add(process)
         for name in (
             "RTRL_KAFKA__BOOTSTRAP_SERVERS",
-            "RTRL_STORE__URL",
-            "RTRL_CELERY__BROKER_URL",
             "RTRL_MLFLOW__TRACKING_URI",
             "RTRL_VLLM__SERVERS",
             "RTRL_VLLM__STAGING_SERVER",
             "RTRL_SERVICES__RUN_DIR",
             "RTRL_METRICS__HOST",
-            "RTRL_METRICS__TOKEN",
-            "RTRL_GATEWAY__REQUEST_ID_SECRET",
+            *NEEDS[process],
         ):
-            assert name in env, f"{name} is not set"
-        assert env["RTRL_KAFKA__REPLICATION_FACTOR"] == "3"
-        assert env["RTRL_KAFKA__MIN_INSYNC_REPLICAS"] == "2"
-        assert env["RTRL_METRICS__HOST"] == "0.0.0.0"
-        assert env["RTRL_STORE__URL"].startswith("postgresql+psycopg://")
-        # The values parse as the settings they are (a JSON list for the fleet, numbers, ...).
-        section = {k: v for k, v in env.items() if k.startswith("RTRL_")}
-        parsed = Settings.model_validate(_nest(section))
-        assert len(parsed.vllm.servers) == 2
-        assert parsed.kafka.replication_factor == 3
+            assert name in env, f"{where}: {name} is not set"
+        assert env["RTRL_KAFKA__REPLICATION_FACTOR"] == "3", where
+        assert env["RTRL_KAFKA__MIN_INSYNC_REPLICAS"] == "2", where
+        assert env["RTRL_METRICS__HOST"] == "0.0.0.0", where
+        if "RTRL_STORE__URL" in env:
+            assert env["RTRL_STORE__URL"].startswith("postgresql+psycopg://"), where
+        # The values parse as the settings they are (a JSON list for the fleet, numbers, SASL complete, ...).
+        parsed = Settings.model_validate(_nest({k: v for k, v in env.items() if k.startswith("RTRL_")}))
+        assert len(parsed.vllm.servers) == 2, where
+        assert parsed.kafka.replication_factor == 3, where
+    assert checked == set(NEEDS)
+
+
+# What each process needs from its own secrets (docs/security.md, Least privilege in the manifests).
+KAFKA_PRINCIPAL = ("RTRL_KAFKA__SECURITY_PROTOCOL", "RTRL_KAFKA__SASL_USERNAME", "RTRL_KAFKA__SASL_PASSWORD")
+MLFLOW_USER = ("RTRL_MLFLOW__USERNAME", "RTRL_MLFLOW__PASSWORD")
+NEEDS = {
+    "gateway": ("RTRL_STORE__URL", "RTRL_GATEWAY__REQUEST_ID_SECRET", *KAFKA_PRINCIPAL),
+    "labeler": ("RTRL_STORE__URL", "RTRL_METRICS__TOKEN", *KAFKA_PRINCIPAL),
+    "worker": ("RTRL_STORE__URL", "RTRL_CELERY__BROKER_URL", "RTRL_METRICS__TOKEN", *MLFLOW_USER),
+    "beat": ("RTRL_CELERY__BROKER_URL", "RTRL_METRICS__TOKEN"),
+    "reconciler": ("RTRL_STORE__URL", "RTRL_METRICS__TOKEN", *MLFLOW_USER),
+}
+
+
+def _compose_env(name: str) -> dict[str, str]:
+    return _env(_services()[name])
+
+
+def _named(kind: str, name: str) -> dict[str, Any]:
+    (obj,) = [o for o in _objects() if o["kind"] == kind and o["metadata"]["name"] == name]
+    return obj
+
+
+def k8s_env(container: dict[str, Any]) -> dict[str, str]:
+    """The environment of a k8s container: its ConfigMaps and Secrets (envFrom), then its own env."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            env.update(_named("ConfigMap", source["configMapRef"]["name"])["data"])
+        else:
+            env.update(_named("Secret", source["secretRef"]["name"])["stringData"])
+    env.update({item["name"]: item["value"] for item in container.get("env", []) if "value" in item})
+    return env
 
 
 def _nest(env: dict[str, str]) -> dict[str, Any]:

@@ -164,3 +164,31 @@ def test_embedded_databases_are_sqlite_files_in_the_run_dir(tmp_path: Path) -> N
     mine = Settings(store=StoreSettings(url="postgresql+psycopg://u@db:5432/rtrl"))
     assert embedded_databases(mine).store.url == "postgresql+psycopg://u@db:5432/rtrl"  # set: left alone
     assert embedded_databases(mine).mlflow.backend_store_uri.startswith("sqlite:///")
+
+
+def test_a_placeholder_secret_is_refused_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CHANGE-ME values of infra/deploy/k8s/secrets.yaml and env.example never run: a secret, or
+    a URL with a password in it, that still holds one stops the process at start-up, in one line
+    that names the settings and never shows the value."""
+    monkeypatch.setenv(
+        "RTRL_STORE__URL", "postgresql+psycopg://rtrl_labeler:CHANGE-ME-labeler@postgres:5432/rtrl"
+    )
+    monkeypatch.setenv("RTRL_KAFKA__SECURITY_PROTOCOL", "SASL_PLAINTEXT")
+    monkeypatch.setenv("RTRL_KAFKA__SASL_MECHANISM", "SCRAM-SHA-512")
+    monkeypatch.setenv("RTRL_KAFKA__SASL_USERNAME", "rtrl-labeler")
+    monkeypatch.setenv("RTRL_KAFKA__SASL_PASSWORD", "change-me-kafka-labeler")
+    monkeypatch.setenv("RTRL_METRICS__TOKEN", "a-real-token")
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    message = str(caught.value)
+    assert isinstance(caught.value, OperatorError) and "\n" not in message
+    assert message.startswith(
+        "placeholder secret: RTRL_KAFKA__SASL_PASSWORD, RTRL_STORE__URL still hold CHANGE-ME;"
+    )
+    assert "infra/deploy/k8s/secrets.yaml" in message
+    assert "labeler" not in message.split(";")[1]  # no value shown, not even a URL's user
+    assert "RTRL_METRICS__TOKEN" not in message
+
+    monkeypatch.setenv("RTRL_STORE__URL", "postgresql+psycopg://rtrl_labeler:s3cret@postgres:5432/rtrl")
+    monkeypatch.setenv("RTRL_KAFKA__SASL_PASSWORD", "another-s3cret")
+    assert load_settings().kafka.sasl_username == "rtrl-labeler"
