@@ -36,7 +36,7 @@ PRINCIPAL = {"gateway": GATEWAY, "labeler": LABELER}  # the components that use 
 REACHES = {
     ("vllm", 8000): {"gateway", "worker", "reconciler", "bootstrap"},
     ("vllm", 18090): {"worker", "reconciler", "bootstrap"},
-    ("mlflow", 5000): {"worker", "reconciler", "bootstrap", "name:vllm"},
+    ("mlflow", 5000): {"worker", "reconciler", "bootstrap", "prune-artefacts", "name:vllm"},
     ("kafka", 9092): {"gateway", "labeler"},
     ("kafka", 9093): {"name:kafka"},
     ("kafka", 9094): {"name:kafka", "kafka-setup", "ops"},
@@ -48,6 +48,7 @@ REACHES = {
         "migrate",
         "bootstrap",
         "ops",
+        "prune-artefacts",
         "name:mlflow",
     },
     ("redis", 6379): {"worker", "beat"},
@@ -114,11 +115,16 @@ def _env(container: dict[str, Any]) -> dict[str, str]:
 
 
 def _nest(env: dict[str, str]) -> dict[str, Any]:
+    """``RTRL_A__B__C=v`` → ``{"a": {"b": {"c": v}}}``, decoded as pydantic-settings decodes them."""
     out: dict[str, Any] = {}
     for name, value in env.items():
         if name.startswith("RTRL_"):
-            section, field = name.removeprefix("RTRL_").lower().split("__", 1)
-            out.setdefault(section, {})[field] = json.loads(value) if value[:1] in "[{" else value
+            *sections, field = name.removeprefix("RTRL_").lower().split("__")
+            inner = out
+            for section in sections:
+                inner = inner.setdefault(section, {})
+            decoded = json.loads(value) if value[:1] in "[{" else value
+            inner[field] = None if decoded == "null" else decoded  # Settings' env_parse_none_str
     return out
 
 
