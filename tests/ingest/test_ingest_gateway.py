@@ -1023,7 +1023,7 @@ def test_tenants_do_not_share_prefix_cache_blocks(
     from the prefix cache, bolt's call of the same prompt is not (on today's code it was: a tenant
     could time another's prompts). Sequenced so the metric settles: acme, acme, bolt, acme; the hits
     are exactly twice acme's."""
-    prompt = "Q: " + "alpha beta gamma delta epsilon " * 24 + "\nA:"  # several full KV blocks
+    prompt = "Q: " + "alpha beta gamma delta epsilon " * 12 + "\nA:"  # several full KV blocks
     body = {"model": services.vllm.served_model_name, "prompt": prompt, "max_tokens": 1}
     with start_gateway() as gateway:
 
