@@ -21,7 +21,7 @@ test-deps:  ## system-deps plus Prometheus (promtool, for the alert rules) and C
 	bash infra/system-deps.sh --test
 
 lock:  ## re-resolve requirements/lock.txt from requirements/base.in (+ overrides)
-	$(UV) pip compile requirements/base.in --override requirements/overrides.txt \
+	$(UV) pip compile requirements/base.in --override requirements/overrides.txt --generate-hashes \
 	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 -o requirements/lock.txt
 
 demo: install system-deps

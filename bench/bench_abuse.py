@@ -1,13 +1,14 @@
 """One hostile tenant against one ordinary tenant on the same gateway, measured side by side in one run.
 
-    .venv/bin/python bench/bench_abuse.py [--seconds 30] [--rate 8] [--max-tokens 8]
+    .venv/bin/python bench/bench_abuse.py [--seconds 30] [--rate 8] [--max-tokens 8] [--patterns ...]
 
 Starts its own Kafka and vLLM serving server (free ports, a temporary run dir, the tiny model), one
 `rtrl gateway` and one `rtrl labeler` (the production processes), and two tenants with keys of the
 default rate limit. Tenant ``bob`` sends ordinary completions at ``--rate`` a second (open loop: a
 request leaves on schedule whether or not the last one came back; client timeout 30 s), first alone
-for ``--seconds``, then for as long again while tenant ``mallory`` runs every abuse pattern of issue 37
-at once, each on a key of its own (the worst case: one tenant holding several keys):
+for ``--seconds``, then for as long again beside each of tenant ``mallory``'s abuse patterns in
+turn (``--patterns``), and last beside all of them at once (``all``), each pattern on a key of its
+own (the worst case: one tenant holding several keys):
 
 * slow readers: streams opened on raw sockets whose responses are never read (up to 256 at once);
 * oversized feedback bodies: just under 1 MiB of empty items, four posters at once;
@@ -15,9 +16,9 @@ at once, each on a key of its own (the worst case: one tenant holding several ke
   and for ``max_tokens`` 100000;
 * flooded episodes: one episode buried under bodies of 1,000 ``accepted`` feedback events.
 
-The last line is one JSON object: ``value`` is bob's p99 latency under abuse, ``baseline`` his p99
-alone, ``ratio`` value / baseline (target <= 1.5, docs/security.md), ``p50_ms`` / ``baseline_p50_ms`` /
-``ratio_p50``, ``failed_requests`` (bob's requests without a 200: target 0), what each of mallory's
+The last line is one JSON object: ``value`` is bob's p99 latency beside the last phase (``all``),
+``baseline`` his p99 alone, ``ratio`` value / baseline (target <= 1.5, docs/security.md),
+``p50_ms`` / ``baseline_p50_ms`` / ``ratio_p50``, ``failed_requests`` (bob's requests without a 200: target 0), what each of mallory's
 patterns was answered (status -> count), and the labeler's lag when the flood stopped and how long it
 took to drain (``labeler_lag_after_flood``, ``labeler_drain_s``).
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import socket
 import statistics
@@ -55,6 +57,61 @@ TARGET_RATIO = 1.5
 CLIENT_TIMEOUT_S = 30.0
 DRAIN_TIMEOUT_S = 600.0
 SLOW_STREAMS = 256
+
+
+# Where the machine's CPU goes during a phase: each process is counted under the first of these its
+# command line (or an ancestor's) contains; the bench's own process (bob and mallory) is "clients".
+COMPONENTS = (("gateway", "gateway"), ("labeler", "labeler"), ("vllm", "vllm"), ("kafka", "kafka"))
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _processes() -> dict[int, tuple[int, str, float]]:
+    """pid -> (parent pid, command line, CPU seconds used so far) of every process readable now."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        found[int(entry.name)] = (int(fields[1]), cmdline, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+    return found
+
+
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far, per component (of the processes alive now), and the machine's busy time."""
+    processes = _processes()
+
+    def component(pid: int) -> str:
+        seen = 0
+        while pid in processes and seen < 64:
+            if pid == os.getpid():
+                return "clients"
+            cmdline = processes[pid][1].lower()
+            for name, needle in COMPONENTS:
+                if needle in cmdline:
+                    return name
+            pid, seen = processes[pid][0], seen + 1
+        return "other"
+
+    totals: dict[str, float] = {}
+    for pid, (_, _, seconds) in processes.items():
+        totals[component(pid)] = totals.get(component(pid), 0.0) + seconds
+    with open("/proc/stat") as stat:
+        ticks = [int(t) for t in stat.readline().split()[1:]]
+    totals["machine"] = (sum(ticks) - ticks[3] - ticks[4]) / CLOCK_TICKS  # all but idle and iowait
+    return totals
+
+
+def _cores_busy(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """Cores each component kept busy on average between two `_cpu_seconds` readings."""
+    return {
+        name: round(max(0.0, after.get(name, 0.0) - before.get(name, 0.0)) / seconds, 2)
+        for name in ("machine", "clients", "gateway", "vllm", "kafka", "labeler", "other")
+    }
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -291,6 +348,7 @@ class _Phase:
     latencies: list[float]
     failed: int
     answers: dict[str, dict[str, int]]
+    cores: dict[str, float]
     lag: int = 0
     drain_s: float = 0.0
 
@@ -301,6 +359,7 @@ class _Phase:
             "answered": len(self.latencies),
             "failed": self.failed,
             "abuser_answers": self.answers,
+            "cores_busy": self.cores,
             "labeler_lag": self.lag,
             "labeler_drain_s": round(self.drain_s, 1),
         }
@@ -315,14 +374,16 @@ def _run_phase(
     if abuser is not None:
         abuser.answers = {}
         threads = abuser.start(pattern)
+    before, started = _cpu_seconds(), time.monotonic()
     victim.run(args.seconds, args.rate)
+    cores = _cores_busy(before, _cpu_seconds(), time.monotonic() - started)
     if abuser is not None:
         abuser.stop.set()
         for thread in threads:
             thread.join(timeout=CLIENT_TIMEOUT_S + 5)
     lag, drain_s = _drain(settings)
     answers = {} if abuser is None else {k: dict(v) for k, v in sorted(abuser.answers.items())}
-    phase = _Phase(victim.latencies, sum(victim.failures.values()), answers, lag, drain_s)
+    phase = _Phase(victim.latencies, sum(victim.failures.values()), answers, cores, lag, drain_s)
     print(f"{pattern:6s} {json.dumps(phase.summary())}", flush=True)
     time.sleep(args.pause)  # what mallory left in vLLM's queue finishes before the next phase
     return phase

@@ -12,13 +12,19 @@ sends the same completion requests straight to vLLM and through the gateway (gre
   request plus sampled-token logprobs and token ids, which the capture needs; vLLM's own extra
   work for them), and the gateway;
 * `--concurrency` clients at once, the two paths in alternating rounds;
-* streamed requests, one client, interleaved: time to the first token-carrying chunk (TTFT).
+* streamed requests, one client, interleaved: time to the first token-carrying chunk (TTFT);
+* feedback, one client: a `POST /v1/feedback` of one event is answered 202 only once the event is
+  on Kafka or fsynced in the spool (docs/security.md, Accepted means durable), interleaved with
+  the cost of that acknowledgement alone: one record sent by a producer with the gateway's
+  settings (acks=all, its linger) and waited for.
 
 It prints p50 / p95 latency of each path, the added milliseconds and the ratios; the last line is
 one JSON object: ``{"name", "value": gateway p50 ms, "baseline": direct p50 ms, "ratio",
 "added_ms_p50", "added_ms_p95", "..._c<N>", "ttft_added_ms", ...}`` (one client, non-streaming,
 for value/baseline), and ``added_ms_p50_own`` / ``ratio_own``: the gateway against vLLM direct with
-the forwarded request, i.e. what the gateway itself adds beyond vLLM computing the logprobs.
+the forwarded request, i.e. what the gateway itself adds beyond vLLM computing the logprobs;
+``feedback_p50_ms`` / ``feedback_p95_ms`` / ``kafka_ack_p50_ms`` / ``feedback_added_ms_p50``: the
+feedback route against Kafka's acknowledgement of one record with the gateway's producer settings.
 Target (docs/architecture.md, Targets): ≤ 3 ms p50 added, a ratio ≤ 1.10, and ≤ 3 ms TTFT added.
 """
 
@@ -35,7 +41,9 @@ from pathlib import Path
 
 import httpx
 
+import streams
 from evals import get_task
+from ingest.publisher import LINGER_MS
 from schemas.settings import Settings
 from services import down, up
 from services.launch import gateway_process
@@ -140,6 +148,51 @@ class _Timer:
                 pass  # read to the end, as a client would
         return elapsed
 
+    def request_id(self, url: str, i: int) -> str:
+        """The signed request id the gateway answers a completion with (what feedback names)."""
+        body = {"model": self.model, "prompt": self.prompts[i % len(self.prompts)], "max_tokens": 1}
+        response = self.client.post(url, json=body, headers={"authorization": f"Bearer {self.key}"})
+        response.raise_for_status()
+        return response.headers["x-rtrl-request-id"]
+
+    def feedback(self, url: str, request_id: str) -> float:
+        """One `accepted` event about `request_id`, answered 202 once durable."""
+        body = {"request_id": request_id, "kind": "accepted"}
+        start = time.perf_counter()
+        response = self.client.post(url, json=body, headers={"authorization": f"Bearer {self.key}"})
+        elapsed = (time.perf_counter() - start) * 1000
+        if response.status_code != 202:
+            raise RuntimeError(f"feedback answered {response.status_code}: {response.text}")
+        return elapsed
+
+
+def _measure_feedback(
+    timer: _Timer, gateway: str, settings: Settings, requests: int
+) -> dict[str, list[float]]:
+    """Feedback through the gateway, interleaved with Kafka's acknowledgement alone: one record sent
+    with the gateway's producer settings (acks=all, its linger) and waited for."""
+    ids = [timer.request_id(f"{gateway}/v1/completions", i) for i in range(requests)]
+    producer = streams.producer(
+        settings.kafka, "bench-gateway", enable_idempotence=False, linger_ms=LINGER_MS
+    )
+
+    def ack() -> float:
+        start = time.perf_counter()
+        producer.send(settings.kafka.feedback_topic, key=b"bench", value=b"{}").get(timeout=30)
+        return (time.perf_counter() - start) * 1000
+
+    try:
+        for request_id in ids[:10]:  # warm: the producer's metadata, the route
+            timer.feedback(f"{gateway}/v1/feedback", request_id)
+            ack()
+        ms: dict[str, list[float]] = {"feedback": [], "kafka_ack": []}
+        for request_id in ids:
+            ms["feedback"].append(timer.feedback(f"{gateway}/v1/feedback", request_id))
+            ms["kafka_ack"].append(ack())
+    finally:
+        producer.close(timeout=10)
+    return ms
+
 
 def _measure(
     timer: _Timer, direct_url: str, gateway_url: str, requests: int, n: int
@@ -183,6 +236,8 @@ def _report(ms: dict[str, list[float]], args: argparse.Namespace) -> None:
     dc50, gc50 = statistics.median(ms["direct_c"]), statistics.median(ms["through_c"])
     dc95, gc95 = _percentile(ms["direct_c"], 0.95), _percentile(ms["through_c"], 0.95)
     t50, tg50 = statistics.median(ms["ttft_direct"]), statistics.median(ms["ttft_through"])
+    f50, f95 = statistics.median(ms["feedback"]), _percentile(ms["feedback"], 0.95)
+    k50 = statistics.median(ms["kafka_ack"])
     n = args.concurrency
     print(f"requests per path: {args.requests}, max_tokens {args.max_tokens}, greedy")
     print(f"1 client   vLLM direct     p50 {d50:7.2f} ms   p95 {d95:7.2f} ms")
@@ -206,6 +261,10 @@ def _report(ms: dict[str, list[float]], args: argparse.Namespace) -> None:
         "   (target: <= +3 ms)"
     )
     print(
+        f"feedback   202 once durable p50 {f50:7.2f} ms   p95 {f95:7.2f} ms; Kafka's acknowledgement alone "
+        f"(linger {LINGER_MS} ms) p50 {k50:7.2f} ms   added {f50 - k50:+.2f} ms"
+    )
+    print(
         json.dumps(
             {
                 "name": "gateway_latency_p50_ms",
@@ -227,6 +286,10 @@ def _report(ms: dict[str, list[float]], args: argparse.Namespace) -> None:
                 "ttft_direct_ms": round(t50, 3),
                 "ttft_gateway_ms": round(tg50, 3),
                 "ttft_added_ms": round(tg50 - t50, 3),
+                "feedback_p50_ms": round(f50, 3),
+                "feedback_p95_ms": round(f95, 3),
+                "kafka_ack_p50_ms": round(k50, 3),
+                "feedback_added_ms_p50": round(f50 - k50, 3),
                 "requests_per_path": args.requests,
                 "max_tokens": args.max_tokens,
                 "concurrency": n,
@@ -261,6 +324,7 @@ def main() -> None:
                 args.requests,
                 args.concurrency,
             )
+            ms |= _measure_feedback(timer, gateway, settings, args.requests)
     finally:
         down(settings)
         shutil.rmtree(run_dir, ignore_errors=True)

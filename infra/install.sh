@@ -16,7 +16,7 @@ PY
 .venv/bin/python -m pip install -q --disable-pip-version-check uv==0.13.9
 # Bytecode now, once: without it every process (CLI, gateway, worker, vLLM) compiles torch,
 # transformers and mlflow from source at start-up where PYTHONDONTWRITEBYTECODE is set (~10 s each).
-.venv/bin/uv pip install --python .venv/bin/python --no-deps --compile-bytecode -r requirements/lock.txt
+.venv/bin/uv pip install --python .venv/bin/python --no-deps --require-hashes --compile-bytecode -r requirements/lock.txt
 .venv/bin/uv pip install --python .venv/bin/python --no-deps -e .
 # Fail now, not in the middle of a test run, if the set does not import together.
 .venv/bin/python -c "import torch, transformers, vllm, deepspeed, mlflow, celery, kafka, sqlalchemy" 2>/dev/null \

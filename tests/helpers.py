@@ -88,6 +88,17 @@ def produce(kafka: KafkaSettings, items: list[tuple[str, bytes | None]]) -> None
         producer.close()
 
 
+def send_as(kafka: KafkaSettings, topic: str) -> None:
+    """One record to `topic` as the principal `kafka` authenticates with, acknowledged within
+    seconds: raises kafka-python's error of a refusal (TopicAuthorizationFailedError), or streams'
+    when the broker cannot be reached or authentication fails."""
+    producer = streams.producer(kafka, "rtrl-tests", max_block_ms=5_000, bootstrap_timeout_ms=5_000)
+    try:
+        producer.send(topic, key=b"k", value=b"{}").get(timeout=10)
+    finally:
+        producer.close(timeout=2)
+
+
 def run_rtrl(settings: Settings, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
     """Run ``rtrl ARGS`` in a child process that gets `settings`, as the supervisor hands them."""
     return subprocess.run(

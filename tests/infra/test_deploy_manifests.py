@@ -37,16 +37,14 @@ from urllib.parse import urlparse
 import pytest
 import typer
 import yaml
+from manifests import DEPLOY, K8S, ROOT, container_env, documents, manifests, nest, objects
 from pydantic import BaseModel
 
 from schemas.settings import GatewaySettings, MetricsSettings, Settings
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "infra" / "deploy"
 COMPOSE = DEPLOY / "compose.yaml"
-K8S = DEPLOY / "k8s"
 
 RTRL_NAME = re.compile(r"\bRTRL_[A-Z0-9_]*[A-Z0-9]")
 # The port each long-running process serves /metrics, /healthz and /readyz on.
@@ -64,28 +62,15 @@ SHELL_OPERATORS = {"&&", "||", ";", "|", "&"}
 # ---- helpers ---------------------------------------------------------------------------------------
 
 
-def _documents(path: Path) -> list[dict[str, Any]]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
-
-
 @cache
 def _compose() -> dict[str, Any]:
-    (doc,) = _documents(COMPOSE)
+    (doc,) = documents(COMPOSE)
     return doc
 
 
 def _services() -> dict[str, dict[str, Any]]:
     services: dict[str, dict[str, Any]] = _compose()["services"]
     return services
-
-
-def _manifests() -> list[Path]:
-    return sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
-
-
-@cache
-def _objects() -> list[dict[str, Any]]:
-    return [doc for path in _manifests() for doc in _documents(path)]
 
 
 def _env(service: dict[str, Any]) -> dict[str, str]:
@@ -145,7 +130,7 @@ def _compose_invocations() -> Iterator[tuple[str, list[str]]]:
 
 
 def _k8s_invocations() -> Iterator[tuple[str, list[str], dict[str, Any], dict[str, Any]]]:
-    for obj in _objects():
+    for obj in objects():
         for container in _containers(obj):
             if _is_rtrl_image(container["image"]):
                 for argv in _rtrl_invocations(container.get("command"), container.get("args")):
@@ -222,7 +207,9 @@ def test_every_rtrl_variable_is_a_setting() -> None:
     # The variables each process cannot do without are really set (not only mentioned in comments),
     # from its own environment: compose's service, or the ConfigMap and Secrets of its k8s pod.
     envs = [(f"compose {name}", argv, _compose_env(name)) for name, argv in _compose_invocations()]
-    envs += [(f"k8s {name}", argv, k8s_env(container)) for name, argv, _, container in _k8s_invocations()]
+    envs += [
+        (f"k8s {name}", argv, container_env(container)) for name, argv, _, container in _k8s_invocations()
+    ]
     checked = set()
     for where, argv, env in envs:
         process = _process(argv)
@@ -245,7 +232,7 @@ def test_every_rtrl_variable_is_a_setting() -> None:
         if "RTRL_STORE__URL" in env:
             assert env["RTRL_STORE__URL"].startswith("postgresql+psycopg://"), where
         # The values parse as the settings they are (a JSON list for the fleet, numbers, SASL complete, ...).
-        parsed = Settings.model_validate(_nest({k: v for k, v in env.items() if k.startswith("RTRL_")}))
+        parsed = Settings.model_validate(nest({k: v for k, v in env.items() if k.startswith("RTRL_")}))
         assert len(parsed.vllm.servers) == 2, where
         assert parsed.kafka.replication_factor == 3, where
     assert checked == set(NEEDS)
@@ -265,39 +252,6 @@ NEEDS = {
 
 def _compose_env(name: str) -> dict[str, str]:
     return _env(_services()[name])
-
-
-def _named(kind: str, name: str) -> dict[str, Any]:
-    (obj,) = [o for o in _objects() if o["kind"] == kind and o["metadata"]["name"] == name]
-    return obj
-
-
-def k8s_env(container: dict[str, Any]) -> dict[str, str]:
-    """The environment of a k8s container: its ConfigMaps and Secrets (envFrom), then its own env."""
-    env: dict[str, str] = {}
-    for source in container.get("envFrom", []):
-        if "configMapRef" in source:
-            env.update(_named("ConfigMap", source["configMapRef"]["name"])["data"])
-        else:
-            env.update(_named("Secret", source["secretRef"]["name"])["stringData"])
-    env.update({item["name"]: item["value"] for item in container.get("env", []) if "value" in item})
-    return env
-
-
-def _nest(env: dict[str, str]) -> dict[str, Any]:
-    """``RTRL_A__B=v`` → ``{"a": {"b": v}}``, values decoded as pydantic-settings decodes them."""
-    out: dict[str, Any] = {}
-    for name, value in env.items():
-        *sections, field = name.removeprefix("RTRL_").lower().split("__")
-        try:
-            decoded = json.loads(value) if value[:1] in "[{" else value
-        except json.JSONDecodeError:
-            decoded = value
-        inner = out
-        for section in sections:
-            inner = inner.setdefault(section, {})
-        inner[field] = None if decoded == "null" else decoded  # Settings' env_parse_none_str
-    return out
 
 
 # ---- commands ------------------------------------------------------------------------------------------
@@ -362,14 +316,14 @@ def test_artefact_retention_is_scheduled_once() -> None:
     Kubernetes a CronJob runs the command instead, on the volume of the checkpoints and downloads."""
     from worker import app as worker_app
 
-    compose_env = Settings.model_validate(_nest(dict(_compose()["x-rtrl-env"])))
+    compose_env = Settings.model_validate(nest(dict(_compose()["x-rtrl-env"])))
     assert compose_env.deployer.retention.interval_s is not None
     assert "prune-artefacts" in worker_app.configure(compose_env).conf.beat_schedule
     (config,) = [
-        o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rtrl-settings"
+        o for o in objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rtrl-settings"
     ]
-    assert Settings.model_validate(_nest(config["data"])).deployer.retention.interval_s is None
-    (cron,) = [o for o in _objects() if o["kind"] == "CronJob"]
+    assert Settings.model_validate(nest(config["data"])).deployer.retention.interval_s is None
+    (cron,) = [o for o in objects() if o["kind"] == "CronJob"]
     assert cron["spec"]["concurrencyPolicy"] == "Forbid"
     spec = _pod_spec(cron)
     assert spec is not None
@@ -443,7 +397,7 @@ def test_compose_layout() -> None:
 
 
 def _replicas(kind: str, name: str) -> int:
-    (obj,) = [o for o in _objects() if o["kind"] == kind and o["metadata"]["name"] == name]
+    (obj,) = [o for o in objects() if o["kind"] == kind and o["metadata"]["name"] == name]
     return int(obj["spec"]["replicas"])
 
 
@@ -465,7 +419,7 @@ def test_k8s_layout() -> None:
 
     assert _replicas("StatefulSet", "kafka") == 3
     (config,) = [
-        o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rtrl-settings"
+        o for o in objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rtrl-settings"
     ]
     servers = [urlparse(url).hostname for url in json.loads(config["data"]["RTRL_VLLM__SERVERS"])]
     assert (
@@ -473,7 +427,7 @@ def test_k8s_layout() -> None:
     )
     assert urlparse(config["data"]["RTRL_VLLM__STAGING_SERVER"]).hostname == "vllm-staging"
     assert _replicas("StatefulSet", "vllm-staging") == 1
-    for obj in _objects():
+    for obj in objects():
         for container in _containers(obj):
             if container["image"].startswith("vllm/vllm-openai:"):
                 assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -503,7 +457,7 @@ def test_every_vllm_server_can_read_what_the_deployer_hands_it() -> None:
         )
 
     (config,) = [
-        o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rtrl-settings"
+        o for o in objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rtrl-settings"
     ]
     run_dir, cache = config["data"]["RTRL_SERVICES__RUN_DIR"], config["data"]["RTRL_AGENT__CACHE_DIR"]
     agents = json.loads(config["data"]["RTRL_VLLM__WEIGHTS_AGENTS"])
@@ -512,11 +466,11 @@ def test_every_vllm_server_can_read_what_the_deployer_hands_it() -> None:
     for server, agent in agents.items():
         assert urlparse(agent).hostname == urlparse(server).hostname and urlparse(agent).port == 18090
     (claim,) = [
-        o for o in _objects() if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == "rtrl-run"
+        o for o in objects() if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == "rtrl-run"
     ]
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     sharing, pods_with_agents = 0, 0
-    for obj in _objects():
+    for obj in objects():
         spec = _pod_spec(obj)
         if spec is None:
             continue
@@ -583,9 +537,9 @@ def test_health_checks_at_each_process_port() -> None:
 
 def test_k8s_objects_are_complete_and_listed() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    assert sorted(kustomization["resources"]) == sorted(p.name for p in _manifests())
-    for path in _manifests():
-        for obj in _documents(path):
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in manifests())
+    for path in manifests():
+        for obj in documents(path):
             where = f"{path.name}: {obj.get('kind')} {obj.get('metadata', {}).get('name')}"
             assert obj.get("apiVersion") and obj.get("kind"), where
             assert obj.get("metadata", {}).get("name"), where
@@ -642,7 +596,7 @@ def test_referenced_files_exist() -> None:
     packages |= {pattern.rstrip("*").rstrip(".") for pattern in find["include"]}
     assert packages <= copied, f"packages the image does not copy: {packages - copied}"
     assert (
-        "uv pip install --python .venv/bin/python --no-deps --compile-bytecode -r requirements/lock.txt"
+        "uv pip install --python .venv/bin/python --no-deps --require-hashes --compile-bytecode -r requirements/lock.txt"
         in dockerfile
     )
     assert 'ENTRYPOINT ["rtrl"]' in dockerfile

@@ -9,16 +9,14 @@ every process refuses at start-up.
 from __future__ import annotations
 
 import configparser
-import json
 import re
 from collections.abc import Iterator
-from functools import cache
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import pytest
 import yaml
+from manifests import DEPLOY, container_env, named, nest, objects
 
 from schemas.settings import Settings
 from schemas.settings.root import placeholders
@@ -26,9 +24,6 @@ from streams.acls import GATEWAY, LABELER, PRINCIPALS
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "infra" / "deploy"
-K8S = DEPLOY / "k8s"
 COMPONENTS = ("gateway", "labeler", "worker", "beat", "reconciler")
 PRINCIPAL = {"gateway": GATEWAY, "labeler": LABELER}  # the components that use Kafka
 
@@ -55,25 +50,9 @@ REACHES = {
 }
 
 
-@cache
-def _objects() -> list[dict[str, Any]]:
-    return [
-        doc
-        for path in sorted(K8S.glob("*.yaml"))
-        if path.name != "kustomization.yaml"
-        for doc in yaml.safe_load_all(path.read_text())
-        if doc is not None
-    ]
-
-
-def _named(kind: str, name: str) -> dict[str, Any]:
-    (obj,) = [o for o in _objects() if o["kind"] == kind and o["metadata"]["name"] == name]
-    return obj
-
-
 def _pods() -> Iterator[tuple[dict[str, str], dict[str, Any]]]:
     """(pod labels, pod spec) of every workload."""
-    for obj in _objects():
+    for obj in objects():
         template = obj.get("spec", {}).get("template")
         if template is not None:
             yield template["metadata"]["labels"], template["spec"]
@@ -103,41 +82,16 @@ def _secret_refs(spec: dict[str, Any]) -> set[str]:
     return refs
 
 
-def _env(container: dict[str, Any]) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for source in container.get("envFrom", []):
-        if "configMapRef" in source:
-            env.update(_named("ConfigMap", source["configMapRef"]["name"])["data"])
-        else:
-            env.update(_named("Secret", source["secretRef"]["name"])["stringData"])
-    env.update({item["name"]: item["value"] for item in container.get("env", []) if "value" in item})
-    return env
-
-
-def _nest(env: dict[str, str]) -> dict[str, Any]:
-    """``RTRL_A__B__C=v`` → ``{"a": {"b": {"c": v}}}``, decoded as pydantic-settings decodes them."""
-    out: dict[str, Any] = {}
-    for name, value in env.items():
-        if name.startswith("RTRL_"):
-            *sections, field = name.removeprefix("RTRL_").lower().split("__")
-            inner = out
-            for section in sections:
-                inner = inner.setdefault(section, {})
-            decoded = json.loads(value) if value[:1] in "[{" else value
-            inner[field] = None if decoded == "null" else decoded  # Settings' env_parse_none_str
-    return out
-
-
 def test_every_manifest_parses() -> None:
     for path in sorted(DEPLOY.rglob("*.yaml")):
         assert list(yaml.safe_load_all(path.read_text())), path
-    assert _objects()
+    assert objects()
 
 
 def test_every_component_reads_its_own_secret_and_no_other_components() -> None:
     for component in COMPONENTS:
         own = f"rtrl-{component}"
-        secret = _named("Secret", own)
+        secret = named("Secret", own)
         assert secret["metadata"]["labels"]["app.kubernetes.io/component"] == component
         assert own in _secret_refs(_component_pod(component)), f"{component} does not read {own}"
     for labels, spec in _pods():
@@ -150,7 +104,7 @@ def test_every_component_reads_its_own_secret_and_no_other_components() -> None:
             assert items == [{"key": "RTRL_KAFKA__SASL_PASSWORD", "path": p} for p in PRINCIPALS]
         else:
             assert not others, f"{reader} reads {others}"
-    assert not [o for o in _objects() if o["kind"] == "Secret" and o["metadata"]["name"] == "rtrl-secrets"]
+    assert not [o for o in objects() if o["kind"] == "Secret" and o["metadata"]["name"] == "rtrl-secrets"]
 
 
 def test_shared_secrets_go_only_where_they_are_needed() -> None:
@@ -168,17 +122,17 @@ def test_shared_secrets_go_only_where_they_are_needed() -> None:
 
 def test_each_component_has_its_own_database_role_and_kafka_principal() -> None:
     script = (DEPLOY / "postgres-init.sh").read_text()
-    assert _named("ConfigMap", "postgres-init")["data"]["10-roles.sh"] == script
+    assert named("ConfigMap", "postgres-init")["data"]["10-roles.sh"] == script
     for component in COMPONENTS:
         (container,) = _component_pod(component)["containers"]
-        env = _env(container)
+        env = container_env(container)
         url = env.get("RTRL_STORE__URL")
         if component == "beat":
             assert url is None  # beat reads no store
         else:
             assert url is not None and urlparse(url).username == f"rtrl_{component}", component
             assert f"CREATE ROLE rtrl_{component} LOGIN" in script
-        settings = Settings.model_validate(_nest(env))  # what the process will load, placeholders aside
+        settings = Settings.model_validate(nest(env))  # what the process will load, placeholders aside
         kafka = settings.kafka
         if component in PRINCIPAL:
             assert (kafka.security_protocol, kafka.sasl_mechanism) == ("SASL_PLAINTEXT", "SCRAM-SHA-512")
@@ -211,7 +165,7 @@ def _allowed(policy: dict[str, Any]) -> dict[int, set[str]]:
 def test_network_policies_let_only_the_users_of_each_service_in() -> None:
     policies = {
         o["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"]: o
-        for o in _objects()
+        for o in objects()
         if o["kind"] == "NetworkPolicy"
     }
     for service in ("vllm", "mlflow", "kafka", "postgres", "redis"):
@@ -221,7 +175,7 @@ def test_network_policies_let_only_the_users_of_each_service_in() -> None:
         assert _allowed(policies[service]) == wanted, service
     # The table agrees with what each component is configured to use.
     for component in COMPONENTS:
-        env = _env(_component_pod(component)["containers"][0])
+        env = container_env(_component_pod(component)["containers"][0])
         uses = {
             ("postgres", 5432): "RTRL_STORE__URL" in env,
             ("kafka", 9092): "RTRL_KAFKA__SASL_USERNAME" in env,
@@ -232,12 +186,12 @@ def test_network_policies_let_only_the_users_of_each_service_in() -> None:
             assert (component in REACHES[target]) == used, f"{component} and {target}"
     # The set-up reaches the brokers' internal listener, where ANONYMOUS is the super user.
     (setup,) = _component_pod("kafka-setup")["containers"]
-    servers = _env(setup)["RTRL_KAFKA__BOOTSTRAP_SERVERS"].split(",")
+    servers = container_env(setup)["RTRL_KAFKA__BOOTSTRAP_SERVERS"].split(",")
     assert len(servers) == 3 and all(s.endswith(":9094") for s in servers)
 
 
 def _kafka_env() -> dict[str, str]:
-    (container,) = _named("StatefulSet", "kafka")["spec"]["template"]["spec"]["containers"]
+    (container,) = named("StatefulSet", "kafka")["spec"]["template"]["spec"]["containers"]
     return {e["name"]: e["value"] for e in container["env"] if "value" in e}
 
 
@@ -255,7 +209,7 @@ def test_kafka_authenticates_clients_and_authorizes_every_request() -> None:
         assert env["KAFKA_ALLOW_EVERYONE_IF_NO_ACL_FOUND"] == "false"
         assert env["KAFKA_SUPER_USERS"] == "User:ANONYMOUS"
         assert "java.security.auth.login.config=" in env["KAFKA_OPTS"]
-    jaas = _named("ConfigMap", "kafka-jaas")["data"]["kafka_server_jaas.conf"]
+    jaas = named("ConfigMap", "kafka-jaas")["data"]["kafka_server_jaas.conf"]
     assert (
         "ScramLoginModule required;" in jaas
         and "ScramLoginModule required;" in (DEPLOY / "kafka_server_jaas.conf").read_text()
@@ -266,7 +220,7 @@ def test_kafka_authenticates_clients_and_authorizes_every_request() -> None:
 
 
 def test_mlflow_asks_every_client_for_a_user() -> None:
-    (container,) = _named("Deployment", "mlflow")["spec"]["template"]["spec"]["containers"]
+    (container,) = named("Deployment", "mlflow")["spec"]["template"]["spec"]["containers"]
     assert "--app-name=basic-auth" in container["args"]
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
     assert refs["MLFLOW_AUTH_ADMIN_USERNAME"] == {"name": "rtrl-mlflow", "key": "RTRL_MLFLOW__USERNAME"}
@@ -274,7 +228,7 @@ def test_mlflow_asks_every_client_for_a_user() -> None:
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["mlflow"]
     assert "--app-name=basic-auth" in compose["command"]
     for text in (
-        _named("Secret", "rtrl-infra-secrets")["stringData"]["basic_auth.ini"],
+        named("Secret", "rtrl-infra-secrets")["stringData"]["basic_auth.ini"],
         (DEPLOY / "mlflow-basic-auth.ini").read_text(),
     ):
         ini = configparser.ConfigParser()
@@ -286,9 +240,9 @@ def test_the_shipped_secrets_are_refused_until_replaced() -> None:
     """A cluster applied as shipped does not run: every component finds a placeholder."""
     for component in COMPONENTS:
         for container in _component_pod(component)["containers"]:
-            settings = Settings.model_validate(_nest(_env(container)))
+            settings = Settings.model_validate(nest(container_env(container)))
             assert placeholders(settings), f"{component} would start on the shipped placeholders"
-    for secret in [o for o in _objects() if o["kind"] == "Secret"]:
+    for secret in [o for o in objects() if o["kind"] == "Secret"]:
         for key, value in secret["stringData"].items():
             if "PASSWORD" in key.upper() or "SECRET" in key.upper() or "TOKEN" in key.upper():
                 assert "CHANGE-ME" in value, f"{secret['metadata']['name']}.{key} ships a real-looking value"

@@ -6,6 +6,7 @@ may stop, like tests/ingest/test_ingest_kafka_outage.py."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -59,35 +60,47 @@ def tenant_key(settings: Settings) -> str:
         store.close()
 
 
-def completion_id(client: httpx.Client, settings: Settings) -> str:
-    body = {"model": settings.vllm.served_model_name, "prompt": "Q: 3 plus 4?\nA:", "max_tokens": 2}
-    response = client.post("/v1/completions", json=body)
-    assert response.status_code == 200, response.text
-    return response.headers["x-rtrl-request-id"]
+@contextmanager
+def served(
+    services: Settings, private_kafka: Settings, tmp_path: Path, **gateway: object
+) -> Iterator[tuple[httpx.Client, str]]:
+    """A gateway on the private broker, a client with a tenant's key, and the request id of one
+    completion it served (what feedback names)."""
+    settings = gateway_settings(services, private_kafka, tmp_path, **gateway)
+    key = tenant_key(settings)
+    with (
+        gateway_process(settings, tmp_path / "gateway.log") as url,
+        httpx.Client(base_url=url, headers={"authorization": f"Bearer {key}"}, timeout=30) as client,
+    ):
+        body = {"model": settings.vllm.served_model_name, "prompt": "Q: 3 plus 4?\nA:", "max_tokens": 2}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        yield client, response.headers["x-rtrl-request-id"]
+
+
+@contextmanager
+def broker_down(private_kafka: Settings) -> Iterator[None]:
+    """The private broker stopped for the block, started again after it, whatever happened."""
+    down(private_kafka, ["kafka"])
+    try:
+        yield
+    finally:
+        up(private_kafka, ["kafka"])
 
 
 def test_feedback_while_the_broker_is_down_is_202_once_spooled_and_arrives_after(
     services: Settings, private_kafka: Settings, tmp_path: Path
 ) -> None:
-    settings = gateway_settings(services, private_kafka, tmp_path)
-    key = tenant_key(settings)
-    reader = TopicReader(settings.kafka, settings.kafka.feedback_topic)
+    reader = TopicReader(private_kafka.kafka, private_kafka.kafka.feedback_topic)
     try:
-        with (
-            gateway_process(settings, tmp_path / "gateway.log") as gateway,
-            httpx.Client(base_url=gateway, headers={"authorization": f"Bearer {key}"}, timeout=30) as client,
-        ):
-            rid = completion_id(client, settings)
-            down(private_kafka, ["kafka"])
-            try:
+        with served(services, private_kafka, tmp_path) as (client, rid):
+            with broker_down(private_kafka):
                 accepted = client.post(
                     "/v1/feedback", json={"request_id": rid, "kind": "accepted", "event_id": "d-1"}
                 )
                 assert accepted.status_code == 202, accepted.text
                 segments = list((tmp_path / "spool").glob("segment-*.jsonl"))
                 assert any(b'"d-1"' in p.read_bytes() or rid.encode() in p.read_bytes() for p in segments)
-            finally:
-                up(private_kafka, ["kafka"])
             (event_id,) = accepted.json()["event_ids"]
             records = reader.wait_for(lambda r: r.key == rid.encode(), count=1, timeout_s=120)
             assert event_id.encode() in records[0].value
@@ -103,20 +116,12 @@ def test_feedback_while_the_broker_is_down_is_202_once_spooled_and_arrives_after
 def test_feedback_the_full_spool_cannot_take_is_503(
     services: Settings, private_kafka: Settings, tmp_path: Path
 ) -> None:
-    settings = gateway_settings(services, private_kafka, tmp_path, spool_max_bytes=16, overflow_max_bytes=0)
-    key = tenant_key(settings)
-    with (
-        gateway_process(settings, tmp_path / "gateway.log") as gateway,
-        httpx.Client(base_url=gateway, headers={"authorization": f"Bearer {key}"}, timeout=30) as client,
-    ):
-        rid = completion_id(client, settings)
-        down(private_kafka, ["kafka"])
-        try:
+    tiny_spool = {"spool_max_bytes": 16, "overflow_max_bytes": 0}
+    with served(services, private_kafka, tmp_path, **tiny_spool) as (client, rid):
+        with broker_down(private_kafka):
             refused = client.post(
                 "/v1/feedback", json={"request_id": rid, "kind": "accepted", "event_id": "d-2"}
             )
-        finally:
-            up(private_kafka, ["kafka"])
         assert refused.status_code == 503, refused.text
         assert refused.headers["retry-after"] == "2"
         assert "spool" in refused.json()["error"]["message"]

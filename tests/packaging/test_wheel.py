@@ -115,6 +115,7 @@ def test_the_wheel_installs_from_the_lock_and_runs(first_party: list[str], tmp_p
         "--python",
         python,
         "--no-deps",
+        "--require-hashes",
         "-r",
         ROOT / "requirements" / "lock.txt",
         cwd=tmp_path,

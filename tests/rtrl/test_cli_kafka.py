@@ -10,16 +10,16 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import send_as
 from kafka.errors import TopicAuthorizationFailedError
 
 import streams
-from schemas.settings import KafkaSettings, Settings, to_env
+from schemas.settings import Settings, to_env
 from services.kafka import Kafka
 from services.launch import rtrl_command
 from streams.acls import GATEWAY, LABELER, PRINCIPALS
 
 REPO = Path(__file__).resolve().parents[2]
-SHORT = {"bootstrap_timeout_ms": 5_000}
 
 
 def rtrl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -54,14 +54,6 @@ def test_credentials_need_apply_and_a_file_per_principal(tmp_path: Path) -> None
     )
 
 
-def _send(kafka: KafkaSettings, topic: str) -> None:
-    producer = streams.producer(kafka, "rtrl-tests", max_block_ms=5_000, **SHORT)
-    try:
-        producer.send(topic, key=b"k", value=b"{}").get(timeout=10)
-    finally:
-        producer.close(timeout=2)
-
-
 @pytest.mark.integration
 def test_a_super_user_applies_the_acls_and_a_component_is_refused(
     kafka_service: Settings, tmp_path: Path
@@ -89,7 +81,7 @@ def test_a_super_user_applies_the_acls_and_a_component_is_refused(
     assert created.returncode == 0, created.stderr
     assert f"{names['interactions_topic']}  created" in created.stdout.splitlines()
     with pytest.raises(TopicAuthorizationFailedError):
-        _send(gateway, names["interactions_topic"])  # no ACL yet
+        send_as(gateway, names["interactions_topic"])  # no ACL yet
 
     # The passwords the broker already has for the principals (set again, unchanged).
     for principal in PRINCIPALS:
@@ -100,11 +92,11 @@ def test_a_super_user_applies_the_acls_and_a_component_is_refused(
         "applied 14 ACLs and SCRAM users rtrl-gateway, rtrl-labeler"
     )
 
-    _send(gateway, names["interactions_topic"])
-    _send(gateway, names["dlq_topic"])
-    _send(labeler, names["dlq_topic"])
+    send_as(gateway, names["interactions_topic"])
+    send_as(gateway, names["dlq_topic"])
+    send_as(labeler, names["dlq_topic"])
     with pytest.raises(TopicAuthorizationFailedError):
-        _send(labeler, names["interactions_topic"])  # the labeler reads events, never writes them
+        send_as(labeler, names["interactions_topic"])  # the labeler reads events, never writes them
     for principal in (gateway, labeler):
         with pytest.raises(TopicAuthorizationFailedError):
-            _send(principal, other)
+            send_as(principal, other)

@@ -6,25 +6,18 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from helpers import send_as
 from kafka.errors import GroupAuthorizationFailedError, TopicAuthorizationFailedError
 from pydantic import SecretStr
 
 import streams
-from schemas.settings import KafkaSettings, Settings
+from schemas.settings import Settings
 from services.kafka import Kafka
 from streams.acls import GATEWAY, LABELER
 
 pytestmark = pytest.mark.integration
 
 SHORT = {"bootstrap_timeout_ms": 5_000}
-
-
-def _send(kafka: KafkaSettings, topic: str) -> None:
-    producer = streams.producer(kafka, "rtrl-tests", max_block_ms=5_000, **SHORT)
-    try:
-        producer.send(topic, key=b"k", value=b"{}").get(timeout=10)
-    finally:
-        producer.close(timeout=2)
 
 
 def test_only_the_gateway_principal_writes_events_and_strangers_are_refused(kafka_service: Settings) -> None:
@@ -41,19 +34,19 @@ def test_only_the_gateway_principal_writes_events_and_strangers_are_refused(kafk
         }
     )
     with pytest.raises((streams.BrokersUnreachable, streams.BrokerError)):
-        _send(anonymous, topic)
+        send_as(anonymous, topic)
 
     # A known principal with the wrong password: authentication fails.
     wrong = broker.secured(GATEWAY).model_copy(update={"sasl_password": SecretStr("not-" + uuid.uuid4().hex)})
     with pytest.raises((streams.BrokersUnreachable, streams.BrokerError)):
-        _send(wrong, topic)
+        send_as(wrong, topic)
 
     # The labeler's principal may read events but not write them.
     with pytest.raises(TopicAuthorizationFailedError):
-        _send(broker.secured(LABELER), topic)
+        send_as(broker.secured(LABELER), topic)
 
     # The gateway's principal writes them, and may not read them.
-    _send(broker.secured(GATEWAY), topic)
+    send_as(broker.secured(GATEWAY), topic)
     reader = streams.consumer(
         broker.secured(GATEWAY), "rtrl-tests", topic, group_id=kafka_service.kafka.labeler_group, **SHORT
     )
