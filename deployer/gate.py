@@ -25,10 +25,10 @@ samples every suite's prompts, then does the same for the champion. Both sample 
 model's defaults and the same seed, so both see the same sampling noise. The seed, and the task's
 held-out questions the suites use, are drawn afresh per challenger (`draw_seed`: a hash of
 ``gate.seed``, the registry model and the version; ``gate.fresh_draws`` off pins ``gate.seed`` and
-the first questions), so no challenger is tuned to one fixed set; both are in the decision. While the challenger is
-loaded, the staging server's `/weight_checker` digests are recorded in the store as the version's
-baseline for the fleet's swap verification. One gate run at a time per store, on any host:
-the staging server is held by the store's "staging" lock. The gate uses the one-server swap's
+the first questions), so no challenger is tuned to one fixed set; both are in the decision. While
+the challenger is loaded, the staging server's `/weight_checker` digests are recorded in the store
+as the version's baseline for the fleet's swap verification. One gate run at a time per store, on
+any host: the staging server is held by the store's "staging" lock. The gate uses the one-server swap's
 public interface (deployer/swap.py: `target`, `swap_server`, `server_client`, `rollout_lock`,
 `save_digests` / `load_digests`), never the fleet's rollout.
 
