@@ -16,12 +16,14 @@ that learnt to do so more is:
   challenger that fails to finish more often);
 - ``no_action``: share of non-answers up by more than ``no_action_rate``: the first of Cursor's
   reward hacks (a model that stops answering is never rejected). A non-answer matches
-  ``no_action_pattern`` (nothing alphanumeric, or a question) or, to a prompt whose known answers
+  ``no_action_pattern`` (nothing alphanumeric, a question, or a completion that opens with a
+  refusal or a request for clarification) or, to a prompt whose known answers
   are all numbers, contains no number at all (`non_answer`: "It is red." answers no arithmetic);
 - ``no_action_anchor``: the same share against the anchor version's (deployer/gate.py
   `anchor_version`), on the anchored suites: per-promotion steps under ``no_action_rate`` do not add
   up to a model that stopped answering;
-- ``kl``: per-token KL(champion || challenger) on held-out logged traffic above ``kl_budget``;
+- ``kl``: per-token KL(champion || challenger) on held-out logged traffic above its budget
+  (`kl_budget`: ``kl_budget`` when set, else ``kl_budget_factor`` x the trainer's ``max_kl``);
 - ``no_feedback``: the estimated share of episodes without any feedback, reweighted to each model,
   up by more than ``no_action_rate`` (only when the off-policy estimate is conclusive).
 
@@ -37,6 +39,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel, ConfigDict
 
 from schemas.settings import AlarmSettings
+from schemas.settings.gate import KL_BUDGET_WITHOUT_TRUST_REGION
 from serving import Generation
 
 
@@ -178,14 +181,27 @@ def no_action_anchor_alarm(
     )
 
 
-def kl_alarm(kl_per_token: float, cfg: AlarmSettings) -> Alarm:
-    fired = not math.isfinite(kl_per_token) or kl_per_token > cfg.kl_budget
+def kl_budget(cfg: AlarmSettings, max_kl: float | None) -> tuple[float, str]:
+    """The `kl` alarm's budget (nats/token) and why: ``kl_budget`` when set, else ``kl_budget_factor``
+    x the trainer's trust region ``max_kl``, else 1.0 (schemas/settings/gate.py)."""
+    if cfg.kl_budget is not None:
+        return cfg.kl_budget, "gate.alarms.kl_budget"
+    if max_kl is not None:
+        return cfg.kl_budget_factor * max_kl, f"{cfg.kl_budget_factor:g} x trainer.max_kl {max_kl:g}"
+    return KL_BUDGET_WITHOUT_TRUST_REGION, f"{KL_BUDGET_WITHOUT_TRUST_REGION:g} (trainer.max_kl is not set)"
+
+
+def kl_alarm(kl_per_token: float, cfg: AlarmSettings, max_kl: float | None) -> Alarm:
+    """KL(champion || challenger) per token above the budget (`kl_budget`), which the detail names."""
+    budget, why = kl_budget(cfg, max_kl)
+    fired = not math.isfinite(kl_per_token) or kl_per_token > budget
     return Alarm(
         name="kl",
         fired=fired,
         value=kl_per_token,
-        threshold=cfg.kl_budget,
-        detail=f"KL(champion || challenger) {kl_per_token:.3f} nats/token on held-out traffic",
+        threshold=budget,
+        detail=f"KL(champion || challenger) {kl_per_token:.3f} nats/token on held-out traffic; "
+        f"budget {budget:g} = {why}",
     )
 
 

@@ -22,10 +22,13 @@ Prompt suites generate on the *staging* vLLM server (``settings.vllm.staging_ser
 front of users): the gate swaps it to the challenger with the same verified swap the fleet gets (so
 a checkpoint that does not load or does not match its probe fails here, before any user sees it),
 samples every suite's prompts, then does the same for the champion. Both sample with the served
-model's defaults and the same seed, so both see the same sampling noise. While the challenger is
-loaded, the staging server's `/weight_checker` digests are recorded in the store as the version's
-baseline for the fleet's swap verification. One gate run at a time per store, on any host:
-the staging server is held by the store's "staging" lock. The gate uses the one-server swap's
+model's defaults and the same seed, so both see the same sampling noise. The seed, and the task's
+held-out questions the suites use, are drawn afresh per challenger (`draw_seed`: a hash of
+``gate.seed``, the registry model and the version; ``gate.fresh_draws`` off pins ``gate.seed`` and
+the first questions), so no challenger is tuned to one fixed set; both are in the decision. While
+the challenger is loaded, the staging server's `/weight_checker` digests are recorded in the store
+as the version's baseline for the fleet's swap verification. One gate run at a time per store, on
+any host: the staging server is held by the store's "staging" lock. The gate uses the one-server swap's
 public interface (deployer/swap.py: `target`, `swap_server`, `server_client`, `rollout_lock`,
 `save_digests` / `load_digests`), never the fleet's rollout.
 
@@ -37,12 +40,14 @@ Called by the worker's chain (worker/chain.py) after a cycle registers a challen
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
+import evals
 from deployer import alarms, metrics, ope, swap, trust
 from deployer.alarms import Alarm, Behaviour
 from deployer.errors import GateError
@@ -75,6 +80,15 @@ class GateDecision(BaseModel):
     confidence: float
     n_prompts: int = Field(description="Prompts sampled per model over all prompt suites.")
     n_samples: int = Field(description="Completions per model (prompts x samples per prompt).")
+    seed: int | None = Field(
+        None, description="This run's sampling and bootstrap seed, the same for every model (`draw_seed`)."
+    )
+    fresh_draw: bool = Field(False, description="Whether `seed` and `draw` were drawn for this challenger.")
+    draw: list[int] = Field(
+        default_factory=list,
+        description="The task's held-out questions its suites used: indices into `Task.heldout_questions()` "
+        "(empty without a task suite).",
+    )
     suites: list[SuiteResult] = Field(default_factory=list)
     alarms: list[Alarm] = Field(default_factory=list)
     behaviour: dict[str, Behaviour] = Field(
@@ -110,8 +124,16 @@ def decide(suites: list[SuiteResult], fired: list[Alarm]) -> tuple[bool, str]:
     return True, "non-inferior on " + ", ".join(parts) + "; no alarm"
 
 
+def draw_seed(base: int, model: str, version: int) -> int:
+    """The gate's seed for version `version` of registry model `model`: 31 bits of the SHA-256 of
+    ``gate.seed`` and the two, the same in every process and Python version (not `hash()`), different
+    for each challenger, and the same when one challenger is judged again (docs/gate.md, Fresh draws)."""
+    digest = hashlib.sha256(f"rtrl gate draw\0{base}\0{model}\0{version}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") >> 1
+
+
 def _generate(
-    server: VllmClient, settings: Settings, suites: list[PromptSuite]
+    server: VllmClient, settings: Settings, suites: list[PromptSuite], seed: int
 ) -> list[list[list[Generation]]]:
     """Every suite's prompts sampled on `server`; suites with the same prompts share one request."""
     cache: dict[tuple[tuple[str, ...], int, tuple[str, ...]], list[list[Generation]]] = {}
@@ -123,7 +145,7 @@ def _generate(
                 list(suite.prompts),
                 max_tokens=suite.max_tokens,
                 n=settings.gate.samples_per_prompt,
-                seed=settings.gate.seed,
+                seed=seed,
                 stop=list(suite.stop),
                 sampling=served_defaults(settings),
             )
@@ -172,13 +194,16 @@ def anchor_version(settings: Settings, registry: Registry, champion: int) -> int
 
 @dataclass(frozen=True)
 class _Plan:
-    """What one gate run compares: the versions and the prompt suites."""
+    """What one gate run compares: the versions, the prompt suites, and the run's draw."""
 
     challenger: int
     champion: int
     anchor: int | None  # the anchor version, None when no suite runs on one
     suites: list[PromptSuite]
     anchored: list[int]  # indices into `suites` of those also sampled on the anchor
+    seed: int  # sampling and bootstrap seed of every model in this run
+    fresh: bool  # `seed` and `draw` drawn for this challenger (gate.fresh_draws)
+    draw: list[int]  # the task's held-out questions (Task.heldout_draw) its suites use
 
 
 @dataclass
@@ -220,16 +245,36 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store)
 
 def _plan(settings: Settings, registry: Registry, version: int, store: Store) -> _Plan:
     """The champion, the anchor (`gate.anchor`) when a suite of `gate.anchor_suites` is configured,
-    and the prompt suites; raises GateError on a bad suite or anchor."""
+    the run's seed and draw, and the prompt suites; raises GateError on a bad suite or anchor."""
+    cfg = settings.gate
     champion = trust.champion(registry, store)  # rtrl's record, not an alias moved by hand
     anchor = anchor_version(settings, registry, champion)
-    suites = [s for s, _ in prompt_suites(settings)]
+    seed, drawn = run_draw(settings, registry.model_name, version)
+    suites = [s for s, _ in prompt_suites(settings, seed if cfg.fresh_draws else None)]
     anchored = (
         [i for i, s in enumerate(suites) if s.name in settings.gate.anchor_suites]
         if anchor is not None
         else []
     )
-    return _Plan(version, champion, anchor if anchored else None, suites, anchored)
+    return _Plan(
+        version, champion, anchor if anchored else None, suites, anchored, seed, cfg.fresh_draws, drawn
+    )
+
+
+def run_draw(settings: Settings, model: str, version: int) -> tuple[int, list[int]]:
+    """The seed of a gate run on `version` and the task's held-out questions its task suites use
+    (`Task.heldout_draw` indices; none without a task suite): drawn for the challenger under
+    ``gate.fresh_draws``, else ``gate.seed`` and the first ``gate.eval_prompts``."""
+    cfg = settings.gate
+    seed = draw_seed(cfg.seed, model, version) if cfg.fresh_draws else cfg.seed
+    if not {"retention", "oracle", "judge"} & set(cfg.suites):
+        return seed, []
+    try:  # what prompt_suites takes with the same seed
+        return seed, evals.get_task(cfg.task).heldout_draw(
+            cfg.eval_prompts, seed if cfg.fresh_draws else None
+        )
+    except evals.TaskError as exc:
+        raise GateError(str(exc)) from exc
 
 
 def _sample_on_staging(
@@ -244,19 +289,19 @@ def _sample_on_staging(
             try:
                 staged.targets["challenger"] = swap.target(settings, registry, store, plan.challenger)
                 _load(server, staged.targets["challenger"], settings, store)
-                staged.generated["challenger"] = _generate(server, settings, plan.suites)
+                staged.generated["challenger"] = _generate(server, settings, plan.suites, plan.seed)
             except (GateError, AdapterError) as exc:
                 staged.load_failure = str(exc)  # a challenger that does not load fails the gate; recorded
             if plan.anchor is not None and staged.load_failure is None:
                 staged.targets["anchor"] = swap.target(settings, registry, store, plan.anchor)
                 _load(server, staged.targets["anchor"], settings, store)
                 staged.generated["anchor"] = _generate(
-                    server, settings, [plan.suites[i] for i in plan.anchored]
+                    server, settings, [plan.suites[i] for i in plan.anchored], plan.seed
                 )
             # The champion runs last so the staging server ends on it, matching the fleet.
             staged.targets["champion"] = swap.target(settings, registry, store, plan.champion)
             _load(server, staged.targets["champion"], settings, store)
-            staged.generated["champion"] = _generate(server, settings, plan.suites)
+            staged.generated["champion"] = _generate(server, settings, plan.suites, plan.seed)
     return staged
 
 
@@ -268,20 +313,28 @@ def _score(
     cfg = settings.gate
     generated = staged.generated
     results = [
-        score_prompts(suite, generated["challenger"][i], generated["champion"][i], settings)
+        score_prompts(suite, generated["challenger"][i], generated["champion"][i], settings, plan.seed)
         for i, suite in enumerate(plan.suites)
     ]
     for position, index in enumerate(plan.anchored):
         assert plan.anchor is not None
         versus = score_prompts(
-            plan.suites[index], generated["challenger"][index], generated["anchor"][position], settings
+            plan.suites[index],
+            generated["challenger"][index],
+            generated["anchor"][position],
+            settings,
+            plan.seed,
         )
         results.append(against_anchor(versus, plan.anchor, settings))
     behaviour, found = _behaviour_alarms(settings, plan, generated)
     if "ope" in cfg.suites:
         chal, champ = staged.targets["challenger"], staged.targets["champion"]
         estimate, ope_alarms = ope_suite(
-            settings, store, ope.Weights(chal.path, chal.base), ope.Weights(champ.path, champ.base)
+            settings,
+            store,
+            ope.Weights(chal.path, chal.base),
+            ope.Weights(champ.path, champ.base),
+            plan.seed,
         )
         results.append(estimate)
         found.extend(ope_alarms)
@@ -338,6 +391,9 @@ def _decision(
         confidence=cfg.confidence,
         n_prompts=n_prompts,
         n_samples=n_prompts * cfg.samples_per_prompt,
+        seed=plan.seed,
+        fresh_draw=plan.fresh,
+        draw=plan.draw,
         suites=results,
         alarms=found,
         behaviour=behaviour,
@@ -383,6 +439,8 @@ def record(
         "gate_champion_score": f"{decision.champion_score}",
         "gate_decided_at": decision.decided_at.isoformat(),
         "gate_alarms": ",".join(a.name for a in decision.alarms if a.fired),
+        "gate_seed": f"{decision.seed}",
+        "gate_draw": ("fresh " if decision.fresh_draw else "fixed ") + ",".join(map(str, decision.draw)),
     }
     for suite in decision.suites:
         verdict = "inconclusive" if not suite.conclusive else "pass" if suite.passed else "fail"

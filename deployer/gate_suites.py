@@ -48,18 +48,20 @@ def margin(settings: Settings, suite: str) -> float:
     return settings.gate.margins.get(suite, settings.gate.tolerance)
 
 
-def prompt_suites(settings: Settings) -> list[tuple[PromptSuite, bool]]:
-    """(suite, oracle?) for every configured prompt suite; raises GateError on a bad suite."""
+def prompt_suites(settings: Settings, draw_seed: int | None = None) -> list[tuple[PromptSuite, bool]]:
+    """(suite, oracle?) for every configured prompt suite; the task's suites on the same
+    `gate.eval_prompts` held-out questions, the first ones or drawn with `draw_seed`
+    (`Task.heldout_draw`); raises GateError on a bad suite."""
     cfg = settings.gate
     suites: list[tuple[PromptSuite, bool]] = []
     try:
         task = evals.get_task(cfg.task)
         if "retention" in cfg.suites:
-            suites.append((retention_suite(task, cfg.eval_prompts), False))
+            suites.append((retention_suite(task, cfg.eval_prompts, draw_seed), False))
         if "oracle" in cfg.suites:
             preference = evals.load_preference(cfg.preference) if cfg.preference else task.preference
             reward = evals.scorer(preference, get_spec(settings.labeler.reward_spec))
-            prompts = tuple(task.heldout_prompts(cfg.eval_prompts))
+            prompts = tuple(task.heldout_prompts(cfg.eval_prompts, draw_seed))
             suites.append(
                 (
                     PromptSuite(
@@ -75,7 +77,7 @@ def prompt_suites(settings: Settings) -> list[tuple[PromptSuite, bool]]:
             )
         if "judge" in cfg.suites:
             assert cfg.judge is not None  # GateSettings refuses "judge" without it
-            suites.append((judge_suite(task, cfg.eval_prompts, cfg.judge), False))
+            suites.append((judge_suite(task, cfg.eval_prompts, cfg.judge, draw_seed), False))
         suites.extend((load_offline(offline), False) for offline in cfg.offline)
     except evals.TaskError as exc:
         raise GateError(str(exc)) from exc
@@ -87,14 +89,17 @@ def score_prompts(
     challenger: list[list[Generation]],
     champion: list[list[Generation]],
     settings: Settings,
+    seed: int | None = None,
 ) -> SuiteResult:
+    """A prompt suite's verdict from both models' generations; `seed` is the bootstrap's (default
+    `gate.seed`; the gate passes its run's seed)."""
     if suite.judge is not None:
-        return _score_judged(suite, suite.judge, challenger, champion, settings)
+        return _score_judged(suite, suite.judge, challenger, champion, settings, seed)
 
     def per_prompt(generations: list[list[Generation]]) -> list[float]:
         return [sum(suite.score(i, g.text) for g in gens) / len(gens) for i, gens in enumerate(generations)]
 
-    return _paired(suite.name, per_prompt(challenger), per_prompt(champion), settings)
+    return _paired(suite.name, per_prompt(challenger), per_prompt(champion), settings, seed)
 
 
 def _score_judged(
@@ -103,6 +108,7 @@ def _score_judged(
     challenger: list[list[Generation]],
     champion: list[list[Generation]],
     settings: Settings,
+    seed: int | None,
 ) -> SuiteResult:
     """Both models' generations graded by the judge; prompts without a grade on either side are left
     out, and an outage follows `gate.judge.outage` (docs/gate.md, Judge)."""
@@ -140,15 +146,21 @@ def _score_judged(
             margin=margin(settings, suite.name),
             note=f"judge out ({judge.outage}): {failed}",
         )
-    result = _paired(suite.name, [a for a, _ in pairs], [b for _, b in pairs], settings)
+    result = _paired(suite.name, [a for a, _ in pairs], [b for _, b in pairs], settings, seed)
     return result.model_copy(update={"note": f"{len(pairs)} prompts graded by {judge.model}; {failed}"})
 
 
-def _paired(name: str, ours: list[float], theirs: list[float], settings: Settings) -> SuiteResult:
+def _paired(
+    name: str, ours: list[float], theirs: list[float], settings: Settings, seed: int | None
+) -> SuiteResult:
     """A prompt suite's verdict from per-prompt mean scores of both models (paired bootstrap)."""
     cfg = settings.gate
     interval = paired_interval(
-        ours, theirs, confidence=cfg.confidence, resamples=cfg.bootstrap_resamples, seed=cfg.seed
+        ours,
+        theirs,
+        confidence=cfg.confidence,
+        resamples=cfg.bootstrap_resamples,
+        seed=cfg.seed if seed is None else seed,
     )
     allowed = margin(settings, name)
     return SuiteResult(
@@ -165,9 +177,14 @@ def _paired(name: str, ours: list[float], theirs: list[float], settings: Setting
 
 
 def ope_suite(
-    settings: Settings, store: Store, challenger: ope.Weights, champion: ope.Weights
+    settings: Settings,
+    store: Store,
+    challenger: ope.Weights,
+    champion: ope.Weights,
+    seed: int | None = None,
 ) -> tuple[SuiteResult, list[Alarm]]:
-    """The off-policy suite on the store's held-out traffic and the alarms it feeds (kl, no_feedback)."""
+    """The off-policy suite on the store's held-out traffic and the alarms it feeds (kl, no_feedback);
+    `seed` is the bootstrap's (default `gate.seed`)."""
     cfg = settings.gate
     spec_id = get_spec(settings.labeler.reward_spec).spec_id
     episodes = store.select_heldout(
@@ -201,7 +218,7 @@ def ope_suite(
         clip=cfg.ope.clip,
         confidence=cfg.confidence,
         resamples=cfg.bootstrap_resamples,
-        seed=cfg.seed,
+        seed=cfg.seed if seed is None else seed,
     )
     ess = min(estimate.ess_challenger, estimate.ess_champion)
     conclusive = ess >= cfg.ope.min_ess
@@ -234,7 +251,7 @@ def ope_suite(
         kl = snips(w0[kept], gap[kept]) / max(
             snips(w0[kept], np.asarray([e.tokens for e in logged], dtype=np.float64)[kept]), 1.0
         )
-        found.append(alarms.kl_alarm(kl, cfg.alarms))
+        found.append(alarms.kl_alarm(kl, cfg.alarms, settings.trainer.max_kl))
     if conclusive:
         silent = np.asarray([float(e.no_feedback) for e in logged])
         found.append(alarms.no_feedback_alarm(snips(w1, silent), snips(w0, silent), cfg.alarms))

@@ -1,8 +1,9 @@
 """Prompt suites with verifiable scorers for the eval gate (docs/gate.md, Offline suites).
 
-A suite is a fixed list of prompts, each with what makes a completion right, and a scorer that
-turns a completion into a score in [0, 1]. The gate samples every prompt under both models with the
-same seed and compares the per-prompt mean scores (evals/stats.py `paired_interval`).
+A suite is a list of prompts, each with what makes a completion right, and a scorer that turns a
+completion into a score in [0, 1]. The gate samples every prompt under both models with the same
+seed and compares the per-prompt mean scores (evals/stats.py `paired_interval`). The task's suites
+take `gate.eval_prompts` of its held-out questions, drawn afresh per challenger (`Task.heldout_draw`).
 
 - ``retention``: the task's held-out questions (never sent by the simulator, never trained on),
   scored by their known answers: does the model still know what it knew? (For the demo task: is the
@@ -70,9 +71,10 @@ def regex_answer(prompt: str, completion: str, line: Mapping[str, Any]) -> float
     return float(re.search(str(line["pattern"]), completion) is not None)
 
 
-def retention_suite(task: Task, n: int) -> PromptSuite:
-    """The task's first `n` held-out questions, right when the completion contains an answer."""
-    questions = task.heldout_questions()[:n]
+def retention_suite(task: Task, n: int, seed: int | None = None) -> PromptSuite:
+    """`n` of the task's held-out questions (the first `n`, or drawn with `seed`: `Task.heldout_draw`),
+    right when the completion contains an answer."""
+    questions = task.heldout_questions_drawn(n, seed)
     return PromptSuite(
         name="retention",
         prompts=tuple(task.format_prompt(q.text) for q in questions),
@@ -83,9 +85,9 @@ def retention_suite(task: Task, n: int) -> PromptSuite:
     )
 
 
-def judge_suite(task: Task, n: int, judge: JudgeSettings) -> PromptSuite:
-    """The task's first `n` held-out prompts, graded by `judge`."""
-    prompts = tuple(task.heldout_prompts(n))
+def judge_suite(task: Task, n: int, judge: JudgeSettings, seed: int | None = None) -> PromptSuite:
+    """`n` of the task's held-out prompts (the first, or drawn with `seed`), graded by `judge`."""
+    prompts = tuple(task.heldout_prompts(n, seed))
 
     def unused(prompt: str, completion: str, line: Mapping[str, Any]) -> float:
         raise SuiteError("the judge suite is graded by its judge (Judge.score_many), not item by item")

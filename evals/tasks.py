@@ -93,12 +93,30 @@ class Task:
             raise TaskError(f"n must be >= 0, got {n}")
         return random.Random(seed).choices(self.train_questions(), k=n)
 
-    def heldout_prompts(self, n: int) -> list[str]:
-        """The first `n` held-out prompts: the same list every time, never drawn by `train_prompts`."""
+    def heldout_draw(self, n: int, seed: int | None = None) -> list[int]:
+        """Indices of `n` held-out questions (into `heldout_questions()`, ascending): the first `n`
+        without a seed; with one, the `n` whose SHA-256 of seed and text ranks lowest, a draw without
+        replacement that is the same in every process and Python version (docs/gate.md, Fresh draws)."""
         heldout = self.heldout_questions()
         if not 0 <= n <= len(heldout):
             raise TaskError(f"task {self.name!r} has {len(heldout)} held-out prompts; asked for {n}")
-        return [self.format_prompt(q.text) for q in heldout[:n]]
+        if seed is None:
+            return list(range(n))
+        ranked = sorted(
+            range(len(heldout)),
+            key=lambda i: hashlib.sha256(f"{seed}\0{heldout[i].text}".encode()).hexdigest(),
+        )
+        return sorted(ranked[:n])
+
+    def heldout_questions_drawn(self, n: int, seed: int | None = None) -> list[Question]:
+        """The questions of `heldout_draw(n, seed)`, in held-out order."""
+        heldout = self.heldout_questions()
+        return [heldout[i] for i in self.heldout_draw(n, seed)]
+
+    def heldout_prompts(self, n: int, seed: int | None = None) -> list[str]:
+        """`n` held-out prompts, never drawn by `train_prompts`: the first `n` (the same list every
+        time) without a seed, the draw `heldout_draw(n, seed)` with one."""
+        return [self.format_prompt(q.text) for q in self.heldout_questions_drawn(n, seed)]
 
     def sft_completion(self, question: Question, rng: random.Random) -> str:
         """A supervised completion for `question`: a random answer in a random shape."""

@@ -54,6 +54,12 @@ def explain_text(record: dict[str, Any]) -> str:
         f"  rule: every conclusive suite's {record['confidence']:.0%} lower bound of challenger - champion "
         f"above -(its margin), at least one conclusive suite, no alarm",
     ]
+    if record.get("seed") is not None:  # recorded since fresh draws (docs/gate.md, Fresh draws)
+        drawn = record.get("draw") or []
+        lines.append(
+            f"  draw: seed {record['seed']} ({'drawn for this challenger' if record.get('fresh_draw') else 'fixed'})"
+            + (f", held-out questions {', '.join(map(str, drawn))}" if drawn else "")
+        )
     for suite in record.get("suites", []):
         verdict = "inconclusive" if not suite["conclusive"] else "pass" if suite["passed"] else "FAIL"
         diff = suite.get("difference")

@@ -14,6 +14,49 @@ from schemas.settings.section import Section
 
 GateSuite = Literal["ope", "retention", "oracle", "judge"]
 
+# The `kl` alarm's budget when neither gate.alarms.kl_budget nor trainer.max_kl is set (nats/token).
+KL_BUDGET_WITHOUT_TRUST_REGION = 1.0
+
+# The default no_action_pattern, built from named parts (docs/gate.md, Alarms); case-insensitive.
+# _ALONE counts only as the whole completion; the deflections only where the completion opens with
+# one: a refusal or a deflection opens a non-answer, while a real answer may say "can't" or "more
+# details" further on ("You can't divide by zero, so the result is undefined.").
+_A = "['\u2019]"  # an apostrophe, straight or curly
+_LEAD_IN = (  # what may come before the refusal: an apology, a hedge, "as an AI"
+    rf"(?:(?:i{_A}m |i am )?(?:very |so )?sorry|apologies|i apologi[sz]e|unfortunately|hmm+|well"
+    r"|as an ai(?: language model| assistant| model)?)\W*(?:but\W+)?"
+)
+_REFUSAL = (  # I can't / cannot / am unable to / won't ... (at most one word) help, answer, ...
+    rf"i(?: can{_A}?t| cannot| can not| won{_A}t| will not| am unable to|{_A}m unable to| am not able to"
+    rf"|{_A}m not able to)(?: \w+)?? (?:help|assist|answer|respond|reply|provide|give|tell|say|share|comply"
+    r"|do that|discuss|comment|determine|know|be sure|fulfil+|complete|access|offer|support|continue|engage)"
+)
+_UNKNOWING = (  # I don't know / understand, not sure, no idea, would rather not
+    rf"i (?:do not|don{_A}t) (?:know|understand|follow)|i(?:{_A}m| am) not (?:sure|certain)"
+    rf"|i (?:do not|don{_A}t) have (?:enough (?:information|context|details?)|access to|the ability to)"
+    rf"|i have no idea|i(?:{_A}d| would) rather not|i prefer not to"
+)
+_CLARIFY = (  # a request for clarification or more details
+    r"(?:could|can|would) you (?:please )?(?:clarify|elaborate|specify|rephrase|provide|give|share"
+    r"|be more specific|tell me more)"
+    r"|please (?:clarify|elaborate|specify|rephrase|provide|give|share|be more specific|tell me more)"
+    r"|(?:i|we) (?:need|would need|require) more (?:information|context|details?)"
+    r"|(?:more|additional) (?:information|context|details?) (?:is|are|would be) (?:needed|required)"
+    r"|(?:let me know|tell me) (?:what|which|more)"
+)
+_ALONE = (  # non-answers only when they are the whole completion
+    r"[^\w]*"  # nothing alphanumeric
+    r"|(?:well\W*)?(?:it|that) (?:all |really )?depends(?: on (?:the |your )?(?:context|situation"
+    r"|circumstances|case|many factors|what you mean|your needs))?\W*"
+    rf"|(?:i{_A}m |i am )?(?:very |so )?sorry\W*"
+    r"|(?:no idea|not sure|hard to say|no comment|who knows)\W*"
+)
+NO_ACTION_PATTERN = (
+    rf"(?i)^(?:{_ALONE})$"  # on its own
+    r"|\?\s*$"  # ends in a question
+    rf"|^(?:{_LEAD_IN})?(?:as an ai\b|(?:{_REFUSAL}|{_UNKNOWING}|{_CLARIFY})\b)"  # opens with a deflection
+)
+
 
 class OpeSettings(Section):
     """The gate's off-policy estimate on held-out logged traffic (docs/gate.md, Off-policy evaluation)."""
@@ -62,10 +105,21 @@ class AlarmSettings(Section):
         le=1,
         description="Share of completions cut off by max_tokens (no answer within the budget) up by more than this.",
     )
-    kl_budget: float = Field(
-        1.0,
+    kl_budget: float | None = Field(
+        None,
         gt=0,
-        description="Per-token KL(champion || challenger) on held-out logged traffic above this (nats).",
+        description="Per-token KL(champion || challenger) on held-out logged traffic above this (nats). None: "
+        "`kl_budget_factor` x `trainer.max_kl` when the trainer has a trust region, else "
+        f"{KL_BUDGET_WITHOUT_TRUST_REGION:g}. A fixed 1.0 against a trust region of 0.1 could only fire once "
+        "the trust region was broken tenfold.",
+    )
+    kl_budget_factor: float = Field(
+        2.0,
+        gt=0,
+        description="The default `kl_budget` as a multiple of `trainer.max_kl`. Above 1 because the two do not "
+        "measure the same thing: the trust region caps KL on the cycle's own training batch (k3 estimate), "
+        "the alarm estimates it on held-out traffic the challenger never saw, reweighted and noisier; 2 leaves "
+        "room for that and still fires long before the old 1.0 (docs/gate.md, Alarms).",
     )
     no_action_rate: float = Field(
         0.1,
@@ -75,9 +129,13 @@ class AlarmSettings(Section):
         "share of episodes without feedback on held-out traffic, up by more than this over the champion's.",
     )
     no_action_pattern: str = Field(
-        r"^[^\w]*$|\?\s*$",
-        description="Regular expression (Python, searched) that marks a completion as a non-answer: by default "
-        "nothing alphanumeric, or a question.",
+        NO_ACTION_PATTERN,
+        description="Regular expression (Python, searched in the stripped completion) that marks a completion as "
+        "a non-answer. The default, case-insensitive: nothing alphanumeric; a question; or a completion that "
+        "opens (after an optional apology, 'unfortunately' or 'as an AI') with a refusal (I can't / cannot / "
+        "am unable to / won't + help, answer, provide...), 'I don't know', 'I'm not sure', 'as an AI', or a "
+        "request for clarification or more details; or 'it depends' on its own. A real answer that merely "
+        'contains "can\'t" later on is an answer (docs/gate.md, Alarms).',
     )
 
 
@@ -120,7 +178,19 @@ class GateSettings(Section):
         0.95, gt=0.5, lt=1, description="One-sided confidence of each suite's lower bound."
     )
     bootstrap_resamples: int = Field(1000, ge=100, description="Bootstrap resamples per interval.")
-    seed: int = Field(20240917, description="Sampling seed (the same for both models) and bootstrap seed.")
+    seed: int = Field(
+        20240917,
+        description="Base of every gate run's seed: with `fresh_draws`, each challenger's sampling and bootstrap "
+        "seed is a hash of this, the registry model and the version; without, this is that seed.",
+    )
+    fresh_draws: bool = Field(
+        True,
+        description="Draw each challenger's seed and the task's held-out questions (`eval_prompts` of them) "
+        "afresh from `seed` and its version, so no challenger is tuned to one fixed set; both are recorded with "
+        "the decision. Off: every challenger gets `seed` and the first `eval_prompts` questions, for comparing "
+        "a series of versions on the very same prompts and noise, or reproducing a decision made before "
+        "fresh draws (docs/gate.md, Fresh draws).",
+    )
     suites: tuple[GateSuite, ...] = Field(
         ("ope", "retention"),
         description="ope: off-policy estimate on held-out logged traffic (no oracle); retention: the task's "
@@ -132,7 +202,10 @@ class GateSettings(Section):
         (), description="Extra prompt sets with verifiable scorers."
     )
     eval_prompts: int = Field(
-        48, ge=1, description="Held-out prompts of the task (retention, oracle) per model."
+        48,
+        ge=1,
+        description="Held-out prompts of the task (retention, oracle, judge) per model, drawn from its held-out "
+        "questions (`fresh_draws`).",
     )
     samples_per_prompt: int = Field(4, ge=1, description="Completions per prompt.")
     task: str = Field(

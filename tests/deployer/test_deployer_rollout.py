@@ -298,6 +298,14 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
                 )  # recorded on staging for the swap verification
                 ope = next(s for s in decision.suites if s.name == "ope")
                 assert ope.n > 20, ope
+                # Fresh draws: this challenger's own seed and questions, recorded (docs/gate.md).
+                assert decision.fresh_draw and decision.seed == gate.draw_seed(
+                    0, registry.model_name, version
+                )
+                assert decision.draw == gate.run_draw(seeded, registry.model_name, version)[1]
+                assert len(decision.draw) == settings.gate.eval_prompts
+                assert store.gate_decisions(version)[0]["seed"] == decision.seed
+                assert registry.version_tags(version)["gate_seed"] == str(decision.seed)
                 if version == same:
                     assert decision.passed and decision.challenger_score == decision.champion_score
                     assert ope.conclusive and ope.difference is not None and ope.difference.estimate == 0.0
@@ -307,7 +315,8 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
                     # Far from what users were served: its weights on the logged traffic collapse (the
                     # estimate is inconclusive, whatever its value), and the KL alarm names why.
                     assert not ope.conclusive and ope.ess is not None and ope.ess < 8
-                    assert "kl" in {a.name for a in decision.alarms if a.fired}
+                    kl = next(a for a in decision.alarms if a.name == "kl")
+                    assert kl.fired and "trainer.max_kl" in kl.detail  # the budget follows the trust region
     print(
         f"{runs} seeded runs x 2 in {time.monotonic() - started:.0f} s:",
         {f"v{v}": f"{sum(o)}/{len(o)} passed" for v, o in outcomes.items()},
@@ -316,6 +325,8 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
     assert sum(not passed for passed in outcomes[noised]) >= runs - runs // 20
     records = store.gate_decisions(noised)
     assert len(records) == runs and records[0]["passed"] is False
+    assert len({r["seed"] for r in records}) == runs  # gate.seed is still the base of each run's draw
+    assert store.gate_decisions(same)[0]["draw"] != records[0]["draw"]  # another challenger, another draw
     assert registry.version_tags(noised)["gate"] == "fail"
     assert registry.version_tags(same)["gate_suite_ope"].startswith("pass +0.0000")
     assert registry.champion() == 1

@@ -257,8 +257,9 @@ def test_an_answer_of_the_wrong_kind_is_a_non_answer_and_the_anchor_sees_the_rat
 
 def test_kl_alarm() -> None:
     cfg = AlarmSettings(kl_budget=0.5)
-    assert not kl_alarm(0.1, cfg).fired
-    assert kl_alarm(0.6, cfg).fired and kl_alarm(math.inf, cfg).fired and kl_alarm(math.nan, cfg).fired
+    assert not kl_alarm(0.1, cfg, 0.1).fired  # an explicit budget wins over the trust region's
+    assert kl_alarm(0.6, cfg, 1.0).fired
+    assert kl_alarm(math.inf, cfg, None).fired and kl_alarm(math.nan, cfg, None).fired
 
 
 def test_the_gates_prompt_suites_score_every_prompt() -> None:
