@@ -5,7 +5,7 @@ downloads checkpoints, the CLI reads it. Importing this package does not import 
 """
 
 from registry.client import CHALLENGER, CHAMPION, DOWNLOAD_COMPLETE, Registry, VersionRecord, flatten
-from registry.errors import NoChampion, RegistryError, RegistryUnavailable
+from registry.errors import NoChampion, RegistryError, RegistryRefused, RegistryUnavailable
 
 __all__ = [
     "CHALLENGER",
@@ -14,6 +14,7 @@ __all__ = [
     "NoChampion",
     "Registry",
     "RegistryError",
+    "RegistryRefused",
     "RegistryUnavailable",
     "VersionRecord",
     "flatten",

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.credentials import sign_in
-from registry.errors import NoChampion, RegistryError, RegistryUnavailable
+from registry.errors import NoChampion, RegistryError, RegistryRefused, RegistryUnavailable
 from schemas.settings import MlflowSettings, Settings
 from schemas.versions import format_version
 
@@ -70,6 +70,12 @@ def _answered(uri: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> 
     try:
         return call(*args, **kwargs)
     except MlflowException as exc:
+        if (status := exc.get_http_status_code()) in (401, 403):  # type: ignore[no-untyped-call]
+            raise RegistryRefused(
+                f"MLflow at {uri} refused rtrl's credentials ({status}): set RTRL_MLFLOW__USERNAME and "
+                "RTRL_MLFLOW__PASSWORD to a user of its basic-auth app with rights on the model (the local services' admin is in "
+                "<services.run_dir>/mlflow/auth.json, made by `rtrl services up`; docs/security.md, The registry)"
+            ) from exc
         if _unanswered(exc):
             raise RegistryUnavailable(
                 f"MLflow at {uri} does not answer ({' '.join(str(exc).split())[:300]}); is it up? "
@@ -79,17 +85,27 @@ def _answered(uri: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> 
 
 
 class _Answering:
-    """An MlflowClient whose calls raise RegistryUnavailable when the server does not answer."""
+    """An MlflowClient whose calls raise RegistryUnavailable when the server does not answer and
+    RegistryRefused when it refuses rtrl's credentials; until `sign_in` has found credentials, it
+    is asked again before each call."""
 
-    def __init__(self, client: Any, uri: str) -> None:
+    def __init__(self, client: Any, uri: str, sign_in: Callable[[], bool]) -> None:
         self._client = client
         self._uri = uri
+        self._sign_in = sign_in
+        self._signed_in = sign_in()
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._client, name)
         if not callable(method):
             return method
-        return lambda *args, **kwargs: _answered(self._uri, method, *args, **kwargs)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not self._signed_in:
+                self._signed_in = self._sign_in()
+            return _answered(self._uri, method, *args, **kwargs)
+
+        return call
 
 
 def flatten(prefix: str, value: Any, out: dict[str, str]) -> dict[str, str]:
@@ -113,13 +129,15 @@ class Registry:
     def __init__(self, mlflow: MlflowSettings, checkpoints_dir: Path, run_dir: Path | None = None) -> None:
         from mlflow.tracking import MlflowClient
 
-        sign_in(mlflow, run_dir)  # configured credentials, else the local services' (registry/credentials.py)
         self.settings = mlflow
         self.model_name = mlflow.model_name
         self.checkpoints_dir = checkpoints_dir.expanduser().resolve()
         self._client = _Answering(
             MlflowClient(tracking_uri=mlflow.tracking_uri, registry_uri=mlflow.tracking_uri),
             mlflow.tracking_uri,
+            # Configured credentials, else the local services' (registry/credentials.py), which may
+            # not exist yet when the client is made: `rtrl demo` makes it before `services.up`.
+            lambda: sign_in(mlflow, run_dir),
         )
         self._experiment_id: str | None = None
 

@@ -37,9 +37,11 @@ def credentials(mlflow: MlflowSettings, run_dir: Path | None) -> tuple[str, str]
     return None if run_dir is None else local_credentials(run_dir)
 
 
-def sign_in(mlflow: MlflowSettings, run_dir: Path | None) -> None:
+def sign_in(mlflow: MlflowSettings, run_dir: Path | None) -> bool:
     """Set this process's MLflow credentials (one MLflow per process); leave them as they are when
-    there are none to set."""
+    there are none to set. Returns whether there were: a client made before ``rtrl services up``
+    wrote the local ones (``rtrl demo`` on a fresh run dir) asks again before its next call."""
     found = credentials(mlflow, run_dir)
     if found is not None:
         os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"] = found
+    return found is not None

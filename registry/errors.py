@@ -15,3 +15,7 @@ class NoChampion(RegistryError, OperatorError):
 
 class RegistryUnavailable(RegistryError, OperatorError):
     """The MLflow tracking server did not answer (unreachable or timing out)."""
+
+
+class RegistryRefused(RegistryError, OperatorError):
+    """The MLflow tracking server refused rtrl's credentials (401), or rtrl had none to give."""

@@ -125,3 +125,32 @@ def test_mlflow_refuses_whoever_does_not_sign_in_as_rtrl(
         f"{uri}/api/2.0/mlflow/registered-models/alias", json=move, auth=(user, password), timeout=10
     )
     assert signed.status_code == 200 and registry.alias(CHAMPION) == version
+
+
+def test_a_registry_made_before_the_local_credentials_exist_signs_in_once_they_do(
+    mlflow_service: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rtrl demo` makes its registry client before `rtrl services up` has written the local MLflow
+    admin's credentials (a fresh run dir): the client asks for them again before its next call,
+    instead of failing every call with 401; without any, the 401 is one line that says what to set."""
+    import shutil
+
+    from registry import RegistryRefused
+    from registry.credentials import AUTH_FILE
+
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    run_dir = tmp_path / "run"  # nothing in it yet, as on a fresh machine
+    tag = uuid.uuid4().hex[:8]
+    mlflow = mlflow_service.mlflow.model_copy(
+        update={"model_name": f"late-{tag}", "experiment": f"late-{tag}", "username": None, "password": None}
+    )
+    registry = Registry(mlflow, tmp_path / "checkpoints", run_dir)
+    with pytest.raises(RegistryRefused, match="RTRL_MLFLOW__USERNAME") as refused:
+        registry.versions()
+    assert "(401)" in str(refused.value) and "\n" not in str(refused.value)
+
+    (run_dir / AUTH_FILE).parent.mkdir(parents=True)
+    shutil.copy(mlflow_service.services.run_dir / AUTH_FILE, run_dir / AUTH_FILE)  # `services up` wrote them
+    assert registry.versions() == []
+    assert registry.register_checkpoint(checkpoint(tmp_path / "a", "a")) == 1
