@@ -305,8 +305,11 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
                 assert decision.draw == gate.run_draw(seeded, registry.model_name, version)[1]
                 assert len(decision.draw) == settings.gate.eval_prompts
                 assert store.gate_decisions(version)[0]["seed"] == decision.seed
-                assert registry.version_tags(version)["gate_seed"] == str(decision.seed)
+                tags = registry.version_tags(version)
+                assert tags["gate_seed"] == str(decision.seed)
+                assert tags["gate_draw"] == "fresh " + ",".join(map(str, decision.draw))
                 if version == same:
+                    # Both models sampled with the run's seed: the same weights score exactly alike.
                     assert decision.passed and decision.challenger_score == decision.champion_score
                     assert ope.conclusive and ope.difference is not None and ope.difference.estimate == 0.0
                     assert not any(a.fired for a in decision.alarms)

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from deployer import gate
 from deployer.gate import GateDecision, draw_seed, run_draw
 from deployer.gate_suites import prompt_suites, score_prompts
 from evals import TaskError, get_task
@@ -96,22 +95,12 @@ def test_fresh_draws_off_pins_the_base_seed_and_the_first_questions() -> None:
     assert run_draw(with_gate(suites=("ope",)), "rtrl-policy", 4)[1] == []  # no task suite, no draw
 
 
-class FakeServer:
-    def __init__(self) -> None:
-        self.seeds: list[int] = []
-
-    def sample(self, prompts: list[str], *, seed: int, **_: Any) -> list[list[Generation]]:
-        self.seeds.append(seed)
-        return [[Generation(text=" 7!", logprobs=(-1.0,), finish_reason="stop")] for _ in prompts]
-
-
-def test_every_model_of_a_run_samples_and_bootstraps_with_the_runs_seed() -> None:
+def test_a_prompt_suite_bootstraps_with_the_runs_seed() -> None:
+    """That both models of a run also sample with it is shown on a real staging server:
+    tests/deployer/test_deployer_rollout.py::test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs
+    (the same weights score exactly alike)."""
     settings = with_gate(eval_prompts=12)
     suites = [s for s, _ in prompt_suites(settings, 99)]
-    server = FakeServer()
-    for _model in ("challenger", "champion"):
-        gate._generate(server, settings, suites, 99)  # type: ignore[arg-type]
-    assert server.seeds == [99, 99]
     ours, theirs = [1.0, 0.0, 1.0, 1.0] * 3, [0.0, 0.0, 1.0, 1.0] * 3
     gens = [
         [[Generation(text=" 7!" if x else " red", logprobs=(-1.0,), finish_reason="stop")] for x in side]
@@ -132,20 +121,8 @@ def test_every_model_of_a_run_samples_and_bootstraps_with_the_runs_seed() -> Non
     )
 
 
-class FakeRegistry:
-    model_name = "rtrl-policy"
-
-    def __init__(self) -> None:
-        self.tags: dict[str, str] = {}
-
-    def tag_version(self, version: int, tags: dict[str, str]) -> None:
-        self.tags.update(tags)
-
-    def version_run_id(self, version: int) -> None:
-        return None
-
-
-def test_the_seed_and_the_draw_are_recorded_in_tags_and_in_words() -> None:
+def test_the_seed_and_the_draw_are_recorded_in_words() -> None:
+    """In MLflow's tags and the store: the real-service gate test named above."""
     decision = GateDecision(
         passed=True,
         challenger_version=3,
@@ -162,9 +139,6 @@ def test_the_seed_and_the_draw_are_recorded_in_tags_and_in_words() -> None:
         reason="ok",
         decided_at=datetime(2026, 1, 1, tzinfo=UTC),
     )
-    registry = FakeRegistry()
-    gate.record(Settings(), registry, decision)  # type: ignore[arg-type]
-    assert registry.tags["gate_seed"] == "125499512" and registry.tags["gate_draw"] == "fresh 4,9,70"
     data = decision.model_dump(mode="json")
     assert (data["seed"], data["fresh_draw"], data["draw"]) == (125499512, True, [4, 9, 70])
     text = explain_text(data)
