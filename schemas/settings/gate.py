@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from schemas.settings.canary import CanarySettings
 from schemas.settings.judge import JudgeSettings
 from schemas.settings.section import Section
 
@@ -217,6 +218,7 @@ class GateSettings(Section):
     )
     ope: OpeSettings = OpeSettings()
     alarms: AlarmSettings = AlarmSettings()
+    canary: CanarySettings = CanarySettings()
     judge: JudgeSettings | None = Field(
         None, description='The judge suite\'s endpoint (needed when suites has "judge").'
     )

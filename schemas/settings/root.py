@@ -59,6 +59,15 @@ class Settings(BaseSettings):
         _default(self, "mlflow", "backend_store_uri", local_postgres_url(self, self.postgres.mlflow_database))
         return self
 
+    @model_validator(mode="after")
+    def _canary_has_a_server(self) -> Settings:
+        if self.gate.canary.enabled and self.vllm.canary_server is None:
+            raise ValueError(
+                "gate.canary.enabled needs vllm.canary_server (RTRL_VLLM__CANARY_SERVER), the server that serves "
+                "the challenger to the canary's share of users"
+            )
+        return self
+
 
 def local_postgres_url(settings: Settings, database: str | None = None) -> str:
     """SQLAlchemy URL of `database` (default: postgres.database, the store's) on the local PostgreSQL

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from schemas.settings.section import Section
 
@@ -37,6 +37,12 @@ class VllmSettings(Section):
     staging_server: str | None = Field(
         "http://127.0.0.1:18001",
         description="vLLM server for eval-gate generation and for recording a checkpoint's digests; never serves users.",
+    )
+    canary_server: str | None = Field(
+        None,
+        description="vLLM server that serves the challenger to `gate.canary.share` of users while a live canary "
+        "runs (docs/gate.md, Live canary); out of the gateways' rotation otherwise. Neither a fleet server nor "
+        "the staging server. None: no live canary.",
     )
     served_model_name: str = Field("rtrl-tiny", description="Model name clients send.")
     logprobs_mode: Literal["processed", "raw"] = Field(
@@ -79,7 +85,20 @@ class VllmSettings(Section):
             raise ValueError(f"unknown sampling parameters {unknown}; known: {list(GENERATION_CONFIG_KEYS)}")
         return value
 
-    @field_validator("staging_server", mode="before")
+    @model_validator(mode="after")
+    def _canary_server_apart(self) -> VllmSettings:
+        if self.canary_server is None:
+            return self
+        canary = self.canary_server.rstrip("/")
+        if canary in {u.rstrip("/") for u in self.servers}:
+            raise ValueError(
+                f"vllm.canary_server {canary} is also in vllm.servers; the canary needs its own server"
+            )
+        if self.staging_server is not None and canary == self.staging_server.rstrip("/"):
+            raise ValueError(f"vllm.canary_server {canary} is the staging server, which never serves users")
+        return self
+
+    @field_validator("staging_server", "canary_server", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         # RTRL_VLLM__STAGING_SERVER= (empty) means "no staging server", not a server at "".

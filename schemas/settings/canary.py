@@ -1,0 +1,90 @@
+"""Settings of the live canary: after the offline gate passes, the challenger serves a share of live
+traffic on a canary server and an always-valid sequential test of the users' reward decides
+(deployer/canary.py, evals/sequential.py, docs/gate.md, Live canary).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from schemas.settings.section import Section
+
+
+class CanarySettings(Section):
+    """The live canary between the offline gate and the fleet (docs/gate.md, Live canary)."""
+
+    enabled: bool = Field(
+        False,
+        description="Run a live canary after the offline gate passes: the challenger serves `share` of live "
+        "traffic on `vllm.canary_server`, and only a canary that passes promotes it. Needs `vllm.canary_server`.",
+    )
+    share: float = Field(
+        0.1,
+        gt=0,
+        le=0.5,
+        description="Share of users (else of episodes) routed to the canary server; sticky per user and per "
+        "episode for the canary's whole run.",
+    )
+    alpha: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description="Error rate of the sequential test on the users' reward: a challenger more than `margin` "
+        "worse passes with probability at most alpha, at whatever time the canary stops.",
+    )
+    margin: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="Non-inferiority margin on the normalised reward (0..1, see `reward_range`): the canary "
+        "passes once challenger − champion is above −margin with confidence 1 − alpha.",
+    )
+    reward_range: tuple[float, float] | None = Field(
+        None,
+        description="[low, high] that maps an episode's reward onto 0..1 for the test (a reward outside is "
+        "clipped and counted). None: the reward spec's reward_range, else [-1, 1].",
+    )
+    min_episodes: int = Field(
+        50, ge=1, description="Rated episodes per arm before the primary test may decide."
+    )
+    max_episodes: int = Field(
+        5_000,
+        ge=1,
+        description="Rated episodes per arm after which an undecided canary ends inconclusive (not promoted).",
+    )
+    max_duration_s: float = Field(
+        4 * 3600.0,
+        gt=0,
+        description="Wall time after which an undecided canary ends inconclusive (not promoted) and its traffic "
+        "returns to the champion.",
+    )
+    check_every_s: float = Field(
+        10.0, gt=0, description="How often the canary reads the store's settled episodes and looks again."
+    )
+    guard_alpha: float = Field(
+        0.01, gt=0, lt=1, description="Error rate of each guard (a guard trips at most this often by chance)."
+    )
+    non_answer_increase: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="Guard: the challenger's share of non-answers (gate.alarms' no_action_pattern) may exceed "
+        "the champion's by at most this.",
+    )
+    truncation_increase: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="Guard: the challenger's share of completions cut off by max_tokens may exceed the "
+        "champion's by at most this.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> CanarySettings:
+        if self.min_episodes > self.max_episodes:
+            raise ValueError(
+                f"gate.canary.min_episodes ({self.min_episodes}) must not exceed max_episodes ({self.max_episodes})"
+            )
+        if self.reward_range is not None and not self.reward_range[0] < self.reward_range[1]:
+            raise ValueError("gate.canary.reward_range must be [low, high] with low < high")
+        return self
