@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -85,6 +86,28 @@ ARTEFACTS_PRUNED = Counter(
     ["kind"],
 )
 
+CANARY_RUNNING = Gauge(
+    "rtrl_canary_running",
+    "1 while this process runs a live canary (deployer/canary.py), 0 after (NaN before its first).",
+)
+CANARY_ENDINGS = Counter(
+    "rtrl_canary_endings_total",
+    "Live canaries by how they ended: passed, failed (the test or a guard), inconclusive (a limit), stopped "
+    "(an operator), aborted (the worker stopped, or the reconciler found its runner dead).",
+    ["state"],
+)
+CANARY_EPISODES = Gauge(
+    "rtrl_canary_episodes",
+    "Rated episodes of the running canary's last look, by arm (challenger, champion).",
+    ["arm"],
+)
+CANARY_BOUND = Gauge(
+    "rtrl_canary_difference_bound",
+    "The running canary's confidence sequence for challenger − champion on the normalised reward, by bound "
+    "(low, high); NaN before its first look.",
+    ["bound"],
+)
+
 
 # Every outcome of the counters exists from the start (at 0): a first failure is an increase a rule sees.
 for _decision, _cause in (
@@ -101,13 +124,17 @@ for _outcome in ("ok", "failed"):
     ROLLOUTS.labels(_outcome)
 for _outcome in ("aligned", "changed", "error", "busy", "failed"):
     RECONCILE.labels(_outcome)
+for _state in ("passed", "failed", "inconclusive", "stopped", "aborted"):
+    CANARY_ENDINGS.labels(_state)
 for _kind in ("checkpoint", "download", "registry"):
     ARTEFACTS_PRUNED.labels(_kind)
 
 # Unlabelled gauges exist from import in every process that imports this module: NaN, not 0, until
 # this process sets them, so `== 0` alerts and min() across processes see only real values.
-for _unset in (GATE_LAST, GATE_LAST_AT, CHAMPION, FLEET_AGREES):
+for _unset in (GATE_LAST, GATE_LAST_AT, CHAMPION, FLEET_AGREES, CANARY_RUNNING):
     _unset.set(math.nan)
+for _bound in ("low", "high"):
+    CANARY_BOUND.labels(_bound).set(math.nan)
 
 
 def record_gate(
@@ -128,3 +155,12 @@ def record_swap(url: str, verified: bool, restored: bool, pause_ms: float, servi
         SWAP_WINDOW.labels(url.rstrip("/")).observe(pause_ms / 1000)
     if serving is not None:
         SERVER_VERSION.labels(url.rstrip("/")).set(serving)
+
+
+def observe_canary(challenger: int, champion: int, difference: Any) -> None:
+    """One look of the running canary: its arms' sizes and the bounds of challenger − champion
+    (an `evals.sequential.Difference`)."""
+    CANARY_EPISODES.labels("challenger").set(challenger)
+    CANARY_EPISODES.labels("champion").set(champion)
+    CANARY_BOUND.labels("low").set(difference.low)
+    CANARY_BOUND.labels("high").set(difference.high)

@@ -5,7 +5,8 @@ every ``deployer.reconcile_interval_s``. Each tick is `rollout.align_fleet` with
 restarted comes back on its base weights labelled "default" and is swapped back to the champion
 (verified, out of the gateways' rotation while it changes); one that only lost its label is
 relabelled after the probe passes; one a dead deployer left paused or out of rotation is resumed
-and put back. A tick during a rollout (the fleet lock held) does nothing; a server that cannot be
+and put back; a live canary whose runner died is ended and its server taken out of rotation
+(deployer/canary.py `reap`). A tick during a rollout (the fleet lock held) does nothing; a server that cannot be
 aligned is reported and retried at the next tick. Nothing a tick meets stops the loop.
 
 Before aligning, a tick runs its `Revive` hook: ``rtrl deploy reconcile`` passes
@@ -19,12 +20,13 @@ import logging
 import threading
 from collections.abc import Callable
 
-from deployer import metrics
+from deployer import canary, metrics
 from deployer.errors import RolloutBusy
 from deployer.rollout import FleetReport, align_fleet
 from registry import Registry
 from schemas.settings import Settings
 from serving import VllmClient
+from store import Store
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +48,19 @@ def reconcile_once(
                 "restarted %s; a rollout holds the fleet, aligning them at the next tick", sorted(revived)
             )
         return None
+    report.canary = _reap_canary(settings)
     report.restarted = sorted(url for url, problem in revived.items() if problem is None)
     report.errors.update({url: problem for url, problem in revived.items() if problem is not None})
     return report
+
+
+def _reap_canary(settings: Settings) -> str | None:
+    """End a live canary whose runner died, and take its server out of rotation (`canary.reap`)."""
+    if settings.vllm.canary_server is None:
+        return None
+    with Store(settings.store.url) as store:
+        store.check_schema()
+        return canary.reap(settings, store)
 
 
 def observe_fleet(settings: Settings, champion: int | None) -> bool:

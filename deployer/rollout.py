@@ -369,6 +369,9 @@ class FleetReport(BaseModel):
     errors: dict[str, str] = Field(
         default_factory=dict, description="Servers that could not be aligned, and why."
     )
+    canary: str | None = Field(
+        None, description="A canary whose runner died, ended by the reconciler (deployer/canary.py `reap`)."
+    )
 
     @property
     def changed(self) -> bool:
@@ -380,6 +383,7 @@ class FleetReport(BaseModel):
             or self.resumed
             or self.returned_to_rotation
             or self.errors
+            or self.canary is not None
         )
 
 

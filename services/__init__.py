@@ -7,7 +7,8 @@ Kafka's jars are cached in ``services.cache_dir``; Debian packages come from inf
 (``make demo`` and ``make test`` run it).
 
 Service names (for ``only``): kafka, postgres, redis, mlflow, vllm (the serving server and, when
-``services.vllm_staging_port`` is set, vllm-staging), vllm-staging. MLflow on the local PostgreSQL
+``services.vllm_staging_port`` is set, vllm-staging, and when ``services.vllm_canary_port`` is set,
+vllm-canary), vllm-staging, vllm-canary. MLflow on the local PostgreSQL
 (its default backend) requires postgres: it starts once PostgreSQL is healthy and has its database.
 
 The package also holds what runs the loop's processes on these services and what the vLLM service
@@ -39,7 +40,7 @@ __all__ = ["ServiceError", "ServiceStatus", "down", "run_dir", "services", "stat
 
 log = logging.getLogger(__name__)
 
-NAMES = ("kafka", "postgres", "redis", "mlflow", "vllm", "vllm-staging")
+NAMES = ("kafka", "postgres", "redis", "mlflow", "vllm", "vllm-staging", "vllm-canary")
 
 
 def services(settings: Settings, only: Sequence[str] | None = None) -> list[Service]:
@@ -49,7 +50,7 @@ def services(settings: Settings, only: Sequence[str] | None = None) -> list[Serv
     if unknown:
         raise ServiceError(f"unknown service(s) {', '.join(sorted(unknown))}; known: {', '.join(NAMES)}")
     if "vllm" in wanted:
-        wanted.add("vllm-staging")
+        wanted.update(("vllm-staging", "vllm-canary"))
     units: list[Service] = [Kafka(settings), Postgres(settings), Redis(settings), Mlflow(settings)]
     units += vllm_servers(settings)
     return [u for u in units if u.name in wanted]

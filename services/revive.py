@@ -107,7 +107,8 @@ class Reviver:
 
     def _restart(self, unit: Vllm, reason: str) -> str | None:
         url = unit.address
-        if url in (u.rstrip("/") for u in self.settings.vllm.servers):
+        canary = (self.settings.vllm.canary_server or "").rstrip("/")
+        if url in (u.rstrip("/") for u in self.settings.vllm.servers) or url == canary:
             try:
                 store = Store(self.settings.store.url)
                 try:

@@ -175,8 +175,10 @@ class Vllm(Service):
 
 
 def servers(settings: Settings) -> list[Vllm]:
-    """The serving server and, when services.vllm_staging_port is set, the staging server."""
+    """The serving server and, when their ports are set, the staging and the canary server."""
     units = [Vllm(settings)]
     if settings.services.vllm_staging_port is not None:
         units.append(Vllm(settings, port=settings.services.vllm_staging_port, name="vllm-staging"))
+    if settings.services.vllm_canary_port is not None:
+        units.append(Vllm(settings, port=settings.services.vllm_canary_port, name="vllm-canary"))
     return units

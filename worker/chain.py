@@ -6,7 +6,10 @@ now --inline`` (no Celery). It joins the two stages that never import each other
 (`deployer.gate.evaluate`, then `deployer.rollout.promote`), each given the store and the registry
 the caller holds.
 
-The cycle ends ``promoted``, ``rejected`` (the gate said no: its episodes stay used) or ``failed``
+With ``gate.canary.enabled``, a challenger the gate passed serves the live canary first
+(`deployer.canary.run`) and only a canary that passes is promoted; any other ending rejects it.
+
+The cycle ends ``promoted``, ``rejected`` (the gate or the canary said no: its episodes stay used) or ``failed``
 (its episodes are released). After registration a failure is final (`AfterRegistration`): a retry
 would train and register another version.
 """
@@ -109,7 +112,7 @@ def _chain(
         out["status"] = "abandoned"
         return out
     try:
-        return _gate_and_promote(settings, store, registry, result, out)
+        return _gate_and_promote(settings, store, registry, result, out, stopping)
     except BaseException as exc:
         # The registered version stays (@challenger, never @champion); the cycle must not stay
         # active until its lease expires.
@@ -127,7 +130,12 @@ def _chain(
 
 
 def _gate_and_promote(
-    settings: Settings, store: Store, registry: Registry, result: CycleResult, out: dict[str, Any]
+    settings: Settings,
+    store: Store,
+    registry: Registry,
+    result: CycleResult,
+    out: dict[str, Any],
+    stopping: Callable[[], bool],
 ) -> dict[str, Any]:
     """The registered challenger through the eval gate: a fail ends the cycle ``rejected``, a pass
     promotes it (`_promote`). Returns `out` with the gate's decision and scores."""
@@ -153,6 +161,49 @@ def _gate_and_promote(
     if not decision.passed:
         end_cycle(settings, store, result.cycle_id, "rejected", metrics=gate_metrics)
         out["status"] = "rejected"
+        return out
+    if settings.gate.canary.enabled:
+        return _canary_then_promote(
+            settings, store, registry, result, out, gate_metrics, decision.champion_version, stopping
+        )
+    return _promote(settings, store, registry, result, out, gate_metrics)
+
+
+def _canary_then_promote(
+    settings: Settings,
+    store: Store,
+    registry: Registry,
+    result: CycleResult,
+    out: dict[str, Any],
+    gate_metrics: dict[str, Any],
+    champion: int,
+    stopping: Callable[[], bool],
+) -> dict[str, Any]:
+    """The challenger that passed the offline gate serves the live canary (deployer/canary.py); only
+    a canary that passes promotes it. Any other ending rejects the cycle, its numbers recorded."""
+    from deployer import canary
+    from trainer.cycle import end_cycle
+
+    assert result.cycle_id is not None and result.challenger_version is not None
+    outcome = canary.run(
+        settings,
+        registry,
+        store,
+        result.challenger_version,
+        champion,
+        cycle_id=result.cycle_id,
+        stopping=stopping,
+    )
+    out["canary"] = outcome.model_dump(mode="json")
+    gate_metrics = gate_metrics | {
+        "canary": outcome.state,
+        "canary_reason": outcome.reason,
+        "canary_id": outcome.canary_id,
+        "canary_episodes": outcome.episodes,
+    }
+    if not outcome.passed:
+        end_cycle(settings, store, result.cycle_id, "rejected", metrics=gate_metrics)
+        out.update(status="rejected", gate="fail", gate_reason=f"canary {outcome.state}: {outcome.reason}")
         return out
     return _promote(settings, store, registry, result, out, gate_metrics)
 

@@ -8,6 +8,7 @@
     rtrl deploy rollback [--to VERSION] swap back to the previous champion
     rtrl deploy rotation [URL --in|--out] which servers the gateways route users to
     rtrl deploy reconcile [--forever]   every server back on @champion, resumed, in rotation
+    rtrl deploy canary status|stop      the live canary's numbers now; end it (rtrl/commands/canary.py)
     rtrl deploy prune [--dry-run]       delete checkpoints, downloads and rejected registry
                                         versions that deployer.retention does not keep
 
@@ -304,4 +305,7 @@ def prune(
 
 def register(app: typer.Typer) -> None:
     """Add `rtrl deploy ...` to the root app."""
+    from rtrl.commands.canary import canary_app
+
+    deploy_app.add_typer(canary_app, name="canary")
     app.add_typer(deploy_app, name="deploy")

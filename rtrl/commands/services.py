@@ -9,7 +9,7 @@ services_app = typer.Typer(no_args_is_help=True, help="Start, check and stop the
 _ONLY = typer.Option(
     None,
     "--only",
-    help="Comma-separated subset: kafka,postgres,redis,mlflow,vllm,vllm-staging (default: all enabled).",
+    help="Comma-separated subset: kafka,postgres,redis,mlflow,vllm,vllm-staging,vllm-canary (default: all enabled).",
 )
 
 

@@ -52,6 +52,12 @@ class CanarySettings(Section):
         ge=1,
         description="Rated episodes per arm after which an undecided canary ends inconclusive (not promoted).",
     )
+    min_duration_s: float = Field(
+        0.0,
+        ge=0,
+        description="Wall time before a canary may pass (a fail or a guard ends it sooner): set it to a day "
+        "where users' behaviour follows the time of day, so both arms see every hour.",
+    )
     max_duration_s: float = Field(
         4 * 3600.0,
         gt=0,

@@ -35,6 +35,11 @@ class ServicesSettings(Section):
     vllm_staging_port: int | None = Field(
         18001, description="Second vLLM server the eval gate and swap verification use; None to not start it."
     )
+    vllm_canary_port: int | None = Field(
+        None,
+        description="Third local vLLM server, the live canary's (set vllm.canary_server to its URL and "
+        "gate.canary.enabled); None (the default) to not start it.",
+    )
     start_timeout_s: float = Field(
         600.0, description="How long `services up` waits for a service to be healthy."
     )

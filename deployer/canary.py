@@ -1,0 +1,283 @@
+"""The live canary: the users have the last word (docs/gate.md, Live canary).
+
+After the offline gate passes a challenger, `run` puts it on the canary server
+(``vllm.canary_server``) with the verified swap, out of the gateways' rotation while it loads, then
+into it: the gateways send ``gate.canary.share`` of users there (sticky per user, else per episode,
+ingest/routing.py) and the rest to the champion fleet. Every ``check_every_s`` it reads the settled,
+rated episodes each version served since the canary began (`Store.live_episodes`) and asks the
+always-valid sequential test (evals/sequential.py) about challenger − champion on the users' reward,
+normalised to 0..1, with two guards that stop it at once: the share of non-answers
+(``gate.alarms.no_action_pattern``) and of completions cut off by max_tokens. The canary ends when
+the test decides (``passed``, ``failed``), at ``max_episodes`` per arm or ``max_duration_s``
+(``inconclusive``), when an operator stops it (``rtrl deploy canary stop``: ``stopped``) or when the
+worker is stopping (``aborted``). On every ending the canary server leaves the rotation at once, so
+the canary's users go back to the champion: requests already on the canary server finish there, and
+no request fails. Only ``passed`` lets the chain promote the fleet (worker/chain.py).
+
+Every look recomputes the test from the first episode (ordered by settlement), which is the same
+sequence as feeding each episode as it settled: confidence sequences may be read at every
+observation, so looking every ``check_every_s`` costs no error rate. Feedback that arrives after
+the canary ended still lands on the episode, and so on the version that served it: episodes carry
+the version the gateway attributed the generation to, not the version serving now.
+
+One canary at a time per store (the store's ``running_slot``), and its runner holds the "canary"
+lock (`rollout_lock`) for the whole run. When the runner dies (a killed worker), the fleet reconciler
+finds the lock free and the record running, takes the canary server out of rotation and ends the
+record ``aborted`` (`reap`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from deployer import metrics
+from deployer.errors import RolloutBusy
+from deployer.swap import rollout_lock, server_client, swap_server, swap_window, target
+from evals.sequential import Decision, Guard, SequentialTest
+from registry import Registry
+from schemas.rewards import get_spec
+from schemas.settings import Settings
+from serving import CallFailed, ServerError, ServingError
+from store import CanaryRecord, LiveEpisode, Store
+
+log = logging.getLogger(__name__)
+
+CANARY_LOCK = "canary"
+Ending = Literal["passed", "failed", "inconclusive", "stopped", "aborted"]
+_ENDINGS: dict[str, Ending] = {"pass": "passed", "fail": "failed", "inconclusive": "inconclusive"}
+
+
+class CanaryOutcome(BaseModel):
+    """How a canary ended, with the numbers that decided it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    canary_id: int
+    version: int
+    champion: int
+    state: Ending
+    reason: str
+    episodes: dict[str, int]  # rated episodes per arm: challenger, champion
+    duration_s: float
+    decision: dict[str, Any] | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.state == "passed"
+
+
+@dataclass(frozen=True)
+class Look:
+    """One reading of the live arms: the test's decision and what went into it."""
+
+    decision: Decision
+    challenger: int  # rated episodes
+    champion: int
+    clipped: int  # rewards outside the normalising range, clipped into it
+    reward_range: tuple[float, float]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "decision": self.decision.as_dict(),
+            "episodes": {"challenger": self.challenger, "champion": self.champion},
+            "clipped": self.clipped,
+            "reward_range": list(self.reward_range),
+        }
+
+
+def reward_range(settings: Settings) -> tuple[float, float]:
+    """The range an episode's reward is normalised from: ``gate.canary.reward_range``, else the
+    reward spec's declared range, else [-1, 1]."""
+    declared = settings.gate.canary.reward_range or get_spec(settings.labeler.reward_spec).reward_range
+    return declared if declared is not None else (-1.0, 1.0)
+
+
+def look(settings: Settings, episodes: list[LiveEpisode], challenger: int, champion: int) -> Look:
+    """The sequential test over the rated episodes of both arms, in their order (pure: no I/O)."""
+    c = settings.gate.canary
+    low, high = reward_range(settings)
+    pattern = re.compile(settings.gate.alarms.no_action_pattern)
+    arms: dict[int, list[LiveEpisode]] = {challenger: [], champion: []}
+    for episode in episodes:
+        if episode.policy_number in arms:
+            arms[episode.policy_number].append(episode)
+    rewards = {v: np.array([e.reward for e in arms[v]], dtype=float) for v in arms}
+    clipped = int(sum(np.count_nonzero((r < low) | (r > high)) for r in rewards.values()))
+    scaled = {v: (np.clip(r, low, high) - low) / (high - low) for v, r in rewards.items()}
+    test = SequentialTest(
+        alpha=c.alpha,
+        margin=c.margin,
+        min_n=c.min_episodes,
+        max_n=c.max_episodes,
+        guards=(
+            Guard("non_answer", c.non_answer_increase, c.guard_alpha),
+            Guard("truncation", c.truncation_increase, c.guard_alpha),
+        ),
+    )
+    guards: dict[str, Callable[[LiveEpisode], bool]] = {
+        "non_answer": lambda e: any(pattern.search(text) for text in e.completions),
+        "truncation": lambda e: "length" in e.finish_reasons,
+    }
+    for name, hit in guards.items():  # guards first: they stop the canary before min_episodes too
+        if not test.decision.final:
+            test.update_guard(
+                name, [float(hit(e)) for e in arms[challenger]], [float(hit(e)) for e in arms[champion]]
+            )
+    if not test.decision.final:
+        test.update(scaled[challenger], scaled[champion])
+    return Look(test.decision, len(arms[challenger]), len(arms[champion]), clipped, (low, high))
+
+
+def read(settings: Settings, store: Store, record: CanaryRecord) -> Look:
+    """The canary's arms as the store has them now."""
+    episodes = store.live_episodes((record.challenger_version, record.champion_version), record.started_at)
+    return look(settings, episodes, record.challenger_version, record.champion_version)
+
+
+def run(
+    settings: Settings,
+    registry: Registry,
+    store: Store,
+    version: int,
+    champion: int,
+    *,
+    cycle_id: int | None = None,
+    stopping: Callable[[], bool] = lambda: False,
+) -> CanaryOutcome:
+    """Serve `version` to the canary's share of users until the test, a guard, a limit, an operator
+    or `stopping` ends it; the traffic is back on the champion when this returns or raises.
+    Raises RolloutBusy when another canary holds the lock, CanaryRunning (store) when a record says
+    one runs."""
+    url = settings.vllm.canary_server
+    if url is None:
+        raise ServerError("vllm.canary_server", "gate.canary needs vllm.canary_server")
+    c = settings.gate.canary
+    with rollout_lock(store, CANARY_LOCK, f"canary v{version}"):
+        record = store.start_canary(registry.model_name, version, champion, url, c.share, cycle_id)
+        started = time.monotonic()
+        metrics.CANARY_RUNNING.set(1)
+        state: Ending = "aborted"
+        reason = "the canary's runner raised"
+        last: Look | None = None
+        try:
+            _serve(settings, registry, store, url, version)
+            log.info("canary #%d: v%d serves %.0f%% of users on %s", record.id, version, c.share * 100, url)
+            state, reason, last = _watch(settings, store, record, stopping)
+        except (ServingError, CallFailed) as exc:
+            state, reason = "failed", f"the canary server could not serve v{version}: {exc}"
+        finally:
+            _withdraw(store, url, f"canary #{record.id} of v{version} ended")
+            decision = None if last is None else last.as_dict()
+            store.end_canary(record.id, state, reason, decision)
+            metrics.CANARY_RUNNING.set(0)
+            metrics.CANARY_ENDINGS.labels(state).inc()
+    counts = {"challenger": 0, "champion": 0} if last is None else last.as_dict()["episodes"]
+    log.warning("canary #%d of v%d %s: %s", record.id, version, state, reason)
+    return CanaryOutcome(
+        canary_id=record.id,
+        version=version,
+        champion=champion,
+        state=state,
+        reason=reason,
+        episodes=counts,
+        duration_s=round(time.monotonic() - started, 3),
+        decision=decision,
+    )
+
+
+def _serve(settings: Settings, registry: Registry, store: Store, url: str, version: int) -> None:
+    """Load `version` on the canary server with the verified swap while it is out of rotation, then
+    put it in: from then on the gateways route the canary's share there."""
+    store.set_rotation(url, False, f"canary: loading v{version}")
+    want = target(settings, registry, store, version)
+    with server_client(settings, url) as server:
+        if server.is_paused():  # a runner that died mid-swap left it paused
+            server.resume()
+        with swap_window(settings, store, server, f"canary v{version}", drain=False) as window:
+            step, _ = swap_server(server, want, settings, restore=None)
+            if step.verified:
+                window.serving = version
+    metrics.record_swap(url.rstrip("/"), step.verified, step.restored, step.pause_ms, window.serving)
+    if not step.verified:
+        raise ServerError(url, f"v{version} did not verify on the canary server: {step.error}")
+    store.set_rotation(url, True, f"canary: serving v{version}")
+
+
+def _watch(
+    settings: Settings, store: Store, record: CanaryRecord, stopping: Callable[[], bool]
+) -> tuple[Ending, str, Look | None]:
+    c = settings.gate.canary
+    deadline = time.monotonic() + c.max_duration_s
+    last: Look | None = None
+    while True:
+        now = store.canary(record.id)
+        if now is not None and now.stop_requested_at is not None:
+            return "stopped", f"stopped by {now.stop_requested_by}: {now.reason or 'no reason given'}", last
+        row = store.rotation().get(record.server.rstrip("/"))
+        if row is None or not row.in_rotation:
+            why = "no record" if row is None else row.reason
+            return "aborted", f"the canary server left the rotation behind the canary's back ({why})", last
+        last = read(settings, store, record)
+        metrics.observe_canary(last.challenger, last.champion, last.decision.difference)
+        decided = last.decision
+        if decided.final and (decided.outcome != "pass" or _old_enough(settings, record)):
+            return _ENDINGS[decided.outcome], decided.reason, last
+        if time.monotonic() >= deadline:
+            return "inconclusive", f"max_duration_s {c.max_duration_s:g} reached: {decided.reason}", last
+        waited = 0.0
+        while waited < c.check_every_s:
+            if stopping():
+                return (
+                    "aborted",
+                    "the worker is stopping (SIGTERM); the traffic returned to the champion",
+                    last,
+                )
+            time.sleep(min(0.5, c.check_every_s - waited))
+            waited += 0.5
+
+
+def _old_enough(settings: Settings, record: CanaryRecord) -> bool:
+    """Whether the canary ran ``min_duration_s`` (a pass waits for it; a fail or a guard does not)."""
+    from schemas.clock import utcnow
+
+    return (utcnow() - record.started_at).total_seconds() >= settings.gate.canary.min_duration_s
+
+
+def _withdraw(store: Store, url: str, reason: str) -> None:
+    """The canary server out of the gateways' rotation: new requests of its users go to the fleet."""
+    try:
+        store.set_rotation(url, False, reason)
+    except Exception as exc:  # noqa: BLE001 - logged loudly; the reconciler's `reap` retries it
+        log.error("could not take the canary server %s out of rotation (%r); the reconciler will", url, exc)
+
+
+def reap(settings: Settings, store: Store) -> str | None:
+    """End a canary whose runner died (the fleet reconciler's tick): when the "canary" lock is free,
+    a running record is ended ``aborted`` and the canary server leaves the rotation. Returns what
+    it did, or None (nothing to do, or a live runner holds the lock)."""
+    url = settings.vllm.canary_server
+    if url is None:
+        return None
+    try:
+        with rollout_lock(store, CANARY_LOCK, "end an orphaned canary"):
+            running = store.running_canary()
+            row = store.rotation().get(url.rstrip("/"))
+            if running is None and (row is None or not row.in_rotation):
+                return None
+            store.set_rotation(url, False, "canary: no runner")
+            if running is None:
+                return f"took {url} out of rotation: no canary runs"
+            reason = "its runner died (no process held the canary lock); the traffic returned to the champion"
+            store.end_canary(running.id, "aborted", reason, None)
+            metrics.CANARY_ENDINGS.labels("aborted").inc()
+            return f"ended canary #{running.id} of v{running.challenger_version}: {reason}"
+    except RolloutBusy:
+        return None
