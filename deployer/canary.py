@@ -181,6 +181,7 @@ def run(
             metrics.CANARY_ENDINGS.labels(state).inc()
     counts = {"challenger": 0, "champion": 0} if last is None else last.as_dict()["episodes"]
     log.warning("canary #%d of v%d %s: %s", record.id, version, state, reason)
+    _tag(registry, version, record.id, state, reason)
     return CanaryOutcome(
         canary_id=record.id,
         version=version,
@@ -191,6 +192,17 @@ def run(
         duration_s=round(time.monotonic() - started, 3),
         decision=decision,
     )
+
+
+def _tag(registry: Registry, version: int, canary_id: int, state: str, reason: str) -> None:
+    """The canary's ending on the version in MLflow, beside the gate's tags (best effort: the store
+    has the record)."""
+    try:
+        registry.tag_version(
+            version, {"canary": state, "canary_id": str(canary_id), "canary_reason": reason[:4000]}
+        )
+    except Exception as exc:  # noqa: BLE001 - MLflow down must not undo the canary's decision
+        log.error("could not tag v%d with its canary's ending (%r); the store has it", version, exc)
 
 
 def _serve(settings: Settings, registry: Registry, store: Store, url: str, version: int) -> None:
@@ -259,10 +271,11 @@ def _withdraw(store: Store, url: str, reason: str) -> None:
         log.error("could not take the canary server %s out of rotation (%r); the reconciler will", url, exc)
 
 
-def reap(settings: Settings, store: Store) -> str | None:
-    """End a canary whose runner died (the fleet reconciler's tick): when the "canary" lock is free,
-    a running record is ended ``aborted`` and the canary server leaves the rotation. Returns what
-    it did, or None (nothing to do, or a live runner holds the lock)."""
+def reap(settings: Settings, store: Store, state: Ending = "aborted", why: str | None = None) -> str | None:
+    """End a canary whose runner died (the fleet reconciler's tick; ``rtrl deploy canary stop``
+    with `state` stopped): when the "canary" lock is free, a running record is ended `state` and
+    the canary server leaves the rotation. Returns what it did, or None (nothing to do, or a live
+    runner holds the lock)."""
     url = settings.vllm.canary_server
     if url is None:
         return None
@@ -275,9 +288,12 @@ def reap(settings: Settings, store: Store) -> str | None:
             store.set_rotation(url, False, "canary: no runner")
             if running is None:
                 return f"took {url} out of rotation: no canary runs"
-            reason = "its runner died (no process held the canary lock); the traffic returned to the champion"
-            store.end_canary(running.id, "aborted", reason, None)
-            metrics.CANARY_ENDINGS.labels("aborted").inc()
+            reason = (
+                why
+                or "its runner died (no process held the canary lock); the traffic returned to the champion"
+            )
+            store.end_canary(running.id, state, reason, None)
+            metrics.CANARY_ENDINGS.labels(state).inc()
             return f"ended canary #{running.id} of v{running.challenger_version}: {reason}"
     except RolloutBusy:
         return None

@@ -103,10 +103,12 @@ def stop(
         if running is None:
             typer.echo("no canary is running (`rtrl deploy canary status` shows the last ones)", err=True)
             raise typer.Exit(1)
-        store.request_canary_stop(running.id, actor("rtrl deploy canary stop"), reason)
+        who = actor("rtrl deploy canary stop")
+        store.request_canary_stop(running.id, who, reason)
+        orphan = f"stopped by {who}: {reason} (no process was running it)"
         deadline = time.monotonic() + wait
         while True:
-            reaped = canary.reap(settings, store)  # no runner: end it here
+            reaped = canary.reap(settings, store, "stopped", orphan)  # no runner: end it here
             record = store.canary(running.id)
             assert record is not None
             if not record.running:
