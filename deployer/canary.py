@@ -46,7 +46,7 @@ from registry import Registry
 from schemas.rewards import get_spec
 from schemas.settings import Settings
 from serving import CallFailed, ServerError, ServingError
-from store import CanaryRecord, LiveEpisode, Store
+from store import CanaryRecord, LiveEpisode, Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,11 @@ def run(
         raise ServerError("vllm.canary_server", "gate.canary needs vllm.canary_server")
     c = settings.gate.canary
     with rollout_lock(store, CANARY_LOCK, f"canary v{version}"):
+        stale = store.running_canary()
+        if stale is not None:  # we hold the lock: no process runs it any more
+            store.end_canary(
+                stale.id, "aborted", "found running with no runner when the next canary began", None
+            )
         record = store.start_canary(registry.model_name, version, champion, url, c.share, cycle_id)
         started = time.monotonic()
         metrics.CANARY_RUNNING.set(1)
@@ -173,6 +178,9 @@ def run(
             state, reason, last = _watch(settings, store, record, stopping)
         except (ServingError, CallFailed) as exc:
             state, reason = "failed", f"the canary server could not serve v{version}: {exc}"
+        except BaseException as exc:
+            reason = f"the canary's runner raised {type(exc).__name__}: {exc}"[:4000]
+            raise
         finally:
             _withdraw(store, url, f"canary #{record.id} of v{version} ended")
             decision = None if last is None else last.as_dict()
@@ -230,20 +238,27 @@ def _watch(
     deadline = time.monotonic() + c.max_duration_s
     last: Look | None = None
     while True:
-        now = store.canary(record.id)
-        if now is not None and now.stop_requested_at is not None:
-            return "stopped", f"stopped by {now.stop_requested_by}: {now.reason or 'no reason given'}", last
-        row = store.rotation().get(record.server.rstrip("/"))
-        if row is None or not row.in_rotation:
-            why = "no record" if row is None else row.reason
-            return "aborted", f"the canary server left the rotation behind the canary's back ({why})", last
-        last = read(settings, store, record)
-        metrics.observe_canary(last.challenger, last.champion, last.decision.difference)
-        decided = last.decision
-        if decided.final and (decided.outcome != "pass" or _old_enough(settings, record)):
-            return _ENDINGS[decided.outcome], decided.reason, last
+        try:
+            ended = _look_once(settings, store, record)
+        except StoreError as exc:  # a store outage: look again later; max_duration_s still bounds the canary
+            log.warning(
+                "canary #%d: cannot read the store (%r); looking again in %gs",
+                record.id,
+                exc,
+                c.check_every_s,
+            )
+        else:
+            if isinstance(ended, Look):
+                last = ended
+            else:
+                return ended[0], ended[1], last
+        if last is not None and last.decision.final and last.decision.outcome != "pass":
+            return _ENDINGS[last.decision.outcome], last.decision.reason, last
+        if last is not None and last.decision.final and _old_enough(settings, record):
+            return "passed", last.decision.reason, last
         if time.monotonic() >= deadline:
-            return "inconclusive", f"max_duration_s {c.max_duration_s:g} reached: {decided.reason}", last
+            why = "no look succeeded" if last is None else last.decision.reason
+            return "inconclusive", f"max_duration_s {c.max_duration_s:g} reached: {why}", last
         waited = 0.0
         while waited < c.check_every_s:
             if stopping():
@@ -254,6 +269,20 @@ def _watch(
                 )
             time.sleep(min(0.5, c.check_every_s - waited))
             waited += 0.5
+
+
+def _look_once(settings: Settings, store: Store, record: CanaryRecord) -> Look | tuple[Ending, str]:
+    """One look: the test's reading, or how the canary ends when an operator or a restart ended it."""
+    now = store.canary(record.id)
+    if now is not None and now.stop_requested_at is not None:
+        return "stopped", f"stopped by {now.stop_requested_by}: {now.reason or 'no reason given'}"
+    row = store.rotation().get(record.server.rstrip("/"))
+    if row is None or not row.in_rotation:
+        why = "no record" if row is None else row.reason
+        return "aborted", f"the canary server left the rotation behind the canary's back ({why})"
+    looked = read(settings, store, record)
+    metrics.observe_canary(looked.challenger, looked.champion, looked.decision.difference)
+    return looked
 
 
 def _old_enough(settings: Settings, record: CanaryRecord) -> bool:
