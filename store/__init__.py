@@ -13,6 +13,9 @@ context manager on the process's one engine of its URL (store/base.py, store/eng
 - the deployer takes servers out of rotation and the gateways read it (`DeployStore.set_rotation`,
   `DeployStore.rotation`), holds its locks across hosts (`DeployStore.exclusive`, store/locks.py)
   and keeps the weight digests it verifies swaps against (`DeployStore.record_digests`);
+- the deployer records the live canary (`CanaryStore.start_canary`, one running at a time,
+  `CanaryStore.end_canary`) and reads the rated live episodes it judges (`CanaryStore.live_episodes`);
+  operators ask it to stop (`CanaryStore.request_canary_stop`);
 - the gateways load API keys (`TenantStore.api_keys`);
 - operators read `ReportStore.stats`, ``rtrl report``'s numbers (`ReportStore.report`),
   `CycleStore.recent_cycles`, the reconciliation counts, and prune (`RetentionStore.prune`).
@@ -21,12 +24,14 @@ Importing this package imports SQLAlchemy but neither torch nor Kafka.
 """
 
 from store.base import StoreBase
+from store.canaries import CanaryRecord, CanaryStore, LiveEpisode
 from store.caps import Caps
 from store.cycles import CycleRecord, CycleStore
 from store.db import Store
 from store.deploys import DeployStore, LockHolder, RotationRecord
 from store.episodes import EpisodeStore, QuarantinedEpisode, TrainingEpisode, TrainingSegment
 from store.errors import (
+    CanaryRunning,
     DatabaseError,
     DatabaseUnavailable,
     EpisodesUnavailable,
@@ -47,6 +52,9 @@ from store.tenants import ApiKeyRecord, TenantRecord, TenantStore
 __all__ = [
     "ApiKeyRecord",
     "BatchWrite",
+    "CanaryRecord",
+    "CanaryRunning",
+    "CanaryStore",
     "Caps",
     "CycleRecord",
     "CycleRow",
@@ -60,6 +68,7 @@ __all__ = [
     "Labelling",
     "LabellingStore",
     "LeaseLost",
+    "LiveEpisode",
     "LockBusy",
     "LockHolder",
     "PromotionRecord",

@@ -6,8 +6,9 @@ pool); ``StoreBase.sharing(other)`` opens one on another store's engine, URL and
 is a context manager (``with CycleStore(url) as cycles:``): leaving the block closes it, which
 releases its hold on the engine (the last store of a URL disposes it; a store that is never
 closed releases it when it is garbage-collected). The typed stores (store/labelling.py,
-store/episodes.py, store/cycles.py, store/deploys.py, store/tenants.py, store/reports.py,
-store/retention.py) add the methods of one consumer each; `store.Store` is all of them.
+store/episodes.py, store/cycles.py, store/deploys.py, store/promotions.py, store/canaries.py,
+store/tenants.py, store/reports.py, store/retention.py) add the methods of one consumer each;
+`store.Store` is all of them.
 
 ``migrate()`` brings the schema to the newest Alembic revision (shipped in ``store/migrations``);
 commands that only read call ``check_schema()`` instead, so a read never changes the schema. On

@@ -9,6 +9,7 @@ process's engine of a URL and close):
 - `CycleStore` (store/cycles.py): cycles and their leases, gate decisions, served versions;
 - `DeployStore` (store/deploys.py): rotation, announced versions, weight digests, deploy locks;
 - `PromotionStore` (store/promotions.py): every move of @champion rtrl made, and its grounds;
+- `CanaryStore` (store/canaries.py): the live canary's runs, stop requests, decisions, live episodes;
 - `TenantStore` (store/tenants.py): tenants and API keys;
 - `ReportStore` (store/reports.py): stats, reconciliation counts, ``rtrl report``'s numbers;
 - `RetentionStore` (store/retention.py): ``rtrl store prune``.
@@ -16,6 +17,7 @@ process's engine of a URL and close):
 
 from __future__ import annotations
 
+from store.canaries import CanaryStore
 from store.cycles import CycleStore
 from store.deploys import DeployStore
 from store.episodes import EpisodeStore
@@ -32,6 +34,7 @@ class Store(
     CycleStore,
     DeployStore,
     PromotionStore,
+    CanaryStore,
     TenantStore,
     ReportStore,
     RetentionStore,

@@ -48,3 +48,8 @@ class LockBusy(StoreError):
 
     def __reduce__(self) -> tuple[type[LockBusy], tuple[str, str | None]]:
         return LockBusy, (self.name, self.holder)  # pickled (Celery results) with its own arguments
+
+
+class CanaryRunning(StoreError, OperatorError):
+    """A live canary is running already (at most one runs per store); the message names it and how
+    to end it (store/canaries.py)."""

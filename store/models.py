@@ -300,6 +300,37 @@ class Promotion(Base):
     promoted_at: Mapped[datetime] = mapped_column(UtcDateTime)
 
 
+CANARY_FINAL_STATES = ("passed", "failed", "inconclusive", "stopped", "aborted")
+CANARY_STATES = ("running", *CANARY_FINAL_STATES)
+
+
+class Canary(Base):
+    """A live canary: the challenger serving a share of live traffic on the canary server while its
+    users' reward is compared with the champion's (store/canaries.py). At most one runs per store."""
+
+    __tablename__ = "canaries"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(200))  # the registry model both versions belong to
+    challenger_version: Mapped[int] = mapped_column(Integer)
+    champion_version: Mapped[int] = mapped_column(Integer)
+    server: Mapped[str] = mapped_column(String(500))  # the canary vLLM server's URL
+    share: Mapped[float] = mapped_column(Float)  # of live episodes routed to the challenger
+    cycle_id: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the cycle that trained it
+    # running, or how it ended: passed | failed | inconclusive | stopped | aborted
+    state: Mapped[str] = mapped_column(String(16))
+    # Why it ended, or the first stop request's reason while it still runs.
+    reason: Mapped[str] = mapped_column(Text, default="")
+    decision: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # the test's numbers
+    started_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    ended_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    stop_requested_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    stop_requested_by: Mapped[str | None] = mapped_column(String(300), nullable=True)  # user@host
+    # 1 while running and NULL once ended: the unique index on it makes "one running canary" hold
+    # in the database itself, on SQLite and PostgreSQL alike (as cycles.active_slot).
+    running_slot: Mapped[int | None] = mapped_column(Integer, unique=True)
+
+
 class DeployLockHolder(Base):
     """Who holds a deploy lock ("rollout", "staging"), for `RolloutBusy` and `rtrl status`. The lock
     itself is a PostgreSQL advisory lock or a file lock beside the SQLite file (store/locks.py); this
