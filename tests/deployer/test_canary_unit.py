@@ -73,12 +73,12 @@ def test_too_few_episodes_continue_and_other_versions_are_ignored() -> None:
 def test_a_guard_stops_the_canary_before_min_episodes() -> None:
     rng = random.Random(2)
     settings = _settings(min_episodes=1000, max_episodes=5000)
-    refusing = _arm(2, 25, 0.9, rng, text="I cannot help with that.")
-    looked = canary.look(settings, _interleave(refusing, _arm(1, 25, 0.9, rng)), 2, 1)
+    refusing = _arm(2, 50, 0.9, rng, text="I cannot help with that.")
+    looked = canary.look(settings, _interleave(refusing, _arm(1, 50, 0.9, rng)), 2, 1)
     assert (looked.decision.outcome, looked.decision.cause) == ("fail", "guard")
     assert "non_answer" in looked.decision.reason
-    cut = _arm(2, 25, 0.9, rng, finish="length")
-    looked = canary.look(settings, _interleave(cut, _arm(1, 25, 0.9, rng)), 2, 1)
+    cut = _arm(2, 50, 0.9, rng, finish="length")
+    looked = canary.look(settings, _interleave(cut, _arm(1, 50, 0.9, rng)), 2, 1)
     assert (looked.decision.outcome, looked.decision.cause) == ("fail", "guard")
     assert "truncation" in looked.decision.reason
 
