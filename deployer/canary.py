@@ -5,8 +5,9 @@ After the offline gate passes a challenger, `run` puts it on the canary server
 into it: the gateways send ``gate.canary.share`` of users there (sticky per user, else per episode,
 ingest/routing.py) and the rest to the champion fleet. Every ``check_every_s`` it reads the settled,
 rated episodes each version served since the canary began (`Store.live_episodes`) and asks the
-always-valid sequential test (evals/sequential.py) about challenger − champion on the users' reward,
-normalised to 0..1, with two guards that stop it at once: the share of non-answers
+always-valid sequential test (evals/sequential.py) about challenger − champion on the users' reward
+(or on one scored term of it, ``gate.canary.primary``: an outcome or a judge, so that thumbs alone
+cannot carry a challenger that loses on the outcome), normalised to 0..1, with two guards that stop it at once: the share of non-answers
 (``gate.alarms.no_action_pattern``) and of completions cut off by max_tokens. The canary ends when
 the test decides (``passed``, ``failed``), at ``max_episodes`` per arm or ``max_duration_s``
 (``inconclusive``), when an operator stops it (``rtrl deploy canary stop``: ``stopped``) or when the
@@ -39,10 +40,11 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from deployer import metrics
-from deployer.errors import RolloutBusy
+from deployer.errors import GateError, RolloutBusy
 from deployer.swap import rollout_lock, server_client, swap_server, swap_window, target
 from evals.sequential import Decision, Guard, SequentialTest
 from registry import Registry
+from schemas.events import FeedbackKind
 from schemas.rewards import get_spec
 from schemas.settings import Settings
 from serving import CallFailed, ServerError, ServingError
@@ -94,10 +96,35 @@ class Look:
 
 
 def reward_range(settings: Settings) -> tuple[float, float]:
-    """The range an episode's reward is normalised from: ``gate.canary.reward_range``, else the
-    reward spec's declared range, else [-1, 1]."""
-    declared = settings.gate.canary.reward_range or get_spec(settings.labeler.reward_spec).reward_range
-    return declared if declared is not None else (-1.0, 1.0)
+    """The range the primary metric is normalised from. For ``reward``: ``gate.canary.reward_range``,
+    else the reward spec's declared range, else [-1, 1]. For a scored term: its weight times its
+    kind's value range (the judge term: ± its weight), or ``gate.canary.reward_range`` when set."""
+    c = settings.gate.canary
+    spec = get_spec(settings.labeler.reward_spec)
+    if c.reward_range is not None:
+        return c.reward_range
+    if c.primary == "reward":
+        return spec.reward_range if spec.reward_range is not None else (-1.0, 1.0)
+    if c.primary == "judge":
+        weight = spec.judge.weight if spec.judge is not None else 0.0
+    else:
+        weight = spec.weights[FeedbackKind(c.primary)]
+        low, high = spec.value_range[FeedbackKind(c.primary)]
+        ends = sorted((weight * low, weight * high))
+        if ends[0] < ends[1]:
+            return ends[0], ends[1]
+    if weight == 0.0:
+        raise GateError(
+            f"gate.canary.primary={c.primary} but reward spec {spec.spec_id} gives it no weight: set "
+            "gate.canary.reward_range, or a primary the spec scores"
+        )
+    return -abs(weight), abs(weight)
+
+
+def _value(settings: Settings, episode: LiveEpisode) -> float | None:
+    """The episode's primary metric, or None when it has no such term."""
+    primary = settings.gate.canary.primary
+    return episode.reward if primary == "reward" else episode.components.get(primary)
 
 
 def look(settings: Settings, episodes: list[LiveEpisode], challenger: int, champion: int) -> Look:
@@ -106,10 +133,13 @@ def look(settings: Settings, episodes: list[LiveEpisode], challenger: int, champ
     low, high = reward_range(settings)
     pattern = re.compile(settings.gate.alarms.no_action_pattern)
     arms: dict[int, list[LiveEpisode]] = {challenger: [], champion: []}
+    values: dict[int, list[float]] = {challenger: [], champion: []}
     for episode in episodes:
-        if episode.policy_number in arms:
+        value = _value(settings, episode)
+        if episode.policy_number in arms and value is not None:
             arms[episode.policy_number].append(episode)
-    rewards = {v: np.array([e.reward for e in arms[v]], dtype=float) for v in arms}
+            values[episode.policy_number].append(value)
+    rewards = {v: np.array(values[v], dtype=float) for v in arms}
     clipped = int(sum(np.count_nonzero((r < low) | (r > high)) for r in rewards.values()))
     scaled = {v: (np.clip(r, low, high) - low) / (high - low) for v, r in rewards.items()}
     test = SequentialTest(

@@ -18,7 +18,7 @@ Times come from the store's clock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -70,6 +70,9 @@ class LiveEpisode:
     settled_at: datetime
     completions: tuple[str, ...]  # the completion text of each segment, by segment_index
     finish_reasons: tuple[str | None, ...]  # and its finish reason (stop, length, ...)
+    components: dict[str, float] = field(
+        default_factory=dict
+    )  # the reward's terms, by name (reward_components)
 
 
 def _record(row: Canary) -> CanaryRecord:
@@ -239,6 +242,7 @@ class CanaryStore(StoreBase):
                     Episode.policy_number,
                     Episode.reward,
                     Episode.settled_at,
+                    Episode.reward_components,
                 )
                 .where(
                     Episode.status == "settled",
@@ -253,7 +257,7 @@ class CanaryStore(StoreBase):
             ).all()
             segments = self._segments(session, [e.episode_id for e in episodes])
         found = []
-        for episode_id, tenant, policy_number, reward, settled_at in episodes:
+        for episode_id, tenant, policy_number, reward, settled_at, components in episodes:
             own = segments.get(episode_id, [])
             assert reward is not None and settled_at is not None  # the query's conditions
             found.append(
@@ -265,6 +269,7 @@ class CanaryStore(StoreBase):
                     settled_at=settled_at,
                     completions=tuple(completion for completion, _ in own),
                     finish_reasons=tuple(finish for _, finish in own),
+                    components=dict(components or {}),
                 )
             )
         return found

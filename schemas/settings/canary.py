@@ -5,6 +5,8 @@ traffic on a canary server and an always-valid sequential test of the users' rew
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from schemas.settings.section import Section
@@ -38,6 +40,13 @@ class CanarySettings(Section):
         lt=1,
         description="Non-inferiority margin on the normalised reward (0..1, see `reward_range`): the canary "
         "passes once challenger − champion is above −margin with confidence 1 − alpha.",
+    )
+    primary: Literal["reward", "task_outcome", "judge_score", "judge"] = Field(
+        "reward",
+        description="What the test compares: reward (the episode's whole reward under the spec) or one of its "
+        "scored terms (task_outcome: an outcome the app reports; judge_score: a judge's score sent as feedback; "
+        "judge: the labeler's judge term), so thumbs alone cannot carry a challenger that loses on the outcome. "
+        "Episodes without that term are left out of the arms.",
     )
     reward_range: tuple[float, float] | None = Field(
         None,

@@ -110,3 +110,37 @@ def test_reap_ends_a_canary_whose_runner_died_and_takes_its_server_out(store: St
     store.set_rotation(CANARY, True, "left in by hand")
     assert canary.reap(settings, store) == f"took {CANARY} out of rotation: no canary runs"
     assert not store.rotation()[CANARY].in_rotation
+
+
+def test_a_sycophant_that_wins_thumbs_and_loses_the_outcome_fails_on_the_primary_term() -> None:
+    """With primary=task_outcome the test reads the outcome the app reports, not the thumbs: a
+    challenger users thumb up more often while its tasks succeed less often fails."""
+    rng = random.Random(4)
+
+    def arm(version: int, n: int, p_thumb: float, p_success: float) -> list[LiveEpisode]:
+        episodes = _arm(version, n, p_thumb, rng)
+        out = []
+        for e in episodes:
+            success = 1.0 if rng.random() < p_success else 0.0
+            out.append(
+                LiveEpisode(
+                    **{
+                        **e.__dict__,
+                        "components": {"thumbs_up": 0.5, "task_outcome": success},
+                        "reward": e.reward + success,
+                    }
+                )
+            )
+        return out
+
+    episodes = _interleave(arm(2, 300, 0.95, 0.4), arm(1, 300, 0.6, 0.8))
+    thumbs = canary.look(
+        _settings(reward_range=(-0.5, 0.5)),
+        [LiveEpisode(**{**e.__dict__, "reward": 0.5 if e.reward > 0.25 else -0.5}) for e in episodes],
+        2,
+        1,
+    )
+    outcome = canary.look(_settings(primary="task_outcome"), episodes, 2, 1)
+    assert canary.reward_range(_settings(primary="task_outcome")) == (-1.0, 1.0)  # tab-v1: weight 1 x [-1, 1]
+    assert outcome.decision.outcome == "fail" and outcome.challenger == 300
+    assert thumbs.decision.outcome != "fail"
