@@ -144,7 +144,7 @@ async def verify_announcements(fleet: Fleet, metrics: GatewayMetrics) -> None:
     """Check every `VERIFY_EVERY_S` that each server serves the version announced for it."""
     while True:
         await asyncio.sleep(VERIFY_EVERY_S)
-        for server in fleet.servers:
+        for server in fleet.every:
             try:
                 problem = await fleet.verify(server)
             except Exception:  # noqa: BLE001 - the check must outlive any one failure
@@ -220,10 +220,13 @@ def _lifespan(
             if keys is not None:
                 keys.start()
                 metrics.keys_age.set_function(lambda: min(keys.age_s, 1e9))
-            fleet = Fleet(settings.vllm, client, settings.gateway.rotation_refresh_s)
-            for server in fleet.servers:
+            fleet = Fleet(
+                settings.vllm, client, settings.gateway.rotation_refresh_s, settings.gate.canary.share
+            )
+            for server in fleet.every:
                 metrics.in_flight.labels(server.url).set_function(_in_flight_of(server))
             metrics.in_rotation.set_function(lambda: len(fleet.in_rotation))
+            metrics.canary_live.set_function(lambda: 1 if fleet.canary_live else 0)
             rotation = asyncio.create_task(follow_rotation(fleet, store, settings.gateway.rotation_refresh_s))
             verifier = asyncio.create_task(verify_announcements(fleet, metrics))
             app.state.gateway = gw_state = gateway(fleet, publisher, keys)

@@ -97,14 +97,16 @@ async def _generate(gw: Gateway, request: Request, slot: Slot, request_id: str, 
     stream = forward.get("stream") is True
     started = time.perf_counter()
     try:
-        server, upstream, before, announced = await _call(gw, path, forward, stream, capture.session_id)
+        server, upstream, before, announced = await _call(
+            gw, path, forward, stream, capture.session_id, sticky_key(tenant, forward, episode_id)
+        )
     except NoServerInRotation as exc:
         return error(503, f"{exc}; retry shortly", request_id, headers={"Retry-After": "1"})
     except UpstreamUnavailable as exc:
         return error(502, str(exc), request_id)
     except UpstreamNoConnection:
         gw.metrics.shed.labels("upstream_connection").inc()
-        in_flight = sum(s.in_flight for s in gw.fleet.servers)
+        in_flight = sum(s.in_flight for s in gw.fleet.every)
         return error(
             503,
             f"no connection to vLLM within {gw.settings.gateway.upstream_acquire_timeout_s}s: the gateway has "
@@ -202,15 +204,29 @@ def _finish_stream(gw: Gateway, served: Served, stream: StreamCapture, created_a
     task.add_done_callback(gw.tasks.discard)
 
 
+def sticky_key(tenant: str, forward: dict[str, Any], episode_id: str) -> str:
+    """What keeps a request on one arm of a live canary: the OpenAI ``user`` field, namespaced by the
+    tenant (two tenants' users of one name are two users), else the (namespaced) episode."""
+    user = forward.get("user")
+    if isinstance(user, str) and user:
+        return f"user\0{tenant}\0{user}"
+    return f"episode\0{episode_id}"
+
+
 async def _call(
-    gw: Gateway, path: str, forward: dict[str, Any], stream: bool = False, session_id: str | None = None
+    gw: Gateway,
+    path: str,
+    forward: dict[str, Any],
+    stream: bool = False,
+    session_id: str | None = None,
+    sticky: str | None = None,
 ) -> tuple[Server, UpstreamResponse, int | None, Announced | None]:
     """(server, upstream response, version before the generation or None if unknown, the
     deployer's announcement for the server when sent). With `stream`, the response's body is
     not read yet: the caller reads and closes it, and takes the request off
     ``server.in_flight`` when done."""
     refused: list[str] = []
-    for server in gw.fleet.order(session_id):
+    for server in gw.fleet.order(session_id, sticky):
         try:
             announced = server.announced
             before: int | None
@@ -227,6 +243,8 @@ async def _call(
                     before = None
             server.in_flight += 1
             gw.metrics.upstream_requests.labels(server.url).inc()
+            if server is gw.fleet.canary:
+                gw.metrics.canary_requests.inc()
             try:
                 if stream:
                     response = await server.client.open_stream(path, forward)

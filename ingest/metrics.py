@@ -24,6 +24,8 @@ class GatewayMetrics:
     upstream_requests: Counter
     in_flight: Gauge
     in_rotation: Gauge
+    canary_live: Gauge
+    canary_requests: Counter
     upstream_connections: Gauge
     version_source: Counter
     version_mismatch: Counter
@@ -131,6 +133,16 @@ class GatewayMetrics:
         self.in_rotation = Gauge(
             "rtrl_gateway_servers_in_rotation",
             "Serving vLLM servers the gateway routes to (the others are out of rotation for a swap).",
+            registry=self.registry,
+        )
+        self.canary_live = Gauge(
+            "rtrl_gateway_canary_live",
+            "1 while this gateway routes the live canary's share of users to the canary server, else 0.",
+            registry=self.registry,
+        )
+        self.canary_requests = Counter(
+            "rtrl_gateway_canary_requests_total",
+            "Requests of the live canary's share of users sent to the canary server.",
             registry=self.registry,
         )
 

@@ -15,6 +15,13 @@ gateway reads that every ``gateway.rotation_refresh_s`` (`Fleet.update`) and nev
 request to a server out of rotation, so no request waits for a paused server; with every server
 out, requests are answered 503 with ``Retry-After`` at once (`NoServerInRotation`).
 
+The live canary (deployer/canary.py, docs/gate.md Live canary): ``vllm.canary_server`` is not in the
+fleet. It is live while the store's rotation row for it is in rotation with a version announced (no
+row: not live). A request whose sticky key (`sticky_key`: the tenant's ``user`` field, else its
+episode) hashes, salted by the canary's version, below ``gate.canary.share`` goes to the canary's
+server, and to the fleet when that refuses the connection; every other request goes to the fleet
+only. When the deployer takes the canary out of rotation, no new request goes there.
+
 Weight versions are pushed, not polled. The deployer announces in the store the version each
 serving server serves (`store.Store.set_serving_version`): none from before it touches a server
 until the new version is verified, and an epoch that grows on every announcement. It waits two
@@ -101,7 +108,13 @@ class Server:
 class Fleet:
     """Round-robin choice among the serving vLLM servers, with their weight versions."""
 
-    def __init__(self, vllm: VllmSettings, http: aiohttp.ClientSession, refresh_s: float = 0.25) -> None:
+    def __init__(
+        self,
+        vllm: VllmSettings,
+        http: aiohttp.ClientSession,
+        refresh_s: float = 0.25,
+        canary_share: float = 0.0,
+    ) -> None:
         urls = [u.rstrip("/") for u in vllm.servers]
         if not urls:
             raise IngestError("settings.vllm.servers is empty: the gateway has nothing to serve from")
@@ -112,6 +125,13 @@ class Fleet:
             )
         self.timeout_s = vllm.request_timeout_s
         self.servers = [Server(AsyncVllmClient(u, http, timeout_s=vllm.request_timeout_s)) for u in urls]
+        # The live canary's server (never in `servers`: only the canary's share of users reach it).
+        canary = (vllm.canary_server or "").rstrip("/")
+        self.canary = (
+            Server(AsyncVllmClient(canary, http, timeout_s=vllm.request_timeout_s)) if canary else None
+        )
+        self.canary_share = canary_share
+        self.canary_live = False
         self.out: frozenset[str] = frozenset()  # urls the deployer took out of rotation
         # An announcement is trusted while the read that saw it is younger than this; the deployer
         # waits a little longer than this after announcing a change (deployer.swap.announce_wait_s).
@@ -124,8 +144,13 @@ class Fleet:
 
     def update(self, rows: Mapping[str, RotationRecord], read_at: float) -> None:
         """Rotation and announced versions from one store read that began at `read_at` (monotonic)."""
-        self.out = frozenset(url for url, row in rows.items() if not row.in_rotation)
-        for server in self.servers:
+        canary_url = None if self.canary is None else self.canary.url
+        self.out = frozenset(url for url, row in rows.items() if not row.in_rotation and url != canary_url)
+        if self.canary is not None:
+            row = rows.get(self.canary.url)
+            # Live only while the deployer has it in rotation with a version announced; no row: no canary.
+            self.canary_live = row is not None and row.in_rotation and row.version is not None
+        for server in self.every:
             row = rows.get(server.url)
             if row is None or row.version is None or row.epoch == server.distrusted_epoch:
                 server.announced = None
@@ -167,11 +192,33 @@ class Fleet:
     def in_rotation(self) -> list[Server]:
         return [s for s in self.servers if s.url not in self.out]
 
-    def order(self, session_id: str | None = None) -> list[Server]:
-        """Servers to try for the next request: those in rotation, the session's own first (else
-        round robin), servers recently down last. Raises NoServerInRotation when none is in."""
+    @property
+    def every(self) -> list[Server]:
+        """The fleet's servers and the canary's (what the gateway checks and counts)."""
+        return self.servers + ([self.canary] if self.canary is not None else [])
+
+    def canary_for(self, sticky: str | None) -> Server | None:
+        """The canary's server when the request with sticky key `sticky` is one of the canary's share
+        (`in_canary`, salted by the version the canary serves), else None."""
+        canary = self.canary
+        if canary is None or not self.canary_live or sticky is None or canary.announced is None:
+            return None
+        if not in_canary(sticky, canary.announced.version, self.canary_share):
+            return None
+        return canary
+
+    def order(self, session_id: str | None = None, sticky: str | None = None) -> list[Server]:
+        """Servers to try for the next request: the canary's server first when `sticky` is in the
+        canary's share (then the fleet, should it refuse the connection); those in rotation, the
+        session's own first (else round robin), servers recently down last. Raises
+        NoServerInRotation when none is in."""
         serving = self.in_rotation
+        canary = self.canary_for(sticky)
+        if canary is not None and canary.down_until > time.monotonic():
+            canary = None  # refused recently: its users go to the champion until it answers again
         if not serving:
+            if canary is not None:
+                return [canary]
             raise NoServerInRotation(f"every vLLM server is out of rotation ({', '.join(sorted(self.out))})")
         if session_id is not None:
             rotated = sorted(serving, key=lambda s: _affinity(session_id, s.url), reverse=True)
@@ -179,7 +226,8 @@ class Fleet:
             start = next(self._turn) % len(serving)
             rotated = serving[start:] + serving[:start]
         now = time.monotonic()
-        return [s for s in rotated if s.down_until <= now] + [s for s in rotated if s.down_until > now]
+        ordered = [s for s in rotated if s.down_until <= now] + [s for s in rotated if s.down_until > now]
+        return [canary, *ordered] if canary is not None else ordered
 
     def mark_down(self, server: Server) -> None:
         server.down_until = time.monotonic() + DOWN_FOR_S
@@ -204,6 +252,14 @@ class Fleet:
         """``GET /health`` of every server, concurrently: url -> healthy."""
         results = await asyncio.gather(*(s.client.health() for s in self.servers))
         return {s.url: ok for s, ok in zip(self.servers, results, strict=True)}
+
+
+def in_canary(sticky: str, version: int, share: float) -> bool:
+    """Whether sticky key `sticky` (a tenant's user, else an episode) is in the canary's `share` while
+    the canary serves `version`: a hash uniform in [0, 1) below `share`. The same key stays on one
+    arm for the canary's whole run; the version salts it, so each canary samples other users."""
+    digest = hashlib.blake2b(f"{version}\0{sticky}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < share
 
 
 def _affinity(session_id: str, url: str) -> bytes:

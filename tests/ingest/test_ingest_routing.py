@@ -101,3 +101,62 @@ def test_an_announcement_the_server_contradicts_is_not_trusted_again_until_the_n
     assert a.announced is None
     f.update({"http://a:1": _row("http://a:1", 4, 8)}, time.monotonic())
     assert a.announced is not None and a.announced.version == 4
+
+
+# ---- the live canary ------------------------------------------------------------------------------
+
+CANARY = "http://canary:1"
+
+
+def canary_fleet(share: float = 0.2) -> Fleet:
+    async def make() -> Fleet:
+        async with new_session() as session:
+            return Fleet(VllmSettings(servers=URLS, canary_server=CANARY), session, canary_share=share)
+
+    return asyncio.run(make())
+
+
+def test_without_a_live_canary_no_request_reaches_the_canary_server() -> None:
+    f = canary_fleet()
+    keys = [f"user\0t\0u{i}" for i in range(200)]
+    assert all(CANARY not in [s.url for s in f.order(None, k)] for k in keys)  # no row: not live
+    f.update({CANARY: _row(CANARY, None, 1)}, time.monotonic())  # in rotation, no version yet
+    assert not f.canary_live and all(f.order(None, k)[0].url != CANARY for k in keys)
+    f.update({CANARY: _row(CANARY, 2, 2, in_rotation=False)}, time.monotonic())
+    assert not f.canary_live and all(f.order(None, k)[0].url != CANARY for k in keys)
+    assert CANARY not in f.out  # the canary's row never takes a fleet server out
+
+
+def test_the_canary_gets_its_share_of_keys_sticky_and_resalted_per_version() -> None:
+    f = canary_fleet(share=0.2)
+    f.update({CANARY: _row(CANARY, 2, 1)}, time.monotonic())
+    assert f.canary_live
+    keys = [f"user\0t\0u{i}" for i in range(10_000)]
+    arm = {k: f.order(None, k)[0].url == CANARY for k in keys}
+    assert 0.18 < sum(arm.values()) / len(keys) < 0.22
+    assert all((f.order(None, k)[0].url == CANARY) == arm[k] for k in keys[:500])  # sticky
+    assert all(f.order(None, None)[0].url != CANARY for _ in range(50))  # no key: never the canary
+    assert all(CANARY not in [s.url for s in f.order(None, k)] for k in keys[:500] if not arm[k])
+    f.update({CANARY: _row(CANARY, 3, 2)}, time.monotonic())  # the next canary: other users
+    again = {k: f.order(None, k)[0].url == CANARY for k in keys}
+    both = sum(arm[k] and again[k] for k in keys) / len(keys)
+    assert 0.02 < both < 0.06  # independent draws: about 0.2 x 0.2
+
+
+def test_a_canary_that_refused_connections_sends_its_users_to_the_fleet() -> None:
+    f = canary_fleet(share=0.5)
+    f.update({CANARY: _row(CANARY, 2, 1)}, time.monotonic())
+    key = next(k for k in (f"episode\0t:e{i}" for i in range(100)) if f.order(None, k)[0].url == CANARY)
+    assert [s.url for s in f.order(None, key)][1:] != []  # the fleet follows: retried there on refusal
+    assert f.canary is not None
+    f.mark_down(f.canary)
+    assert CANARY not in [s.url for s in f.order(None, key)]
+
+
+def test_two_tenants_users_of_one_name_are_two_users() -> None:
+    from ingest.completions import sticky_key
+
+    assert sticky_key("a", {"user": "bob"}, "a:e1") != sticky_key("b", {"user": "bob"}, "b:e1")
+    assert sticky_key("a", {"user": "bob"}, "a:e1") == sticky_key("a", {"user": "bob"}, "a:e2")
+    assert sticky_key("a", {}, "a:e1") == "episode\0a:e1"
+    assert sticky_key("a", {"user": ""}, "a:e1") == "episode\0a:e1"
