@@ -14,6 +14,8 @@ conclusive, and no alarm fired. The suites (``gate.suites``, plus ``gate.offline
 - ``retention``: the task's held-out questions scored by their known answers (evals/suites.py).
 - ``oracle``: the task's preference function (``gate.preference``): only where one exists, such as
   the demo's simulated users.
+- ``traffic``: the prompts of held-out logged traffic, drawn per challenger (deployer/traffic.py),
+  graded by the judge, or without one by whether the answer is one and finishes.
 - offline JSONL suites with exact / contains / regex / function scorers.
 
 Each suite's verdict is scored in deployer/gate_suites.py; this module samples, decides and records.
@@ -48,10 +50,17 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field
 
 import evals
-from deployer import alarms, metrics, ope, swap, trust
+from deployer import alarms, metrics, ope, swap, traffic, trust
 from deployer.alarms import Alarm, Behaviour
 from deployer.errors import GateError
-from deployer.gate_suites import SuiteResult, against_anchor, ope_suite, prompt_suites, score_prompts
+from deployer.gate_suites import (
+    TASK_SUITES,
+    SuiteResult,
+    against_anchor,
+    ope_suite,
+    prompt_suites,
+    score_prompts,
+)
 from evals.suites import PromptSuite
 from registry import Registry
 from schemas.clock import utcnow
@@ -88,6 +97,10 @@ class GateDecision(BaseModel):
         default_factory=list,
         description="The task's held-out questions its suites used: indices into `Task.heldout_questions()` "
         "(empty without a task suite).",
+    )
+    traffic_draw: list[str] = Field(
+        default_factory=list,
+        description="The held-out episodes whose first prompts the traffic suite replayed (empty without it).",
     )
     suites: list[SuiteResult] = Field(default_factory=list)
     alarms: list[Alarm] = Field(default_factory=list)
@@ -204,6 +217,9 @@ class _Plan:
     seed: int  # sampling and bootstrap seed of every model in this run
     fresh: bool  # `seed` and `draw` drawn for this challenger (gate.fresh_draws)
     draw: list[int]  # the task's held-out questions (Task.heldout_draw) its suites use
+    traffic_draw: list[str] = field(default_factory=list)  # held-out episodes the traffic suite replays
+    # Verdicts reached with nothing to sample: the traffic suite with too little held-out traffic.
+    unsampled: list[SuiteResult] = field(default_factory=list)
 
 
 @dataclass
@@ -222,7 +238,7 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store)
     Raises GateError when the gate cannot run at all (no staging server, a suite that cannot be
     loaded, the champion fails to load), and RolloutBusy when another gate run holds the staging
     server. The `store` holds the staging lock, the recorded digests, the held-out traffic of the
-    ope suite and the decision.
+    ope and traffic suites and the decision.
     """
     staging = settings.vllm.staging_server
     if staging is None:
@@ -251,13 +267,24 @@ def _plan(settings: Settings, registry: Registry, version: int, store: Store) ->
     anchor = anchor_version(settings, registry, champion)
     seed, drawn = run_draw(settings, registry.model_name, version)
     suites = [s for s, _ in prompt_suites(settings, seed if cfg.fresh_draws else None)]
+    replayed = traffic.traffic_suite(settings, store, seed if cfg.fresh_draws else None)
+    suites.extend([replayed.suite] if replayed.suite is not None else [])
     anchored = (
         [i for i, s in enumerate(suites) if s.name in settings.gate.anchor_suites]
         if anchor is not None
         else []
     )
     return _Plan(
-        version, champion, anchor if anchored else None, suites, anchored, seed, cfg.fresh_draws, drawn
+        version,
+        champion,
+        anchor if anchored else None,
+        suites,
+        anchored,
+        seed,
+        cfg.fresh_draws,
+        drawn,
+        replayed.episodes,
+        [replayed.verdict] if replayed.verdict is not None else [],
     )
 
 
@@ -267,7 +294,7 @@ def run_draw(settings: Settings, model: str, version: int) -> tuple[int, list[in
     ``gate.fresh_draws``, else ``gate.seed`` and the first ``gate.eval_prompts``."""
     cfg = settings.gate
     seed = draw_seed(cfg.seed, model, version) if cfg.fresh_draws else cfg.seed
-    if not {"retention", "oracle", "judge"} & set(cfg.suites):
+    if not set(TASK_SUITES) & set(cfg.suites):
         return seed, []
     try:  # what prompt_suites takes with the same seed
         return seed, evals.get_task(cfg.task).heldout_draw(
@@ -338,6 +365,7 @@ def _score(
         )
         results.append(estimate)
         found.extend(ope_alarms)
+    results.extend(plan.unsampled)
     order: dict[str, int] = {name: i for i, name in enumerate(cfg.suites)}
     results.sort(key=lambda s: order.get(s.name, len(order)))
     return results, found, behaviour
@@ -394,6 +422,7 @@ def _decision(
         seed=plan.seed,
         fresh_draw=plan.fresh,
         draw=plan.draw,
+        traffic_draw=plan.traffic_draw,
         suites=results,
         alarms=found,
         behaviour=behaviour,

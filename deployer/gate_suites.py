@@ -2,7 +2,8 @@
 are configured (`prompt_suites`), each one's verdict of challenger − champion from both models'
 generations (`score_prompts`, the judge suite's through the judge), a suite's verdict against the
 anchor (`against_anchor`), and the off-policy suite on held-out traffic with the alarms it feeds
-(`ope_suite`). A verdict is a `SuiteResult`, under the suite's margin (`margin`).
+(`ope_suite`); the traffic suite's prompts are drawn in deployer/traffic.py. A verdict is a
+`SuiteResult`, under the suite's margin (`margin`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from schemas.rewards import get_spec
 from schemas.settings import JudgeSettings, Settings
 from serving import Generation
 from store import Store
+
+TASK_SUITES = ("retention", "oracle", "judge")  # the suites on `gate.task`'s held-out questions
 
 
 class SuiteResult(BaseModel):
@@ -55,32 +58,42 @@ def prompt_suites(settings: Settings, draw_seed: int | None = None) -> list[tupl
     cfg = settings.gate
     suites: list[tuple[PromptSuite, bool]] = []
     try:
-        task = evals.get_task(cfg.task)
-        if "retention" in cfg.suites:
-            suites.append((retention_suite(task, cfg.eval_prompts, draw_seed), False))
-        if "oracle" in cfg.suites:
-            preference = evals.load_preference(cfg.preference) if cfg.preference else task.preference
-            reward = evals.scorer(preference, get_spec(settings.labeler.reward_spec))
-            prompts = tuple(task.heldout_prompts(cfg.eval_prompts, draw_seed))
-            suites.append(
-                (
-                    PromptSuite(
-                        name="oracle",
-                        prompts=prompts,
-                        lines=tuple({} for _ in prompts),
-                        scorer=lambda prompt, completion, _line: reward(prompt, completion),
-                        max_tokens=task.max_tokens,
-                        stop=task.stop,
-                    ),
-                    True,
-                )
-            )
-        if "judge" in cfg.suites:
-            assert cfg.judge is not None  # GateSettings refuses "judge" without it
-            suites.append((judge_suite(task, cfg.eval_prompts, cfg.judge, draw_seed), False))
+        suites.extend(_task_suites(settings, draw_seed))
         suites.extend((load_offline(offline), False) for offline in cfg.offline)
     except evals.TaskError as exc:
         raise GateError(str(exc)) from exc
+    return suites
+
+
+def _task_suites(settings: Settings, draw_seed: int | None) -> list[tuple[PromptSuite, bool]]:
+    """The configured suites of `gate.task` (`TASK_SUITES`); none, and no task read, without one."""
+    cfg = settings.gate
+    suites: list[tuple[PromptSuite, bool]] = []
+    if not set(TASK_SUITES) & set(cfg.suites):
+        return suites  # a deployment without the demo's task needs none (docs/gate.md, Suites)
+    task = evals.get_task(cfg.task)
+    if "retention" in cfg.suites:
+        suites.append((retention_suite(task, cfg.eval_prompts, draw_seed), False))
+    if "oracle" in cfg.suites:
+        preference = evals.load_preference(cfg.preference) if cfg.preference else task.preference
+        reward = evals.scorer(preference, get_spec(settings.labeler.reward_spec))
+        prompts = tuple(task.heldout_prompts(cfg.eval_prompts, draw_seed))
+        suites.append(
+            (
+                PromptSuite(
+                    name="oracle",
+                    prompts=prompts,
+                    lines=tuple({} for _ in prompts),
+                    scorer=lambda prompt, completion, _line: reward(prompt, completion),
+                    max_tokens=task.max_tokens,
+                    stop=task.stop,
+                ),
+                True,
+            )
+        )
+    if "judge" in cfg.suites:
+        assert cfg.judge is not None  # GateSettings refuses "judge" without it
+        suites.append((judge_suite(task, cfg.eval_prompts, cfg.judge, draw_seed), False))
     return suites
 
 
@@ -94,12 +107,19 @@ def score_prompts(
     """A prompt suite's verdict from both models' generations; `seed` is the bootstrap's (default
     `gate.seed`; the gate passes its run's seed)."""
     if suite.judge is not None:
-        return _score_judged(suite, suite.judge, challenger, champion, settings, seed)
+        result = _score_judged(suite, suite.judge, challenger, champion, settings, seed)
+    else:
 
-    def per_prompt(generations: list[list[Generation]]) -> list[float]:
-        return [sum(suite.score(i, g.text) for g in gens) / len(gens) for i, gens in enumerate(generations)]
+        def score(i: int, g: Generation) -> float:
+            return 0.0 if suite.cut_off_fails and g.finish_reason == "length" else suite.score(i, g.text)
 
-    return _paired(suite.name, per_prompt(challenger), per_prompt(champion), settings, seed)
+        def per_prompt(generations: list[list[Generation]]) -> list[float]:
+            return [sum(score(i, g) for g in gens) / len(gens) for i, gens in enumerate(generations)]
+
+        result = _paired(suite.name, per_prompt(challenger), per_prompt(champion), settings, seed)
+    if suite.note:
+        result = result.model_copy(update={"note": "; ".join(n for n in (suite.note, result.note) if n)})
+    return result
 
 
 def _score_judged(

@@ -49,6 +49,9 @@ class PromptSuite:
     max_tokens: int
     stop: tuple[str, ...] = field(default=("\n",))
     judge: JudgeSettings | None = None  # graded by this judge (evals/judge.py) instead of `scorer`
+    # A completion cut off by max_tokens (finish reason "length") scores 0 whatever `scorer` says.
+    cut_off_fails: bool = False
+    note: str = ""  # what the suite measures and on what, copied into its verdict's note
 
     def score(self, index: int, completion: str) -> float:
         return self.scorer(self.prompts[index], completion, self.lines[index])

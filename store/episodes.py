@@ -6,7 +6,8 @@ episode is never used by two cycles. A failed cycle gives its claims back
 (`CycleStore.finish_cycle`, store/cycles.py), but an episode claimed by
 ``trainer.max_episode_failures`` failed cycles is quarantined (``quarantined_at`` set): neither
 selection nor ``mark_used`` takes it until `release_quarantined` (``rtrl dlq episodes --release``).
-``select_heldout`` reads the eval gate's held-out traffic, which never trains.
+``select_heldout`` reads the eval gate's held-out traffic, which never trains, and
+``heldout_prompts`` the prompts of it that the gate's traffic suite replays.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import exists, func, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from schemas.events import SamplingParams
 from schemas.rewards import NO_FEEDBACK
@@ -52,6 +53,16 @@ class QuarantinedEpisode:
     failed_cycles: int
     quarantined_at: datetime
     reason: str  # the error of the cycle that quarantined it, truncated
+
+
+@dataclass(frozen=True)
+class HeldoutPrompt:
+    """The prompt of a held-out episode's first model call, as logged (`EpisodeStore.heldout_prompts`)."""
+
+    episode_id: str
+    tenant: str
+    prompt: str  # as sent to the model: a chat request's is the chat-templated text
+    created_at: datetime  # the episode's first event
 
 
 @dataclass(frozen=True)
@@ -196,6 +207,55 @@ class EpisodeStore(StoreBase):
                 )
             )
             return int(session.scalar(query) or 0)
+
+    def heldout_prompts(self, limit: int, *, holdout_percent: int) -> list[HeldoutPrompt]:
+        """The prompts of the newest held-out episodes, at most `limit` distinct ones, newest first.
+
+        Held out as in `select_heldout` (bucket below `holdout_percent`, never claimed by a cycle, not
+        quarantined, of tenants that train) but settled or not: a prompt needs no reward. Each is its
+        episode's first segment (the lowest segment index that is not late) as logged, so a chat
+        request's is the chat-templated text the model saw; a prompt text that recurs is kept once,
+        with its newest episode. The eval gate's traffic suite draws from these (deployer/traffic.py).
+        """
+        if holdout_percent <= 0 or limit <= 0:
+            return []
+        tenant_off = exists(
+            select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False))
+        )
+        earlier = aliased(Interaction)
+        first_segment = ~exists(
+            select(earlier.event_id).where(
+                earlier.episode_id == Interaction.episode_id,
+                earlier.late.is_(False),
+                earlier.segment_index < Interaction.segment_index,
+            )
+        )
+        query = (
+            select(Episode.episode_id, Episode.tenant, Episode.first_event_at, Interaction.prompt)
+            .join(Interaction, Interaction.episode_id == Episode.episode_id)
+            .where(
+                Episode.eval_bucket < holdout_percent,
+                Episode.used_in_cycle.is_(None),
+                Episode.quarantined_at.is_(None),
+                ~tenant_off,
+                Interaction.late.is_(False),
+                first_segment,
+            )
+            .order_by(Episode.first_event_at.desc(), Episode.episode_id)
+            .execution_options(yield_per=256)  # read until `limit` distinct prompts, not every row
+        )
+        found: dict[str, HeldoutPrompt] = {}
+        with self.transaction() as session:
+            result = session.execute(query)
+            try:
+                for episode_id, tenant, created_at, prompt in result:
+                    if prompt not in found:
+                        found[prompt] = HeldoutPrompt(episode_id, tenant, prompt, created_at)
+                        if len(found) == limit:
+                            break
+            finally:
+                result.close()
+        return list(found.values())
 
     def _with_segments(self, session: Session, episodes: list[Episode]) -> list[TrainingEpisode]:
         """`episodes` as TrainingEpisodes with their segments (late segments excluded)."""

@@ -59,6 +59,11 @@ def explain_text(record: dict[str, Any]) -> str:
         lines.append(
             f"  draw: seed {record['seed']} ({'drawn for this challenger' if record.get('fresh_draw') else 'fixed'})"
             + (f", held-out questions {', '.join(map(str, drawn))}" if drawn else "")
+            + (
+                f", {len(replayed)} held-out traffic prompts"
+                if (replayed := record.get("traffic_draw"))
+                else ""
+            )
         )
     for suite in record.get("suites", []):
         verdict = "inconclusive" if not suite["conclusive"] else "pass" if suite["passed"] else "FAIL"

@@ -23,7 +23,7 @@ One module per section (or a few small related ones), each a frozen `Section`; t
 - `labeler`: `LabelerSettings`; `judge`: `JudgeSettings` (the labeler's and the gate's judge).
 - `losses`: the `LossSettings` union (`CispoLoss`, `PpoLoss`, ...); `trainer`: `TrainerSettings`,
   `LoraSettings`.
-- `gate`: `GateSettings` and its `OpeSettings`, `AlarmSettings`, `OfflineSuiteSettings`.
+- `gate`: `GateSettings` and its `OpeSettings`, `TrafficSettings`, `AlarmSettings`, `OfflineSuiteSettings`.
 - `deployer`: `DeployerSettings` (with `RetentionSettings`), `AgentSettings`; `telemetry`: `MetricsSettings`.
 
 The package imports nothing else of rtrl but `schemas.errors`: `schemas.sampling` and the rest
@@ -32,7 +32,14 @@ import it, never the reverse.
 
 from schemas.settings.backends import CelerySettings, MlflowSettings, StoreSettings
 from schemas.settings.deployer import AgentSettings, DeployerSettings, RetentionSettings
-from schemas.settings.gate import AlarmSettings, GateSettings, GateSuite, OfflineSuiteSettings, OpeSettings
+from schemas.settings.gate import (
+    AlarmSettings,
+    GateSettings,
+    GateSuite,
+    OfflineSuiteSettings,
+    OpeSettings,
+    TrafficSettings,
+)
 from schemas.settings.gateway import GatewaySettings, LimitsSettings
 from schemas.settings.judge import DEFAULT_RUBRIC, JudgeSettings
 from schemas.settings.kafka import KafkaSettings
@@ -95,6 +102,7 @@ __all__ = [
     "Settings",
     "SettingsError",
     "StoreSettings",
+    "TrafficSettings",
     "TrainerSettings",
     "VllmSettings",
     "embedded_databases",

@@ -13,7 +13,7 @@ from schemas.settings.canary import CanarySettings
 from schemas.settings.judge import JudgeSettings
 from schemas.settings.section import Section
 
-GateSuite = Literal["ope", "retention", "oracle", "judge"]
+GateSuite = Literal["ope", "retention", "oracle", "judge", "traffic"]
 
 # The `kl` alarm's budget when neither gate.alarms.kl_budget nor trainer.max_kl is set (nats/token).
 KL_BUDGET_WITHOUT_TRUST_REGION = 1.0
@@ -77,6 +77,55 @@ class OpeSettings(Section):
         "estimate is inconclusive and does not decide.",
     )
     clip: float = Field(10.0, gt=1, description="Importance weights are clipped at this value.")
+
+
+class TrafficSettings(Section):
+    """The `traffic` suite: the prompts of held-out logged traffic replayed through both models on
+    staging (docs/gate.md, Suites)."""
+
+    max_prompts: int = Field(
+        64,
+        ge=1,
+        description="Distinct held-out prompts per gate run, drawn per challenger from the newest `pool` "
+        "(gate.fresh_draws; without, the newest `max_prompts`).",
+    )
+    pool: int = Field(
+        512,
+        ge=1,
+        description="Newest distinct held-out prompts the draw picks `max_prompts` from.",
+    )
+    min_prompts: int = Field(
+        16,
+        ge=2,
+        description="Fewer distinct held-out prompts than this and the suite is inconclusive (it does not "
+        "decide), as ope is with too little traffic.",
+    )
+    per_tenant: int | None = Field(
+        None,
+        ge=1,
+        description="At most this many of one tenant's prompts in a draw, so one busy tenant does not speak "
+        "for every user; None: no cap.",
+    )
+    max_tokens: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Completion budget per prompt. Without a judge a completion cut off by it scores 0, so set "
+        "it near what your users' requests allow.",
+    )
+    stop: tuple[str, ...] = Field(
+        (),
+        description="Stop strings. Chat requests' prompts are recorded chat-templated and end at the model's "
+        'end-of-turn token, so none is needed; raw completion prompts may need one (the demo: ["\\n"]).',
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> TrafficSettings:
+        if self.min_prompts > self.max_prompts:
+            raise ValueError(f"min_prompts ({self.min_prompts}) exceeds max_prompts ({self.max_prompts})")
+        if self.max_prompts > self.pool:
+            raise ValueError(f"max_prompts ({self.max_prompts}) exceeds pool ({self.pool})")
+        return self
 
 
 class AlarmSettings(Section):
@@ -196,8 +245,9 @@ class GateSettings(Section):
         ("ope", "retention"),
         description="ope: off-policy estimate on held-out logged traffic (no oracle); retention: the task's "
         "held-out questions scored by their known answers; oracle: the task's preference function (only where "
-        "one exists: the demo's simulated users); judge: the task's held-out prompts graded by `judge`. Offline "
-        "JSONL suites are added with `offline`.",
+        "one exists: the demo's simulated users); judge: the task's held-out prompts graded by `judge`; traffic: the "
+        "prompts of held-out logged traffic, graded by `judge` when it is set, else by whether the answer is one "
+        "and finishes (`traffic`). Offline JSONL suites are added with `offline`.",
     )
     offline: tuple[OfflineSuiteSettings, ...] = Field(
         (), description="Extra prompt sets with verifiable scorers."
@@ -217,6 +267,7 @@ class GateSettings(Section):
         None, description="The oracle suite's preference, \"module:function\" (default: the task's own)."
     )
     ope: OpeSettings = OpeSettings()
+    traffic: TrafficSettings = TrafficSettings()
     alarms: AlarmSettings = AlarmSettings()
     canary: CanarySettings = CanarySettings()
     judge: JudgeSettings | None = Field(

@@ -32,6 +32,7 @@ from schemas.settings import (
     OfflineSuiteSettings,
     ServicesSettings,
     Settings,
+    TrafficSettings,
     VllmSettings,
 )
 from services.testing import free_ports
@@ -336,6 +337,58 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
     assert settings.vllm.staging_server is not None
     with VllmClient(settings.vllm.staging_server, model=settings.vllm.served_model_name) as staging:
         assert staging.weight_version() == 1  # the gate leaves staging on the champion
+    store.close()
+
+
+def test_the_traffic_suite_passes_the_same_weights_on_held_out_prompts(
+    deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The tenant's own traffic as the gate's only suite, no task (docs/gate.md, Suites: traffic):
+    held-out logged prompts (sampled from the base model, half of the buckets held out) drawn with
+    the run's seed, replayed through both models on the staging server and scored without a judge.
+    The same weights pass, scoring exactly alike; a challenger that answers with clarifying
+    questions fails the suite itself, not only the no_action alarm."""
+    from episodes import feed, sample_episodes
+
+    from deployer.traffic import traffic_suite
+
+    store = Store(f"sqlite:///{tmp_path / 'gate.db'}")
+    store.migrate()
+    feed(store, sample_episodes(tiny_model_dir, 96, seed=11))
+    base = gate_settings(deploy_settings, store.url)
+    replay = TrafficSettings(max_prompts=24, min_prompts=8, max_tokens=16, stop=("\n",))
+    settings = base.model_copy(
+        update={"gate": base.gate.model_copy(update={"suites": ("traffic",), "traffic": replay})}
+    )
+    registry = Registry.from_settings(settings)
+    rollout.bootstrap(settings, registry, tiny_model_dir)
+    same = registry.register_checkpoint(perturbed_copy(tiny_model_dir, tmp_path / "same", std=0.0, seed=0))
+    held_out = {p.episode_id for p in store.heldout_prompts(512, holdout_percent=50)}
+    assert len(held_out) >= replay.max_prompts
+
+    decision = gate.evaluate(settings, registry, same, store)
+    print(f"gate v{same} on traffic:", decision.model_dump_json())
+    (suite,) = decision.suites
+    assert suite.name == "traffic" and suite.conclusive and suite.n == replay.max_prompts
+    assert decision.passed and suite.difference is not None and suite.difference.estimate == 0.0
+    assert suite.challenger == suite.champion and suite.champion is not None and suite.champion > 0.5
+    assert "no judge" in suite.note and not any(a.fired for a in decision.alarms)
+    # The run's own draw of held-out episodes, recorded; the task's questions are not drawn at all.
+    assert decision.seed == gate.draw_seed(settings.gate.seed, registry.model_name, same)
+    assert decision.draw == [] and len(decision.traffic_draw) == replay.max_prompts
+    assert set(decision.traffic_draw) <= held_out
+    assert decision.traffic_draw == traffic_suite(settings, store, decision.seed).episodes
+    assert store.gate_decisions(same)[0]["traffic_draw"] == decision.traffic_draw
+    assert registry.version_tags(same)["gate_suite_traffic"].startswith("pass +0.0000")
+
+    asking = registry.register_checkpoint(tuned_copy(tiny_model_dir, tmp_path / "asking", ASKING))
+    refused = gate.evaluate(settings, registry, asking, store)
+    print(f"gate v{asking} on traffic:", refused.model_dump_json())
+    (suite,) = refused.suites
+    assert not refused.passed and suite.conclusive and suite.passed is False
+    assert suite.challenger is not None and suite.champion is not None and suite.challenger < suite.champion
+    assert refused.traffic_draw != decision.traffic_draw  # another challenger, another draw
+    assert registry.champion() == 1
     store.close()
 
 
