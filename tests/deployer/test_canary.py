@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +25,10 @@ from factories import fresh_topics
 
 import streams
 from deployer import canary, gate, rollout
+from deployer.swap import announce_wait_s
 from deployer.tied import with_tied_head
 from feedback.labeler import Labeler, make_consumer, make_producer
+from ingest.routing import in_canary
 from registry import Registry
 from schemas.clock import wait_until
 from schemas.settings import Settings, StoreSettings
@@ -165,6 +168,7 @@ def test_a_challenger_that_passes_offline_but_loses_live_is_stopped_and_its_user
                 timeout_s=300,
                 what="the canary serving",
             )
+            time.sleep(announce_wait_s(settings))  # every gateway has read it by now
             names = [f"user-{i}" for i in range(24)]
             turn = 0
             while runner.is_alive():
@@ -197,12 +201,18 @@ def test_a_challenger_that_passes_offline_but_loses_live_is_stopped_and_its_user
     assert result.decision is not None and result.decision["decision"]["cause"] == "inferior"
     assert set(users.statuses) == {200}, users.statuses  # no failed request, before, during or after
     assert after == ["v1"] * len(names)
-    # Sticky: one user, one arm, for the canary's whole run.
+    # Sticky: a user of the canary's share is served by v2 until the canary ends (then by v1, never
+    # by v2 again); every other user only ever by v1.
     during = [(u, v) for u, _, v in users.served[: -len(names)]]
-    arms: dict[str, set[str]] = {}
+    seen: dict[str, list[str]] = {}
     for user, version in during:
-        arms.setdefault(user, set()).add(version)
-    assert all(len(v) == 1 for v in arms.values()), arms
+        seen.setdefault(user, []).append(version)
+    for user, versions in seen.items():
+        if in_canary(f"user\0{TENANT}\0{user}", v2, settings.gate.canary.share):
+            first_v1 = versions.index("v1") if "v1" in versions else len(versions)
+            assert set(versions[:first_v1]) == {"v2"} and set(versions[first_v1:]) <= {"v1"}, (user, versions)
+        else:
+            assert set(versions) == {"v1"}, (user, versions)
     assert {"v1", "v2"} <= {v for _, v in during}
     assert registry.champion() == 1
     record = store.canary(result.canary_id)
