@@ -16,11 +16,19 @@ async def healthz(request: Request) -> Response:
 
 
 async def ready(gw: Gateway) -> Response:
-    """200 when a vLLM server answers (and the keys are loaded); reports Kafka, the spool and the keys too."""
+    """200 when a vLLM server of the fleet answers (and the keys are loaded); reports the canary server,
+    Kafka, the spool and the keys too."""
     health = await gw.fleet.health()
+    canary = gw.fleet.canary
+    # Only the fleet makes the gateway ready: the canary serves a share of users, and they go to the
+    # fleet when it is down.
+    fleet = {url: ok for url, ok in health.items() if canary is None or url != canary.url}
     body = {
-        "ready": any(health.values()) and (gw.keys is None or gw.keys.loaded),
-        "vllm": health,
+        "ready": any(fleet.values()) and (gw.keys is None or gw.keys.loaded),
+        "vllm": fleet,
+        "canary": None
+        if canary is None
+        else {"url": canary.url, "live": gw.fleet.canary_live, "healthy": health[canary.url]},
         "auth": gw.settings.gateway.auth,
         "keys_loaded": None if gw.keys is None else gw.keys.loaded,
         "out_of_rotation": sorted(gw.fleet.out),

@@ -17,10 +17,15 @@ out, requests are answered 503 with ``Retry-After`` at once (`NoServerInRotation
 
 The live canary (deployer/canary.py, docs/gate.md Live canary): ``vllm.canary_server`` is not in the
 fleet. It is live while the store's rotation row for it is in rotation with a version announced (no
-row: not live). A request whose sticky key (`sticky_key`: the tenant's ``user`` field, else its
-episode) hashes, salted by the canary's version, below ``gate.canary.share`` goes to the canary's
-server, and to the fleet when that refuses the connection; every other request goes to the fleet
-only. When the deployer takes the canary out of rotation, no new request goes there.
+row: not live, the opposite of a fleet server), that announcement is trusted (its server has not
+contradicted it, see below) and the read that saw it is younger than two refresh intervals (a
+gateway that cannot read the store stops sending users there before the deployer may pause it). A
+request whose sticky key (`sticky_key`: the tenant's ``user`` field, else its episode) hashes,
+salted by the canary's version, below ``gate.canary.share`` goes to the canary's server, and to the
+fleet when that refuses the connection; every other request goes to the fleet only. So a user stays
+on one arm for the canary's whole run, on every gateway, and each canary samples other users. When
+the deployer takes the canary out of rotation, no new request goes there. Its generations are
+attributed like the fleet's, so they are captured with the challenger's version.
 
 Weight versions are pushed, not polled. The deployer announces in the store the version each
 serving server serves (`store.Store.set_serving_version`): none from before it touches a server
@@ -131,7 +136,7 @@ class Fleet:
             Server(AsyncVllmClient(canary, http, timeout_s=vllm.request_timeout_s)) if canary else None
         )
         self.canary_share = canary_share
-        self.canary_live = False
+        self._canary_in = False  # the last store read had the canary in rotation with a version
         self.out: frozenset[str] = frozenset()  # urls the deployer took out of rotation
         # An announcement is trusted while the read that saw it is younger than this; the deployer
         # waits a little longer than this after announcing a change (deployer.swap.announce_wait_s).
@@ -148,8 +153,8 @@ class Fleet:
         self.out = frozenset(url for url, row in rows.items() if not row.in_rotation and url != canary_url)
         if self.canary is not None:
             row = rows.get(self.canary.url)
-            # Live only while the deployer has it in rotation with a version announced; no row: no canary.
-            self.canary_live = row is not None and row.in_rotation and row.version is not None
+            # In only while the deployer has it in rotation with a version announced; no row: no canary.
+            self._canary_in = row is not None and row.in_rotation and row.version is not None
         for server in self.every:
             row = rows.get(server.url)
             if row is None or row.version is None or row.epoch == server.distrusted_epoch:
@@ -197,15 +202,30 @@ class Fleet:
         """The fleet's servers and the canary's (what the gateway checks and counts)."""
         return self.servers + ([self.canary] if self.canary is not None else [])
 
-    def canary_for(self, sticky: str | None) -> Server | None:
-        """The canary's server when the request with sticky key `sticky` is one of the canary's share
-        (`in_canary`, salted by the version the canary serves), else None."""
+    def _live_canary(self) -> tuple[Server, int] | None:
+        """The canary's server and the version it serves while the canary is live, else None: the
+        last store read had it in rotation with a version announced that its server has not
+        contradicted, and that read is younger than `trust_s`. So a gateway that cannot read the
+        store stops sending users there before the deployer, which waits longer than that after
+        taking the canary out of rotation, may pause it (as for attribution, `attributed`)."""
         canary = self.canary
-        if canary is None or not self.canary_live or sticky is None or canary.announced is None:
+        if canary is None or not self._canary_in or canary.announced is None:
             return None
-        if not in_canary(sticky, canary.announced.version, self.canary_share):
+        if time.monotonic() - canary.announced.read_at >= self.trust_s:
             return None
-        return canary
+        return canary, canary.announced.version
+
+    @property
+    def canary_live(self) -> bool:
+        return self._live_canary() is not None
+
+    def canary_for(self, sticky: str | None) -> Server | None:
+        """The canary's server when the request with sticky key `sticky` is one of the live canary's
+        share (`in_canary`, salted by the version the canary serves), else None."""
+        live = self._live_canary()
+        if live is None or sticky is None or not in_canary(sticky, live[1], self.canary_share):
+            return None
+        return live[0]
 
     def order(self, session_id: str | None = None, sticky: str | None = None) -> list[Server]:
         """Servers to try for the next request: the canary's server first when `sticky` is in the
@@ -249,9 +269,10 @@ class Fleet:
         return await self.read_version(server)
 
     async def health(self) -> dict[str, bool]:
-        """``GET /health`` of every server, concurrently: url -> healthy."""
-        results = await asyncio.gather(*(s.client.health() for s in self.servers))
-        return {s.url: ok for s, ok in zip(self.servers, results, strict=True)}
+        """``GET /health`` of every server, the canary's too, concurrently: url -> healthy."""
+        every = self.every
+        results = await asyncio.gather(*(s.client.health() for s in every))
+        return {s.url: ok for s, ok in zip(every, results, strict=True)}
 
 
 def in_canary(sticky: str, version: int, share: float) -> bool:

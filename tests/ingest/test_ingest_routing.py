@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
 from ingest.routing import Fleet, NoServerInRotation
 from schemas.settings import VllmSettings
 from serving.aio import new_session
-from store import RotationRecord
+from store import RotationRecord, Store
 
 pytestmark = pytest.mark.unit
 
@@ -160,3 +161,121 @@ def test_two_tenants_users_of_one_name_are_two_users() -> None:
     assert sticky_key("a", {"user": "bob"}, "a:e1") == sticky_key("a", {"user": "bob"}, "a:e2")
     assert sticky_key("a", {}, "a:e1") == "episode\0a:e1"
     assert sticky_key("a", {"user": ""}, "a:e1") == "episode\0a:e1"
+
+
+def test_a_user_keeps_their_arm_across_announcements_of_the_same_version_and_any_session() -> None:
+    f = canary_fleet(share=0.3)
+    f.update({CANARY: _row(CANARY, 2, 1)}, time.monotonic())
+    keys = [f"user\0t\0u{i}" for i in range(300)]
+    arm = {k: f.order(None, k)[0].url == CANARY for k in keys}
+    assert 0 < sum(arm.values()) < len(keys)
+    f.update({CANARY: _row(CANARY, 2, 5)}, time.monotonic())  # re-announced: a later epoch, same version
+    assert all((f.order(f"s{i}", k)[0].url == CANARY) == arm[k] for i, k in enumerate(keys))
+    # The salt is the version alone: the same arms on every gateway, whatever its turn or session.
+    from ingest.routing import in_canary
+
+    assert all(in_canary(k, 2, 0.3) == arm[k] for k in keys)
+
+
+def test_a_canary_whose_view_is_stale_or_contradicted_gets_no_users() -> None:
+    f = canary_fleet(share=0.5)
+    keys = [f"episode\0t:e{i}" for i in range(200)]
+    f.update({CANARY: _row(CANARY, 2, 1)}, time.monotonic() - f.trust_s)  # the store unread for too long
+    assert not f.canary_live and all(f.order(None, k)[0].url != CANARY for k in keys)
+    f.update({CANARY: _row(CANARY, 2, 1)}, time.monotonic())
+    assert f.canary_live
+    assert f.canary is not None
+    f.canary.distrusted_epoch = 1  # what Fleet.verify sets when the canary's label disagrees
+    f.update({CANARY: _row(CANARY, 2, 1)}, time.monotonic())
+    assert not f.canary_live and all(f.order(None, k)[0].url != CANARY for k in keys)
+    f.update({CANARY: _row(CANARY, 2, 2)}, time.monotonic())  # announced again: trusted again
+    assert f.canary_live
+
+
+def test_a_canary_request_refused_by_the_canary_is_tried_on_the_fleet_and_others_never_reach_it() -> None:
+    """`_call` over real connections to ports nobody listens on: the order tried is in the error."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from ingest.completions import _call
+    from ingest.gateway import Gateway
+    from ingest.metrics import GatewayMetrics
+    from ingest.routing import UpstreamUnavailable, in_canary
+    from services.testing import free_ports
+
+    a, b, c = (f"http://127.0.0.1:{port}" for port in free_ports(3))
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+
+    async def tried(gw: Gateway, sticky: str) -> list[str]:
+        with pytest.raises(UpstreamUnavailable) as refused:
+            await _call(gw, "/v1/completions", body, sticky=sticky)
+        return [part.split(" ", 1)[0] for part in str(refused.value).split(": ", 1)[1].split("; ")]
+
+    async def run() -> None:
+        async with new_session() as session:
+            f = Fleet(VllmSettings(servers=(a, b), canary_server=c), session, canary_share=0.5)
+            gw = cast(Gateway, SimpleNamespace(fleet=f, metrics=GatewayMetrics()))
+            f.update({c: _row(c, 2, 1)}, time.monotonic())
+            keys = [f"user\0t\0u{i}" for i in range(40)]
+            marked = next(k for k in keys if in_canary(k, 2, 0.5))
+            unmarked = [k for k in keys if not in_canary(k, 2, 0.5)]
+            first = await tried(gw, marked)
+            assert first[0] == c and sorted(first[1:]) == sorted([a, b])  # the canary, then the fleet
+            assert gw.metrics.registry.get_sample_value("rtrl_gateway_canary_requests_total") == 1
+            assert c not in await tried(gw, marked)  # refused recently: straight to the fleet
+            for key in unmarked[:5]:
+                assert c not in await tried(gw, key)
+            assert gw.metrics.registry.get_sample_value("rtrl_gateway_canary_requests_total") == 1
+
+    asyncio.run(run())
+
+
+def test_a_gateway_starts_with_its_canary_server_down_and_keeps_the_canarys_users_off_it(
+    tmp_path: Path, store: Store
+) -> None:
+    """The gateway in-process (SQLite store, no broker) with its fleet and canary server on ports
+    nobody listens on: it starts with no canary running, /readyz reports the canary apart from the
+    fleet, and a canary announced on a dead server loses the gateway's trust at the first check
+    (its label cannot be read), so its users are not sent there."""
+    from starlette.testclient import TestClient
+
+    from ingest.app import create_app
+    from ingest.gateway import Gateway
+    from ingest.routing import in_canary
+    from schemas.clock import wait_until
+    from schemas.settings import GateSettings, GatewaySettings, ServicesSettings, Settings, StoreSettings
+    from schemas.settings.canary import CanarySettings
+    from services.testing import free_ports
+
+    fleet_url, canary_url = (f"http://127.0.0.1:{port}" for port in free_ports(2))
+    settings = Settings(
+        store=StoreSettings(url=f"sqlite:///{tmp_path}/rtrl.db"),
+        gateway=GatewaySettings(spool_dir=tmp_path / "spool", auth="open"),
+        services=ServicesSettings(run_dir=tmp_path / "run"),
+        vllm=VllmSettings(servers=(fleet_url,), canary_server=canary_url, sampling_defaults={}),
+        gate=GateSettings(canary=CanarySettings(share=0.5)),
+    )
+    with TestClient(create_app(settings, connect=lambda: None)) as client:
+        gw: Gateway = client.app.state.gateway  # type: ignore[attr-defined]
+        ready = client.get("/readyz")
+        assert ready.status_code == 503  # the fleet is down; the canary never makes a gateway ready
+        assert ready.json()["vllm"] == {fleet_url: False}
+        assert ready.json()["canary"] == {"url": canary_url, "live": False, "healthy": False}
+
+        store.set_serving_version(canary_url, 2, "test: the deployer announces the canary")
+        store.set_rotation(canary_url, True, "test: the canary goes live")
+        registry = gw.metrics.registry
+
+        def distrusted() -> bool:
+            mismatches = registry.get_sample_value(
+                "rtrl_gateway_version_mismatch_total", {"server": canary_url}
+            )
+            return (mismatches or 0) >= 1
+
+        wait_until(distrusted, timeout_s=10, what="the gateway's check of the dead canary's label")
+        assert not gw.fleet.canary_live
+        assert registry.get_sample_value("rtrl_gateway_canary_live") == 0
+        user = next(u for u in (f"u{i}" for i in range(40)) if in_canary(f"user\0open\0{u}", 2, 0.5))
+        body = {"model": settings.vllm.served_model_name, "prompt": "hi", "max_tokens": 1, "user": user}
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 502 and canary_url not in answer.json()["error"]["message"]
