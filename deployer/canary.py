@@ -310,6 +310,20 @@ def _look_once(settings: Settings, store: Store, record: CanaryRecord) -> Look |
     if row is None or not row.in_rotation:
         why = "no record" if row is None else row.reason
         return "aborted", f"the canary server left the rotation behind the canary's back ({why})"
+    with server_client(settings, record.server) as server:
+        try:
+            label = server.weight_version()
+        except (ServingError, CallFailed) as exc:  # down: its users go to the fleet meanwhile
+            log.warning("canary #%d: cannot read the canary server's version (%r)", record.id, exc)
+        else:
+            if label != record.challenger_version:
+                return (
+                    "aborted",
+                    f"the canary server serves {label}, not v{record.challenger_version} (restarted?)",
+                )
+            # Vouch for it again: a gateway whose check of the server failed once (a timeout) stops
+            # sending it users until the next announcement (ingest/routing.py `Fleet.verify`).
+            store.set_serving_version(record.server, record.challenger_version, "canary: label verified")
     looked = read(settings, store, record)
     metrics.observe_canary(looked.challenger, looked.champion, looked.decision.difference)
     return looked
