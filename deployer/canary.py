@@ -47,6 +47,7 @@ from registry import Registry
 from schemas.events import FeedbackKind
 from schemas.rewards import get_spec
 from schemas.settings import Settings
+from schemas.settings.canary import CANARY_STALE_REFRESHES
 from serving import CallFailed, ServerError, ServingError
 from store import CanaryRecord, LiveEpisode, Store, StoreError
 
@@ -248,6 +249,7 @@ def _serve(settings: Settings, registry: Registry, store: Store, url: str, versi
     put it in: from then on the gateways route the canary's share there."""
     store.set_rotation(url, False, f"canary: loading v{version}")
     want = target(settings, registry, store, version)
+    time.sleep(withdraw_wait_s(settings))  # no gateway sends it a user any more, even on a stale view
     with server_client(settings, url) as server:
         if server.is_paused():  # a runner that died mid-swap left it paused
             server.resume()
@@ -259,6 +261,13 @@ def _serve(settings: Settings, registry: Registry, store: Store, url: str, versi
     if not step.verified:
         raise ServerError(url, f"v{version} did not verify on the canary server: {step.error}")
     store.set_rotation(url, True, f"canary: serving v{version}")
+
+
+def withdraw_wait_s(settings: Settings) -> float:
+    """How long after taking the canary out of rotation no gateway sends it a user: a gateway keeps
+    a canary's users on it while its view is younger than `CANARY_STALE_REFRESHES` refresh intervals
+    (ingest/routing.py), so that a slow store read does not move them to the fleet and back."""
+    return CANARY_STALE_REFRESHES * settings.gateway.rotation_refresh_s + 0.05
 
 
 def _watch(

@@ -18,8 +18,11 @@ out, requests are answered 503 with ``Retry-After`` at once (`NoServerInRotation
 The live canary (deployer/canary.py, docs/gate.md Live canary): ``vllm.canary_server`` is not in the
 fleet. It is live while the store's rotation row for it is in rotation with a version announced (no
 row: not live, the opposite of a fleet server), that announcement is trusted (its server has not
-contradicted it, see below) and the read that saw it is younger than two refresh intervals (a
-gateway that cannot read the store stops sending users there before the deployer may pause it). A
+contradicted it, see below; the deployer announces it again at every look of the canary) and the
+read that saw it is younger than `CANARY_STALE_REFRESHES` (10) refresh intervals: long enough that a
+busy event loop does not move a canary's users to the fleet and back, and a gateway that cannot read
+the store stops sending users there before the deployer, which waits that long after taking the
+canary out of rotation (deployer/canary.py `withdraw_wait_s`), changes its weights. A
 request whose sticky key (`sticky_key`: the tenant's ``user`` field, else its episode) hashes,
 salted by the canary's version, below ``gate.canary.share`` goes to the canary's server, and to the
 fleet when that refuses the connection; every other request goes to the fleet only. So a user stays
@@ -67,6 +70,7 @@ import aiohttp
 
 from ingest.errors import IngestError
 from schemas.settings import VllmSettings
+from schemas.settings.canary import CANARY_STALE_REFRESHES
 from serving import ServingError, VersionUnknown
 from serving.aio import AsyncVllmClient
 from store import RotationRecord
@@ -141,6 +145,10 @@ class Fleet:
         # An announcement is trusted while the read that saw it is younger than this; the deployer
         # waits a little longer than this after announcing a change (deployer.swap.announce_wait_s).
         self.trust_s = 2 * refresh_s
+        # The canary's users keep their arm while the view is younger than this: long enough that a
+        # busy event loop does not send them to the fleet and back, shorter than the deployer waits
+        # after taking the canary out before it may pause it (deployer/canary.py `withdraw_wait_s`).
+        self.canary_stale_s = CANARY_STALE_REFRESHES * refresh_s
         self._turn = itertools.count()
 
     def set_out(self, urls: frozenset[str]) -> None:
@@ -205,13 +213,13 @@ class Fleet:
     def _live_canary(self) -> tuple[Server, int] | None:
         """The canary's server and the version it serves while the canary is live, else None: the
         last store read had it in rotation with a version announced that its server has not
-        contradicted, and that read is younger than `trust_s`. So a gateway that cannot read the
+        contradicted, and that read is younger than `canary_stale_s`. So a gateway that cannot read the
         store stops sending users there before the deployer, which waits longer than that after
         taking the canary out of rotation, may pause it (as for attribution, `attributed`)."""
         canary = self.canary
         if canary is None or not self._canary_in or canary.announced is None:
             return None
-        if time.monotonic() - canary.announced.read_at >= self.trust_s:
+        if time.monotonic() - canary.announced.read_at >= self.canary_stale_s:
             return None
         return canary, canary.announced.version
 

@@ -11,6 +11,11 @@ from pydantic import Field, model_validator
 
 from schemas.settings.section import Section
 
+# A gateway keeps the canary's users on the canary server while its view of the store is younger than
+# this many gateway.rotation_refresh_s (ingest/routing.py), and the deployer waits that long after
+# taking the canary out of rotation before it changes the server (deployer/canary.py).
+CANARY_STALE_REFRESHES = 10
+
 
 class CanarySettings(Section):
     """The live canary between the offline gate and the fleet (docs/gate.md, Live canary)."""
