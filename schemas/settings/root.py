@@ -66,6 +66,12 @@ class Settings(BaseSettings):
                 "gate.canary.enabled needs vllm.canary_server (RTRL_VLLM__CANARY_SERVER), the server that serves "
                 "the challenger to the canary's share of users"
             )
+        if self.gate.canary.enabled and self.gate.canary.max_duration_s >= self.trainer.max_cycle_s:
+            raise ValueError(
+                f"gate.canary.max_duration_s ({self.gate.canary.max_duration_s:g}) must be below "
+                f"trainer.max_cycle_s ({self.trainer.max_cycle_s:g}): the canary runs inside the cycle's job, "
+                "which is handed out again after max_cycle_s"
+            )
         return self
 
 

@@ -144,3 +144,15 @@ def test_a_sycophant_that_wins_thumbs_and_loses_the_outcome_fails_on_the_primary
     assert canary.reward_range(_settings(primary="task_outcome")) == (-1.0, 1.0)  # tab-v1: weight 1 x [-1, 1]
     assert outcome.decision.outcome == "fail" and outcome.challenger == 300
     assert thumbs.decision.outcome != "fail"
+
+
+def test_settings_refuse_a_canary_without_its_server_or_longer_than_a_cycle() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="needs vllm.canary_server"):
+        Settings(gate={"canary": {"enabled": True}})
+    with pytest.raises(ValidationError, match="must be below trainer.max_cycle_s"):
+        Settings(vllm={"canary_server": CANARY}, gate={"canary": {"enabled": True, "max_duration_s": 1e9}})
+    with pytest.raises(ValidationError, match="is also in vllm.servers"):
+        Settings(vllm={"canary_server": "http://127.0.0.1:18000"})
+    assert Settings(vllm={"canary_server": CANARY}, gate={"canary": {"enabled": True}}).gate.canary.enabled
