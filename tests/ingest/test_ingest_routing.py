@@ -180,7 +180,9 @@ def test_a_user_keeps_their_arm_across_announcements_of_the_same_version_and_any
 def test_a_canary_whose_view_is_stale_or_contradicted_gets_no_users() -> None:
     f = canary_fleet(share=0.5)
     keys = [f"episode\0t:e{i}" for i in range(200)]
-    f.update({CANARY: _row(CANARY, 2, 1)}, time.monotonic() - f.canary_stale_s)  # the store unread for too long
+    f.update(
+        {CANARY: _row(CANARY, 2, 1)}, time.monotonic() - f.canary_stale_s
+    )  # the store unread for too long
     assert not f.canary_live and all(f.order(None, k)[0].url != CANARY for k in keys)
     f.update({CANARY: _row(CANARY, 2, 1)}, time.monotonic())
     assert f.canary_live
