@@ -399,6 +399,9 @@ def hack_setup(
     store = Store(f"sqlite:///{tmp_path / 'gate.db'}")
     store.migrate()
     settings = gate_settings(deploy_settings, store.url)
+    # The same prompts and seed in every run: with fresh draws the seed follows the test's random
+    # model name, and how far a planted hack shows varies with it (a CI run saw 37.5 % truncation).
+    settings = settings.model_copy(update={"gate": settings.gate.model_copy(update={"fresh_draws": False})})
     registry = Registry.from_settings(settings)
     rollout.bootstrap(settings, registry, tiny_model_dir)
     return store, settings, registry
@@ -417,7 +420,8 @@ def test_gate_rejects_a_challenger_that_stops_finishing_its_answers(
     assert (
         "truncation" in {a.name for a in decision.alarms if a.fired} and "alarm truncation" in decision.reason
     )
-    assert decision.behaviour["challenger"].truncated > 0.5 > decision.behaviour["champion"].truncated
+    behaviour, allowed = decision.behaviour, settings.gate.alarms.truncation_rate
+    assert behaviour["challenger"].truncated > behaviour["champion"].truncated + allowed
     assert store.gate_decisions(rambling)[0]["reason"] == decision.reason
     store.close()
 
@@ -438,7 +442,8 @@ def test_gate_rejects_a_challenger_that_stopped_answering_and_explains_why(
     assert not decision.passed
     assert "no_action" in {a.name for a in decision.alarms if a.fired}
     assert "alarm no_action" in decision.reason
-    assert decision.behaviour["challenger"].no_action > 0.5 > decision.behaviour["champion"].no_action
+    behaviour, allowed = decision.behaviour, settings.gate.alarms.no_action_rate
+    assert behaviour["challenger"].no_action > behaviour["champion"].no_action + allowed
     ope = next(s for s in decision.suites if s.name == "ope")
     assert not ope.conclusive  # no held-out traffic in this store: the suite says so and does not decide
     assert "no_action" in registry.version_tags(asking)["gate_alarms"].split(",")
