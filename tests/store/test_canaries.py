@@ -5,9 +5,8 @@ on SQLite (unit) and PostgreSQL (integration)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,28 +19,6 @@ from store.models import Episode, Feedback
 
 MODEL = "policy"
 SERVER = "http://127.0.0.1:8002"
-
-
-@pytest.fixture(
-    params=[
-        pytest.param("sqlite", marks=pytest.mark.unit),
-        pytest.param("postgresql", marks=pytest.mark.integration),
-    ]
-)
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A store URL: an SQLite file in tmp_path, or a database of its own on the session's PostgreSQL."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'rtrl.db'}"
-    database: str = request.getfixturevalue("postgres_database")
-    return database
-
-
-@pytest.fixture
-def any_store(url: str, clock: FakeClock) -> Iterator[Store]:
-    opened = Store(url, clock=clock)
-    opened.migrate()
-    yield opened
-    opened.close()
 
 
 def start(store: CanaryStore, challenger: int = 5, **kw: Any) -> CanaryRecord:

@@ -4,34 +4,14 @@ claimed or quarantined episode, each episode's first segment, one per prompt tex
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-from factories import HOLDOUT_KEY, FakeClock, Feeder, at, feedback, interaction
+from factories import HOLDOUT_KEY, Feeder, at, feedback, interaction
 from sqlalchemy import update
 
 from store import Store
 from store.models import Episode
 from store.settle import eval_bucket
 
-BACKENDS = [
-    pytest.param("sqlite", marks=pytest.mark.unit),
-    pytest.param("postgresql", marks=pytest.mark.integration),
-]
 PERCENT = 50
-
-
-@pytest.fixture(params=BACKENDS)
-def any_store(request: pytest.FixtureRequest, tmp_path: object, clock: FakeClock) -> Iterator[Store]:
-    url = (
-        f"sqlite:///{tmp_path}/rtrl.db"
-        if request.param == "sqlite"
-        else request.getfixturevalue("postgres_database")
-    )
-    store = Store(url, clock=clock)
-    store.migrate()
-    yield store
-    store.close()
 
 
 def ids(held_out: bool, n: int) -> list[str]:

@@ -4,9 +4,6 @@ expired lease, a reclaimed job), and an episode at ``trainer.max_episode_failure
 with the cycle's error instead of released, until an operator releases it. On SQLite (unit) and
 PostgreSQL (integration)."""
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from factories import FakeClock, Feeder, feedback, interaction
 from sqlalchemy import inspect, update
@@ -14,28 +11,7 @@ from sqlalchemy import inspect, update
 from store import EpisodesUnavailable, Store
 from store.models import Episode
 
-BACKENDS = [
-    pytest.param("sqlite", marks=pytest.mark.unit),
-    pytest.param("postgresql", marks=pytest.mark.integration),
-]
 POISON = "CUDA error: device-side assert triggered (token id 2147483647 >= vocabulary 151936)"
-
-
-@pytest.fixture(params=BACKENDS)
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """An SQLite file in tmp_path, or a database of its own on the session's PostgreSQL."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'rtrl.db'}"
-    database: str = request.getfixturevalue("postgres_database")
-    return database
-
-
-@pytest.fixture
-def any_store(url: str, clock: FakeClock) -> Iterator[Store]:
-    opened = Store(url, clock=clock)
-    opened.migrate()
-    yield opened
-    opened.close()
 
 
 def settle(store: Store, *episodes: str) -> None:
