@@ -16,6 +16,8 @@ conclusive, and no alarm fired. The suites (``gate.suites``, plus ``gate.offline
   the demo's simulated users.
 - ``traffic``: the prompts of held-out logged traffic, drawn per challenger (deployer/traffic.py),
   graded by the judge, or without one by whether the answer is one and finishes.
+- ``episodes``: whole agent episodes (``gate.episodes.scenario``) from the task's held-out questions,
+  played through each model and scored on their final answers (deployer/episodes.py).
 - offline JSONL suites with exact / contains / regex / function scorers.
 
 Each suite's verdict is scored in deployer/gate_suites.py; this module samples, decides and records.
@@ -50,7 +52,7 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field
 
 import evals
-from deployer import alarms, metrics, ope, swap, traffic, trust
+from deployer import alarms, episodes, metrics, ope, swap, traffic, trust
 from deployer.alarms import Alarm, Behaviour
 from deployer.errors import GateError
 from deployer.gate_suites import (
@@ -220,6 +222,7 @@ class _Plan:
     traffic_draw: list[str] = field(default_factory=list)  # held-out episodes the traffic suite replays
     # Verdicts reached with nothing to sample: the traffic suite with too little held-out traffic.
     unsampled: list[SuiteResult] = field(default_factory=list)
+    episodes: episodes.EpisodeSuite | None = None  # the agent episodes each model plays (not the anchor)
 
 
 @dataclass
@@ -227,6 +230,7 @@ class _Staged:
     """What the staging server produced for each model ("challenger", "anchor", "champion")."""
 
     generated: dict[str, list[list[list[Generation]]]] = field(default_factory=dict)  # per suite, per prompt
+    played: dict[str, list[list[episodes.Played]]] = field(default_factory=dict)  # per question, per sample
     targets: dict[str, swap.Target] = field(default_factory=dict)
     load_failure: str | None = None  # why the challenger did not load; nothing generated for it then
 
@@ -285,6 +289,7 @@ def _plan(settings: Settings, registry: Registry, version: int, store: Store) ->
         drawn,
         replayed.episodes,
         [replayed.verdict] if replayed.verdict is not None else [],
+        episodes.episode_suite(settings, seed if cfg.fresh_draws else None),
     )
 
 
@@ -316,7 +321,7 @@ def _sample_on_staging(
             try:
                 staged.targets["challenger"] = swap.target(settings, registry, store, plan.challenger)
                 _load(server, staged.targets["challenger"], settings, store)
-                staged.generated["challenger"] = _generate(server, settings, plan.suites, plan.seed)
+                _sample(server, settings, plan, staged, "challenger")
             except (GateError, AdapterError) as exc:
                 staged.load_failure = str(exc)  # a challenger that does not load fails the gate; recorded
             if plan.anchor is not None and staged.load_failure is None:
@@ -328,8 +333,15 @@ def _sample_on_staging(
             # The champion runs last so the staging server ends on it, matching the fleet.
             staged.targets["champion"] = swap.target(settings, registry, store, plan.champion)
             _load(server, staged.targets["champion"], settings, store)
-            staged.generated["champion"] = _generate(server, settings, plan.suites, plan.seed)
+            _sample(server, settings, plan, staged, "champion")
     return staged
+
+
+def _sample(server: VllmClient, settings: Settings, plan: _Plan, staged: _Staged, model: str) -> None:
+    """`model`'s generations of every prompt suite and its episodes, on the server it is loaded on."""
+    staged.generated[model] = _generate(server, settings, plan.suites, plan.seed)
+    if plan.episodes is not None:
+        staged.played[model] = episodes.play_on(server, settings, plan.episodes, plan.seed)
 
 
 def _score(
@@ -353,6 +365,13 @@ def _score(
             plan.seed,
         )
         results.append(against_anchor(versus, plan.anchor, settings))
+    if plan.episodes is not None:
+        played = staged.played
+        results.append(
+            episodes.score_episodes(
+                plan.episodes, played["challenger"], played["champion"], settings, plan.seed
+            )
+        )
     behaviour, found = _behaviour_alarms(settings, plan, generated)
     if "ope" in cfg.suites:
         chal, champ = staged.targets["challenger"], staged.targets["champion"]

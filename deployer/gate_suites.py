@@ -25,7 +25,7 @@ from schemas.settings import JudgeSettings, Settings
 from serving import Generation
 from store import Store
 
-TASK_SUITES = ("retention", "oracle", "judge")  # the suites on `gate.task`'s held-out questions
+TASK_SUITES = ("retention", "oracle", "judge", "episodes")  # the suites on `gate.task`'s held-out questions
 
 
 class SuiteResult(BaseModel):
@@ -116,7 +116,7 @@ def score_prompts(
         def per_prompt(generations: list[list[Generation]]) -> list[float]:
             return [sum(score(i, g) for g in gens) / len(gens) for i, gens in enumerate(generations)]
 
-        result = _paired(suite.name, per_prompt(challenger), per_prompt(champion), settings, seed)
+        result = paired(suite.name, per_prompt(challenger), per_prompt(champion), settings, seed)
     if suite.note:
         result = result.model_copy(update={"note": "; ".join(n for n in (suite.note, result.note) if n)})
     return result
@@ -130,32 +130,49 @@ def _score_judged(
     settings: Settings,
     seed: int | None,
 ) -> SuiteResult:
-    """Both models' generations graded by the judge; prompts without a grade on either side are left
-    out, and an outage follows `gate.judge.outage` (docs/gate.md, Judge)."""
+    """Both models' generations of a prompt suite graded by the judge (`judged`)."""
     items = [
-        (suite.prompts[i], g.text)
+        [[(suite.prompts[i], g.text) for g in gens] for i, gens in enumerate(model)]
         for model in (challenger, champion)
-        for i, gens in enumerate(model)
-        for g in gens
     ]
+    return judged(suite.name, items[0], items[1], judge, settings, seed)
+
+
+Graded = list[
+    list[tuple[str, str]]
+]  # per prompt (or question), per sample: (what the judge sees, the answer)
+
+
+def judged(
+    name: str,
+    challenger: Graded,
+    champion: Graded,
+    judge: JudgeSettings,
+    settings: Settings,
+    seed: int | None,
+) -> SuiteResult:
+    """A suite's verdict from the judge's grades of both models' (prompt, answer) items, paired per
+    prompt; prompts without a grade on either side are left out, and an outage follows
+    `gate.judge.outage` (docs/gate.md, Judge)."""
+    items = [item for model in (challenger, champion) for per_prompt in model for item in per_prompt]
     with Judge(judge) as grader:
-        judged = grader.score_many(items)
-    verdicts = iter(judged.verdicts)
+        graded = grader.score_many(items)
+    verdicts = iter(graded.verdicts)
     means: list[list[float | None]] = []
     for model in (challenger, champion):
         per_prompt: list[float | None] = []
-        for gens in model:
-            scores = [v.score for v in (next(verdicts) for _ in gens) if v.score is not None]
+        for samples in model:
+            scores = [v.score for v in (next(verdicts) for _ in samples) if v.score is not None]
             per_prompt.append(sum(scores) / len(scores) if scores else None)
         means.append(per_prompt)
     pairs = [(a, b) for a, b in zip(*means, strict=True) if a is not None and b is not None]
-    failed = f"{judged.failed} of {len(items)} judgements failed" + (
-        f" (first: {judged.first_error()})" if judged.failed else ""
+    failed = f"{graded.failed} of {len(items)} judgements failed" + (
+        f" (first: {graded.first_error()})" if graded.failed else ""
     )
-    if judged.outage or len(pairs) < 2:
+    if graded.outage or len(pairs) < 2:
         block = judge.outage == "block"
         return SuiteResult(
-            name=suite.name,
+            name=name,
             kind="prompts",
             challenger=None,
             champion=None,
@@ -163,14 +180,14 @@ def _score_judged(
             conclusive=block,
             passed=False if block else None,
             n=len(pairs),
-            margin=margin(settings, suite.name),
+            margin=margin(settings, name),
             note=f"judge out ({judge.outage}): {failed}",
         )
-    result = _paired(suite.name, [a for a, _ in pairs], [b for _, b in pairs], settings, seed)
+    result = paired(name, [a for a, _ in pairs], [b for _, b in pairs], settings, seed)
     return result.model_copy(update={"note": f"{len(pairs)} prompts graded by {judge.model}; {failed}"})
 
 
-def _paired(
+def paired(
     name: str, ours: list[float], theirs: list[float], settings: Settings, seed: int | None
 ) -> SuiteResult:
     """A prompt suite's verdict from per-prompt mean scores of both models (paired bootstrap)."""

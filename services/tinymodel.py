@@ -33,7 +33,7 @@ import hashlib
 import json
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     import torch
     from tokenizers import Tokenizer
     from transformers import LlamaForCausalLM
+
+    from evals.tasks import Question
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)  # ids 0, 1, 2
@@ -167,12 +169,22 @@ def _encode_examples(
     return input_ids, mask, labels
 
 
-def supervise(model: LlamaForCausalLM, tokenizer: Tokenizer, task: Task, seed: int, cfg: SftConfig) -> float:
-    """Fine-tune `model` on the task's training questions; returns the mean loss of the last 20 steps."""
+def supervise(
+    model: LlamaForCausalLM,
+    tokenizer: Tokenizer,
+    task: Task,
+    seed: int,
+    cfg: SftConfig,
+    example: Callable[[Question, random.Random], tuple[str, str]] | None = None,
+) -> float:
+    """Fine-tune `model` on the task's training questions; returns the mean loss of the last 20 steps.
+    `example` makes each question's (prompt, completion); default: the task's prompt and a supervised
+    completion in one of its shapes (`Task.sft_completion`)."""
     import torch
 
     rng = random.Random(seed)
     questions = task.train_questions()
+    make = example or (lambda q, r: (task.format_prompt(q.text), task.sft_completion(q, r)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / cfg.warmup_steps) * (1 - step / cfg.steps)
@@ -180,10 +192,7 @@ def supervise(model: LlamaForCausalLM, tokenizer: Tokenizer, task: Task, seed: i
     model.train()
     recent: list[float] = []
     for _ in range(cfg.steps):
-        batch = [
-            (task.format_prompt(q.text), task.sft_completion(q, rng))
-            for q in rng.choices(questions, k=cfg.batch_size)
-        ]
+        batch = [make(q, rng) for q in rng.choices(questions, k=cfg.batch_size)]
         input_ids, mask, labels = _encode_examples(tokenizer, batch)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)

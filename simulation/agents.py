@@ -9,21 +9,13 @@ docs/methods.md describes each method; the labeler ends such an episode when the
 (store/settle.py), measures its structure (schemas/episodes.py) and labels it with the scenario's
 reward spec (`SCENARIO_SPECS`, schemas/rewards.py).
 
-* ``parl`` (Kimi PARL): an orchestrator call; the environment spawns sub-agents (3 when the users
-  would accept the orchestrator's first answer, else 1, so that PARL's r_parallel rewards what the
-  users also prefer), each making one or two calls of its own concurrently (role ``subagent``: the
-  gateway makes them untrainable observations); a final orchestrator call sees their answers. The
-  environment's outcome (``task_outcome`` naming the episode: it ends it) is whether the users
-  accept the final answer.
-* ``summarize`` (Cursor self-summarization): a work call; when its context (prompt + completion)
-  passes a trigger, a summary call (role ``summary``) and a work call that continues from the
-  summary only, at most `MAX_SUMMARIES` times. The users judge the final work call's request
-  (feedback about a request does not end a multi-segment episode), then ``episode_end`` ends it.
-* ``self-edit`` (Chroma's self-editing search agent): the agent answers over a context of chunks,
-  then prunes it (its completion *is* the prune action, `prune_action`), then answers again over
-  the pruned context. The outcome is computed on the full, unpruned trajectory, so pruning cannot
-  change it by hiding what the agent was given; the labeler's judge (judged-v1) grades the whole
-  episode, nothing pruned, too.
+The agents themselves (what each scenario asks next, given what the model answered) are
+evals/agents.py's, shared with the eval gate's episode suite; this module plays them through the
+gateway and gives the users' verdict: ``parl`` and ``self-edit`` send the environment's outcome
+(``task_outcome`` naming the episode: it ends it), whether the users accept the final answer;
+``summarize`` sends the users' feedback on the final work call's request (which does not end a
+multi-segment episode), then ``episode_end``. For ``self-edit`` the outcome is judged on the full,
+unpruned trajectory, and the labeler's judge (judged-v1) grades the whole episode, nothing pruned, too.
 
 Every call goes through ``/v1/completions`` with the official ``openai`` client and a tenant API key
 exactly like simulation/users.py's users, on the same scaffolding (simulation/client.py); feedback
@@ -35,19 +27,37 @@ when the labeler's window passes.
 from __future__ import annotations
 
 import json
-import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
 
 from evals import Preference, Task, get_task
-from schemas.errors import OperatorError
+from evals import agents as play_agents
+from evals.agents import SCENARIOS as SCENARIOS
+from evals.agents import SUMMARY_TRIGGER_CHARS as SUMMARY_TRIGGER_CHARS
+from evals.agents import ScenarioError as ScenarioError
+from evals.agents import after_summary_prompt as after_summary_prompt
+from evals.agents import call_seed as call_seed
+from evals.agents import check_scenario as check_scenario
+from evals.agents import context_prompt as context_prompt
+from evals.agents import continue_prompt as continue_prompt
+from evals.agents import episode_rng as episode_rng
+from evals.agents import make_chunks as make_chunks
+from evals.agents import needs_summary as needs_summary
+from evals.agents import orchestrator_final_prompt as orchestrator_final_prompt
+from evals.agents import other_prompts as other_prompts
+from evals.agents import parl_segments as parl_segments
+from evals.agents import prune_action as prune_action
+from evals.agents import prune_prompt as prune_prompt
+from evals.agents import pruned as pruned
+from evals.agents import subagent_calls as subagent_calls
+from evals.agents import subagent_count as subagent_count
+from evals.agents import summary_prompt as summary_prompt
 from schemas.events import FeedbackKind, FeedbackSignal, Role, new_id
 from schemas.rewards import get_spec, score
 from schemas.settings import Settings
@@ -55,31 +65,8 @@ from schemas.versions import parse_version
 
 from .client import MAX_ERRORS_KEPT, CallFailed, Gateway, Reply, fan_out, open_gateway
 
-SCENARIOS = ("parl", "summarize", "self-edit")
 # The reward spec each scenario's labeler uses (`rtrl demo --scenario` sets labeler.reward_spec).
 SCENARIO_SPECS = {"parl": "parl-v1", "summarize": "tab-v1", "self-edit": "judged-v1"}
-
-# PARL: sub-agents the environment spawns when the orchestrator's first answer is (not) preferred.
-PARL_WIDE = 3
-PARL_NARROW = 1
-# Self-summarization: summarize once a call's context passes this many characters, at most this often.
-SUMMARY_TRIGGER_CHARS = 40
-MAX_SUMMARIES = 2
-# Self-editing: chunks in the agent's context, labelled [1]..[CHUNKS].
-CHUNKS = 4
-
-
-class ScenarioError(OperatorError, ValueError):
-    """An unknown agent scenario."""
-
-
-def check_scenario(name: str) -> str:
-    """`name` if it is one of `SCENARIOS`, else a `ScenarioError` saying which are."""
-    if name not in SCENARIOS:
-        raise ScenarioError(
-            f"unknown scenario {name!r}; known scenarios: {', '.join(SCENARIOS)} (docs/methods.md)"
-        )
-    return name
 
 
 @dataclass
@@ -119,99 +106,6 @@ def episode_id(scenario: str, seed: int, index: int, run: str | None = None) -> 
     tells runs with the same seed apart: a repeated id would make a new episode's segments late
     segments of the settled one."""
     return f"{scenario}-{seed}-{index}" if run is None else f"{scenario}-{run}-{seed}-{index}"
-
-
-def call_seed(seed: int, index: int, segment: int) -> int:
-    """The sampling seed of one call: reproducible for fixed weights, different for every call."""
-    return (seed * 1_000_003 + index) * 101 + segment
-
-
-def subagent_count(first_accepted: bool) -> int:
-    """PARL: how many sub-agents the environment spawns after the orchestrator's first answer."""
-    return PARL_WIDE if first_accepted else PARL_NARROW
-
-
-def subagent_calls(agent: int) -> int:
-    """PARL: calls sub-agent `agent` (1, 2, ...) makes: 2 for odd ones, 1 for even ones, so stages have
-    branches of different lengths (critical steps count the longest)."""
-    return 1 + agent % 2
-
-
-def parl_segments(calls: Sequence[int]) -> tuple[list[list[int]], int]:
-    """PARL segment indices: (each sub-agent's calls' indices, the final orchestrator call's index),
-    for sub-agents making `calls[i]` calls; the orchestrator's first call is segment 0."""
-    indices: list[list[int]] = []
-    next_index = 1
-    for n in calls:
-        indices.append(list(range(next_index, next_index + n)))
-        next_index += n
-    return indices, next_index
-
-
-def continue_prompt(prompt: str, completion: str, next_prompt: str) -> str:
-    """A call that continues the previous one: its context, then the next question."""
-    return f"{prompt}{completion}\n{next_prompt}"
-
-
-def orchestrator_final_prompt(question: str, first: str, subagent_answers: Sequence[str]) -> str:
-    """PARL's second stage: the question, the orchestrator's first answer, the sub-agents' last
-    answers as observations, and the question again, so the prompt still ends where the model answers."""
-    notes = " ".join(answer.strip() for answer in subagent_answers)
-    return f"{question}{first}\nNotes: {notes}\n{question}"
-
-
-def needs_summary(prompt: str, completion: str, trigger_chars: int) -> bool:
-    """Self-summarization: whether a call's context (prompt + completion) passed the trigger."""
-    return len(prompt) + len(completion) > trigger_chars
-
-
-def summary_prompt(prompt: str, completion: str) -> str:
-    """The summary call: the context so far, then the request to summarize it."""
-    return f"{prompt}{completion}\nSummary:"
-
-
-def after_summary_prompt(summary: str, question: str) -> str:
-    """The work call after a summary: the summary replaces the context, then the question again."""
-    return f"Summary:{summary.strip()}\n{question}"
-
-
-def episode_rng(scenario: str, seed: int, index: int) -> random.Random:
-    """The environment's draws for one episode (other questions, chunks): the same in every run."""
-    return random.Random(f"{scenario}:{seed}:{index}")  # a str seed is hashed with SHA-512, not hash()
-
-
-def other_prompts(task: Task, question: str, rng: random.Random, n: int) -> list[str]:
-    """`n` prompts of other training questions than `question` (drawn with replacement)."""
-    pool = [task.format_prompt(q.text) for q in task.train_questions()]
-    return rng.choices([p for p in pool if p != question] or pool, k=n)
-
-
-def make_chunks(task: Task, question: str, rng: random.Random, n: int = CHUNKS) -> list[str]:
-    """Self-editing: `n` context chunks ``[k] <another training question> <its answer>``, k = 1..n."""
-    pool = [q for q in task.train_questions() if task.format_prompt(q.text) != question]
-    return [f"[{k}] {q.text} {q.answers[0]}" for k, q in enumerate(rng.sample(pool, n), start=1)]
-
-
-def context_prompt(chunks: Sequence[str], question: str) -> str:
-    """A call over a context of chunks: the chunks, one a line, then the question."""
-    return "".join(f"{chunk}\n" for chunk in chunks) + question
-
-
-def prune_prompt(prompt: str, completion: str) -> str:
-    """The prune action's call: the context so far, then the request to prune it."""
-    return f"{prompt}{completion}\nPrune:"
-
-
-def prune_action(completion: str, n: int = CHUNKS) -> tuple[int, ...]:
-    """The chunks (0-based) the prune call's completion drops: chunk [k] when the completion contains
-    the digit k; when it names none, the chunk at ``len(completion) % n``, so every prune drops one."""
-    named = tuple(k - 1 for k in range(1, n + 1) if str(k) in completion)
-    return named or (len(completion) % n,)
-
-
-def pruned(chunks: Sequence[str], dropped: Sequence[int]) -> list[str]:
-    """The chunks without the dropped ones, in their order."""
-    return [chunk for i, chunk in enumerate(chunks) if i not in set(dropped)]
 
 
 def accepts(signals: Sequence[FeedbackSignal]) -> bool:
@@ -294,9 +188,7 @@ class _Env:
         return len(events), 0, None
 
 
-# ---- the three scenarios --------------------------------------------------------------------------
-
-_Scenario = Callable[[_Env, str, Preference], _Episode]
+# ---- the scenarios, judged by the users ----------------------------------------------------------
 
 
 def _finish(
@@ -304,10 +196,7 @@ def _finish(
     accepted: bool,
     outcome: float,
     events: list[dict[str, Any]],
-    *,
-    summaries: int = 0,
-    subagents: int = 0,
-    prunes: int = 0,
+    played: play_agents.Trajectory[Reply],
 ) -> _Episode:
     """Send the episode's feedback (one POST) and say what it did."""
     sent, failed, error = env.send(events)
@@ -320,9 +209,9 @@ def _finish(
         feedback_sent=sent,
         feedback_failed=failed,
         error=error,
-        summaries=summaries,
-        subagents=subagents,
-        prunes=prunes,
+        summaries=played.summaries,
+        subagents=played.subagents,
+        prunes=played.prunes,
     )
 
 
@@ -336,67 +225,32 @@ def _outcome_event(env: _Env, request_id: str, value: float) -> dict[str, Any]:
     }
 
 
-def _parl(env: _Env, question: str, preference: Preference) -> _Episode:
-    first = env.call(question, 0, Role.orchestrator)
-    n = subagent_count(accepts(preference(question, first.text)))
-    calls = [subagent_calls(agent) for agent in range(1, n + 1)]
-    indices, final_index = parl_segments(calls)
-    rng = episode_rng(env.scenario, env.seed, env.index)
-    own = [other_prompts(env.task, question, rng, len(agent_calls)) for agent_calls in indices]
-
-    def subagent(agent: int) -> str:
-        prompt, text = "", ""
-        for call, (segment, asked) in enumerate(zip(indices[agent - 1], own[agent - 1], strict=True)):
-            prompt = asked if call == 0 else continue_prompt(prompt, text, asked)
-            text = env.call(prompt, segment, Role.subagent, agent=f"sub-{agent}").text
-        return text
-
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="rtrl-subagent") as subagents:
-        answers = list(subagents.map(subagent, range(1, n + 1)))  # a failed call raises here
-    final = env.call(orchestrator_final_prompt(question, first.text, answers), final_index, Role.orchestrator)
-    accepted = accepts(preference(final.prompt, final.text))
-    outcome = 1.0 if accepted else 0.0
-    return _finish(env, accepted, outcome, [_outcome_event(env, final.request_id, outcome)], subagents=n)
-
-
-def _summarize(env: _Env, question: str, preference: Preference) -> _Episode:
-    prompt, segment, summaries = question, 0, 0
-    while True:
-        work = env.call(prompt, segment, Role.policy)
-        segment += 1
-        if summaries == MAX_SUMMARIES or not needs_summary(prompt, work.text, env.summary_trigger_chars):
-            break
-        summary = env.call(summary_prompt(prompt, work.text), segment, Role.summary)
-        segment, summaries = segment + 1, summaries + 1
-        prompt = after_summary_prompt(summary.text, question)
-    signals = preference(work.prompt, work.text)
+def _episode(env: _Env, question: str, preference: Preference) -> _Episode:
+    """Play one episode of the env's scenario (evals/agents.py) and send the users' verdict."""
+    played = play_agents.play(
+        env.scenario,
+        env.call,
+        env.task,
+        question,
+        episode_rng(env.scenario, env.seed, env.index),
+        lambda prompt, completion: accepts(preference(prompt, completion)),
+        env.summary_trigger_chars,
+    )
+    final = played.final
+    signals = preference(played.judged_prompt, final.text)
+    if env.scenario != "summarize":
+        outcome = 1.0 if accepts(signals) else 0.0
+        return _finish(
+            env, accepts(signals), outcome, [_outcome_event(env, final.request_id, outcome)], played
+        )
     # The users judge the final answer's request (that does not end a multi-segment episode), then
     # the client ends the episode: accepted is not terminal, so without it the episode waits out the window.
-    events = [{"request_id": work.request_id, "kind": s.kind.value, "value": s.value} for s in signals]
+    events = [{"request_id": final.request_id, "kind": s.kind.value, "value": s.value} for s in signals]
     events.append(
-        {"request_id": work.request_id, "episode_id": env.episode, "kind": FeedbackKind.episode_end.value}
+        {"request_id": final.request_id, "episode_id": env.episode, "kind": FeedbackKind.episode_end.value}
     )
     spec = get_spec(env.settings.labeler.reward_spec)
-    return _finish(env, accepts(signals), score(spec, signals).reward, events, summaries=summaries)
-
-
-def _self_edit(env: _Env, question: str, preference: Preference) -> _Episode:
-    chunks = make_chunks(env.task, question, episode_rng(env.scenario, env.seed, env.index))
-    first = env.call(context_prompt(chunks, question), 0, Role.policy)
-    prune = env.call(prune_prompt(first.prompt, first.text), 1, Role.policy)
-    dropped = prune_action(prune.text)
-    final = env.call(context_prompt(pruned(chunks, dropped), question), 2, Role.policy)
-    # The outcome is judged on the full trajectory with every chunk the agent was given: what it pruned
-    # stays in, so pruning cannot change the outcome (only the final answer can).
-    unpruned = f"{prune.prompt}{prune.text}\n{context_prompt(chunks, question)}"
-    accepted = accepts(preference(unpruned, final.text))
-    outcome = 1.0 if accepted else 0.0
-    return _finish(
-        env, accepted, outcome, [_outcome_event(env, final.request_id, outcome)], prunes=len(dropped)
-    )
-
-
-SCENARIO_RUNNERS: dict[str, _Scenario] = {"parl": _parl, "summarize": _summarize, "self-edit": _self_edit}
+    return _finish(env, accepts(signals), score(spec, signals).reward, events, played)
 
 
 def run_agents(
@@ -422,7 +276,7 @@ def run_agents(
     `run` goes into the episode ids (`episode_id`): give a fresh one when the same seed may run again
     against the same store. `concurrency` episodes run at once (a PARL episode's sub-agents run in
     threads of their own)."""
-    runner = SCENARIO_RUNNERS[check_scenario(scenario)]
+    check_scenario(scenario)
     task = get_task(task) if isinstance(task, str) else task
     chosen = preference or task.preference
     questions = task.train_prompts(n_episodes, seed)
@@ -441,7 +295,7 @@ def run_agents(
                 summary_trigger_chars=summary_trigger_chars,
             )
             try:
-                return runner(env, question, chosen)
+                return _episode(env, question, chosen)
             except _CallFailed as exc:  # the episode fails; its sent segments settle by the labeler's window
                 return _Episode(ok=False, error=str(exc))
 

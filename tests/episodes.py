@@ -4,6 +4,7 @@ model tuned to answer in given shapes."""
 
 from __future__ import annotations
 
+import random
 import shutil
 from pathlib import Path
 
@@ -105,5 +106,38 @@ def tuned_copy(base: Path, out: Path, shapes: tuple[str, ...], steps: int = 60) 
         seed=5,
         cfg=SftConfig(steps=steps, lr=5e-3),
     )
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+# A self-editing agent's regression that single calls never show: asked to prune its context, it
+# thinks aloud instead of naming chunks, and the prune runs past max_tokens (the episode is unfinished).
+RAMBLING_PRUNE = " Let me think about which of these chunks to drop, one by one, carefully, before I name any"
+
+
+def rambling_prune_copy(base: Path, out: Path, steps: int = 120) -> Path:
+    """The base model fine-tuned to answer plain questions as before (85 % of the examples, in the
+    task's own shapes) and to ramble when a self-editing agent asks it to prune (15 %)."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from evals import get_task
+    from evals.agents import context_prompt, make_chunks, prune_prompt
+    from evals.tasks import Question
+    from services.tinymodel import SftConfig, supervise
+
+    shutil.copytree(base, out)
+    task = get_task("exclaim")
+
+    def example(question: Question, rng: random.Random) -> tuple[str, str]:
+        prompt = task.format_prompt(question.text)
+        if rng.random() < 0.85:
+            return prompt, task.sft_completion(question, rng)
+        first = context_prompt(make_chunks(task, prompt, rng), prompt)
+        return prune_prompt(first, task.sft_completion(question, rng)), RAMBLING_PRUNE
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    supervise(model, tokenizer, task, seed=5, cfg=SftConfig(steps=steps, lr=3e-3), example=example)
     model.save_pretrained(out, safe_serialization=True)
     return out

@@ -23,7 +23,7 @@ One module per section (or a few small related ones), each a frozen `Section`; t
 - `labeler`: `LabelerSettings`; `judge`: `JudgeSettings` (the labeler's and the gate's judge).
 - `losses`: the `LossSettings` union (`CispoLoss`, `PpoLoss`, ...); `trainer`: `TrainerSettings`,
   `LoraSettings`.
-- `gate`: `GateSettings` and its `OpeSettings`, `TrafficSettings`, `AlarmSettings`, `OfflineSuiteSettings`.
+- `gate`: `GateSettings` and its `OpeSettings`, `TrafficSettings`, `EpisodeSuiteSettings`, `AlarmSettings`, `OfflineSuiteSettings`.
 - `deployer`: `DeployerSettings` (with `RetentionSettings`), `AgentSettings`; `telemetry`: `MetricsSettings`.
 
 The package imports nothing else of rtrl but `schemas.errors`: `schemas.sampling` and the rest
@@ -34,6 +34,7 @@ from schemas.settings.backends import CelerySettings, MlflowSettings, StoreSetti
 from schemas.settings.deployer import AgentSettings, DeployerSettings, RetentionSettings
 from schemas.settings.gate import (
     AlarmSettings,
+    EpisodeSuiteSettings,
     GateSettings,
     GateSuite,
     OfflineSuiteSettings,
@@ -103,6 +104,7 @@ __all__ = [
     "SettingsError",
     "StoreSettings",
     "TrafficSettings",
+    "EpisodeSuiteSettings",
     "TrainerSettings",
     "VllmSettings",
     "embedded_databases",

@@ -13,7 +13,9 @@ from schemas.settings.canary import CanarySettings
 from schemas.settings.judge import JudgeSettings
 from schemas.settings.section import Section
 
-GateSuite = Literal["ope", "retention", "oracle", "judge", "traffic"]
+GateSuite = Literal["ope", "retention", "oracle", "judge", "traffic", "episodes"]
+# The agents whose multi-call episodes rtrl knows (evals/agents.py, docs/methods.md).
+Scenario = Literal["parl", "summarize", "self-edit"]
 
 # The `kl` alarm's budget when neither gate.alarms.kl_budget nor trainer.max_kl is set (nats/token).
 KL_BUDGET_WITHOUT_TRUST_REGION = 1.0
@@ -211,6 +213,31 @@ class OfflineSuiteSettings(Section):
     stop: tuple[str, ...] = ("\n",)
 
 
+class EpisodeSuiteSettings(Section):
+    """The `episodes` suite: whole agent episodes on the task's held-out questions, played through both
+    models on staging (evals/agents.py, docs/gate.md, Suites: episodes)."""
+
+    scenario: Scenario = Field(
+        "self-edit",
+        description="The agent that plays each episode: parl, summarize or self-edit (docs/methods.md). Set it to "
+        "the method your agents run, so the gate judges what their episodes do, not single calls.",
+    )
+    scorer: Literal["verifiable", "judge", "oracle"] = Field(
+        "verifiable",
+        description="How a whole episode is scored. verifiable (no oracle): 0 when its final answer is a "
+        "non-answer or one of the agent's calls was cut off by max_tokens, 0.5 when it answers, 1 when it also "
+        "contains one of the question's known answers; judge: `gate.judge` grades the final answer in the context of the whole trajectory; oracle: the task's "
+        "preference (`gate.preference`), only where one exists.",
+    )
+    samples: int = Field(2, ge=1, description="Episodes per held-out question and model.")
+    concurrency: int = Field(
+        8,
+        ge=1,
+        le=64,
+        description="Episodes played at once on the staging server (each call is one request).",
+    )
+
+
 class GateSettings(Section):
     """The eval gate between @challenger and @champion (deployer/gate.py, docs/gate.md)."""
 
@@ -244,7 +271,8 @@ class GateSettings(Section):
     suites: tuple[GateSuite, ...] = Field(
         ("ope", "retention"),
         description="ope: off-policy estimate on held-out logged traffic (no oracle); retention: the task's "
-        "held-out questions scored by their known answers; oracle: the task's preference function (only where "
+        "held-out questions scored by their known answers; episodes: whole agent episodes (`episodes`) on those "
+        "questions; oracle: the task's preference function (only where "
         "one exists: the demo's simulated users); judge: the task's held-out prompts graded by `judge`; traffic: the "
         "prompts of held-out logged traffic, graded by `judge` when it is set, else by whether the answer is one "
         "and finishes (`traffic`). Offline JSONL suites are added with `offline`.",
@@ -255,7 +283,7 @@ class GateSettings(Section):
     eval_prompts: int = Field(
         48,
         ge=1,
-        description="Held-out prompts of the task (retention, oracle, judge) per model, drawn from its held-out "
+        description="Held-out prompts of the task (retention, oracle, judge, episodes) per model, drawn from its held-out "
         "questions (`fresh_draws`).",
     )
     samples_per_prompt: int = Field(4, ge=1, description="Completions per prompt.")
@@ -268,6 +296,7 @@ class GateSettings(Section):
     )
     ope: OpeSettings = OpeSettings()
     traffic: TrafficSettings = TrafficSettings()
+    episodes: EpisodeSuiteSettings = EpisodeSuiteSettings()
     alarms: AlarmSettings = AlarmSettings()
     canary: CanarySettings = CanarySettings()
     judge: JudgeSettings | None = Field(
@@ -291,6 +320,11 @@ class GateSettings(Section):
         if "judge" in self.suites and self.judge is None:
             raise ValueError(
                 'gate.suites has "judge" but gate.judge is not set (RTRL_GATE__JUDGE__URL and '
+                "RTRL_GATE__JUDGE__MODEL)"
+            )
+        if "episodes" in self.suites and self.episodes.scorer == "judge" and self.judge is None:
+            raise ValueError(
+                'gate.episodes.scorer is "judge" but gate.judge is not set (RTRL_GATE__JUDGE__URL and '
                 "RTRL_GATE__JUDGE__MODEL)"
             )
         return self

@@ -9,28 +9,21 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import sqlalchemy as sa
-import torch
 from episodes import tuned_copy
-from safetensors.torch import load_file, save_file
+from gating import gate_settings, hack_setup, perturbed_copy
 
 from deployer import gate, rollout, swap
 from deployer.probe import PROBE_TOLERANCES
 from registry import Registry
 from schemas.clock import utcnow
 from schemas.settings import (
-    GateSettings,
-    MlflowSettings,
     OfflineSuiteSettings,
-    ServicesSettings,
     Settings,
     TrafficSettings,
     VllmSettings,
@@ -45,47 +38,8 @@ pytestmark = pytest.mark.integration
 PROMPT = "Q: What is 2 plus 3?\nA:"
 
 
-def perturbed_copy(base: Path, out: Path, std: float, seed: int) -> Path:
-    """The base checkpoint with Gaussian noise of `std` added to every weight (same shapes, same tokenizer)."""
-    shutil.copytree(base, out)
-    generator = torch.Generator().manual_seed(seed)
-    for path in out.glob("*.safetensors"):
-        tensors = load_file(path)
-        noisy = {
-            k: (v + std * torch.randn(v.shape, generator=generator, dtype=v.dtype)).contiguous()
-            for k, v in tensors.items()
-        }
-        save_file(noisy, path, metadata={"format": "pt"})
-    return out
-
-
 def greedy(server: VllmClient) -> str:
     return server.complete([PROMPT], max_tokens=12, temperature=0.0, stop=["\n"])[0][0]
-
-
-@pytest.fixture()
-def deploy_settings(services: Settings, tmp_path: Path) -> Iterator[Settings]:
-    """The session's services under a private model name and deploy dir; restores the fleet to v1 after."""
-    settings = services.model_copy(
-        update={
-            "mlflow": MlflowSettings(
-                **{**services.mlflow.model_dump(), "model_name": f"deployer-{uuid.uuid4().hex[:8]}"}
-            ),
-            "services": ServicesSettings(**{**services.services.model_dump(), "run_dir": tmp_path / "run"}),
-            "gate": GateSettings(eval_prompts=16, samples_per_prompt=2, tolerance=0.05),
-        }
-    )
-    registry = Registry.from_settings(settings)
-    yield settings
-    # Leave the shared servers as other tests expect them: base weights, version v1, resumed.
-    if registry.versions() and registry.champion() != 1:
-        rollout.promote(settings, registry, 1)
-    for url in (*settings.vllm.servers, settings.vllm.staging_server):
-        assert url is not None
-        with VllmClient(url, model=settings.vllm.served_model_name) as server:
-            if server.is_paused():
-                server.resume()
-            assert server.weight_version() == 1
 
 
 def serving(settings: Settings) -> VllmClient:
@@ -246,22 +200,6 @@ RAMBLING = (
 )
 
 
-def gate_settings(settings: Settings, store_url: str) -> Settings:
-    """Every suite but the oracle, the held-out slice at its widest, a small bootstrap."""
-    return settings.model_copy(
-        update={
-            "store": settings.store.model_copy(update={"url": store_url}),
-            "gate": settings.gate.model_copy(
-                update={
-                    "suites": ("ope", "retention"),
-                    "bootstrap_resamples": 400,
-                    "ope": settings.gate.ope.model_copy(update={"holdout_percent": 50, "min_ess": 8}),
-                }
-            ),
-        }
-    )
-
-
 def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
     deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -390,21 +328,6 @@ def test_the_traffic_suite_passes_the_same_weights_on_held_out_prompts(
     assert refused.traffic_draw != decision.traffic_draw  # another challenger, another draw
     assert registry.champion() == 1
     store.close()
-
-
-def hack_setup(
-    deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
-) -> tuple[Store, Settings, Registry]:
-    """A store of the test's own (no held-out traffic), the gate's settings, the base as v1 @champion."""
-    store = Store(f"sqlite:///{tmp_path / 'gate.db'}")
-    store.migrate()
-    settings = gate_settings(deploy_settings, store.url)
-    # The same prompts and seed in every run: with fresh draws the seed follows the test's random
-    # model name, and how far a planted hack shows varies with it (a CI run saw 37.5 % truncation).
-    settings = settings.model_copy(update={"gate": settings.gate.model_copy(update={"fresh_draws": False})})
-    registry = Registry.from_settings(settings)
-    rollout.bootstrap(settings, registry, tiny_model_dir)
-    return store, settings, registry
 
 
 def test_gate_rejects_a_challenger_that_stops_finishing_its_answers(

@@ -10,7 +10,6 @@ from evals.tasks import EXCLAIM
 from schemas.errors import OperatorError
 from schemas.rewards import get_spec
 from schemas.settings import JudgeSettings, Settings
-from simulation import agents
 from simulation.agents import (
     SCENARIO_SPECS,
     SCENARIOS,
@@ -42,7 +41,7 @@ Q = "Q: What is 3 plus 4?\nA:"
 
 
 def test_every_scenario_has_a_spec_that_resolves() -> None:
-    assert set(SCENARIO_SPECS) == set(SCENARIOS) == set(agents.SCENARIO_RUNNERS)
+    assert set(SCENARIO_SPECS) == set(SCENARIOS) == {"parl", "summarize", "self-edit"}
     assert get_spec(SCENARIO_SPECS["parl"]).parl is not None
     assert get_spec(SCENARIO_SPECS["self-edit"]).judge is not None
     assert get_spec(SCENARIO_SPECS["summarize"]).spec_id == "tab-v1@2"
