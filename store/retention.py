@@ -12,7 +12,11 @@ What goes, once older than the cutoff:
 * feedback that never joined an episode (orphaned), by ``ingested_at``;
 * segments whose episode is gone (a late segment stored while its episode was being pruned), by
   ``ingested_at``;
-* dead letters, by ``created_at`` (when the labeler refused them).
+* dead letters, by ``created_at`` (when the labeler refused them);
+* live canaries that ended (any state but ``running``), by ``ended_at``. A running canary stays
+  whatever its age: its runner reads and ends its row. Canaries come from no Kafka record, so
+  `kafka_floor` does not hold them back. A cycle's metrics and the challenger's MLflow tags may
+  then name a pruned ``canary_id``.
 
 What stays: cycles (the history `rtrl train status` shows; a cycle's ``episode_ids`` may then name
 pruned episodes); ``labeler_progress``, the bookkeeping of `Store.note_attempt`, which is one row
@@ -30,12 +34,14 @@ has deleted their records. `kafka_floor=None` prunes by age alone (for when the 
 for good): reconcile then reports NOT balanced until Kafka's retention deletes those records too.
 
 Concurrency. Each batch is one transaction of at most `batch_size` episodes (with their rows),
-feedback rows, segments or dead letters, so locks stay short and the labeler writes in between.
-The rows of a batch are locked (``FOR UPDATE`` on PostgreSQL; SQLite writers take turns): a cycle
-claiming one of its episodes meanwhile (`Store.mark_used`, all or none) finds it gone and fails
-with EpisodesUnavailable, releasing the rest, and the next cycle selects again; an episode a cycle
-claimed first no longer qualifies. A failed batch is rolled back whole; running `prune` again is
-safe (what it deleted stays deleted, what it did not is found again).
+feedback rows, segments, dead letters or canaries, so locks stay short and the labeler writes in
+between. The rows of a batch are locked (``FOR UPDATE`` on PostgreSQL; SQLite writers take turns):
+a cycle claiming one of its episodes meanwhile (`Store.mark_used`, all or none) finds it gone and
+fails with EpisodesUnavailable, releasing the rest, and the next cycle selects again; an episode a
+cycle claimed first no longer qualifies. An ended canary never changes again (the store ends and
+stops only running ones, store/canaries.py), so deleting one races with nothing. A failed batch is
+rolled back whole; running `prune` again is safe (what it deleted stays deleted, what it did not is
+found again).
 """
 
 from __future__ import annotations
@@ -49,10 +55,13 @@ from sqlalchemy import ColumnElement, and_, delete, exists, false, func, or_, se
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from store.base import StoreBase
-from store.models import FINAL_CYCLE_STATUSES, Cycle, DeadLetter, Episode, Feedback, Interaction
+from store.models import FINAL_CYCLE_STATUSES, Canary, Cycle, DeadLetter, Episode, Feedback, Interaction
 
 BATCH_SIZE = 5000
-TABLES = ("episodes", "interactions", "feedback", "dead_letters")
+# The tables whose rows come from Kafka records (a row stays while Kafka still holds its record),
+# then the ones that do not.
+KAFKA_TABLES = ("episodes", "interactions", "feedback", "dead_letters")
+TABLES = (*KAFKA_TABLES, "canaries")
 
 # (topic, partition) -> the partition's beginning offset in Kafka: records below it are gone.
 KafkaFloor = Mapping[tuple[str, int], int]
@@ -60,13 +69,13 @@ KafkaFloor = Mapping[tuple[str, int], int]
 
 @dataclass(frozen=True)
 class PruneReport:
-    """Rows deleted per table (with `dry_run`: that would be), and rows old enough that stay
-    because Kafka still holds their records (episodes, orphaned segments, unjoined feedback, dead
-    letters; an episode's own segments and feedback are not counted again)."""
+    """Rows deleted per table (with `dry_run`: that would be), and, per table of `KAFKA_TABLES`,
+    rows old enough that stay because Kafka still holds their records (episodes, orphaned segments,
+    unjoined feedback, dead letters; an episode's own segments and feedback are not counted again)."""
 
     dry_run: bool
     deleted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TABLES, 0))
-    held: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TABLES, 0))
+    held: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KAFKA_TABLES, 0))
 
 
 class RetentionStore(StoreBase):
@@ -122,6 +131,7 @@ def prune(
     )
     report.deleted["feedback"] += _in_batches(store, Feedback.event_id, rules.unjoined_feedback, batch_size)
     report.deleted["dead_letters"] += _in_batches(store, DeadLetter.event_id, rules.dead_letters, batch_size)
+    report.deleted["canaries"] += _in_batches(store, Canary.id, rules.canaries, batch_size)
     return report
 
 
@@ -170,6 +180,8 @@ class _Rules:
         self.orphaned_segments = and_(self.old_segments, self.gone(Interaction))
         self.unjoined_feedback = and_(self.old_feedback, self.gone(Feedback))
         self.dead_letters = and_(self.old_dead_letters, self.gone(DeadLetter))
+        # Ended before the cutoff; a running canary has no ended_at, and is never taken whatever its age.
+        self.canaries = and_(Canary.state != "running", Canary.ended_at < cutoff)
 
     def gone(self, model: Any) -> ColumnElement[bool]:
         """True for a row whose source record Kafka no longer holds (below its partition's floor).
@@ -200,12 +212,13 @@ class _Rules:
             "feedback": _count(session, Feedback, Feedback.joined_episode_id.in_(eligible))
             + _count(session, Feedback, self.unjoined_feedback),
             "dead_letters": _count(session, DeadLetter, self.dead_letters),
+            "canaries": _count(session, Canary, self.canaries),
         }
 
     def held(self, session: Session) -> dict[str, int]:
         """Rows old enough to go that stay because Kafka still holds their records."""
         if self.floor is None:
-            return dict.fromkeys(TABLES, 0)
+            return dict.fromkeys(KAFKA_TABLES, 0)
         return {
             "episodes": _count(session, Episode, self.held_episodes),
             "interactions": _count(session, Interaction, and_(self.old_segments, ~self.gone(Interaction))),
@@ -218,7 +231,7 @@ def _count(session: Session, model: Any, condition: ColumnElement[bool]) -> int:
     return int(session.scalar(select(func.count()).select_from(model).where(condition)) or 0)
 
 
-def _delete(session: Session, key: InstrumentedAttribute[Any], ids: list[str]) -> int:
+def _delete(session: Session, key: InstrumentedAttribute[Any], ids: list[Any]) -> int:
     result = session.execute(
         delete(key.class_).where(key.in_(ids)).execution_options(synchronize_session=False)
     )

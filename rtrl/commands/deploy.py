@@ -6,7 +6,8 @@
     rtrl deploy promote VERSION         rolling verified swap, then move @champion (needs a passing
                                         gate decision, or --force --reason WHY)
     rtrl deploy rollback [--to VERSION] swap back to the previous champion
-    rtrl deploy rotation [URL --in|--out] which servers the gateways route users to
+    rtrl deploy rotation [URL --in|--out] which servers the gateways route users to (and the live
+                                        canary's server, with the canary running on it)
     rtrl deploy reconcile [--forever]   every server back on @champion, resumed, in rotation
     rtrl deploy canary status|stop      the live canary's numbers now; end it (rtrl/commands/canary.py)
     rtrl deploy prune [--dry-run]       delete checkpoints, downloads and rejected registry
@@ -21,13 +22,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 if TYPE_CHECKING:
     from registry import Registry
     from schemas.settings import Settings
+    from store import CanaryRecord, RotationRecord
 
 deploy_app = typer.Typer(
     no_args_is_help=True, help="Registry versions, eval gate, verified hot-swap and rollback."
@@ -233,45 +235,92 @@ def rotation(
     ),
     reason: str = typer.Option("operator", help="Why, shown by `rtrl deploy rotation`."),
 ) -> None:
-    """Show which serving servers the gateways route users to, or take one out / put it back.
+    """Show which servers the gateways route users to (the serving fleet, and the live canary's server
+    with the canary running on it, if any), or take a serving server out / put it back.
 
     A swap takes each server out while it is drained, paused and verified (when the fleet has more
     than one), and puts it back after; use this to do it by hand (maintenance, or a swap that could
-    not put its server back because the store was down)."""
+    not put its server back because the store was down). The canary's server is the canary's runner's
+    to move: `rtrl deploy canary stop` ends a running canary and takes it out."""
     from schemas.settings import load_settings
-    from schemas.versions import format_version
     from store import Store
 
     settings = load_settings()
+    if url is not None or in_rotation is not None:
+        _check_rotation_target(settings, url, in_rotation)
     with Store(settings.store.url) as store:
         store.check_schema()
-        if url is not None or in_rotation is not None:
-            if url is None or in_rotation is None:
-                raise typer.BadParameter("give a URL and --in or --out", param_hint="URL")
-            known = [u.rstrip("/") for u in settings.vllm.servers]
-            if url.rstrip("/") not in known:
-                raise typer.BadParameter(
-                    f"{url} is not a serving server ({', '.join(known)})", param_hint="URL"
-                )
+        if url is not None and in_rotation is not None:
             store.set_rotation(url, in_rotation, reason)
         rows = store.rotation()
-        for server in settings.vllm.servers:
-            row = rows.get(server.rstrip("/"))
-            typer.echo(
-                json.dumps(
-                    {
-                        "url": server,
-                        "in_rotation": True if row is None else row.in_rotation,
-                        "reason": None if row is None else row.reason,
-                        "since": None if row is None else row.updated_at.isoformat(),
-                        # What the deployer announced to the gateways (None: a swap in progress, or never).
-                        "announced_version": None
-                        if row is None or row.version is None
-                        else format_version(row.version),
-                        "announced_epoch": None if row is None else row.epoch,
-                    }
-                )
-            )
+        running = store.running_canary()
+    for server in settings.vllm.servers:
+        typer.echo(json.dumps(_rotation_line(server, "serving", rows.get(server.rstrip("/")))))
+    for line in _canary_lines(settings, rows, running):
+        typer.echo(json.dumps(line))
+
+
+def _canary_lines(
+    settings: Settings, rows: dict[str, RotationRecord], running: CanaryRecord | None
+) -> list[dict[str, Any]]:
+    """The canary's server's line (`role` canary) with the canary running on it, if any; and the
+    server a canary still runs on when the setting has changed since it started."""
+    urls = [u.rstrip("/") for u in (settings.vllm.canary_server, running and running.server) if u]
+    lines = []
+    for url in dict.fromkeys(urls):
+        line = _rotation_line(url, "canary", rows.get(url))
+        on_it = running is not None and running.server.rstrip("/") == url
+        line["running_canary"] = (
+            None
+            if running is None or not on_it
+            else {
+                "canary": running.id,
+                "version": running.challenger_version,
+                "champion": running.champion_version,
+                "share": running.share,
+                "started_at": running.started_at.isoformat(),
+                "stop_requested_by": running.stop_requested_by,
+            }
+        )
+        lines.append(line)
+    return lines
+
+
+def _check_rotation_target(settings: Settings, url: str | None, in_rotation: bool | None) -> None:
+    """Refuse a rotation change by hand that is not for one serving server of the fleet."""
+    from schemas.errors import OperatorError
+
+    if url is None or in_rotation is None:
+        raise typer.BadParameter("give a URL and --in or --out", param_hint="URL")
+    canary = (settings.vllm.canary_server or "").rstrip("/")
+    if canary and url.rstrip("/") == canary:
+        # The runner puts it in after its verified swap and takes it out at every ending; the
+        # reconciler keeps it out while none runs. By hand, --out ends a canary as `aborted` (or is
+        # undone by the runner mid-load) and --in sends users to whatever weights it last loaded.
+        raise OperatorError(
+            f"{url} is the live canary's server, which the canary's runner takes in and out of rotation; "
+            "`rtrl deploy canary stop` ends a running canary and takes it out"
+        )
+    known = [u.rstrip("/") for u in settings.vllm.servers]
+    if url.rstrip("/") not in known:
+        raise typer.BadParameter(f"{url} is not a serving server ({', '.join(known)})", param_hint="URL")
+
+
+def _rotation_line(url: str, role: str, row: RotationRecord | None) -> dict[str, Any]:
+    """One server's line of `rtrl deploy rotation`. No row: a serving server is in rotation (it was
+    never taken out), the canary's server is out (no canary ever put it in, ingest/routing.py)."""
+    from schemas.versions import format_version
+
+    return {
+        "url": url,
+        "role": role,  # serving | canary
+        "in_rotation": (role == "serving") if row is None else row.in_rotation,
+        "reason": None if row is None else row.reason,
+        "since": None if row is None else row.updated_at.isoformat(),
+        # What the deployer announced to the gateways (None: a swap in progress, or never).
+        "announced_version": None if row is None or row.version is None else format_version(row.version),
+        "announced_epoch": None if row is None else row.epoch,
+    }
 
 
 @deploy_app.command("prune")

@@ -7,8 +7,9 @@ Deletes settled episodes (with their segments and feedback) that no active cycle
 feedback and segments, and dead letters, older than the cutoff, a batch per transaction, and only
 rows whose Kafka records are gone: Kafka is asked for the beginning offset of every partition of
 the event topics, so `rtrl labeler reconcile` stays balanced (store/retention.py says why and
-how). ``--without-kafka`` prunes by age alone, for when the topics are gone for good. Runbook:
-docs/runbooks/daemon.md, Retention.
+how). ``--without-kafka`` prunes by age alone, for when the topics are gone for good. Live
+canaries that ended before the cutoff go too (no Kafka record behind them); a running one stays.
+Runbook: docs/runbooks/daemon.md, Retention.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def prune(
     ),
     batch_size: int = typer.Option(5000, min=1, help="Rows of a kind deleted per transaction."),
 ) -> None:
-    """Delete settled episodes (with their segments and feedback), orphaned feedback and dead letters
-    older than DAYS, keeping open episodes, those an active cycle holds, and rows Kafka still holds."""
+    """Delete settled episodes (with their segments and feedback), orphaned feedback, dead letters and
+    ended live canaries older than DAYS, keeping open episodes, those an active cycle holds, rows
+    Kafka still holds, and a running canary whatever its age."""
     from datetime import timedelta
 
     from schemas.errors import OperatorError

@@ -134,10 +134,10 @@ def test_rotation_by_hand(tmp_path: Path) -> None:
     out = rtrl("deploy", "rotation", "http://127.0.0.1:2", "--out", "--reason", "maintenance", **env)
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [(r["url"], r["in_rotation"], r["reason"]) for r in rows] == [
-        ("http://127.0.0.1:1", True, None),
-        ("http://127.0.0.1:2", False, "maintenance"),
-    ]
+    assert [(r["url"], r["role"], r["in_rotation"], r["reason"]) for r in rows] == [
+        ("http://127.0.0.1:1", "serving", True, None),
+        ("http://127.0.0.1:2", "serving", False, "maintenance"),
+    ]  # no canary server configured: no canary line
     assert [(r["announced_version"], r["announced_epoch"]) for r in rows] == [(None, None), (None, 0)]
     unknown = rtrl("deploy", "rotation", "http://elsewhere:1", "--in", **env)
     assert unknown.returncode == 2 and "is not a serving server" in unknown.stderr

@@ -1,5 +1,6 @@
-"""``rtrl deploy canary status|stop`` on a SQLite store (no server: a canary's record and its
-server's rotation row are all these commands read and change)."""
+"""``rtrl deploy canary status|stop``, and the canary's server in ``rtrl deploy rotation``, on a
+SQLite store (no server: a canary's record and its server's rotation row are all these commands
+read and change)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,3 +59,78 @@ def test_status_shows_the_running_canary_and_stop_ends_one_nobody_runs(tmp_path:
         again = rtrl(tmp_path, "deploy", "canary", "status")
         lines = [json.loads(line) for line in again.stdout.splitlines()]
         assert lines[0]["running"] is None and lines[1]["state"] == "stopped"
+
+
+def test_rotation_lists_the_canary_server_and_the_canary_running_on_it(tmp_path: Path) -> None:
+    def rotation() -> list[dict[str, Any]]:
+        result = rtrl(tmp_path, "deploy", "rotation")
+        assert result.returncode == 0, result.stderr
+        return [json.loads(line) for line in result.stdout.splitlines()]
+
+    with Store(f"sqlite:///{tmp_path / 'rtrl.db'}") as store:
+        store.migrate()
+        fleet, canary = rotation()
+        assert (fleet["url"], fleet["role"], fleet["in_rotation"]) == (
+            "http://127.0.0.1:18000",
+            "serving",
+            True,
+        )
+        # No row: no canary ever put its server in, so the gateways send it nobody.
+        assert (canary["url"], canary["role"], canary["in_rotation"], canary["running_canary"]) == (
+            CANARY,
+            "canary",
+            False,
+            None,
+        )
+
+        record = store.start_canary("rtrl-tiny", 3, 2, CANARY, 0.1, 7)
+        store.set_rotation(CANARY, True, "canary: serving v3")
+        store.set_serving_version(CANARY, 3, "canary: label verified")
+        _, canary = rotation()
+        assert (canary["in_rotation"], canary["reason"], canary["announced_version"]) == (
+            True,
+            "canary: label verified",
+            "v3",
+        )
+        assert canary["running_canary"] == {
+            "canary": record.id,
+            "version": 3,
+            "champion": 2,
+            "share": 0.1,
+            "started_at": record.started_at.isoformat(),
+            "stop_requested_by": None,
+        }
+
+        store.end_canary(record.id, "failed", "lost live", None)
+        store.set_rotation(CANARY, False, f"canary #{record.id} of v3 ended")
+        _, canary = rotation()
+        assert (canary["in_rotation"], canary["running_canary"]) == (False, None)
+
+        # A canary still running on the server of an earlier setting is listed too.
+        moved = store.start_canary("rtrl-tiny", 4, 2, "http://127.0.0.1:18003", 0.1, 8)
+        _, canary, earlier = rotation()
+        assert (canary["url"], canary["running_canary"]) == (CANARY, None)
+        assert (earlier["url"], earlier["role"], earlier["running_canary"]["canary"]) == (
+            "http://127.0.0.1:18003",
+            "canary",
+            moved.id,
+        )
+
+
+def test_rotation_by_hand_on_the_canary_server_is_refused_in_one_line(tmp_path: Path) -> None:
+    with Store(f"sqlite:///{tmp_path / 'rtrl.db'}") as store:
+        store.migrate()
+        store.start_canary("rtrl-tiny", 3, 2, CANARY, 0.1, 7)
+        store.set_rotation(CANARY, True, "canary: serving v3")
+        for way in ("--out", "--in"):
+            refused = rtrl(tmp_path, "deploy", "rotation", CANARY + "/", way, "--reason", "maintenance")
+            assert refused.returncode == 1 and refused.stdout == "", refused.stdout
+            (line,) = refused.stderr.strip().splitlines()
+            assert line == (
+                f"rtrl: {CANARY}/ is the live canary's server, which the canary's runner takes in and out of "
+                "rotation; `rtrl deploy canary stop` ends a running canary and takes it out"
+            )
+        row = store.rotation()[CANARY]
+        assert (row.in_rotation, row.reason) == (True, "canary: serving v3")  # untouched
+        running = store.running_canary()
+        assert running is not None and running.stop_requested_at is None

@@ -1,7 +1,8 @@
 """Retention (store/retention.py, `rtrl store prune`): old settled episodes go with their segments
 and feedback, open, recent and cycle-held ones stay; orphaned feedback and dead letters go by age;
 a dry run changes nothing; small batches delete the same; a second run deletes nothing; rows Kafka
-still holds stay, so the counts `rtrl labeler reconcile` compares do not move."""
+still holds stay, so the counts `rtrl labeler reconcile` compares do not move. Ended canaries go by
+age on both backends (tests/store/test_retention_canaries.py); the command reports them too."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def test_prune_deletes_old_settled_episodes_orphans_and_dead_letters_only(
     assert remaining(store) == before  # a dry run changes nothing
 
     report = prune(store, CUTOFF, None, batch_size=batch_size)
-    expected = {"episodes": 4, "interactions": 4, "feedback": 4 + 1 + 1, "dead_letters": 1}
+    expected = {"episodes": 4, "interactions": 4, "feedback": 4 + 1 + 1, "dead_letters": 1, "canaries": 0}
     assert report.deleted == dry.deleted == expected
     assert (report.dry_run, dry.dry_run) == (False, True)
     assert remaining(store) == {
@@ -109,6 +110,7 @@ def test_an_episode_goes_once_its_active_cycle_has_failed(store: Store, clock: F
         "interactions": 1,
         "feedback": 1,
         "dead_letters": 0,
+        "canaries": 0,
     }
     assert remaining(store)["episodes"] == {"recent", "open"}
 
@@ -132,7 +134,13 @@ def test_rows_kafka_still_holds_stay_so_reconcile_counts_do_not_move(store: Stor
     floor = {("interactions", 0): 2, ("feedback", 0): 2}
     counted = reconcile_counts(floor)
     report = prune(store, CUTOFF, floor)
-    assert report.deleted == {"episodes": 1, "interactions": 1, "feedback": 1, "dead_letters": 0}
+    assert report.deleted == {
+        "episodes": 1,
+        "interactions": 1,
+        "feedback": 1,
+        "dead_letters": 0,
+        "canaries": 0,
+    }
     assert report.held == {"episodes": 1, "interactions": 0, "feedback": 0, "dead_letters": 1}
     assert reconcile_counts(floor) == counted == {"interactions": (0, 1), "feedback": (1, 0)}
     assert remaining(store)["episodes"] == {"a"}
@@ -142,7 +150,13 @@ def test_rows_kafka_still_holds_stay_so_reconcile_counts_do_not_move(store: Stor
 
     floor = {("interactions", 0): 3, ("feedback", 0): 3}  # retention moved on
     report = prune(store, CUTOFF, floor)
-    assert report.deleted == {"episodes": 1, "interactions": 1, "feedback": 2, "dead_letters": 1}
+    assert report.deleted == {
+        "episodes": 1,
+        "interactions": 1,
+        "feedback": 2,
+        "dead_letters": 1,
+        "canaries": 0,
+    }
     assert report.held == dict.fromkeys(report.held, 0)
     assert remaining(store) == {
         "episodes": set(),
@@ -202,16 +216,23 @@ def test_the_command_counts_then_deletes(tmp_path: Path) -> None:
     feeder.send(interaction("gone", created_at=then), now=then)
     feeder.send(feedback("r-gone-0", "thumbs_up", created_at=then), now=then)
     feeder.send(interaction("open", created_at=then), now=then)
+    with Store(settings.store.url, clock=lambda: then) as old:  # a canary that ended 40 days ago,
+        ended = old.start_canary("policy", 3, 2, "http://127.0.0.1:8002", 0.1)
+        old.end_canary(ended.id, "failed", "lost live", None)
+        old.start_canary("policy", 4, 2, "http://127.0.0.1:8002", 0.1)  # and one running since then
 
     dry = rtrl(settings, "store", "prune", "--older-than", "30", "--dry-run", "--without-kafka")
     assert dry.returncode == 0, dry.stderr
     assert (
         "episodes      1 would be deleted" in dry.stdout and "feedback      1 would be deleted" in dry.stdout
     )
+    assert "canaries      1 would be deleted" in dry.stdout
     assert "reports NOT balanced" in dry.stderr
     done = rtrl(settings, "store", "prune", "--older-than", "30", "--yes", "--without-kafka")
     assert done.returncode == 0, done.stderr
     assert "episodes      1 deleted" in done.stdout and "interactions  1 deleted" in done.stdout
+    assert "canaries      1 deleted" in done.stdout
+    assert [c.challenger_version for c in store.recent_canaries()] == [4]  # the running one stays
     stats = store.stats()
     assert (stats["episodes_settled"], stats["episodes_open"], stats["interactions"], stats["feedback"]) == (
         0,
