@@ -278,10 +278,11 @@ def _plan(settings: Settings, registry: Registry, version: int, store: Store) ->
         if anchor is not None
         else []
     )
+    ope_anchored = "ope" in cfg.suites and "ope" in cfg.anchor_suites
     return _Plan(
         version,
         champion,
-        anchor if anchored else None,
+        anchor if anchored or ope_anchored else None,
         suites,
         anchored,
         seed,
@@ -326,6 +327,7 @@ def _sample_on_staging(
                 staged.load_failure = str(exc)  # a challenger that does not load fails the gate; recorded
             if plan.anchor is not None and staged.load_failure is None:
                 staged.targets["anchor"] = swap.target(settings, registry, store, plan.anchor)
+            if plan.anchored and "anchor" in staged.targets:  # ope's anchor needs its weights, not staging
                 _load(server, staged.targets["anchor"], settings, store)
                 staged.generated["anchor"] = _generate(
                     server, settings, [plan.suites[i] for i in plan.anchored], plan.seed
@@ -375,14 +377,18 @@ def _score(
     behaviour, found = _behaviour_alarms(settings, plan, generated)
     if "ope" in cfg.suites:
         chal, champ = staged.targets["challenger"], staged.targets["champion"]
-        estimate, ope_alarms = ope_suite(
+        anchor = staged.targets.get("anchor") if "ope" in cfg.anchor_suites else None
+        estimate, ope_alarms, anchored = ope_suite(
             settings,
             store,
             ope.Weights(chal.path, chal.base),
             ope.Weights(champ.path, champ.base),
             plan.seed,
+            anchor=ope.Weights(anchor.path, anchor.base) if anchor is not None else None,
         )
         results.append(estimate)
+        if anchored is not None and plan.anchor is not None:  # the users' reward, held against the anchor
+            results.append(against_anchor(anchored, plan.anchor, settings))
         found.extend(ope_alarms)
     results.extend(plan.unsampled)
     order: dict[str, int] = {name: i for i, name in enumerate(cfg.suites)}
@@ -402,7 +408,7 @@ def _behaviour_alarms(
         for model in ("challenger", "champion"):
             behaviour[model] = _behaviour(plan.suites, generated[model], settings)
         found.extend(alarms.generation_alarms(behaviour["challenger"], behaviour["champion"], cfg.alarms))
-    if plan.anchor is not None:
+    if plan.anchor is not None and plan.anchored:
         on_anchored = [plan.suites[i] for i in plan.anchored]
         behaviour["anchor"] = _behaviour(on_anchored, generated["anchor"], settings)
         challenger_anchored = _behaviour(

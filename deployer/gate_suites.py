@@ -2,8 +2,10 @@
 are configured (`prompt_suites`), each one's verdict of challenger − champion from both models'
 generations (`score_prompts`, the judge suite's through the judge), a suite's verdict against the
 anchor (`against_anchor`), and the off-policy suite on held-out traffic with the alarms it feeds
-(`ope_suite`); the traffic suite's prompts are drawn in deployer/traffic.py. A verdict is a
-`SuiteResult`, under the suite's margin (`margin`).
+(`ope_suite`, which also estimates the challenger against the anchor when `gate.anchor_suites` has
+ope: the users' reward held against it); the traffic suite's prompts are drawn in
+deployer/traffic.py, the episodes suite is deployer/episodes.py. A verdict is a `SuiteResult`, under
+the suite's margin (`margin`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from deployer import alarms, ope
 from deployer.alarms import Alarm
 from deployer.errors import GateError
 from evals.judge import Judge
-from evals.stats import Interval, importance_weights, off_policy, paired_interval, snips
+from evals.stats import Interval, OffPolicy, importance_weights, off_policy, paired_interval, snips
 from evals.suites import PromptSuite, judge_suite, load_offline, retention_suite
 from schemas.rewards import get_spec
 from schemas.settings import JudgeSettings, Settings
@@ -219,9 +221,11 @@ def ope_suite(
     challenger: ope.Weights,
     champion: ope.Weights,
     seed: int | None = None,
-) -> tuple[SuiteResult, list[Alarm]]:
-    """The off-policy suite on the store's held-out traffic and the alarms it feeds (kl, no_feedback);
-    `seed` is the bootstrap's (default `gate.seed`)."""
+    anchor: ope.Weights | None = None,
+) -> tuple[SuiteResult, list[Alarm], SuiteResult | None]:
+    """The off-policy suite on the store's held-out traffic, the alarms it feeds (kl, no_feedback),
+    and with `anchor` the same estimate of challenger − anchor (not yet `against_anchor`'s verdict:
+    its margin is the caller's); `seed` is the bootstrap's (default `gate.seed`)."""
     cfg = settings.gate
     spec_id = get_spec(settings.labeler.reward_spec).spec_id
     episodes = store.select_heldout(
@@ -231,7 +235,7 @@ def ope_suite(
     skipped_note = f"; {skipped} held-out episodes could not be rescored" if skipped else ""
     if len(logged) < 2:
         note = f"{len(logged)} usable held-out episodes under {spec_id}{skipped_note}"
-        return SuiteResult(
+        empty = SuiteResult(
             name="ope",
             kind="ope",
             challenger=None,
@@ -242,16 +246,52 @@ def ope_suite(
             n=len(logged),
             margin=margin(settings, "ope"),
             note=note,
-        ), []
+        )
+        return empty, [], empty if anchor is not None else None
     chal_scored = ope.sequence_logprobs(challenger, logged)
     champ_scored = ope.sequence_logprobs(champion, logged)
     chal, champ = ope.challenger_logprobs(chal_scored, champ_scored), champ_scored.processed
+    suite, estimate = _ope_verdict(settings, logged, chal, champ, seed, skipped_note, "champion")
+    anchored = None
+    if anchor is not None:  # the anchor's weights the same way as the challenger's: from the champion's
+        other = ope.challenger_logprobs(ope.sequence_logprobs(anchor, logged), champ_scored)
+        anchored, _ = _ope_verdict(settings, logged, chal, other, seed, skipped_note, "anchor")
+    found: list[Alarm] = []
     behaviour = [e.behaviour for e in logged]
+    w0 = importance_weights(champ, behaviour, cfg.ope.clip)
+    w1 = importance_weights(chal, behaviour, cfg.ope.clip)
+    if estimate.ess_champion >= cfg.ope.min_ess:
+        # KL(champion || challenger) per token: champion-weighted log-ratio over champion-weighted tokens,
+        # on the tempered logprobs (no truncation): a logged token that left the challenger's nucleus
+        # is a large move, counted as such, not an infinite one (docs/gate.md, Alarms).
+        gap = np.asarray(champ_scored.tempered) - np.asarray(chal_scored.tempered)
+        kept = np.isfinite(np.asarray(champ))
+        kl = snips(w0[kept], gap[kept]) / max(
+            snips(w0[kept], np.asarray([e.tokens for e in logged], dtype=np.float64)[kept]), 1.0
+        )
+        found.append(alarms.kl_alarm(kl, cfg.alarms, settings.trainer.max_kl))
+    if suite.conclusive:
+        silent = np.asarray([float(e.no_feedback) for e in logged])
+        found.append(alarms.no_feedback_alarm(snips(w1, silent), snips(w0, silent), cfg.alarms))
+    return suite, found, anchored
+
+
+def _ope_verdict(
+    settings: Settings,
+    logged: list[ope.Logged],
+    challenger: list[float],
+    other: list[float],
+    seed: int | None,
+    skipped_note: str,
+    other_name: str,
+) -> tuple[SuiteResult, OffPolicy]:
+    """The off-policy verdict of challenger − `other` (the champion, or the anchor) on `logged`."""
+    cfg = settings.gate
     estimate = off_policy(
         [e.reward for e in logged],
-        behaviour,
-        chal,
-        champ,
+        [e.behaviour for e in logged],
+        challenger,
+        other,
         clip=cfg.ope.clip,
         confidence=cfg.confidence,
         resamples=cfg.bootstrap_resamples,
@@ -261,7 +301,10 @@ def ope_suite(
     conclusive = ess >= cfg.ope.min_ess
     note = (
         f"{len(logged)} held-out episodes, effective sample size challenger {estimate.ess_challenger:.1f}, "
-        f"champion {estimate.ess_champion:.1f} (min {cfg.ope.min_ess:g}){skipped_note}"
+        f"{other_name} {estimate.ess_champion:.1f} (min {cfg.ope.min_ess:g}); weights clipped at "
+        f"{cfg.ope.clip:g}: {estimate.clipped_challenger:.0%} of the challenger's, "
+        f"{estimate.clipped_champion:.0%} of the {other_name}'s, difference without clipping "
+        f"{estimate.unclipped_difference:+.4f}{skipped_note}"
     )
     suite = SuiteResult(
         name="ope",
@@ -276,27 +319,11 @@ def ope_suite(
         margin=margin(settings, "ope"),
         note=note,
     )
-    found: list[Alarm] = []
-    w0 = importance_weights(champ, behaviour, cfg.ope.clip)
-    w1 = importance_weights(chal, behaviour, cfg.ope.clip)
-    if estimate.ess_champion >= cfg.ope.min_ess:
-        # KL(champion || challenger) per token: champion-weighted log-ratio over champion-weighted tokens,
-        # on the tempered logprobs (no truncation): a logged token that left the challenger's nucleus
-        # is a large move, counted as such, not an infinite one (docs/gate.md, Alarms).
-        gap = np.asarray(champ_scored.tempered) - np.asarray(chal_scored.tempered)
-        kept = np.isfinite(np.asarray(champ))
-        kl = snips(w0[kept], gap[kept]) / max(
-            snips(w0[kept], np.asarray([e.tokens for e in logged], dtype=np.float64)[kept]), 1.0
-        )
-        found.append(alarms.kl_alarm(kl, cfg.alarms, settings.trainer.max_kl))
-    if conclusive:
-        silent = np.asarray([float(e.no_feedback) for e in logged])
-        found.append(alarms.no_feedback_alarm(snips(w1, silent), snips(w0, silent), cfg.alarms))
-    return suite, found
+    return suite, estimate
 
 
 def against_anchor(result: SuiteResult, anchor: int, settings: Settings) -> SuiteResult:
-    """A prompt suite's challenger-vs-anchor verdict, under `gate.anchor_margin`."""
+    """A suite's challenger-vs-anchor verdict (a prompt suite's, or ope's), under `gate.anchor_margin`."""
     allowed = settings.gate.anchor_margin
     passed = (
         None if not result.conclusive else result.difference is not None and result.difference.low > -allowed

@@ -65,13 +65,28 @@ class OffPolicy(BaseModel):
     ess_champion: float
     clipped_challenger: float  # share of episodes whose weight was clipped
     clipped_champion: float
+    # The difference's point estimate with unclipped weights: how far clipping moved it (clipping
+    # trades that bias, toward the logged rewards, for variance; docs/gate.md, Suites: ope).
+    unclipped_difference: float = 0.0
 
 
 def importance_weights(logp: Sequence[float], behaviour: Sequence[float], clip: float) -> np.ndarray:
     """min(exp(log π − log μ), clip) per episode; a sequence π cannot produce (log π = −inf) weighs 0."""
     delta = np.asarray(logp, dtype=np.float64) - np.asarray(behaviour, dtype=np.float64)
-    weights: np.ndarray = np.minimum(np.exp(np.minimum(delta, math.log(clip))), clip)
+    # Exactly `clip` where clipped (exp(log clip) may round below it, and `off_policy` counts them).
+    weights: np.ndarray = np.where(delta >= math.log(clip), clip, np.exp(np.minimum(delta, math.log(clip))))
     return weights
+
+
+def unclipped_snips(logp: Sequence[float], behaviour: Sequence[float], values: np.ndarray) -> float:
+    """`snips` with the unclipped weights exp(log π − log μ), computed scaled by the largest (the ratio
+    does not change) so that no weight overflows; 0 when π can produce none of the logged sequences."""
+    delta = np.asarray(logp, dtype=np.float64) - np.asarray(behaviour, dtype=np.float64)
+    finite = np.isfinite(delta)
+    if not finite.any():
+        return 0.0
+    weights = np.where(finite, np.exp(np.where(finite, delta, 0.0) - delta[finite].max()), 0.0)
+    return snips(weights, values)
 
 
 def effective_sample_size(weights: np.ndarray) -> float:
@@ -121,4 +136,6 @@ def off_policy(
         ess_champion=effective_sample_size(w0),
         clipped_challenger=float((w1 >= clip).mean()),
         clipped_champion=float((w0 >= clip).mean()),
+        unclipped_difference=unclipped_snips(challenger, behaviour, r)
+        - unclipped_snips(champion, behaviour, r),
     )

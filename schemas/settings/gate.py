@@ -310,8 +310,10 @@ class GateSettings(Section):
         "losses add up over promotions; the anchor bounds their sum by `anchor_margin`.",
     )
     anchor_suites: tuple[str, ...] = Field(
-        ("retention",),
-        description="Prompt suites (by name) on which the challenger is also compared with the anchor.",
+        ("retention", "ope"),
+        description="Suites (by name) on which the challenger is also compared with the anchor: prompt suites "
+        "sampled on the anchor too, and ope, the users' reward on held-out traffic reweighted to the anchor, so "
+        "neither what the task measures nor what users reward can slide by tolerance on every promotion.",
     )
     anchor_margin: float = Field(0.05, ge=0, description="Non-inferiority margin against the anchor.")
 

@@ -60,7 +60,7 @@ def test_ope_on_held_out_traffic_ranks_a_better_and_a_worse_challenger_correctly
     spec_id = get_spec(settings.labeler.reward_spec).spec_id
     estimates = {}
     for name, path in (("champion", tiny_model_dir), ("better", better), ("worse", worse)):
-        suite, fired = gate_suites.ope_suite(settings, store, ope.Weights(path), champion)
+        suite, fired, _ = gate_suites.ope_suite(settings, store, ope.Weights(path), champion)
         print(name, suite.model_dump_json(), [a.name for a in fired if a.fired])
         assert suite.n == LOGGED and suite.conclusive, suite.note
         estimates[name] = suite
@@ -83,6 +83,22 @@ def test_ope_on_held_out_traffic_ranks_a_better_and_a_worse_challenger_correctly
     values = {name: suite.challenger for name, suite in estimates.items()}
     assert values["better"] is not None and values["champion"] is not None and values["worse"] is not None
     assert values["better"] > values["champion"] > values["worse"], values
+    # The users' reward held against an anchor (gate.anchor_suites has "ope"): the champion as the
+    # anchor gives the very estimate against the champion; the worse model as the anchor puts the
+    # better challenger further ahead (the anchor's weights are the champion's plus its own change).
+    suite, _, anchored = gate_suites.ope_suite(
+        settings, store, ope.Weights(better), champion, anchor=ope.Weights(tiny_model_dir)
+    )
+    assert anchored is not None and anchored.difference == suite.difference
+    _, _, below = gate_suites.ope_suite(
+        settings, store, ope.Weights(better), champion, anchor=ope.Weights(worse)
+    )
+    assert below is not None and below.conclusive and below.difference is not None and up is not None
+    assert (
+        below.difference.low > up.low and below.champion is not None and below.champion < values["champion"]
+    )
+    verdict = gate_suites.against_anchor(below, 1, settings)
+    assert verdict.name == "ope_anchor" and verdict.passed and verdict.margin == settings.gate.anchor_margin
     # Each estimate lands near its truth (measured: within 0.011 on recipe v1, 0.034 on v2; reward in [-1, 1]).
     for name in ("champion", "better", "worse"):
         assert abs(values[name] - truth[name]) < 0.1, (name, values, truth)

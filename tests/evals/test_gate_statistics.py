@@ -294,3 +294,37 @@ def test_the_challengers_weight_survives_a_token_leaving_its_nucleus() -> None:
     assert challenger_logprobs(moved, untruncated) == pytest.approx(
         moved.processed
     )  # exact without truncation
+
+
+def test_the_off_policy_estimate_reports_what_clipping_moved() -> None:
+    """Without a clipped weight the unclipped difference is the estimate itself; with one it is the
+    self-normalised estimate of the raw weights, computed without overflow for any log-ratio."""
+    rewards = [1.0, 0.0, 1.0, 0.0]
+    behaviour = [-2.0, -2.0, -2.0, -2.0]
+    champion = [-2.0, -2.0, -2.0, -2.0]
+    near = off_policy(
+        rewards,
+        behaviour,
+        [-1.5, -2.5, -2.0, -2.0],
+        champion,
+        clip=20.0,
+        confidence=0.95,
+        resamples=200,
+        seed=0,
+    )
+    assert near.clipped_challenger == 0.0
+    assert near.unclipped_difference == pytest.approx(near.difference.estimate)
+    far = off_policy(
+        rewards,
+        behaviour,
+        [1000.0, -2.0, -2.0, -2.0],
+        champion,
+        clip=5.0,
+        confidence=0.95,
+        resamples=200,
+        seed=0,
+    )
+    assert far.clipped_challenger == 0.25
+    # Raw weights: e^1002 on a rewarded episode and 1 on the rest: the raw estimate is 1 - 0.5.
+    assert far.unclipped_difference == pytest.approx(0.5)
+    assert far.difference.estimate == pytest.approx((5 + 1) / 8 - 0.5)
