@@ -1,35 +1,44 @@
-"""Does the live canary decide what the users would, for challengers with a known live effect?
+"""Does the gate, offline and then live, decide what the users would, for challengers with a known effect?
 
     .venv/bin/python bench/bench_gate.py [--runs 20] [--share 0.1] [--feedback-rate 0.3]
-        [--flip-rate 0.1] [--look-every 100] [--seed 0] [--json PATH]
+        [--flip-rate 0.1] [--look-every 100] [--seed 0] [--canary-only] [--logged 192] [--json PATH]
 
-**Stage measured: the live canary's decision only.** Twelve planted challengers, each with a known
-live effect on simulated users (better, equal, worse for everyone, worse for a segment of users,
-sycophantic: more thumbs up and fewer successful outcomes, longer answers cut off by max_tokens, a
-non-answer hack), go through the canary's own decision code (`deployer.canary.look`: the
-always-valid sequential test of evals/sequential.py with its guards, under rtrl's default
+Twelve planted challengers, each with a known live effect on simulated users (better, equal, worse
+for everyone, worse for a segment of users, sycophantic: more thumbs up and fewer successful
+outcomes, longer answers cut off by max_tokens, a non-answer hack), through both stages:
+
+**Offline stage** (bench/gate_offline.py; skipped with ``--canary-only``): the five whose effect a
+tiny-model checkpoint can carry (better, equal, worse for all, longer answers cut off, the
+non-answer hack) are made as checkpoints (simulation/planted.py) and judged by the real offline
+gate (`deployer.gate.evaluate`: ope on ``--logged`` held-out episodes the base served to exclaim
+users, retention, the alarms) on a real staging vLLM server; each checkpoint's true effect is
+measured on-policy with the same users (``truth_acceptance``). The other seven carry effects the
+exclaim users cannot show (a segment of users, thumbs against outcomes): they have no offline stage,
+and the canary alone decides them.
+
+**Canary stage**: each challenger goes through the canary's own decision code (`deployer.canary.look`:
+the always-valid sequential test of evals/sequential.py with its guards, under rtrl's default
 `gate.canary` settings, ``primary=task_outcome`` and ``reward_range=[0, 1]``, the range of an outcome
-reported as 0 or 1) on simulated traffic: each request goes to the
-challenger with probability ``--share``, a user answers with probability ``--feedback-rate``, and
-``--flip-rate`` of the answers say the opposite of what the user thinks. The canary looks every
-``--look-every`` rated episodes at first, then every time the rated episodes have grown by 10 %
-(fewer looks than a live canary's every ``check_every_s``: a confidence sequence's guarantee holds
-at every look, so looking less often only delays a decision by at most one interval).
+reported as 0 or 1) on simulated traffic: each request goes to the challenger with probability
+``--share``, a user answers with probability ``--feedback-rate``, and ``--flip-rate`` of the answers
+say the opposite of what the user thinks. The canary looks every ``--look-every`` rated episodes at
+first, then every time the rated episodes have grown by 10 % (fewer looks than a live canary's every
+``check_every_s``: a confidence sequence's guarantee holds at every look, so looking less often
+only delays a decision by at most one interval). The canary stage plays the planted *effect*, not
+the checkpoint: the serving path is the canary's e2e test's (tests/deployer/test_canary.py).
 
-Not measured here: the offline gate before it (issue 38 asks for both stages; the planted
-challengers would need checkpoints with those live effects, which this bench does not build), and
-the serving path (the canary's e2e test, tests/deployer/test_canary.py, runs that on real services).
-So `offline_agreement` is null.
+A challenger is promoted when the offline gate passed it (where it has an offline stage) and the
+canary ended ``pass``. The baseline is the same two stages with a canary without an always-valid
+test: a 95 % normal (CLT) interval on the difference of the means, read at every look with the same
+margin, minimum and guards' stopping rule.
 
-The baseline is what a canary without an always-valid test would do: the same arms, a 95 % normal
-(CLT) interval on the difference of the means, read at every look with the same margin, minimum
-and guards' stopping rule.
-
-The last line is one JSON object: ``value`` = agreement of the canary's final decisions with the
-known effects (promote or not), ``baseline`` = the CLT canary's agreement, ``ratio``,
+The last line is one JSON object: ``value`` = agreement of the final decisions with the known
+effects (promote or not), ``baseline`` = the same with the CLT canary, ``ratio``,
 ``false_promotions`` (runs that promoted a challenger users would reject), ``baseline_false_promotions``,
-``median_decision_requests`` (requests, both arms, until the canary decided), ``per_challenger`` and
-``offline_agreement`` (null). Targets (issue 38): agreement ≥ 0.95, false_promotions 0.
+``canary_agreement`` (the canary stage alone), ``offline_agreement`` (the offline gate's decisions
+alone against the known effects, over the challengers it judged; null with ``--canary-only``),
+``median_decision_requests`` (requests, both arms, until the canary decided), ``offline`` and
+``per_challenger``. Targets (issue 38): agreement ≥ 0.95, false_promotions 0.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import math
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -164,7 +173,11 @@ def run_one(settings: Settings, planted: Planted, args: argparse.Namespace, seed
     return verdict
 
 
-def main() -> None:
+def _promote(name: str) -> bool:
+    return next(p.promote for p in PLANTED if p.name == name)
+
+
+def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="Seeded canaries per planted challenger.")
     parser.add_argument("--share", type=float, default=0.1)
@@ -172,11 +185,18 @@ def main() -> None:
     parser.add_argument("--flip-rate", type=float, default=0.1)
     parser.add_argument("--look-every", type=int, default=100, help="Rated episodes between looks.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--canary-only", action="store_true", help="Skip the offline stage (no services).")
+    parser.add_argument(
+        "--logged", type=int, default=192, help="Held-out episodes for the offline gate's ope."
+    )
+    parser.add_argument("--truth-samples", type=int, default=192, help="On-policy samples per checkpoint.")
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def _canary_settings() -> Settings:
     defaults = Settings()
-    settings = defaults.model_copy(
+    return defaults.model_copy(
         update={
             "gate": defaults.gate.model_copy(
                 update={
@@ -188,47 +208,92 @@ def main() -> None:
             )
         }
     )
+
+
+@dataclass
+class _Tally:
+    """Runs whose decision agreed with the users, and false promotions: final, CLT baseline, canary alone."""
+
+    total: int = 0
+    agree: int = 0
+    clt_agree: int = 0
+    canary_agree: int = 0
+    false_promotions: int = 0
+    clt_false: int = 0
+    canary_false: int = 0
+    decision_requests: list[int] = field(default_factory=list)
+
+
+def _judge(
+    planted: Planted, runs: list[dict[str, Any]], offline: dict[str, dict[str, Any]], tally: _Tally
+) -> dict[str, Any]:
+    """Count one challenger's runs into `tally` (promoted: offline passed, where judged, and canary
+    passed); its line of ``per_challenger``."""
+    offline_pass = offline[planted.name]["offline_passed"] if planted.name in offline else True
+    canary_promoted = [r["canary"] == "pass" for r in runs]
+    promoted = [offline_pass and p for p in canary_promoted]
+    clt_promoted = [offline_pass and r["clt"] == "pass" for r in runs]
+    tally.total += len(runs)
+    tally.agree += sum(p == planted.promote for p in promoted)
+    tally.clt_agree += sum(p == planted.promote for p in clt_promoted)
+    tally.canary_agree += sum(p == planted.promote for p in canary_promoted)
+    if not planted.promote:
+        tally.false_promotions += sum(promoted)
+        tally.clt_false += sum(clt_promoted)
+        tally.canary_false += sum(canary_promoted)
+    decided = [r["canary_requests"] for r in runs if r["canary"] in ("pass", "fail")]
+    tally.decision_requests += decided
+    return {
+        "users_would_promote": planted.promote,
+        "offline_passed": offline[planted.name]["offline_passed"] if planted.name in offline else None,
+        "promoted": sum(promoted),
+        "canary_promoted": sum(canary_promoted),
+        "clt_promoted": sum(clt_promoted),
+        "outcomes": {o: sum(r["canary"] == o for r in runs) for o in ("pass", "fail", "inconclusive")},
+        "median_requests": statistics.median(decided) if decided else None,
+    }
+
+
+def main() -> None:
+    args = _parse()
     started = time.monotonic()
+    offline: dict[str, dict[str, Any]] = {}
+    if not args.canary_only:
+        from gate_offline import offline_stage
+
+        offline = offline_stage(args.logged, args.truth_samples)
+    settings = _canary_settings()
     per: dict[str, Any] = {}
-    agree = clt_agree = false_promotions = clt_false = total = 0
-    decision_requests: list[int] = []
+    tally = _Tally()
     for k, planted in enumerate(PLANTED):
         runs = [
             run_one(settings, planted, args, args.seed * 1_000_003 + k * 1000 + r) for r in range(args.runs)
         ]
-        promoted = [r["canary"] == "pass" for r in runs]
-        clt_promoted = [r["clt"] == "pass" for r in runs]
-        agree += sum(p == planted.promote for p in promoted)
-        clt_agree += sum(p == planted.promote for p in clt_promoted)
-        if not planted.promote:
-            false_promotions += sum(promoted)
-            clt_false += sum(clt_promoted)
-        total += len(runs)
-        decided = [r["canary_requests"] for r in runs if r["canary"] in ("pass", "fail")]
-        decision_requests += decided
-        per[planted.name] = {
-            "users_would_promote": planted.promote,
-            "canary_promoted": sum(promoted),
-            "clt_promoted": sum(clt_promoted),
-            "outcomes": {o: sum(r["canary"] == o for r in runs) for o in ("pass", "fail", "inconclusive")},
-            "median_requests": statistics.median(decided) if decided else None,
-        }
+        per[planted.name] = _judge(planted, runs, offline, tally)
         print(
             f"{planted.name:28s} promote={planted.promote!s:5s} {json.dumps(per[planted.name])}", flush=True
         )
-    value = agree / total
-    baseline = clt_agree / total
+    value, baseline = tally.agree / tally.total, tally.clt_agree / tally.total
     result = {
         "name": "bench_gate",
         "value": round(value, 4),
         "baseline": round(baseline, 4),
         "ratio": round(value / baseline, 4) if baseline else None,
         "agreement": round(value, 4),
-        "false_promotions": false_promotions,
-        "baseline_false_promotions": clt_false,
-        "median_decision_requests": statistics.median(decision_requests) if decision_requests else None,
-        "offline_agreement": None,
-        "stages": ["canary"],
+        "false_promotions": tally.false_promotions,
+        "baseline_false_promotions": tally.clt_false,
+        "canary_agreement": round(tally.canary_agree / tally.total, 4),
+        "canary_false_promotions": tally.canary_false,
+        "median_decision_requests": statistics.median(tally.decision_requests)
+        if tally.decision_requests
+        else None,
+        "offline_agreement": (
+            round(sum(o["offline_passed"] == _promote(n) for n, o in offline.items()) / len(offline), 4)
+            if offline
+            else None
+        ),
+        "stages": ["offline", "canary"] if offline else ["canary"],
+        "offline": offline,
         "challengers": len(PLANTED),
         "runs_per_challenger": args.runs,
         "share": args.share,

@@ -3,30 +3,13 @@ gate's settings and registry for one test."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
-
-import torch
-from safetensors.torch import load_file, save_file
 
 from deployer import rollout
 from registry import Registry
 from schemas.settings import Settings
+from simulation.planted import perturbed_copy as perturbed_copy
 from store import Store
-
-
-def perturbed_copy(base: Path, out: Path, std: float, seed: int) -> Path:
-    """The base checkpoint with Gaussian noise of `std` added to every weight (same shapes, same tokenizer)."""
-    shutil.copytree(base, out)
-    generator = torch.Generator().manual_seed(seed)
-    for path in out.glob("*.safetensors"):
-        tensors = load_file(path)
-        noisy = {
-            k: (v + std * torch.randn(v.shape, generator=generator, dtype=v.dtype)).contiguous()
-            for k, v in tensors.items()
-        }
-        save_file(noisy, path, metadata={"format": "pt"})
-    return out
 
 
 def gate_settings(settings: Settings, store_url: str) -> Settings:

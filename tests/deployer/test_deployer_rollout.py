@@ -30,6 +30,7 @@ from schemas.settings import (
 )
 from services.testing import free_ports
 from serving import VllmClient, meaningful_digests
+from simulation.planted import ASKING, RAMBLING
 from store import Store
 from store.models import RecordedDigests
 
@@ -188,16 +189,6 @@ def test_failed_verification_restores_previous_weights(
         assert server.weight_version() == 1
         assert not server.is_paused()
         assert greedy(server) == base_text
-
-
-# Cursor's two reward hacks, planted: a model that answers with a clarifying question (users give
-# no feedback to a non-answer, so it is never rejected), and one that never finishes its answer (a
-# response the loop cannot score, dropped instead of labelled, teaches the model to fail).
-ASKING = ("Do you mean {answer}?", "Which one?", "Which one do you mean?")
-RAMBLING = (
-    "Let me think about this question step by step, carefully, before I answer it with {answer} "
-    "and then explain why that is so",
-)
 
 
 def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
@@ -401,10 +392,14 @@ def test_gate_holds_the_line_at_the_anchor_when_the_champion_has_slipped(
     champion has already lost what the base could do (v2, noised weights, promoted without the gate:
     its answers are no longer in the task's shape); a challenger with v2's very weights is
     non-inferior to it, and is still rejected, because it falls below the anchor (the base, v1) on
-    the anchored suite (an offline suite: answers in the task's shape)."""
+    the anchored suite (an offline suite: answers in the task's shape). ope is anchored too (the
+    users' reward on held-out traffic, reweighted to the anchor)."""
+    from episodes import feed, sample_episodes
+
     from evals import get_task
 
     store, settings, registry = hack_setup(deploy_settings, tiny_model_dir, tmp_path)
+    feed(store, sample_episodes(tiny_model_dir, 64, seed=11))  # held-out traffic the base served
     shape = tmp_path / "shape.jsonl"
     shape.write_text(
         "".join(
@@ -419,7 +414,7 @@ def test_gate_holds_the_line_at_the_anchor_when_the_champion_has_slipped(
                     "offline": (
                         OfflineSuiteSettings(name="shape", path=shape, scorer="regex", max_tokens=16),
                     ),
-                    "anchor_suites": ("shape",),
+                    "anchor_suites": ("shape", "ope"),
                 }
             )
         }
@@ -440,6 +435,11 @@ def test_gate_holds_the_line_at_the_anchor_when_the_champion_has_slipped(
     assert anchor.conclusive and not anchor.passed and anchor.champion is not None and anchor.champion > 0.5
     assert not decision.passed and "suite shape_anchor" in decision.reason
     assert registry.version_tags(same)["gate_suite_shape_anchor"].startswith("fail")
+    # The users' reward against the anchor too: reweighted to the base (v1) on its own traffic. The
+    # slipped weights are far from what was served, so neither estimate decides; both say why.
+    users = suites["ope_anchor"]
+    assert users.n == suites["ope"].n > 10 and "anchor v1" in users.note and "anchor" in users.note
+    assert not users.conclusive and users.passed is None
     assert store.gate_decisions(same)[0]["anchor_version"] == 1
     # Anchored at the champion itself (its own number, or "none"), the same challenger passes.
     unanchored = settings.model_copy(
