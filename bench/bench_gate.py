@@ -37,8 +37,10 @@ effects (promote or not), ``baseline`` = the same with the CLT canary, ``ratio``
 ``false_promotions`` (runs that promoted a challenger users would reject), ``baseline_false_promotions``,
 ``canary_agreement`` (the canary stage alone), ``offline_agreement`` (the offline gate's decisions
 alone against the known effects, over the challengers it judged; null with ``--canary-only``),
-``median_decision_requests`` (requests, both arms, until the canary decided), ``offline`` and
-``per_challenger``. Targets (issue 38): agreement ≥ 0.95, false_promotions 0.
+``offline_truth_agreement`` (whether each checkpoint's measured effect has the planted direction),
+``median_decision_requests`` (requests, both arms, until the canary decided, over the canaries that
+would run: not those of challengers the offline gate refused), ``offline`` and ``per_challenger``.
+One offline decision per challenger stands for all of its ``--runs`` canaries in ``value``. Targets (issue 38): agreement ≥ 0.95, false_promotions 0.
 """
 
 from __future__ import annotations
@@ -242,7 +244,8 @@ def _judge(
         tally.clt_false += sum(clt_promoted)
         tally.canary_false += sum(canary_promoted)
     decided = [r["canary_requests"] for r in runs if r["canary"] in ("pass", "fail")]
-    tally.decision_requests += decided
+    if offline_pass:  # a challenger the offline gate refused never reaches a canary
+        tally.decision_requests += decided
     return {
         "users_would_promote": planted.promote,
         "offline_passed": offline[planted.name]["offline_passed"] if planted.name in offline else None,
@@ -289,6 +292,11 @@ def main() -> None:
         else None,
         "offline_agreement": (
             round(sum(o["offline_passed"] == _promote(n) for n, o in offline.items()) / len(offline), 4)
+            if offline
+            else None
+        ),
+        "offline_truth_agreement": (
+            round(sum(o["truth_promote"] == _promote(n) for n, o in offline.items()) / len(offline), 4)
             if offline
             else None
         ),

@@ -7,7 +7,9 @@ retention) and alarms, against the base as champion: exactly what `rtrl run` doe
 The held-out traffic is the base's own, `logged` episodes rated by exclaim users
 (`simulation.planted.sample_episodes`, all of them held out). Each checkpoint's true effect on those
 users is measured on-policy too (`truth_acceptance`: the share of its own sampled answers the users
-accept, against the base's), so the planted direction is checked, not assumed.
+accept, against the base's; ``truth_promote``: at least the base's), which bench_gate checks
+against the planted direction (``offline_truth_agreement``) instead of assuming it. The gate runs
+with ``gate.fresh_draws`` off, so a run repeats the same questions and bootstrap.
 
 The other planted effects (worse for a segment of users only, thumbs against outcomes) need users
 that differ from one another or a second signal, which the exclaim users and the tiny model do not
@@ -55,9 +57,10 @@ def _settings(settings: Settings, run_dir: Path) -> Settings:
         update={
             "store": StoreSettings(url=f"sqlite:///{run_dir / 'gate.db'}"),
             "mlflow": settings.mlflow.model_copy(update={"model_name": f"bench-gate-{uuid.uuid4().hex[:8]}"}),
-            # Every logged episode is held out: the bench trains nothing on them.
+            # Every logged episode is held out: the bench trains nothing on them. Fixed draws: the model
+            # name is random, and fresh draws would follow it from run to run.
             "gate": gate_cfg.model_copy(
-                update={"ope": gate_cfg.ope.model_copy(update={"holdout_percent": 100})}
+                update={"fresh_draws": False, "ope": gate_cfg.ope.model_copy(update={"holdout_percent": 100})}
             ),
         }
     )
@@ -83,6 +86,7 @@ def offline_stage(logged: int, truth_samples: int) -> dict[str, dict[str, Any]]:
             path = make(base, run_dir / f"planted-{name}")
             version = registry.register_checkpoint(path)
             decision = gate.evaluate(settings, registry, version, store)
+            truth = acceptance(path, truth_samples, seed=33)
             results[name] = {
                 "offline_passed": decision.passed,
                 "reason": decision.reason,
@@ -91,8 +95,9 @@ def offline_stage(logged: int, truth_samples: int) -> dict[str, dict[str, Any]]:
                     for s in decision.suites
                 },
                 "alarms": [a.name for a in decision.alarms if a.fired],
-                "truth_acceptance": round(acceptance(path, truth_samples, seed=33), 4),
+                "truth_acceptance": round(truth, 4),
                 "champion_truth_acceptance": round(champion_truth, 4),
+                "truth_promote": truth >= champion_truth,
             }
             print(f"offline {name:22s} {results[name]}", flush=True)
         store.close()

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import evals
 from deployer.alarms import non_answer
+from deployer.errors import GateError
 from deployer.gate_suites import SuiteResult, judged, paired
 from evals.agents import Trajectory, call_seed, episode_rng, play
 from evals.suites import contains_answer
@@ -69,6 +70,7 @@ class EpisodeSuite:
     task: Task
     questions: tuple[Question, ...]
     samples: int
+    oracle: evals.Scorer | None = None  # the oracle scorer's reward(prompt, completion), resolved up front
 
     @property
     def episodes(self) -> int:
@@ -77,13 +79,21 @@ class EpisodeSuite:
 
 def episode_suite(settings: Settings, draw_seed: int | None) -> EpisodeSuite | None:
     """This run's episode suite on the task's held-out questions (the first ``gate.eval_prompts``, or
-    drawn with `draw_seed`: the task suites' draw); None when ``gate.suites`` lacks it."""
+    drawn with `draw_seed`: the task suites' draw); None when ``gate.suites`` lacks it. Raises
+    GateError for a task or an oracle preference that cannot be had."""
     cfg = settings.gate
     if NAME not in cfg.suites:
         return None
-    task = evals.get_task(cfg.task)
-    questions = tuple(task.heldout_questions_drawn(cfg.eval_prompts, draw_seed))
-    return EpisodeSuite(cfg.episodes.scenario, task, questions, cfg.episodes.samples)
+    try:
+        task = evals.get_task(cfg.task)
+        questions = tuple(task.heldout_questions_drawn(cfg.eval_prompts, draw_seed))
+        oracle = None
+        if cfg.episodes.scorer == "oracle":  # before anything is sampled: a bad preference fails the run now
+            preference = evals.load_preference(cfg.preference) if cfg.preference else task.preference
+            oracle = evals.scorer(preference, get_spec(settings.labeler.reward_spec))
+    except evals.TaskError as exc:
+        raise GateError(str(exc)) from exc
+    return EpisodeSuite(cfg.episodes.scenario, task, questions, cfg.episodes.samples, oracle)
 
 
 def play_on(server: VllmClient, settings: Settings, suite: EpisodeSuite, seed: int) -> list[list[Played]]:
@@ -163,8 +173,8 @@ def score_episodes(
         return result.model_copy(update={"note": f"{where}; {result.note}"})
     score: Callable[[Played, Question], float]
     if cfg.episodes.scorer == "oracle":
-        preference = evals.load_preference(cfg.preference) if cfg.preference else suite.task.preference
-        reward = evals.scorer(preference, get_spec(settings.labeler.reward_spec))
+        reward = suite.oracle
+        assert reward is not None  # `episode_suite` resolves it for the oracle scorer
         score = lambda episode, _question: reward(episode.judged_prompt, episode.final.text)  # noqa: E731
         scored_by = "the task's preference (oracle)"
     else:

@@ -115,8 +115,8 @@ class GateDecision(BaseModel):
 
 
 def decide(suites: list[SuiteResult], fired: list[Alarm]) -> tuple[bool, str]:
-    """Pass when at least one suite is conclusive, every conclusive one is non-inferior (lower bound
-    above −its margin), no alarm fired."""
+    """Pass when at least one suite against the champion is conclusive, every conclusive one (the
+    anchored ones too) is non-inferior (lower bound above −its margin), no alarm fired."""
     problems = [f"alarm {a.name}: {a.detail} (threshold {a.threshold:.3g})" for a in fired]
     for suite in suites:
         if suite.conclusive and not suite.passed:
@@ -127,7 +127,8 @@ def decide(suites: list[SuiteResult], fired: list[Alarm]) -> tuple[bool, str]:
                     f"suite {suite.name}: challenger - champion {suite.difference.estimate:+.4f}, "
                     f"lower bound {suite.difference.low:+.4f} <= -{suite.margin:g}"
                 )
-    if not any(s.conclusive for s in suites):
+    # A verdict against the anchor bounds losses; it never stands in for a comparison with the champion.
+    if not any(s.conclusive for s in suites if not s.against_anchor):
         problems.append("no suite was conclusive: " + "; ".join(f"{s.name}: {s.note}" for s in suites))
     if problems:
         return False, "; ".join(problems)

@@ -46,6 +46,9 @@ class SuiteResult(BaseModel):
     ess: float | None = Field(None, description="ope: the smaller effective sample size of the two models.")
     margin: float = Field(0.0, description="Its non-inferiority margin (`gate.margins` or `gate.tolerance`).")
     note: str = ""
+    against_anchor: bool = Field(
+        False, description="A verdict against the anchor (`against_anchor`), not against the champion."
+    )
 
 
 def margin(settings: Settings, suite: str) -> float:
@@ -331,6 +334,7 @@ def against_anchor(result: SuiteResult, anchor: int, settings: Settings) -> Suit
     return result.model_copy(
         update={
             "name": f"{result.name}_anchor",
+            "against_anchor": True,
             "margin": allowed,
             "passed": passed,
             "note": (

@@ -12,12 +12,13 @@ import pytest
 from deployer.alarms import Alarm
 from deployer.errors import RolloutBusy
 from deployer.gate import GateDecision, cause, decide
-from deployer.gate_suites import SuiteResult
+from deployer.gate_suites import SuiteResult, against_anchor
 from deployer.probe import max_abs_diff
 from deployer.rollout import SwapResult
 from deployer.swap import ServerSwap, digests_agree, rollout_lock, verdict
 from evals.stats import Interval
 from rtrl.commands.gate import explain_text
+from schemas.settings import Settings
 from serving import EMPTY_DIGEST, meaningful_digests
 from store import Store
 
@@ -58,6 +59,18 @@ def test_gate_fails_a_suite_whose_lower_bound_is_below_the_margin() -> None:
 def test_gate_fails_when_no_suite_is_conclusive() -> None:
     passed, reason = decide([suite("ope", None, conclusive=False)], [])
     assert not passed and "no suite was conclusive: ope: few episodes" in reason
+
+
+def test_an_anchored_verdict_alone_never_passes_the_gate() -> None:
+    """Right after a promotion the anchor may have served most held-out traffic: its ope estimate can
+    be conclusive while the champion's is not. It bounds losses; it is not a comparison with the
+    champion, so it cannot be the one conclusive suite."""
+    anchored = against_anchor(suite("ope", -0.01), 1, Settings())
+    assert anchored.against_anchor and anchored.name == "ope_anchor"
+    passed, reason = decide([suite("ope", None, conclusive=False), anchored], [])
+    assert not passed and "no suite was conclusive" in reason
+    passed, _ = decide([suite("ope", -0.01), anchored], [])
+    assert passed
 
 
 def test_gate_fails_on_any_alarm() -> None:

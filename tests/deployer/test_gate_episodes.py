@@ -29,7 +29,13 @@ def test_the_episode_suite_catches_a_self_editing_regression_single_calls_do_not
         update={"gate": settings.gate.model_copy(update={"suites": ("retention", "episodes")})}
     )
     same = registry.register_checkpoint(perturbed_copy(tiny_model_dir, tmp_path / "same", std=0.0, seed=0))
-    decision = gate.evaluate(settings, registry, same, store)
+    # One episode at a time: a seeded request samples alike in any batch, but its logits may differ in
+    # the last bits with the batch's make-up; the same weights must score exactly alike here.
+    one_at_a_time = settings.gate.episodes.model_copy(update={"concurrency": 1})
+    serial = settings.model_copy(
+        update={"gate": settings.gate.model_copy(update={"episodes": one_at_a_time})}
+    )
+    decision = gate.evaluate(serial, registry, same, store)
     print(f"gate v{same}:", decision.model_dump_json())
     episodes = next(s for s in decision.suites if s.name == "episodes")
     # Both models meet the same environment with the same seeds: the same weights play the same episodes.
@@ -47,9 +53,12 @@ def test_the_episode_suite_catches_a_self_editing_regression_single_calls_do_not
     assert episodes.challenger is not None and episodes.champion is not None
     assert episodes.challenger < episodes.champion - 0.3
     assert "suite episodes" in refused.reason
-    # Single calls: it answers and finishes like the champion, and no single-call alarm names it.
-    assert refused.behaviour["challenger"].truncated == 0.0
-    assert "truncation" not in {a.name for a in refused.alarms if a.fired}
+    # Single calls: it answers and finishes like the champion, and no alarm on them names it (retention
+    # may fail or pass: at 16 prompts on the tiny model it moves with any change of weights).
+    assert (
+        refused.behaviour["challenger"].truncated == 0.0 and refused.behaviour["challenger"].no_action == 0.0
+    )
+    assert not [a.name for a in refused.alarms if a.fired]
     assert store.gate_decisions(rambling)[0]["reason"] == refused.reason
     assert registry.version_tags(rambling)["gate_suite_episodes"].startswith("fail")
     assert registry.champion() == 1

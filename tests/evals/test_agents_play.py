@@ -14,7 +14,7 @@ from deployer.episodes import EpisodeSuite, Played, Step, score_episodes, verifi
 from evals.agents import CHUNKS, PARL_NARROW, PARL_WIDE, SCENARIOS, ScenarioError, episode_rng, play
 from evals.tasks import EXCLAIM, Question
 from schemas.events import Role
-from schemas.settings import GateSettings, JudgeSettings, Settings
+from schemas.settings import EpisodeSuiteSettings, GateSettings, JudgeSettings, Settings
 from schemas.settings.gate import NO_ACTION_PATTERN
 
 pytestmark = pytest.mark.unit
@@ -162,3 +162,16 @@ def test_the_judge_scorer_needs_a_judge() -> None:
         GateSettings(suites=("episodes",), episodes={"scorer": "judge"})
     judge = JudgeSettings(url="http://127.0.0.1:9/v1", model="judge")
     assert GateSettings(suites=("episodes",), episodes={"scorer": "judge"}, judge=judge)
+
+
+def test_the_oracle_scorer_is_resolved_before_anything_is_sampled() -> None:
+    from deployer.episodes import episode_suite
+    from deployer.errors import GateError
+
+    episodes = EpisodeSuiteSettings(scorer="oracle")
+    ok = episode_suite(Settings(gate=GateSettings(suites=("episodes",), episodes=episodes)), draw_seed=1)
+    assert ok is not None and ok.oracle is not None and len(ok.questions) == 48
+    bad = Settings(gate=GateSettings(suites=("episodes",), episodes=episodes, preference="no_such_module:f"))
+    with pytest.raises(GateError, match="cannot import module 'no_such_module'"):
+        episode_suite(bad, draw_seed=1)
+    assert episode_suite(Settings(), draw_seed=1) is None  # not configured
