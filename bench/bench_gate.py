@@ -35,7 +35,8 @@ margin, minimum and guards' stopping rule.
 The last line is one JSON object: ``value`` = agreement of the final decisions with the known
 effects (promote or not), ``baseline`` = the same with the CLT canary, ``ratio``,
 ``false_promotions`` (runs that promoted a challenger users would reject), ``baseline_false_promotions``,
-``canary_agreement`` (the canary stage alone), ``offline_agreement`` (the offline gate's decisions
+``canary_agreement`` and ``canary_false_promotions`` (the canary stage alone; ``baseline_canary_*`` the
+CLT canary alone), ``offline_agreement`` (the offline gate's decisions
 alone against the known effects, over the challengers it judged; null with ``--canary-only``),
 ``offline_truth_agreement`` (whether each checkpoint's measured effect has the planted direction),
 ``median_decision_requests`` (requests, both arms, until the canary decided, over the canaries that
@@ -220,9 +221,11 @@ class _Tally:
     agree: int = 0
     clt_agree: int = 0
     canary_agree: int = 0
+    clt_canary_agree: int = 0
     false_promotions: int = 0
     clt_false: int = 0
     canary_false: int = 0
+    clt_canary_false: int = 0
     decision_requests: list[int] = field(default_factory=list)
 
 
@@ -239,10 +242,13 @@ def _judge(
     tally.agree += sum(p == planted.promote for p in promoted)
     tally.clt_agree += sum(p == planted.promote for p in clt_promoted)
     tally.canary_agree += sum(p == planted.promote for p in canary_promoted)
+    clt_alone = [r["clt"] == "pass" for r in runs]
+    tally.clt_canary_agree += sum(p == planted.promote for p in clt_alone)
     if not planted.promote:
         tally.false_promotions += sum(promoted)
         tally.clt_false += sum(clt_promoted)
         tally.canary_false += sum(canary_promoted)
+        tally.clt_canary_false += sum(clt_alone)
     decided = [r["canary_requests"] for r in runs if r["canary"] in ("pass", "fail")]
     if offline_pass:  # a challenger the offline gate refused never reaches a canary
         tally.decision_requests += decided
@@ -287,6 +293,8 @@ def main() -> None:
         "baseline_false_promotions": tally.clt_false,
         "canary_agreement": round(tally.canary_agree / tally.total, 4),
         "canary_false_promotions": tally.canary_false,
+        "baseline_canary_agreement": round(tally.clt_canary_agree / tally.total, 4),
+        "baseline_canary_false_promotions": tally.clt_canary_false,
         "median_decision_requests": statistics.median(tally.decision_requests)
         if tally.decision_requests
         else None,
