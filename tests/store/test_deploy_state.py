@@ -24,22 +24,9 @@ from store.locks import lock_key, lock_path
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(
-    params=[
-        pytest.param("sqlite", marks=pytest.mark.unit),
-        pytest.param("postgresql", marks=pytest.mark.integration),
-    ]
-)
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A store URL: an SQLite file in tmp_path, or a database of its own on the session's PostgreSQL."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'rtrl.db'}"
-    database: str = request.getfixturevalue("postgres_database")
-    return database
-
-
 @pytest.fixture
 def any_store(url: str) -> Iterator[Store]:
+    """A migrated store at `url` (tests/store/conftest.py) on the wall clock: these locks cross processes."""
     opened = Store(url)
     opened.migrate()
     yield opened
