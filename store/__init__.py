@@ -15,7 +15,8 @@ context manager on the process's one engine of its URL (store/base.py, store/eng
   and keeps the weight digests it verifies swaps against (`DeployStore.record_digests`);
 - the deployer records the live canary (`CanaryStore.start_canary`, one running at a time,
   `CanaryStore.end_canary`) and reads the rated live episodes it judges (`CanaryStore.live_episodes`);
-  operators ask it to stop (`CanaryStore.request_canary_stop`);
+  operators ask it to stop (`CanaryStore.request_canary_stop`); the gateways record what they
+  saw of its requests per arm (`CanaryStore.record_canary_traffic`, read by `CanaryStore.canary_traffic`);
 - the gateways load API keys (`TenantStore.api_keys`);
 - operators read `ReportStore.stats`, ``rtrl report``'s numbers (`ReportStore.report`),
   `CycleStore.recent_cycles`, the reconciliation counts, and prune (`RetentionStore.prune`).
@@ -24,7 +25,7 @@ Importing this package imports SQLAlchemy but neither torch nor Kafka.
 """
 
 from store.base import StoreBase
-from store.canaries import CanaryRecord, CanaryStore, LiveEpisode
+from store.canaries import ArmTraffic, CanaryRecord, CanaryStore, LiveEpisode
 from store.caps import Caps
 from store.cycles import CycleRecord, CycleStore
 from store.db import Store
@@ -51,6 +52,7 @@ from store.tenants import ApiKeyRecord, TenantRecord, TenantStore
 
 __all__ = [
     "ApiKeyRecord",
+    "ArmTraffic",
     "BatchWrite",
     "CanaryRecord",
     "CanaryRunning",

@@ -196,8 +196,9 @@ class StoreBase:
         return DatabaseError(detail)
 
 
-def upsert(dialect: str, model: Any, values: dict[str, Any], keys: list[str]) -> Any:
-    """INSERT `values`, or on a conflict over `keys` UPDATE the row to them (SQLite and PostgreSQL)."""
+def upsert(dialect: str, model: Any, values: dict[str, Any], keys: list[str], only_if: Any = None) -> Any:
+    """INSERT `values`, or on a conflict over `keys` UPDATE the row to them (SQLite and PostgreSQL);
+    with `only_if` (a function of the statement's ``excluded`` row giving a condition), only when it holds."""
     if dialect == "postgresql":
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 
@@ -207,4 +208,5 @@ def upsert(dialect: str, model: Any, values: dict[str, Any], keys: list[str]) ->
 
         statement = sqlite_insert(model).values(values)
     changed = {name: statement.excluded[name] for name in values if name not in keys}
-    return statement.on_conflict_do_update(index_elements=keys, set_=changed)
+    where = None if only_if is None else only_if(statement.excluded)
+    return statement.on_conflict_do_update(index_elements=keys, set_=changed, where=where)

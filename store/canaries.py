@@ -14,10 +14,18 @@ reads it back unchanged.
 `live_episodes` is what the test compares: settled, rated episodes of the two versions since the
 canary began, ordered by (settled_at, episode_id) so that a later read extends an earlier one.
 Times come from the store's clock.
+
+`record_canary_traffic` and `canary_traffic` hold what the gateways saw of a live canary's requests,
+which never become episodes when they fail or are merely slow: per gateway process (an instance id
+new at every start), canary version and arm (canary | fleet), the process's cumulative requests,
+errors and latency-bucket counts. A flush overwrites its rows (an upsert that never lowers a count),
+so a flush repeated or retried after a store outage never counts a request twice; `canary_traffic`
+sums the instances (deployer/canary.py's errors and latency guards).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -27,9 +35,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from schemas.events import CONTROL_KINDS
-from store.base import StoreBase
+from schemas.settings.canary import LATENCY_BUCKETS_S, TRAFFIC_ARMS
+from store.base import StoreBase, upsert
 from store.errors import CanaryRunning, DatabaseError, StoreError
-from store.models import CANARY_FINAL_STATES, Canary, Episode, Feedback, Interaction
+from store.models import CANARY_FINAL_STATES, Canary, CanaryTraffic, Episode, Feedback, Interaction
 
 _RUNNING_SLOT = 1
 SEGMENT_CHUNK = 500  # episode ids per query for their segments (bounded IN lists)
@@ -73,6 +82,27 @@ class LiveEpisode:
     components: dict[str, float] = field(
         default_factory=dict
     )  # the reward's terms, by name (reward_components)
+
+
+@dataclass(frozen=True)
+class ArmTraffic:
+    """Requests of a live canary's arm as the gateways counted them: how many, how many were answered
+    with an upstream failure, and how many fell in each latency bucket (``LATENCY_BUCKETS_S`` then
+    +inf; not cumulative)."""
+
+    requests: int = 0
+    errors: int = 0
+    latency_buckets: tuple[int, ...] = (0,) * (len(LATENCY_BUCKETS_S) + 1)
+
+    def __add__(self, other: ArmTraffic) -> ArmTraffic:
+        size = max(len(self.latency_buckets), len(other.latency_buckets))
+        mine = self.latency_buckets + (0,) * (size - len(self.latency_buckets))
+        theirs = other.latency_buckets + (0,) * (size - len(other.latency_buckets))
+        return ArmTraffic(
+            self.requests + other.requests,
+            self.errors + other.errors,
+            tuple(a + b for a, b in zip(mine, theirs, strict=True)),
+        )
 
 
 def _record(row: Canary) -> CanaryRecord:
@@ -291,3 +321,53 @@ class CanaryStore(StoreBase):
             for episode_id, completion, finish_reason in rows:
                 segments.setdefault(episode_id, []).append((completion, finish_reason))
         return segments
+
+    # ---- the gateways' counts of a live canary's requests -----------------------------------------
+
+    def record_canary_traffic(self, instance: str, counts: Mapping[tuple[int, str], ArmTraffic]) -> None:
+        """Store gateway process `instance`'s cumulative counts, keyed by (canary version, arm), in one
+        transaction. Idempotent: a row is overwritten, and never by fewer requests than it holds (a
+        stale flush that lands late changes nothing)."""
+        if not counts:
+            return
+        now = self.clock()
+        with self.transaction() as session:
+            for (version, arm), traffic in sorted(counts.items()):
+                if arm not in TRAFFIC_ARMS:
+                    raise ValueError(f"arm must be one of {', '.join(TRAFFIC_ARMS)}, not {arm!r}")
+                values = {
+                    "instance": instance,
+                    "version": version,
+                    "arm": arm,
+                    "requests": traffic.requests,
+                    "errors": traffic.errors,
+                    "latency_buckets": list(traffic.latency_buckets),
+                    "updated_at": now,
+                }
+                session.execute(
+                    upsert(
+                        self.dialect,
+                        CanaryTraffic,
+                        values,
+                        ["instance", "version", "arm"],
+                        only_if=lambda excluded: CanaryTraffic.requests <= excluded.requests,
+                    )
+                )
+
+    def canary_traffic(self, version: int) -> dict[str, ArmTraffic]:
+        """The gateways' counts of the canary of `version`, per arm (every arm of ``TRAFFIC_ARMS``,
+        zero where none was counted), summed over the gateway processes."""
+        totals = {arm: ArmTraffic() for arm in TRAFFIC_ARMS}
+        with self.transaction() as session:
+            rows = session.execute(
+                select(
+                    CanaryTraffic.arm,
+                    CanaryTraffic.requests,
+                    CanaryTraffic.errors,
+                    CanaryTraffic.latency_buckets,
+                ).where(CanaryTraffic.version == version)
+            ).all()
+        for arm, requests, errors, buckets in rows:
+            if arm in totals:
+                totals[arm] = totals[arm] + ArmTraffic(requests, errors, tuple(int(b) for b in buckets))
+        return totals

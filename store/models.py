@@ -331,6 +331,23 @@ class Canary(Base):
     running_slot: Mapped[int | None] = mapped_column(Integer, unique=True)
 
 
+class CanaryTraffic(Base):
+    """What one gateway process saw of a live canary's requests on one arm (canary | fleet), as
+    cumulative counts since the process started (store/canaries.py `record_canary_traffic`): every
+    flush overwrites its row, so a repeated flush never counts a request twice."""
+
+    __tablename__ = "canary_traffic"
+
+    instance: Mapped[str] = mapped_column(String(64), primary_key=True)  # new per gateway process start
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)  # the version the canary served
+    arm: Mapped[str] = mapped_column(String(16), primary_key=True)  # canary | fleet
+    requests: Mapped[int] = mapped_column(BigInteger)
+    errors: Mapped[int] = mapped_column(BigInteger)  # answered with an upstream failure
+    # Requests per latency bucket (schemas/settings/canary.py LATENCY_BUCKETS_S, then +inf), not cumulative.
+    latency_buckets: Mapped[list[int]] = mapped_column(JSON)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
 class DeployLockHolder(Base):
     """Who holds a deploy lock ("rollout", "staging"), for `RolloutBusy` and `rtrl status`. The lock
     itself is a PostgreSQL advisory lock or a file lock beside the SQLite file (store/locks.py); this

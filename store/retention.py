@@ -16,7 +16,10 @@ What goes, once older than the cutoff:
 * live canaries that ended (any state but ``running``), by ``ended_at``. A running canary stays
   whatever its age: its runner reads and ends its row. Canaries come from no Kafka record, so
   `kafka_floor` does not hold them back. A cycle's metrics and the challenger's MLflow tags may
-  then name a pruned ``canary_id``.
+  then name a pruned ``canary_id``;
+* the gateways' counts of a canary's requests (``canary_traffic``), with the canaries of their
+  version: once every canary of the version ended before the cutoff (none running), or, for a
+  version with no canary record left, once the rows were last written before it.
 
 What stays: cycles (the history `rtrl train status` shows; a cycle's ``episode_ids`` may then name
 pruned episodes); ``labeler_progress``, the bookkeeping of `Store.note_attempt`, which is one row
@@ -55,13 +58,22 @@ from sqlalchemy import ColumnElement, and_, delete, exists, false, func, or_, se
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from store.base import StoreBase
-from store.models import FINAL_CYCLE_STATUSES, Canary, Cycle, DeadLetter, Episode, Feedback, Interaction
+from store.models import (
+    FINAL_CYCLE_STATUSES,
+    Canary,
+    CanaryTraffic,
+    Cycle,
+    DeadLetter,
+    Episode,
+    Feedback,
+    Interaction,
+)
 
 BATCH_SIZE = 5000
 # The tables whose rows come from Kafka records (a row stays while Kafka still holds its record),
 # then the ones that do not.
 KAFKA_TABLES = ("episodes", "interactions", "feedback", "dead_letters")
-TABLES = (*KAFKA_TABLES, "canaries")
+TABLES = (*KAFKA_TABLES, "canary_traffic", "canaries")
 
 # (topic, partition) -> the partition's beginning offset in Kafka: records below it are gone.
 KafkaFloor = Mapping[tuple[str, int], int]
@@ -131,6 +143,12 @@ def prune(
     )
     report.deleted["feedback"] += _in_batches(store, Feedback.event_id, rules.unjoined_feedback, batch_size)
     report.deleted["dead_letters"] += _in_batches(store, DeadLetter.event_id, rules.dead_letters, batch_size)
+    with store.transaction() as session:  # a few rows per gateway process and canary: one statement
+        report.deleted["canary_traffic"] += int(
+            session.execute(
+                delete(CanaryTraffic).where(rules.canary_traffic).execution_options(synchronize_session=False)
+            ).rowcount  # type: ignore[attr-defined]
+        )
     report.deleted["canaries"] += _in_batches(store, Canary.id, rules.canaries, batch_size)
     return report
 
@@ -182,6 +200,16 @@ class _Rules:
         self.dead_letters = and_(self.old_dead_letters, self.gone(DeadLetter))
         # Ended before the cutoff; a running canary has no ended_at, and is never taken whatever its age.
         self.canaries = and_(Canary.state != "running", Canary.ended_at < cutoff)
+        # A version's traffic goes with its canaries: when none of them runs or ended after the cutoff
+        # (and, with no canary record at all, by when its rows were last written).
+        kept = exists(
+            select(Canary.id).where(
+                Canary.challenger_version == CanaryTraffic.version,
+                or_(Canary.state == "running", Canary.ended_at >= cutoff),
+            )
+        )
+        ended = exists(select(Canary.id).where(Canary.challenger_version == CanaryTraffic.version))
+        self.canary_traffic = and_(~kept, or_(ended, CanaryTraffic.updated_at < cutoff))
 
     def gone(self, model: Any) -> ColumnElement[bool]:
         """True for a row whose source record Kafka no longer holds (below its partition's floor).
@@ -212,6 +240,7 @@ class _Rules:
             "feedback": _count(session, Feedback, Feedback.joined_episode_id.in_(eligible))
             + _count(session, Feedback, self.unjoined_feedback),
             "dead_letters": _count(session, DeadLetter, self.dead_letters),
+            "canary_traffic": _count(session, CanaryTraffic, self.canary_traffic),
             "canaries": _count(session, Canary, self.canaries),
         }
 

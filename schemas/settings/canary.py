@@ -16,6 +16,14 @@ from schemas.settings.section import Section
 # taking the canary out of rotation before it changes the server (deployer/canary.py).
 CANARY_STALE_REFRESHES = 10
 
+# The arms a gateway counts a live canary's requests under (ingest/canary_traffic.py): "canary" when the
+# canary server served the request, "fleet" when a fleet server did (store/canaries.py canary_traffic).
+TRAFFIC_ARMS = ("canary", "fleet")
+# Upper bounds (seconds) of the latency buckets the gateways count a canary's requests in, from the
+# handler's start to the last byte sent; one more bucket, +inf, follows. The gateways and the deployer's
+# latency guard (deployer/canary.py) must agree on them, so they live here.
+LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
 
 class CanarySettings(Section):
     """The live canary between the offline gate and the fleet (docs/gate.md, Live canary)."""
@@ -97,6 +105,32 @@ class CanarySettings(Section):
         lt=1,
         description="Guard: the challenger's share of completions cut off by max_tokens may exceed the "
         "champion's by at most this.",
+    )
+
+    error_increase: float = Field(
+        0.01,
+        ge=0,
+        lt=1,
+        description="Guard: the share of the canary server's requests the gateways answered with an upstream "
+        "failure (5xx, timeout, connection lost, no server reachable) may exceed the fleet's by at most this, "
+        "at guard_alpha (an always-valid test on the gateways' counts, docs/gate.md Guards).",
+    )
+    latency_min_requests: int = Field(
+        200,
+        ge=1,
+        description="Guard: requests each arm needs (counted by the gateways) before the latency guard may trip.",
+    )
+    latency_ratio: float = Field(
+        1.5,
+        gt=1,
+        description="Guard: the canary trips when its p95 latency (handler start to last byte) is more than "
+        "this times the fleet's p95 and more than latency_min_increase_s slower (a threshold, not a "
+        "sequential test).",
+    )
+    latency_min_increase_s: float = Field(
+        0.25,
+        ge=0,
+        description="Guard: the least p95 difference in seconds (canary − fleet) for the latency guard to trip.",
     )
 
     @model_validator(mode="after")

@@ -86,7 +86,14 @@ def test_prune_deletes_old_settled_episodes_orphans_and_dead_letters_only(
     assert remaining(store) == before  # a dry run changes nothing
 
     report = prune(store, CUTOFF, None, batch_size=batch_size)
-    expected = {"episodes": 4, "interactions": 4, "feedback": 4 + 1 + 1, "dead_letters": 1, "canaries": 0}
+    expected = {
+        "episodes": 4,
+        "interactions": 4,
+        "feedback": 4 + 1 + 1,
+        "dead_letters": 1,
+        "canary_traffic": 0,
+        "canaries": 0,
+    }
     assert report.deleted == dry.deleted == expected
     assert (report.dry_run, dry.dry_run) == (False, True)
     assert remaining(store) == {
@@ -110,6 +117,7 @@ def test_an_episode_goes_once_its_active_cycle_has_failed(store: Store, clock: F
         "interactions": 1,
         "feedback": 1,
         "dead_letters": 0,
+        "canary_traffic": 0,
         "canaries": 0,
     }
     assert remaining(store)["episodes"] == {"recent", "open"}
@@ -139,6 +147,7 @@ def test_rows_kafka_still_holds_stay_so_reconcile_counts_do_not_move(store: Stor
         "interactions": 1,
         "feedback": 1,
         "dead_letters": 0,
+        "canary_traffic": 0,
         "canaries": 0,
     }
     assert report.held == {"episodes": 1, "interactions": 0, "feedback": 0, "dead_letters": 1}
@@ -155,6 +164,7 @@ def test_rows_kafka_still_holds_stay_so_reconcile_counts_do_not_move(store: Stor
         "interactions": 1,
         "feedback": 2,
         "dead_letters": 1,
+        "canary_traffic": 0,
         "canaries": 0,
     }
     assert report.held == dict.fromkeys(report.held, 0)

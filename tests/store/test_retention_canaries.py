@@ -65,6 +65,7 @@ def test_ended_canaries_older_than_the_cutoff_go_and_a_running_one_stays(
         "interactions": 0,
         "feedback": 0,
         "dead_letters": 0,
+        "canary_traffic": 0,
         "canaries": 5,
     }
     assert "canaries" not in report.held  # no Kafka record behind a canary
