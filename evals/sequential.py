@@ -51,6 +51,23 @@ trips with probability ≤ its α, so a challenger within every allowance and at
 with probability ≤ α + Σ α_guard (union bound over the guards). Guards on unbounded values (latency,
 length, a latency ratio) are out of scope: the sequences need values in [0, 1].
 
+**Guards on counts** (`SequentialTest(count_guards=...)`, `set_guard_counts`): a rate known only as
+counts (hits, n) per arm, e.g. the gateways' error counts, which are flushed as totals, not as one
+value per request. PrPl-EB's bets are predictable (each depends on the order of the values), so it
+cannot be computed from counts. For 0/1 values the conjugate-mixture sequence can (Robbins,
+"Statistical methods related to the law of the iterated logarithm", Ann. Math. Statist. 41(5), 1970;
+Howard et al. 2021 above, section 3): with a Beta(a, b) mixture over the rate q,
+
+    M_t(p) = B(a + S_t, b + t − S_t) / B(a, b)  /  (p^S_t (1 − p)^(t − S_t))          (S_t = Σ_{i≤t} X_i)
+
+is a nonnegative martingale with M_0 = 1 when every X_i is 1 with probability p given the past, so
+by Ville's inequality P(M_t(p) ≥ 1/α for some t) ≤ α, and C_t = {p : M_t(p) < 1/α} covers p at every
+t with probability ≥ 1 − α. C_t is an interval around S_t / t (log M_t is convex in p) found by
+bisection (`rate_bounds`); a = b = 1/2 (the Krichevsky–Trofimov mixture). It depends on (t, S_t)
+alone, so reading it at the times the counts are known (any subset of t) keeps the guarantee, with
+the same assumption as above: in the order the counts grow, each value has the same conditional
+mean. Two arms at α/2 each and the trip rule are those of `Guard`.
+
 Assumption: within an arm, every value has the same conditional mean (traffic routed to the arms at
 random, so a daily cycle moves both arms alike; the guarantee is proved for a constant mean, not
 for a drifting one). Pure numpy and the standard library, no I/O.
@@ -269,6 +286,62 @@ def decide(low: Any, high: Any, n: Any, *, margin: float, min_n: int, max_n: int
     return out
 
 
+# ---- a rate from counts alone: the conjugate-mixture sequence -------------------------------------
+
+MIXTURE_PRIOR = (0.5, 0.5)  # Beta(a, b) over the rate: Krichevsky–Trofimov
+_BISECTIONS = 60  # the bounds to within 2^-60 of the interval's ends, rounded outwards
+
+
+def _log_beta(a: float, b: float) -> float:
+    return math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+
+
+def rate_bounds(
+    hits: int, n: int, alpha: float, prior: tuple[float, float] = MIXTURE_PRIOR
+) -> tuple[float, float]:
+    """The (1 − alpha) confidence sequence's interval for a rate after `hits` ones in `n` 0/1 values,
+    from the counts alone (see the module docstring, Guards on counts): valid at every n at once."""
+    check_alpha(alpha)
+    if not isinstance(hits, int) or not isinstance(n, int) or not 0 <= hits <= n:
+        raise ValueError(f"need integers 0 ≤ hits ≤ n; got hits={hits!r}, n={n!r}")
+    if n == 0:
+        return 0.0, 1.0
+    a, b = prior
+    mixture = _log_beta(a + hits, b + n - hits) - _log_beta(a, b)
+    threshold = math.log(1.0 / alpha)
+
+    def log_martingale(p: float) -> float:  # log M_n(p); p in (0, 1)
+        return mixture - hits * math.log(p) - (n - hits) * math.log1p(-p)
+
+    centre = hits / n  # log M_n is smallest there, and below the threshold (the mixture ≤ the maximum)
+
+    def crossing(inside: float, outside: float) -> float:
+        """The end of {p : log M_n(p) < threshold} between `inside` (in it) and `outside`, rounded outwards."""
+        for _ in range(_BISECTIONS):
+            middle = (inside + outside) / 2
+            if log_martingale(middle) < threshold:
+                inside = middle
+            else:
+                outside = middle
+        return outside
+
+    low = 0.0 if hits == 0 else crossing(centre, 0.0)
+    high = 1.0 if hits == n else crossing(centre, 1.0)
+    return low, high
+
+
+def rate_difference(challenger: tuple[int, int], champion: tuple[int, int], alpha: float) -> Difference:
+    """Challenger − champion of two rates known as (hits, n), each arm at alpha/2: the difference's
+    bounds hold at every time with probability ≥ 1 − alpha (union bound), as for `TwoArms`."""
+    arms = []
+    for hits, n in (challenger, champion):
+        low, high = rate_bounds(hits, n, alpha / 2)
+        arms.append(Arm(n=n, mean=hits / n if n else None, low=low, high=high))
+    one, zero = arms
+    estimate = one.mean - zero.mean if one.mean is not None and zero.mean is not None else None
+    return Difference(one, zero, estimate, low=one.low - zero.high, high=one.high - zero.low)
+
+
 # ---- the canary's test: primary metric and guards ------------------------------------------------
 
 
@@ -349,6 +422,7 @@ class SequentialTest:
         min_n: int,
         max_n: int,
         guards: Sequence[Guard] = (),
+        count_guards: Sequence[Guard] = (),
         truncation: float = TRUNCATION,
     ) -> None:
         self.alpha = check_alpha(alpha)
@@ -358,12 +432,13 @@ class SequentialTest:
             raise ValueError(f"min_n must be an int ≥ 0 and max_n an int ≥ 1; got {min_n!r}, {max_n!r}")
         if min_n > max_n:
             raise ValueError(f"min_n ({min_n}) must not exceed max_n ({max_n})")
-        names = [g.name for g in guards]
+        names = [g.name for g in (*guards, *count_guards)]
         if len(set(names)) != len(names):
             raise ValueError(f"guard names must be unique; got {names}")
         self.margin, self.min_n, self.max_n = float(margin), min_n, max_n
         self.primary = TwoArms(alpha, truncation=truncation)
         self.guards = {g.name: (g, TwoArms(g.alpha, truncation=truncation)) for g in guards}
+        self.count_guards = {g.name: (g, rate_difference((0, 0), (0, 0), g.alpha)) for g in count_guards}
         self.decision = self._decide()
 
     def update(self, challenger: Values = (), champion: Values = ()) -> Decision:
@@ -380,6 +455,18 @@ class SequentialTest:
         self.decision = self._decide()
         return self.decision
 
+    def set_guard_counts(
+        self, name: str, challenger: tuple[int, int] = (0, 0), champion: tuple[int, int] = (0, 0)
+    ) -> Decision:
+        """A count guard's (hits, n) per arm, the totals so far (they replace the last ones)."""
+        self._check_open()
+        if name not in self.count_guards:
+            raise ValueError(f"no count guard named {name!r}; count guards: {sorted(self.count_guards)}")
+        guard = self.count_guards[name][0]
+        self.count_guards[name] = (guard, rate_difference(challenger, champion, guard.alpha))
+        self.decision = self._decide()
+        return self.decision
+
     def _check_open(self) -> None:
         if self.decision.final:
             raise ValueError(
@@ -387,10 +474,9 @@ class SequentialTest:
             )
 
     def _decide(self) -> Decision:
-        readings = tuple(
-            GuardReading(guard, arms.difference, tripped=arms.difference.low > guard.allowed_increase)
-            for guard, arms in self.guards.values()
-        )
+        differences = [(g, arms.difference) for g, arms in self.guards.values()]
+        differences += list(self.count_guards.values())
+        readings = tuple(GuardReading(g, d, tripped=d.low > g.allowed_increase) for g, d in differences)
         d = self.primary.difference
         n = min(d.challenger.n, d.champion.n)
         code = int(decide(d.low, d.high, n, margin=self.margin, min_n=self.min_n, max_n=self.max_n))
