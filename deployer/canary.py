@@ -7,8 +7,10 @@ ingest/routing.py) and the rest to the champion fleet. Every ``check_every_s`` i
 rated episodes each version served since the canary began (`Store.live_episodes`) and asks the
 always-valid sequential test (evals/sequential.py) about challenger − champion on the users' reward
 (or on one scored term of it, ``gate.canary.primary``: an outcome or a judge, so that thumbs alone
-cannot carry a challenger that loses on the outcome), normalised to 0..1, with two guards that stop it at once: the share of non-answers
-(``gate.alarms.no_action_pattern``) and of completions cut off by max_tokens. The canary ends when
+cannot carry a challenger that loses on the outcome), normalised to 0..1, with guards that stop it at once: the share of non-answers
+(``gate.alarms.no_action_pattern``) and of completions cut off by max_tokens, on the same episodes;
+the share of requests answered with an upstream failure and the p95 latency, on the gateways' counts
+per arm (`Store.canary_traffic`: failed and slow requests never become episodes). The canary ends when
 the test decides (``passed``, ``failed``), at ``max_episodes`` per arm or ``max_duration_s``
 (``inconclusive``), when an operator stops it (``rtrl deploy canary stop``: ``stopped``) or when the
 worker is stopping (``aborted``). On every ending the canary server leaves the rotation at once, so
@@ -29,10 +31,11 @@ record ``aborted`` (`reap`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,9 +50,9 @@ from registry import Registry
 from schemas.events import FeedbackKind
 from schemas.rewards import get_spec
 from schemas.settings import Settings
-from schemas.settings.canary import CANARY_STALE_REFRESHES
+from schemas.settings.canary import CANARY_STALE_REFRESHES, LATENCY_BUCKETS_S
 from serving import CallFailed, ServerError, ServingError
-from store import CanaryRecord, LiveEpisode, Store, StoreError
+from store import ArmTraffic, CanaryRecord, LiveEpisode, Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,7 @@ class Look:
     champion: int
     clipped: int  # rewards outside the normalising range, clipped into it
     reward_range: tuple[float, float]
+    traffic: dict[str, Any] = dataclasses.field(default_factory=dict)  # the gateways' counts, `_traffic`
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -93,7 +97,42 @@ class Look:
             "episodes": {"challenger": self.challenger, "champion": self.champion},
             "clipped": self.clipped,
             "reward_range": list(self.reward_range),
+            "traffic": self.traffic,
         }
+
+
+def p95(buckets: tuple[int, ...]) -> float | None:
+    """The 95th percentile of the latencies counted in `buckets` (``LATENCY_BUCKETS_S`` then +inf), as
+    Prometheus's histogram_quantile reads a histogram: linear within the bucket it falls in, the last
+    finite bound when it falls in +inf. None without a request."""
+    total = sum(buckets)
+    if total == 0:
+        return None
+    rank, below, lower = 0.95 * total, 0, 0.0
+    for upper, count in zip(LATENCY_BUCKETS_S, buckets, strict=False):
+        if count and below + count >= rank:
+            return lower + (upper - lower) * (rank - below) / count
+        below, lower = below + count, upper
+    return LATENCY_BUCKETS_S[-1]
+
+
+def _latency_trip(
+    settings: Settings, canary: ArmTraffic, fleet: ArmTraffic
+) -> tuple[str | None, dict[str, Any]]:
+    """The latency guard (a threshold, not a sequential test: docs/gate.md, Guards): why it trips, or
+    None, with its numbers."""
+    c = settings.gate.canary
+    mine, theirs = p95(canary.latency_buckets), p95(fleet.latency_buckets)
+    numbers = {"canary_p95_s": mine, "fleet_p95_s": theirs, "min_requests": c.latency_min_requests}
+    if mine is None or theirs is None or min(canary.requests, fleet.requests) < c.latency_min_requests:
+        return None, numbers
+    if mine > c.latency_ratio * theirs and mine - theirs > c.latency_min_increase_s:
+        return (
+            f"guard latency: canary p95 {mine:.3f}s > {c.latency_ratio:g} x fleet p95 {theirs:.3f}s and "
+            f"more than {c.latency_min_increase_s:g}s slower (n {canary.requests} canary / {fleet.requests} "
+            "fleet requests)"
+        ), numbers
+    return None, numbers
 
 
 def reward_range(settings: Settings) -> tuple[float, float]:
@@ -128,8 +167,15 @@ def _value(settings: Settings, episode: LiveEpisode) -> float | None:
     return episode.reward if primary == "reward" else episode.components.get(primary)
 
 
-def look(settings: Settings, episodes: list[LiveEpisode], challenger: int, champion: int) -> Look:
-    """The sequential test over the rated episodes of both arms, in their order (pure: no I/O)."""
+def look(
+    settings: Settings,
+    episodes: list[LiveEpisode],
+    challenger: int,
+    champion: int,
+    traffic: Mapping[str, ArmTraffic] | None = None,
+) -> Look:
+    """The sequential test over the rated episodes of both arms, in their order, with the guards on
+    the gateways' counts per arm (`traffic`: canary, fleet; None: none counted). Pure: no I/O."""
     c = settings.gate.canary
     low, high = reward_range(settings)
     pattern = re.compile(settings.gate.alarms.no_action_pattern)
@@ -152,6 +198,7 @@ def look(settings: Settings, episodes: list[LiveEpisode], challenger: int, champ
             Guard("non_answer", c.non_answer_increase, c.guard_alpha),
             Guard("truncation", c.truncation_increase, c.guard_alpha),
         ),
+        count_guards=(Guard("errors", c.error_increase, c.guard_alpha),),
     )
     guards: dict[str, Callable[[LiveEpisode], bool]] = {
         "non_answer": lambda e: any(pattern.search(text) for text in e.completions),
@@ -162,15 +209,28 @@ def look(settings: Settings, episodes: list[LiveEpisode], challenger: int, champ
             test.update_guard(
                 name, [float(hit(e)) for e in arms[challenger]], [float(hit(e)) for e in arms[champion]]
             )
+    canary, fleet = (traffic or {}).get("canary", ArmTraffic()), (traffic or {}).get("fleet", ArmTraffic())
     if not test.decision.final:
-        test.update(scaled[challenger], scaled[champion])
-    return Look(test.decision, len(arms[challenger]), len(arms[champion]), clipped, (low, high))
+        test.set_guard_counts("errors", (canary.errors, canary.requests), (fleet.errors, fleet.requests))
+    tripped, latency = _latency_trip(settings, canary, fleet)
+    decision = test.decision
+    if tripped is not None and not decision.final:
+        decision = dataclasses.replace(decision, outcome="fail", cause="guard", reason=tripped)
+    elif not decision.final:
+        decision = test.update(scaled[challenger], scaled[champion])
+    counts = {
+        arm: {"requests": t.requests, "errors": t.errors, "latency_buckets": list(t.latency_buckets)}
+        for arm, t in (("canary", canary), ("fleet", fleet))
+    }
+    numbers = {**counts, "latency": {**latency, "tripped": tripped is not None}}
+    return Look(decision, len(arms[challenger]), len(arms[champion]), clipped, (low, high), numbers)
 
 
 def read(settings: Settings, store: Store, record: CanaryRecord) -> Look:
     """The canary's arms as the store has them now."""
     episodes = store.live_episodes((record.challenger_version, record.champion_version), record.started_at)
-    return look(settings, episodes, record.challenger_version, record.champion_version)
+    traffic = store.canary_traffic(record.challenger_version)
+    return look(settings, episodes, record.challenger_version, record.champion_version, traffic)
 
 
 def run(
@@ -334,7 +394,7 @@ def _look_once(settings: Settings, store: Store, record: CanaryRecord) -> Look |
             # sending it users until the next announcement (ingest/routing.py `Fleet.verify`).
             store.set_serving_version(record.server, record.challenger_version, "canary: label verified")
     looked = read(settings, store, record)
-    metrics.observe_canary(looked.challenger, looked.champion, looked.decision.difference)
+    metrics.observe_canary(looked.challenger, looked.champion, looked.decision.difference, looked.traffic)
     return looked
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -108,6 +109,19 @@ CANARY_BOUND = Gauge(
     ["bound"],
 )
 
+CANARY_REQUESTS = Gauge(
+    "rtrl_canary_requests",
+    "Requests of the running canary's users the gateways counted by its last look, by arm (canary: served by "
+    "the canary server, fleet) and kind (all, errors: answered with an upstream failure).",
+    ["arm", "kind"],
+)
+CANARY_LATENCY_P95 = Gauge(
+    "rtrl_canary_latency_p95_seconds",
+    "p95 latency (gateway handler start to last byte) of the running canary's requests by its last look, by "
+    "arm; NaN before a request was counted.",
+    ["arm"],
+)
+
 
 # Every outcome of the counters exists from the start (at 0): a first failure is an increase a rule sees.
 for _decision, _cause in (
@@ -135,6 +149,8 @@ for _unset in (GATE_LAST, GATE_LAST_AT, CHAMPION, FLEET_AGREES, CANARY_RUNNING):
     _unset.set(math.nan)
 for _bound in ("low", "high"):
     CANARY_BOUND.labels(_bound).set(math.nan)
+for _arm in ("canary", "fleet"):
+    CANARY_LATENCY_P95.labels(_arm).set(math.nan)
 
 
 def record_gate(
@@ -157,10 +173,19 @@ def record_swap(url: str, verified: bool, restored: bool, pause_ms: float, servi
         SERVER_VERSION.labels(url.rstrip("/")).set(serving)
 
 
-def observe_canary(challenger: int, champion: int, difference: Any) -> None:
-    """One look of the running canary: its arms' sizes and the bounds of challenger − champion
-    (an `evals.sequential.Difference`)."""
+def observe_canary(
+    challenger: int, champion: int, difference: Any, traffic: Mapping[str, Any] | None = None
+) -> None:
+    """One look of the running canary: its arms' sizes, the bounds of challenger − champion (an
+    `evals.sequential.Difference`) and the gateways' counts (`deployer.canary.Look.traffic`)."""
     CANARY_EPISODES.labels("challenger").set(challenger)
     CANARY_EPISODES.labels("champion").set(champion)
     CANARY_BOUND.labels("low").set(difference.low)
     CANARY_BOUND.labels("high").set(difference.high)
+    if not traffic:
+        return
+    for arm in ("canary", "fleet"):
+        CANARY_REQUESTS.labels(arm, "all").set(traffic[arm]["requests"])
+        CANARY_REQUESTS.labels(arm, "errors").set(traffic[arm]["errors"])
+        p95 = traffic["latency"][f"{arm}_p95_s"]
+        CANARY_LATENCY_P95.labels(arm).set(math.nan if p95 is None else p95)
