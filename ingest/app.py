@@ -70,6 +70,7 @@ from starlette.routing import Route
 import streams
 from ingest import completions, feedback_route, operations, served_models
 from ingest.auth import OPEN_CALLER, KeyCache, RequestIds, request_id_secret
+from ingest.canary_traffic import FLUSH_EVERY_S, CanaryCounts
 from ingest.forwarding import RequestPolicy
 from ingest.gateway import Gateway
 from ingest.limits import BodyLimit
@@ -101,13 +102,18 @@ def _in_flight_of(server: Server) -> Callable[[], float]:
     return lambda: server.in_flight
 
 
-async def follow_rotation(fleet: Fleet, store: Store, every_s: float) -> None:
+async def follow_rotation(
+    fleet: Fleet, store: Store, every_s: float, traffic: CanaryFlush | None = None
+) -> None:
     """Keep `fleet` up to date with the servers the deployer took out of rotation and the versions
-    it announced. While the store cannot be read, the last rotation read stays in force (said once
-    in the log); announcements age out by themselves (`Fleet.attributed`), and versions are then
-    read from the servers."""
+    it announced, and flush a live canary's counts (`traffic`, ingest/canary_traffic.py). While the
+    store cannot be read, the last rotation read stays in force (said once in the log);
+    announcements age out by themselves (`Fleet.attributed`), and versions are then read from the
+    servers; the counts wait for the next flush."""
     failing = False
     while True:
+        if traffic is not None:
+            traffic.tick(store)
         read_at = time.monotonic()
         try:
             rows = await asyncio.to_thread(store.rotation)
@@ -124,6 +130,37 @@ async def follow_rotation(fleet: Fleet, store: Store, every_s: float) -> None:
                 log.info("servers out of rotation: %s", ", ".join(sorted(fleet.out)) or "none")
             failing = False
         await asyncio.sleep(every_s)
+
+
+class CanaryFlush:
+    """Flushes a gateway's canary counts (`CanaryCounts.flush`) from the rotation refresh, at most every
+    `FLUSH_EVERY_S`, in a task of its own (a store write that waits must not hold up the rotation
+    reads); a store outage is logged once, counted, and the counts go with a later flush."""
+
+    def __init__(self, counts: CanaryCounts, metrics: GatewayMetrics) -> None:
+        self.counts, self.metrics, self.failing = counts, metrics, False
+        self.task: asyncio.Task[None] | None = None
+        self.last = -math.inf
+
+    def tick(self, store: Store) -> None:
+        """Start a flush when one is due and none is under way."""
+        now = time.monotonic()
+        if (self.task is None or self.task.done()) and now - self.last >= FLUSH_EVERY_S:
+            self.last = now
+            self.task = asyncio.create_task(self.flush(store))
+
+    async def flush(self, store: Store) -> None:
+        try:
+            written = await self.counts.flush(store)
+        except Exception as exc:  # noqa: BLE001 - a store outage must not stop routing; counts stay in memory
+            if not self.failing:
+                log.warning("cannot write the live canary's counts to the store (%r); keeping them", exc)
+            self.failing = True
+            self.metrics.canary_flush.labels("failed").inc()
+        else:
+            self.failing = False
+            if written:
+                self.metrics.canary_flush.labels("ok").inc()
 
 
 async def finish_captures(tasks: set[asyncio.Task[None]], grace_s: float) -> int:
@@ -227,15 +264,21 @@ def _lifespan(
                 metrics.in_flight.labels(server.url).set_function(_in_flight_of(server))
             metrics.in_rotation.set_function(lambda: len(fleet.in_rotation))
             metrics.canary_live.set_function(lambda: 1 if fleet.canary_live else 0)
-            rotation = asyncio.create_task(follow_rotation(fleet, store, settings.gateway.rotation_refresh_s))
-            verifier = asyncio.create_task(verify_announcements(fleet, metrics))
             app.state.gateway = gw_state = gateway(fleet, publisher, keys)
+            flush = CanaryFlush(gw_state.canary_traffic, metrics)
+            rotation = asyncio.create_task(
+                follow_rotation(fleet, store, settings.gateway.rotation_refresh_s, flush)
+            )
+            verifier = asyncio.create_task(verify_announcements(fleet, metrics))
             try:
                 yield
             finally:
                 rotation.cancel()
                 verifier.cancel()
                 await finish_captures(gw_state.tasks, gw.shutdown_grace_s)
+                if flush.task is not None:
+                    await asyncio.wait([flush.task])
+                await flush.flush(store)  # what was counted since the last flush
                 await asyncio.to_thread(publisher.close)  # joins threads, fsyncs: off the event loop
                 if keys is not None:
                     keys.close()

@@ -24,11 +24,12 @@ from datetime import datetime
 from typing import Any
 
 import orjson
-from starlette.background import BackgroundTask
+from starlette.background import BackgroundTask, BackgroundTasks
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ingest.auth import namespaced
+from ingest.canary_traffic import Tally
 from ingest.capture import publish_interaction
 from ingest.gateway import Gateway
 from ingest.relay import Relay, RelayResponse, Served
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 async def generate(gw: Gateway, request: Request, chat: bool) -> Response:
     """``POST /v1/chat/completions`` (`chat`) or ``POST /v1/completions`` for a tenant key."""
     endpoint = "chat" if chat else "completions"
+    tally = Tally()  # the handler's start: a live canary's latency counts from here
     caller = gw.authenticate(request, "tenant")
     if isinstance(caller, Response):
         response = caller
@@ -71,16 +73,29 @@ async def generate(gw: Gateway, request: Request, chat: bool) -> Response:
         else:
             relayed = False
             try:
-                response = await _generate(gw, request, slot, gw.ids.new(caller.tenant), chat)
+                response = await _generate(gw, request, slot, gw.ids.new(caller.tenant), chat, tally)
                 relayed = isinstance(response, RelayResponse)  # its relay gives the slot back
             finally:  # an answer, an error, the client gone (cancelled): the slot comes back
                 if not relayed:
                     slot.release()
     gw.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+    if tally.version is not None and not isinstance(response, RelayResponse):  # a stream counts as it ends
+        count_when_sent(gw, response, tally)
     return response
 
 
-async def _generate(gw: Gateway, request: Request, slot: Slot, request_id: str, chat: bool) -> Response:
+def count_when_sent(gw: Gateway, response: Response, tally: Tally) -> None:
+    """Count `tally` in the live canary's counts once the response's last byte is sent (before its
+    capture task runs, which is not the client's wait)."""
+    counting = BackgroundTask(gw.canary_traffic.record, tally)
+    response.background = (
+        counting if response.background is None else BackgroundTasks([counting, response.background])
+    )
+
+
+async def _generate(
+    gw: Gateway, request: Request, slot: Slot, request_id: str, chat: bool, tally: Tally
+) -> Response:
     tenant = slot.tenant
     endpoint, path = ("chat", "/v1/chat/completions") if chat else ("completions", "/v1/completions")
     try:
@@ -96,13 +111,16 @@ async def _generate(gw: Gateway, request: Request, slot: Slot, request_id: str, 
 
     stream = forward.get("stream") is True
     started = time.perf_counter()
+    tally.version = gw.fleet.canary_version  # None: no canary live, nothing counted
+    tried: list[Server] = []
     try:
         server, upstream, before, announced = await _call(
-            gw, path, forward, stream, capture.session_id, sticky_key(tenant, forward, episode_id)
+            gw, path, forward, stream, capture.session_id, sticky_key(tenant, forward, episode_id), tried
         )
     except NoServerInRotation as exc:
         return error(503, f"{exc}; retry shortly", request_id, headers={"Retry-After": "1"})
     except UpstreamUnavailable as exc:
+        tally.error = True
         return error(502, str(exc), request_id)
     except UpstreamNoConnection:
         gw.metrics.shed.labels("upstream_connection").inc()
@@ -116,27 +134,19 @@ async def _generate(gw: Gateway, request: Request, slot: Slot, request_id: str, 
             headers={"Retry-After": "1"},
         )
     except UpstreamTimeout:
+        tally.error = True
         return error(504, f"vLLM did not answer within {gw.fleet.timeout_s}s", request_id)
     except ServingError as exc:
+        tally.error = True
         return error(502, f"vLLM request failed: {exc}", request_id)
     finally:
         gw.metrics.upstream_latency.labels(endpoint).observe(time.perf_counter() - started)
+        tally.arm = "canary" if tried and tried[-1] is gw.fleet.canary else "fleet"
 
     if upstream.status_code != 200:
-        # vLLM's own error (bad parameter, prompt too long, ...): the client sees it unchanged.
-        if stream:
-            try:
-                await upstream.aread()
-            finally:
-                await upstream.aclose()
-                server.in_flight -= 1
-        return Response(
-            upstream.content,
-            status_code=upstream.status_code,
-            media_type=upstream.content_type,
-            headers={HEADER_REQUEST_ID: request_id},
-        )
-    served = Served(server, request_id, tenant, episode_id, capture, chat, forward, before, announced)
+        tally.error = upstream.status_code >= 500  # vLLM's own failure; a 4xx is the client's
+        return await _passed_through(server, upstream, stream, request_id)
+    served = Served(server, request_id, tenant, episode_id, capture, chat, forward, before, announced, tally)
     if stream:
         relay = Relay(served, upstream, requested, functools.partial(_finish_stream, gw), slot.release)
         return RelayResponse(
@@ -155,6 +165,24 @@ async def _generate(gw: Gateway, request: Request, slot: Slot, request_id: str, 
     )
     task = BackgroundTask(publish_interaction, gw, served, payload, created_at)
     return FastJSONResponse(client_body, headers={HEADER_REQUEST_ID: request_id}, background=task)
+
+
+async def _passed_through(
+    server: Server, upstream: UpstreamResponse, stream: bool, request_id: str
+) -> Response:
+    """vLLM's own error (bad parameter, prompt too long, ...), as the client sees it: unchanged."""
+    if stream:
+        try:
+            await upstream.aread()
+        finally:
+            await upstream.aclose()
+            server.in_flight -= 1
+    return Response(
+        upstream.content,
+        status_code=upstream.status_code,
+        media_type=upstream.content_type,
+        headers={HEADER_REQUEST_ID: request_id},
+    )
 
 
 def _reserve_tokens(gw: Gateway, slot: Slot, forward: dict[str, Any]) -> None:
@@ -192,9 +220,13 @@ async def _read(
 
 
 def _finish_stream(gw: Gateway, served: Served, stream: StreamCapture, created_at: datetime) -> None:
-    """After a stream ended however it ended: count a truncation and publish its capture."""
+    """After a stream ended however it ended: count a truncation and the live canary's counts, and
+    publish its capture."""
     if stream.truncated:
         gw.metrics.truncated.inc()
+    if served.tally is not None and served.tally.version is not None:
+        served.tally.error = stream.upstream_failed
+        gw.canary_traffic.record(served.tally)
     task = asyncio.get_running_loop().create_task(
         publish_interaction(
             gw, served, stream.payload(), created_at, truncated=stream.truncated, problem=stream.problem
@@ -220,13 +252,17 @@ async def _call(
     stream: bool = False,
     session_id: str | None = None,
     sticky: str | None = None,
+    tried: list[Server] | None = None,
 ) -> tuple[Server, UpstreamResponse, int | None, Announced | None]:
     """(server, upstream response, version before the generation or None if unknown, the
     deployer's announcement for the server when sent). With `stream`, the response's body is
     not read yet: the caller reads and closes it, and takes the request off
-    ``server.in_flight`` when done."""
+    ``server.in_flight`` when done. Each server tried is appended to `tried` (the last one
+    answered, or failed)."""
     refused: list[str] = []
     for server in gw.fleet.order(session_id, sticky):
+        if tried is not None:
+            tried.append(server)
         try:
             announced = server.announced
             before: int | None

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ingest.auth import OPEN_CALLER, Caller, EventRate, KeyCache, RateLimiter, RequestIds
+from ingest.canary_traffic import CanaryCounts
 from ingest.forwarding import RequestPolicy
 from ingest.metrics import GatewayMetrics
 from ingest.publisher import Publisher
@@ -71,6 +72,8 @@ class Gateway:
         metrics.upstream_connections.set(settings.gateway.upstream_connections)
         self.started_at = int(time.time())  # the `created` of the served model (ingest/served_models.py)
         self.tasks: set[asyncio.Task[None]] = set()  # captures of streams, held until they finish
+        # A live canary's requests per arm, flushed by the rotation refresh (ingest/canary_traffic.py).
+        self.canary_traffic = CanaryCounts(on_count=metrics.count_canary)
         # Big feedback bodies are parsed in a thread, one at a time (ingest/feedback_route.py): a
         # flood of them puts one thread, not one per request, beside the event loop for the GIL.
         self.feedback_parsing = anyio.CapacityLimiter(1)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from schemas.settings.canary import LATENCY_BUCKETS_S
+
 
 class GatewayMetrics:
     """Counters an operator alarms on: see docs/runbooks/gateway.md. The families are made in
@@ -26,6 +28,9 @@ class GatewayMetrics:
     in_rotation: Gauge
     canary_live: Gauge
     canary_requests: Counter
+    canary_arm_requests: Counter
+    canary_latency: Histogram
+    canary_flush: Counter
     upstream_connections: Gauge
     version_source: Counter
     version_mismatch: Counter
@@ -145,6 +150,42 @@ class GatewayMetrics:
             "Requests of the live canary's share of users sent to the canary server.",
             registry=self.registry,
         )
+        self._canary_traffic_families()
+
+    def _canary_traffic_families(self) -> None:
+        """What the live canary's guards read (ingest/canary_traffic.py), as this gateway counted it."""
+        self.canary_arm_requests = Counter(
+            "rtrl_gateway_canary_arm_requests_total",
+            "Completion requests while a canary was live, by arm (canary: served by the canary server, fleet) "
+            "and outcome (ok, error: answered with an upstream failure); the counts the canary's errors guard reads.",
+            ["arm", "outcome"],
+            registry=self.registry,
+        )
+        self.canary_latency = Histogram(
+            "rtrl_gateway_canary_latency_seconds",
+            "Latency from the handler's start to the last byte sent of completion requests while a canary was "
+            "live, by arm; the buckets the canary's latency guard reads.",
+            ["arm"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.canary_flush = Counter(
+            "rtrl_gateway_canary_traffic_flush_total",
+            "Flushes of this gateway's canary counts to the store that wrote rows, by outcome (ok, failed: "
+            "the store was unreachable; the next flush carries the counts).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for arm in ("canary", "fleet"):
+            for outcome in ("ok", "error"):
+                self.canary_arm_requests.labels(arm, outcome)
+        for outcome in ("ok", "failed"):
+            self.canary_flush.labels(outcome)
+
+    def count_canary(self, arm: str, error: bool, latency_s: float) -> None:
+        """One request counted for a live canary (ingest/canary_traffic.py `CanaryCounts.record`)."""
+        self.canary_arm_requests.labels(arm, "error" if error else "ok").inc()
+        self.canary_latency.labels(arm).observe(latency_s)
 
     def _capture_families(self) -> None:
         """What the captured events record: how versions were established, straddles, untrainable and truncated generations, redactions."""

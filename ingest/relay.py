@@ -26,6 +26,7 @@ from typing import Any
 import anyio
 from starlette.responses import StreamingResponse
 
+from ingest.canary_traffic import Tally
 from ingest.routing import Announced, Server
 from ingest.shaping import Capture, Requested
 from ingest.streaming import DONE, StreamCapture, shape_chunk, sse, sse_json
@@ -50,6 +51,7 @@ class Served:
     forward: dict[str, Any]  # the body sent to vLLM
     before: int | None  # the server's version before the generation (None: unknown)
     announced: Announced | None  # the deployer's announcement when it was sent (ingest/routing.py)
+    tally: Tally | None = None  # its part in a live canary's counts (ingest/canary_traffic.py)
 
 
 class Relay:
@@ -95,6 +97,7 @@ class Relay:
                     chunk = loads(data)
                 except ValueError:
                     stream.problem = stream.problem or f"unreadable stream chunk: {data[:200]!r}"
+                    stream.upstream_failed = True
                     yield sse(data)
                     continue
                 stream.add(chunk)
@@ -111,6 +114,7 @@ class Relay:
                 await asyncio.sleep(0)
         except ServingError as exc:  # vLLM went away mid-stream: the client sees the stream end
             stream.problem = stream.problem or f"upstream stream failed: {exc}"
+            stream.upstream_failed = True
             log.warning("request %s: upstream stream failed: %s", served.request_id, exc)
         finally:
             with anyio.CancelScope(shield=True):  # runs even when the client's disconnect cancelled us

@@ -227,6 +227,12 @@ class Fleet:
     def canary_live(self) -> bool:
         return self._live_canary() is not None
 
+    @property
+    def canary_version(self) -> int | None:
+        """The version the live canary serves, or None when no canary is live (`_live_canary`)."""
+        live = self._live_canary()
+        return None if live is None else live[1]
+
     def canary_for(self, sticky: str | None) -> Server | None:
         """The canary's server when the request with sticky key `sticky` is one of the live canary's
         share (`in_canary`, salted by the version the canary serves), else None."""

@@ -42,15 +42,19 @@ class StreamCapture:
         self.done = False  # [DONE] seen
         self.chunks = 0
         self.problem: str | None = None  # an error event or an unreadable chunk in the stream
+        # vLLM failed it (an error event, an unreadable chunk, the stream cut): not the client's doing
+        self.upstream_failed = False
 
     def add(self, chunk: Any) -> None:
         """Take what the capture needs from one parsed chunk (before `shape_chunk` changes it)."""
         self.chunks += 1
         if not isinstance(chunk, dict):
             self.problem = self.problem or f"stream chunk is not a JSON object: {chunk!r:.200}"
+            self.upstream_failed = True
             return
         if "error" in chunk:
             self.problem = self.problem or f"vLLM reported an error mid-stream: {chunk['error']!r:.500}"
+            self.upstream_failed = True
             return
         if chunk.get("usage") is not None:
             self.usage = chunk["usage"]

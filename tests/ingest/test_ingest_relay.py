@@ -132,6 +132,7 @@ def test_a_client_that_hangs_up_mid_stream_gets_a_truncated_capture() -> None:
     stream = ending.assert_released()
     assert stream.truncated and 2 <= stream.chunks < CHUNKS
     assert ending.slow_readers == 0
+    assert not stream.upstream_failed  # the client's doing: not an error in a live canary's counts
 
 
 def test_a_client_that_stops_reading_is_ended_after_the_write_timeout() -> None:
@@ -151,3 +152,27 @@ def test_a_client_that_stops_reading_is_ended_after_the_write_timeout() -> None:
     assert stream.truncated and stream.chunks == 3
     assert stream.problem == "the client took no chunk of the stream for 0.1s; the gateway ended it"
     assert ending.slow_readers == 1
+    assert not stream.upstream_failed
+
+
+def test_a_stream_vllm_cuts_short_is_an_upstream_failure() -> None:
+    """vLLM's connection is lost after the second chunk: the client's stream ends, the capture is
+    truncated, and the stream counts as an error for a live canary (ingest/canary_traffic.py)."""
+    from serving.aio import UpstreamFailed
+
+    ending = Ending()
+
+    async def cut() -> AsyncIterator[str]:
+        for line in sse_lines()[:4]:
+            yield line
+        raise UpstreamFailed("http://vllm: connection lost")
+
+    ending.upstream.aiter_lines = cut  # type: ignore[method-assign]
+
+    async def send(message: Any) -> None:
+        pass
+
+    ending.run(never_disconnects, send)
+    stream = ending.assert_released()
+    assert stream.truncated and stream.upstream_failed and stream.chunks == 2
+    assert stream.problem is not None and "upstream stream failed" in stream.problem
