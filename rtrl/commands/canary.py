@@ -49,6 +49,14 @@ def _as_json(settings: Settings, store: Store, record: CanaryRecord) -> dict[str
             "difference": [round(d.difference.low, 4), round(d.difference.high, 4)],
             "test": d.outcome,
             "why": d.reason,
+            "requests": {
+                arm: {
+                    "requests": now.traffic[arm]["requests"],
+                    "errors": now.traffic[arm]["errors"],
+                    "p95_s": now.traffic["latency"][f"{arm}_p95_s"],
+                }
+                for arm in ("canary", "fleet")
+            },
         }
     elif record.decision is not None:
         row["decision"] = record.decision

@@ -112,7 +112,7 @@ def test_read_passes_the_gateways_counts_of_the_canarys_version(store: Store) ->
     record = store.start_canary("m", 2, 1, CANARY, 0.1, None)
     assert canary.read(settings, store, record).decision.outcome == "continue"
     rng = random.Random(0)
-    for instance in ("gw-a", "gw-b"):  # two gateways, each below what trips alone... together they trip
+    for instance in ("gw-a", "gw-b"):  # two gateways: their counts add up
         errors = rng.randint(28, 32)
         store.record_canary_traffic(
             instance,

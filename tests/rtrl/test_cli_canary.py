@@ -50,6 +50,7 @@ def test_status_shows_the_running_canary_and_stop_ends_one_nobody_runs(tmp_path:
         )
         assert running["now"]["episodes"] == {"challenger": 0, "champion": 0}
         assert running["now"]["test"] == "continue"
+        assert running["now"]["requests"]["canary"] == {"requests": 0, "errors": 0, "p95_s": None}
 
         stopped = rtrl(tmp_path, "deploy", "canary", "stop", "--reason", "users complain", "--wait", "5")
         assert stopped.returncode == 0, stopped.stderr
