@@ -48,7 +48,8 @@ GENERATIONS = ("/v1/completions", "/v1/chat/completions")
 
 class FaultyProxy:
     """An HTTP proxy on its own thread in front of `upstream`: generations are delayed by `delay_s`
-    or, every `fail_every`-th one, answered 500 without reaching vLLM; every other call is relayed."""
+    or, every `fail_every`-th one, answered 500 without reaching vLLM; every other call (the
+    deployer's swap, probes and version reads, the gateway's version checks) is relayed."""
 
     def __init__(self, upstream: str, port: int, delay_s: float = 0.0, fail_every: int = 0) -> None:
         self.upstream, self.port = upstream.rstrip("/"), port
@@ -84,13 +85,15 @@ class FaultyProxy:
         self._loop.run_until_complete(runner.cleanup())
 
     async def _relay(self, request: web.Request) -> web.StreamResponse:
-        if request.method == "POST" and request.path in GENERATIONS:
+        body = await request.read()
+        # Only the users' generations, which the gateway salts (ingest/forwarding.py): the deployer's
+        # own probe generations during the swap pass unharmed and uncounted.
+        if request.method == "POST" and request.path in GENERATIONS and b'"cache_salt"' in body:
             self.generations += 1
             if self.fail_every and self.generations % self.fail_every == 0:
                 self.failed += 1
                 return web.json_response({"error": {"message": "injected failure", "code": 500}}, status=500)
             await asyncio.sleep(self.delay_s)
-        body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
         async with aiohttp.ClientSession() as session:
             async with session.request(
@@ -217,6 +220,7 @@ def test_a_slow_or_failing_canary_server_is_ended_by_its_guard_and_no_request_is
             if "error" in outcome:
                 raise outcome["error"]
             during = len(statuses)
+            time.sleep(announce_wait_s(settings))  # every gateway has read the canary's withdrawal
             for name in names:  # after the end: every user on the champion again
                 one(name)
             # The gateway flushes every 2 s: wait for the canary arm's count to settle on the proxy's.
