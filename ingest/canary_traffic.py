@@ -7,7 +7,7 @@ completion request that reached routing (it has a sticky key, so either arm coul
 is counted under the canary's version and its arm: ``canary`` when the canary server served it,
 else ``fleet``. Counted per arm: requests; errors, the requests the gateway answered with an upstream
 failure (vLLM's own 5xx, no answer in time, the connection lost after vLLM had the request, an
-error or unreadable chunk in a stream, no server reachable), not a client's 4xx, nor a client that
+error or unreadable chunk in a stream, a stream vLLM ended before ``[DONE]``, no server reachable), not a client's 4xx, nor a client that
 hung up or stopped reading, nor the gateway's own refusals (every server out of rotation, no pooled
 connection free: vLLM never had those); and the latency from the handler's start to the last byte
 sent (a stream's too) in the buckets of ``LATENCY_BUCKETS_S`` (schemas/settings/canary.py).

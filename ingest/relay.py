@@ -116,6 +116,9 @@ class Relay:
             stream.problem = stream.problem or f"upstream stream failed: {exc}"
             stream.upstream_failed = True
             log.warning("request %s: upstream stream failed: %s", served.request_id, exc)
+        else:
+            # vLLM's stream ended without [DONE]: its failure (a client's hang-up cancels this instead).
+            stream.upstream_failed = stream.upstream_failed or not stream.done
         finally:
             with anyio.CancelScope(shield=True):  # runs even when the client's disconnect cancelled us
                 await self.close()

@@ -176,3 +176,20 @@ def test_a_stream_vllm_cuts_short_is_an_upstream_failure() -> None:
     stream = ending.assert_released()
     assert stream.truncated and stream.upstream_failed and stream.chunks == 2
     assert stream.problem is not None and "upstream stream failed" in stream.problem
+
+
+def test_a_stream_vllm_ends_without_done_is_an_upstream_failure() -> None:
+    ending = Ending()
+
+    async def short() -> AsyncIterator[str]:
+        for line in sse_lines()[:4]:
+            yield line
+
+    ending.upstream.aiter_lines = short  # type: ignore[method-assign]
+
+    async def send(message: Any) -> None:
+        pass
+
+    ending.run(never_disconnects, send)
+    stream = ending.assert_released()
+    assert stream.truncated and stream.upstream_failed and stream.chunks == 2
