@@ -89,7 +89,7 @@ class Look:
     champion: int
     clipped: int  # rewards outside the normalising range, clipped into it
     reward_range: tuple[float, float]
-    traffic: dict[str, Any] = dataclasses.field(default_factory=dict)  # the gateways' counts, `_traffic`
+    traffic: dict[str, Any] = dataclasses.field(default_factory=dict)  # gateways' counts per arm, latency guard
 
     def as_dict(self) -> dict[str, Any]:
         return {
