@@ -89,7 +89,8 @@ class Look:
     champion: int
     clipped: int  # rewards outside the normalising range, clipped into it
     reward_range: tuple[float, float]
-    traffic: dict[str, Any] = dataclasses.field(default_factory=dict)  # gateways' counts per arm, latency guard
+    # The gateways' counts per arm and the latency guard's numbers.
+    traffic: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
