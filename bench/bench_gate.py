@@ -227,7 +227,11 @@ def _settings(settings: Settings, run_dir: Path) -> Settings:
             # Every logged episode is held out: the bench trains nothing on them. Fixed draws: the model
             # name is random, and fresh draws would follow it from run to run.
             "gate": gate_cfg.model_copy(
-                update={"fresh_draws": False, "ope": gate_cfg.ope.model_copy(update={"holdout_percent": 100})}
+                update={
+                    "suites": ("ope", "retention"),  # the checkpoints' task: what the offline stage reports
+                    "fresh_draws": False,
+                    "ope": gate_cfg.ope.model_copy(update={"holdout_percent": 100}),
+                }
             ),
         }
     )

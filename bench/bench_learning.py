@@ -12,7 +12,8 @@ Celery worker with DeepSpeed) from the tiny base model (or the checkpoint in ``-
 when `rtrl model check` rejects it), on services of its own (a private run dir on
 free ports, stopped at the end). Simulated users bring the exclaim task's questions; only
 ``--feedback-rate`` of them give feedback and ``--flip-rate`` of those say the opposite. The gate runs
-its default suites (the off-policy estimate on held-out logged traffic, capability retention) and
+the demo's suites (the off-policy estimate and the users' own prompts on held-out logged traffic,
+capability retention on the task) and
 alarms: it is *not* given the users' preference. After the cycles, one more round of
 ``--final-requests`` users on the final champion measures where the loop ended (a measurement, not
 training: nothing trains on it; larger than a cycle so that the gain's interval is not all noise).

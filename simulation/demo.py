@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from schemas.clock import utcnow, wait_until
 from schemas.errors import OperatorError
-from schemas.settings import Settings, embedded_databases
+from schemas.settings import Settings, TrafficSettings, embedded_databases
 from schemas.versions import format_version
 
 if TYPE_CHECKING:
@@ -94,6 +94,48 @@ class DemoOptions:
     api: Literal["completions", "chat"] = "completions"
 
 
+def _traffic_settings(settings: Settings, task: Task, options: DemoOptions) -> TrafficSettings:
+    """The traffic suite replays the users' prompts as they sent them: the task's completion budget
+    and, for raw completion prompts, its stop strings (a chat prompt ends at the end-of-turn token).
+    Values an operator changed from the defaults are kept."""
+    traffic, default = settings.gate.traffic, TrafficSettings()
+    update: dict[str, Any] = {}
+    if traffic.max_tokens == default.max_tokens:
+        update["max_tokens"] = task.max_tokens
+    if traffic.stop == default.stop and options.api == "completions":
+        update["stop"] = task.stop
+    return traffic.model_copy(update=update)
+
+
+def _demo_settings(settings: Settings, task: Task, options: DemoOptions) -> Settings:
+    """The settings the demo's services run with: its labeler window and scenario, and a gate that
+    also knows the task and the users' preference."""
+    # The simulated users are an oracle the demo has: the gate asks it too (the oracle suite), with the
+    # preference the users hold, on the task they bring (docs/gate.md, The demo's oracle). The demo
+    # keeps its task's retention suite beside the tenant's traffic (the default suites).
+    suites = settings.gate.suites
+    if "retention" not in suites:
+        suites = (*suites, "retention")
+    if options.gate_oracle and "oracle" not in suites:
+        suites = ("oracle", *suites)
+    labeler: dict[str, Any] = {"settle_window_s": options.settle_window_s}
+    if options.scenario is not None:
+        labeler |= _scenario_labeler(settings, options.scenario)
+    return settings.model_copy(
+        update={
+            "labeler": settings.labeler.model_copy(update=labeler),
+            "gate": settings.gate.model_copy(
+                update={
+                    "suites": suites,
+                    "traffic": _traffic_settings(settings, task, options),
+                    "task": options.task,
+                    "preference": options.preference or settings.gate.preference,
+                }
+            ),
+        }
+    )
+
+
 def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     """Run the demo (see the module docstring); returns one row of figures per cycle."""
     import services
@@ -105,28 +147,9 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     from store import Store
 
     settings = embedded_databases(settings)
-    # The simulated users are an oracle the demo has: the gate asks it too (the oracle suite), with the
-    # preference the users hold, on the task they bring (docs/gate.md, The demo's oracle).
-    suites = settings.gate.suites
-    if options.gate_oracle and "oracle" not in suites:
-        suites = ("oracle", *suites)
-    labeler: dict[str, Any] = {"settle_window_s": options.settle_window_s}
-    if options.scenario is not None:
-        labeler |= _scenario_labeler(settings, options.scenario)
-    settings = settings.model_copy(
-        update={
-            "labeler": settings.labeler.model_copy(update=labeler),
-            "gate": settings.gate.model_copy(
-                update={
-                    "suites": suites,
-                    "task": options.task,
-                    "preference": options.preference or settings.gate.preference,
-                }
-            ),
-        }
-    )
+    task = get_task(options.task)  # an unknown task fails now, before any service starts
+    settings = _demo_settings(settings, task, options)
     # Mistakes in the options and the settings fail now, before any service starts.
-    task = get_task(options.task)
     preference = load_preference(options.preference) if options.preference else None
     store, registry = Store(settings.store.url), Registry.from_settings(settings)
 

@@ -44,7 +44,11 @@ def services_config() -> Iterator[Settings]:
         # A killed labeler's partitions move after the group's session timeout: the broker's least
         # (6 s) rather than Kafka's 45 s, so tests that kill labelers wait 6 s for it, not 45.
         labeler = settings.labeler.model_copy(update={"session_timeout_ms": 6_000})
-        yield settings.model_copy(update={"labeler": labeler})
+        # The session's servers serve the tiny model of the `exclaim` task: its retention suite is one
+        # every gate here can conclude on from the first cycle (the default, ope and traffic, waits for
+        # held-out traffic; tests/deployer/test_gate_traffic.py covers it).
+        gate = settings.gate.model_copy(update={"suites": ("ope", "retention")})
+        yield settings.model_copy(update={"labeler": labeler, "gate": gate})
 
 
 def _up(settings: Settings, *only: str) -> Settings:

@@ -269,8 +269,11 @@ class GateSettings(Section):
         "fresh draws (docs/gate.md, Fresh draws).",
     )
     suites: tuple[GateSuite, ...] = Field(
-        ("ope", "retention"),
-        description="ope: off-policy estimate on held-out logged traffic (no oracle); retention: the task's "
+        ("ope", "traffic"),
+        description="Default: the tenant's own held-out traffic, nothing tied to a task (a fresh deployment "
+        "passes nothing until that traffic is enough to conclude: add an offline retention suite to judge from "
+        "day one; docs/gate.md, A gate that does not depend on the demo's task). "
+        "ope: off-policy estimate on held-out logged traffic (no oracle); retention: the task's "
         "held-out questions scored by their known answers; episodes: whole agent episodes (`episodes`) on those "
         "questions; oracle: the task's preference function (only where "
         "one exists: the demo's simulated users); judge: the task's held-out prompts graded by `judge`; traffic: the "

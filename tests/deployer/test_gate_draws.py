@@ -89,7 +89,7 @@ def test_the_task_suites_use_the_draw_and_the_run_records_it() -> None:
 
 
 def test_fresh_draws_off_pins_the_base_seed_and_the_first_questions() -> None:
-    settings = with_gate(fresh_draws=False, eval_prompts=12)
+    settings = with_gate(suites=("ope", "retention"), fresh_draws=False, eval_prompts=12)
     assert run_draw(settings, "rtrl-policy", 4) == (settings.gate.seed, list(range(12)))
     assert prompt_suites(settings)[0][0].prompts == tuple(TASK.heldout_prompts(12))
     assert run_draw(with_gate(suites=("ope",)), "rtrl-policy", 4)[1] == []  # no task suite, no draw
@@ -99,7 +99,7 @@ def test_a_prompt_suite_bootstraps_with_the_runs_seed() -> None:
     """That both models of a run also sample with it is shown on a real staging server:
     tests/deployer/test_deployer_rollout.py::test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs
     (the same weights score exactly alike)."""
-    settings = with_gate(eval_prompts=12)
+    settings = with_gate(suites=("ope", "retention"), eval_prompts=12)
     suites = [s for s, _ in prompt_suites(settings, 99)]
     ours, theirs = [1.0, 0.0, 1.0, 1.0] * 3, [0.0, 0.0, 1.0, 1.0] * 3
     gens = [

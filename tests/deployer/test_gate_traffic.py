@@ -176,8 +176,9 @@ def test_with_a_judge_the_judge_grades_the_suite(store: Store) -> None:
 # ---- settings ------------------------------------------------------------------------------------
 
 
-def test_traffic_is_opt_in_and_a_deployment_without_the_task_reads_none() -> None:
-    assert Settings().gate.suites == ("ope", "retention")  # the defaults are unchanged
+def test_traffic_is_the_default_and_a_deployment_without_the_task_reads_none() -> None:
+    # The tenant's own traffic, nothing tied to a task: a deployment with no `exclaim` task gates as is.
+    assert Settings().gate.suites == ("ope", "traffic")
     assert TrafficSettings() == TrafficSettings(
         max_prompts=64, pool=512, min_prompts=16, per_tenant=None, max_tokens=64, stop=()
     )
