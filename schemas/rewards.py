@@ -73,7 +73,7 @@ Primary = Literal["task_outcome", "judge_score", "judge", "edit_persisted"]
 # Explicit one-click signals: a reward they carry can be won by flattery (a thumbs-up reward made a
 # production update sycophantic and it passed offline evals and A/B tests), so a spec that weights
 # any of them must name a primary signal the gate and the canary hold the challenger to
-# (docs/methods.md, Reward specs: the primary signal; docs/gate.md, ope_primary and Live canary).
+# (docs/methods.md, The primary signal; docs/gate.md, Suites: ope_primary, and Live canary: Guards).
 EXPLICIT_KINDS = frozenset(
     {FeedbackKind.thumbs_up, FeedbackKind.thumbs_down, FeedbackKind.accepted, FeedbackKind.rejected}
 )
