@@ -196,19 +196,23 @@ def _primary_values(spec: RewardSpec, episodes: list[LiveEpisode]) -> list[float
     return [(min(max(v, low), high) - low) / span for v in values if v is not None]
 
 
-def _primary_note(settings: Settings, spec: RewardSpec, decision: Decision) -> dict[str, Any]:
-    """The primary guard's record: its term, the episodes carrying it per arm, and its status."""
+def _primary_note(
+    settings: Settings, spec: RewardSpec, decision: Decision, carried: tuple[int, int]
+) -> dict[str, Any]:
+    """The primary guard's record: its term, the episodes carrying it per arm (`carried`: challenger,
+    champion), and its status."""
     c = settings.gate.canary
     if c.primary != "spec":
         return {"status": f"off (gate.canary.primary={c.primary} decides)"}
     if spec.primary is None:
         return {"status": f"off (reward spec {spec.spec_id} names no primary)"}
-    reading = next(r for r in decision.guards if r.guard.name == PRIMARY_GUARD)
-    n = {"challenger": reading.difference.challenger.n, "champion": reading.difference.champion.n}
-    status = "tripped" if reading.tripped else "watching"
-    if min(n.values()) < c.min_episodes:
-        status = "no data"
-    return {"term": spec.primary, "episodes": n, "status": status}
+    tripped = any(r.tripped for r in decision.guards if r.guard.name == PRIMARY_GUARD)
+    status = "no data" if min(carried) < c.min_episodes else "tripped" if tripped else "watching"
+    return {
+        "term": spec.primary,
+        "episodes": {"challenger": carried[0], "champion": carried[1]},
+        "status": status,
+    }
 
 
 def look(
@@ -255,10 +259,9 @@ def look(
             test.update_guard(
                 name, [float(hit(e)) for e in arms[challenger]], [float(hit(e)) for e in arms[champion]]
             )
+    carried = (_primary_values(spec, arms[challenger]), _primary_values(spec, arms[champion]))
     if primary_guard is not None and not test.decision.final:
-        test.update_guard(
-            PRIMARY_GUARD, _primary_values(spec, arms[challenger]), _primary_values(spec, arms[champion])
-        )
+        test.update_guard(PRIMARY_GUARD, *carried)
     canary, fleet = (traffic or {}).get("canary", ArmTraffic()), (traffic or {}).get("fleet", ArmTraffic())
     if not test.decision.final:
         test.set_guard_counts("errors", (canary.errors, canary.requests), (fleet.errors, fleet.requests))
@@ -273,15 +276,15 @@ def look(
         for arm, t in (("canary", canary), ("fleet", fleet))
     }
     numbers = {**counts, "latency": {**latency, "tripped": tripped is not None}}
-    primary = _primary_note(settings, spec, decision)
-    if decision.final and primary.get("status") == "no data":  # said beside the reward's verdict
-        note = (
-            f"guard {PRIMARY_GUARD} ({spec.primary}): no data, n {primary['episodes']['challenger']} challenger / "
-            f"{primary['episodes']['champion']} champion below min_episodes {c.min_episodes}"
+    primary = _primary_note(settings, spec, decision, (len(carried[0]), len(carried[1])))
+    if decision.cause != "guard" and decision.final and primary.get("status") == "no data":
+        note = (  # the reward decided alone: said beside its verdict
+            f"guard {PRIMARY_GUARD} ({spec.primary}): no data, n {len(carried[0])} challenger / "
+            f"{len(carried[1])} champion below min_episodes {c.min_episodes}"
         )
         decision = dataclasses.replace(decision, reason=f"{decision.reason}; {note}")
-    looked = Look(decision, len(arms[challenger]), len(arms[champion]), clipped, (low, high), numbers)
-    return dataclasses.replace(looked, primary=primary)
+    arm_sizes = (len(arms[challenger]), len(arms[champion]))
+    return Look(decision, *arm_sizes, clipped, (low, high), numbers, primary=primary)
 
 
 def read(settings: Settings, store: Store, record: CanaryRecord) -> Look:
