@@ -52,7 +52,7 @@ def explain_text(record: dict[str, Any]) -> str:
         + f": {'PASS' if record['passed'] else 'FAIL'} ({record['decided_at']})",
         f"  reason: {record['reason']}",
         f"  rule: every conclusive suite's {record['confidence']:.0%} lower bound of challenger - champion "
-        f"above -(its margin), at least one conclusive suite, no alarm",
+        f"above -(its margin), at least one conclusive suite against the champion that is not a guard, no alarm",
     ]
     if record.get("seed") is not None:  # recorded since fresh draws (docs/gate.md, Fresh draws)
         drawn = record.get("draw") or []

@@ -115,3 +115,31 @@ def test_a_guard_verdict_never_passes_a_challenger_alone() -> None:
     assert passed and "ope_primary +0.0300" in why  # with a conclusive suite it is one of the checks
     passed, why = decide([_verdict("ope", -0.01), _verdict("ope_primary", -0.2, guard=True)], [])
     assert not passed and why.startswith("suite ope_primary:")
+
+
+def test_explain_marks_the_guard() -> None:
+    from datetime import UTC, datetime
+
+    from deployer.gate import GateDecision
+    from rtrl.commands.gate import explain_text
+
+    suites = [_verdict("ope", -0.01), _verdict("ope_primary", -0.2, guard=True)]
+    passed, reason = decide(suites, [])
+    record = GateDecision(
+        passed=passed,
+        challenger_version=3,
+        champion_version=2,
+        challenger_score=0.5,
+        champion_score=0.5,
+        tolerance=0.05,
+        confidence=0.95,
+        n_prompts=0,
+        n_samples=0,
+        suites=suites,
+        reason=reason,
+        decided_at=datetime(2026, 1, 1, tzinfo=UTC),
+    ).model_dump(mode="json")
+    lines = explain_text(record).splitlines()
+    assert [line for line in lines if "guard (can fail, never passes alone)" in line] == [
+        next(line for line in lines if line.startswith("  suite ope_primary"))
+    ]
