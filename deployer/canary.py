@@ -7,7 +7,10 @@ ingest/routing.py) and the rest to the champion fleet. Every ``check_every_s`` i
 rated episodes each version served since the canary began (`Store.live_episodes`) and asks the
 always-valid sequential test (evals/sequential.py) about challenger − champion on the users' reward
 (or on one scored term of it, ``gate.canary.primary``: an outcome or a judge, so that thumbs alone
-cannot carry a challenger that loses on the outcome), normalised to 0..1, with guards that stop it at once: the share of non-answers
+cannot carry a challenger that loses on the outcome), normalised to 0..1, with guards that stop it at once:
+under ``primary`` "spec" (the default) the reward spec's primary term (`RewardSpec.primary`) must not be
+confidently worse than −margin, once both arms have ``min_episodes`` episodes carrying it (without them the
+reward alone decides, the guard noted "no data"); the share of non-answers
 (``gate.alarms.no_action_pattern``) and of completions cut off by max_tokens, on the same episodes;
 the share of requests answered with an upstream failure and the p95 latency, on the gateways' counts
 per arm (`Store.canary_traffic`: failed and slow requests never become episodes). The canary ends when
@@ -48,7 +51,7 @@ from deployer.swap import rollout_lock, server_client, swap_server, swap_window,
 from evals.sequential import Decision, Guard, SequentialTest
 from registry import Registry
 from schemas.events import FeedbackKind
-from schemas.rewards import get_spec
+from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import Settings
 from schemas.settings.canary import CANARY_STALE_REFRESHES, LATENCY_BUCKETS_S
 from serving import CallFailed, ServerError, ServingError
@@ -91,6 +94,8 @@ class Look:
     reward_range: tuple[float, float]
     # The gateways' counts per arm and the latency guard's numbers.
     traffic: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The spec's primary-term guard (primary "spec"): its term, episodes carrying it per arm, status.
+    primary: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -99,6 +104,7 @@ class Look:
             "clipped": self.clipped,
             "reward_range": list(self.reward_range),
             "traffic": self.traffic,
+            "primary": self.primary,
         }
 
 
@@ -144,7 +150,7 @@ def reward_range(settings: Settings) -> tuple[float, float]:
     spec = get_spec(settings.labeler.reward_spec)
     if c.reward_range is not None:
         return c.reward_range
-    if c.primary == "reward":
+    if c.primary in ("reward", "spec"):  # "spec": the reward decides, its primary term guards
         return spec.reward_range if spec.reward_range is not None else (-1.0, 1.0)
     if c.primary == "judge":
         weight = spec.judge.weight if spec.judge is not None else 0.0
@@ -165,7 +171,48 @@ def reward_range(settings: Settings) -> tuple[float, float]:
 def _value(settings: Settings, episode: LiveEpisode) -> float | None:
     """The episode's primary metric, or None when it has no such term."""
     primary = settings.gate.canary.primary
-    return episode.reward if primary == "reward" else episode.components.get(primary)
+    return episode.reward if primary in ("reward", "spec") else episode.components.get(primary)
+
+
+PRIMARY_GUARD = "primary"
+
+
+def _primary_guard(settings: Settings) -> tuple[Guard | None, RewardSpec]:
+    """The guard on the spec's primary term under ``gate.canary.primary`` "spec" (None otherwise, or
+    when the spec names no primary): non-inferior within ``margin`` at ``guard_alpha``, deciding
+    nothing before both arms have ``min_episodes`` episodes carrying the term (docs/gate.md, Guards)."""
+    c = settings.gate.canary
+    spec = get_spec(settings.labeler.reward_spec)
+    if c.primary != "spec" or spec.primary is None:
+        return None, spec
+    return Guard(PRIMARY_GUARD, c.margin, c.guard_alpha, decrease=True, min_n=c.min_episodes), spec
+
+
+def _primary_values(spec: RewardSpec, episodes: list[LiveEpisode]) -> list[float]:
+    """The primary term of the episodes that carry it, mapped from the term's range onto 0..1."""
+    low, high = spec.primary_range()
+    span = (high - low) or 1.0  # a scored kind's value_range may be one point
+    values = [spec.primary_value(e.components) for e in episodes]
+    return [(min(max(v, low), high) - low) / span for v in values if v is not None]
+
+
+def _primary_note(
+    settings: Settings, spec: RewardSpec, decision: Decision, carried: tuple[int, int]
+) -> dict[str, Any]:
+    """The primary guard's record: its term, the episodes carrying it per arm (`carried`: challenger,
+    champion), and its status."""
+    c = settings.gate.canary
+    if c.primary != "spec":
+        return {"status": f"off (gate.canary.primary={c.primary} decides)"}
+    if spec.primary is None:
+        return {"status": f"off (reward spec {spec.spec_id} names no primary)"}
+    tripped = any(r.tripped for r in decision.guards if r.guard.name == PRIMARY_GUARD)
+    status = "no data" if min(carried) < c.min_episodes else "tripped" if tripped else "watching"
+    return {
+        "term": spec.primary,
+        "episodes": {"challenger": carried[0], "champion": carried[1]},
+        "status": status,
+    }
 
 
 def look(
@@ -190,6 +237,7 @@ def look(
     rewards = {v: np.array(values[v], dtype=float) for v in arms}
     clipped = int(sum(np.count_nonzero((r < low) | (r > high)) for r in rewards.values()))
     scaled = {v: (np.clip(r, low, high) - low) / (high - low) for v, r in rewards.items()}
+    primary_guard, spec = _primary_guard(settings)
     test = SequentialTest(
         alpha=c.alpha,
         margin=c.margin,
@@ -198,6 +246,7 @@ def look(
         guards=(
             Guard("non_answer", c.non_answer_increase, c.guard_alpha),
             Guard("truncation", c.truncation_increase, c.guard_alpha),
+            *((primary_guard,) if primary_guard is not None else ()),
         ),
         count_guards=(Guard("errors", c.error_increase, c.guard_alpha),),
     )
@@ -210,6 +259,9 @@ def look(
             test.update_guard(
                 name, [float(hit(e)) for e in arms[challenger]], [float(hit(e)) for e in arms[champion]]
             )
+    carried = (_primary_values(spec, arms[challenger]), _primary_values(spec, arms[champion]))
+    if primary_guard is not None and not test.decision.final:
+        test.update_guard(PRIMARY_GUARD, *carried)
     canary, fleet = (traffic or {}).get("canary", ArmTraffic()), (traffic or {}).get("fleet", ArmTraffic())
     if not test.decision.final:
         test.set_guard_counts("errors", (canary.errors, canary.requests), (fleet.errors, fleet.requests))
@@ -224,7 +276,15 @@ def look(
         for arm, t in (("canary", canary), ("fleet", fleet))
     }
     numbers = {**counts, "latency": {**latency, "tripped": tripped is not None}}
-    return Look(decision, len(arms[challenger]), len(arms[champion]), clipped, (low, high), numbers)
+    primary = _primary_note(settings, spec, decision, (len(carried[0]), len(carried[1])))
+    if decision.cause != "guard" and decision.final and primary.get("status") == "no data":
+        note = (  # the reward decided alone: said beside its verdict
+            f"guard {PRIMARY_GUARD} ({spec.primary}): no data, n {len(carried[0])} challenger / "
+            f"{len(carried[1])} champion below min_episodes {c.min_episodes}"
+        )
+        decision = dataclasses.replace(decision, reason=f"{decision.reason}; {note}")
+    arm_sizes = (len(arms[challenger]), len(arms[champion]))
+    return Look(decision, *arm_sizes, clipped, (low, high), numbers, primary=primary)
 
 
 def read(settings: Settings, store: Store, record: CanaryRecord) -> Look:

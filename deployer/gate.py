@@ -115,8 +115,9 @@ class GateDecision(BaseModel):
 
 
 def decide(suites: list[SuiteResult], fired: list[Alarm]) -> tuple[bool, str]:
-    """Pass when at least one suite against the champion is conclusive, every conclusive one (the
-    anchored ones too) is non-inferior (lower bound above −its margin), no alarm fired."""
+    """Pass when at least one suite against the champion that is not a guard is conclusive, every
+    conclusive one (the anchored ones and the guards too) is non-inferior (lower bound above −its
+    margin), no alarm fired."""
     problems = [f"alarm {a.name}: {a.detail} (threshold {a.threshold:.3g})" for a in fired]
     for suite in suites:
         if suite.conclusive and not suite.passed:
@@ -127,8 +128,9 @@ def decide(suites: list[SuiteResult], fired: list[Alarm]) -> tuple[bool, str]:
                     f"suite {suite.name}: challenger - champion {suite.difference.estimate:+.4f}, "
                     f"lower bound {suite.difference.low:+.4f} <= -{suite.margin:g}"
                 )
-    # A verdict against the anchor bounds losses; it never stands in for a comparison with the champion.
-    if not any(s.conclusive for s in suites if not s.against_anchor):
+    # A verdict against the anchor bounds losses, and a guard (ope_primary) holds one term: neither stands
+    # in for a comparison of the whole with the champion.
+    if not any(s.conclusive for s in suites if not s.against_anchor and not s.guard):
         problems.append("no suite was conclusive: " + "; ".join(f"{s.name}: {s.note}" for s in suites))
     if problems:
         return False, "; ".join(problems)
@@ -379,7 +381,7 @@ def _score(
     if "ope" in cfg.suites:
         chal, champ = staged.targets["challenger"], staged.targets["champion"]
         anchor = staged.targets.get("anchor") if "ope" in cfg.anchor_suites else None
-        estimate, ope_alarms, anchored = ope_suite(
+        verdicts = ope_suite(
             settings,
             store,
             ope.Weights(chal.path, chal.base),
@@ -387,10 +389,10 @@ def _score(
             plan.seed,
             anchor=ope.Weights(anchor.path, anchor.base) if anchor is not None else None,
         )
-        results.append(estimate)
-        if anchored is not None and plan.anchor is not None:  # the users' reward, held against the anchor
-            results.append(against_anchor(anchored, plan.anchor, settings))
-        found.extend(ope_alarms)
+        results.extend((verdicts.suite, verdicts.primary))  # ope_primary: a guard on the spec's primary term
+        if verdicts.anchored is not None and plan.anchor is not None:  # the users' reward, against the anchor
+            results.append(against_anchor(verdicts.anchored, plan.anchor, settings))
+        found.extend(verdicts.alarms)
     results.extend(plan.unsampled)
     order: dict[str, int] = {name: i for i, name in enumerate(cfg.suites)}
     results.sort(key=lambda s: order.get(s.name, len(order)))

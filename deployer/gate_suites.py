@@ -3,14 +3,15 @@ are configured (`prompt_suites`), each one's verdict of challenger − champion 
 generations (`score_prompts`, the judge suite's through the judge), a suite's verdict against the
 anchor (`against_anchor`), and the off-policy suite on held-out traffic with the alarms it feeds
 (`ope_suite`, which also estimates the challenger against the anchor when `gate.anchor_suites` has
-ope: the users' reward held against it); the traffic suite's prompts are drawn in
+ope: the users' reward held against it, and `ope_primary`, the same estimate of the reward spec's
+primary term alone: a guard); the traffic suite's prompts are drawn in
 deployer/traffic.py, the episodes suite is deployer/episodes.py. A verdict is a `SuiteResult`, under
 the suite's margin (`margin`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,6 +49,11 @@ class SuiteResult(BaseModel):
     note: str = ""
     against_anchor: bool = Field(
         False, description="A verdict against the anchor (`against_anchor`), not against the champion."
+    )
+    guard: bool = Field(
+        False,
+        description="A guard (ope_primary): it can fail a challenger but is never the conclusive suite that "
+        "lets one pass (docs/gate.md, The rule).",
     )
 
 
@@ -218,6 +224,16 @@ def paired(
     )
 
 
+class OpeVerdicts(NamedTuple):
+    """What `ope_suite` found: the verdict on the reward, the alarms it feeds, the estimate against
+    the anchor (None without one) and the guard on the spec's primary term (ope_primary)."""
+
+    suite: SuiteResult
+    alarms: list[Alarm]
+    anchored: SuiteResult | None
+    primary: SuiteResult
+
+
 def ope_suite(
     settings: Settings,
     store: Store,
@@ -225,36 +241,28 @@ def ope_suite(
     champion: ope.Weights,
     seed: int | None = None,
     anchor: ope.Weights | None = None,
-) -> tuple[SuiteResult, list[Alarm], SuiteResult | None]:
+) -> OpeVerdicts:
     """The off-policy suite on the store's held-out traffic, the alarms it feeds (kl, no_feedback),
-    and with `anchor` the same estimate of challenger − anchor (not yet `against_anchor`'s verdict:
-    its margin is the caller's); `seed` is the bootstrap's (default `gate.seed`)."""
+    with `anchor` the same estimate of challenger − anchor (not yet `against_anchor`'s verdict: its
+    margin is the caller's), and the ope_primary guard (`_ope_primary`); `seed` is the bootstrap's
+    (default `gate.seed`)."""
     cfg = settings.gate
-    spec_id = get_spec(settings.labeler.reward_spec).spec_id
+    spec = get_spec(settings.labeler.reward_spec)
     episodes = store.select_heldout(
-        cfg.ope.max_episodes, spec_id=spec_id, holdout_percent=cfg.ope.holdout_percent
+        cfg.ope.max_episodes, spec_id=spec.spec_id, holdout_percent=cfg.ope.holdout_percent
     )
     logged, skipped = ope.usable(episodes)
     skipped_note = f"; {skipped} held-out episodes could not be rescored" if skipped else ""
     if len(logged) < 2:
-        note = f"{len(logged)} usable held-out episodes under {spec_id}{skipped_note}"
-        empty = SuiteResult(
-            name="ope",
-            kind="ope",
-            challenger=None,
-            champion=None,
-            difference=None,
-            conclusive=False,
-            passed=None,
-            n=len(logged),
-            margin=margin(settings, "ope"),
-            note=note,
-        )
-        return empty, [], empty if anchor is not None else None
+        note = f"{len(logged)} usable held-out episodes under {spec.spec_id}{skipped_note}"
+        empty = _inconclusive("ope", settings, len(logged), note)
+        primary = _inconclusive("ope_primary", settings, 0, note, guard=True)
+        return OpeVerdicts(empty, [], empty if anchor is not None else None, primary)
     chal_scored = ope.sequence_logprobs(challenger, logged)
     champ_scored = ope.sequence_logprobs(champion, logged)
     chal, champ = ope.challenger_logprobs(chal_scored, champ_scored), champ_scored.processed
     suite, estimate = _ope_verdict(settings, logged, chal, champ, seed, skipped_note, "champion")
+    primary = _ope_primary(settings, logged, chal, champ, seed, skipped_note)
     anchored = None
     if anchor is not None:  # the anchor's weights the same way as the challenger's: from the champion's
         other = ope.challenger_logprobs(ope.sequence_logprobs(anchor, logged), champ_scored)
@@ -276,7 +284,65 @@ def ope_suite(
     if suite.conclusive:
         silent = np.asarray([float(e.no_feedback) for e in logged])
         found.append(alarms.no_feedback_alarm(snips(w1, silent), snips(w0, silent), cfg.alarms))
-    return suite, found, anchored
+    return OpeVerdicts(suite, found, anchored, primary)
+
+
+def _inconclusive(name: str, settings: Settings, n: int, note: str, guard: bool = False) -> SuiteResult:
+    """An off-policy verdict that could not be reached (too little held-out traffic), with why."""
+    return SuiteResult(
+        name=name,
+        kind="ope",
+        challenger=None,
+        champion=None,
+        difference=None,
+        conclusive=False,
+        passed=None,
+        n=n,
+        margin=margin(settings, name),
+        note=note,
+        guard=guard,
+    )
+
+
+def _ope_primary(
+    settings: Settings,
+    logged: list[ope.Logged],
+    challenger: list[float],
+    champion: list[float],
+    seed: int | None,
+    skipped_note: str,
+) -> SuiteResult:
+    """ope_primary: the off-policy estimate with the reward spec's primary term (`RewardSpec.primary`)
+    as each episode's value instead of its reward, on the held-out episodes that carry the term (the
+    others left out), inconclusive below ``gate.ope.min_primary`` of them. A guard: it can fail a
+    challenger that wins the reward by losing the primary signal, and never passes one alone."""
+    spec = get_spec(settings.labeler.reward_spec)
+    if spec.primary is None:
+        return _inconclusive("ope_primary", settings, 0, f"reward spec {spec.spec_id} names no primary", True)
+    keep = [i for i, e in enumerate(logged) if spec.primary_value(e.components) is not None]
+    least = settings.gate.ope.min_primary
+    if len(keep) < max(least, 2):
+        note = (
+            f"{len(keep)} of {len(logged)} held-out episodes carry {spec.primary} (the primary of "
+            f"{spec.spec_id}), fewer than gate.ope.min_primary {least}"
+        )
+        return _inconclusive("ope_primary", settings, len(keep), note, guard=True)
+    values = [spec.primary_value(logged[i].components) for i in keep]
+    suite, _ = _ope_verdict(
+        settings,
+        [logged[i] for i in keep],
+        [challenger[i] for i in keep],
+        [champion[i] for i in keep],
+        seed,
+        skipped_note,
+        "champion",
+        values=[v for v in values if v is not None],
+        name="ope_primary",
+    )
+    note = (
+        f"{spec.primary} (the primary of {spec.spec_id}) on {len(keep)} of {len(logged)} held-out episodes; "
+    )
+    return suite.model_copy(update={"guard": True, "note": note + suite.note})
 
 
 def _ope_verdict(
@@ -287,11 +353,14 @@ def _ope_verdict(
     seed: int | None,
     skipped_note: str,
     other_name: str,
+    values: list[float] | None = None,
+    name: str = "ope",
 ) -> tuple[SuiteResult, OffPolicy]:
-    """The off-policy verdict of challenger − `other` (the champion, or the anchor) on `logged`."""
+    """The off-policy verdict `name` of challenger − `other` (the champion, or the anchor) on `logged`,
+    of each episode's reward, or of `values` (one per episode) when given."""
     cfg = settings.gate
     estimate = off_policy(
-        [e.reward for e in logged],
+        [e.reward for e in logged] if values is None else values,
         [e.behaviour for e in logged],
         challenger,
         other,
@@ -310,16 +379,16 @@ def _ope_verdict(
         f"{estimate.unclipped_difference:+.4f}{skipped_note}"
     )
     suite = SuiteResult(
-        name="ope",
+        name=name,
         kind="ope",
         challenger=estimate.challenger,
         champion=estimate.champion,
         difference=estimate.difference,
         conclusive=conclusive,
-        passed=(estimate.difference.low > -margin(settings, "ope")) if conclusive else None,
+        passed=(estimate.difference.low > -margin(settings, name)) if conclusive else None,
         n=len(logged),
         ess=ess,
-        margin=margin(settings, "ope"),
+        margin=margin(settings, name),
         note=note,
     )
     return suite, estimate

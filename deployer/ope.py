@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import gc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,8 @@ class Logged:
     segments: tuple[
         tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...], object], ...
     ]  # ids, ids, μ, Sampling
+    # The reward's components (schemas/rewards.py): where the gate's ope_primary reads the spec's primary term.
+    components: dict[str, float] = field(default_factory=dict)
 
 
 def usable(episodes: list[TrainingEpisode]) -> tuple[list[Logged], int]:
@@ -82,6 +84,7 @@ def usable(episodes: list[TrainingEpisode]) -> tuple[list[Logged], int]:
                     )
                     for s in trainable
                 ),
+                components=dict(episode.components),
             )
         )
     return kept, skipped

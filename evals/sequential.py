@@ -49,7 +49,10 @@ Guarantee: a challenger more than m worse passes with probability ≤ α, and on
 min_n too, and a tripped guard fails the test. A guard whose true increase is within its allowance
 trips with probability ≤ its α, so a challenger within every allowance and at most m worse is stopped
 with probability ≤ α + Σ α_guard (union bound over the guards). Guards on unbounded values (latency,
-length, a latency ratio) are out of scope: the sequences need values in [0, 1].
+length, a latency ratio) are out of scope: the sequences need values in [0, 1]. A guard with
+``decrease`` holds a metric in [0, 1] that must not fall (the reward spec's primary term): it trips
+when the upper bound of challenger − champion is below −allowed, and only once both arms have
+``min_n`` values; its chance of tripping on a challenger within the allowance is ≤ its α likewise.
 
 **Guards on counts** (`SequentialTest(count_guards=...)`, `set_guard_counts`): a rate known only as
 counts (hits, n) per arm, e.g. the gateways' error counts, which are flushed as totals, not as one
@@ -348,11 +351,18 @@ def rate_difference(challenger: tuple[int, int], champion: tuple[int, int], alph
 @dataclass(frozen=True)
 class Guard:
     """A rate that stops the canary at once: it trips when the lower bound of challenger − champion
-    (values 0/1, e.g. an error or a non-answer per request) exceeds `allowed_increase`."""
+    (values 0/1, e.g. an error or a non-answer per request) exceeds `allowed_increase`.
+
+    With `decrease`, a metric in [0, 1] that must not fall (the reward spec's primary term): it trips
+    when the *upper* bound of challenger − champion is below −`allowed_increase` (a non-inferiority
+    guard, the primary rule's fail with its own alpha). `min_n`: it trips only once both arms have at
+    least that many values (the rate guards trip from the first value: 0)."""
 
     name: str
     allowed_increase: float
     alpha: float
+    decrease: bool = False
+    min_n: int = 0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -362,6 +372,22 @@ class Guard:
             raise ValueError(
                 f"guard {self.name!r}: allowed_increase must be in [0, 1); got {self.allowed_increase!r}"
             )
+        if not isinstance(self.min_n, int) or self.min_n < 0:
+            raise ValueError(f"guard {self.name!r}: min_n must be an int ≥ 0; got {self.min_n!r}")
+
+    def trips(self, d: Difference) -> bool:
+        """Whether challenger − champion `d` trips the guard (see the class docstring)."""
+        if min(d.challenger.n, d.champion.n) < self.min_n:
+            return False
+        return d.high < -self.allowed_increase if self.decrease else d.low > self.allowed_increase
+
+    def explain(self, d: Difference) -> str:
+        """Why it tripped, with its numbers."""
+        if self.decrease:
+            bound = f"≤ {d.high:+.4f} < allowed −{self.allowed_increase:.4f}"
+        else:
+            bound = f"≥ {d.low:+.4f} > allowed +{self.allowed_increase:.4f}"
+        return f"guard {self.name}: challenger − champion {bound} (alpha {self.alpha:g}, {_counts(d)})"
 
 
 @dataclass(frozen=True)
@@ -476,7 +502,7 @@ class SequentialTest:
     def _decide(self) -> Decision:
         differences = [(g, arms.difference) for g, arms in self.guards.values()]
         differences += list(self.count_guards.values())
-        readings = tuple(GuardReading(g, d, tripped=d.low > g.allowed_increase) for g, d in differences)
+        readings = tuple(GuardReading(g, d, tripped=g.trips(d)) for g, d in differences)
         d = self.primary.difference
         n = min(d.challenger.n, d.champion.n)
         code = int(decide(d.low, d.high, n, margin=self.margin, min_n=self.min_n, max_n=self.max_n))
@@ -484,11 +510,7 @@ class SequentialTest:
         outcome, cause, reason = OUTCOMES[code], self._cause(code), self._reason(code, d, n)
         if tripped:
             outcome, cause = "fail", "guard"
-            reason = "; ".join(
-                f"guard {r.guard.name}: challenger − champion ≥ {r.difference.low:+.4f} > allowed "
-                f"+{r.guard.allowed_increase:.4f} (alpha {r.guard.alpha:g}, {_counts(r.difference)})"
-                for r in tripped
-            )
+            reason = "; ".join(r.guard.explain(r.difference) for r in tripped)
         return Decision(outcome, cause, reason, self.alpha, self.margin, self.min_n, self.max_n, d, readings)
 
     @staticmethod

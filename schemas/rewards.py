@@ -47,7 +47,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -65,6 +65,17 @@ JUDGE_UNAVAILABLE = "judge_unavailable"
 # The components that do not come from feedback signals (everything else is a FeedbackKind's).
 SHAPING_COMPONENTS = frozenset(
     {NO_FEEDBACK, CLAMPED, UNFINISHED, PARL_PARALLEL, PARL_FINISH, JUDGE, JUDGE_UNAVAILABLE}
+)
+
+# The signal a spec anchors its reward on (`RewardSpec.primary`): a term one click cannot give. Each
+# names its reward component (``judge``: the spec's judge term; the others: the FeedbackKind's).
+Primary = Literal["task_outcome", "judge_score", "judge", "edit_persisted"]
+# Explicit one-click signals: a reward they carry can be won by flattery (a thumbs-up reward made a
+# production update sycophantic and it passed offline evals and A/B tests), so a spec that weights
+# any of them must name a primary signal the gate and the canary hold the challenger to
+# (docs/methods.md, The primary signal; docs/gate.md, Suites: ope_primary, and Live canary: Guards).
+EXPLICIT_KINDS = frozenset(
+    {FeedbackKind.thumbs_up, FeedbackKind.thumbs_down, FeedbackKind.accepted, FeedbackKind.rejected}
 )
 
 DEFAULT_EPISODE_RUBRIC = (
@@ -181,6 +192,13 @@ class RewardSpec(BaseModel):
     judge: JudgeTerm | None = Field(
         None, description="A judge's grade of each episode as a term; None: no judge."
     )
+    primary: Primary | None = Field(
+        None,
+        description="The signal the reward is anchored on (task_outcome, judge_score, edit_persisted: that "
+        "kind's term; judge: the spec's judge term), held as a non-inferiority guard by the gate (ope_primary) "
+        "and the live canary; required when thumbs_up/thumbs_down or accepted/rejected carry a weight, and "
+        "must itself carry one. Not part of the weights: naming it needs no version bump.",
+    )
     description: str = Field("", description="What the spec is for.")
 
     @model_validator(mode="after")
@@ -204,7 +222,53 @@ class RewardSpec(BaseModel):
                 raise ValueError(
                     f"reward spec {self.name!r}: value_range for {kind} must be a scored kind with low <= high"
                 )
+        self._check_primary()
         return self
+
+    def _check_primary(self) -> None:
+        """No single signal rules: explicit thumbs or acceptances are one term, anchored by a primary
+        one that itself carries weight (`EXPLICIT_KINDS`)."""
+        explicit = sorted(k.value for k in EXPLICIT_KINDS if self.weights.get(k, 0.0) != 0.0)
+        if explicit and self.primary is None:
+            raise ValueError(
+                f"reward spec {self.name!r} weights {explicit} but names no primary signal: set primary to "
+                "task_outcome, judge_score, judge or edit_persisted"
+            )
+        if self.primary is not None and self.primary_weight() == 0.0:
+            where = "has no judge term (or its weight is 0)" if self.primary == JUDGE else "gives it weight 0"
+            raise ValueError(f"reward spec {self.name!r}: primary {self.primary} {where}")
+
+    def primary_weight(self) -> float:
+        """The weight of the primary term (0 without a primary, or for a judge primary without a judge)."""
+        if self.primary is None:
+            return 0.0
+        if self.primary == JUDGE:
+            return self.judge.weight if self.judge is not None else 0.0
+        return self.weights[FeedbackKind(self.primary)]
+
+    def primary_range(self) -> tuple[float, float]:
+        """[low, high] of the primary term's component: a scored kind's weight times its value range,
+        the judge's ± weight, edit_persisted's [0, weight] (see `primary_value`)."""
+        weight = self.primary_weight()
+        if self.primary in (FeedbackKind.task_outcome, FeedbackKind.judge_score):
+            low, high = self.value_range[FeedbackKind(self.primary)]
+            ends = sorted((weight * low, weight * high))
+            return ends[0], ends[1]
+        if self.primary == FeedbackKind.edit_persisted:
+            return min(0.0, weight), max(0.0, weight)
+        return -abs(weight), abs(weight)
+
+    def primary_value(self, components: dict[str, float]) -> float | None:
+        """The primary term of an episode's reward components, None when the episode does not carry it.
+        edit_persisted is an event: an episode whose edit was reverted carries it as 0 (the edit did not
+        persist), one with neither persisted nor reverted edit does not carry it."""
+        if self.primary is None:
+            return None
+        if self.primary == FeedbackKind.edit_persisted:
+            if FeedbackKind.edit_reverted.value in components:
+                return 0.0
+            return components.get(self.primary)
+        return components.get(self.primary)
 
     def value_problem(self, kind: FeedbackKind | str, value: float) -> str | None:
         """Why a feedback value is outside what this spec accepts, or None when it is inside."""
@@ -268,6 +332,9 @@ TAB_V1 = RewardSpec(
     },
     # Worse than a rejection (-0.25): running out of tokens must never pay better than answering.
     unfinished=-0.5,
+    # The app's outcome anchors the thumbs and acceptances (`EXPLICIT_KINDS`). Naming it changes no weight,
+    # so no version bump: episodes labelled under tab-v1@2 have the same rewards.
+    primary="task_outcome",
     terminal=frozenset(
         {
             FeedbackKind.rejected,
@@ -290,6 +357,7 @@ PARL_V1 = TAB_V1.model_copy(
         "result the orchestrator used), each weighted 0.2 at first and annealed to 0 over the spec's first 10 training "
         "cycles (docs/methods.md, PARL).",
         "parl": ParlShaping(lambda_parallel=0.2, lambda_finish=0.2, anneal_cycles=10, parallel_target=4),
+        # tab-v1's primary, task_outcome (weight 1.0), inherited; the weights are unchanged: no version bump.
     }
 )
 JUDGED_V1 = TAB_V1.model_copy(
@@ -299,6 +367,8 @@ JUDGED_V1 = TAB_V1.model_copy(
         "description": "tab-v1's feedback weights plus a judge's grade of the whole episode, nothing pruned, weighted "
         "0.25 (docs/methods.md, Judged rewards); needs labeler.judge.",
         "judge": JudgeTerm(weight=0.25),
+        # The judge anchors this spec (its weights are tab-v1's; naming it changes none: no version bump).
+        "primary": "judge",
     }
 )
 

@@ -52,7 +52,7 @@ def explain_text(record: dict[str, Any]) -> str:
         + f": {'PASS' if record['passed'] else 'FAIL'} ({record['decided_at']})",
         f"  reason: {record['reason']}",
         f"  rule: every conclusive suite's {record['confidence']:.0%} lower bound of challenger - champion "
-        f"above -(its margin), at least one conclusive suite, no alarm",
+        f"above -(its margin), at least one conclusive suite against the champion that is not a guard, no alarm",
     ]
     if record.get("seed") is not None:  # recorded since fresh draws (docs/gate.md, Fresh draws)
         drawn = record.get("draw") or []
@@ -72,7 +72,9 @@ def explain_text(record: dict[str, Any]) -> str:
         lines.append(
             f"  suite {suite['name']:<16} {verdict:<12} challenger {_figure(suite['challenger'])} "
             f"champion {_figure(suite['champion'])} difference {interval} margin {suite.get('margin', 0):g} "
-            f"n={suite['n']}" + (f" ess={suite['ess']:.1f}" if suite.get("ess") is not None else "")
+            f"n={suite['n']}"
+            + (f" ess={suite['ess']:.1f}" if suite.get("ess") is not None else "")
+            + (" guard (can fail, never passes alone)" if suite.get("guard") else "")
         )
         if suite.get("note"):
             lines.append(f"        {suite['note']}")

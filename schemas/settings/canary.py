@@ -54,12 +54,15 @@ class CanarySettings(Section):
         description="Non-inferiority margin on the normalised reward (0..1, see `reward_range`): the canary "
         "passes once challenger − champion is above −margin with confidence 1 − alpha.",
     )
-    primary: Literal["reward", "task_outcome", "judge_score", "judge"] = Field(
-        "reward",
-        description="What the test compares: reward (the episode's whole reward under the spec) or one of its "
-        "scored terms (task_outcome: an outcome the app reports; judge_score: a judge's score sent as feedback; "
-        "judge: the labeler's judge term), so thumbs alone cannot carry a challenger that loses on the outcome. "
-        "Episodes without that term are left out of the arms.",
+    primary: Literal["spec", "reward", "task_outcome", "judge_score", "judge"] = Field(
+        "spec",
+        description="What the test compares. spec: the episode's whole reward decides, and the reward spec's "
+        "primary term (RewardSpec.primary) is a guard: the canary fails when challenger − champion on it is "
+        "confidently below −margin (at guard_alpha, once both arms have min_episodes episodes carrying it; "
+        "without them it is noted 'no data' and the reward decides alone). reward: the whole reward, no such "
+        "guard. Or one scored term decides (task_outcome: an outcome the app reports; judge_score: a judge's "
+        "score sent as feedback; judge: the labeler's judge term), episodes without it left out of the arms; "
+        "so thumbs alone cannot carry a challenger that loses on the outcome.",
     )
     reward_range: tuple[float, float] | None = Field(
         None,

@@ -79,6 +79,12 @@ class OpeSettings(Section):
         "estimate is inconclusive and does not decide.",
     )
     clip: float = Field(10.0, gt=1, description="Importance weights are clipped at this value.")
+    min_primary: int = Field(
+        32,
+        ge=2,
+        description="Held-out episodes carrying the reward spec's primary term (RewardSpec.primary) the "
+        "ope_primary guard needs; below, it is inconclusive (noted) and does not decide.",
+    )
 
 
 class TrafficSettings(Section):

@@ -134,8 +134,8 @@ def test_a_sycophant_that_wins_thumbs_and_loses_the_outcome_fails_on_the_primary
         return out
 
     episodes = _interleave(arm(2, 300, 0.95, 0.4), arm(1, 300, 0.6, 0.8))
-    thumbs = canary.look(
-        _settings(reward_range=(-0.5, 0.5)),
+    thumbs = canary.look(  # primary=reward: no guard on the spec's primary term (test_canary_primary.py)
+        _settings(primary="reward", reward_range=(-0.5, 0.5)),
         [LiveEpisode(**{**e.__dict__, "reward": 0.5 if e.reward > 0.25 else -0.5}) for e in episodes],
         2,
         1,

@@ -60,7 +60,8 @@ def test_ope_on_held_out_traffic_ranks_a_better_and_a_worse_challenger_correctly
     spec_id = get_spec(settings.labeler.reward_spec).spec_id
     estimates = {}
     for name, path in (("champion", tiny_model_dir), ("better", better), ("worse", worse)):
-        suite, fired, _ = gate_suites.ope_suite(settings, store, ope.Weights(path), champion)
+        verdicts = gate_suites.ope_suite(settings, store, ope.Weights(path), champion)
+        suite, fired = verdicts.suite, verdicts.alarms
         print(name, suite.model_dump_json(), [a.name for a in fired if a.fired])
         assert suite.n == LOGGED and suite.conclusive, suite.note
         estimates[name] = suite
@@ -86,11 +87,11 @@ def test_ope_on_held_out_traffic_ranks_a_better_and_a_worse_challenger_correctly
     # The users' reward held against an anchor (gate.anchor_suites has "ope"): the champion as the
     # anchor gives the very estimate against the champion; the worse model as the anchor puts the
     # better challenger further ahead (the anchor's weights are the champion's plus its own change).
-    suite, _, anchored = gate_suites.ope_suite(
+    suite, _, anchored, _ = gate_suites.ope_suite(
         settings, store, ope.Weights(better), champion, anchor=ope.Weights(tiny_model_dir)
     )
     assert anchored is not None and anchored.difference == suite.difference
-    _, _, below = gate_suites.ope_suite(
+    _, _, below, _ = gate_suites.ope_suite(
         settings, store, ope.Weights(better), champion, anchor=ope.Weights(worse)
     )
     assert below is not None and below.conclusive and below.difference is not None and up is not None

@@ -88,9 +88,19 @@ def test_spec_must_weight_every_kind() -> None:
 
 
 def test_spec_from_json_file(tmp_path) -> None:
-    weights = {kind.value: 0.0 for kind in K} | {"accepted": 2.0}
+    weights = {kind.value: 0.0 for kind in K} | {"accepted": 2.0, "task_outcome": 1.0}
     path = tmp_path / "mine.json"
-    path.write_text(json.dumps({"name": "mine", "version": 3, "weights": weights, "terminal": ["accepted"]}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "mine",
+                "version": 3,
+                "weights": weights,
+                "terminal": ["accepted"],
+                "primary": "task_outcome",
+            }
+        )
+    )
     spec = get_spec(str(path))
     assert spec.spec_id == "mine@3"
     assert score(spec, [sig(K.accepted), sig(K.rejected)]).reward == 2.0
@@ -103,12 +113,32 @@ def test_spec_from_json_file(tmp_path) -> None:
 
 
 def test_a_json_spec_is_read_once_until_the_file_changes(tmp_path) -> None:
-    weights = {kind.value: 0.0 for kind in K} | {"accepted": 1.0}
+    weights = {kind.value: 0.0 for kind in K} | {"accepted": 1.0, "task_outcome": 1.0}
     path = tmp_path / "mine.json"
-    path.write_text(json.dumps({"name": "mine", "version": 1, "weights": weights, "terminal": ["accepted"]}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "mine",
+                "version": 1,
+                "weights": weights,
+                "terminal": ["accepted"],
+                "primary": "task_outcome",
+            }
+        )
+    )
     first = get_spec(str(path))
     assert get_spec(str(path)) is first  # no second read of the same file
-    path.write_text(json.dumps({"name": "mine", "version": 22, "weights": weights, "terminal": ["accepted"]}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "mine",
+                "version": 22,
+                "weights": weights,
+                "terminal": ["accepted"],
+                "primary": "task_outcome",
+            }
+        )
+    )
     assert get_spec(str(path)).spec_id == "mine@22"  # an edited file is read again
     path.unlink()
     with pytest.raises(RewardSpecError, match="mine.json"):
@@ -239,9 +269,19 @@ def test_episode_end_carries_no_reward() -> None:
 
 
 def test_a_json_spec_may_give_episode_end_weight_zero_but_no_other(tmp_path) -> None:
-    weights = {kind.value: 0.0 for kind in K} | {"accepted": 1.0}
+    weights = {kind.value: 0.0 for kind in K} | {"accepted": 1.0, "task_outcome": 1.0}
     path = tmp_path / "zero.json"
-    path.write_text(json.dumps({"name": "zero", "version": 1, "weights": weights, "terminal": ["rejected"]}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "zero",
+                "version": 1,
+                "weights": weights,
+                "terminal": ["rejected"],
+                "primary": "task_outcome",
+            }
+        )
+    )
     assert score(get_spec(str(path)), [sig(K.accepted), sig(K.episode_end)]).reward == 1.0
     path = tmp_path / "paid.json"
     path.write_text(
@@ -251,6 +291,7 @@ def test_a_json_spec_may_give_episode_end_weight_zero_but_no_other(tmp_path) -> 
                 "version": 1,
                 "weights": weights | {"episode_end": 0.5},
                 "terminal": ["rejected"],
+                "primary": "task_outcome",
             }
         )
     )
@@ -299,3 +340,45 @@ def test_a_judge_rubric_must_show_the_judge_the_episode() -> None:
     with pytest.raises(ValueError, match=r"\{completion\}"):
         JudgeTerm(weight=0.25, rubric="Grade {prompt} from 1 to {scale}")
     assert "{completion}" in JudgeTerm(weight=0.25).rubric
+
+
+def test_a_spec_that_weights_thumbs_or_acceptance_must_name_a_weighted_primary() -> None:
+    """No single signal rules (docs/methods.md, The primary signal): thumbs and acceptances are one term,
+    anchored by a primary signal that itself carries weight."""
+    base = TAB_V1.model_dump() | {"name": "mine"}
+    with pytest.raises(
+        ValueError,
+        match=r"weights \['accepted', 'rejected', 'thumbs_down', 'thumbs_up'\] but names no primary",
+    ):
+        RewardSpec.model_validate(base | {"primary": None})
+    with pytest.raises(ValueError, match="primary task_outcome gives it weight 0"):
+        RewardSpec.model_validate(base | {"weights": TAB_V1.weights | {K.task_outcome: 0.0}})
+    with pytest.raises(ValueError, match="primary judge has no judge term"):
+        RewardSpec.model_validate(base | {"primary": "judge"})
+    with pytest.raises(ValueError, match="primary"):
+        RewardSpec.model_validate(base | {"primary": "thumbs_up"})  # not a primary signal
+    only_thumbs = {k: 0.0 for k in TAB_V1.weights} | {K.thumbs_up: 0.5, K.edit_persisted: 1.0}
+    spec = RewardSpec.model_validate(base | {"weights": only_thumbs, "primary": "edit_persisted"})
+    assert spec.primary_range() == (0.0, 1.0)
+    quiet = {k: 0.0 for k in TAB_V1.weights} | {K.task_outcome: 1.0}
+    assert RewardSpec.model_validate(base | {"weights": quiet, "primary": None}).primary is None  # no thumbs
+
+
+def test_the_built_in_specs_name_a_weighted_primary_without_a_version_bump() -> None:
+    assert (TAB_V1.primary, PARL_V1.primary, JUDGED_V1.primary) == ("task_outcome", "task_outcome", "judge")
+    assert (TAB_V1.spec_id, PARL_V1.spec_id, JUDGED_V1.spec_id) == ("tab-v1@2", "parl-v1@2", "judged-v1@1")
+    for spec in (TAB_V1, PARL_V1, JUDGED_V1):
+        assert spec.primary_weight() > 0
+        assert RewardSpec.model_validate(spec.model_dump()) == spec
+    assert TAB_V1.primary_range() == (-1.0, 1.0) and JUDGED_V1.primary_range() == (-0.25, 0.25)
+
+
+def test_the_primary_value_of_an_episode() -> None:
+    assert TAB_V1.primary_value({"thumbs_up": 0.5, "task_outcome": 0.0}) == 0.0
+    assert TAB_V1.primary_value({"thumbs_up": 0.5}) is None  # the episode does not carry it
+    assert JUDGED_V1.primary_value({"judge": 0.15}) == 0.15
+    assert JUDGED_V1.primary_value({"judge_unavailable": 0.0}) is None
+    edits = RewardSpec.model_validate(TAB_V1.model_dump() | {"primary": "edit_persisted"})
+    assert edits.primary_value({"accepted": 0.75, "edit_persisted": 1.0}) == 1.0
+    assert edits.primary_value({"accepted": 0.75, "edit_reverted": -0.5}) == 0.0  # did not persist
+    assert edits.primary_value({"accepted": 0.75}) is None
