@@ -4,6 +4,7 @@ gate's settings and registry for one test."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from deployer import rollout
 from registry import Registry
@@ -41,3 +42,16 @@ def hack_setup(
     registry = Registry.from_settings(settings)
     rollout.bootstrap(settings, registry, tiny_model_dir)
     return store, settings, registry
+
+
+# The canary server of the canary's unit tests: a URL only, nothing listens there.
+CANARY = "http://127.0.0.1:18002"
+
+
+def canary_settings(**canary_update: Any) -> Settings:
+    """Default settings with a canary server and the canary enabled, `min_episodes` 30, and `canary_update`."""
+    base = Settings(vllm={"canary_server": CANARY})
+    update = {"enabled": True, "min_episodes": 30, **canary_update}
+    return base.model_copy(
+        update={"gate": base.gate.model_copy(update={"canary": base.gate.canary.model_copy(update=update)})}
+    )

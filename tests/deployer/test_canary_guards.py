@@ -5,26 +5,15 @@ trip, they do not, and they wait for enough requests. `read` on a SQLite store."
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import pytest
+from gating import CANARY, canary_settings
 
 from deployer import canary
-from schemas.settings import Settings
 from schemas.settings.canary import LATENCY_BUCKETS_S
 from store import ArmTraffic, Store
 
 pytestmark = pytest.mark.unit
-
-CANARY = "http://127.0.0.1:18002"
-
-
-def _settings(**canary_update: Any) -> Settings:
-    base = Settings(vllm={"canary_server": CANARY})
-    update = {"enabled": True, "min_episodes": 30, **canary_update}
-    return base.model_copy(
-        update={"gate": base.gate.model_copy(update={"canary": base.gate.canary.model_copy(update=update)})}
-    )
 
 
 def buckets(**at_index: int) -> tuple[int, ...]:
@@ -46,7 +35,7 @@ def test_p95_reads_the_buckets_as_prometheus_does() -> None:
 
 def test_an_arm_that_fails_more_requests_trips_the_errors_guard_before_any_episode() -> None:
     looked = canary.look(
-        _settings(),
+        canary_settings(),
         [],
         2,
         1,
@@ -70,12 +59,12 @@ def test_an_arm_that_fails_more_requests_trips_the_errors_guard_before_any_episo
 def test_the_errors_guard_does_not_trip_on_the_same_rate_or_on_too_few_requests(
     canary_arm: ArmTraffic, fleet: ArmTraffic
 ) -> None:
-    looked = canary.look(_settings(), [], 2, 1, traffic(canary_arm, fleet))
+    looked = canary.look(canary_settings(), [], 2, 1, traffic(canary_arm, fleet))
     assert looked.decision.outcome == "continue", looked.decision.reason
 
 
 def test_a_slower_canary_trips_the_latency_guard_once_both_arms_have_enough_requests() -> None:
-    settings = _settings()
+    settings = canary_settings()
     slow = traffic(
         ArmTraffic(200, 0, buckets(b5=200)), ArmTraffic(1800, 0, buckets(b2=1800))
     )  # ~2.4 s vs ~0.24 s
@@ -89,7 +78,7 @@ def test_a_slower_canary_trips_the_latency_guard_once_both_arms_have_enough_requ
 
 
 def test_the_latency_guard_needs_both_the_ratio_and_the_absolute_increase() -> None:
-    settings = _settings()
+    settings = canary_settings()
     # p95 0.2425 s against 0.0975 s: 2.5 times slower, but only 0.145 s (< latency_min_increase_s 0.25).
     quick = traffic(ArmTraffic(500, 0, buckets(b2=500)), ArmTraffic(500, 0, buckets(b1=500)))
     assert canary.look(settings, [], 2, 1, quick).decision.outcome == "continue"
@@ -97,18 +86,18 @@ def test_the_latency_guard_needs_both_the_ratio_and_the_absolute_increase() -> N
     both_slow = traffic(ArmTraffic(500, 0, buckets(b7=500)), ArmTraffic(500, 0, buckets(b6=450, b7=50)))
     looked = canary.look(settings, [], 2, 1, both_slow)
     assert looked.decision.outcome == "continue", looked.traffic
-    looser = _settings(latency_ratio=1.2)
+    looser = canary_settings(latency_ratio=1.2)
     assert canary.look(looser, [], 2, 1, both_slow).decision.cause == "guard"
 
 
 def test_without_counts_the_canary_reads_its_episodes_as_before() -> None:
-    looked = canary.look(_settings(), [], 2, 1)
+    looked = canary.look(canary_settings(), [], 2, 1)
     assert looked.decision.outcome == "continue"
     assert looked.traffic["canary"] == {"requests": 0, "errors": 0, "latency_buckets": [0] * 11}
 
 
 def test_read_passes_the_gateways_counts_of_the_canarys_version(store: Store) -> None:
-    settings = _settings()
+    settings = canary_settings()
     record = store.start_canary("m", 2, 1, CANARY, 0.1, None)
     assert canary.read(settings, store, record).decision.outcome == "continue"
     rng = random.Random(0)

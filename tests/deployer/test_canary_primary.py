@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import random
 from datetime import timedelta
-from typing import Any
 
 import pytest
+from gating import canary_settings
 
 from deployer import canary
 from evals.sequential import Guard, SequentialTest
@@ -17,16 +17,6 @@ from schemas.settings import Settings
 from store import LiveEpisode
 
 pytestmark = pytest.mark.unit
-
-CANARY = "http://127.0.0.1:18002"
-
-
-def _settings(**canary_update: Any) -> Settings:
-    base = Settings(vllm={"canary_server": CANARY})
-    update = {"enabled": True, "min_episodes": 30, **canary_update}
-    return base.model_copy(
-        update={"gate": base.gate.model_copy(update={"canary": base.gate.canary.model_copy(update=update)})}
-    )
 
 
 def _arm(version: int, n: int, p_up: float, p_success: float | None, rng: random.Random) -> list[LiveEpisode]:
@@ -60,7 +50,10 @@ def _interleave(*arms: list[LiveEpisode]) -> list[LiveEpisode]:
 
 def test_the_default_is_the_specs_primary_term_as_a_guard() -> None:
     assert Settings().gate.canary.primary == "spec"
-    assert canary.reward_range(_settings()) == (-1.0, 1.0)  # the reward decides: tab-v1 declares no range
+    assert canary.reward_range(canary_settings()) == (
+        -1.0,
+        1.0,
+    )  # the reward decides: tab-v1 declares no range
 
 
 def test_a_sycophant_better_on_the_reward_but_worse_on_the_outcome_ends_failed_by_the_guard() -> None:
@@ -71,9 +64,9 @@ def test_a_sycophant_better_on_the_reward_but_worse_on_the_outcome_ends_failed_b
     thumbs_only = [
         LiveEpisode(**{**e.__dict__, "reward": e.reward - e.components["task_outcome"]}) for e in episodes
     ]
-    by_reward = canary.look(_settings(primary="reward", reward_range=(-0.5, 0.5)), thumbs_only, 2, 1)
+    by_reward = canary.look(canary_settings(primary="reward", reward_range=(-0.5, 0.5)), thumbs_only, 2, 1)
     assert by_reward.decision.outcome == "pass"  # what the reward alone says
-    guarded = canary.look(_settings(reward_range=(-0.5, 0.5)), thumbs_only, 2, 1)
+    guarded = canary.look(canary_settings(reward_range=(-0.5, 0.5)), thumbs_only, 2, 1)
     assert (guarded.decision.outcome, guarded.decision.cause) == ("fail", "guard")
     assert guarded.decision.reason.startswith("guard primary: challenger − champion ≤ ")
     assert guarded.primary["term"] == "task_outcome" and guarded.primary["status"] == "tripped"
@@ -83,7 +76,7 @@ def test_a_sycophant_better_on_the_reward_but_worse_on_the_outcome_ends_failed_b
 def test_without_primary_data_the_reward_decides_and_the_guard_is_noted_no_data() -> None:
     rng = random.Random(8)
     episodes = _interleave(_arm(2, 1500, 0.9, None, rng), _arm(1, 1500, 0.9, None, rng))
-    looked = canary.look(_settings(), episodes, 2, 1)
+    looked = canary.look(canary_settings(), episodes, 2, 1)
     assert (looked.decision.outcome, looked.decision.cause) == ("pass", "non_inferior")
     assert looked.primary == {
         "term": "task_outcome",
@@ -101,7 +94,7 @@ def test_the_guard_waits_for_min_episodes_carrying_the_term_in_both_arms() -> No
     rng = random.Random(9)
     few = _arm(2, 20, 0.9, 0.0, rng)
     episodes = _interleave(few, _arm(1, 200, 0.9, 1.0, rng))
-    looked = canary.look(_settings(min_episodes=30), episodes, 2, 1)
+    looked = canary.look(canary_settings(min_episodes=30), episodes, 2, 1)
     assert looked.decision.outcome == "continue"
     assert looked.primary["status"] == "no data" and looked.primary["episodes"]["challenger"] == 20
     assert "no data" not in looked.decision.reason  # said only beside a final verdict
@@ -110,7 +103,7 @@ def test_the_guard_waits_for_min_episodes_carrying_the_term_in_both_arms() -> No
 def test_an_explicit_primary_keeps_deciding_on_its_term_without_the_guard() -> None:
     rng = random.Random(10)
     episodes = _interleave(_arm(2, 300, 0.95, 0.4, rng), _arm(1, 300, 0.6, 0.8, rng))
-    looked = canary.look(_settings(primary="task_outcome"), episodes, 2, 1)
+    looked = canary.look(canary_settings(primary="task_outcome"), episodes, 2, 1)
     assert (looked.decision.outcome, looked.decision.cause) == ("fail", "inferior")
     assert looked.primary == {"status": "off (gate.canary.primary=task_outcome decides)"}
     assert [r.guard.name for r in looked.decision.guards] == ["non_answer", "truncation", "errors"]

@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from gating import CANARY, canary_settings
 
 from deployer import canary
 from deployer.swap import rollout_lock
@@ -15,16 +16,6 @@ from schemas.settings import Settings
 from store import LiveEpisode, Store
 
 pytestmark = pytest.mark.unit
-
-CANARY = "http://127.0.0.1:18002"
-
-
-def _settings(**canary_update: Any) -> Settings:
-    base = Settings(vllm={"canary_server": CANARY})
-    update = {"enabled": True, "min_episodes": 30, **canary_update}
-    return base.model_copy(
-        update={"gate": base.gate.model_copy(update={"canary": base.gate.canary.model_copy(update=update)})}
-    )
 
 
 def _arm(version: int, n: int, p_up: float, rng: random.Random, **kw: Any) -> list[LiveEpisode]:
@@ -52,7 +43,7 @@ def _interleave(*arms: list[LiveEpisode]) -> list[LiveEpisode]:
 
 def test_a_challenger_users_like_less_fails_and_an_equal_one_passes() -> None:
     rng = random.Random(0)
-    settings = _settings()
+    settings = canary_settings()
     worse = canary.look(settings, _interleave(_arm(2, 200, 0.3, rng), _arm(1, 200, 0.9, rng)), 2, 1)
     assert (worse.decision.outcome, worse.decision.cause) == ("fail", "inferior")
     assert (worse.challenger, worse.champion, worse.clipped) == (200, 200, 0)
@@ -62,7 +53,7 @@ def test_a_challenger_users_like_less_fails_and_an_equal_one_passes() -> None:
 
 def test_too_few_episodes_continue_and_other_versions_are_ignored() -> None:
     rng = random.Random(1)
-    settings = _settings()
+    settings = canary_settings()
     early = canary.look(
         settings, _interleave(_arm(2, 10, 0.0, rng), _arm(1, 10, 1.0, rng), _arm(7, 50, 0, rng)), 2, 1
     )
@@ -72,7 +63,7 @@ def test_too_few_episodes_continue_and_other_versions_are_ignored() -> None:
 
 def test_a_guard_stops_the_canary_before_min_episodes() -> None:
     rng = random.Random(2)
-    settings = _settings(min_episodes=1000, max_episodes=5000)
+    settings = canary_settings(min_episodes=1000, max_episodes=5000)
     refusing = _arm(2, 50, 0.9, rng, text="I cannot help with that.")
     looked = canary.look(settings, _interleave(refusing, _arm(1, 50, 0.9, rng)), 2, 1)
     assert (looked.decision.outcome, looked.decision.cause) == ("fail", "guard")
@@ -85,17 +76,17 @@ def test_a_guard_stops_the_canary_before_min_episodes() -> None:
 
 def test_rewards_are_normalised_by_the_declared_range_and_outliers_are_clipped_and_counted() -> None:
     rng = random.Random(3)
-    settings = _settings(reward_range=(-0.25, 0.25))
+    settings = canary_settings(reward_range=(-0.25, 0.25))
     looked = canary.look(settings, _interleave(_arm(2, 20, 0.5, rng), _arm(1, 20, 0.5, rng)), 2, 1)
     assert looked.clipped == 40 and looked.reward_range == (-0.25, 0.25)
-    assert canary.reward_range(_settings()) == (-1.0, 1.0)  # tab-v1 declares none
+    assert canary.reward_range(canary_settings()) == (-1.0, 1.0)  # tab-v1 declares none
     record = looked.as_dict()
     assert record["episodes"] == {"challenger": 20, "champion": 20}
     assert record["decision"]["outcome"] == "continue"
 
 
 def test_reap_ends_a_canary_whose_runner_died_and_takes_its_server_out(store: Store) -> None:
-    settings = _settings()
+    settings = canary_settings()
     record = store.start_canary("m", 2, 1, CANARY, 0.1, None)
     store.set_rotation(CANARY, True, "canary: serving v2")
     with rollout_lock(store, canary.CANARY_LOCK, "a live runner"):
@@ -135,13 +126,16 @@ def test_a_sycophant_that_wins_thumbs_and_loses_the_outcome_fails_on_the_primary
 
     episodes = _interleave(arm(2, 300, 0.95, 0.4), arm(1, 300, 0.6, 0.8))
     thumbs = canary.look(  # primary=reward: no guard on the spec's primary term (test_canary_primary.py)
-        _settings(primary="reward", reward_range=(-0.5, 0.5)),
+        canary_settings(primary="reward", reward_range=(-0.5, 0.5)),
         [LiveEpisode(**{**e.__dict__, "reward": 0.5 if e.reward > 0.25 else -0.5}) for e in episodes],
         2,
         1,
     )
-    outcome = canary.look(_settings(primary="task_outcome"), episodes, 2, 1)
-    assert canary.reward_range(_settings(primary="task_outcome")) == (-1.0, 1.0)  # tab-v1: weight 1 x [-1, 1]
+    outcome = canary.look(canary_settings(primary="task_outcome"), episodes, 2, 1)
+    assert canary.reward_range(canary_settings(primary="task_outcome")) == (
+        -1.0,
+        1.0,
+    )  # tab-v1: weight 1 x [-1, 1]
     assert outcome.decision.outcome == "fail" and outcome.challenger == 300
     assert thumbs.decision.outcome != "fail"
 
