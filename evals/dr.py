@@ -137,6 +137,16 @@ def cross_fit(features: np.ndarray, rewards: Sequence[float], *, folds: int = 5,
     return CrossFit(fold=fold, models=models, predicted=predicted)
 
 
+def scaled_weights(logp: Sequence[float], behaviour: Sequence[float]) -> np.ndarray:
+    """The unclipped weights exp(log π − log μ) divided by the largest (a self-normalised estimate does
+    not change; no weight overflows); all 0 when π can produce none of the logged sequences."""
+    delta = np.asarray(logp, dtype=np.float64) - np.asarray(behaviour, dtype=np.float64)
+    finite = np.isfinite(delta)
+    if not finite.any():
+        return np.zeros(len(delta))
+    return np.asarray(np.where(finite, np.exp(np.where(finite, delta, 0.0) - delta[finite].max()), 0.0))
+
+
 def out_of_fold_r2(rewards: Sequence[float], predicted: Sequence[float]) -> float:
     """1 − Σ(r − q)² / Σ(r − r̄)² of the out-of-fold predictions: how much of the rewards' variance
     the direct method explains on episodes it was not fitted on (≤ 0: none; −inf when the rewards
@@ -172,8 +182,8 @@ class DoublyRobust(BaseModel):
     direct_difference: float  # mean q_target challenger − champion: the direct method alone
 
 
-def _dr(weights: np.ndarray, residual: np.ndarray, q_target: np.ndarray) -> np.ndarray:
-    """DR values along the last axis: mean q_target + Σ w·(r − q) / Σ w (the mean alone where Σ w = 0)."""
+def dr_value(weights: np.ndarray, residual: np.ndarray, q_target: np.ndarray) -> np.ndarray:
+    """DR values along the last axis (episodes; leading axes are bootstrap resamples): mean q_target + Σ w·(r − q) / Σ w (the mean alone where Σ w = 0)."""
     total = weights.sum(-1)
     with np.errstate(invalid="ignore", divide="ignore"):
         correction = np.where(total > 0, (weights * residual).sum(-1) / total, 0.0)
@@ -203,9 +213,9 @@ def doubly_robust(
         raise ValueError("need one reward, prediction, two target predictions and two weights per episode")
     residual = r - np.asarray(q_logged, dtype=np.float64)
     index = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
-    boot = _dr(w1[index], residual[index], q1[index]) - _dr(w0[index], residual[index], q0[index])
+    boot = dr_value(w1[index], residual[index], q1[index]) - dr_value(w0[index], residual[index], q0[index])
     low, high = _bounds(boot, confidence)
-    est1, est0 = float(_dr(w1, residual, q1)), float(_dr(w0, residual, q0))
+    est1, est0 = float(dr_value(w1, residual, q1)), float(dr_value(w0, residual, q0))
     return DoublyRobust(
         challenger=est1,
         champion=est0,
