@@ -175,12 +175,10 @@ def choose(
     models = ["challenger", "champion", *(["anchor"] if anchored is not None else [])]
     generated = sample(models, dr_prompts(settings, logged))
     q_target = {model: _q_target(settings, logged, direct, generated[model]) for model in models}
-    versus = ["champion", *(["anchor"] if anchored is not None else [])]
-    out = [
-        _dr_verdict(settings, logged, logps, q_target, direct, other, seed, (verdict, anchored)[k])
-        for k, other in enumerate(versus)
-    ]
-    return out[0], out[1] if anchored is not None else None
+    champion = _dr_verdict(settings, logged, logps, q_target, direct, "champion", seed, verdict)
+    if anchored is None:
+        return champion, None
+    return champion, _dr_verdict(settings, logged, logps, q_target, direct, "anchor", seed, anchored)
 
 
 def _q_target(

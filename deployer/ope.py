@@ -111,7 +111,7 @@ def completion_texts(weights: Weights, logged: list[Logged]) -> list[tuple[str, 
         ids = episode.segments[0][1]
         limit = episode.sampling.max_tokens
         finish = "length" if limit is not None and len(ids) >= limit else "stop"
-        out.append((tokenizer.decode(list(ids), skip_special_tokens=True), finish))
+        out.append((str(tokenizer.decode(list(ids), skip_special_tokens=True)), finish))
     return out
 
 

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict
 
 from evals.stats import Interval, _bounds, effective_sample_size
 
+Floats = Sequence[float] | np.ndarray  # per episode
 BUCKETS = 2**12  # hashed unigram + bigram counts of the completion
 DENSE = 4  # log tokens, log chars, cut off by its length limit, a non-answer
 ALPHAS = (0.1, 1.0, 10.0, 100.0, 1000.0)  # ridge penalties each fold chooses from (leave-one-out)
@@ -70,7 +71,7 @@ class Ridge:
     alpha: float
 
     def predict(self, features: np.ndarray) -> np.ndarray:
-        return np.asarray(features, dtype=np.float64) @ self.coef + self.intercept
+        return np.asarray(np.asarray(features, dtype=np.float64) @ self.coef + self.intercept)
 
 
 def ridge(features: np.ndarray, rewards: np.ndarray, alphas: Sequence[float] = ALPHAS) -> Ridge:
@@ -119,7 +120,7 @@ class CrossFit:
         return self.models[int(self.fold[episode])].predict(np.atleast_2d(features))
 
 
-def cross_fit(features: np.ndarray, rewards: Sequence[float], *, folds: int = 5, seed: int) -> CrossFit:
+def cross_fit(features: np.ndarray, rewards: Floats, *, folds: int = 5, seed: int) -> CrossFit:
     """A ridge reward model fitted K-fold (`folds`, at most one per episode; episodes shuffled with
     `seed`), each episode predicted by the model fitted without its fold."""
     x = np.asarray(features, dtype=np.float64)
@@ -147,7 +148,7 @@ def scaled_weights(logp: Sequence[float], behaviour: Sequence[float]) -> np.ndar
     return np.asarray(np.where(finite, np.exp(np.where(finite, delta, 0.0) - delta[finite].max()), 0.0))
 
 
-def out_of_fold_r2(rewards: Sequence[float], predicted: Sequence[float]) -> float:
+def out_of_fold_r2(rewards: Floats, predicted: Floats) -> float:
     """1 − Σ(r − q)² / Σ(r − r̄)² of the out-of-fold predictions: how much of the rewards' variance
     the direct method explains on episodes it was not fitted on (≤ 0: none; −inf when the rewards
     are constant and q misses them)."""
@@ -191,9 +192,9 @@ def dr_value(weights: np.ndarray, residual: np.ndarray, q_target: np.ndarray) ->
 
 
 def doubly_robust(
-    rewards: Sequence[float],
-    q_logged: Sequence[float],
-    q_target: tuple[Sequence[float], Sequence[float]],
+    rewards: Floats,
+    q_logged: Floats,
+    q_target: tuple[Floats, Floats],
     weights_chal: np.ndarray,
     weights_champ: np.ndarray,
     *,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from evals.dr import (
     BUCKETS,
     DENSE,
+    DoublyRobust,
     cross_fit,
     doubly_robust,
     dr_min_ess,
@@ -21,7 +23,7 @@ from evals.dr import (
     out_of_fold_r2,
     ridge,
 )
-from evals.stats import importance_weights, off_policy
+from evals.stats import OffPolicy, importance_weights, off_policy
 
 pytestmark = pytest.mark.unit
 
@@ -34,7 +36,9 @@ def _softmax(z: np.ndarray) -> np.ndarray:
     return np.asarray(e / e.sum())
 
 
-def synthetic(seed: int, *, explained: bool, n: int = 400, actions: int = 40, samples: int = 2) -> dict:
+def synthetic(
+    seed: int, *, explained: bool, n: int = 400, actions: int = 40, samples: int = 2
+) -> dict[str, Any]:
     """Logged bandit data: `actions` completions with 6 features each, logged uniformly, the two
     targets softmax tilts of the features (SNIPS ESS about 25 of 400 at clip 10). With `explained`
     the reward is linear in the features plus noise sd 0.3; without, pure noise (true difference 0)."""
@@ -63,18 +67,18 @@ def synthetic(seed: int, *, explained: bool, n: int = 400, actions: int = 40, sa
     }
 
 
-def estimate(data: dict, seed: int, clip: float = 10.0):  # type: ignore[no-untyped-def]
+def estimate(data: dict[str, Any], seed: int, clip: float = 10.0) -> tuple[DoublyRobust, OffPolicy, float]:
     phi, logged, rewards = data["phi"], data["logged"], data["rewards"]
     fit = cross_fit(phi[logged], rewards, seed=seed)
-    q_target = tuple(
+    q1, q0 = (
         np.asarray([fit.predict(phi[sampled[i]], i).mean() for i in range(len(rewards))])
         for sampled in data["sampled"]
     )
     w1 = importance_weights(data["chal"], data["behaviour"], clip)
     w0 = importance_weights(data["champ"], data["behaviour"], clip)
-    common = {"clip": clip, "confidence": CONFIDENCE, "resamples": 400, "seed": seed}
-    dr = doubly_robust(rewards, fit.predicted, q_target, w1, w0, **common)  # type: ignore[arg-type]
-    snips = off_policy(rewards, data["behaviour"], data["chal"], data["champ"], **common)  # type: ignore[arg-type]
+    common: dict[str, Any] = {"clip": clip, "confidence": CONFIDENCE, "resamples": 400, "seed": seed}
+    dr = doubly_robust(rewards, fit.predicted, (q1, q0), w1, w0, **common)
+    snips = off_policy(rewards, data["behaviour"], data["chal"], data["champ"], **common)
     return dr, snips, out_of_fold_r2(rewards, fit.predicted)
 
 
