@@ -265,3 +265,57 @@ def test_the_records_name_the_estimator_and_the_r2() -> None:
     gate.record(settings, registry, decision)  # type: ignore[arg-type]
     assert registry.tags["gate_suite_ope_estimator"] == "dr"
     assert registry.metrics["gate/ope/dm_r2"] == pytest.approx(verdict.r2)
+
+
+def test_the_ope_suite_hands_its_snips_verdict_and_logprobs_to_the_choice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`ope_suite` end to end with the store, the forward passes and the decoding faked at their
+    function boundaries: the held-out episodes' prompts reach the sampler, and the verdict is DR's."""
+    from datetime import UTC, datetime
+
+    from deployer import gate_suites
+    from store.episodes import TrainingEpisode, TrainingSegment
+
+    rng = np.random.default_rng(2)
+    yes = rng.random(50) < 0.5
+    sampling = SamplingParams(temperature=0.7, max_tokens=16, logprobs_mode="processed")
+    episodes = [
+        TrainingEpisode(
+            episode_id=f"e{i}",
+            reward=float(y),
+            policy_version=1,
+            created_at=datetime(2026, 1, 1, tzinfo=UTC),
+            segments=[
+                TrainingSegment(f"prompt {i}", [1, 2], [3, 4], [-1.0, -1.0], True, "assistant", 1, sampling)
+            ],
+        )
+        for i, y in enumerate(yes)
+    ]
+
+    class FakeStore:
+        def select_heldout(self, n: int, **kwargs: Any) -> list[TrainingEpisode]:
+            return episodes
+
+    def scored(weights: ope.Weights, logged: list[ope.Logged]) -> ope.Scored:
+        shift = 2.0 if weights.path.name == "challenger" else 0.0
+        lp = [e.behaviour + (shift if y else -shift) for e, y in zip(logged, yes, strict=True)]
+        return ope.Scored(lp, lp)
+
+    monkeypatch.setattr(ope, "sequence_logprobs", scored)
+    texts = [("yes indeed" if y else "no way", "stop") for y in yes]
+    monkeypatch.setattr(ope, "completion_texts", lambda weights, logged: texts)
+    sampler = FakeSampler()
+    from pathlib import Path
+
+    suite, _, anchored = gate_suites.ope_suite(
+        with_ope(),
+        FakeStore(),  # type: ignore[arg-type]
+        ope.Weights(Path("challenger")),
+        ope.Weights(Path("champion")),
+        seed=1,
+        sample=sampler,
+    )
+    assert anchored is None and suite.n == 50, suite.note
+    assert [p.prompt for p in sampler.calls[0][1]] == [f"prompt {i}" for i in range(50)]
+    assert suite.estimator == "dr" and suite.conclusive and suite.passed
