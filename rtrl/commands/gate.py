@@ -72,7 +72,9 @@ def explain_text(record: dict[str, Any]) -> str:
         lines.append(
             f"  suite {suite['name']:<16} {verdict:<12} challenger {_figure(suite['challenger'])} "
             f"champion {_figure(suite['champion'])} difference {interval} margin {suite.get('margin', 0):g} "
-            f"n={suite['n']}" + (f" ess={suite['ess']:.1f}" if suite.get("ess") is not None else "")
+            f"n={suite['n']}"
+            + (f" ess={suite['ess']:.1f}" if suite.get("ess") is not None else "")
+            + (f" estimator={suite['estimator']}" if suite.get("estimator") else "")
         )
         if suite.get("note"):
             lines.append(f"        {suite['note']}")

@@ -8,17 +8,20 @@ decided. The staging sampling is injected at the `Sampler` boundary, the decoded
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from deployer import gate, gate_dr, ope
+from deployer import gate, gate_dr, gate_suites, ope
 from deployer.gate_suites import SuiteResult, _ope_verdict
 from schemas.clock import utcnow
 from schemas.events import SamplingParams
 from schemas.settings import Settings
 from serving import Generation
+from store.episodes import TrainingEpisode, TrainingSegment
 
 pytestmark = pytest.mark.unit
 
@@ -272,11 +275,6 @@ def test_the_ope_suite_hands_its_snips_verdict_and_logprobs_to_the_choice(
 ) -> None:
     """`ope_suite` end to end with the store, the forward passes and the decoding faked at their
     function boundaries: the held-out episodes' prompts reach the sampler, and the verdict is DR's."""
-    from datetime import UTC, datetime
-
-    from deployer import gate_suites
-    from store.episodes import TrainingEpisode, TrainingSegment
-
     rng = np.random.default_rng(2)
     yes = rng.random(50) < 0.5
     sampling = SamplingParams(temperature=0.7, max_tokens=16, logprobs_mode="processed")
@@ -306,8 +304,6 @@ def test_the_ope_suite_hands_its_snips_verdict_and_logprobs_to_the_choice(
     texts = [("yes indeed" if y else "no way", "stop") for y in yes]
     monkeypatch.setattr(ope, "completion_texts", lambda weights, logged: texts)
     sampler = FakeSampler()
-    from pathlib import Path
-
     suite, _, anchored = gate_suites.ope_suite(
         with_ope(),
         FakeStore(),  # type: ignore[arg-type]
