@@ -46,13 +46,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
 import evals
-from deployer import alarms, episodes, metrics, ope, swap, traffic, trust
+from deployer import alarms, episodes, gate_dr, metrics, ope, swap, traffic, trust
 from deployer.alarms import Alarm, Behaviour
 from deployer.errors import GateError
 from deployer.gate_suites import (
@@ -388,6 +389,7 @@ def _score(
             ope.Weights(champ.path, champ.base),
             plan.seed,
             anchor=ope.Weights(anchor.path, anchor.base) if anchor is not None else None,
+            sample=_ope_sampler(settings, store, plan, staged),
         )
         results.extend((verdicts.suite, verdicts.primary))  # ope_primary: a guard on the spec's primary term
         if verdicts.anchored is not None and plan.anchor is not None:  # the users' reward, against the anchor
@@ -397,6 +399,29 @@ def _score(
     order: dict[str, int] = {name: i for i, name in enumerate(cfg.suites)}
     results.sort(key=lambda s: order.get(s.name, len(order)))
     return results, found, behaviour
+
+
+def _ope_sampler(settings: Settings, store: Store, plan: _Plan, staged: _Staged) -> gate_dr.Sampler:
+    """The ope suite's staging sampler for its doubly robust estimate (deployer/gate_dr.py): called
+    only when SNIPS is not enough, after the prompt suites' sampling; under the "staging" lock again,
+    each model asked for is loaded with the verified swap and samples ``gate.ope.dr_samples``
+    completions of each held-out prompt with the run's seed, the champion last so that staging ends
+    on it, as `_sample_on_staging` leaves it."""
+    staging = settings.vllm.staging_server
+    assert staging is not None  # `evaluate` refuses to run without one
+
+    def sample(
+        models: Sequence[str], prompts: Sequence[gate_dr.DrPrompt]
+    ) -> dict[str, list[list[Generation]]]:
+        out: dict[str, list[list[Generation]]] = {}
+        with swap.rollout_lock(store, "staging", f"gate v{plan.challenger} ope"):
+            with swap.server_client(settings, staging) as server:
+                for model in sorted(models, key=lambda m: m == "champion"):
+                    _load(server, staged.targets[model], settings, store)
+                    out[model] = gate_dr.sample_on(server, prompts, settings.gate.ope.dr_samples, plan.seed)
+        return out
+
+    return sample
 
 
 def _behaviour_alarms(
@@ -505,6 +530,8 @@ def record(
         tags[f"gate_suite_{suite.name}"] = verdict + (
             f" {interval.estimate:+.4f} [{interval.low:+.4f}, {interval.high:+.4f}]" if interval else ""
         )
+        if suite.estimator is not None:  # ope: the estimator that decided (docs/gate.md, Records)
+            tags[f"gate_suite_{suite.name}_estimator"] = suite.estimator
     registry.tag_version(version, tags)
     run_id = registry.version_run_id(version)
     if run_id is None:
@@ -516,6 +543,7 @@ def record(
             (f"gate/{suite.name}/champion", suite.champion),
             (f"gate/{suite.name}/low", suite.difference.low if suite.difference else None),
             (f"gate/{suite.name}/ess", suite.ess),
+            (f"gate/{suite.name}/dm_r2", suite.r2),
         ):
             if value is not None and math.isfinite(value):
                 figures[key] = value

@@ -17,7 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 import evals
-from deployer import alarms, ope
+from deployer import alarms, gate_dr, ope
 from deployer.alarms import Alarm
 from deployer.errors import GateError
 from evals.judge import Judge
@@ -54,6 +54,13 @@ class SuiteResult(BaseModel):
         False,
         description="A guard (ope_primary): it can fail a challenger but is never the conclusive suite that "
         "lets one pass (docs/gate.md, The rule).",
+    )
+    estimator: str | None = Field(
+        None, description="ope: the estimator that decided, snips or dr (deployer/gate_dr.py)."
+    )
+    r2: float | None = Field(
+        None,
+        description="ope: the reward model's out-of-fold R² when one was fitted (the doubly robust estimate).",
     )
 
 
@@ -241,11 +248,14 @@ def ope_suite(
     champion: ope.Weights,
     seed: int | None = None,
     anchor: ope.Weights | None = None,
+    sample: gate_dr.Sampler | None = None,
 ) -> OpeVerdicts:
     """The off-policy suite on the store's held-out traffic, the alarms it feeds (kl, no_feedback),
     with `anchor` the same estimate of challenger − anchor (not yet `against_anchor`'s verdict: its
-    margin is the caller's), and the ope_primary guard (`_ope_primary`); `seed` is the bootstrap's
-    (default `gate.seed`)."""
+    margin is the caller's), and the ope_primary guard (`_ope_primary`, SNIPS always); `seed` is the
+    bootstrap's (default `gate.seed`). The estimator is ``gate.ope.estimator``'s (deployer/gate_dr.py
+    `choose`); the doubly robust one samples the held-out prompts with `sample` (deployer/gate.py's,
+    on staging), and without it SNIPS decides."""
     cfg = settings.gate
     spec = get_spec(settings.labeler.reward_spec)
     episodes = store.select_heldout(
@@ -263,10 +273,21 @@ def ope_suite(
     chal, champ = ope.challenger_logprobs(chal_scored, champ_scored), champ_scored.processed
     suite, estimate = _ope_verdict(settings, logged, chal, champ, seed, skipped_note, "champion")
     primary = _ope_primary(settings, logged, chal, champ, seed, skipped_note)
+    logps = {"challenger": chal, "champion": champ}
     anchored = None
     if anchor is not None:  # the anchor's weights the same way as the challenger's: from the champion's
-        other = ope.challenger_logprobs(ope.sequence_logprobs(anchor, logged), champ_scored)
-        anchored, _ = _ope_verdict(settings, logged, chal, other, seed, skipped_note, "anchor")
+        logps["anchor"] = ope.challenger_logprobs(ope.sequence_logprobs(anchor, logged), champ_scored)
+        anchored, _ = _ope_verdict(settings, logged, chal, logps["anchor"], seed, skipped_note, "anchor")
+    snips_conclusive = suite.conclusive  # the no_feedback alarm below weighs by SNIPS's weights
+    suite, anchored = gate_dr.choose(
+        settings,
+        logged,
+        logps,
+        (suite, anchored),
+        sample,
+        lambda: ope.completion_texts(champion, logged),
+        cfg.seed if seed is None else seed,
+    )
     found: list[Alarm] = []
     behaviour = [e.behaviour for e in logged]
     w0 = importance_weights(champ, behaviour, cfg.ope.clip)
@@ -281,7 +302,7 @@ def ope_suite(
             snips(w0[kept], np.asarray([e.tokens for e in logged], dtype=np.float64)[kept]), 1.0
         )
         found.append(alarms.kl_alarm(kl, cfg.alarms, settings.trainer.max_kl))
-    if suite.conclusive:
+    if snips_conclusive:
         silent = np.asarray([float(e.no_feedback) for e in logged])
         found.append(alarms.no_feedback_alarm(snips(w1, silent), snips(w0, silent), cfg.alarms))
     return OpeVerdicts(suite, found, anchored, primary)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from schemas.events import SamplingParams
 from schemas.sampling import trainer_can_reproduce
 from store import TrainingEpisode
 
@@ -48,6 +49,10 @@ class Logged:
     ]  # ids, ids, μ, Sampling
     # The reward's components (schemas/rewards.py): where the gate's ope_primary reads the spec's primary term.
     components: dict[str, float] = field(default_factory=dict)
+    # The direct method's inputs (docs/gate.md, Suites: ope): the prompt as logged and how it was
+    # sampled, for an episode with one trainable segment only (None for one with several).
+    prompt: str | None = None
+    sampling: SamplingParams | None = None
 
 
 def usable(episodes: list[TrainingEpisode]) -> tuple[list[Logged], int]:
@@ -85,9 +90,32 @@ def usable(episodes: list[TrainingEpisode]) -> tuple[list[Logged], int]:
                     for s in trainable
                 ),
                 components=dict(episode.components),
+                prompt=trainable[0].prompt if len(trainable) == 1 else None,
+                sampling=trainable[0].sampling if len(trainable) == 1 else None,
             )
         )
     return kept, skipped
+
+
+def completion_texts(weights: Weights, logged: list[Logged]) -> list[tuple[str, str]]:
+    """(text, finish_reason) of each single-segment episode's logged completion ("" and "" for one with
+    several), for the doubly robust estimate's reward model. The store keeps token ids, not text: they
+    are decoded with the tokenizer of `weights` (its base's for an adapter), special tokens skipped as
+    vLLM's detokenizer does. The finish reason is inferred: "length" when the completion used its
+    request's whole `max_tokens`, else "stop"."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(weights.base or weights.path))
+    out: list[tuple[str, str]] = []
+    for episode in logged:
+        if episode.prompt is None or episode.sampling is None:
+            out.append(("", ""))
+            continue
+        ids = episode.segments[0][1]
+        limit = episode.sampling.max_tokens
+        finish = "length" if limit is not None and len(ids) >= limit else "stop"
+        out.append((str(tokenizer.decode(list(ids), skip_special_tokens=True)), finish))
+    return out
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ def explain_text(record: dict[str, Any]) -> str:
             f"n={suite['n']}"
             + (f" ess={suite['ess']:.1f}" if suite.get("ess") is not None else "")
             + (" guard (can fail, never passes alone)" if suite.get("guard") else "")
+            + (f" estimator={suite['estimator']}" if suite.get("estimator") else "")
         )
         if suite.get("note"):
             lines.append(f"        {suite['note']}")

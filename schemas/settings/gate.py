@@ -85,6 +85,20 @@ class OpeSettings(Section):
         description="Held-out episodes carrying the reward spec's primary term (RewardSpec.primary) the "
         "ope_primary guard needs; below, it is inconclusive (noted) and does not decide.",
     )
+    estimator: Literal["snips", "dr", "auto"] = Field(
+        "auto",
+        description="snips: self-normalised importance sampling; dr: doubly robust, a cross-fitted reward "
+        "model plus `dr_samples` completions per held-out prompt sampled from both models on staging; auto: "
+        "snips when its effective sample size reaches `min_ess` (nothing sampled), else dr when the reward "
+        "model's out-of-fold R² is above 0, else snips (inconclusive). docs/gate.md, Suites: ope.",
+    )
+    dr_samples: int = Field(
+        2,
+        ge=1,
+        le=16,
+        description="Completions per held-out prompt sampled from each model on staging for the doubly "
+        "robust estimate's direct method.",
+    )
 
 
 class TrafficSettings(Section):

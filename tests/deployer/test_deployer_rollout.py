@@ -321,6 +321,43 @@ def test_the_traffic_suite_passes_the_same_weights_on_held_out_prompts(
     store.close()
 
 
+def test_the_ope_suite_with_dr_samples_the_held_out_prompts_on_staging(
+    deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """ope as the gate's only suite under ``gate.ope.estimator`` "dr" (docs/gate.md, Suites: ope): the
+    held-out episodes' completions decoded for the cross-fitted reward model, both models sampling
+    ``gate.ope.dr_samples`` completions of each held-out prompt on the staging server after the
+    verified swap. The same weights draw the same completions with the run's seed and carry the same
+    importance weights: a difference of exactly 0, the estimator named in the note, the suite's
+    fields, the version's tags and its run's metrics; staging ends on the champion."""
+    from episodes import feed, sample_episodes
+
+    store = Store(f"sqlite:///{tmp_path / 'gate.db'}")
+    store.migrate()
+    feed(store, sample_episodes(tiny_model_dir, 96, seed=11))
+    base = gate_settings(deploy_settings, store.url)
+    dr = base.gate.ope.model_copy(update={"estimator": "dr", "dr_samples": 2})
+    settings = base.model_copy(update={"gate": base.gate.model_copy(update={"suites": ("ope",), "ope": dr})})
+    registry = Registry.from_settings(settings)
+    rollout.bootstrap(settings, registry, tiny_model_dir)
+    same = registry.register_checkpoint(perturbed_copy(tiny_model_dir, tmp_path / "same", std=0.0, seed=0))
+
+    decision = gate.evaluate(settings, registry, same, store)
+    print(f"gate v{same} ope dr:", decision.model_dump_json())
+    (suite,) = decision.suites
+    assert suite.name == "ope" and suite.estimator == "dr" and suite.r2 is not None
+    assert suite.difference is not None and suite.difference.estimate == pytest.approx(0.0, abs=1e-12)
+    assert "estimator dr (doubly robust, 2 staging samples per prompt)" in suite.note
+    assert "out-of-fold R²" in suite.note and "SNIPS: " in suite.note
+    tags = registry.version_tags(same)
+    assert tags["gate_suite_ope_estimator"] == "dr"
+    assert registry.champion() == 1
+    assert settings.vllm.staging_server is not None
+    with VllmClient(settings.vllm.staging_server, model=settings.vllm.served_model_name) as staging:
+        assert staging.weight_version() == 1  # swapped back to the champion after the ope samples
+    store.close()
+
+
 def test_gate_rejects_a_challenger_that_stops_finishing_its_answers(
     deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
