@@ -66,6 +66,9 @@ class Row:
     behaviour_logprobs: list[float]  # one per completion token
     advantage: float
     sampling: Sampling = Sampling()
+    # The preference pair the row belongs to under DPO (trainer/objectives.py), its side being the
+    # sign of `advantage`; −1: none (every other objective).
+    pair: int = -1
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class MicroBatch:
     presence_penalty: torch.Tensor  # (B,)
     frequency_penalty: torch.Tensor  # (B,)
     prompt_len: torch.Tensor  # (B,) long
+    pairs: torch.Tensor  # (B,) long, `Row.pair`
 
     @property
     def tokens(self) -> int:
@@ -133,6 +137,7 @@ def collate(rows: list[Row], pad_id: int) -> MicroBatch:
         presence_penalty=torch.tensor([r.sampling.presence_penalty for r in rows], dtype=torch.float32),
         frequency_penalty=torch.tensor([r.sampling.frequency_penalty for r in rows], dtype=torch.float32),
         prompt_len=torch.tensor([r.prompt_len for r in rows], dtype=torch.long),
+        pairs=torch.tensor([r.pair for r in rows], dtype=torch.long),
     )
 
 

@@ -31,7 +31,7 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
@@ -46,7 +46,7 @@ from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import DapoLoss, Settings, TrainerSettings
 from serving.sampler import Row
 from store import DatabaseError, Store, TrainingEpisode
-from trainer import checkpoint
+from trainer import checkpoint, objectives
 from trainer.advantages import BaselineState, compute_advantages
 from trainer.batch import (
     NO_SIGNAL,
@@ -126,6 +126,12 @@ class CycleResult(BaseModel):
         description="The step at which the trust region (trainer.max_kl) stopped the cycle, its update not "
         "applied; None: every step ran.",
     )
+    selection: dict[str, int] = Field(
+        default_factory=dict,
+        description="What an objective that chooses its rows kept of the batch (trainer/objectives.py): "
+        "rft_accepted / rft_left_out episodes under rft, dpo_pairs / dpo_unpaired under dpo; empty for the "
+        "policy-gradient losses.",
+    )
     episode_metrics: dict[str, float] = Field(
         default_factory=dict,
         description="The batch's episodes as the labeler measured them (schemas/episodes.py batch_metrics) and, "
@@ -183,6 +189,7 @@ class _Batch:
     signal: int  # of those, the ones that carry signal (`signal_count`)
     method_metrics: dict[str, float]
     no_signal: int = 0  # rows dropped for a zero advantage (DAPO's dynamic sampling)
+    selection: dict[str, int] = field(default_factory=dict)  # what rft / dpo kept (trainer/objectives.py)
 
 
 def run_cycle(
@@ -232,11 +239,16 @@ def run_cycle(
             # zero once a running baseline exists, but they are the baseline's own noise: training
             # would move the weights by it.
             return _skip(settings, store, cycle, batch)
+        selection = objectives.select(cfg.loss, batch.episodes)  # rft / dpo choose rows
+        if selection is not None:
+            batch = replace(batch, rows=selection.rows, selection=selection.counts)
+            if not selection.rows:
+                return _skip(settings, store, cycle, batch, reason=selection.empty_reason)
         batch = _drop_rows_without_signal(cfg, batch)
 
         # ---- champion weights into DeepSpeed, steps, save ---------------------------------------
         champion_dir, base_dir = _champion_checkpoint(settings, registry, champion)
-        run_id = _start_run(settings, registry, cycle, batch.method_metrics)
+        run_id = _start_run(settings, registry, cycle, batch.method_metrics | _as_floats(batch.selection))
         training = train(
             cfg,
             store,
@@ -368,9 +380,10 @@ def _advantages(
     )
 
 
-def _skip(settings: Settings, store: Store, cycle: _Cycle, batch: _Batch) -> CycleResult:
-    """End a cycle whose batch carries too little signal: nothing trained or registered, the
-    episodes spent (a later cycle would see the same rewards), the baselines updated with them."""
+def _skip(settings: Settings, store: Store, cycle: _Cycle, batch: _Batch, reason: str = "") -> CycleResult:
+    """End a cycle whose batch carries too little signal, or in which the objective found nothing
+    to learn (`reason`: rft accepted no episode, dpo formed no pair): nothing trained or registered,
+    the episodes spent (a later cycle would see the same rewards), the baselines updated with them."""
     cycle.files.stage_baselines(batch.next_baselines)
     episodes, left_out = batch.episodes, batch.left_out
     result = CycleResult(
@@ -385,8 +398,13 @@ def _skip(settings: Settings, store: Store, cycle: _Cycle, batch: _Batch) -> Cyc
         mean_reward=sum(e.reward for e in episodes) / len(episodes),
         first_interaction_at=min(e.created_at for e in episodes),
         cycle_s=round(time.monotonic() - cycle.started, 3),
+        selection=batch.selection,
         episode_metrics=batch.method_metrics,
     )
+    if reason:
+        log.warning("cycle %d skipped: %s (%s)", cycle.id, reason, batch.selection)
+        end_cycle(settings, store, cycle.id, "skipped", metrics=result.model_dump(mode="json"))
+        return result
     log.warning(
         "cycle %d skipped: %d of the %d episodes with trainable rows carry feedback or a judge's grade "
         "(trainer.min_signal %g; %d of %d episodes have no trainable row: %s); are users' feedback events "
@@ -426,6 +444,10 @@ def _champion_checkpoint(settings: Settings, registry: Registry, champion: int) 
     checkpoint.check_source(champion_dir, adapter)
     base_dir = settings.vllm.model_dir.expanduser().resolve() if adapter == "lora" else None
     return champion_dir, base_dir
+
+
+def _as_floats(counts: dict[str, int]) -> dict[str, float]:
+    return {key: float(value) for key, value in counts.items()}
 
 
 def _reward_params(spec: RewardSpec) -> dict[str, str]:
@@ -488,6 +510,7 @@ def _result(cycle: _Cycle, run_id: str, batch: _Batch, training: Training) -> Cy
         checkpoint_dir=str(cycle.files.out_dir),
         optimizer_from_cycle=training.carried_from,
         kl_stopped_at_step=training.trained.kl_stop,
+        selection=batch.selection,
         episode_metrics=batch.method_metrics,
     )
 

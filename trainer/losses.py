@@ -34,7 +34,9 @@ Papers and defaults (schemas/settings/losses.py holds the defaults, docs/algorit
 CISPO, MiniMax-M1 §3.1 https://arxiv.org/abs/2506.13585; PPO-clip
 https://arxiv.org/abs/1707.06347; GRPO https://arxiv.org/abs/2402.03300; DAPO
 https://arxiv.org/abs/2503.14476; Dr. GRPO https://arxiv.org/abs/2503.20783; GSPO
-https://arxiv.org/abs/2507.18071.
+https://arxiv.org/abs/2507.18071. Two objectives are not policy gradients (docs/algorithms.md,
+Objectives): rejection-sampling fine-tuning (RFT, https://arxiv.org/abs/2308.01825) and DPO
+(https://arxiv.org/abs/2305.18290); trainer/objectives.py decides which rows they see.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class TokenBatch:
     tempered: torch.Tensor | None = None  # (B, T), requires grad
     old_tempered: torch.Tensor | None = None  # (B, T)
     scored: torch.Tensor | None = None  # (B, T)
+    # DPO's pair of each row (`serving.sampler.Row.pair`, −1: none), its side the sign of its
+    # advantage; None for every other loss.
+    pairs: torch.Tensor | None = None  # (B,) long
 
     def kl_log_ratio(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(log(π_old/π_θ) of the tempered logprobs, 0 off the scored tokens; the scored mask)."""
@@ -81,7 +86,7 @@ class Normaliser:
     """Sizes of the whole optimizer-step batch (all micro-batches together)."""
 
     tokens: int  # Σ_i |o_i|: trainable completion tokens
-    sequences: int  # number of trainable sequences
+    sequences: int  # number of trainable sequences; under DPO, of preference pairs
 
 
 @dataclass(frozen=True)
@@ -258,6 +263,57 @@ def gspo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
 
 
+def _unclipped(batch: TokenBatch, cfg: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """π_θ/π_old, the truncated behaviour weight and an all-False clip indicator, per token: the
+    metrics of an objective that clips nothing and weighs nothing (`rft`, `dpo`)."""
+    ratio = torch.exp(_masked(batch.logprobs - batch.old_logprobs, batch.mask)).detach()  # (B, T)
+    is_weight = torch.exp(_masked(batch.old_logprobs - batch.behaviour_logprobs, batch.mask))
+    return ratio, is_weight.clamp(max=cfg.is_cap).detach(), torch.zeros_like(batch.mask, dtype=torch.bool)
+
+
+def rft(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
+    """Rejection-sampling fine-tuning: the negative log-likelihood of the accepted completions,
+    token mean over the step, L = −1/Σ|o_i| Σ_i Σ_t w_i log π_θ(o_{i,t}), plus the KL penalty.
+
+    w_i is the row's advantage, which trainer/objectives.py sets to 1 for an accepted episode's
+    rows (the others are left out of the batch and its normaliser): plain supervised fine-tuning,
+    no ratio and no behaviour weight. The token mean is the usual SFT normalisation and the default
+    CISPO's, so one learning rate means the same step size for both (docs/algorithms.md, Objectives).
+    """
+    ratio, is_weight, clipped = _unclipped(batch, cfg)
+    nll = -batch.advantages[:, None] * batch.logprobs  # (B, T)
+    loss = _token_mean(nll, batch.mask, norm) + _kl_penalty(batch, cfg, norm)
+    return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
+
+
+def dpo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
+    """DPO: L = 1/P Σ_p −log σ(β [(log π_θ(y_w) − log π_ref(y_w)) − (log π_θ(y_l) − log π_ref(y_l))]),
+    plus the KL penalty, P being the step's pairs (``norm.sequences`` under DPO).
+
+    π_ref is the behaviour policy μ: the champion that sampled both completions, its logprobs as
+    vLLM recorded them. log π(y) is a sum over the completion tokens of every row of the pair's
+    side (an episode of several segments is one trajectory); a token outside a row's truncation
+    under π_θ or π_old leaves both sums. Every row of a pair is in the same micro-batch
+    (trainer/objectives.py `dpo_micro_batches`); a pair missing a side's tokens adds nothing.
+    """
+    if batch.pairs is None:
+        raise ValueError("the dpo loss needs each row's pair (TokenBatch.pairs)")
+    ratio, is_weight, clipped = _unclipped(batch, cfg)
+    mask = batch.mask
+    log_ratio = _masked(batch.logprobs - batch.behaviour_logprobs, mask).sum(dim=1)  # (B,)
+    side = torch.sign(batch.advantages)  # (B,) +1 winner, −1 loser
+    in_pair = (batch.pairs >= 0) & (mask.sum(dim=1) > 0) & (side != 0)  # (B,)
+    _, index = torch.unique(batch.pairs[in_pair], return_inverse=True)  # (B',) pair of each row
+    n = int(index.max()) + 1 if index.numel() else 0
+    margin = log_ratio.new_zeros(n).index_add(0, index, (side * log_ratio)[in_pair])  # (P,) h_p
+    winners = log_ratio.new_zeros(n).index_add(0, index, (side[in_pair] > 0).float())
+    losers = log_ratio.new_zeros(n).index_add(0, index, (side[in_pair] < 0).float())
+    complete = ((winners > 0) & (losers > 0)).float()  # (P,)
+    per_pair = torch.nn.functional.softplus(-cfg.beta * margin) * complete  # −log σ(β h)
+    loss = per_pair.sum() / max(norm.sequences, 1) + _kl_penalty(batch, cfg, norm)
+    return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
+
+
 LOSSES: dict[str, LossFn] = {
     "cispo": cispo,
     "ppo": ppo,
@@ -265,6 +321,8 @@ LOSSES: dict[str, LossFn] = {
     "dapo": dapo,
     "dr_grpo": dr_grpo,
     "gspo": gspo,
+    "rft": rft,
+    "dpo": dpo,
 }
 
 

@@ -320,6 +320,7 @@ def _micro_batch_loss(
             tempered=now.tempered,
             old_tempered=old.tempered,
             scored=mb.mask,
+            pairs=mb.pairs,
         ),
         cfg.loss,
         norm,

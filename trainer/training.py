@@ -20,9 +20,9 @@ from typing import Any
 
 from registry import Registry
 from schemas.settings import TrainerSettings
-from serving.sampler import MicroBatch, Row, micro_batches
+from serving.sampler import MicroBatch, Row
 from store import Store
-from trainer import checkpoint
+from trainer import checkpoint, objectives
 from trainer.engine import close_engine, save_optimizer_state, start_engine, state_dict
 from trainer.errors import Abandoned
 from trainer.losses import Normaliser, loss_function
@@ -64,8 +64,8 @@ def train(
     (``trainer.carry_optimizer``)."""
     train_started = time.monotonic()
     pad_id = 0  # padded positions are masked out of attention and loss; any id works
-    batches = micro_batches(rows, cfg.micro_batch, pad_id)
-    norm = Normaliser(tokens=sum(b.tokens for b in batches), sequences=len(rows))
+    # Cut by length, and by pair under DPO (trainer/objectives.py).
+    batches, norm = objectives.batches(cfg.loss, rows, cfg.micro_batch, pad_id)
     lineage = {
         "cycle_id": files.cycle_id,
         "parent_version": champion,

@@ -103,9 +103,41 @@ class GspoLoss(_Loss):
     eps_high: float = Field(4e-4, gt=0, description="Upper clip of the sequence ratio.")
 
 
+class RftLoss(_Loss):
+    """Rejection-sampling fine-tuning (RFT, arXiv 2308.01825; ReSpect, arXiv 2410.13852): the
+    token-mean negative log-likelihood of the completions of the episodes users rewarded, every
+    other episode left out (trainer/objectives.py `rft_episodes`)."""
+
+    type: Literal["rft"] = "rft"
+    min_reward: float = Field(
+        0.0,
+        description="An episode with feedback (or a judge's grade) is fine-tuned on when its reward is "
+        "strictly above this; 0 = the reward spec's neutral: every net-positive verdict.",
+    )
+
+
+class DpoLoss(_Loss):
+    """DPO (Rafailov et al. 2023, arXiv 2305.18290) on pairs of episodes of one prompt in the cycle's
+    batch, the reference being the behaviour logprobs of the champion that sampled them
+    (trainer/objectives.py `dpo_pairs`)."""
+
+    type: Literal["dpo"] = "dpo"
+    beta: float = Field(
+        0.1, gt=0, description="DPO's beta: the strength of the implicit KL to the reference policy."
+    )
+    margin: float = Field(
+        0.5,
+        gt=0,
+        description="Two episodes of one prompt pair when the winner's reward exceeds the loser's by at "
+        "least this (equal rewards never pair); 0.5 is half of an accepted-versus-rejected gap.",
+    )
+
+
 LossSettings = Annotated[
-    CispoLoss | PpoLoss | GrpoLoss | DapoLoss | DrGrpoLoss | GspoLoss, Field(discriminator="type")
+    CispoLoss | PpoLoss | GrpoLoss | DapoLoss | DrGrpoLoss | GspoLoss | RftLoss | DpoLoss,
+    Field(discriminator="type"),
 ]
-"""The policy-gradient loss, a tagged union on ``type`` (trainer/losses.py); each loss has its
-own defaults, from its paper. ``RTRL_TRAINER__LOSS__TYPE=ppo`` picks PPO with PPO's defaults."""
-LOSS_TYPES = ("cispo", "ppo", "grpo", "dapo", "dr_grpo", "gspo")
+"""The training objective, a tagged union on ``type`` (trainer/losses.py): the policy-gradient
+losses, each with its paper's defaults, and two objectives that are not RL (``rft``, ``dpo``:
+docs/algorithms.md, Objectives). ``RTRL_TRAINER__LOSS__TYPE=ppo`` picks PPO with PPO's defaults."""
+LOSS_TYPES = ("cispo", "ppo", "grpo", "dapo", "dr_grpo", "gspo", "rft", "dpo")
