@@ -46,7 +46,7 @@ def test_a_bad_setting_is_one_line_naming_the_variable(monkeypatch: pytest.Monke
     message = str(caught.value)
     assert isinstance(caught.value, OperatorError) and "\n" not in message
     assert (
-        "RTRL_TRAINER__LOSS__TYPE: Input should be one of 'cispo', 'ppo', 'grpo', 'dapo', 'dr_grpo', 'gspo' "
+        "RTRL_TRAINER__LOSS__TYPE: Input should be one of 'cispo', 'ppo', 'grpo', 'dapo', 'dr_grpo', 'gspo', 'rft', 'dpo' "
         "(got 'reinforce')"
     ) in message
     assert "RTRL_TRAINER__MIN_SAMPLES: Input should be greater than or equal to 1" in message

@@ -140,7 +140,12 @@ def test_every_loss_trains_a_real_cycle_on_tempered_truncated_samples(
     assert all(math.isfinite(step.loss) for step in result.steps)
     assert result.steps[1].kl_k1 != 0.0, "the second step sees updated weights"
     assert registry.run(result.mlflow_run_id or "").data.params["trainer.loss.type"] == loss
-    assert result.no_signal_rows == 0 and result.trainable_rows == 16
+    # rft learns from the 8 thumbs-up episodes; dpo pairs each prompt's up and down (8 pairs).
+    assert result.no_signal_rows == 0 and result.trainable_rows == (8 if loss == "rft" else 16)
+    assert result.selection == {
+        "rft": {"rft_accepted": 8, "rft_left_out": 8},
+        "dpo": {"dpo_pairs": 8, "dpo_unpaired": 0},
+    }.get(loss, {})
 
 
 @pytest.mark.parametrize(("stage", "precision"), [(2, "fp32"), (3, "fp32"), (2, "bf16")])

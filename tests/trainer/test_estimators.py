@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 import pytest
 import torch
 
-from schemas.settings import CispoLoss, DapoLoss, DrGrpoLoss, GrpoLoss, GspoLoss, PpoLoss
+from schemas.settings import CispoLoss, DapoLoss, DpoLoss, DrGrpoLoss, GrpoLoss, GspoLoss, PpoLoss, RftLoss
 from serving import sampler
 from serving.sampler import Row, Sampling, apply_penalties, collate, processed_log_softmax, token_logprobs
 from trainer.losses import LOSSES, Normaliser, TokenBatch, beyond_trust_region, cispo, gspo
@@ -32,6 +32,8 @@ CONFIGS = {
     "dapo": DapoLoss(kl_coef=0.5),
     "dr_grpo": DrGrpoLoss(kl_coef=0.5),
     "gspo": GspoLoss(kl_coef=0.5),
+    "rft": RftLoss(kl_coef=0.5),
+    "dpo": DpoLoss(kl_coef=0.5),
 }
 
 
@@ -49,6 +51,7 @@ def test_masked_positions_never_give_nan(name: str, advantage: float) -> None:
         behaviour_logprobs=torch.tensor([[-0.1, 0.0]]),
         advantages=torch.tensor([advantage]),
         mask=torch.tensor([[1.0, 0.0]]),
+        pairs=torch.tensor([0]),  # DPO's; the other losses ignore it
     )
     out = LOSSES[name](b, CONFIGS[name], Normaliser(tokens=2, sequences=1))
     out.loss.backward()

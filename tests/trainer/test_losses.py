@@ -9,7 +9,7 @@ import torch
 from schemas.settings import CispoLoss, DapoLoss, DrGrpoLoss, GrpoLoss, GspoLoss, PpoLoss
 from serving.sampler import Row, collate
 from trainer.advantages import overlong_penalty
-from trainer.losses import LOSSES, Normaliser, TokenBatch, cispo, dapo, dr_grpo, grpo, gspo, ppo
+from trainer.losses import LOSSES, Normaliser, TokenBatch, cispo, dapo, dpo, dr_grpo, grpo, gspo, ppo, rft
 
 pytestmark = pytest.mark.unit
 
@@ -50,6 +50,8 @@ def test_registry_has_every_loss_and_each_has_its_papers_defaults() -> None:
         "dapo": dapo,
         "dr_grpo": dr_grpo,
         "gspo": gspo,
+        "rft": rft,
+        "dpo": dpo,
     }
     assert (CispoLoss().eps_low, CispoLoss().eps_high, CispoLoss().kl_coef) == (
         1.0,
