@@ -17,13 +17,16 @@ from typing import Any, cast
 import pytest
 import torch
 from factories import Feeder, feedback, interaction
+from pydantic import TypeAdapter
 
 import schemas.rewards
 from registry import Registry
 from schemas.rewards import TAB_V1, RewardSpec
-from schemas.settings import Settings
+from schemas.settings import LossSettings, Settings
+from serving.sampler import MicroBatch
 from store import Store
 from trainer import cycle, training
+from trainer.losses import Normaliser
 from trainer.steps import StepMetrics, Trained
 
 pytestmark = pytest.mark.unit
@@ -250,3 +253,88 @@ def test_a_failure_after_registration_deletes_the_version(
     assert record.status == "failed" and store.count_trainable(1, 0) == EPISODES
     assert registry.calls[-3:] == [("end_run", "FINISHED"), ("delete_version", 2), ("end_run", "FAILED")]
     assert registry.cycle_status_at_end_run == "failed"
+
+
+def with_loss(settings: Settings, loss: dict[str, Any]) -> Settings:
+    return settings.model_copy(
+        update={
+            "trainer": settings.trainer.model_copy(
+                update={"loss": TypeAdapter(LossSettings).validate_python(loss)}
+            )
+        }
+    )
+
+
+def recording_steps(seen: list[tuple[list[MicroBatch], Normaliser]]) -> Callable[..., Trained]:
+    """`one_step`, keeping the micro-batches and the normaliser it was handed."""
+
+    def steps(*args: Any, **kwargs: Any) -> Trained:
+        seen.append((args[1], args[4]))
+        return one_step(*args, **kwargs)
+
+    return steps
+
+
+def test_rft_trains_on_the_accepted_episodes_only(
+    settings: Settings, sqlite_store: Store, champion_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Half the episodes got a thumbs up (reward 0.5 > 0): their rows, weight 1 each, are the batch."""
+    store = fed(sqlite_store)
+    seen: list[tuple[list[MicroBatch], Normaliser]] = []
+    stand_in_engine(monkeypatch, recording_steps(seen))
+
+    result = cycle.run_cycle(
+        with_loss(settings, {"type": "rft"}), store, cast(Registry, Recorder(champion_dir, store)), owner="t"
+    )
+
+    assert result.status == "registered" and result.trainable_rows == EPISODES // 2
+    assert result.selection == {"rft_accepted": 2, "rft_left_out": 2}
+    [(batches, norm)] = seen
+    assert [a for mb in batches for a in mb.advantages.tolist()] == [1.0, 1.0]
+    assert (norm.sequences, norm.tokens) == (2, 4)
+
+
+def test_dpo_pairs_each_up_with_a_down_of_the_same_prompt(
+    settings: Settings, sqlite_store: Store, champion_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four episodes of one prompt, two up and two down: two pairs, each in one micro-batch with
+    its winner at +1 and its loser at −1; the normaliser counts the pairs."""
+    store = fed(sqlite_store)
+    seen: list[tuple[list[MicroBatch], Normaliser]] = []
+    stand_in_engine(monkeypatch, recording_steps(seen))
+
+    result = cycle.run_cycle(
+        with_loss(settings, {"type": "dpo"}), store, cast(Registry, Recorder(champion_dir, store)), owner="t"
+    )
+
+    assert result.status == "registered" and result.selection == {"dpo_pairs": 2, "dpo_unpaired": 0}
+    [(batches, norm)] = seen
+    assert norm.sequences == 2
+    sides: dict[int, list[float]] = {}
+    for mb in batches:
+        for pair, advantage in zip(mb.pairs.tolist(), mb.advantages.tolist(), strict=True):
+            sides.setdefault(pair, []).append(advantage)
+    assert {pair: sorted(s) for pair, s in sides.items()} == {0: [-1.0, 1.0], 1: [-1.0, 1.0]}
+
+
+def test_a_dpo_cycle_without_a_pair_is_skipped_not_failed(
+    settings: Settings, sqlite_store: Store, champion_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every episode got a thumbs up: no two differ, so nothing trains; the cycle ends ``skipped``
+    (as a cycle without signal does), the engine never started, nothing registered."""
+    Feeder(sqlite_store).send(
+        *[e for n in range(EPISODES) for e in (interaction(f"e{n}"), feedback(f"r-e{n}-0", "thumbs_up"))]
+    )
+    seen: list[tuple[list[MicroBatch], Normaliser]] = []
+    closed = stand_in_engine(monkeypatch, recording_steps(seen))
+    registry = Recorder(champion_dir, sqlite_store)
+
+    result = cycle.run_cycle(
+        with_loss(settings, {"type": "dpo"}), sqlite_store, cast(Registry, registry), owner="t"
+    )
+
+    assert (result.status, result.challenger_version) == ("skipped", None)
+    assert result.selection == {"dpo_pairs": 0, "dpo_unpaired": EPISODES}
+    assert seen == [] and closed == [] and registry.calls == []
+    [record] = sqlite_store.recent_cycles(1)
+    assert record.status == "skipped"

@@ -219,6 +219,9 @@ def test_dpo_micro_batches_never_split_a_pair() -> None:
     assert [mb.pairs.tolist() for mb in cut] == [[1, 1], [2, 2, 2], [0, 0]]
     assert [mb.advantages.tolist() for mb in cut][0] == [1.0, -1.0]
     micro, norm = batches(DpoLoss(), rows, 3, pad_id=0)
-    assert len(micro) == 3 and (norm.sequences, norm.tokens) == (3, sum(len(r.behaviour_logprobs) for r in rows))
+    assert len(micro) == 3 and (norm.sequences, norm.tokens) == (
+        3,
+        sum(len(r.behaviour_logprobs) for r in rows),
+    )
     _, rl_norm = batches(RftLoss(), rows, 3, pad_id=0)
     assert rl_norm.sequences == len(rows)
