@@ -8,9 +8,10 @@ eval gate and the deployer.
 
 `run_cycle` is the list of steps; each step is a function below it, in the order it runs, but
 for the training itself (`trainer.training.train`: the optimizer steps, here or on ranks, and the
-checkpoint saved). The reward spec is resolved once, when the cycle starts (a ``.json`` spec is
-read from disk there and nowhere else in the cycle), and handed to the steps with the cycle's id,
-champion and files (`_Cycle`).
+checkpoint saved). The objectives that are not RL (``rft``, ``dpo``) choose their rows after the
+advantages (trainer/objectives.py); one that finds nothing to learn skips the cycle. The reward
+spec is resolved once, when the cycle starts (a ``.json`` spec is read from disk there and nowhere
+else in the cycle), and handed to the steps with the cycle's id, champion and files (`_Cycle`).
 
 Guarantees (docs/architecture.md, Contracts: one cycle at a time):
 * the store's cycle lease admits one active cycle; the episodes are claimed for the cycle right
@@ -447,6 +448,7 @@ def _champion_checkpoint(settings: Settings, registry: Registry, champion: int) 
 
 
 def _as_floats(counts: dict[str, int]) -> dict[str, float]:
+    """Counts as MLflow metrics."""
     return {key: float(value) for key, value in counts.items()}
 
 
