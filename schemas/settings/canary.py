@@ -73,9 +73,11 @@ class CanarySettings(Section):
         50, ge=1, description="Rated episodes per arm before the primary test may decide."
     )
     max_episodes: int = Field(
-        5_000,
+        20_000,
         ge=1,
-        description="Rated episodes per arm after which an undecided canary ends inconclusive (not promoted).",
+        description="Rated episodes per arm after which an undecided canary ends inconclusive (not promoted). "
+        "An equal challenger needs about 10,000 at margin 0.05 (docs/gate.md, Measured: twelve planted challengers); `max_duration_s` "
+        "bounds the wall time either way.",
     )
     min_duration_s: float = Field(
         0.0,
