@@ -344,8 +344,9 @@ def test_the_ope_suite_with_dr_samples_the_held_out_prompts_on_staging(
 
     decision = gate.evaluate(settings, registry, same, store)
     print(f"gate v{same} ope dr:", decision.model_dump_json())
-    (suite,) = decision.suites
-    assert suite.name == "ope" and suite.estimator == "dr" and suite.r2 is not None
+    suites = {s.name: s for s in decision.suites}
+    suite = suites["ope"]  # beside it the ope_primary guard, which always reads SNIPS
+    assert suite.estimator == "dr" and suite.r2 is not None and suites["ope_primary"].estimator is None
     assert suite.difference is not None and suite.difference.estimate == pytest.approx(0.0, abs=1e-12)
     assert "estimator dr (doubly robust, 2 staging samples per prompt)" in suite.note
     assert "out-of-fold R²" in suite.note and "SNIPS: " in suite.note
