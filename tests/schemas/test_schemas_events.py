@@ -270,11 +270,15 @@ def test_the_fast_reader_accepts_and_refuses_what_the_full_one_does(raw: bytes) 
 
 
 def test_a_correction_carries_its_text_on_the_v1_wire() -> None:
-    event = FeedbackEvent(event_id="f1", request_id="r", kind=FeedbackKind.correction, text="the answer is 12")
+    event = FeedbackEvent(
+        event_id="f1", request_id="r", kind=FeedbackKind.correction, text="the answer is 12"
+    )
     raw = event.model_dump_json().encode()
     assert b'"schema_version":"rtrl.feedback.v1"' in raw
     assert parse_event(raw, FeedbackEvent) == event
-    edited = FeedbackEvent(event_id="f2", request_id="r", kind=FeedbackKind.edited, text="def f():\n    return 1")
+    edited = FeedbackEvent(
+        event_id="f2", request_id="r", kind=FeedbackKind.edited, text="def f():\n    return 1"
+    )
     assert edited.text == "def f():\n    return 1"
     assert FeedbackEvent(event_id="f3", request_id="r", kind=FeedbackKind.edited).text is None
     # An event written before the field existed reads as one without text.
