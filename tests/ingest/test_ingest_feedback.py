@@ -227,6 +227,18 @@ def test_an_edit_may_carry_its_code(gateway: Gateway) -> None:
     assert gateway.published[-1]["text"] == CODE
 
 
+def test_a_long_text_is_redacted_off_the_event_loop(gateway: Gateway) -> None:
+    rid = gateway.ids.new("acme")
+    short = gateway.post("acme", {"request_id": rid, "kind": "correction", "text": "12"})
+    long = gateway.post("acme", {"request_id": rid, "kind": "correction", "text": "ann@example.com " * 100})
+    plain = gateway.post(
+        "acme", [{"request_id": rid, "kind": "accepted", "event_id": f"k{i}"} for i in range(30)]
+    )
+    assert (short.status_code, long.status_code, plain.status_code) == (202, 202, 202)
+    assert gateway.parsed_on_loop == [True, False, True]  # a plain batch of 1.6 kB has nothing to redact
+    assert gateway.published[1]["text"] == "[REDACTED:email] " * 100
+
+
 @pytest.mark.parametrize(
     ("item", "reason"),
     [
