@@ -16,12 +16,15 @@ No body can hold the event loop (docs/security.md, Feedback bodies): `intake.pre
 bodies with more events or values than a valid one can have before anything is parsed, which
 bounds the rest; a body of more than `INLINE_VALUES` values is then parsed and admitted in a
 worker thread, one at a time per gateway (`Gateway.feedback_parsing`), so a flood of big bodies
-waits its turn there while the loop serves everyone else.
+waits its turn there while the loop serves everyone else. So is a body whose text (a correction, an
+edit) is too long to redact on the loop: the text is masked like a prompt (`ingest.redaction`)
+before the event is published.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from concurrent.futures import Future
 
@@ -31,13 +34,16 @@ from starlette.responses import JSONResponse, Response
 
 from ingest import intake
 from ingest.gateway import Gateway
+from ingest.redaction import Redacted
 from ingest.responses import error
 from schemas.clock import utcnow
-from schemas.events import FeedbackEvent
+from schemas.events import MAX_CORRECTION_CHARS, FeedbackEvent
 
 # Bodies of up to this many values (a few events) are parsed on the event loop: well under 1 ms,
 # less than the hop to a thread.
 INLINE_VALUES = 256
+
+log = logging.getLogger(__name__)
 
 Admitted = list[tuple[FeedbackEvent, str]]  # each event with its wire JSON
 
@@ -56,10 +62,10 @@ async def feedback(gw: Gateway, request: Request) -> Response:
 
 async def _feedback(gw: Gateway, request: Request, tenant: str) -> Response:
     raw = await request.body()  # its size is bounded by the BodyLimit middleware
-    problem = intake.precheck(raw)
-    if problem is not None:
-        return JSONResponse({"detail": problem}, status_code=422)
-    wait_s = gw.feedback_rate.take(tenant, max(1, raw.count(b"{")))  # its events, exactly (`intake.precheck`)
+    counts = intake.counts(raw)
+    if isinstance(counts, str):
+        return JSONResponse({"detail": counts}, status_code=422)
+    wait_s = gw.feedback_rate.take(tenant, max(1, counts.events))  # its events, exactly (`intake.counts`)
     if wait_s is not None:
         gw.metrics.shed.labels("feedback_rate").inc()
         return JSONResponse(
@@ -70,7 +76,10 @@ async def _feedback(gw: Gateway, request: Request, tenant: str) -> Response:
             status_code=429,
             headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
         )
-    if intake.values_in(raw) <= INLINE_VALUES:
+    # Redacting a long text costs more than the hop to a thread (`Redactor.cheap`; a text's characters
+    # are fewer than the body's bytes). A body without text has nothing to redact.
+    redacts = bool(gw.redactor.detectors) and b'"text"' in raw
+    if counts.values <= INLINE_VALUES and not (redacts and not gw.redactor.cheap(len(raw))):
         admitted = _admit(gw, raw, tenant)
     else:
         admitted = await anyio.to_thread.run_sync(_admit, gw, raw, tenant, limiter=gw.feedback_parsing)
@@ -128,4 +137,24 @@ def _admit(gw: Gateway, raw: bytes, tenant: str) -> Admitted | Response:
         if events.status in (403, 404):
             gw.metrics.auth.labels("foreign_tenant" if events.status == 403 else "foreign_request").inc()
         return JSONResponse({"detail": events.problems}, status_code=events.status)
+    if gw.redactor.detectors:
+        events = [_redacted(gw, event) if event.text is not None else event for event in events]
     return [(event, event.model_dump_json()) for event in events]
+
+
+def _redacted(gw: Gateway, event: FeedbackEvent) -> FeedbackEvent:
+    """`event` with its text masked by the gateway's detectors, as a prompt is (ingest/capture.py): a
+    correction is the user's own words, as likely as a prompt to hold an address or a key."""
+    assert event.text is not None
+    try:
+        redacted = gw.redactor(event.text)
+    except Exception:  # noqa: BLE001 - a plugged-in detector failed: mask everything, lose nothing else
+        log.exception("redaction of feedback %s failed: its text is masked whole", event.event_id)
+        redacted = Redacted("[REDACTED:redaction_failed]", frozenset({"redaction_failed"}))
+    if not redacted.kinds:
+        return event
+    for kind in sorted(redacted.kinds):
+        gw.metrics.redacted.labels(kind).inc()
+    # A mask can be longer than what it hides: cut back to the wire's limit, or the labeler would
+    # dead-letter the event for a length the client did not send.
+    return event.model_copy(update={"text": redacted.text[:MAX_CORRECTION_CHARS]})

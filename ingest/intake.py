@@ -15,7 +15,8 @@ three steps, each bounded by the one before (docs/security.md, Feedback bodies):
 * 404 when an item's ``request_id`` was not issued to the caller's tenant (the signature of
   `ingest.auth.RequestIds`), so a tenant cannot even learn whether another's request id exists;
 * 422 when ``created_at`` is outside the accepted window (``settings.limits``), a scored value is
-  outside the reward spec's range, or an ``episode_id`` is too long for the tenant's namespace.
+  outside the reward spec's range, an ``episode_id`` is too long for the tenant's namespace, or
+  ``text`` does not fit the kind (a correction without it, an accepted with it: `schemas.events.text_problem`).
 
 Episode ids are namespaced by tenant (`ingest.auth.namespaced`) exactly as the interactions' are,
 and so are idempotency keys: a client's ``event_id`` becomes `scoped_event_id` of (tenant, key), so a
@@ -34,7 +35,17 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from ingest.auth import RequestIds, namespaced
-from schemas.events import FeedbackEvent, FeedbackKind, FeedbackValue, Id, event_time_problem, new_id
+from schemas.events import (
+    MAX_CORRECTION_CHARS,
+    FeedbackEvent,
+    FeedbackKind,
+    FeedbackValue,
+    Id,
+    UserText,
+    event_time_problem,
+    new_id,
+    text_problem,
+)
 from schemas.rewards import RewardSpec
 from schemas.settings import LimitsSettings
 
@@ -63,6 +74,11 @@ class FeedbackIn(BaseModel):
     kind: FeedbackKind
     value: FeedbackValue = Field(1.0, description="Score for task_outcome / judge_score.")
     created_at: datetime | None = Field(None, description="When it happened (with a timezone); default: now.")
+    text: UserText | None = Field(
+        None,
+        description="What the user wrote: required on correction (the corrected answer or a hint), allowed on "
+        f"edited; at most {MAX_CORRECTION_CHARS} characters. Redacted like prompts before it leaves the gateway.",
+    )
 
     @field_validator("created_at")
     @classmethod
@@ -79,31 +95,74 @@ MANY = TypeAdapter(list[FeedbackIn])
 MAX_FEEDBACK_VALUES = MAX_FEEDBACK_EVENTS * (len(FeedbackIn.model_fields) + 1)
 
 
-def precheck(raw: bytes) -> str | None:
-    """Why the body `raw` is refused before it is parsed, else None. Two byte counts: in a body that
-    can be valid no string holds a ``{`` or a ``,`` (ids are ``[A-Za-z0-9_.:@/+=-]``, kinds are
-    words, times ISO 8601), so ``{`` counts its events exactly and ``,`` its values less one. A
-    string holding them only raises the count, of a body that validation would refuse anyway.
-    Without this, 349,000 empty items (``[{},{},...]``, under 1 MiB) cost the event loop seconds
-    of validation and error rendering, for every tenant."""
-    events = raw.count(b"{")
+# The most strings a valid body can have: each event's keys and string values (the text's own quotes
+# are escaped, `structure`). More is refused before the body is split on them.
+MAX_FEEDBACK_STRINGS = MAX_FEEDBACK_EVENTS * 2 * len(FeedbackIn.model_fields)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What `precheck` counted of a body: its events (``{``) and an upper bound on its values."""
+
+    events: int
+    values: int
+
+
+def structure(raw: bytes) -> bytes | str:
+    """`raw` without the contents of its JSON strings, or why it cannot be a valid body. Only a
+    ``text`` (a correction, an edit) may hold ``{`` or ``,`` in a valid body, so only a body that
+    names ``"text"`` is cut (a key or value ``"text"`` cannot hide inside a string: its quotes would
+    be escaped). A few passes in C, about 5 ms per MiB: escaped backslashes and quotes dropped,
+    then the pieces between quotes kept one in two. A body with more strings than a valid one can
+    hold is refused before it is split."""
+    if b'"text"' not in raw:
+        return raw
+    plain = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    quotes = plain.count(b'"')
+    if quotes > 2 * MAX_FEEDBACK_STRINGS:
+        return (
+            f"a feedback body of at most {MAX_FEEDBACK_EVENTS} events has at most {MAX_FEEDBACK_STRINGS} "
+            f"strings; this body has {quotes // 2} (its quotes, counted before parsing)"
+        )
+    return b"".join(plain.split(b'"')[::2])
+
+
+def counts(raw: bytes) -> Counts | str:
+    """How many events and values the body `raw` holds at most, or why it is refused before it is
+    parsed. Two byte counts outside strings (`structure`): in a body that can be valid no other
+    string holds a ``{`` or a ``,`` (ids are ``[A-Za-z0-9_.:@/+=-]``, kinds are words, times ISO
+    8601), so ``{`` counts its events exactly and ``,`` its values less one. A string holding them
+    only raises the count, of a body that validation would refuse anyway. Without this, 349,000
+    empty items (``[{},{},...]``, under 1 MiB) cost the event loop seconds of validation and error
+    rendering, for every tenant."""
+    outside = structure(raw)
+    if isinstance(outside, str):
+        return outside
+    events = outside.count(b"{")
     if events > MAX_FEEDBACK_EVENTS:
         return (
             f"send between 1 and {MAX_FEEDBACK_EVENTS} feedback events per request; this body has "
             f"{events} (its '{{' characters, counted before parsing)"
         )
-    values = raw.count(b",") + 1
+    values = outside.count(b",") + 1
     if values > MAX_FEEDBACK_VALUES:
         return (
             f"a feedback body of at most {MAX_FEEDBACK_EVENTS} events has at most {MAX_FEEDBACK_VALUES} "
             f"values; this body has {values} (its commas plus one, counted before parsing)"
         )
-    return None
+    return Counts(events, values)
+
+
+def precheck(raw: bytes) -> str | None:
+    """Why the body `raw` is refused before it is parsed, else None (`counts`)."""
+    found = counts(raw)
+    return found if isinstance(found, str) else None
 
 
 def values_in(raw: bytes) -> int:
-    """An upper bound on the values in `raw` (the cost of `parse`): its commas plus one."""
-    return raw.count(b",") + 1
+    """An upper bound on the values in `raw` (the cost of `parse`): its commas outside strings plus one."""
+    found = counts(raw)
+    return MAX_FEEDBACK_VALUES + 1 if isinstance(found, str) else found.values
 
 
 @dataclass(frozen=True)
@@ -167,7 +226,7 @@ def admit(
             continue
         created_at = item.created_at or now
         problem = event_time_problem(created_at, now, limits.max_future_skew_s, limits.max_event_age_s)
-        problem = problem or spec.value_problem(item.kind, item.value)
+        problem = problem or spec.value_problem(item.kind, item.value) or text_problem(item.kind, item.text)
         try:
             episode_id = None if item.episode_id is None else namespaced(tenant, item.episode_id)
         except ValueError as exc:
@@ -184,6 +243,7 @@ def admit(
                 kind=item.kind,
                 value=item.value,
                 created_at=created_at,
+                text=item.text,
             )
         )
     for status in (403, 404, 422):  # the gravest refusal decides the status

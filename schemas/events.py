@@ -36,6 +36,9 @@ MAX_TEXT_CHARS = 1_000_000
 MAX_TOKENS = 131_072
 MAX_ID_CHARS = 200
 MAX_EVENT_BYTES = 16 * 1024 * 1024
+# A correction or an edit as a user writes it: the corrected answer, a hint, an edited snippet of
+# code. Long enough for a rewritten function, short enough to sit in a prompt as a hindsight hint.
+MAX_CORRECTION_CHARS = 8_000
 
 INTERACTION_SCHEMA: Final = "rtrl.interaction.v1"
 FEEDBACK_SCHEMA: Final = "rtrl.feedback.v1"
@@ -243,6 +246,9 @@ class FeedbackKind(StrEnum):
     task_outcome = "task_outcome"
     judge_score = "judge_score"
     episode_end = "episode_end"
+    # What the right answer was, in the user's words (``text``): the corrected answer or a hint. No
+    # reward of its own; a client that also judges the answer wrong sends ``rejected`` beside it.
+    correction = "correction"
 
 
 # Kinds whose value is a score the sender chooses; the others are events and ignore value.
@@ -250,6 +256,31 @@ SCORED_KINDS = frozenset({FeedbackKind.task_outcome, FeedbackKind.judge_score})
 # Kinds that steer the labeler and carry no reward: `episode_end` says the client's episode is over
 # and settles it at once (docs/methods.md, Episodes). Reward specs give them no weight.
 CONTROL_KINDS = frozenset({FeedbackKind.episode_end})
+# Kinds that may carry ``text`` (`FeedbackEvent.text`): a correction must, an edit may (the edited
+# code); any other kind with text is refused, so text never rides along unread.
+TEXT_KINDS = frozenset({FeedbackKind.correction, FeedbackKind.edited})
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("text must not contain NUL characters")
+    return value
+
+
+# Text a user wrote (a correction): unlike a model's text it is refused, not repaired, when a store
+# cannot hold it (a NUL; pydantic refuses a lone surrogate itself).
+UserText = Annotated[str, Field(min_length=1, max_length=MAX_CORRECTION_CHARS), AfterValidator(_no_nul)]
+
+
+def text_problem(kind: FeedbackKind, text: str | None) -> str | None:
+    """Why `text` cannot go with feedback of `kind`, or None: a correction needs text, and only
+    the `TEXT_KINDS` may carry it."""
+    if kind == FeedbackKind.correction and text is None:
+        return "a correction needs its text (the corrected answer or a hint)"
+    if text is not None and kind not in TEXT_KINDS:
+        allowed = ", ".join(sorted(k.value for k in TEXT_KINDS))
+        return f"feedback of kind {kind.value} carries no text (only {allowed} do)"
+    return None
 
 
 class FeedbackEvent(_Message):
@@ -263,6 +294,20 @@ class FeedbackEvent(_Message):
     kind: FeedbackKind = Field(description="What happened.")
     value: FeedbackValue = Field(1.0, description="Score for task_outcome / judge_score; 1 otherwise.")
     created_at: datetime = Field(default_factory=utcnow, description="When it happened (UTC).")
+    text: UserText | None = Field(
+        None,
+        description="What the user wrote: required on correction (the corrected answer or a hint), allowed on "
+        f"edited (the edited text), refused on any other kind; at most {MAX_CORRECTION_CHARS} characters, no NUL, "
+        "redacted by the gateway like prompts. Added to rtrl.feedback.v1 as an optional field (events without it "
+        "read as before).",
+    )
+
+    @model_validator(mode="after")
+    def _text_fits_kind(self) -> FeedbackEvent:
+        problem = text_problem(self.kind, self.text)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
 
 class DeadLetterRecord(_Message):

@@ -34,6 +34,12 @@ How signals combine (``score``):
   not be asked leaves the component ``judge_unavailable`` = 0 instead). docs/methods.md has both.
   They are not feedback: an episode with only these still carries ``no_feedback``.
 
+``correction`` carries text, not reward (schemas/events.py, `TEXT_KINDS`): every built-in spec
+weights it 0.0, and a JSON spec that leaves it out reads as giving it 0.0 (`RewardSpec._defaults`,
+this kind only), so specs written before the kind existed keep loading with the same rewards. A
+correction's text is for the trainer (store/episodes.py, `TrainingEpisode.corrections`). As an
+event kind it still shows in an episode's components, as ``correction: 0.0``.
+
 ``terminal`` names the kinds that close an episode at once (the labeler settles it without waiting
 for the window). ``accepted`` and ``edited`` are not terminal under tab-v1: in the tab flow the
 editor later reports whether the accepted text persisted or was reverted, which is the stronger
@@ -47,7 +53,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -201,6 +207,18 @@ class RewardSpec(BaseModel):
     )
     description: str = Field("", description="What the spec is for.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        """A spec written before ``correction`` existed gives it no weight: it reads as 0.0 (a kind
+        that adds nothing changes no reward, so the spec's version stays). Only this kind: any other
+        missing weight is still an error (`_complete`)."""
+        if isinstance(data, dict) and isinstance(data.get("weights"), dict):
+            weights = data["weights"]
+            if not any(FeedbackKind.correction == key for key in weights):
+                data = {**data, "weights": {**weights, FeedbackKind.correction.value: 0.0}}
+        return data
+
     @model_validator(mode="after")
     def _complete(self) -> RewardSpec:
         # A kind without a weight would be ignored silently; make every spec say what it does with it.
@@ -329,6 +347,9 @@ TAB_V1 = RewardSpec(
         FeedbackKind.tool_call_error: -1.0,
         FeedbackKind.task_outcome: 1.0,  # x value (e.g. 1 = tests pass, 0 = fail)
         FeedbackKind.judge_score: 0.5,  # x value; the judge is weaker evidence than the user
+        # Text for the trainer, not a reward (the module docstring). Added at weight 0 without a version
+        # bump: a kind that adds nothing changes no episode's reward under tab-v1@2.
+        FeedbackKind.correction: 0.0,
     },
     # Worse than a rejection (-0.25): running out of tokens must never pay better than answering.
     unfinished=-0.5,

@@ -30,7 +30,7 @@ from store.caps import Caps
 from store.cycles import CycleRecord, CycleStore
 from store.db import Store
 from store.deploys import DeployStore, LockHolder, RotationRecord
-from store.episodes import EpisodeStore, QuarantinedEpisode, TrainingEpisode, TrainingSegment
+from store.episodes import Correction, EpisodeStore, QuarantinedEpisode, TrainingEpisode, TrainingSegment
 from store.errors import (
     CanaryRunning,
     DatabaseError,
@@ -58,6 +58,7 @@ __all__ = [
     "CanaryRunning",
     "CanaryStore",
     "Caps",
+    "Correction",
     "CycleRecord",
     "CycleRow",
     "CycleStore",

@@ -25,7 +25,7 @@ from schemas.rewards import NO_FEEDBACK
 from store.base import StoreBase
 from store.cycles import served_versions
 from store.errors import EpisodesUnavailable, LeaseLost
-from store.models import ACTIVE_CYCLE_STATUSES, Cycle, Episode, Interaction, Tenant
+from store.models import ACTIVE_CYCLE_STATUSES, Cycle, Episode, Feedback, Interaction, Tenant
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,17 @@ class HeldoutPrompt:
 
 
 @dataclass(frozen=True)
+class Correction:
+    """What a user wrote about one model call of an episode: a correction (the corrected answer or a
+    hint) or an edit's text (schemas/events.py, `TEXT_KINDS`), redacted by the gateway."""
+
+    request_id: str  # the model call it is about (TrainingEpisode.segments hold that call's tokens)
+    kind: str  # correction | edited
+    text: str
+    created_at: datetime  # the sender's clock
+
+
+@dataclass(frozen=True)
 class TrainingEpisode:
     """A settled, labelled episode: its reward and its segments ordered by segment_index."""
 
@@ -77,6 +88,9 @@ class TrainingEpisode:
     no_feedback: bool = False  # settled by the window with no signal at all (reward component no_feedback)
     components: dict[str, float] = field(default_factory=dict)  # the reward's components (schemas/rewards.py)
     metrics: dict[str, Any] = field(default_factory=dict)  # what its structure says (schemas/episodes.py)
+    # What users wrote about its calls, oldest first; feedback that came after it settled is left out,
+    # as it is of the reward (`Feedback.late`).
+    corrections: tuple[Correction, ...] = ()
 
 
 class EpisodeStore(StoreBase):
@@ -273,6 +287,7 @@ class EpisodeStore(StoreBase):
             .where(Interaction.episode_id.in_(ids), Interaction.late.is_(False))
             .order_by(Interaction.episode_id, Interaction.segment_index)
         ).all()
+        corrections = _corrections(session, ids)
         for row in rows:
             # Redacted text still lives in the token ids: such a segment trains only where allowed.
             trainable = row.trainable and (not row.redacted or row.tenant in redacted_ok)
@@ -298,6 +313,7 @@ class EpisodeStore(StoreBase):
                 no_feedback=NO_FEEDBACK in (e.reward_components or {}),
                 components=dict(e.reward_components or {}),
                 metrics=dict(e.metrics or {}),
+                corrections=tuple(corrections.get(e.episode_id, ())),
             )
             for e in episodes
         ]
@@ -381,3 +397,25 @@ class EpisodeStore(StoreBase):
                 .values(quarantined_at=None, quarantine_reason=None, failed_cycles=0)
             )
             return released
+
+
+def _corrections(session: Session, episode_ids: list[str]) -> dict[str, list[Correction]]:
+    """The texts joined to `episode_ids` (one query for the batch), by episode, oldest first."""
+    found: dict[str, list[Correction]] = {}
+    if not episode_ids:
+        return found
+    rows = session.execute(
+        select(
+            Feedback.joined_episode_id, Feedback.request_id, Feedback.kind, Feedback.text, Feedback.created_at
+        )
+        .where(
+            Feedback.joined_episode_id.in_(episode_ids),
+            Feedback.late.is_(False),
+            Feedback.text.is_not(None),
+        )
+        .order_by(Feedback.joined_episode_id, Feedback.created_at, Feedback.event_id)
+    )
+    for episode_id, request_id, kind, text, created_at in rows:
+        if episode_id is not None and text is not None:  # both are, by the WHERE
+            found.setdefault(episode_id, []).append(Correction(request_id, kind, text, created_at))
+    return found

@@ -376,7 +376,9 @@ def _interaction_row(record: SourceRecord, event: InteractionEvent, now: datetim
 
 
 def _feedback_row(record: SourceRecord, event: FeedbackEvent, now: datetime) -> dict[str, Any]:
+    text = {} if event.text is None else {"text": event.text}  # left out: NULL (`insert_rows`)
     return {
+        **text,
         "event_id": event.event_id,
         "request_id": event.request_id,
         "episode_id": event.episode_id,

@@ -105,6 +105,8 @@ class Feedback(Base):
     tenant: Mapped[str] = mapped_column(ID)
     kind: Mapped[str] = mapped_column(String(32))
     value: Mapped[float] = mapped_column(Float)
+    # What a correction (or an edit) says, redacted by the gateway; None for every other kind.
+    text: Mapped[str | None] = mapped_column(Text)
     joined_episode_id: Mapped[str | None] = mapped_column(ID, index=True)
     # Joined an episode that had already settled: kept and counted, never re-rewarded silently.
     late: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -98,12 +98,12 @@ def test_a_flood_of_empty_items_is_refused_before_it_is_parsed(gateway: Gateway)
         "detail": "send between 1 and 1000 feedback events per request; this body has 349000 "
         "(its '{' characters, counted before parsing)"
     }
-    many_values = gateway.post("acme", b"[" + b",".join([b"1"] * 9000) + b"]")
+    many_values = gateway.post("acme", b"[" + b",".join([b"1"] * 10_000) + b"]")
     many_keys = gateway.post("acme", json.dumps({f"k{i}": 0 for i in range(20_000)}).encode())
-    for response, values in ((many_values, 9000), (many_keys, 20_000)):
+    for response, values in ((many_values, 10_000), (many_keys, 20_000)):
         assert response.status_code == 422
         assert response.json()["detail"] == (
-            f"a feedback body of at most 1000 events has at most 8000 values; this body has {values} "
+            f"a feedback body of at most 1000 events has at most 9000 values; this body has {values} "
             "(its commas plus one, counted before parsing)"
         )
     assert gateway.parsed_on_loop == []  # none of them reached validation
@@ -193,6 +193,122 @@ def test_scoped_event_ids_are_ids_of_their_own_kind() -> None:
     assert TypeAdapter(Id).validate_python(scoped("acme", "x" * 200)) == scoped("acme", "x" * 200)
     assert len(scoped("acme", "k")) == len(new_id()) == 32
     assert uuid.UUID(scoped("acme", "k")).version == 5 != uuid.UUID(new_id()).version
+
+
+# ---- Corrections: feedback that carries text (schemas/events.py, TEXT_KINDS) -----------------------
+
+CODE = 'def f(x):\n    return {"a": x, "b": [1, 2]}  # \\"quoted\\" and \\\\ a backslash, {not, structure}'
+
+
+def test_a_correction_is_published_with_its_text_redacted(gateway: Gateway) -> None:
+    gw = gateway.client.app.state.gateway  # type: ignore[attr-defined]
+    gw.feedback_rate = EventRate(rate_per_s=1.0, burst=2)  # two events at once, no more
+    rid = gateway.ids.new("acme")
+    sent = [
+        {"request_id": rid, "kind": "rejected"},
+        {
+            "request_id": rid,
+            "kind": "correction",
+            "text": "the answer is 12, mail me at ann@example.com {ok}",
+        },
+    ]
+    response = gateway.post("acme", sent)  # its braces and commas are no events: the rate lets it through
+    assert response.status_code == 202, response.text
+    assert [e["kind"] for e in gateway.published] == ["rejected", "correction"]
+    assert gateway.published[0]["text"] is None
+    assert gateway.published[1]["text"] == "the answer is 12, mail me at [REDACTED:email] {ok}"
+    assert gateway.published[1]["schema_version"] == "rtrl.feedback.v1"
+
+
+def test_an_edit_may_carry_its_code(gateway: Gateway) -> None:
+    rid = gateway.ids.new("acme")
+    response = gateway.post("acme", {"request_id": rid, "kind": "edited", "text": CODE})
+    assert response.status_code == 202, response.text
+    assert gateway.published[-1]["text"] == CODE
+
+
+def test_a_long_text_is_redacted_off_the_event_loop(gateway: Gateway) -> None:
+    rid = gateway.ids.new("acme")
+    short = gateway.post("acme", {"request_id": rid, "kind": "correction", "text": "12"})
+    long = gateway.post("acme", {"request_id": rid, "kind": "correction", "text": "ann@example.com " * 100})
+    plain = gateway.post(
+        "acme", [{"request_id": rid, "kind": "accepted", "event_id": f"k{i}"} for i in range(30)]
+    )
+    assert (short.status_code, long.status_code, plain.status_code) == (202, 202, 202)
+    assert gateway.parsed_on_loop == [True, False, True]  # a plain batch of 1.6 kB has nothing to redact
+    assert gateway.published[1]["text"] == "[REDACTED:email] " * 100
+
+
+@pytest.mark.parametrize(
+    ("item", "reason"),
+    [
+        ({"kind": "correction"}, "feedback[0]: a correction needs its text (the corrected answer or a hint)"),
+        ({"kind": "accepted", "text": "nice"}, "feedback[0]: feedback of kind accepted carries no text"),
+    ],
+)
+def test_text_that_does_not_fit_the_kind_is_refused_with_its_reason(
+    gateway: Gateway, item: dict[str, str], reason: str
+) -> None:
+    response = gateway.post("acme", {"request_id": gateway.ids.new("acme"), **item})
+    assert response.status_code == 422
+    assert response.json()["detail"][0].startswith(reason)
+    assert gateway.published == []
+
+
+def test_hostile_corrections_are_refused_not_published(gateway: Gateway) -> None:
+    rid = gateway.ids.new("acme")
+    too_long = gateway.post("acme", {"request_id": rid, "kind": "correction", "text": "x" * 8001})
+    assert too_long.status_code == 422
+    assert [(e["loc"], e["type"]) for e in too_long.json()["detail"]] == [(["text"], "string_too_long")]
+    nul = gateway.post("acme", {"request_id": rid, "kind": "correction", "text": "a\u0000b"})
+    assert nul.status_code == 422 and "NUL" in nul.json()["detail"][0]["msg"]
+    not_utf8 = gateway.post(
+        "acme", b'{"request_id": "' + rid.encode() + b'", "kind": "correction", "text": "\xff"}'
+    )
+    assert not_utf8.status_code == 422 and not_utf8.json()["detail"][0]["type"] == "json_invalid"
+    surrogate = gateway.post("acme", b'{"request_id": "r", "kind": "correction", "text": "\\ud800"}')
+    assert surrogate.status_code == 422
+    body = json.dumps([{"request_id": rid, "kind": "correction", "text": "y" * 8000}] * 200).encode()
+    huge = gateway.post("acme", body)
+    assert huge.status_code == 413  # over gateway.max_feedback_bytes: one line, in the OpenAI shape
+    assert huge.json() == {
+        "error": {
+            "message": f"request body of {len(body)} bytes is over the 1048576-byte limit",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 413,
+        }
+    }
+    assert gateway.published == []
+
+
+def test_a_mask_longer_than_the_text_is_cut_to_the_limit(gateway: Gateway) -> None:
+    text = ("a@b.cc " * 1200)[:8000]  # each 6-character address becomes a 16-character mask
+    response = gateway.post(
+        "acme", {"request_id": gateway.ids.new("acme"), "kind": "correction", "text": text}
+    )
+    assert response.status_code == 202, response.text
+    published = gateway.published[-1]["text"]
+    assert len(published) == 8000 and published.startswith("[REDACTED:email] [REDACTED:email]")
+    assert "a@b.cc" not in published
+
+
+def test_only_structure_outside_strings_is_counted() -> None:
+    item = {"request_id": "r", "kind": "edited", "text": CODE + ",{" * 3000}
+    counted = intake.counts(json.dumps([item] * 2).encode())
+    assert counted == intake.Counts(events=2, values=6)  # two objects of three values: five commas
+    plain = {"request_id": "r", "kind": "accepted"}
+    assert intake.counts(json.dumps(plain).encode()) == intake.Counts(events=1, values=2)
+    quotes = b'[{"text": "' + b'"",' * 40_000 + b'"}]'
+    problem = intake.counts(quotes)
+    assert isinstance(problem, str) and problem.startswith(
+        "a feedback body of at most 1000 events has at most"
+    )
+    # A string cannot hide a flood: "text" inside one is escaped, and the flood's braces are outside.
+    hidden = (
+        b'[{"request_id": "r", "kind": "edited", "text": "\\"text\\""},' + b",".join([b"{}"] * 2000) + b"]"
+    )
+    assert intake.precheck(hidden) is not None
 
 
 # ---- Accepted means durable (docs/security.md) ---------------------------------------------------

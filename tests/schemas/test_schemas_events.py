@@ -23,7 +23,7 @@ from schemas import (
     parse_event,
     parse_version,
 )
-from schemas.events import MAX_EVENT_BYTES, storable_text
+from schemas.events import MAX_CORRECTION_CHARS, MAX_EVENT_BYTES, storable_text
 
 pytestmark = pytest.mark.unit
 
@@ -81,6 +81,7 @@ def test_feedback_kinds_are_a_closed_set() -> None:
         "task_outcome",
         "judge_score",
         "episode_end",
+        "correction",
     }
     with pytest.raises(ValidationError):
         FeedbackEvent(event_id="f1", request_id="r", kind="loved_it")  # type: ignore[arg-type]
@@ -266,3 +267,42 @@ def test_the_fast_reader_accepts_and_refuses_what_the_full_one_does(raw: bytes) 
     except SchemaError:
         fast = SchemaError
     assert fast == full
+
+
+def test_a_correction_carries_its_text_on_the_v1_wire() -> None:
+    event = FeedbackEvent(
+        event_id="f1", request_id="r", kind=FeedbackKind.correction, text="the answer is 12"
+    )
+    raw = event.model_dump_json().encode()
+    assert b'"schema_version":"rtrl.feedback.v1"' in raw
+    assert parse_event(raw, FeedbackEvent) == event
+    edited = FeedbackEvent(
+        event_id="f2", request_id="r", kind=FeedbackKind.edited, text="def f():\n    return 1"
+    )
+    assert edited.text == "def f():\n    return 1"
+    assert FeedbackEvent(event_id="f3", request_id="r", kind=FeedbackKind.edited).text is None
+    # An event written before the field existed reads as one without text.
+    old = b'{"schema_version":"rtrl.feedback.v1","event_id":"f4","request_id":"r","kind":"accepted"}'
+    assert parse_event(old, FeedbackEvent).text is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"kind": "correction"}, "a correction needs its text"),
+        ({"kind": "accepted", "text": "great"}, "feedback of kind accepted carries no text"),
+        ({"kind": "judge_score", "value": 0.5, "text": "meh"}, "only correction, edited do"),
+        ({"kind": "correction", "text": ""}, "at least 1 character"),
+        ({"kind": "correction", "text": "x" * (MAX_CORRECTION_CHARS + 1)}, f"at most {MAX_CORRECTION_CHARS}"),
+        ({"kind": "correction", "text": "a\u0000b"}, "NUL"),
+        ({"kind": "correction", "text": "\ud800"}, "string"),  # a lone surrogate: not UTF-8 text
+        ({"kind": "correction", "text": 12}, "string"),
+    ],
+)
+def test_hostile_text_is_a_schema_error_with_its_reason(fields: dict[str, object], reason: str) -> None:
+    body = {"schema_version": "rtrl.feedback.v1", "event_id": "f1", "request_id": "r", **fields}
+    raw = json.dumps(body).encode()
+    with pytest.raises(SchemaError, match=reason):
+        parse_event(raw, FeedbackEvent)
+    with pytest.raises(SchemaError, match=reason):  # the second reader, which says why in rtrl's words
+        parse_event(raw)

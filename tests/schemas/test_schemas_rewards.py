@@ -382,3 +382,29 @@ def test_the_primary_value_of_an_episode() -> None:
     assert edits.primary_value({"accepted": 0.75, "edit_persisted": 1.0}) == 1.0
     assert edits.primary_value({"accepted": 0.75, "edit_reverted": -0.5}) == 0.0  # did not persist
     assert edits.primary_value({"accepted": 0.75}) is None
+
+
+def test_a_correction_is_text_not_reward_in_every_built_in_spec() -> None:
+    for spec in (TAB_V1, PARL_V1, JUDGED_V1):
+        assert spec.weights[K.correction] == 0.0
+        assert K.correction not in spec.terminal  # the client sends `rejected` beside it if it means one
+    # Same version as before the kind existed: weight 0 changes no reward.
+    assert (TAB_V1.spec_id, PARL_V1.spec_id, JUDGED_V1.spec_id) == ("tab-v1@2", "parl-v1@2", "judged-v1@1")
+    result = score(TAB_V1, [sig(K.correction), sig(K.rejected)])
+    assert result.reward == -0.25
+    assert result.components == {"rejected": -0.25, "correction": 0.0}
+
+
+def test_a_json_spec_without_correction_reads_it_as_zero_and_no_other_kind(tmp_path) -> None:
+    weights = {kind.value: 0.0 for kind in K if kind is not K.correction} | {"task_outcome": 1.0}
+    path = tmp_path / "older.json"
+    path.write_text(json.dumps({"name": "older", "version": 1, "weights": weights, "terminal": []}))
+    spec = get_spec(str(path))
+    assert spec.weights[K.correction] == 0.0
+    weights.pop("accepted")
+    path.write_text(json.dumps({"name": "older", "version": 2, "weights": weights, "terminal": []}))
+    with pytest.raises(RewardSpecError, match="no weight for.*accepted"):
+        get_spec(str(path))
+    # A spec may weight it: a correction is then an event like any other (counted once).
+    mine = TAB_V1.model_validate({**TAB_V1.model_dump(), "weights": {**TAB_V1.weights, K.correction: -0.1}})
+    assert score(mine, [sig(K.correction), sig(K.correction)]).reward == -0.1
