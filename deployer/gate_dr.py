@@ -41,6 +41,7 @@ from evals.dr import (
 )
 from evals.stats import importance_weights
 from schemas.settings import Settings
+from schemas.settings.vllm import GENERATION_CONFIG_KEYS
 from serving import Generation, VllmClient
 
 if TYPE_CHECKING:  # deployer/gate_suites.py calls `choose`
@@ -61,15 +62,9 @@ class DrPrompt:
 Sampler = Callable[[Sequence[str], Sequence[DrPrompt]], Mapping[str, list[list[Generation]]]]
 Texts = Callable[[], list[tuple[str, str]]]  # (text, finish_reason) per logged episode (ope.completion_texts)
 
-_SAMPLING = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
+# The sampling each held-out prompt is drawn with again: the logged request's, key by key (the ones
+# vLLM reads from a model's generation_config.json).
+_SAMPLING = GENERATION_CONFIG_KEYS
 
 
 def dr_prompts(settings: Settings, logged: Sequence[ope.Logged]) -> list[DrPrompt]:
