@@ -6,6 +6,8 @@
         [--seed S] [--json PATH]
 
 ``--preference bench_learning:correct_only``: users who accept only correct answers (a capability).
+``--preference bench_learning:correct_with_corrections``: the same users, who also send the right answer
+as a ``correction`` with half of their rejections (issue 39's written corrections).
 
 The real loop (`rtrl demo`'s code: Kafka, Redis, MLflow, two vLLM CPU servers, gateway, labeler,
 Celery worker with DeepSpeed) from the tiny base model (or the checkpoint in ``--model-dir``, refused
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import re
 import sys
@@ -68,6 +71,19 @@ def correct_only(prompt: str, completion: str) -> list[FeedbackSignal]:
     answers = _ANSWERS.get(prompt, ())
     right = any(re.search(rf"(?<!\w){re.escape(a)}(?!\w)", completion, re.IGNORECASE) for a in answers)
     return [FeedbackSignal(kind=FeedbackKind.accepted if right else FeedbackKind.rejected)]
+
+
+def correct_with_corrections(prompt: str, completion: str) -> list[FeedbackSignal]:
+    """`correct_only` users who, rejecting a wrong answer, write the right one half of the time (which
+    half is a hash of the prompt and the completion, so a rerun of the same seed sends the same):
+    ``--preference bench_learning:correct_with_corrections``."""
+    said = correct_only(prompt, completion)
+    answers = _ANSWERS.get(prompt, ())
+    if said[0].kind != FeedbackKind.rejected or not answers:
+        return said
+    if hashlib.sha256(f"{prompt}\x00{completion}".encode()).digest()[0] % 2:
+        return said
+    return [*said, FeedbackSignal(kind=FeedbackKind.correction, text=f"The answer is {answers[0]}.")]
 
 
 def correct_or_silent(prompt: str, completion: str) -> list[FeedbackSignal]:

@@ -402,3 +402,13 @@ class FeedbackSignal(_Message):
 
     kind: FeedbackKind = Field(description="What the simulated user did.")
     value: float = Field(1.0, ge=-1e6, le=1e6, description="Score for task_outcome / judge_score.")
+    text: UserText | None = Field(
+        None, description="What the user wrote: a correction's corrected answer or hint (`text_problem`)."
+    )
+
+    @model_validator(mode="after")
+    def _text_fits_kind(self) -> FeedbackSignal:
+        problem = text_problem(self.kind, self.text)
+        if problem:
+            raise ValueError(problem)
+        return self

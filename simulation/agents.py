@@ -63,7 +63,7 @@ from schemas.rewards import get_spec, score
 from schemas.settings import Settings
 from schemas.versions import parse_version
 
-from .client import MAX_ERRORS_KEPT, CallFailed, Gateway, Reply, fan_out, open_gateway
+from .client import MAX_ERRORS_KEPT, CallFailed, Gateway, Reply, fan_out, feedback_body, open_gateway
 
 # The reward spec each scenario's labeler uses (`rtrl demo --scenario` sets labeler.reward_spec).
 SCENARIO_SPECS = {"parl": "parl-v1", "summarize": "tab-v1", "self-edit": "judged-v1"}
@@ -245,7 +245,7 @@ def _episode(env: _Env, question: str, preference: Preference) -> _Episode:
         )
     # The users judge the final answer's request (that does not end a multi-segment episode), then
     # the client ends the episode: accepted is not terminal, so without it the episode waits out the window.
-    events = [{"request_id": final.request_id, "kind": s.kind.value, "value": s.value} for s in signals]
+    events = [feedback_body(final.request_id, s) for s in signals]
     events.append(
         {"request_id": final.request_id, "episode_id": env.episode, "kind": FeedbackKind.episode_end.value}
     )

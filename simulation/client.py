@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 
 from schemas.clock import wait_until
+from schemas.events import FeedbackSignal, new_id
 from schemas.settings import Settings
 
 if TYPE_CHECKING:
@@ -180,3 +181,16 @@ def simulation_key(store: Store, gateway_url: str, timeout_s: float = 60.0) -> I
         yield key
     finally:
         store.revoke_api_key(record.id)
+
+
+def feedback_body(request_id: str, signal: FeedbackSignal) -> dict[str, Any]:
+    """One feedback event as a client posts it to /v1/feedback: its kind, value and any text."""
+    body: dict[str, Any] = {
+        "event_id": new_id(),
+        "request_id": request_id,
+        "kind": signal.kind.value,
+        "value": signal.value,
+    }
+    if signal.text is not None:
+        body["text"] = signal.text
+    return body

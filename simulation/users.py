@@ -23,11 +23,11 @@ from typing import Literal
 import httpx
 
 from evals import Preference, Task, get_task
-from schemas.events import FeedbackKind, FeedbackSignal, new_id
+from schemas.events import FeedbackKind, FeedbackSignal
 from schemas.rewards import RewardSpec, get_spec, score
 from schemas.settings import Settings
 
-from .client import MAX_ERRORS_KEPT, CallFailed, Gateway, fan_out, open_gateway
+from .client import MAX_ERRORS_KEPT, CallFailed, Gateway, fan_out, feedback_body, open_gateway
 
 USERS = 8  # size of the simulated population (sessions)
 
@@ -73,7 +73,7 @@ def _what_the_user_says(
     the rest), or what they think."""
     if rng.random() >= feedback_rate:
         return []
-    if signals and rng.random() < flip_rate:
+    if signals and rng.random() < flip_rate:  # the opposite verdict alone: no correction comes with it
         return [FeedbackSignal(kind=FeedbackKind.rejected if accepted else FeedbackKind.accepted)]
     return signals
 
@@ -184,9 +184,7 @@ class _Users:
 
 def _send(gateway: Gateway, request_id: str, said: Sequence[FeedbackSignal]) -> tuple[int, int, str | None]:
     """Feedback on one request, what the user said: (sent, failed, error)."""
-    events = [
-        {"event_id": new_id(), "request_id": request_id, "kind": s.kind.value, "value": s.value} for s in said
-    ]
+    events = [feedback_body(request_id, s) for s in said]
     if not events:
         return 0, 0, None
     try:
