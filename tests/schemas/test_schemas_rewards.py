@@ -28,7 +28,8 @@ K = FeedbackKind
 
 
 def sig(kind: FeedbackKind, value: float = 1.0) -> FeedbackSignal:
-    return FeedbackSignal(kind=kind, value=value)
+    text = "The answer is 7." if kind == K.correction else None  # a correction carries its text
+    return FeedbackSignal(kind=kind, value=value, text=text)
 
 
 def test_single_signals_take_their_weight() -> None:
