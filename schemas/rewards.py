@@ -37,8 +37,9 @@ How signals combine (``score``):
 ``correction`` carries text, not reward (schemas/events.py, `TEXT_KINDS`): every built-in spec
 weights it 0.0, and a JSON spec that leaves it out reads as giving it 0.0 (`RewardSpec._defaults`,
 this kind only), so specs written before the kind existed keep loading with the same rewards. A
-correction's text is for the trainer (store/episodes.py, `TrainingEpisode.corrections`). As an
-event kind it still shows in an episode's components, as ``correction: 0.0``.
+correction's text is for the trainer (store/episodes.py, `TrainingEpisode.corrections`). At weight
+0 `score` leaves it out: it is no term of the reward, and an episode whose only feedback is a
+correction stays unrated (``no_feedback``), not a rated 0. A spec that weights it counts it as an event.
 
 ``terminal`` names the kinds that close an episode at once (the labeler settles it without waiting
 for the window). ``accepted`` and ``edited`` are not terminal under tab-v1: in the tab flow the
@@ -252,8 +253,14 @@ class RewardSpec(BaseModel):
                 f"reward spec {self.name!r} weights {explicit} but names no primary signal: set primary to "
                 "task_outcome, judge_score, judge or edit_persisted"
             )
-        if self.primary is not None and self.primary_weight() == 0.0:
-            where = "has no judge term (or its weight is 0)" if self.primary == JUDGE else "gives it weight 0"
+        if self.primary is not None and self.primary_weight() <= 0.0:
+            # A negative weight would turn the guards on the primary term upside down: a challenger that
+            # does better on it would read as worse.
+            where = (
+                "has no judge term (or its weight is not above 0)"
+                if self.primary == JUDGE
+                else f"gives it weight {self.primary_weight():g} (it must be above 0)"
+            )
             raise ValueError(f"reward spec {self.name!r}: primary {self.primary} {where}")
 
     def primary_weight(self) -> float:
@@ -438,6 +445,10 @@ def score(
     for signal in signals:
         kind = FeedbackKind(signal.kind)
         if kind in CONTROL_KINDS:
+            continue
+        if kind == FeedbackKind.correction and spec.weights.get(kind, 0.0) == 0.0:
+            # Text for the trainer, not a verdict: an episode whose only feedback is a correction the
+            # spec does not weight stays unrated (no_feedback), as the labeler and the gate count it.
             continue
         if kind in SCORED_KINDS:
             last_value[kind] = float(signal.value)

@@ -106,7 +106,7 @@ class GspoLoss(_Loss):
 class RftLoss(_Loss):
     """Rejection-sampling fine-tuning (RFT, arXiv 2308.01825; ReSpect, arXiv 2410.13852): the
     token-mean negative log-likelihood of the completions of the episodes users rewarded, every
-    other episode left out (trainer/objectives.py `rft_episodes`)."""
+    other episode left out (trainer/objectives.py `rft_accepts`)."""
 
     type: Literal["rft"] = "rft"
     min_reward: float = Field(
@@ -119,7 +119,7 @@ class RftLoss(_Loss):
 class DpoLoss(_Loss):
     """DPO (Rafailov et al. 2023, arXiv 2305.18290) on pairs of episodes of one prompt in the cycle's
     batch, the reference being the behaviour logprobs of the champion that sampled them
-    (trainer/objectives.py `dpo_pairs`)."""
+    (trainer/objectives.py `pair_indices`)."""
 
     type: Literal["dpo"] = "dpo"
     beta: float = Field(

@@ -354,6 +354,8 @@ def test_a_spec_that_weights_thumbs_or_acceptance_must_name_a_weighted_primary()
         RewardSpec.model_validate(base | {"primary": None})
     with pytest.raises(ValueError, match="primary task_outcome gives it weight 0"):
         RewardSpec.model_validate(base | {"weights": TAB_V1.weights | {K.task_outcome: 0.0}})
+    with pytest.raises(ValueError, match=r"primary task_outcome gives it weight -1 \(it must be above 0\)"):
+        RewardSpec.model_validate(base | {"weights": TAB_V1.weights | {K.task_outcome: -1.0}})
     with pytest.raises(ValueError, match="primary judge has no judge term"):
         RewardSpec.model_validate(base | {"primary": "judge"})
     with pytest.raises(ValueError, match="primary"):
@@ -393,7 +395,9 @@ def test_a_correction_is_text_not_reward_in_every_built_in_spec() -> None:
     assert (TAB_V1.spec_id, PARL_V1.spec_id, JUDGED_V1.spec_id) == ("tab-v1@2", "parl-v1@2", "judged-v1@1")
     result = score(TAB_V1, [sig(K.correction), sig(K.rejected)])
     assert result.reward == -0.25
-    assert result.components == {"rejected": -0.25, "correction": 0.0}
+    assert result.components == {"rejected": -0.25}  # text, not a term of the reward
+    alone = score(TAB_V1, [sig(K.correction)])  # a correction alone is no verdict: the episode stays unrated
+    assert alone.components == {"no_feedback": 0.0} and outcome_of(alone.components) is None
 
 
 def test_a_json_spec_without_correction_reads_it_as_zero_and_no_other_kind(tmp_path) -> None:

@@ -63,7 +63,9 @@ def test_bench_users_correct_half_of_the_wrong_answers_and_none_of_the_right_one
     assert 0.35 < len(corrected) / len(wrong) < 0.65
     for prompt, said in zip(prompts, wrong, strict=True):
         if len(said) == 2:
-            assert said[1].kind == FeedbackKind.correction and bench._ANSWERS[prompt][0] in (said[1].text or "")
+            assert said[1].kind == FeedbackKind.correction and bench._ANSWERS[prompt][0] in (
+                said[1].text or ""
+            )
     right = [bench.correct_with_corrections(p, f" {bench._ANSWERS[p][0]}!") for p in prompts]
     assert all(s == [FeedbackSignal(kind=FeedbackKind.accepted)] for s in right)
     assert bench.correct_with_corrections(prompts[0], " no idea") == wrong[0]  # the same again

@@ -38,10 +38,9 @@ def test_an_episodes_corrections_are_read_with_it_oldest_first(any_store: Store)
         Correction("r-e1-1", "correction", "the answer is 12", at(2)),
     )
     assert episodes["plain"].corrections == ()
-    assert episodes["e1"].components == {
+    assert episodes["e1"].components == {  # the correction is text for the trainer, not a term
         "rejected": -0.25,
         "edited": 0.0,
-        "correction": 0.0,
         "accepted": 0.75,
     }
     with any_store.transaction() as session:
