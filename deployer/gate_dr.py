@@ -86,13 +86,25 @@ def dr_prompts(settings: Settings, logged: Sequence[ope.Logged]) -> list[DrPromp
     return out
 
 
+# Prompts per sampling request: a gate's prompt suite sends at most this many at once too
+# (gate.traffic.max_prompts' default), so no request of the DR samples outlasts `vllm.request_timeout_s`
+# where a prompt suite's would not; up to `gate.ope.max_episodes` held-out prompts go in several.
+DR_REQUEST_PROMPTS = 64
+
+
 def sample_on(server: VllmClient, prompts: Sequence[DrPrompt], n: int, seed: int) -> list[list[Generation]]:
-    """`n` completions of each prompt on `server`, one request per distinct (max_tokens, stop, sampling)."""
+    """`n` completions of each prompt on `server`: requests by distinct (max_tokens, stop, sampling),
+    of at most `DR_REQUEST_PROMPTS` prompts each."""
     groups: dict[tuple[int, tuple[str, ...], tuple[tuple[str, Any], ...]], list[int]] = {}
     for i, p in enumerate(prompts):
         groups.setdefault((p.max_tokens, p.stop, p.sampling), []).append(i)
     out: list[list[Generation]] = [[] for _ in prompts]
-    for (max_tokens, stop, sampling), indices in groups.items():
+    requests = [
+        (key, group[start : start + DR_REQUEST_PROMPTS])
+        for key, group in groups.items()
+        for start in range(0, len(group), DR_REQUEST_PROMPTS)
+    ]
+    for (max_tokens, stop, sampling), indices in requests:
         generated = server.sample(
             [prompts[i].prompt for i in indices],
             max_tokens=max_tokens,

@@ -218,6 +218,10 @@ def test_prompts_keep_their_logged_sampling_and_requests_are_grouped_by_it() -> 
     assert [[g.text for g in gens] for gens in out] == [["prompt 0"] * 2, ["prompt 1"] * 2]
     assert len(server.requests) == 2  # two max_tokens: two requests
     assert server.requests[0]["sampling"]["temperature"] == 0.7 and server.requests[0]["seed"] == 5
+    many = [prompts[0]] * (2 * gate_dr.DR_REQUEST_PROMPTS + 1)  # one sampling, in three requests
+    server.requests.clear()
+    assert len(gate_dr.sample_on(server, many, 1, seed=5)) == len(many)  # type: ignore[arg-type]
+    assert [len(r["prompts"]) for r in server.requests] == [64, 64, 1]
 
 
 def test_the_settings_defaults() -> None:
