@@ -77,8 +77,9 @@ async def _feedback(gw: Gateway, request: Request, tenant: str) -> Response:
             headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
         )
     # Redacting a long text costs more than the hop to a thread (`Redactor.cheap`; a text's characters
-    # are fewer than the body's bytes). A body without text has nothing to redact.
-    redacts = bool(gw.redactor.detectors) and b'"text"' in raw
+    # are fewer than the body's bytes). A body without text has nothing to redact; one with a JSON
+    # escape may spell the key `"\u0074ext"`, which the parser reads as `text`, so it is counted as one.
+    redacts = bool(gw.redactor.detectors) and (b'"text"' in raw or b"\\u" in raw)
     if counts.values <= INLINE_VALUES and not (redacts and not gw.redactor.cheap(len(raw))):
         admitted = _admit(gw, raw, tenant)
     else:

@@ -237,6 +237,11 @@ def test_a_long_text_is_redacted_off_the_event_loop(gateway: Gateway) -> None:
     assert (short.status_code, long.status_code, plain.status_code) == (202, 202, 202)
     assert gateway.parsed_on_loop == [True, False, True]  # a plain batch of 1.6 kB has nothing to redact
     assert gateway.published[1]["text"] == "[REDACTED:email] " * 100
+    # The key spelt with an escape is the same field to the parser: still off the loop.
+    item = json.dumps({"request_id": rid, "kind": "correction", "text": "ann@example.com " * 100})
+    escaped = item.replace('"text"', '"\\u0074ext"', 1)
+    assert gateway.post("acme", escaped.encode()).status_code == 202
+    assert gateway.parsed_on_loop[-1] is False and gateway.published[-1]["text"] == "[REDACTED:email] " * 100
 
 
 @pytest.mark.parametrize(
