@@ -55,9 +55,10 @@ def test_the_episode_suite_catches_a_self_editing_regression_single_calls_do_not
     assert "suite episodes" in refused.reason
     # Single calls: it answers and finishes like the champion, and no alarm on them names it (retention
     # may fail or pass: at 16 prompts on the tiny model it moves with any change of weights).
-    assert (
-        refused.behaviour["challenger"].truncated == 0.0 and refused.behaviour["challenger"].no_action == 0.0
-    )
+    # (A CI run saw one non-answer in 32 single calls: 0.03, under the no_action alarm's allowance.)
+    single = refused.behaviour["challenger"]
+    assert single.truncated < settings.gate.alarms.truncation_rate
+    assert single.no_action < settings.gate.alarms.no_action_rate
     assert not [a.name for a in refused.alarms if a.fired]
     assert store.gate_decisions(rambling)[0]["reason"] == refused.reason
     assert registry.version_tags(rambling)["gate_suite_episodes"].startswith("fail")

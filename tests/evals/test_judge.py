@@ -67,9 +67,9 @@ def test_the_judge_grades_with_an_openai_compatible_server(vllm_service: Setting
     print([v.score for v in first.verdicts])
     assert not first.outage and first.failed == 0
     assert all(v.score is not None and 0.0 <= v.score <= 1.0 for v in first.verdicts)
-    assert [v.score for v in again.verdicts] == [
-        v.score for v in first.verdicts
-    ]  # temperature 0: the same grades
+    # Temperature 0: the same grades, to the last digits the batch's make-up leaves alone (a CI run saw
+    # 0.5765493886 against 0.5765493859: CPU kernels sum in another order for another batch).
+    assert [v.score for v in again.verdicts] == pytest.approx([v.score for v in first.verdicts], abs=1e-6)
     asked = judge.messages(*ITEMS[0], nonce="n")[0]["content"]
     assert "Answer: <completion-n>\n It is 5!\n</completion-n>" in asked and "{" not in asked
 
