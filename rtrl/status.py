@@ -192,40 +192,73 @@ def _trainer(settings: Settings, store: Store) -> dict[str, Any]:
 def _fleet(
     settings: Settings, store: Store, champion: int | None, problems: list[str]
 ) -> list[dict[str, Any]]:
-    from serving import VllmClient
-
+    """A row per vLLM server: serving, staging and the live canary's (``vllm.canary_server``), with
+    its version, pause and rotation; what an operator must look at goes into `problems`."""
     try:
         rotation = store.rotation()
     except Exception:  # noqa: BLE001 - the store is reported by its own part; show the servers anyway
         rotation = {}
+    vllm = settings.vllm
+    roles = [(url, "serving") for url in vllm.servers]
+    roles += [
+        (url, role) for url, role in ((vllm.staging_server, "staging"), (vllm.canary_server, "canary")) if url
+    ]
     rows = []
-    staging = settings.vllm.staging_server
-    for url in (*settings.vllm.servers, *([staging] if staging else [])):
-        url = url.rstrip("/")
-        row: dict[str, Any] = {
-            "url": url,
-            "role": "staging" if staging and url == staging.rstrip("/") else "serving",
-        }
-        with VllmClient(url, model=settings.vllm.served_model_name, timeout_s=3.0) as server:
-            state = server.state()  # what `rtrl deploy status` shows; never raises
-        if state.error is not None:  # a dead server is a row, not a crash
-            row["error"] = state.error[:200]
-            problems.append(f"{url}: {row['error']}; the reconciler restarts local servers")
-            rows.append(row)
-            continue
-        row["version"], row["paused"] = state.weight_version, state.paused
-        if url in rotation:
-            row["in_rotation"] = rotation[url].in_rotation
-            row["rotation_reason"] = rotation[url].reason
-        if champion is not None and row["version"] != champion:
-            problems.append(
-                f"{url} serves {row['version']} but @champion is v{champion}; "
-                "the reconciler aligns it (`rtrl deploy reconcile`)"
-            )
-        if row.get("in_rotation") is False:
-            problems.append(f"{url} is out of rotation: {row.get('rotation_reason')}")
+    for url, role in roles:
+        row = _server_row(settings, url.rstrip("/"), role, rotation)
         rows.append(row)
+        if "error" in row:
+            problems.append(f"{row['url']}: {row['error']}; the reconciler restarts local servers")
+        elif role == "canary":
+            _canary_problems(store, row, problems)
+        else:
+            if champion is not None and row["version"] != champion:
+                problems.append(
+                    f"{row['url']} serves {row['version']} but @champion is v{champion}; "
+                    "the reconciler aligns it (`rtrl deploy reconcile`)"
+                )
+            if row.get("in_rotation") is False:
+                problems.append(f"{row['url']} is out of rotation: {row.get('rotation_reason')}")
     return rows
+
+
+def _server_row(settings: Settings, url: str, role: str, rotation: dict[str, Any]) -> dict[str, Any]:
+    """What one server says (`rtrl deploy status`'s reading; a dead server is a row with its error)."""
+    from serving import VllmClient
+
+    row: dict[str, Any] = {"url": url, "role": role}
+    with VllmClient(url, model=settings.vllm.served_model_name, timeout_s=3.0) as server:
+        state = server.state()  # never raises
+    if state.error is not None:
+        row["error"] = state.error[:200]
+        return row
+    row["version"], row["paused"] = state.weight_version, state.paused
+    if url in rotation:
+        row["in_rotation"] = rotation[url].in_rotation
+        row["rotation_reason"] = rotation[url].reason
+    return row
+
+
+def _canary_problems(store: Store, row: dict[str, Any], problems: list[str]) -> None:
+    """The canary server is out of rotation between canaries (idle, whatever it holds) and serves its
+    canary's challenger during one (docs/gate.md, Live canary)."""
+    try:
+        running = store.running_canary()
+    except Exception:  # noqa: BLE001 - the store is reported by its own part
+        return
+    row["canary"] = None if running is None else {"id": running.id, "version": running.challenger_version}
+    if running is None:
+        if row.get("in_rotation"):
+            problems.append(
+                f"{row['url']} (canary server) is in rotation but no canary runs; "
+                "the worker's reaper takes it out (`rtrl deploy canary status`)"
+            )
+        return
+    if row["version"] != running.challenger_version and row.get("in_rotation"):
+        problems.append(
+            f"{row['url']} (canary server) serves {row['version']} but canary #{running.id} runs "
+            f"v{running.challenger_version}"
+        )
 
 
 def _locks(store: Store) -> list[dict[str, Any]]:
@@ -347,6 +380,9 @@ def _fleet_lines(fleet: list[dict[str, Any]]) -> list[str]:
                 else f", out of rotation ({row.get('rotation_reason')})"
             )
         )
+        if row["role"] == "canary" and "error" not in row:
+            canary = row.get("canary")
+            state += f" (canary #{canary['id']} of v{canary['version']})" if canary else ", idle"
         lines.append(f"fleet     {row['role']:<8} {row['url']}  {state}")
     return lines
 

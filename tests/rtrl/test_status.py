@@ -181,3 +181,36 @@ def test_the_services_line_says_when_none_is_enabled() -> None:
         {"name": "redis", "healthy": False, "pid": None, "detail": "not running"},
     ]
     assert "services  kafka ok · redis not running" in render({**base, "services": two}).splitlines()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("running", "version", "in_rotation", "problem"),
+    [
+        (False, 1, False, None),  # idle between canaries: out of rotation, whatever it holds
+        (False, 1, True, "is in rotation but no canary runs"),
+        (True, 2, True, None),  # serving its canary's challenger
+        (True, 1, True, "serves 1 but canary #1 runs v2"),
+        (True, 1, False, None),  # still loading the challenger, out of rotation
+    ],
+)
+def test_the_canary_server_is_judged_by_the_canary_it_serves_not_by_champion(
+    tmp_path: Path, running: bool, version: int, in_rotation: bool, problem: str | None
+) -> None:
+    from rtrl.status import _canary_problems, _fleet_lines
+    from store import Store
+
+    url = "http://127.0.0.1:8009"
+    store = Store(f"sqlite:///{tmp_path / 'rtrl.db'}")
+    store.migrate()
+    if running:
+        store.start_canary("policy", 2, 1, url, 0.1)
+    row = {"url": url, "role": "canary", "version": version, "paused": False, "in_rotation": in_rotation}
+    problems: list[str] = []
+    _canary_problems(store, row, problems)
+    store.close()
+    assert [p for p in problems if problem and problem in p] == problems
+    assert len(problems) == (problem is not None)
+    (line,) = _fleet_lines([row])
+    assert line.startswith(f"fleet     canary   {url}  v{version}")
+    assert line.endswith(" (canary #1 of v2)" if running else ", idle")
