@@ -40,6 +40,9 @@ this kind only), so specs written before the kind existed keep loading with the 
 correction's text is for the trainer (store/episodes.py, `TrainingEpisode.corrections`). At weight
 0 `score` leaves it out: it is no term of the reward, and an episode whose only feedback is a
 correction stays unrated (``no_feedback``), not a rated 0. A spec that weights it counts it as an event.
+What the trainer does with the text is the spec's ``hindsight`` term (`HindsightTerm`: hindsight
+distillation, trainer/hindsight.py): a term of the advantages of the corrected episodes' tokens, not
+of any reward, so it needs no version bump; every built-in spec leaves it off (None).
 
 ``terminal`` names the kinds that close an episode at once (the labeler settles it without waiting
 for the window). ``accepted`` and ``edited`` are not terminal under tab-v1: in the tab flow the
@@ -166,6 +169,51 @@ class JudgeTerm(BaseModel):
         return self
 
 
+DEFAULT_HINDSIGHT_TEMPLATE = "\n(A user's correction of a previous answer: {correction})\n"
+
+
+class HindsightTerm(BaseModel):
+    """Hindsight distillation from written corrections (trainer/hindsight.py; docs/algorithms.md,
+    Hindsight distillation): the policy at the start of the cycle, with the correction in its context,
+    is the teacher of its own sampled tokens. Not a reward term: episodes' rewards are the same with
+    or without it, so adding, changing or removing it needs no version bump."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    weight: float = Field(
+        ge=0,
+        le=10,
+        description="Added to each completion token's advantage: weight · clip(log π_teacher − log π_student); "
+        "0 changes nothing.",
+    )
+    clip: float = Field(
+        5.0,
+        gt=0,
+        le=50,
+        description="Bound of the teacher−student log-probability gap per token, before the weight: one token the "
+        "hint makes near-certain (or impossible) moves the policy no more than this.",
+    )
+    template: str = Field(
+        DEFAULT_HINDSIGHT_TEMPLATE,
+        min_length=1,
+        max_length=2_000,
+        description="How the correction is put in the teacher's context: the text, with {correction} (exactly once) "
+        "replaced by the user's text, tokenised and inserted after the prompt's tokens, before the completion.",
+    )
+
+    @model_validator(mode="after")
+    def _placeholder(self) -> HindsightTerm:
+        count = self.template.count("{correction}")
+        if count != 1:
+            raise ValueError(f"hindsight template must contain {{correction}} exactly once (found {count})")
+        return self
+
+    def hint(self, texts: Iterable[str]) -> str:
+        """The teacher's hint for a segment's corrections (several: one per line, oldest first). Plain
+        replacement, not str.format: a user's braces stay text."""
+        return self.template.replace("{correction}", "\n".join(texts))
+
+
 class RewardSpec(BaseModel):
     """A named, versioned weighting of feedback kinds. Every FeedbackKind must have a weight (but the
     control kinds, which carry no reward)."""
@@ -205,6 +253,12 @@ class RewardSpec(BaseModel):
         "kind's term; judge: the spec's judge term), held as a non-inferiority guard by the gate (ope_primary) "
         "and the live canary; required when thumbs_up/thumbs_down or accepted/rejected carry a weight, and "
         "must itself carry one. Not part of the weights: naming it needs no version bump.",
+    )
+    hindsight: HindsightTerm | None = Field(
+        None,
+        description="Hindsight distillation from written corrections, added to the advantages of the corrected "
+        "episodes' tokens by its weight (trainer/hindsight.py); None: off. Not part of the reward: setting it needs "
+        "no version bump.",
     )
     description: str = Field("", description="What the spec is for.")
 

@@ -69,6 +69,12 @@ class Row:
     # The preference pair the row belongs to under DPO (trainer/objectives.py), its side being the
     # sign of `advantage`; −1: none (every other objective).
     pair: int = -1
+    # One advantage per completion token where they differ (hindsight distillation adds a term per
+    # token, trainer/hindsight.py); None: `advantage` for every token.
+    token_advantages: tuple[float, ...] | None = None
+    # The episode and the index of its segment the row was built from (trainer/batch.py `rows_of`):
+    # how a term of one episode's segment finds its row. None: a row of no episode (tests, the gate).
+    source: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,8 @@ class MicroBatch:
     mask: torch.Tensor  # (B, L−1) 1.0 on completion-token targets
     behaviour_logprobs: torch.Tensor  # (B, L−1) log μ at completion targets, 0 elsewhere
     advantages: torch.Tensor  # (B,)
+    # (B, L−1) each completion target's advantage (`Row.token_advantages`, else the row's), 0 elsewhere
+    token_advantages: torch.Tensor
     temperature: torch.Tensor  # (B,) per row, as `Sampling`
     top_p: torch.Tensor  # (B,)
     top_k: torch.Tensor  # (B,) long, 0 = none
@@ -108,6 +116,7 @@ def collate(rows: list[Row], pad_id: int) -> MicroBatch:
     attention = torch.zeros((n, width), dtype=torch.long)
     mask = torch.zeros((n, width - 1))
     behaviour = torch.zeros((n, width - 1))
+    token_advantages = torch.zeros((n, width - 1))
     for i, row in enumerate(rows):
         length = len(row.input_ids)
         completion = length - row.prompt_len
@@ -122,6 +131,14 @@ def collate(rows: list[Row], pad_id: int) -> MicroBatch:
         start = row.prompt_len - 1
         mask[i, start : start + completion] = 1.0
         behaviour[i, start : start + completion] = torch.tensor(row.behaviour_logprobs)
+        if row.token_advantages is None:
+            token_advantages[i, start : start + completion] = row.advantage
+        elif len(row.token_advantages) == completion:
+            token_advantages[i, start : start + completion] = torch.tensor(row.token_advantages)
+        else:
+            raise ValueError(
+                f"row {i}: completion {completion}, {len(row.token_advantages)} token advantages"
+            )
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -129,6 +146,7 @@ def collate(rows: list[Row], pad_id: int) -> MicroBatch:
         mask=mask,
         behaviour_logprobs=behaviour,
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
+        token_advantages=token_advantages,
         temperature=torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32),
         top_p=torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32),
         top_k=torch.tensor([r.sampling.top_k for r in rows], dtype=torch.long),

@@ -42,6 +42,7 @@ class TrainingSegment:
     sampling: SamplingParams = field(
         default_factory=SamplingParams
     )  # how it was sampled (schemas/sampling.py)
+    request_id: str = ""  # the model call's id: what a Correction of it names
 
 
 @dataclass(frozen=True)
@@ -301,6 +302,7 @@ class EpisodeStore(StoreBase):
                     role=row.role,
                     policy_version=row.policy_number,
                     sampling=SamplingParams.model_validate(row.sampling or {}),
+                    request_id=row.request_id,
                 )
             )
         return [

@@ -38,14 +38,14 @@ def has_rows(episode: TrainingEpisode) -> bool:
 
 
 def rows_of(episodes: list[TrainingEpisode], advantages: list[float]) -> tuple[list[Row], dict[str, int]]:
-    """Every trainable segment with a completion becomes a row carrying its episode's advantage and
-    how it was sampled; also the segments left out for their sampling, by reason
+    """Every trainable segment with a completion becomes a row carrying its episode's advantage, how
+    it was sampled and where it came from (`Row.source`: the episode, the segment's index); also the segments left out for their sampling, by reason
     (`schemas.sampling.untrainable_sampling`: greedy or near-greedy, or raw logprobs of non-neutral
     sampling)."""
     rows = []
     left_out: dict[str, int] = {}
     for episode, advantage in zip(episodes, advantages, strict=True):
-        for seg in episode.segments:
+        for index, seg in enumerate(episode.segments):
             if not (seg.trainable and seg.completion_token_ids):
                 continue
             reason = untrainable_sampling(seg.sampling)
@@ -59,9 +59,17 @@ def rows_of(episodes: list[TrainingEpisode], advantages: list[float]) -> tuple[l
                     behaviour_logprobs=list(seg.completion_logprobs),
                     advantage=advantage,
                     sampling=Sampling.of(seg.sampling),
+                    source=(episode.episode_id, index),
                 )
             )
     return rows, left_out
+
+
+def carries_advantage(row: Row) -> bool:
+    """Whether a row moves the policy: an advantage above `NO_SIGNAL`, its own or one of its tokens'
+    (hindsight distillation's term, `Row.token_advantages`). DAPO's dynamic sampling drops the others."""
+    values = row.token_advantages or (row.advantage,)
+    return any(abs(value) > NO_SIGNAL for value in values)
 
 
 def episode_overlong_penalty(episode: TrainingEpisode, buffer: float) -> float:

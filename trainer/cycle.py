@@ -9,7 +9,8 @@ eval gate and the deployer.
 `run_cycle` is the list of steps; each step is a function below it, in the order it runs, but
 for the training itself (`trainer.training.train`: the optimizer steps, here or on ranks, and the
 checkpoint saved). The objectives that are not RL (``rft``, ``dpo``) choose their rows after the
-advantages (trainer/objectives.py); one that finds nothing to learn skips the cycle. The reward
+advantages (trainer/objectives.py); one that finds nothing to learn skips the cycle. A spec's
+``hindsight`` term then adds its per-token term to the corrected rows (trainer/hindsight.py). The reward
 spec is resolved once, when the cycle starts (a ``.json`` spec is read from disk there and nowhere
 else in the cycle), and handed to the steps with the cycle's id, champion and files (`_Cycle`).
 
@@ -47,10 +48,10 @@ from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import DapoLoss, Settings, TrainerSettings
 from serving.sampler import Row
 from store import DatabaseError, Store, TrainingEpisode
-from trainer import checkpoint, objectives
+from trainer import checkpoint, hindsight, objectives
 from trainer.advantages import BaselineState, compute_advantages
 from trainer.batch import (
-    NO_SIGNAL,
+    carries_advantage,
     episode_overlong_penalty,
     episode_prompt_key,
     has_rows,
@@ -133,6 +134,11 @@ class CycleResult(BaseModel):
         "rft_accepted / rft_left_out episodes under rft, dpo_pairs / dpo_unpaired under dpo; empty for the "
         "policy-gradient losses.",
     )
+    hindsight: dict[str, float] = Field(
+        default_factory=dict,
+        description="What hindsight distillation distilled (trainer/hindsight.py): hindsight_episodes, _rows, "
+        "_added_rows, _tokens and hindsight_gap_mean (teacher − student logprob per token); empty without the term.",
+    )
     episode_metrics: dict[str, float] = Field(
         default_factory=dict,
         description="The batch's episodes as the labeler measured them (schemas/episodes.py batch_metrics) and, "
@@ -191,6 +197,7 @@ class _Batch:
     method_metrics: dict[str, float]
     no_signal: int = 0  # rows dropped for a zero advantage (DAPO's dynamic sampling)
     selection: dict[str, int] = field(default_factory=dict)  # what rft / dpo kept (trainer/objectives.py)
+    hindsight: dict[str, float] = field(default_factory=dict)  # what was distilled (trainer/hindsight.py)
 
 
 def run_cycle(
@@ -245,11 +252,12 @@ def run_cycle(
             batch = replace(batch, rows=selection.rows, selection=selection.counts)
             if not selection.rows:
                 return _skip(settings, store, cycle, batch, reason=selection.empty_reason)
-        batch = _drop_rows_without_signal(cfg, batch)
+        champion_dir, base_dir = _champion_checkpoint(settings, registry, champion)
+        batch = _drop_rows_without_signal(cfg, _distil(cfg, cycle, batch, champion_dir, base_dir))
 
         # ---- champion weights into DeepSpeed, steps, save ---------------------------------------
-        champion_dir, base_dir = _champion_checkpoint(settings, registry, champion)
-        run_id = _start_run(settings, registry, cycle, batch.method_metrics | _as_floats(batch.selection))
+        metrics = batch.method_metrics | _as_floats(batch.selection) | batch.hindsight
+        run_id = _start_run(settings, registry, cycle, metrics)
         training = train(
             cfg,
             store,
@@ -422,12 +430,20 @@ def _skip(settings: Settings, store: Store, cycle: _Cycle, batch: _Batch, reason
     return result
 
 
+def _distil(
+    cfg: TrainerSettings, cycle: _Cycle, batch: _Batch, champion_dir: Path, base_dir: Path | None
+) -> _Batch:
+    """The batch with the spec's hindsight term in its corrected rows' token advantages (trainer/hindsight.py)."""
+    distilled = hindsight.run(cycle.spec.hindsight, cfg, batch.episodes, batch.rows, champion_dir, base_dir)
+    return replace(batch, rows=distilled.rows, hindsight=distilled.metrics)
+
+
 def _drop_rows_without_signal(cfg: TrainerSettings, batch: _Batch) -> _Batch:
     """The batch without its zero-advantage rows under DAPO's dynamic sampling; raises
     InsufficientData when no row is left to train."""
     rows, no_signal = batch.rows, 0
     if isinstance(cfg.loss, DapoLoss) and cfg.loss.dynamic_sampling:
-        kept = [r for r in rows if abs(r.advantage) > NO_SIGNAL]
+        kept = [r for r in rows if carries_advantage(r)]
         no_signal, rows = len(rows) - len(kept), kept
     if not rows:
         raise InsufficientData(
@@ -459,6 +475,8 @@ def _reward_params(spec: RewardSpec) -> dict[str, str]:
         flatten("reward.parl", spec.parl.model_dump(mode="json"), params)
     if spec.judge is not None:
         params["reward.judge.weight"] = str(spec.judge.weight)
+    if spec.hindsight is not None:
+        flatten("reward.hindsight", spec.hindsight.model_dump(mode="json", exclude={"template"}), params)
     return params
 
 
@@ -513,6 +531,7 @@ def _result(cycle: _Cycle, run_id: str, batch: _Batch, training: Training) -> Cy
         optimizer_from_cycle=training.carried_from,
         kl_stopped_at_step=training.trained.kl_stop,
         selection=batch.selection,
+        hindsight=batch.hindsight,
         episode_metrics=batch.method_metrics,
     )
 

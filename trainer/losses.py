@@ -27,6 +27,10 @@ temperature, no truncation) on every sampled token, ``scored``: a token pushed o
 is the largest move of all, and with truncated logprobs its log-ratio would be infinite
 (docs/algorithms.md, Truncated sampling).
 
+An advantage is one per sequence, shared by its tokens, unless the batch carries one per token
+(`TokenBatch.token_advantages`: hindsight distillation's term, trainer/hindsight.py); the token-level
+losses then weigh each token by its own, GSPO each sequence by the mean of its tokens'.
+
 Log-ratios are masked before they are exponentiated: a masked position (padding, a token outside
 the nucleus) may hold any value, and exp of it may overflow to inf, and inf · 0 is NaN.
 
@@ -67,6 +71,24 @@ class TokenBatch:
     # DPO's pair of each row (`serving.sampler.Row.pair`, −1: none), its side the sign of its
     # advantage; None for every other loss.
     pairs: torch.Tensor | None = None  # (B,) long
+    # One Â per completion token (hindsight distillation adds a term per token: trainer/hindsight.py);
+    # None: `advantages`, shared by all of a sequence's tokens.
+    token_advantages: torch.Tensor | None = None  # (B, T)
+
+    def token_advantage(self) -> torch.Tensor:
+        """Â of each token: (B, T) when the batch has per-token advantages, else (B, 1), broadcast."""
+        if self.token_advantages is None:
+            return self.advantages[:, None]
+        return self.token_advantages
+
+    def sequence_advantage(self) -> torch.Tensor:
+        """(B,) one Â per sequence for a sequence-level loss (GSPO): the mean of its tokens' Â over the
+        trainable tokens, the row's own where it has none."""
+        if self.token_advantages is None:
+            return self.advantages
+        lengths = self.mask.sum(dim=1)  # (B,)
+        mean = (self.token_advantages * self.mask).sum(dim=1) / lengths.clamp(min=1)
+        return torch.where(lengths > 0, mean, self.advantages)
 
     def kl_log_ratio(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(log(π_old/π_θ) of the tempered logprobs, 0 off the scored tokens; the scored mask)."""
@@ -179,7 +201,7 @@ def cispo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     """
     ratio, is_weight, clipped = _token_ratios(batch, cfg)
     weight = (ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * is_weight).detach()  # (B, T)
-    objective = weight * batch.advantages[:, None] * batch.logprobs  # (B, T)
+    objective = weight * batch.token_advantage() * batch.logprobs  # (B, T)
     loss = _token_mean(-objective, batch.mask, norm) + _kl_penalty(batch, cfg, norm)
     return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
 
@@ -189,7 +211,7 @@ def _clipped_surrogate(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """w · min(r Â, clip(r, 1 − ε_low, 1 + ε_high) Â) per token, with w the truncated IS weight."""
     ratio, is_weight, clipped = _token_ratios(batch, cfg)
-    adv = batch.advantages[:, None]  # (B, 1)
+    adv = batch.token_advantage()  # (B, T), or (B, 1) when every token has its sequence's
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)  # (B, T)
     return is_weight * surrogate, ratio, is_weight, clipped
 
@@ -250,7 +272,7 @@ def gspo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     s = torch.exp(log_s)  # (B,)
     w = torch.exp(_masked(batch.old_logprobs - batch.behaviour_logprobs, mask).sum(dim=1) / lengths)
     w = w.clamp(max=cfg.is_cap).detach()  # (B,)
-    adv = batch.advantages
+    adv = batch.sequence_advantage()  # (B,)
     surrogate = torch.minimum(s * adv, s.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)  # (B,)
     _, scored = batch.kl_log_ratio()
     kl = (_kl(batch, cfg) * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)  # (B,)
@@ -281,7 +303,7 @@ def rft(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     CISPO's, so one learning rate means the same step size for both (docs/algorithms.md, Objectives).
     """
     ratio, is_weight, clipped = _unclipped(batch, cfg)
-    nll = -batch.advantages[:, None] * batch.logprobs  # (B, T)
+    nll = -batch.token_advantage() * batch.logprobs  # (B, T)
     loss = _token_mean(nll, batch.mask, norm) + _kl_penalty(batch, cfg, norm)
     return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
 

@@ -38,7 +38,9 @@ LAST = Gauge(
     "advantage_mean, advantage_abs_mean, is_weight_mean (truncated behaviour weight), clip_fraction, kl (k3, last "
     "step), steps, data_age_seconds (policy lag: the oldest episode's age when the cycle started), "
     "data_to_deploy_seconds, mismatch_outside_band (share of tokens whose raw pi_old/mu is outside [0.9, 1.1]), "
-    "mismatch_ratio_max, mismatch_abs_log_ratio_mean.",
+    "mismatch_ratio_max, mismatch_abs_log_ratio_mean; under a reward spec with a hindsight term, hindsight_episodes "
+    "(episodes distilled from written corrections) and hindsight_gap_mean (mean teacher − student logprob per "
+    "distilled token).",
     ["stat"],
 )
 LAST_AT = Gauge(
@@ -110,6 +112,9 @@ def cycle_ended(out: dict[str, Any], chain_s: float) -> None:
                 mismatch_ratio_max=mismatch["ratio_max"],
                 mismatch_abs_log_ratio_mean=mismatch["abs_log_ratio_mean"],
             )
+    hindsight = out.get("hindsight") or {}
+    for stat in ("hindsight_episodes", "hindsight_gap_mean"):
+        stats[stat] = hindsight.get(stat)
     for stat, value in stats.items():
         if value is not None:
             LAST.labels(stat).set(float(value))

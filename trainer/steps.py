@@ -321,6 +321,7 @@ def _micro_batch_loss(
             old_tempered=old.tempered,
             scored=mb.mask,
             pairs=mb.pairs,
+            token_advantages=mb.token_advantages,
         ),
         cfg.loss,
         norm,

@@ -134,7 +134,9 @@ class TrainerSettings(Section):
         "Needs a GPU (DeepSpeed's CPU Adam).",
     )
     loss: LossSettings = Field(
-        default_factory=CispoLoss, description="Policy-gradient loss (see LossSettings)."
+        default_factory=CispoLoss,
+        description="Policy-gradient loss or objective (see LossSettings). Written corrections are distilled into "
+        "it by the reward spec's hindsight term (RewardSpec.hindsight, trainer/hindsight.py), not by a setting here.",
     )
     checkpoint_dir: Path = Field(
         Path(".rtrl/run/checkpoints"), description="Where cycle checkpoints are written."

@@ -21,7 +21,8 @@ from helpers import run_rtrl
 from pydantic import TypeAdapter
 
 from registry import CHAMPION, Registry
-from schemas.events import SamplingParams
+from schemas.events import FeedbackKind, SamplingParams
+from schemas.rewards import TAB_V1, HindsightTerm
 from schemas.settings import LOSS_TYPES, DapoLoss, LossSettings, Settings
 from store import Store
 
@@ -183,6 +184,55 @@ def test_zero_stages_train_a_real_cycle_and_save_a_loadable_checkpoint(
     assert base.keys() == trained.keys() and all(base[k].shape == trained[k].shape for k in base)
     assert any(not torch.equal(base[k], trained[k]) for k in base)
     AutoModelForCausalLM.from_pretrained(ckpt)
+
+
+@pytest.mark.parametrize("loss", ["cispo", "rft"])
+def test_a_real_cycle_distils_written_corrections(
+    settings: Settings,
+    store: Store,
+    registry: Registry,
+    champion: int,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    loss: str,
+) -> None:
+    """tab-v1 with a hindsight term: every rejected episode also got a written correction, in the
+    same batch as its rejection. The cycle loads the champion as the teacher, trains and registers a
+    challenger, and the result and the run count the 8 distilled episodes; under rft, which keeps
+    only the 8 accepted episodes, the corrected ones join at advantage 0 (16 rows)."""
+    from trainer.cycle import run_cycle
+
+    spec_file = tmp_path / "hindsight.json"
+    spec = TAB_V1.model_copy(update={"hindsight": HindsightTerm(weight=1.0)})
+    spec_file.write_text(spec.model_dump_json())
+    pairs = sample_episodes(tiny_model_dir, 16, seed=7, alternate=True)
+    corrections = [
+        feedback(verdict.request_id, "correction", text="Answer with an exclamation mark!")
+        for _, verdict in pairs
+        if verdict.kind == FeedbackKind.thumbs_down
+    ]
+    Feeder(store).send(*[event for pair in pairs for event in pair], *corrections)
+    configured = settings.model_copy(
+        update={
+            "labeler": settings.labeler.model_copy(update={"reward_spec": str(spec_file)}),
+            "trainer": settings.trainer.model_copy(
+                update={"loss": TypeAdapter(LossSettings).validate_python({"type": loss}), "min_samples": 8}
+            ),
+        }
+    )
+
+    result = run_cycle(configured, store, registry, owner="test")
+
+    assert result.status == "registered" and result.challenger_version is not None, result
+    assert len(corrections) == 8 and result.trainable_rows == 16
+    assert result.hindsight["hindsight_episodes"] == 8 and result.hindsight["hindsight_rows"] == 8
+    assert result.hindsight["hindsight_added_rows"] == (8 if loss == "rft" else 0)
+    assert result.hindsight["hindsight_tokens"] > 0 and math.isfinite(result.hindsight["hindsight_gap_mean"])
+    assert result.steps[0].mean_ratio == pytest.approx(1.0, abs=1e-6)
+    assert all(math.isfinite(step.loss) for step in result.steps)
+    run = registry.run(result.mlflow_run_id or "")
+    assert run.data.metrics["hindsight_episodes"] == 8.0
+    assert run.data.params["reward.hindsight.weight"] == "1.0"
 
 
 def test_dapo_leaves_rows_without_signal_out(

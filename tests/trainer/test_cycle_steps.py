@@ -21,11 +21,11 @@ from pydantic import TypeAdapter
 
 import schemas.rewards
 from registry import Registry
-from schemas.rewards import TAB_V1, RewardSpec
+from schemas.rewards import TAB_V1, HindsightTerm, RewardSpec
 from schemas.settings import LossSettings, Settings
-from serving.sampler import MicroBatch
+from serving.sampler import MicroBatch, Row
 from store import Store
-from trainer import cycle, training
+from trainer import cycle, hindsight, training
 from trainer.losses import Normaliser
 from trainer.steps import StepMetrics, Trained
 
@@ -338,3 +338,61 @@ def test_a_dpo_cycle_without_a_pair_is_skipped_not_failed(
     assert seen == [] and closed == [] and registry.calls == []
     [record] = sqlite_store.recent_cycles(1)
     assert record.status == "skipped"
+
+
+class StandInTeacher:
+    """trainer/hindsight.py's `Teacher` without a model: the hint makes every completion token
+    0.5 nats more likely; records that it was closed."""
+
+    closed: list[bool] = []
+
+    def __init__(self, champion_dir: Path, base_dir: Path | None, micro_batch: int) -> None:
+        pass
+
+    def tokenize(self, text: str) -> list[int]:
+        return [9]
+
+    def score(self, rows: list[Row]) -> list[list[float]]:
+        return [[-0.5 if 9 in r.input_ids else -1.0] * len(r.behaviour_logprobs) for r in rows]
+
+    def close(self) -> None:
+        StandInTeacher.closed.append(True)
+
+
+def test_a_spec_with_a_hindsight_term_distils_the_corrected_episodes_into_their_token_advantages(
+    settings: Settings, sqlite_store: Store, champion_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EPISODES episodes, half up and half down; the first down one also got a written correction. Its
+    row's tokens carry its advantage + 2 · 0.5; every other row has one advantage; the result and the
+    run count one distilled episode, and the teacher was freed before the steps."""
+    spec = TAB_V1.model_copy(update={"hindsight": HindsightTerm(weight=2.0)})
+    Path(settings.labeler.reward_spec).write_text(spec.model_dump_json())
+    store = sqlite_store
+    Feeder(store).send(
+        *[
+            event
+            for n in range(EPISODES)
+            for event in (
+                interaction(f"e{n}"),
+                feedback(f"r-e{n}-0", "thumbs_up" if n % 2 else "thumbs_down"),
+            )
+        ],
+        # In the same batch as its thumbs down: a correction after the episode settled is late.
+        feedback("r-e0-0", "correction", text="The answer is 12."),
+    )
+    seen: list[tuple[list[MicroBatch], Normaliser]] = []
+    stand_in_engine(monkeypatch, recording_steps(seen))
+    monkeypatch.setattr(hindsight, "Teacher", StandInTeacher)
+    StandInTeacher.closed = []
+
+    result = cycle.run_cycle(settings, store, cast(Registry, Recorder(champion_dir, store)), owner="t")
+
+    assert result.status == "registered" and StandInTeacher.closed == [True]
+    assert result.hindsight["hindsight_episodes"] == 1.0 and result.hindsight["hindsight_tokens"] == 2.0
+    assert result.hindsight["hindsight_gap_mean"] == pytest.approx(0.5)
+    [(batches, _)] = seen
+    shifts = []
+    for mb in batches:
+        per_row = mb.advantages[:, None].expand_as(mb.mask) * mb.mask
+        shifts += ((mb.token_advantages - per_row) * mb.mask).sum(dim=1).tolist()
+    assert sorted(shifts) == pytest.approx([0.0] * (EPISODES - 1) + [2.0 * 0.5 * 2])
