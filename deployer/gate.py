@@ -530,6 +530,8 @@ def record(
             decision.decided_at,
             model=registry.model_name,
         )
+    drawn = [",".join(map(str, decision.draw))] if decision.draw else []  # "fresh 3,7; retention: census"
+    drawn += [f"{name}: census" for name in decision.census]
     tags = {
         "gate": "pass" if decision.passed else "fail",
         "gate_cause": cause(decision),
@@ -540,9 +542,7 @@ def record(
         "gate_decided_at": decision.decided_at.isoformat(),
         "gate_alarms": ",".join(a.name for a in decision.alarms if a.fired),
         "gate_seed": f"{decision.seed}",
-        "gate_draw": ("fresh " if decision.fresh_draw else "fixed ")
-        + ",".join(map(str, decision.draw))
-        + "".join(f"; {name}: census" for name in decision.census),
+        "gate_draw": ("fresh " if decision.fresh_draw else "fixed ") + "; ".join(drawn),
     }
     for suite in decision.suites:
         verdict = "inconclusive" if not suite.conclusive else "pass" if suite.passed else "fail"
