@@ -185,15 +185,19 @@ def _generate(
 def _behaviour(
     suites: list[PromptSuite], generated: list[list[list[Generation]]], settings: Settings
 ) -> Behaviour:
-    """One model's behaviour over every suite's generations, each judged with its prompt's known answers."""
+    """One model's behaviour over every suite's generations, each judged with its prompt's known
+    answers; the entropy estimate from the sampled suites' only (not a greedy suite's argmaxes)."""
     flat = [
-        (g, suite.lines[i].get("answers", ()))
+        (g, suite.lines[i].get("answers", ()), not suite.greedy)
         for suite, per_suite in zip(suites, generated, strict=True)
         for i, per_prompt in enumerate(per_suite)
         for g in per_prompt
     ]
     return alarms.behaviour(
-        [g for g, _ in flat], settings.gate.alarms.no_action_pattern, [a for _, a in flat]
+        [g for g, _, _ in flat],
+        settings.gate.alarms.no_action_pattern,
+        [a for _, a, _ in flat],
+        [s for _, _, s in flat],
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from deployer import gate
+from deployer import alarms, gate
 from deployer.gate import GateDecision, decide, run_draw
 from deployer.gate_suites import against_anchor, census, margin, prompt_suites, score_prompts
 from evals import get_task
@@ -215,3 +215,35 @@ def test_the_census_is_recorded_as_nothing_drawn() -> None:
     )
     text = explain_text(decision.model_dump(mode="json"))
     assert "draw: seed 125499512 (drawn for this challenger); retention: census, nothing drawn" in text
+
+
+def test_the_entropy_estimate_reads_only_sampled_suites() -> None:
+    """A greedy token is the argmax: its −log p is not a sample of the entropy, so a census's tokens
+    stay out of the entropy alarm; with no sampled suite it has nothing to read and cannot fire."""
+    settings = with_gate(suites=("retention", "oracle"))
+    retention, oracle = (s for s, _ in prompt_suites(settings, 5))
+
+    def model(greedy_lp: float, sampled_lp: float) -> list[list[list[Generation]]]:
+        return [
+            [
+                [Generation(text=" 1", logprobs=(greedy_lp,) * 2, finish_reason="stop")]
+                for _ in retention.prompts
+            ],
+            [
+                [Generation(text=" 1", logprobs=(sampled_lp,), finish_reason="stop")] * 4
+                for _ in oracle.prompts
+            ],
+        ]
+
+    sharp = gate._behaviour([retention, oracle], model(-0.001, -0.5), settings)
+    assert sharp.entropy == pytest.approx(0.5)  # the argmaxes' -0.001 left out
+    assert sharp.mean_tokens == pytest.approx((75 * 2 + 48 * 4) / (75 + 48 * 4))  # the rest reads all
+    only_greedy = gate._behaviour([retention], model(-0.001, -0.5)[:1], settings)
+    champion = gate._behaviour([retention], model(-0.5, -0.5)[:1], settings)
+    assert only_greedy.entropy == champion.entropy == 0.0
+    entropy = next(
+        a
+        for a in alarms.generation_alarms(only_greedy, champion, settings.gate.alarms)
+        if a.name == "entropy"
+    )
+    assert not entropy.fired
