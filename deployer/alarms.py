@@ -101,10 +101,16 @@ def non_answer(text: str, pattern: re.Pattern[str], answers: Sequence[str] = ())
 
 
 def behaviour(
-    generations: Sequence[Generation], no_action_pattern: str, answers: Sequence[Sequence[str]] | None = None
+    generations: Sequence[Generation],
+    no_action_pattern: str,
+    answers: Sequence[Sequence[str]] | None = None,
+    sampled: Sequence[bool] | None = None,
 ) -> Behaviour:
     """Length, entropy estimate, repetition, non-answers and truncation over `generations`;
-    `answers[i]` are the known answers to generation i's prompt (`non_answer`)."""
+    `answers[i]` are the known answers to generation i's prompt (`non_answer`). The entropy estimate
+    reads only the generations `sampled` marks (default: all): a greedy token is the argmax, and the
+    mean −log p of argmaxes falls faster than the entropy as a model sharpens (docs/gate.md, Alarms);
+    with none sampled it is 0, and the entropy alarm cannot fire."""
     pattern = re.compile(no_action_pattern)
     n = len(generations)
     if answers is not None and len(answers) != n:
@@ -114,7 +120,10 @@ def behaviour(
         return Behaviour(
             completions=0, mean_tokens=0.0, entropy=0.0, repetition=0.0, no_action=0.0, truncated=0.0
         )
-    tokens = [lp for g in generations for lp in g.logprobs if math.isfinite(lp)]
+    drawn = sampled if sampled is not None else [True] * n
+    tokens = [
+        lp for g, s in zip(generations, drawn, strict=True) if s for lp in g.logprobs if math.isfinite(lp)
+    ]
     return Behaviour(
         completions=n,
         mean_tokens=sum(len(g.logprobs) for g in generations) / n,

@@ -11,7 +11,8 @@ conclusive, and no alarm fired. The suites (``gate.suites``, plus ``gate.offline
   (deployer/ope.py, a transformers forward pass) reweight the users' rewards. Inconclusive below
   ``gate.ope.min_ess`` effective samples (too little traffic, or a challenger too far from what
   was logged: the KL alarm covers the latter).
-- ``retention``: the task's held-out questions scored by their known answers (evals/suites.py).
+- ``retention``: the task's held-out questions scored by their known answers (evals/suites.py); by
+  default all of them asked once greedily, a census whose verdict is exact (``gate.retention``).
 - ``oracle``: the task's preference function (``gate.preference``): only where one exists, such as
   the demo's simulated users.
 - ``traffic``: the prompts of held-out logged traffic, drawn per challenger (deployer/traffic.py),
@@ -26,7 +27,8 @@ Prompt suites generate on the *staging* vLLM server (``settings.vllm.staging_ser
 front of users): the gate swaps it to the challenger with the same verified swap the fleet gets (so
 a checkpoint that does not load or does not match its probe fails here, before any user sees it),
 samples every suite's prompts, then does the same for the champion. Both sample with the served
-model's defaults and the same seed, so both see the same sampling noise. The seed, and the task's
+model's defaults and the same seed, so both see the same sampling noise; a greedy suite's prompts
+are asked once each at temperature 0. The seed, and the task's
 held-out questions the suites use, are drawn afresh per challenger (`draw_seed`: a hash of
 ``gate.seed``, the registry model and the version; ``gate.fresh_draws`` off pins ``gate.seed`` and
 the first questions), so no challenger is tuned to one fixed set; both are in the decision. While
@@ -98,8 +100,13 @@ class GateDecision(BaseModel):
     fresh_draw: bool = Field(False, description="Whether `seed` and `draw` were drawn for this challenger.")
     draw: list[int] = Field(
         default_factory=list,
-        description="The task's held-out questions its suites used: indices into `Task.heldout_questions()` "
-        "(empty without a task suite).",
+        description="The task's held-out questions its drawn suites used: indices into `Task.heldout_questions()` "
+        "(empty without a task suite, or when the only one is a census).",
+    )
+    census: list[str] = Field(
+        default_factory=list,
+        description="The suites that were a census: every held-out question asked greedily, nothing drawn "
+        "for them (`draw` is the other task suites').",
     )
     traffic_draw: list[str] = Field(
         default_factory=list,
@@ -125,9 +132,10 @@ def decide(suites: list[SuiteResult], fired: list[Alarm]) -> tuple[bool, str]:
             if suite.difference is None:  # it could not measure and its policy is to block (a judge outage)
                 problems.append(f"suite {suite.name}: {suite.note}")
             else:
+                bound = "census" if suite.census else "lower bound"
                 problems.append(
                     f"suite {suite.name}: challenger - champion {suite.difference.estimate:+.4f}, "
-                    f"lower bound {suite.difference.low:+.4f} <= -{suite.margin:g}"
+                    f"{bound} {suite.difference.low:+.4f} {'<' if suite.census else '<='} -{suite.margin:g}"
                 )
     # A verdict against the anchor bounds losses, and a guard (ope_primary) holds one term: neither stands
     # in for a comparison of the whole with the champion.
@@ -154,19 +162,21 @@ def draw_seed(base: int, model: str, version: int) -> int:
 def _generate(
     server: VllmClient, settings: Settings, suites: list[PromptSuite], seed: int
 ) -> list[list[list[Generation]]]:
-    """Every suite's prompts sampled on `server`; suites with the same prompts share one request."""
-    cache: dict[tuple[tuple[str, ...], int, tuple[str, ...]], list[list[Generation]]] = {}
+    """Every suite's prompts sampled on `server` (a greedy suite's once each at temperature 0, the
+    served defaults' penalties kept); suites with the same prompts and decoding share one request."""
+    cache: dict[tuple[tuple[str, ...], int, tuple[str, ...], bool], list[list[Generation]]] = {}
     out = []
     for suite in suites:
-        key = (suite.prompts, suite.max_tokens, suite.stop)
+        key = (suite.prompts, suite.max_tokens, suite.stop, suite.greedy)
         if key not in cache:
+            defaults = served_defaults(settings)
             cache[key] = server.sample(
                 list(suite.prompts),
                 max_tokens=suite.max_tokens,
-                n=settings.gate.samples_per_prompt,
+                n=1 if suite.greedy else settings.gate.samples_per_prompt,
                 seed=seed,
                 stop=list(suite.stop),
-                sampling=served_defaults(settings),
+                sampling={**defaults, "temperature": 0.0} if suite.greedy else defaults,
             )
         out.append(cache[key])
     return out
@@ -175,15 +185,19 @@ def _generate(
 def _behaviour(
     suites: list[PromptSuite], generated: list[list[list[Generation]]], settings: Settings
 ) -> Behaviour:
-    """One model's behaviour over every suite's generations, each judged with its prompt's known answers."""
+    """One model's behaviour over every suite's generations, each judged with its prompt's known
+    answers; the entropy estimate from the sampled suites' only (not a greedy suite's argmaxes)."""
     flat = [
-        (g, suite.lines[i].get("answers", ()))
+        (g, suite.lines[i].get("answers", ()), not suite.greedy)
         for suite, per_suite in zip(suites, generated, strict=True)
         for i, per_prompt in enumerate(per_suite)
         for g in per_prompt
     ]
     return alarms.behaviour(
-        [g for g, _ in flat], settings.gate.alarms.no_action_pattern, [a for _, a in flat]
+        [g for g, _, _ in flat],
+        settings.gate.alarms.no_action_pattern,
+        [a for _, a, _ in flat],
+        [s for _, _, s in flat],
     )
 
 
@@ -299,17 +313,23 @@ def _plan(settings: Settings, registry: Registry, version: int, store: Store) ->
 
 
 def run_draw(settings: Settings, model: str, version: int) -> tuple[int, list[int]]:
-    """The seed of a gate run on `version` and the task's held-out questions its task suites use
-    (`Task.heldout_draw` indices; none without a task suite): drawn for the challenger under
-    ``gate.fresh_draws``, else ``gate.seed`` and the first ``gate.eval_prompts``."""
+    """The seed of a gate run on `version` and the task's held-out questions its drawn task suites
+    use (`Task.heldout_draw` indices; none without a task suite, or when the only one is a
+    retention census): drawn for the challenger under ``gate.fresh_draws``, else ``gate.seed`` and
+    the first ones. Draws of several sizes are nested (the lowest-ranked `n`), so the largest is
+    the union of what every suite asked."""
     cfg = settings.gate
     seed = draw_seed(cfg.seed, model, version) if cfg.fresh_draws else cfg.seed
     if not set(TASK_SUITES) & set(cfg.suites):
         return seed, []
     try:  # what prompt_suites takes with the same seed
-        return seed, evals.get_task(cfg.task).heldout_draw(
-            cfg.eval_prompts, seed if cfg.fresh_draws else None
-        )
+        task = evals.get_task(cfg.task)
+        sizes = [cfg.eval_prompts] if {"oracle", "judge", "episodes"} & set(cfg.suites) else []
+        everything = len(task.heldout_questions())
+        asked = cfg.retention.questions or everything
+        if "retention" in cfg.suites and not (cfg.retention.decode == "greedy" and asked == everything):
+            sizes.append(asked)  # a census draws nothing
+        return seed, task.heldout_draw(max(sizes), seed if cfg.fresh_draws else None) if sizes else []
     except evals.TaskError as exc:
         raise GateError(str(exc)) from exc
 
@@ -461,6 +481,7 @@ def _decision(
     cfg = settings.gate
     headline = next((s for s in results if s.challenger is not None), None)
     n_prompts = sum(len(s.prompts) for s in plan.suites)
+    n_samples = sum(len(s.prompts) * (1 if s.greedy else cfg.samples_per_prompt) for s in plan.suites)
     return GateDecision(
         passed=passed,
         challenger_version=plan.challenger,
@@ -471,10 +492,11 @@ def _decision(
         tolerance=cfg.tolerance,
         confidence=cfg.confidence,
         n_prompts=n_prompts,
-        n_samples=n_prompts * cfg.samples_per_prompt,
+        n_samples=n_samples,
         seed=plan.seed,
         fresh_draw=plan.fresh,
         draw=plan.draw,
+        census=[s.name for s in plan.suites if s.census],
         traffic_draw=plan.traffic_draw,
         suites=results,
         alarms=found,
@@ -512,6 +534,8 @@ def record(
             decision.decided_at,
             model=registry.model_name,
         )
+    drawn = [",".join(map(str, decision.draw))] if decision.draw else []  # "fresh 3,7; retention: census"
+    drawn += [f"{name}: census" for name in decision.census]
     tags = {
         "gate": "pass" if decision.passed else "fail",
         "gate_cause": cause(decision),
@@ -522,7 +546,7 @@ def record(
         "gate_decided_at": decision.decided_at.isoformat(),
         "gate_alarms": ",".join(a.name for a in decision.alarms if a.fired),
         "gate_seed": f"{decision.seed}",
-        "gate_draw": ("fresh " if decision.fresh_draw else "fixed ") + ",".join(map(str, decision.draw)),
+        "gate_draw": ("fresh " if decision.fresh_draw else "fixed ") + "; ".join(drawn),
     }
     for suite in decision.suites:
         verdict = "inconclusive" if not suite.conclusive else "pass" if suite.passed else "fail"

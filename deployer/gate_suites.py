@@ -6,7 +6,9 @@ anchor (`against_anchor`), and the off-policy suite on held-out traffic with the
 ope: the users' reward held against it, and `ope_primary`, the same estimate of the reward spec's
 primary term alone: a guard); the traffic suite's prompts are drawn in
 deployer/traffic.py, the episodes suite is deployer/episodes.py. A verdict is a `SuiteResult`, under
-the suite's margin (`margin`).
+the suite's margin (`margin`). The retention suite asked greedily of every held-out question is a
+census (`census`): its verdict is exact, not a bootstrap interval (docs/gate.md, The retention
+suite's power).
 """
 
 from __future__ import annotations
@@ -62,11 +64,26 @@ class SuiteResult(BaseModel):
         None,
         description="ope: the reward model's out-of-fold R² when one was fitted (the doubly robust estimate).",
     )
+    census: bool = Field(
+        False,
+        description="A census (`census`): every question of the set asked greedily, so the difference is exact "
+        "(low = high = estimate) and a loss of exactly the margin passes.",
+    )
 
 
 def margin(settings: Settings, suite: str) -> float:
-    """The non-inferiority margin of `suite`: ``gate.margins[suite]``, else ``gate.tolerance``."""
-    return settings.gate.margins.get(suite, settings.gate.tolerance)
+    """The non-inferiority margin of `suite`: ``gate.margins[suite]``, else ``gate.retention.margin``
+    for retention and ``gate.tolerance`` for the others."""
+    cfg = settings.gate
+    default = cfg.retention.margin if suite == "retention" else cfg.tolerance
+    return cfg.margins.get(suite, default)
+
+
+def anchor_margin(settings: Settings, suite: str) -> float:
+    """The margin of `suite` against the anchor: ``gate.retention.anchor_margin`` for retention,
+    ``gate.anchor_margin`` for the others."""
+    cfg = settings.gate
+    return cfg.retention.anchor_margin if suite == "retention" else cfg.anchor_margin
 
 
 def prompt_suites(settings: Settings, draw_seed: int | None = None) -> list[tuple[PromptSuite, bool]]:
@@ -91,7 +108,8 @@ def _task_suites(settings: Settings, draw_seed: int | None) -> list[tuple[Prompt
         return suites  # a deployment without the demo's task needs none (docs/gate.md, Suites)
     task = evals.get_task(cfg.task)
     if "retention" in cfg.suites:
-        suites.append((retention_suite(task, cfg.eval_prompts, draw_seed), False))
+        greedy = cfg.retention.decode == "greedy"
+        suites.append((retention_suite(task, cfg.retention.questions, draw_seed, greedy), False))
     if "oracle" in cfg.suites:
         preference = evals.load_preference(cfg.preference) if cfg.preference else task.preference
         reward = evals.scorer(preference, get_spec(settings.labeler.reward_spec))
@@ -134,7 +152,8 @@ def score_prompts(
         def per_prompt(generations: list[list[Generation]]) -> list[float]:
             return [sum(score(i, g) for g in gens) / len(gens) for i, gens in enumerate(generations)]
 
-        result = paired(suite.name, per_prompt(challenger), per_prompt(champion), settings, seed)
+        verdict = census if suite.census else paired
+        result = verdict(suite.name, per_prompt(challenger), per_prompt(champion), settings, seed)
     if suite.note:
         result = result.model_copy(update={"note": "; ".join(n for n in (suite.note, result.note) if n)})
     return result
@@ -229,6 +248,44 @@ def paired(
         n=len(ours),
         margin=allowed,
     )
+
+
+# A census's difference is a difference of two shares of the same count: compared in units of one
+# question, a loss of exactly the margin (0.98 - 1.0 = -0.020000000000000018 in floating point) passes.
+_CENSUS_SLACK = 1e-9
+
+
+def census(
+    name: str, ours: list[float], theirs: list[float], settings: Settings, seed: int | None = None
+) -> SuiteResult:
+    """A census's verdict from both models' scores of every question of the set, each asked once
+    greedily: no sampling noise on that set, so the difference of the shares right is exact, an
+    interval with low = high = estimate, and the suite passes iff it is at least −margin (a loss of
+    exactly the margin passes). `seed` is unused: nothing is resampled."""
+    n = len(ours)
+    if n == 0 or len(theirs) != n:
+        raise GateError(f"suite {name}: a census needs both models' scores of the same questions")
+    lost = sum(theirs) - sum(ours)  # net questions lost, in questions
+    estimate = -lost / n
+    allowed = margin(settings, name)
+    return SuiteResult(
+        name=name,
+        kind="prompts",
+        challenger=float(np.mean(ours)),
+        champion=float(np.mean(theirs)),
+        difference=Interval(estimate=estimate, low=estimate, high=estimate, n=n),
+        conclusive=True,
+        passed=census_passes(lost, n, allowed),
+        n=n,
+        margin=allowed,
+        census=True,
+    )
+
+
+def census_passes(lost: float, n: int, allowed: float) -> bool:
+    """Whether a census that lost `lost` questions net of `n` is within `allowed` (at most
+    allowed × n questions, a loss of exactly the margin included)."""
+    return lost <= allowed * n + _CENSUS_SLACK
 
 
 class OpeVerdicts(NamedTuple):
@@ -416,11 +473,18 @@ def _ope_verdict(
 
 
 def against_anchor(result: SuiteResult, anchor: int, settings: Settings) -> SuiteResult:
-    """A suite's challenger-vs-anchor verdict (a prompt suite's, or ope's), under `gate.anchor_margin`."""
-    allowed = settings.gate.anchor_margin
-    passed = (
-        None if not result.conclusive else result.difference is not None and result.difference.low > -allowed
-    )
+    """A suite's challenger-vs-anchor verdict (a prompt suite's, or ope's), under its `anchor_margin`
+    (a census's: at least −margin, as `census`)."""
+    allowed = anchor_margin(settings, result.name)
+    difference = result.difference
+    if not result.conclusive:
+        passed: bool | None = None
+    elif difference is None:
+        passed = False
+    elif result.census:
+        passed = census_passes(-difference.estimate * result.n, result.n, allowed)
+    else:
+        passed = difference.low > -allowed
     return result.model_copy(
         update={
             "name": f"{result.name}_anchor",

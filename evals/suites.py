@@ -7,7 +7,9 @@ take `gate.eval_prompts` of its held-out questions, drawn afresh per challenger 
 
 - ``retention``: the task's held-out questions (never sent by the simulator, never trained on),
   scored by their known answers: does the model still know what it knew? (For the demo task: is the
-  arithmetic still right, whatever the answer's shape.)
+  arithmetic still right, whatever the answer's shape.) By default all of them, each asked once
+  greedily (`gate.retention`): a census of the held-out set, whose verdict is exact
+  (docs/gate.md, The retention suite's power).
 - offline suites from JSONL files (``gate.offline``), one object per line::
 
       {"prompt": "Q: What is 2 plus 2?\\nA:", "answers": ["4"]}
@@ -52,6 +54,11 @@ class PromptSuite:
     # A completion cut off by max_tokens (finish reason "length") scores 0 whatever `scorer` says.
     cut_off_fails: bool = False
     note: str = ""  # what the suite measures and on what, copied into its verdict's note
+    # Asked once per prompt at temperature 0 instead of `gate.samples_per_prompt` samples (deployer/gate.py).
+    greedy: bool = False
+    # Greedy on every question of its set: nothing sampled, nothing drawn, so the verdict is the exact
+    # difference of the shares right, not a bootstrap interval (deployer/gate_suites.py `census`).
+    census: bool = False
 
     def score(self, index: int, completion: str) -> float:
         return self.scorer(self.prompts[index], completion, self.lines[index])
@@ -74,10 +81,13 @@ def regex_answer(prompt: str, completion: str, line: Mapping[str, Any]) -> float
     return float(re.search(str(line["pattern"]), completion) is not None)
 
 
-def retention_suite(task: Task, n: int, seed: int | None = None) -> PromptSuite:
-    """`n` of the task's held-out questions (the first `n`, or drawn with `seed`: `Task.heldout_draw`),
-    right when the completion contains an answer."""
-    questions = task.heldout_questions_drawn(n, seed)
+def retention_suite(task: Task, n: int, seed: int | None = None, greedy: bool = False) -> PromptSuite:
+    """`n` of the task's held-out questions (0: all of them; else the first `n`, or drawn with `seed`:
+    `Task.heldout_draw`), right when the completion contains an answer; `greedy`: asked once each at
+    temperature 0, and with all the questions a census (`PromptSuite.census`)."""
+    everything = len(task.heldout_questions())
+    questions = task.heldout_questions_drawn(n or everything, seed)
+    census = greedy and len(questions) == everything
     return PromptSuite(
         name="retention",
         prompts=tuple(task.format_prompt(q.text) for q in questions),
@@ -85,6 +95,9 @@ def retention_suite(task: Task, n: int, seed: int | None = None) -> PromptSuite:
         scorer=contains_answer,
         max_tokens=task.max_tokens,
         stop=task.stop,
+        greedy=greedy,
+        census=census,
+        note=f"census of {len(questions)} held-out questions, greedy" if census else "",
     )
 
 

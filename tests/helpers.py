@@ -201,7 +201,10 @@ def gate_without_judgement(gate: GateSettings, **update: Any) -> GateSettings:
         kl_budget=1e9,
         no_action_rate=1,
     )
-    return gate.model_copy(update={"tolerance": 1.0, "anchor": "none", "alarms": alarms, **update})
+    retention = gate.retention.model_copy(update={"margin": 1.0})  # its own margin, not `tolerance`
+    return gate.model_copy(
+        update={"tolerance": 1.0, "retention": retention, "anchor": "none", "alarms": alarms, **update}
+    )
 
 
 def demo_settings(fleet: Settings, tmp_path: Path, name: str) -> Settings:

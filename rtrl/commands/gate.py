@@ -52,7 +52,8 @@ def explain_text(record: dict[str, Any]) -> str:
         + f": {'PASS' if record['passed'] else 'FAIL'} ({record['decided_at']})",
         f"  reason: {record['reason']}",
         f"  rule: every conclusive suite's {record['confidence']:.0%} lower bound of challenger - champion "
-        f"above -(its margin), at least one conclusive suite against the champion that is not a guard, no alarm",
+        f"above -(its margin) (a census's exact difference at least -(its margin)), at least one conclusive suite "
+        "against the champion that is not a guard, no alarm",
     ]
     if record.get("seed") is not None:  # recorded since fresh draws (docs/gate.md, Fresh draws)
         drawn = record.get("draw") or []
@@ -64,6 +65,7 @@ def explain_text(record: dict[str, Any]) -> str:
                 if (replayed := record.get("traffic_draw"))
                 else ""
             )
+            + "".join(f"; {name}: census, nothing drawn" for name in record.get("census") or [])
         )
     for suite in record.get("suites", []):
         verdict = "inconclusive" if not suite["conclusive"] else "pass" if suite["passed"] else "FAIL"

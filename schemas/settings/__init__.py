@@ -23,7 +23,8 @@ One module per section (or a few small related ones), each a frozen `Section`; t
 - `labeler`: `LabelerSettings`; `judge`: `JudgeSettings` (the labeler's and the gate's judge).
 - `losses`: the `LossSettings` union (`CispoLoss`, `PpoLoss`, ...); `trainer`: `TrainerSettings`,
   `LoraSettings`.
-- `gate`: `GateSettings` and its `OpeSettings`, `TrafficSettings`, `EpisodeSuiteSettings`, `AlarmSettings`, `OfflineSuiteSettings`.
+- `gate`: `GateSettings` and its `OpeSettings`, `TrafficSettings`, `EpisodeSuiteSettings`, `AlarmSettings`, `OfflineSuiteSettings`,
+  `RetentionSuiteSettings`.
 - `deployer`: `DeployerSettings` (with `RetentionSettings`), `AgentSettings`; `telemetry`: `MetricsSettings`.
 
 The package imports nothing else of rtrl but `schemas.errors`: `schemas.sampling` and the rest
@@ -39,6 +40,7 @@ from schemas.settings.gate import (
     GateSuite,
     OfflineSuiteSettings,
     OpeSettings,
+    RetentionSuiteSettings,
     TrafficSettings,
 )
 from schemas.settings.gateway import GatewaySettings, LimitsSettings
@@ -101,6 +103,7 @@ __all__ = [
     "PostgresSettings",
     "PpoLoss",
     "RetentionSettings",
+    "RetentionSuiteSettings",
     "RftLoss",
     "Section",
     "ServicesSettings",

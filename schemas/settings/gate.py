@@ -258,6 +258,38 @@ class EpisodeSuiteSettings(Section):
     )
 
 
+class RetentionSuiteSettings(Section):
+    """The `retention` suite: how the task's held-out questions are asked and its margins (docs/gate.md,
+    Suites: retention, and The retention suite's power)."""
+
+    decode: Literal["greedy", "sampled"] = Field(
+        "greedy",
+        description="greedy: each question once at temperature 0 (the served defaults otherwise), the same for "
+        "every model; with all questions (`questions` 0) the suite is a census of the held-out set and its "
+        "verdict is exact, no bootstrap. sampled: `gate.samples_per_prompt` completions per question at the "
+        "served sampling settings, decided by the paired bootstrap (the behaviour before the census).",
+    )
+    questions: int = Field(
+        0,
+        ge=0,
+        description="Held-out questions the suite asks per model: 0, all of the task's (nothing is drawn); "
+        "else that many, drawn per challenger like `gate.eval_prompts` (`gate.fresh_draws`).",
+    )
+    margin: float = Field(
+        0.02,
+        ge=0,
+        description="Non-inferiority margin against the champion, in share of questions right, when "
+        '`gate.margins` does not name "retention" (it takes precedence). A census passes a loss of exactly '
+        "the margin: 0.02 on 75 questions allows one net lost question (1.33 points), not two.",
+    )
+    anchor_margin: float = Field(
+        0.03,
+        ge=0,
+        description="Non-inferiority margin of this suite against the anchor (`gate.anchor`); the other "
+        "anchored suites keep `gate.anchor_margin`. 0.03 on 75 questions allows two net lost questions.",
+    )
+
+
 class GateSettings(Section):
     """The eval gate between @challenger and @champion (deployer/gate.py, docs/gate.md)."""
 
@@ -269,7 +301,8 @@ class GateSettings(Section):
     )
     margins: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict,
-        description='Per-suite margins that replace `tolerance`, by suite name (e.g. {"retention": 0.1}).',
+        description='Per-suite margins that replace `tolerance`, by suite name (e.g. {"retention": 0.1}); '
+        "retention's default is `retention.margin`, not `tolerance`.",
     )
     confidence: float = Field(
         0.95, gt=0.5, lt=1, description="One-sided confidence of each suite's lower bound."
@@ -306,10 +339,15 @@ class GateSettings(Section):
     eval_prompts: int = Field(
         48,
         ge=1,
-        description="Held-out prompts of the task (retention, oracle, judge, episodes) per model, drawn from its held-out "
-        "questions (`fresh_draws`).",
+        description="Held-out prompts of the task (oracle, judge, episodes) per model, drawn from its held-out "
+        "questions (`fresh_draws`); the retention suite asks `retention.questions` (default all).",
     )
-    samples_per_prompt: int = Field(4, ge=1, description="Completions per prompt.")
+    samples_per_prompt: int = Field(
+        4,
+        ge=1,
+        description="Completions per prompt (a greedy suite's prompts are asked once: `retention.decode`).",
+    )
+    retention: RetentionSuiteSettings = RetentionSuiteSettings()
     task: str = Field(
         "exclaim",
         description="Task (evals/tasks.py) whose held-out questions the retention and oracle suites use.",
@@ -338,7 +376,11 @@ class GateSettings(Section):
         "sampled on the anchor too, and ope, the users' reward on held-out traffic reweighted to the anchor, so "
         "neither what the task measures nor what users reward can slide by tolerance on every promotion.",
     )
-    anchor_margin: float = Field(0.05, ge=0, description="Non-inferiority margin against the anchor.")
+    anchor_margin: float = Field(
+        0.05,
+        ge=0,
+        description="Non-inferiority margin against the anchor (the retention suite's is `retention.anchor_margin`).",
+    )
 
     @model_validator(mode="after")
     def _judge_configured(self) -> GateSettings:

@@ -195,10 +195,11 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
     deploy_settings: Settings, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """The same weights as challenger pass in every seeded gate run; weights with noise added fail in
-    every one. Each run samples the retention suite with its seed on the staging server and
-    reweights held-out logged traffic (sampled from the base model) for the ope suite. Three seeds
-    show the behaviour in `make test`; RTRL_TEST_GATE_RUNS=20 measures the error rates over 20 (at
-    most 1 in 20 wrong; 40 runs in about 106 s on the 2-core machine, docs/gate.md)."""
+        every one. Each run asks the retention suite's census (every held-out question, greedy) on the
+    staging server and
+        reweights held-out logged traffic (sampled from the base model) for the ope suite. Three seeds
+        show the behaviour in `make test`; RTRL_TEST_GATE_RUNS=20 measures the error rates over 20 (at
+        most 1 in 20 wrong; 40 runs in about 106 s on the 2-core machine, docs/gate.md)."""
     from episodes import feed, sample_episodes
 
     from store import Store
@@ -228,16 +229,19 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
                 )  # recorded on staging for the swap verification
                 ope = next(s for s in decision.suites if s.name == "ope")
                 assert ope.n > 20, ope
-                # Fresh draws: this challenger's own seed and questions, recorded (docs/gate.md).
+                # Fresh draws: this challenger's own seed, recorded; the retention suite is a census of
+                # every held-out question, so no question was drawn (docs/gate.md, Fresh draws).
                 assert decision.fresh_draw and decision.seed == gate.draw_seed(
                     0, registry.model_name, version
                 )
-                assert decision.draw == gate.run_draw(seeded, registry.model_name, version)[1]
-                assert len(decision.draw) == settings.gate.eval_prompts
+                assert decision.draw == gate.run_draw(seeded, registry.model_name, version)[1] == []
+                assert decision.census == ["retention"] and decision.n_samples == 75
+                retention = next(s for s in decision.suites if s.name == "retention")
+                assert retention.census and retention.n == 75 and "census of 75" in retention.note
                 assert store.gate_decisions(version)[0]["seed"] == decision.seed
                 tags = registry.version_tags(version)
                 assert tags["gate_seed"] == str(decision.seed)
-                assert tags["gate_draw"] == "fresh " + ",".join(map(str, decision.draw))
+                assert tags["gate_draw"] == "fresh retention: census"
                 if version == same:
                     # Both models sampled with the run's seed: the same weights score exactly alike.
                     assert decision.passed and decision.challenger_score == decision.champion_score
@@ -259,7 +263,7 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
     records = store.gate_decisions(noised)
     assert len(records) == runs and records[0]["passed"] is False
     assert len({r["seed"] for r in records}) == runs  # gate.seed is still the base of each run's draw
-    assert store.gate_decisions(same)[0]["draw"] != records[0]["draw"]  # another challenger, another draw
+    assert store.gate_decisions(same)[0]["seed"] != records[0]["seed"]  # another challenger, another seed
     assert registry.version_tags(noised)["gate"] == "fail"
     assert registry.version_tags(same)["gate_suite_ope"].startswith("pass +0.0000")
     assert registry.champion() == 1

@@ -19,7 +19,7 @@ from evals import TaskError, get_task
 from evals.stats import paired_interval
 from evals.suites import PromptSuite
 from rtrl.commands.gate import explain_text
-from schemas.settings import Settings
+from schemas.settings import RetentionSuiteSettings, Settings
 from serving import Generation
 
 pytestmark = pytest.mark.unit
@@ -76,8 +76,12 @@ def test_a_heldout_draw_is_a_seeded_subset_and_without_a_seed_the_first_question
         TASK.heldout_draw(76, 1)
 
 
+# The retention suite drawn and sampled, as before its census (docs/gate.md, The retention suite's power).
+SAMPLED_12 = RetentionSuiteSettings(decode="sampled", questions=12)
+
+
 def test_the_task_suites_use_the_draw_and_the_run_records_it() -> None:
-    settings = with_gate(suites=("retention", "oracle", "ope"), eval_prompts=12)
+    settings = with_gate(suites=("retention", "oracle", "ope"), eval_prompts=12, retention=SAMPLED_12)
     seed, drawn = run_draw(settings, "rtrl-policy", 4)
     assert seed == draw_seed(settings.gate.seed, "rtrl-policy", 4) and drawn == TASK.heldout_draw(12, seed)
     suites = {s.name: s for s, _ in prompt_suites(settings, seed)}
@@ -89,7 +93,7 @@ def test_the_task_suites_use_the_draw_and_the_run_records_it() -> None:
 
 
 def test_fresh_draws_off_pins_the_base_seed_and_the_first_questions() -> None:
-    settings = with_gate(suites=("ope", "retention"), fresh_draws=False, eval_prompts=12)
+    settings = with_gate(suites=("ope", "retention"), fresh_draws=False, retention=SAMPLED_12)
     assert run_draw(settings, "rtrl-policy", 4) == (settings.gate.seed, list(range(12)))
     assert prompt_suites(settings)[0][0].prompts == tuple(TASK.heldout_prompts(12))
     assert run_draw(with_gate(suites=("ope",)), "rtrl-policy", 4)[1] == []  # no task suite, no draw
@@ -99,7 +103,7 @@ def test_a_prompt_suite_bootstraps_with_the_runs_seed() -> None:
     """That both models of a run also sample with it is shown on a real staging server:
     tests/deployer/test_deployer_rollout.py::test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs
     (the same weights score exactly alike)."""
-    settings = with_gate(suites=("ope", "retention"), eval_prompts=12)
+    settings = with_gate(suites=("ope", "retention"), retention=SAMPLED_12)
     suites = [s for s, _ in prompt_suites(settings, 99)]
     ours, theirs = [1.0, 0.0, 1.0, 1.0] * 3, [0.0, 0.0, 1.0, 1.0] * 3
     gens = [

@@ -31,7 +31,7 @@ from helpers import stop_group
 
 from feedback.reconcile import Reconciliation, reconcile
 from schemas.clock import wait_until
-from schemas.settings import MetricsSettings, Settings
+from schemas.settings import MetricsSettings, RetentionSuiteSettings, Settings
 from services.launch import child_env, rtrl_command
 from store import Store
 
@@ -169,7 +169,11 @@ def test_rtrl_run_heals_a_killed_labeler_worker_and_vllm_server(
                 }
             ),
             "gate": services.gate.model_copy(
-                update={"tolerance": 1.0, "eval_prompts": 8}
+                update={
+                    "tolerance": 1.0,
+                    "eval_prompts": 8,
+                    "retention": RetentionSuiteSettings(margin=1.0, anchor_margin=1.0),
+                }
             ),  # not what this tests
             "deployer": services.deployer.model_copy(update={"reconcile_interval_s": 3.0}),
             "metrics": MetricsSettings(

@@ -272,7 +272,9 @@ def test_the_gates_prompt_suites_score_every_prompt() -> None:
     )
     suites = {suite.name: suite for suite, _ in prompt_suites(settings)}
     assert set(suites) == {"oracle", "retention"}  # ope is not a prompt suite
-    assert suites["oracle"].prompts == suites["retention"].prompts  # generated once, scored twice
+    retention = suites["retention"]  # a census by default: every held-out question, greedy
+    assert retention.census and retention.greedy and len(retention.prompts) == 75
+    assert set(suites["oracle"].prompts) < set(retention.prompts)  # the oracle's 48 drawn among them
     oracle = suites["oracle"]
     assert all(oracle.score(i, " 7!") > oracle.score(i, " 7.") for i in range(len(oracle.prompts)))
 

@@ -26,7 +26,7 @@ from helpers import stop_group
 from deployer import rollout
 from registry import Registry
 from schemas.clock import wait_until
-from schemas.settings import Settings
+from schemas.settings import RetentionSuiteSettings, Settings
 from services.launch import child_env, rtrl_command
 from store import Store
 
@@ -79,7 +79,11 @@ def test_a_worker_stopped_mid_cycle_is_replaced_and_the_cycle_completes_once(
             ),
             "labeler": services.labeler.model_copy(update={"settle_window_s": 0.0}),
             "gate": services.gate.model_copy(
-                update={"tolerance": 1.0, "eval_prompts": 8}
+                update={
+                    "tolerance": 1.0,
+                    "eval_prompts": 8,
+                    "retention": RetentionSuiteSettings(margin=1.0, anchor_margin=1.0),
+                }
             ),  # not what this tests
         }
     )
