@@ -24,8 +24,9 @@ answer ending with "!"; ``--preference module:function`` brings any other):
 
 - ``style``: `bare_answer`, a preference other than the demo's: users who want the bare answer, one
   word with at most a full stop or "!" after it, no lead-in ("It is 7.", "The answer is 7." are
-  rejected), right or wrong. The base gives that shape about one time in three (two of the task's
-  six supervised shapes, evals/tasks.py), so the loop has something to reinforce.
+  rejected), right or wrong. Two of the task's six supervised shapes are bare (evals/tasks.py); the
+  v2 base gives one in 22 % of sampled answers (48 held-out prompts x 4, 2026-12-07; the exclaim
+  users' "!" also 22 %), so the loop has something to reinforce and room to gain.
 - ``correct_only``: `correct_only`, users who accept only a correct answer (a capability).
 - ``correct_with_corrections``: `correct_with_corrections`, the same users, who also send the right
   answer as a ``correction`` with half of their rejections (issue 39's written corrections).

@@ -74,9 +74,9 @@ def test_style_users_want_the_bare_answer(bench: ModuleType, completion: str, ac
     assert [s.kind for s in said] == [FeedbackKind.accepted if accepted else FeedbackKind.rejected]
 
 
-def test_the_style_is_one_the_base_gives_a_third_of_the_time(bench: ModuleType) -> None:
+def test_the_style_is_two_of_the_six_supervised_shapes_and_not_the_demos(bench: ModuleType) -> None:
     # Two of the exclaim task's six supervised shapes are bare ("{answer}." and "{answer}!"), one of
-    # the three plain and one of the three preferred: the base gives the style about 1/3 of the time,
+    # the three plain and one of the three preferred, so the base gives the style some of the time;
     # and it is not the demo's preference (which accepts "It is 7!" and rejects "7.").
     task = get_task("exclaim")
     prompt = task.format_prompt("What is 3 plus 4?")
