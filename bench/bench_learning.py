@@ -415,7 +415,8 @@ def run_config(settings: Settings, args: argparse.Namespace, preference: str | N
 
 def main() -> None:
     args = parse_args()
-    sys.path.insert(0, str(BENCH_DIR))  # bench_learning:<users> for the demo, and learning_report
+    if str(BENCH_DIR) not in sys.path:  # bench_learning:<users> for the demo, and learning_report
+        sys.path.insert(0, str(BENCH_DIR))
     from learning_report import hacks_promoted, report
 
     population, preference = population_of(args)

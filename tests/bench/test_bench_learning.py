@@ -5,6 +5,7 @@ hand-made rows and gate records. The loop itself needs every service: `make benc
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -271,3 +272,62 @@ def test_hacks_promoted_counts_the_versions_whose_users_met_more_non_answers(fig
 def test_acceptance_interval_brackets_the_share(figures: ModuleType) -> None:
     low, high = figures.acceptance_interval(30, 100, np.random.default_rng(0))
     assert low < 0.3 < high and high - low < 0.25
+
+
+def test_main_runs_the_loop_then_rft_on_the_same_users_and_prints_one_json(
+    bench: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The glue around the loop, with the services, the demo and the store stood in for: what each
+    # loop is run with, and what the JSON says of both. The loop itself is `make bench`'s.
+    import contextlib
+    import json
+
+    import services.testing
+    import simulation.demo
+    import store
+    from services.testing import services_settings
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    loops: list[tuple[Any, Any]] = []
+
+    @contextlib.contextmanager
+    def private_services(prefix: str, model_dir: Path | None = None) -> Any:
+        yield services_settings(tmp_path / f"run{len(loops)}", tmp_path / "model")
+
+    def run(settings: Any, options: Any) -> list[dict[str, Any]]:
+        loops.append((settings, options))
+        return [
+            {**r, "challenger": "v2" if r["cycle"] == 1 else None, "data_to_deploy_s": None} for r in ROWS
+        ]
+
+    class Store:
+        def __init__(self, url: str) -> None:
+            pass
+
+        def gate_decisions(self, version: int) -> list[dict[str, Any]]:
+            return [{**RECORDS[1], "reason": "passed"}]
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(services.testing, "private_services", private_services)
+    monkeypatch.setattr(simulation.demo, "run", run)
+    monkeypatch.setattr(store, "Store", Store)
+    monkeypatch.setattr(bench, "heldout_answers", lambda settings, rows: ([True, False], [True, True]))
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["bench_learning.py", "--population", "correct_only", "--recipe", "v1", "--baseline-rft"],
+    )
+    bench.main()
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [s.trainer.loss.type for s, _ in loops] == ["cispo", "rft"]
+    assert all(o.preference == "bench_learning:correct_only" and o.keep_services for _, o in loops)
+    assert all(o.seed == 0 and not o.gate_oracle for _, o in loops)
+    assert out["name"] == "learning_correct_only" and out["loss"] == "cispo"
+    assert out["value_measure"] == "heldout_correct" and out["value"] == 50.0
+    assert out["recipe"] == "v1" and out["reward_spec"] == "tab-v1"
+    assert out["baseline_rft"]["value"] == 50.0 and out["baseline_rft"]["promoted"] == 2
