@@ -305,7 +305,8 @@ def sha256_file(path: Path) -> str:
 def sample_completions(
     model_dir: Path, prompts: list[str], max_tokens: int, seed: int = 0, temperature: float = 1.0
 ) -> list[str]:
-    """One completion per prompt, sampled with transformers at `temperature` (no top-k / top-p).
+    """One completion per prompt, sampled with transformers at `temperature` (no top-k / top-p);
+    temperature 0 is greedy decoding (the argmax token, no draw).
 
     Generation stops at </s>; the text is cut at the first newline, like the task's stop string.
     """
@@ -329,8 +330,11 @@ def sample_completions(
             logits = model(
                 input_ids=input_ids, attention_mask=mask, position_ids=positions
             ).logits  # (B, T, V)
-            probs = torch.softmax(logits[:, -1] / temperature, dim=-1)  # (B, V)
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+            if temperature == 0:
+                nxt = logits[:, -1].argmax(dim=-1)  # (B,)
+            else:
+                probs = torch.softmax(logits[:, -1] / temperature, dim=-1)  # (B, V)
+                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
             for i, token in enumerate(nxt.tolist()):
                 if not done[i]:
                     if token == eos_id:
@@ -361,11 +365,12 @@ def measure_preference(
     return accepted / len(batch)
 
 
-def measure_correct(
+def answers_correct(
     model_dir: Path, task: str, split: str = "train", seed: int = 0, temperature: float = 1.0
-) -> float:
-    """Fraction of the task's `split` ("train" or "heldout") questions answered correctly by one
-    sampled completion each: an answer appears as a whole word (the gate's retention scorer)."""
+) -> list[bool]:
+    """Per question of the task's `split` ("train" or "heldout"), in the split's order: whether one
+    completion (sampled at `temperature`, 0 = greedy) answers it correctly, an answer appearing as a
+    whole word (the gate's retention scorer)."""
     from evals.suites import contains_answer
 
     task_obj = get_task(task)
@@ -374,11 +379,19 @@ def measure_correct(
     completions = sample_completions(
         model_dir, prompts, task_obj.max_tokens, seed=seed, temperature=temperature
     )
-    right = sum(
-        contains_answer(p, c, {"answers": q.answers})
+    return [
+        bool(contains_answer(p, c, {"answers": q.answers}))
         for p, c, q in zip(prompts, completions, questions, strict=True)
-    )
-    return right / len(questions)
+    ]
+
+
+def measure_correct(
+    model_dir: Path, task: str, split: str = "train", seed: int = 0, temperature: float = 1.0
+) -> float:
+    """Fraction of the task's `split` ("train" or "heldout") questions answered correctly by one
+    completion each (`answers_correct`)."""
+    right = answers_correct(model_dir, task, split, seed=seed, temperature=temperature)
+    return sum(right) / len(right)
 
 
 def info(model_dir: Path) -> dict[str, Any]:

@@ -100,6 +100,26 @@ def test_loads_in_transformers_and_answers_in_shape(tiny: Path) -> None:
     assert len(shapes) >= 14, completions
 
 
+def test_temperature_zero_is_greedy(tiny: Path) -> None:
+    # bench_learning's held-out correctness decodes greedily: the argmax, whatever the seed.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    task = get_task("exclaim")
+    prompts = task.heldout_prompts(8)
+    greedy = tinymodel.sample_completions(tiny, prompts, task.max_tokens, seed=0, temperature=0)
+    assert tinymodel.sample_completions(tiny, prompts, task.max_tokens, seed=7, temperature=0) == greedy
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    for prompt, completion in zip(prompts, greedy, strict=True):
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        out = model.generate(ids, max_new_tokens=task.max_tokens, do_sample=False)
+        expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).split("\n")[0]
+        assert completion == expected
+    right = tinymodel.answers_correct(tiny, "exclaim", "heldout", temperature=0)
+    assert len(right) == len(task.heldout_questions())
+    assert tinymodel.measure_correct(tiny, "exclaim", "heldout", temperature=0) == sum(right) / len(right)
+
+
 def test_preference_rate_in_learnable_band(tiny: Path) -> None:
     # The learning demo needs a base model that meets the preference sometimes, not never or mostly.
     rate = tinymodel.measure_preference(tiny, "exclaim", prompts=48, samples=4, seed=0)
