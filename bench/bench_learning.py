@@ -74,6 +74,9 @@ flipped, 10 cycles of at most 96 requests, and ``--baseline-rft``:
     .venv/bin/python bench/bench_learning.py --population correct_only --baseline-rft
     .venv/bin/python bench/bench_learning.py --population correct_with_corrections --baseline-rft
 
+``--population correct_with_corrections`` trains under the built-in spec ``hindsight-v1`` unless
+``--reward-spec`` names another: its users' corrections are text for hindsight distillation.
+
 - style: ``value`` (acceptance) +15 points, ``gain_ci_low`` above +5;
 - correct_only: ``value`` (held-out correctness) +10 points, ``gain_ci_low`` above 0;
 - correct_with_corrections: ``value`` +15 points, ``gain_ci_low`` above +5, and ``feedback_to_10``
@@ -218,6 +221,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.recipe = "v2"  # the competent base (issue 39)
     if args.baseline_rft and args.loss == "rft":
         parser.error("--baseline-rft runs rft after the main loop; the main loop's --loss is rft already")
+    if args.reward_spec is None and args.population == "correct_with_corrections":
+        args.reward_spec = "hindsight-v1"  # the corrections are text for hindsight distillation
     if args.reward_spec is not None:
         from schemas.rewards import RewardSpecError, get_spec
 

@@ -454,7 +454,19 @@ JUDGED_V1 = TAB_V1.model_copy(
     }
 )
 
-SPECS: dict[str, RewardSpec] = {spec.name: spec for spec in (TAB_V1, PARL_V1, JUDGED_V1)}
+HINDSIGHT_V1 = TAB_V1.model_copy(
+    update={
+        "name": "hindsight-v1",
+        "version": 1,
+        "description": "tab-v1's feedback weights plus hindsight distillation of written corrections at weight 0.5 "
+        "(docs/algorithms.md, Hindsight distillation): the rewards are tab-v1's, the corrected episodes' tokens also "
+        "learn what the correction makes likely.",
+        # Not tuned: 0.5 keeps a term clipped at 5 nats within a few RL advantages (bench_learning measures it).
+        "hindsight": HindsightTerm(weight=0.5),
+    }
+)
+
+SPECS: dict[str, RewardSpec] = {spec.name: spec for spec in (TAB_V1, PARL_V1, JUDGED_V1, HINDSIGHT_V1)}
 
 
 def get_spec(name: str) -> RewardSpec:

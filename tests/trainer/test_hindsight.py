@@ -50,8 +50,9 @@ def test_the_hint_keeps_a_users_braces_and_joins_several_corrections() -> None:
     assert term.hint(["use {x}", "The answer is 12."]) == "[use {x}\nThe answer is 12.]"
 
 
-def test_built_in_specs_have_no_term_and_a_json_spec_may_carry_one() -> None:
-    assert all(spec.hindsight is None for spec in SPECS.values())
+def test_only_hindsight_v1_of_the_built_in_specs_has_a_term_and_a_json_spec_may_carry_one() -> None:
+    assert {name for name, spec in SPECS.items() if spec.hindsight is not None} == {"hindsight-v1"}
+    assert SPECS["hindsight-v1"].weights == TAB_V1.weights and SPECS["hindsight-v1"].primary == TAB_V1.primary
     spec = TAB_V1.model_copy(update={"hindsight": HindsightTerm(weight=0.5)})
     loaded = RewardSpec.model_validate_json(spec.model_dump_json())
     assert loaded.hindsight == HindsightTerm(weight=0.5) and loaded.spec_id == TAB_V1.spec_id
