@@ -166,3 +166,24 @@ def fresh_topics(settings: Settings, partitions: int | None = None, prefix: str 
     if partitions is not None:
         update["partitions"] = partitions
     return settings.model_copy(update={"kafka": settings.kafka.model_copy(update=update)})
+
+
+def gate_decision(**fields: Any) -> Any:
+    """A `deployer.gate.GateDecision` of v3 against champion v2, passed, on no prompts, decided at
+    2026-01-01; `fields` set the rest or replace these."""
+    from deployer.gate import GateDecision
+
+    defaults: dict[str, Any] = {
+        "passed": True,
+        "challenger_version": 3,
+        "champion_version": 2,
+        "challenger_score": 0.5,
+        "champion_score": 0.5,
+        "tolerance": 0.05,
+        "confidence": 0.95,
+        "n_prompts": 0,
+        "n_samples": 0,
+        "reason": "ok",
+        "decided_at": datetime(2026, 1, 1, tzinfo=UTC),
+    }
+    return GateDecision(**(defaults | fields))

@@ -5,13 +5,13 @@ mode, the paired bootstrap as before. Hand-worked on the exclaim task's 75 held-
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from factories import gate_decision
 
 from deployer import alarms, gate
-from deployer.gate import GateDecision, decide, run_draw
+from deployer.gate import decide, run_draw
 from deployer.gate_suites import against_anchor, census, margin, prompt_suites, score_prompts
 from evals import get_task
 from evals.stats import paired_interval
@@ -196,22 +196,8 @@ def test_the_same_prompts_greedy_and_sampled_are_two_requests() -> None:
 
 
 def test_the_census_is_recorded_as_nothing_drawn() -> None:
-    decision = GateDecision(
-        passed=True,
-        challenger_version=3,
-        champion_version=2,
-        challenger_score=0.6,
-        champion_score=0.6,
-        tolerance=0.05,
-        confidence=0.95,
-        n_prompts=75,
-        n_samples=75,
-        seed=125499512,
-        fresh_draw=True,
-        draw=[],
-        census=["retention"],
-        reason="ok",
-        decided_at=datetime(2026, 1, 1, tzinfo=UTC),
+    decision = gate_decision(
+        n_prompts=75, n_samples=75, seed=125499512, fresh_draw=True, draw=[], census=["retention"]
     )
     text = explain_text(decision.model_dump(mode="json"))
     assert "draw: seed 125499512 (drawn for this challenger); retention: census, nothing drawn" in text

@@ -8,12 +8,12 @@ import hashlib
 import os
 import subprocess
 import sys
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from factories import gate_decision
 
-from deployer.gate import GateDecision, draw_seed, run_draw
+from deployer.gate import draw_seed, run_draw
 from deployer.gate_suites import prompt_suites, score_prompts
 from evals import TaskError, get_task
 from evals.stats import paired_interval
@@ -127,22 +127,7 @@ def test_a_prompt_suite_bootstraps_with_the_runs_seed() -> None:
 
 def test_the_seed_and_the_draw_are_recorded_in_words() -> None:
     """In MLflow's tags and the store: the real-service gate test named above."""
-    decision = GateDecision(
-        passed=True,
-        challenger_version=3,
-        champion_version=2,
-        challenger_score=0.5,
-        champion_score=0.5,
-        tolerance=0.05,
-        confidence=0.95,
-        n_prompts=3,
-        n_samples=12,
-        seed=125499512,
-        fresh_draw=True,
-        draw=[4, 9, 70],
-        reason="ok",
-        decided_at=datetime(2026, 1, 1, tzinfo=UTC),
-    )
+    decision = gate_decision(n_prompts=3, n_samples=12, seed=125499512, fresh_draw=True, draw=[4, 9, 70])
     data = decision.model_dump(mode="json")
     assert (data["seed"], data["fresh_draw"], data["draw"]) == (125499512, True, [4, 9, 70])
     text = explain_text(data)

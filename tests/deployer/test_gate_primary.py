@@ -118,27 +118,13 @@ def test_a_guard_verdict_never_passes_a_challenger_alone() -> None:
 
 
 def test_explain_marks_the_guard() -> None:
-    from datetime import UTC, datetime
+    from factories import gate_decision
 
-    from deployer.gate import GateDecision
     from rtrl.commands.gate import explain_text
 
     suites = [_verdict("ope", -0.01), _verdict("ope_primary", -0.2, guard=True)]
     passed, reason = decide(suites, [])
-    record = GateDecision(
-        passed=passed,
-        challenger_version=3,
-        champion_version=2,
-        challenger_score=0.5,
-        champion_score=0.5,
-        tolerance=0.05,
-        confidence=0.95,
-        n_prompts=0,
-        n_samples=0,
-        suites=suites,
-        reason=reason,
-        decided_at=datetime(2026, 1, 1, tzinfo=UTC),
-    ).model_dump(mode="json")
+    record = gate_decision(passed=passed, suites=suites, reason=reason).model_dump(mode="json")
     lines = explain_text(record).splitlines()
     assert [line for line in lines if "guard (can fail, never passes alone)" in line] == [
         next(line for line in lines if line.startswith("  suite ope_primary"))
