@@ -31,9 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
 
-from evals.stats import Interval, _bounds, effective_sample_size
+from evals.stats import PairedEstimate, paired_estimate, resampled
 
 Floats = Sequence[float] | np.ndarray  # per episode
 BUCKETS = 2**12  # hashed unigram + bigram counts of the completion
@@ -173,18 +172,9 @@ def dr_min_ess(min_ess: float, r2: float) -> float:
     return min_ess * max(1.0 - max(r2, 0.0), DR_MIN_ESS_SHARE)
 
 
-class DoublyRobust(BaseModel):
+class DoublyRobust(PairedEstimate):
     """Self-normalised doubly robust estimates of both models on the same logs."""
 
-    model_config = ConfigDict(frozen=True)
-
-    challenger: float
-    champion: float
-    difference: Interval
-    ess_challenger: float
-    ess_champion: float
-    clipped_challenger: float  # share of episodes whose weight was clipped (at the weights' max)
-    clipped_champion: float
     direct_difference: float  # mean q_target challenger − champion: the direct method alone
 
 
@@ -218,17 +208,10 @@ def doubly_robust(
     if not n or not len(q_logged) == len(q1) == len(q0) == len(w1) == len(w0) == n:
         raise ValueError("need one reward, prediction, two target predictions and two weights per episode")
     residual = r - np.asarray(q_logged, dtype=np.float64)
-    index = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    index = resampled(n, resamples, seed)
     boot = dr_value(w1[index], residual[index], q1[index]) - dr_value(w0[index], residual[index], q0[index])
-    low, high = _bounds(boot, confidence)
-    est1, est0 = float(dr_value(w1, residual, q1)), float(dr_value(w0, residual, q0))
+    values = float(dr_value(w1, residual, q1)), float(dr_value(w0, residual, q0))
     return DoublyRobust(
-        challenger=est1,
-        champion=est0,
-        difference=Interval(estimate=est1 - est0, low=low, high=high, n=n),
-        ess_challenger=effective_sample_size(w1),
-        ess_champion=effective_sample_size(w0),
-        clipped_challenger=float((w1 >= clip).mean()),
-        clipped_champion=float((w0 >= clip).mean()),
+        **paired_estimate(values, boot, (w1, w0), clip, confidence),
         direct_difference=float(q1.mean() - q0.mean()),
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -53,8 +54,10 @@ def paired_interval(
     return Interval(estimate=float(diffs.mean()), low=low, high=high, n=len(diffs))
 
 
-class OffPolicy(BaseModel):
-    """Self-normalised, clipped importance-sampling estimates of both models on the same logs."""
+class PairedEstimate(BaseModel):
+    """Both models' off-policy estimates on the same logs, their difference with a paired bootstrap
+    interval, and what their importance weights say: effective sample sizes and clipped shares
+    (`off_policy` here, `doubly_robust` in evals/dr.py; `paired_estimate` builds the fields)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -65,6 +68,38 @@ class OffPolicy(BaseModel):
     ess_champion: float
     clipped_challenger: float  # share of episodes whose weight was clipped
     clipped_champion: float
+
+
+def paired_estimate(
+    values: tuple[float, float],
+    boot: np.ndarray,
+    weights: tuple[np.ndarray, np.ndarray],
+    clip: float,
+    confidence: float,
+) -> dict[str, Any]:
+    """`PairedEstimate`'s fields: (challenger, champion) `values`, `boot` the bootstrap's differences
+    (on `resampled` indices, the same for both models), the two models' clipped importance `weights`."""
+    (est1, est0), (w1, w0) = values, weights
+    low, high = _bounds(boot, confidence)
+    return {
+        "challenger": est1,
+        "champion": est0,
+        "difference": Interval(estimate=est1 - est0, low=low, high=high, n=len(w1)),
+        "ess_challenger": effective_sample_size(w1),
+        "ess_champion": effective_sample_size(w0),
+        "clipped_challenger": float((w1 >= clip).mean()),
+        "clipped_champion": float((w0 >= clip).mean()),
+    }
+
+
+def resampled(n: int, resamples: int, seed: int) -> np.ndarray:
+    """(resamples, n) episode indices drawn with replacement: one paired bootstrap for both models."""
+    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+
+class OffPolicy(PairedEstimate):
+    """Self-normalised, clipped importance-sampling estimates of both models on the same logs."""
+
     # The difference's point estimate with unclipped weights: how far clipping moved it (clipping
     # trades that bias, toward the logged rewards, for variance; docs/gate.md, Suites: ope).
     unclipped_difference: float = 0.0
@@ -120,22 +155,13 @@ def off_policy(
     r = np.asarray(rewards, dtype=np.float64)
     w1 = importance_weights(challenger, behaviour, clip)
     w0 = importance_weights(champion, behaviour, clip)
-    rng = np.random.default_rng(seed)
-    index = rng.integers(0, n, size=(resamples, n))
+    index = resampled(n, resamples, seed)
     s1, s0 = w1[index], w0[index]  # (B, n)
     with np.errstate(invalid="ignore", divide="ignore"):
         v1 = np.where(s1.sum(1) > 0, (s1 * r[index]).sum(1) / s1.sum(1), 0.0)
         v0 = np.where(s0.sum(1) > 0, (s0 * r[index]).sum(1) / s0.sum(1), 0.0)
-    low, high = _bounds(v1 - v0, confidence)
-    est1, est0 = snips(w1, r), snips(w0, r)
     return OffPolicy(
-        challenger=est1,
-        champion=est0,
-        difference=Interval(estimate=est1 - est0, low=low, high=high, n=n),
-        ess_challenger=effective_sample_size(w1),
-        ess_champion=effective_sample_size(w0),
-        clipped_challenger=float((w1 >= clip).mean()),
-        clipped_champion=float((w0 >= clip).mean()),
+        **paired_estimate((snips(w1, r), snips(w0, r)), v1 - v0, (w1, w0), clip, confidence),
         unclipped_difference=unclipped_snips(challenger, behaviour, r)
         - unclipped_snips(champion, behaviour, r),
     )
