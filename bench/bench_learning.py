@@ -95,6 +95,7 @@ import contextlib
 import hashlib
 import json
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -214,6 +215,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0, help="draws other users (and trainer.seed)")
     parser.add_argument("--json", type=Path, default=None, help="write the per-cycle rows here")
+    # --baseline-rft's own process prints its figures, not the report (`baseline_rft`).
+    parser.add_argument("--figures-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.model_dir is not None and args.recipe is not None:
         parser.error("--recipe builds the tiny model; --model-dir brings another")
@@ -418,6 +421,49 @@ def run_config(settings: Settings, args: argparse.Namespace, preference: str | N
     }
 
 
+def without(argv: list[str], option: str) -> list[str]:
+    """`argv` without `option` and its value (``--opt v`` or ``--opt=v``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
+
+
+def baseline_argv(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    """The main loop's command line `argv` for the rft baseline: ``--loss rft``, its rows beside the
+    main loop's (``<json>.rft.json``), its figures printed instead of a report."""
+    argv = without(without([a for a in argv if a != "--baseline-rft"], "--loss"), "--json")
+    argv += ["--loss", "rft", "--figures-only"]
+    if args.json is not None:
+        argv += ["--json", str(args.json.with_suffix(".rft.json"))]
+    return argv
+
+
+def baseline_rft(args: argparse.Namespace) -> dict[str, Any]:
+    """The same loop, same seed and users, with ``trainer.loss`` rft: its figures (`baseline_rft`).
+    In a process of its own: Celery's app and the services' clients are configured once per process,
+    so a second loop in this one would talk to the first's stopped services."""
+    last = ""
+    with subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), *baseline_argv(args, sys.argv[1:])],
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as child:
+        assert child.stdout is not None
+        for line in child.stdout:  # its cycles, as they come
+            print(line, end="", flush=True)
+            last = line if line.strip() else last
+    if child.returncode != 0:
+        raise SystemExit(f"the rft baseline's loop failed (exit {child.returncode}); its output is above")
+    figures: dict[str, Any] = json.loads(last)
+    return figures
+
+
 def main() -> None:
     args = parse_args()
     if str(BENCH_DIR) not in sys.path:  # bench_learning:<users> for the demo, and learning_report
@@ -426,11 +472,10 @@ def main() -> None:
 
     population, preference = population_of(args)
     settings, figures, rows = one_run(args, population, preference)
-    baseline = None
-    if args.baseline_rft:  # the same seed draws the same users; only the objective differs
-        rft_json = None if args.json is None else args.json.with_suffix(".rft.json")
-        rft_args = argparse.Namespace(**{**vars(args), "loss": "rft", "json": rft_json})
-        _, baseline, _ = one_run(rft_args, population, preference)
+    if args.figures_only:
+        print(json.dumps(figures))
+        return
+    baseline = baseline_rft(args) if args.baseline_rft else None
     result = report(
         population,
         figures,

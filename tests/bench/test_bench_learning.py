@@ -317,11 +317,17 @@ def test_main_runs_the_loop_then_rft_on_the_same_users_and_prints_one_json(
     monkeypatch.setattr(simulation.demo, "run", run)
     monkeypatch.setattr(store, "Store", Store)
     monkeypatch.setattr(bench, "heldout_answers", lambda settings, rows: ([True, False], [True, True]))
-    monkeypatch.setattr(
-        sys,
-        "argv",
-        ["bench_learning.py", "--population", "correct_only", "--recipe", "v1", "--baseline-rft"],
-    )
+    argv = ["--population", "correct_only", "--recipe", "v1", "--baseline-rft"]
+
+    def baseline_rft(args: Any) -> dict[str, Any]:  # its own process in the bench: here, in this one
+        with monkeypatch.context() as m:
+            m.setattr(sys, "argv", ["bench_learning.py", *bench.baseline_argv(args, argv)])
+            bench.main()
+        figures: dict[str, Any] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        return figures
+
+    monkeypatch.setattr(bench, "baseline_rft", baseline_rft)
+    monkeypatch.setattr(sys, "argv", ["bench_learning.py", *argv])
     bench.main()
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [s.trainer.loss.type for s, _ in loops] == ["cispo", "rft"]
@@ -331,3 +337,21 @@ def test_main_runs_the_loop_then_rft_on_the_same_users_and_prints_one_json(
     assert out["value_measure"] == "heldout_correct" and out["value"] == 50.0
     assert out["recipe"] == "v1" and out["reward_spec"] == "tab-v1"
     assert out["baseline_rft"]["value"] == 50.0 and out["baseline_rft"]["promoted"] == 2
+
+
+@pytest.mark.unit
+def test_the_rft_baseline_is_the_same_command_line_with_rft_and_its_own_rows(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    argv = ["--population", "style", "--loss=cispo", "--baseline-rft", "--json", str(tmp_path / "r.json")]
+    args = bench.parse_args(argv)
+    assert bench.baseline_argv(args, argv) == [
+        "--population",
+        "style",
+        "--loss",
+        "rft",
+        "--figures-only",
+        "--json",
+        str(tmp_path / "r.rft.json"),
+    ]
+    assert bench.parse_args(bench.baseline_argv(args, argv)).figures_only
