@@ -222,6 +222,98 @@ def test_a_challenger_that_passes_offline_but_loses_live_is_stopped_and_its_user
     store.close()
 
 
+def test_the_chain_trains_a_challenger_whose_canary_fails_and_the_cycle_is_rejected(
+    canary_fleet: Settings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The daemon's own path (worker/chain.py `run_chain`, as the Celery task runs it): users rate
+    v1, a real DeepSpeed cycle trains and registers v2, the offline gate passes it (its judgement
+    switched off: the subject is the canary), the live canary serves it and users rate it lower, the
+    canary fails, the cycle ends rejected with the canary's numbers, @champion stays v1 and no
+    request failed."""
+    from helpers import gate_without_judgement
+
+    from worker.chain import run_chain
+
+    base = _loop_settings(canary_fleet, tmp_path)
+    settings = base.model_copy(
+        update={
+            "labeler": base.labeler.model_copy(update={"settle_window_s": 0.0}),
+            "trainer": base.trainer.model_copy(
+                update={
+                    "min_samples": 16,
+                    "max_episodes": 64,
+                    "steps": 2,
+                    "micro_batch": 16,
+                    "checkpoint_dir": tmp_path / "checkpoints",
+                }
+            ),
+            "gate": gate_without_judgement(
+                base.gate, ope=base.gate.ope.model_copy(update={"holdout_percent": 0})
+            ),
+        }
+    )
+    streams.ensure_topics(settings.kafka)
+    store = Store(settings.store.url)
+    store.migrate()
+    _, key = store.create_api_key(role="tenant", tenant=TENANT, name="chain canary", rate_per_s=0)
+    registry = Registry.from_settings(settings)
+    assert rollout.bootstrap(settings, registry, tiny_model_dir) == 1
+    labeler = Labeler(settings, store, make_consumer(settings), make_producer(settings))
+    outcome: dict[str, Any] = {}
+
+    def chain() -> None:
+        try:
+            outcome["result"] = run_chain(settings, store, registry, owner="chain-canary-test")
+        except BaseException as exc:  # noqa: BLE001 - raised again in the test's thread
+            outcome["error"] = exc
+
+    names = [f"user-{i}" for i in range(24)]
+    try:
+        with gateway_process(settings, tmp_path / "gateway.log") as url:
+            users = Users(url, key, settings)
+            for turn in range(40):  # rated v1 traffic: enough for a cycle
+                users.one(names[turn % len(names)])
+                labeler.step()
+
+            def trainable() -> bool:
+                labeler.step()
+                return store.count_trainable(1, 0) >= settings.trainer.min_samples
+
+            wait_until(trainable, timeout_s=120, what="a cycle's worth of settled episodes")
+            runner = threading.Thread(target=chain)
+            runner.start()
+            turn = 0
+            while runner.is_alive():
+                users.one(names[turn % len(names)])
+                turn += 1
+                labeler.step()
+                assert turn < 4_000, "the chain did not end"
+            runner.join()
+            if "error" in outcome:
+                raise outcome["error"]
+            after = [users.one(name) for name in names]
+    finally:
+        labeler.consumer.close(autocommit=False)
+        labeler.producer.close()
+        labeler.close()
+
+    out = outcome["result"]
+    print("chain:", {k: out.get(k) for k in ("status", "gate", "gate_reason", "canary")})
+    assert out["status"] == "rejected", out
+    assert out["canary"]["state"] == "failed", out["canary"]
+    assert out["gate_reason"].startswith("canary failed"), out["gate_reason"]
+    assert out["challenger_version"] == 2
+    assert "v2" in {v for _, _, v in users.served}  # the canary served the trained challenger
+    assert set(users.statuses) == {200}, users.statuses  # no failed request
+    assert after == ["v1"] * len(names)
+    assert registry.champion() == 1
+    cycle = store.get_cycle(out["cycle_id"])
+    assert cycle is not None and cycle.status == "rejected"
+    assert cycle.metrics["canary"] == "failed" and cycle.metrics["canary_id"] == out["canary"]["canary_id"]
+    assert not _canary_live(store, settings)
+    store.close()
+
+
 def _canary_live(store: Store, settings: Settings) -> bool:
     assert settings.vllm.canary_server is not None
     row = store.rotation().get(settings.vllm.canary_server.rstrip("/"))
