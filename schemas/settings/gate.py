@@ -23,7 +23,9 @@ KL_BUDGET_WITHOUT_TRUST_REGION = 1.0
 # The default no_action_pattern, built from named parts (docs/gate.md, Alarms); case-insensitive.
 # _ALONE counts only as the whole completion; the deflections only where the completion opens with
 # one: a refusal or a deflection opens a non-answer, while a real answer may say "can't" or "more
-# details" further on ("You can't divide by zero, so the result is undefined.").
+# details" further on ("You can't divide by zero, so the result is undefined."). Leading whitespace is
+# allowed, because a completion usually opens with one (" I can't help with that." after "A:") and
+# not every reader strips it (the canary's guard searches the completion as served).
 _A = "['\u2019]"  # an apostrophe, straight or curly
 _LEAD_IN = (  # what may come before the refusal: an apology, a hedge, "as an AI"
     rf"(?:(?:i{_A}m |i am )?(?:very |so )?sorry|apologies|i apologi[sz]e|unfortunately|hmm+|well"
@@ -55,9 +57,9 @@ _ALONE = (  # non-answers only when they are the whole completion
     r"|(?:no idea|not sure|hard to say|no comment|who knows)\W*"
 )
 NO_ACTION_PATTERN = (
-    rf"(?i)^(?:{_ALONE})$"  # on its own
+    rf"(?i)^\s*(?:{_ALONE})$"  # on its own
     r"|\?\s*$"  # ends in a question
-    rf"|^(?:{_LEAD_IN})?(?:as an ai\b|(?:{_REFUSAL}|{_UNKNOWING}|{_CLARIFY})\b)"  # opens with a deflection
+    rf"|^\s*(?:{_LEAD_IN})?(?:as an ai\b|(?:{_REFUSAL}|{_UNKNOWING}|{_CLARIFY})\b)"  # opens with a deflection
 )
 
 
