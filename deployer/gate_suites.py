@@ -324,9 +324,10 @@ def ope_suite(
     """The off-policy suite on the store's held-out traffic, the alarms it feeds (kl, no_feedback),
     with `anchor` the same estimate of challenger − anchor (not yet `against_anchor`'s verdict: its
     margin is the caller's), and the ope_primary guard (`_ope_primary`, SNIPS always); `seed` is the
-    bootstrap's (default `gate.seed`). The estimator is ``gate.ope.estimator``'s (deployer/gate_dr.py
-    `choose`); the doubly robust one samples the held-out prompts with `sample` (deployer/gate.py's,
-    on staging), and without it SNIPS decides."""
+    bootstrap's (default `gate.seed`). The reward verdicts read the episodes ``gate.ope.episodes``
+    keeps (`_reward_verdicts`: the rated ones by default), the alarms every usable one. The estimator
+    is ``gate.ope.estimator``'s (deployer/gate_dr.py `choose`); the doubly robust one samples the
+    held-out prompts with `sample` (deployer/gate.py's, on staging), and without it SNIPS decides."""
     cfg = settings.gate
     spec = get_spec(settings.labeler.reward_spec)
     episodes = store.select_heldout(
