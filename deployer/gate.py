@@ -8,9 +8,9 @@ conclusive, and no alarm fired. The suites (``gate.suites``, plus ``gate.offline
 - ``ope``: off-policy evaluation on held-out logged traffic, the one that needs no oracle. A fixed
   slice of episodes (``gate.ope.holdout_percent`` by a hash of the episode id) is never trained on;
   the challenger's and the champion's sequence log-probabilities of those logged completions
-  (deployer/ope.py, a transformers forward pass) reweight the users' rewards. Inconclusive below
-  ``gate.ope.min_ess`` effective samples (too little traffic, or a challenger too far from what
-  was logged: the KL alarm covers the latter).
+  (deployer/ope.py, a transformers forward pass) reweight the users' rewards, on the rated episodes
+  by default (``gate.ope.episodes``). Inconclusive below ``gate.ope.min_ess`` effective samples (too
+  little traffic, or a challenger too far from what was logged: the KL alarm covers the latter).
 - ``retention``: the task's held-out questions scored by their known answers (evals/suites.py); by
   default all of them asked once greedily, a census whose verdict is exact (``gate.retention``).
 - ``oracle``: the task's preference function (``gate.preference``): only where one exists, such as

@@ -13,6 +13,7 @@ suite's power).
 
 from __future__ import annotations
 
+import math
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -23,9 +24,17 @@ from deployer import alarms, gate_dr, ope
 from deployer.alarms import Alarm
 from deployer.errors import GateError
 from evals.judge import Judge
-from evals.stats import Interval, OffPolicy, importance_weights, off_policy, paired_interval, snips
+from evals.stats import (
+    Interval,
+    OffPolicy,
+    effective_sample_size,
+    importance_weights,
+    off_policy,
+    paired_interval,
+    snips,
+)
 from evals.suites import PromptSuite, judge_suite, load_offline, retention_suite
-from schemas.rewards import get_spec
+from schemas.rewards import carries_signal, get_spec
 from schemas.settings import JudgeSettings, Settings
 from serving import Generation
 from store import Store
@@ -68,6 +77,11 @@ class SuiteResult(BaseModel):
         False,
         description="A census (`census`): every question of the set asked greedily, so the difference is exact "
         "(low = high = estimate) and a loss of exactly the margin passes.",
+    )
+    unrated: int | None = Field(
+        None,
+        description="ope (and its anchored verdict): usable held-out episodes left out as unrated, no user "
+        "feedback and no judge's grade (``gate.ope.episodes`` rated; 0 under all). `n` counts those kept.",
     )
 
 
@@ -310,9 +324,10 @@ def ope_suite(
     """The off-policy suite on the store's held-out traffic, the alarms it feeds (kl, no_feedback),
     with `anchor` the same estimate of challenger − anchor (not yet `against_anchor`'s verdict: its
     margin is the caller's), and the ope_primary guard (`_ope_primary`, SNIPS always); `seed` is the
-    bootstrap's (default `gate.seed`). The estimator is ``gate.ope.estimator``'s (deployer/gate_dr.py
-    `choose`); the doubly robust one samples the held-out prompts with `sample` (deployer/gate.py's,
-    on staging), and without it SNIPS decides."""
+    bootstrap's (default `gate.seed`). The reward verdicts read the episodes ``gate.ope.episodes``
+    keeps (`_reward_verdicts`: the rated ones by default), the alarms every usable one. The estimator
+    is ``gate.ope.estimator``'s (deployer/gate_dr.py `choose`); the doubly robust one samples the
+    held-out prompts with `sample` (deployer/gate.py's, on staging), and without it SNIPS decides."""
     cfg = settings.gate
     spec = get_spec(settings.labeler.reward_spec)
     episodes = store.select_heldout(
@@ -328,28 +343,23 @@ def ope_suite(
     chal_scored = ope.sequence_logprobs(challenger, logged)
     champ_scored = ope.sequence_logprobs(champion, logged)
     chal, champ = ope.challenger_logprobs(chal_scored, champ_scored), champ_scored.processed
-    suite, estimate = _ope_verdict(settings, logged, chal, champ, seed, skipped_note, "champion")
+    # ope_primary keeps the episodes carrying the primary term: a term of feedback or of the judge,
+    # so they are rated ones whatever gate.ope.episodes says.
     primary = _ope_primary(settings, logged, chal, champ, seed, skipped_note)
     logps = {"challenger": chal, "champion": champ}
-    anchored = None
     if anchor is not None:  # the anchor's weights the same way as the challenger's: from the champion's
         logps["anchor"] = ope.challenger_logprobs(ope.sequence_logprobs(anchor, logged), champ_scored)
-        anchored, _ = _ope_verdict(settings, logged, chal, logps["anchor"], seed, skipped_note, "anchor")
-    snips_conclusive = suite.conclusive  # the no_feedback alarm below weighs by SNIPS's weights
-    suite, anchored = gate_dr.choose(
-        settings,
-        logged,
-        logps,
-        (suite, anchored),
-        sample,
-        lambda: ope.completion_texts(champion, logged),
-        cfg.seed if seed is None else seed,
+    suite, anchored = _reward_verdicts(
+        settings, logged, logps, cfg.seed if seed is None else seed, skipped_note, sample, champion
     )
+    # The alarms read every usable episode, rated or not (the no_feedback alarm is about the unrated),
+    # and conclude on their own weights' effective sample size: SNIPS's on all of them.
     found: list[Alarm] = []
     behaviour = [e.behaviour for e in logged]
     w0 = importance_weights(champ, behaviour, cfg.ope.clip)
     w1 = importance_weights(chal, behaviour, cfg.ope.clip)
-    if estimate.ess_champion >= cfg.ope.min_ess:
+    ess0, ess1 = effective_sample_size(w0), effective_sample_size(w1)
+    if ess0 >= cfg.ope.min_ess:
         # KL(champion || challenger) per token: champion-weighted log-ratio over champion-weighted tokens,
         # on the tempered logprobs (no truncation): a logged token that left the challenger's nucleus
         # is a large move, counted as such, not an infinite one (docs/gate.md, Alarms).
@@ -359,10 +369,70 @@ def ope_suite(
             snips(w0[kept], np.asarray([e.tokens for e in logged], dtype=np.float64)[kept]), 1.0
         )
         found.append(alarms.kl_alarm(kl, cfg.alarms, settings.trainer.max_kl))
-    if snips_conclusive:
+    if min(ess0, ess1) >= cfg.ope.min_ess:  # the no_feedback alarm weighs by SNIPS's weights
         silent = np.asarray([float(e.no_feedback) for e in logged])
         found.append(alarms.no_feedback_alarm(snips(w1, silent), snips(w0, silent), cfg.alarms))
     return OpeVerdicts(suite, found, anchored, primary)
+
+
+def _reward_verdicts(
+    settings: Settings,
+    logged: list[ope.Logged],
+    logps: dict[str, list[float]],
+    seed: int,
+    skipped_note: str,
+    sample: gate_dr.Sampler | None,
+    champion: ope.Weights,
+) -> tuple[SuiteResult, SuiteResult | None]:
+    """The ope verdicts on the reward, against the champion and (with "anchor" in `logps`) the anchor,
+    on the episodes ``gate.ope.episodes`` keeps (`rated`): SNIPS's, then ``gate.ope.estimator``'s
+    choice (deployer/gate_dr.py `choose`). Rated only, fewer than ``gate.ope.min_ess`` of them is
+    inconclusive: no weights on them could reach that effective sample size."""
+    cfg = settings.gate.ope
+    keep = kept_episodes(settings, logged)
+    unrated = len(logged) - len(keep)
+    if cfg.episodes == "rated":
+        counts = (
+            f"rated episodes only (gate.ope.episodes rated): {len(keep)} of {len(logged)} usable held-out "
+            f"episodes kept, {unrated} left out as unrated (no feedback, no judge's grade)"
+        )
+    else:
+        silent = sum(not carries_signal(e.no_feedback, e.components) for e in logged)
+        counts = f"every usable held-out episode (gate.ope.episodes all), {silent} of them unrated"
+    if cfg.episodes == "rated" and len(keep) < max(math.ceil(cfg.min_ess), 2):
+        note = f"{counts}: fewer than gate.ope.min_ess {cfg.min_ess:g}{skipped_note}"
+        empty = _inconclusive("ope", settings, len(keep), note).model_copy(update={"unrated": unrated})
+        return empty, empty if "anchor" in logps else None
+    kept = [logged[i] for i in keep]
+    kept_logps = {model: [lp[i] for i in keep] for model, lp in logps.items()}
+    chal = kept_logps["challenger"]
+    suite, _ = _ope_verdict(settings, kept, chal, kept_logps["champion"], seed, skipped_note, "champion")
+    anchored = None
+    if "anchor" in kept_logps:
+        anchored, _ = _ope_verdict(settings, kept, chal, kept_logps["anchor"], seed, skipped_note, "anchor")
+    suite, anchored = gate_dr.choose(
+        settings,
+        kept,
+        kept_logps,
+        (suite, anchored),
+        sample,
+        lambda: ope.completion_texts(champion, kept),
+        seed,
+    )
+
+    def counted(result: SuiteResult) -> SuiteResult:
+        return result.model_copy(update={"note": f"{counts}; {result.note}", "unrated": unrated})
+
+    return counted(suite), counted(anchored) if anchored is not None else None
+
+
+def kept_episodes(settings: Settings, logged: list[ope.Logged]) -> list[int]:
+    """Indices of the episodes the ope verdicts estimate on: under ``gate.ope.episodes`` rated those
+    whose reward carries a signal (schemas/rewards.py `carries_signal`: user feedback or a judge's
+    grade, as the trainer's ``min_signal`` counts), under all every one."""
+    if settings.gate.ope.episodes == "all":
+        return list(range(len(logged)))
+    return [i for i, e in enumerate(logged) if carries_signal(e.no_feedback, e.components)]
 
 
 def _inconclusive(name: str, settings: Settings, n: int, note: str, guard: bool = False) -> SuiteResult:

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -566,3 +566,11 @@ def judge_disagrees(components: dict[str, float], grade: float | None) -> bool |
     if grade is None or outcome is None:
         return None
     return (grade >= 0.5) != (outcome > 0)
+
+
+def carries_signal(no_feedback: bool, components: Mapping[str, float]) -> bool:
+    """Whether an episode's reward says anything: user feedback, or a judge's grade. An episode settled
+    by the window with neither (`no_feedback`, the ``no_feedback`` component) has a reward that no user
+    gave: what the trainer's ``min_signal`` counts (trainer/batch.py) and what the gate's ope suite
+    keeps under ``gate.ope.episodes`` rated (docs/gate.md, Suites: ope)."""
+    return not no_feedback or JUDGE in components

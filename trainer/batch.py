@@ -5,7 +5,7 @@ they are grouped and shaped for their advantages. Pure functions of the selected
 
 from __future__ import annotations
 
-from schemas.rewards import JUDGE
+from schemas.rewards import carries_signal as signal_of
 from schemas.sampling import untrainable_sampling
 from serving.sampler import Row, Sampling
 from store import TrainingEpisode
@@ -17,8 +17,9 @@ NO_SIGNAL = 1e-9  # |advantage| at or below this carries no signal (DAPO's dynam
 def carries_signal(episode: TrainingEpisode) -> bool:
     """Whether the episode's reward says anything: user feedback, or a judge's grade. An episode
     settled by the window with neither has reward 0 and learns nothing, whatever its advantage:
-    once a running baseline exists every reward differs from it (trainer/advantages.py)."""
-    return not episode.no_feedback or JUDGE in episode.components
+    once a running baseline exists every reward differs from it (trainer/advantages.py). The
+    definition is schemas/rewards.py `carries_signal`, which the gate's ope suite shares."""
+    return signal_of(episode.no_feedback, episode.components)
 
 
 def signal_count(episodes: list[TrainingEpisode]) -> int:

@@ -74,6 +74,15 @@ class OpeSettings(Section):
         "0 turns the held-out slice, and so the suite, off.",
     )
     max_episodes: int = Field(512, ge=1, description="Newest held-out episodes the estimate uses.")
+    episodes: Literal["rated", "all"] = Field(
+        "rated",
+        description="Which held-out episodes the ope verdicts (against the champion and the anchor) estimate "
+        "the reward on. rated: those whose reward carries user feedback or a judge's grade (the trainer's "
+        "signal, schemas/rewards.py carries_signal), the units of the live canary; below `min_ess` of them the "
+        "suite is inconclusive. all: every usable one, the unrated at their settled reward, which dilutes a "
+        "loss by the feedback rate (at 30 % feedback a 12.5-point acceptance loss reads about 0.04, inside a "
+        "0.05 margin). The kl and no_feedback alarms read every episode either way (docs/gate.md, Suites: ope).",
+    )
     min_ess: float = Field(
         32.0,
         gt=0,
