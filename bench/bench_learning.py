@@ -310,9 +310,7 @@ def with_replay(settings: Settings, weight: float, path: Path) -> Settings:
     write_replay(path, replay_examples("exclaim", model_dir=ensure_model(settings)))
     print(f"replay: {len(read_replay_file(path))} training questions at weight {weight:g}", flush=True)
     replay = ReplaySettings(path=path, weight=weight)
-    return settings.model_copy(
-        update={"trainer": settings.trainer.model_copy(update={"replay": replay})}
-    )
+    return settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"replay": replay})})
 
 
 def heldout_answers(

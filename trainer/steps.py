@@ -39,7 +39,9 @@ class StepMetrics(BaseModel):
     """What one optimizer step saw, averaged over its trainable tokens."""
 
     step: int
-    loss: float = Field(description="The policy objective (the replay term, weight × replay_nll, not included).")
+    loss: float = Field(
+        description="The policy objective (the replay term, weight × replay_nll, not included)."
+    )
     mean_ratio: float = Field(description="Mean π_θ/π_old over tokens (1.0 on the first step).")
     clip_fraction: float = Field(description="Fraction of tokens whose ratio is outside the clip range.")
     kl_k1: float = Field(description="k1 estimate of KL(π_old ‖ π_θ): mean of −log(π_θ/π_old).")
@@ -221,7 +223,15 @@ def run_steps(
         lr = warmup_lr(cfg.learning_rate, taken + step + 1, cfg.warmup_steps)
         before_step(step)
         done = _step(
-            engine, batches, cfg, loss_fn, norm, lr=lr, old_logprobs=old_logprobs, mismatch=mismatch, replay=replay
+            engine,
+            batches,
+            cfg,
+            loss_fn,
+            norm,
+            lr=lr,
+            old_logprobs=old_logprobs,
+            mismatch=mismatch,
+            replay=replay,
         )
         if step == 0:
             mismatch.reduce()
@@ -361,6 +371,13 @@ def _micro_batch_loss(
     return out
 
 
+def _replay_nll(totals: dict[str, float]) -> float | None:
+    """The step's mean token NLL of the replay completions; None without replay."""
+    if "replay_nll" not in totals:
+        return None
+    return totals["replay_nll"] / max(totals["replay_tokens"], 1.0)
+
+
 def _step_metrics(
     step: int, done: _Step, *, lr: float, mean_advantage: float, mismatch: dict[str, float] | None
 ) -> StepMetrics:
@@ -383,7 +400,7 @@ def _step_metrics(
         tokens=int(totals["tokens"]),
         impossible_tokens=int(totals["impossible"]),
         lr=lr if done.applied else None,
-        replay_nll=totals["replay_nll"] / max(totals["replay_tokens"], 1.0) if "replay_nll" in totals else None,
+        replay_nll=_replay_nll(totals),
         replay_tokens=int(totals.get("replay_tokens", 0)),
         applied=done.applied,
     )

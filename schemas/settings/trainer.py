@@ -50,7 +50,7 @@ class ReplaySettings(Section):
 
     path: Path | None = Field(
         None,
-        description="JSONL file of examples, one a line: {\"messages\": [chat messages], \"completion\": \"...\"} "
+        description='JSONL file of examples, one a line: {"messages": [chat messages], "completion": "..."} '
         "(schemas/replay.py); read and checked by each cycle before it takes the lease, a bad line is an "
         "error naming it. None: no replay.",
     )

@@ -35,7 +35,10 @@ def test_a_good_file_reads_every_example_and_skips_blank_lines(tmp_path: Path) -
         ("{not json", "line 3: not JSON"),
         ('{"messages": [], "completion": " 7."}', "line 3: messages:"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', "line 3: completion: Field required"),
-        ('{"messages": [{"role": "robot", "content": "hi"}], "completion": " 7."}', "line 3: messages.0.role"),
+        (
+            '{"messages": [{"role": "robot", "content": "hi"}], "completion": " 7."}',
+            "line 3: messages.0.role",
+        ),
         (GOOD[:-1] + ', "extra": 1}', "line 3: extra"),
         ('{"messages": [{"role": "user", "content": "hi"}], "completion": ""}', "line 3: completion"),
     ],

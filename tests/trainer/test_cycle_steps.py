@@ -399,7 +399,11 @@ def test_a_spec_with_a_hindsight_term_distils_the_corrected_episodes_into_their_
 
 
 def test_a_bad_replay_file_fails_the_cycle_before_it_takes_the_lease(
-    settings: Settings, sqlite_store: Store, champion_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    settings: Settings,
+    sqlite_store: Store,
+    champion_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """trainer.replay names a file with a bad line: the cycle raises the file's error, naming the
     line, before it holds the lease or claims an episode, so a bad file costs no episode a failure."""
@@ -409,7 +413,9 @@ def test_a_bad_replay_file_fails_the_cycle_before_it_takes_the_lease(
     store = fed(sqlite_store)
     stand_in_engine(monkeypatch, one_step)
     bad = tmp_path / "replay.jsonl"
-    bad.write_text('{"messages": [{"role": "user", "content": "hi"}], "completion": " 7."}\n{"completion": 7}\n')
+    bad.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}], "completion": " 7."}\n{"completion": 7}\n'
+    )
     configured = settings.model_copy(
         update={"trainer": settings.trainer.model_copy(update={"replay": ReplaySettings(path=bad)})}
     )

@@ -94,7 +94,10 @@ def test_the_replay_term_adds_weight_times_the_mean_token_nll(weight: float) -> 
     # Two micro-batches of one step: 3 + 2 replay tokens, NLL 0.5 + 1 + 2 and 1 + 0.5 (= 5 in all).
     parts = [
         (torch.tensor([[-0.5, -1.0, -2.0, -9.0]], requires_grad=True), torch.tensor([[1.0, 1.0, 1.0, 0.0]])),
-        (torch.tensor([[-1.0, -0.5], [-7.0, -7.0]], requires_grad=True), torch.tensor([[1.0, 1.0], [0.0, 0.0]])),
+        (
+            torch.tensor([[-1.0, -0.5], [-7.0, -7.0]], requires_grad=True),
+            torch.tensor([[1.0, 1.0], [0.0, 0.0]]),
+        ),
     ]
     plain = policy_loss()
     total, nll = plain, 0.0
