@@ -4,7 +4,8 @@
         [--population style|correct_only|correct_with_corrections | --preference module:function | --hack]
         [--loss TYPE] [--reward-spec NAME] [--baseline-rft] [--cycles 10] [--requests 96]
         [--final-requests 384] [--feedback-rate 0.3] [--flip-rate 0.1] [--lr LR] [--steps N]
-        [--kl-coef BETA] [--warmup-steps N] [--recipe v1|v2 | --model-dir DIR] [--seed S] [--json PATH]
+        [--kl-coef BETA] [--warmup-steps N] [--replay-weight W] [--recipe v1|v2 | --model-dir DIR]
+        [--seed S] [--json PATH]
 
 The real loop (`rtrl demo`'s code: Kafka, Redis, MLflow, two vLLM CPU servers, gateway, labeler,
 Celery worker with DeepSpeed) from the tiny base model of ``--recipe`` (v2 by default: the competent
@@ -36,7 +37,12 @@ losses, ``rft``, ``dpo``; ``--kl-coef`` still applies), ``--reward-spec NAME`` l
 (a built-in name or a .json path, schemas/rewards.py). ``--baseline-rft`` runs the whole loop a second
 time after the first, same seed, same users, with ``trainer.loss`` = rft (rejection-sampling
 fine-tuning on accepted answers), and reports it under ``baseline_rft``: what the main objective adds
-over plain fine-tuning on what users liked is measured, not assumed.
+over plain fine-tuning on what users liked is measured, not assumed. ``--replay-weight W`` (0, the
+default: off) replays retention data in every cycle (``trainer.replay``, docs/algorithms.md, Keeping
+what the model knows): before the loop it decodes the task's *training* questions greedily with the
+base model and writes those it answers correctly to a replay file (services/tinymodel.py
+`replay_examples`; never the held-out questions the gate and the final measurement score), and the
+trainer adds W x their mean token NLL to its objective.
 
 Per cycle it prints the served version, live acceptance (what the users think of every answer,
 given or not) with a 95 % bootstrap interval, the capability-retention score of the champion and
@@ -208,6 +214,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--warmup-steps", type=int, default=None, help="trainer.warmup_steps (default: the trainer's)"
     )
     parser.add_argument(
+        "--replay-weight",
+        type=float,
+        default=0.0,
+        help="trainer.replay.weight on the base's answers to the training questions (0: no replay)",
+    )
+    parser.add_argument(
         "--recipe", default=None, help="the tiny base model's recipe (rtrl model init --recipe; default v2)"
     )
     parser.add_argument(
@@ -222,6 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--recipe builds the tiny model; --model-dir brings another")
     if args.model_dir is None and args.recipe is None:
         args.recipe = "v2"  # the competent base (issue 39)
+    if args.replay_weight < 0:
+        parser.error("--replay-weight must be >= 0")
     if args.baseline_rft and args.loss == "rft":
         parser.error("--baseline-rft runs rft after the main loop; the main loop's --loss is rft already")
     if args.reward_spec is None and args.population == "correct_with_corrections":
@@ -284,6 +298,21 @@ def bench_settings(base: Settings, args: argparse.Namespace) -> Settings:
     )
 
 
+def with_replay(settings: Settings, weight: float, path: Path) -> Settings:
+    """`settings` with ``trainer.replay`` at `weight` on a replay file written to `path`: the base
+    model's correct greedy answers to the task's training questions (services/tinymodel.py
+    `replay_examples`; the base is built by the services for v1, before the loop starts)."""
+    from schemas.replay import read_replay_file
+    from schemas.settings import ReplaySettings
+    from services.tinymodel import replay_examples, write_replay
+    from services.vllm import ensure_model
+
+    write_replay(path, replay_examples("exclaim", model_dir=ensure_model(settings)))
+    print(f"replay: {len(read_replay_file(path))} training questions at weight {weight:g}", flush=True)
+    replay = ReplaySettings(path=path, weight=weight)
+    return settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"replay": replay})})
+
+
 def heldout_answers(
     settings: Settings, rows: list[dict[str, Any]]
 ) -> tuple[list[bool] | None, list[bool] | None]:
@@ -328,6 +357,9 @@ def run_loop(args: argparse.Namespace, preference: str | None) -> tuple[Settings
         settings = bench_settings(
             stack.enter_context(private_services("bench-learning", model_dir=model_dir)), args
         )
+        if args.replay_weight > 0:
+            replay_file = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "replay.jsonl"
+            settings = with_replay(settings, args.replay_weight, replay_file)
         rows = run(
             settings,
             DemoOptions(
@@ -410,6 +442,8 @@ def run_config(settings: Settings, args: argparse.Namespace, preference: str | N
         "trainer_steps": settings.trainer.steps,
         "kl_coef": settings.trainer.loss.kl_coef,
         "warmup_steps": settings.trainer.warmup_steps,
+        "replay_weight": settings.trainer.replay.weight if settings.trainer.replay.path else 0.0,
+        "replay_per_cycle": settings.trainer.replay.per_cycle if settings.trainer.replay.path else None,
         "seed": args.seed,
         "recipe": args.recipe,
         "model_dir": None if args.model_dir is None else str(args.model_dir),

@@ -14,7 +14,8 @@ the time (about one sample in five for ``exclaim``). Two recipes (``--recipe``):
   default update (lr 1e-3) costs such a model a quarter of its answers in one cycle, and the gate
   rightly rejects every such challenger (docs/algorithms.md, Calibration on the tiny model).
 
-`measure_preference` and `measure_correct` sample the model to check. Same seed, same software,
+`measure_preference` and `measure_correct` sample the model to check; `replay_examples` and
+`write_replay` make a replay file of the training questions for ``trainer.replay``. Same seed, same software,
 same bytes: the tokenizer trainer is deterministic, the model is
 initialised and tuned under a fixed seed on one thread, and every file is written in a fixed
 order with sorted keys. A different CPU or torch build may differ in the last bits of the weights.
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
 
     from evals.tasks import Question
+    from schemas.replay import ReplayExample
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)  # ids 0, 1, 2
@@ -422,3 +424,40 @@ def info(model_dir: Path) -> dict[str, Any]:
         "model_sha256": sha256_file(weights),
         **{f"recipe_{k}": v for k, v in sorted(recipe.items())},
     }
+
+
+def replay_examples(task: str, model_dir: Path | None = None, seed: int = 0) -> list[ReplayExample]:
+    """Replay examples (``trainer.replay``, schemas/replay.py) of the task's *training* questions
+    only, never the held-out ones the gate's retention suite measures: the user's question as a chat
+    message and a correct answer. With `model_dir`, the model's own greedy answer to each question
+    it answers correctly (what it knows, in its own words; the others are left out); without, the
+    supervised completion `build` tuned it on (`Task.sft_completion`, drawn with `seed`)."""
+    from evals.suites import contains_answer
+    from schemas.replay import ReplayExample
+
+    task_obj = get_task(task)
+    questions = task_obj.train_questions()
+    if model_dir is None:
+        rng = random.Random(seed)
+        answers = [task_obj.sft_completion(q, rng) for q in questions]
+    else:
+        prompts = [task_obj.format_prompt(q.text) for q in questions]
+        completions = sample_completions(model_dir, prompts, task_obj.max_tokens, seed=seed, temperature=0)
+        answers = [
+            c if contains_answer(p, c, {"answers": q.answers}) else ""
+            for p, c, q in zip(prompts, completions, questions, strict=True)
+        ]
+    return [
+        ReplayExample.model_validate(
+            {"messages": [{"role": "user", "content": q.text}], "completion": answer}
+        )
+        for q, answer in zip(questions, answers, strict=True)
+        if answer.strip()
+    ]
+
+
+def write_replay(path: Path, examples: list[ReplayExample]) -> Path:
+    """The examples as a replay file, one JSON object a line, in order; returns `path`."""
+    lines = [json.dumps(e.model_dump(mode="json"), sort_keys=True) for e in examples]
+    Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return Path(path)

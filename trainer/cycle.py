@@ -48,7 +48,7 @@ from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import DapoLoss, Settings, TrainerSettings
 from serving.sampler import Row
 from store import DatabaseError, Store, TrainingEpisode
-from trainer import checkpoint, hindsight, objectives
+from trainer import checkpoint, hindsight, objectives, replay
 from trainer.advantages import BaselineState, compute_advantages
 from trainer.batch import (
     carries_advantage,
@@ -224,6 +224,7 @@ def run_cycle(
     # rtrl's record of its promotions, not the alias (which anyone who can write MLflow moves).
     champion = store.recorded_champion(registry.model_name, registry.champion, "trainer")
     spec = get_spec(settings.labeler.reward_spec)  # once per cycle: every step below is handed it
+    examples = replay.load(cfg.replay)  # a bad replay file fails here, before any episode is claimed
     available = count_trainable(settings, store, champion, spec_id=spec.spec_id)
     if available < cfg.min_samples:
         return CycleResult(
@@ -271,6 +272,7 @@ def run_cycle(
             champion_dir=champion_dir,
             base_dir=base_dir,
             stopping=stopping,
+            replay=replay.batches(cfg, examples, cycle.id, tokenizer_dir=base_dir or champion_dir),
         )
         result = _result(cycle, run_id, batch, training)
         _log_lineage(registry, run_id, batch.episodes, result)

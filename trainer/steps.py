@@ -29,6 +29,7 @@ from schemas.settings import TrainerSettings
 from serving.sampler import MicroBatch, TokenLogprobs, token_logprobs
 from trainer.engine import grad_norm_after_step, grad_norm_before_step, optimizer_steps, set_lr, warmup_lr
 from trainer.losses import LossFn, LossOutput, Normaliser, TokenBatch, beyond_trust_region
+from trainer.replay import ReplayBatches, replay_loss
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -38,7 +39,9 @@ class StepMetrics(BaseModel):
     """What one optimizer step saw, averaged over its trainable tokens."""
 
     step: int
-    loss: float
+    loss: float = Field(
+        description="The policy objective (the replay term, weight × replay_nll, not included)."
+    )
     mean_ratio: float = Field(description="Mean π_θ/π_old over tokens (1.0 on the first step).")
     clip_fraction: float = Field(description="Fraction of tokens whose ratio is outside the clip range.")
     kl_k1: float = Field(description="k1 estimate of KL(π_old ‖ π_θ): mean of −log(π_θ/π_old).")
@@ -67,6 +70,12 @@ class StepMetrics(BaseModel):
         "tokens, share outside [0.9, 1.1], mean, min, max, mean |log ratio|, share per bin (bin_<lo>_<hi>).",
     )
     lr: float | None = Field(None, description="Learning rate of this step's update (trainer.warmup_steps).")
+    replay_nll: float | None = Field(
+        None,
+        description="Mean token NLL of the cycle's replay completions under this step's weights, before its "
+        "update (trainer.replay; None without replay).",
+    )
+    replay_tokens: int = Field(0, description="Replay completion tokens scored in this step.")
     applied: bool = Field(
         True,
         description="False: the trust region stopped the cycle here (trainer.max_kl); this "
@@ -196,12 +205,14 @@ def run_steps(
     norm: Normaliser,
     *,
     mean_advantage: float,
+    replay: ReplayBatches | None = None,
     before_step: Callable[[int], object] = lambda step: None,
     after_step: Callable[[StepMetrics], object] = lambda metrics: None,
 ) -> Trained:
     """``cfg.steps`` optimizer steps over `batches` (this rank's share when there are several
-    ranks; `norm` counts the whole cycle's tokens and sequences). `before_step` may raise to
-    abandon the cycle; `after_step` gets each step's metrics (the whole cycle's, on every rank)."""
+    ranks; `norm` counts the whole cycle's tokens and sequences), each with the `replay` term
+    (trainer/replay.py; one rank only). `before_step` may raise to abandon the cycle; `after_step`
+    gets each step's metrics (the whole cycle's, on every rank)."""
     steps: list[StepMetrics] = []
     # π_old: the champion's own logprobs, taken from the first step's forward passes
     # (the weights only change at the end of that step).
@@ -211,7 +222,17 @@ def run_steps(
     for step in range(cfg.steps):
         lr = warmup_lr(cfg.learning_rate, taken + step + 1, cfg.warmup_steps)
         before_step(step)
-        done = _step(engine, batches, cfg, loss_fn, norm, lr=lr, old_logprobs=old_logprobs, mismatch=mismatch)
+        done = _step(
+            engine,
+            batches,
+            cfg,
+            loss_fn,
+            norm,
+            lr=lr,
+            old_logprobs=old_logprobs,
+            mismatch=mismatch,
+            replay=replay,
+        )
         if step == 0:
             mismatch.reduce()
         metrics = _step_metrics(
@@ -248,11 +269,14 @@ def _step(
     lr: float,
     old_logprobs: list[TokenLogprobs | None],
     mismatch: Mismatch,
+    replay: ReplayBatches | None = None,
 ) -> _Step:
-    """One optimizer step: forward and backward over every micro-batch, then, unless the trust
-    region stops the cycle here, one update at learning rate `lr`."""
+    """One optimizer step: forward and backward over every micro-batch, the replay term's first
+    (`_replay_backward`), then, unless the trust region stops the cycle here, one update at
+    learning rate `lr`."""
     _, size = world()
-    totals = {
+    totals = _replay_backward(engine, replay) if replay is not None else {}
+    totals |= {
         "loss": 0.0,
         "ratio": 0.0,
         "clipped": 0.0,
@@ -286,6 +310,21 @@ def _step(
         applied=True,
         grad_norm=norm_before if norm_before is not None else grad_norm_after_step(engine),
     )
+
+
+def _replay_backward(engine: DeepSpeedEngine, replay: ReplayBatches) -> dict[str, float]:
+    """Forward and backward of the replay term over its micro-batches (trainer/replay.py), before
+    the policy's: every step then reports its replay NLL, the one the trust region stops included.
+    Its gradients add to the policy's in the same accumulation (the engine counts these micro-batches
+    too); the trust region's sums never see them."""
+    nll = 0.0
+    for mb in replay.batches:
+        mb = mb.to(engine.device)
+        loss, part = replay_loss(token_logprobs(engine, mb).logprobs, mb.mask, replay.weight, replay.tokens)
+        nll += part
+        engine.backward(loss, scale_wrt_gas=False)
+        engine.step()  # a micro-step: the optimizer steps on the policy's last micro-batch
+    return {"replay_nll": nll, "replay_tokens": float(replay.tokens)}
 
 
 def _micro_batch_loss(
@@ -332,6 +371,13 @@ def _micro_batch_loss(
     return out
 
 
+def _replay_nll(totals: dict[str, float]) -> float | None:
+    """The step's mean token NLL of the replay completions; None without replay."""
+    if "replay_nll" not in totals:
+        return None
+    return totals["replay_nll"] / max(totals["replay_tokens"], 1.0)
+
+
 def _step_metrics(
     step: int, done: _Step, *, lr: float, mean_advantage: float, mismatch: dict[str, float] | None
 ) -> StepMetrics:
@@ -354,5 +400,7 @@ def _step_metrics(
         tokens=int(totals["tokens"]),
         impossible_tokens=int(totals["impossible"]),
         lr=lr if done.applied else None,
+        replay_nll=_replay_nll(totals),
+        replay_tokens=int(totals.get("replay_tokens", 0)),
         applied=done.applied,
     )

@@ -28,6 +28,7 @@ from trainer.errors import Abandoned
 from trainer.losses import Normaliser, loss_function
 from trainer.optimizer_state import carried_state, continue_optimizer, state_meta
 from trainer.ranks import train_on_ranks
+from trainer.replay import ReplayBatches
 from trainer.steps import StepMetrics, Trained, mlflow_metrics, run_steps
 
 log = logging.getLogger(__name__)
@@ -57,10 +58,12 @@ def train(
     champion_dir: Path,
     base_dir: Path | None,
     stopping: Callable[[], bool],
+    replay: ReplayBatches | None = None,
 ) -> Training:
     """The optimizer steps on `rows` (from `episodes` episodes, one advantage each) from the
-    weights of `champion`, on this process or on ``trainer.ranks`` rank processes, the checkpoint
-    saved to the cycle's ``out_dir``, and the optimizer state kept for the next cycle
+    weights of `champion`, with the `replay` term (trainer/replay.py) beside them, on this process
+    or on ``trainer.ranks`` rank processes (without replay: the settings refuse both), the
+    checkpoint saved to the cycle's ``out_dir``, and the optimizer state kept for the next cycle
     (``trainer.carry_optimizer``)."""
     train_started = time.monotonic()
     pad_id = 0  # padded positions are masked out of attention and loss; any id works
@@ -86,8 +89,11 @@ def train(
         base_dir=base_dir,
         lineage=lineage,
         stopping=stopping,
+        replay=replay,
     )
     if cfg.ranks > 1:
+        if replay is not None:
+            raise ValueError("trainer.replay runs on one rank (trainer.ranks=1)")
         trained, carried_from = _train_on_ranks(cfg, registry, work)
         for metrics in trained.steps:
             registry.log_metrics(run_id, mlflow_metrics(metrics), metrics.step)
@@ -121,6 +127,7 @@ class _Work:
     base_dir: Path | None
     lineage: dict[str, Any]
     stopping: Callable[[], bool]
+    replay: ReplayBatches | None = None
 
 
 def _train_here(
@@ -140,7 +147,8 @@ def _train_here(
         store.heartbeat_cycle(files.cycle_id, cfg.lease_ttl_s)
 
     with ExitStack() as engine_open:
-        accumulation = len(work.batches)
+        # The replay term's micro-batches accumulate into the same optimizer step (trainer/steps.py).
+        accumulation = len(work.batches) + (len(work.replay.batches) if work.replay is not None else 0)
         engine = start_engine(work.champion_dir, cfg, accumulation=accumulation, base_dir=work.base_dir)
         carried_from = None
         if cfg.carry_optimizer:
@@ -155,6 +163,7 @@ def _train_here(
             loss_function(cfg.loss),
             work.norm,
             mean_advantage=work.mean_advantage,
+            replay=work.replay,
             before_step=lambda step: check_stopping(f"before step {step}"),
             after_step=after_step,
         )

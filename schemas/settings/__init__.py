@@ -22,7 +22,7 @@ One module per section (or a few small related ones), each a frozen `Section`; t
 - `gateway`: `GatewaySettings`, `LimitsSettings`.
 - `labeler`: `LabelerSettings`; `judge`: `JudgeSettings` (the labeler's and the gate's judge).
 - `losses`: the `LossSettings` union (`CispoLoss`, `PpoLoss`, ...); `trainer`: `TrainerSettings`,
-  `LoraSettings`.
+  `LoraSettings`, `ReplaySettings`.
 - `gate`: `GateSettings` and its `OpeSettings`, `TrafficSettings`, `EpisodeSuiteSettings`, `AlarmSettings`, `OfflineSuiteSettings`,
   `RetentionSuiteSettings`.
 - `deployer`: `DeployerSettings` (with `RetentionSettings`), `AgentSettings`; `telemetry`: `MetricsSettings`.
@@ -70,7 +70,7 @@ from schemas.settings.root import (
 from schemas.settings.section import Section
 from schemas.settings.services import PostgresSettings, ServicesSettings
 from schemas.settings.telemetry import MetricsSettings
-from schemas.settings.trainer import MAX_KL_DEFAULT, LoraSettings, TrainerSettings
+from schemas.settings.trainer import MAX_KL_DEFAULT, LoraSettings, ReplaySettings, TrainerSettings
 from schemas.settings.vllm import VllmSettings
 
 __all__ = [
@@ -95,6 +95,7 @@ __all__ = [
     "LabelerSettings",
     "LimitsSettings",
     "LoraSettings",
+    "ReplaySettings",
     "LossSettings",
     "MetricsSettings",
     "MlflowSettings",

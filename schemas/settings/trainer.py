@@ -43,6 +43,31 @@ class LoraSettings(Section):
     )
 
 
+class ReplaySettings(Section):
+    """Replay of retention data in every cycle (docs/algorithms.md, Keeping what the model knows):
+    rows of a file of examples the model should keep answering, trained with a supervised term
+    beside the policy objective (trainer/replay.py). Off while ``path`` is None."""
+
+    path: Path | None = Field(
+        None,
+        description='JSONL file of examples, one a line: {"messages": [chat messages], "completion": "..."} '
+        "(schemas/replay.py); read and checked by each cycle before it takes the lease, a bad line is an "
+        "error naming it. None: no replay.",
+    )
+    weight: float = Field(
+        0.1,
+        ge=0,
+        description="Coefficient of the replay term: loss = policy loss + weight x mean token NLL of the replay "
+        "completions. 0: the rows are scored (the NLL is still reported) and add no gradient.",
+    )
+    per_cycle: int = Field(
+        32,
+        ge=1,
+        description="Examples drawn from the file per cycle, without replacement (all of them when the file "
+        "has fewer), seeded by trainer.seed and the cycle's id.",
+    )
+
+
 class TrainerSettings(Section):
     """The Celery-scheduled training cycle."""
 
@@ -164,6 +189,10 @@ class TrainerSettings(Section):
         description="The longest a cycle job (train, gate, swap) may run: Redis redelivers an unacknowledged "
         "job after this (Celery's visibility timeout), and the redelivered job takes the cycle over.",
     )
+    replay: ReplaySettings = Field(
+        default_factory=ReplaySettings,
+        description="Replay of retention data beside the policy objective (off by default).",
+    )
     seed: int = Field(0, description="Seed of the training cycle.")
 
     @property
@@ -179,6 +208,11 @@ class TrainerSettings(Section):
             raise ValueError(
                 "adapter=lora runs at zero_stage 0-2 (stage 3 would partition the frozen base "
                 "model too; a LoRA cycle trains a few MB)"
+            )
+        if self.replay.path is not None and self.ranks > 1:
+            raise ValueError(
+                "trainer.replay runs on one rank (trainer.ranks=1): the rank processes do not take the replay "
+                "rows yet"
             )
         return self
 

@@ -127,6 +127,7 @@ def test_population_of(bench: ModuleType, argv: list[str], expected: tuple[str, 
         (["--loss", "rft", "--baseline-rft"], "is rft already"),
         (["--loss", "sft"], "invalid choice"),
         (["--reward-spec", "no-such-spec"], "unknown reward spec"),
+        (["--replay-weight", "-1"], "--replay-weight must be >= 0"),
     ],
 )
 def test_argument_errors(
@@ -136,6 +137,37 @@ def test_argument_errors(
         bench.parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_replay_weight_writes_the_bases_training_answers_and_sets_trainer_replay(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The base's greedy decode is services/tinymodel.py's (tests/services/test_tinymodel.py): here
+    # its answers are two made-up examples; what is checked is the file and the settings.
+    import services.tinymodel
+    import services.vllm
+    from schemas.replay import ReplayExample, read_replay_file
+    from services.testing import services_settings
+
+    examples = [
+        ReplayExample.model_validate({"messages": [{"role": "user", "content": q}], "completion": " 1."})
+        for q in ("What is 0 plus 1?", "What comes after 0?")
+    ]
+    asked: list[Path | None] = []
+
+    def replay_examples(task: str, model_dir: Path | None = None, seed: int = 0) -> list[ReplayExample]:
+        asked.append(model_dir)
+        return examples
+
+    monkeypatch.setattr(services.vllm, "ensure_model", lambda settings: tmp_path / "model")
+    monkeypatch.setattr(services.tinymodel, "replay_examples", replay_examples)
+    assert bench.parse_args([]).replay_weight == 0.0  # off unless asked
+    settings = services_settings(tmp_path / "run", tmp_path / "model")
+    replayed = bench.with_replay(settings, 0.5, tmp_path / "replay.jsonl")
+    assert asked == [tmp_path / "model"]
+    assert replayed.trainer.replay.path == tmp_path / "replay.jsonl" and replayed.trainer.replay.weight == 0.5
+    assert read_replay_file(tmp_path / "replay.jsonl") == examples
+    assert settings.trainer.replay.path is None
 
 
 def test_loss_is_the_types_defaults_with_the_kl_coef_over_it(bench: ModuleType) -> None:

@@ -182,3 +182,23 @@ def test_cli_init_refuses_non_empty_dir_and_info(tiny: Path, tmp_path: Path) -> 
     result = runner.invoke(app, ["model", "info", str(tiny)])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["model_sha256"] == tinymodel.sha256_file(tiny / "model.safetensors")
+
+
+def test_the_replay_file_holds_training_questions_only(tiny: Path, tmp_path: Path) -> None:
+    from evals.suites import contains_answer
+    from schemas.replay import read_replay_file
+
+    task = get_task("exclaim")
+    heldout = {q.text for q in task.heldout_questions()}
+    answers = {q.text: q.answers for q in task.train_questions()}
+    supervised = tinymodel.replay_examples("exclaim", seed=0)
+    assert [e.messages[0].content for e in supervised] == [q.text for q in task.train_questions()]
+    own = tinymodel.replay_examples("exclaim", model_dir=tiny)  # only what the model answers right
+    assert 0 < len(own) < len(supervised)
+    for e in supervised + own:
+        question = e.messages[0].content
+        assert question not in heldout and question in answers
+        assert [m.role for m in e.messages] == ["user"]
+        assert contains_answer(task.format_prompt(question), e.completion, {"answers": answers[question]})
+    path = tinymodel.write_replay(tmp_path / "replay.jsonl", own)
+    assert read_replay_file(path) == own

@@ -235,6 +235,38 @@ def test_a_real_cycle_distils_written_corrections(
     assert run.data.params["reward.hindsight.weight"] == "1.0"
 
 
+def test_a_real_cycle_replays_retention_data_beside_the_policy_objective(
+    settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """trainer.replay on a file of the task's training questions (services/tinymodel.py): the
+    cycle trains and registers; the replay rows are no episodes (not counted, not in the policy's
+    tokens or the trust region's), every step reports their NLL, and the run logs it."""
+    from schemas.settings import ReplaySettings
+    from services.tinymodel import replay_examples, write_replay
+    from trainer.cycle import run_cycle
+
+    path = write_replay(tmp_path / "replay.jsonl", replay_examples("exclaim", seed=0))
+    feed(store, sample_episodes(tiny_model_dir, 16, seed=3))
+    configured = settings.model_copy(
+        update={
+            "trainer": settings.trainer.model_copy(
+                update={"replay": ReplaySettings(path=path, weight=1.0, per_cycle=8)}
+            )
+        }
+    )
+
+    result = run_cycle(configured, store, registry, owner="test")
+
+    assert result.status == "registered" and result.challenger_version is not None, result
+    assert (result.episodes, result.trainable_rows) == (16, 16)
+    assert all(step.tokens == result.tokens == step.kl_tokens for step in result.steps)
+    assert result.steps[0].mean_ratio == pytest.approx(1.0, abs=1e-6)  # π_old is the policy's alone
+    assert all(step.replay_tokens > 0 and math.isfinite(step.replay_nll or math.nan) for step in result.steps)
+    assert 0 < (result.steps[0].replay_nll or 0) < 10
+    run = registry.run(result.mlflow_run_id or "")
+    assert "replay_nll" in run.data.metrics
+
+
 def test_dapo_leaves_rows_without_signal_out(
     settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path
 ) -> None:

@@ -396,3 +396,31 @@ def test_a_spec_with_a_hindsight_term_distils_the_corrected_episodes_into_their_
         per_row = mb.advantages[:, None].expand_as(mb.mask) * mb.mask
         shifts += ((mb.token_advantages - per_row) * mb.mask).sum(dim=1).tolist()
     assert sorted(shifts) == pytest.approx([0.0] * (EPISODES - 1) + [2.0 * 0.5 * 2])
+
+
+def test_a_bad_replay_file_fails_the_cycle_before_it_takes_the_lease(
+    settings: Settings,
+    sqlite_store: Store,
+    champion_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """trainer.replay names a file with a bad line: the cycle raises the file's error, naming the
+    line, before it holds the lease or claims an episode, so a bad file costs no episode a failure."""
+    from schemas.replay import ReplayFileError
+    from schemas.settings import ReplaySettings
+
+    store = fed(sqlite_store)
+    stand_in_engine(monkeypatch, one_step)
+    bad = tmp_path / "replay.jsonl"
+    bad.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}], "completion": " 7."}\n{"completion": 7}\n'
+    )
+    configured = settings.model_copy(
+        update={"trainer": settings.trainer.model_copy(update={"replay": ReplaySettings(path=bad)})}
+    )
+
+    with pytest.raises(ReplayFileError, match="line 2: messages: Field required"):
+        cycle.run_cycle(configured, store, cast(Registry, Recorder(champion_dir, store)), owner="test")
+
+    assert store.recent_cycles(1) == [] and store.count_trainable(1, 0) == EPISODES

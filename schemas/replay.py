@@ -1,0 +1,72 @@
+"""The replay file of ``trainer.replay``: examples of what the model should keep knowing, one JSON
+object a line (docs/algorithms.md, Keeping what the model knows)::
+
+    {"messages": [{"role": "user", "content": "What is 3 plus 4?"}], "completion": " 7."}
+
+``messages`` is the conversation up to the assistant's turn, rendered with the model's chat template
+as vLLM's chat endpoint renders a request; ``completion`` is the assistant's answer, trained with the
+end-of-sequence token after it (trainer/replay.py). Blank lines are skipped. `read_replay_file` is
+called by the cycle before it takes the lease, so a bad file fails the cycle at once, naming its
+line, and costs no episodes. `services.tinymodel.replay_examples` writes one for the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from schemas.errors import OperatorError
+
+
+class ReplayFileError(OperatorError, ValueError):
+    """A replay file that cannot be read: missing, empty, or a line that is not an example."""
+
+
+class ChatMessage(BaseModel):
+    """One message of a replay example's conversation, as the chat endpoint takes it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Literal["system", "user", "assistant"] = Field(description="Who says it.")
+    content: str = Field(description="What is said.")
+
+
+class ReplayExample(BaseModel):
+    """One line of the replay file: a conversation and the answer to keep giving to it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    messages: tuple[ChatMessage, ...] = Field(
+        min_length=1, description="The conversation up to the assistant's turn (the prompt)."
+    )
+    completion: str = Field(min_length=1, description="The assistant's answer (trained, with </s> after it).")
+
+
+def read_replay_file(path: Path) -> list[ReplayExample]:
+    """Every example of the file at `path`; raises `ReplayFileError` naming the file and the line
+    of the first one that is not valid JSON or not an example, or when there is none."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReplayFileError(f"trainer.replay.path {path}: cannot read it ({exc})") from None
+    examples = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            examples.append(ReplayExample.model_validate(json.loads(line)))
+        except json.JSONDecodeError as exc:
+            raise ReplayFileError(f"{path}, line {number}: not JSON ({exc.msg})") from None
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "the line"
+            raise ReplayFileError(
+                f"{path}, line {number}: {where}: {first['msg']} (a line is "
+                '{"messages": [{"role": "user", "content": ...}], "completion": ...})'
+            ) from None
+    if not examples:
+        raise ReplayFileError(f"trainer.replay.path {path}: no examples in it")
+    return examples
