@@ -75,6 +75,7 @@ def train(
         "adapter": cfg.adapter,
         "base_model": None if base_dir is None else str(base_dir),
         "ranks": cfg.ranks,
+        "nodes": cfg.nodes,
     }
     work = _Work(
         champion=champion,
@@ -87,7 +88,7 @@ def train(
         lineage=lineage,
         stopping=stopping,
     )
-    if cfg.ranks > 1:
+    if cfg.ranks > 1 or cfg.nodes > 1:
         trained, carried_from = _train_on_ranks(cfg, registry, work)
         for metrics in trained.steps:
             registry.log_metrics(run_id, mlflow_metrics(metrics), metrics.step)
