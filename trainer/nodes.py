@@ -51,6 +51,7 @@ def join_command(cfg: TrainerSettings) -> list[str]:
         *launcher_args(cfg, host=False),
         "-m",
         "trainer.ranks",
+        str(cfg.collective_timeout_s),
         JOIN,
     ]
 
@@ -74,7 +75,9 @@ def join_cycles(cfg: TrainerSettings, stopping: Callable[[], bool]) -> None:
             time.sleep(0.5)
         took = time.monotonic() - started
         if proc.returncode != 0:
-            log.warning("this host's ranks exited %d after %.0f s; waiting for the next cycle", proc.returncode, took)
+            log.warning(
+                "this host's ranks exited %d after %.0f s; waiting for the next cycle", proc.returncode, took
+            )
         else:
             log.info("this host's launcher ended after %.0f s; waiting for the next cycle", took)
         time.sleep(POLL_S)  # the rendezvous just closed may still answer until its launcher exits

@@ -179,6 +179,7 @@ def _launch(cfg: TrainerSettings, work_dir: Path) -> subprocess.Popen[bytes]:
         *launcher_args(cfg, host=True),
         "-m",
         "trainer.ranks",
+        str(cfg.collective_timeout_s),
         str(work_dir),
     ]
     with (work_dir / LOG).open("wb") as sink:
@@ -201,17 +202,21 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=30)
 
 
-def _job_folder(work_dir: Path | None) -> tuple[Path, int]:
+def _job_folder(work_dir: Path | None, timeout_s: float) -> tuple[Path, int]:
     """Form the ranks' process group and agree on the job: (its folder, the writer's global rank).
 
     The ranks of the worker's host were given the folder (`work_dir`); those of other hosts
     (``--join``) were not, and take it from the lowest rank that was: the writer."""
+    from datetime import timedelta
+
     import deepspeed
     import torch
     from deepspeed.accelerator import get_accelerator
 
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))  # NCCL's object collectives need it
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    deepspeed.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(), timeout=timedelta(seconds=timeout_s)
+    )
     folders: list[str | None] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(folders, None if work_dir is None else str(work_dir))
     owners = [rank for rank, folder in enumerate(folders) if folder is not None]
@@ -220,9 +225,9 @@ def _job_folder(work_dir: Path | None) -> tuple[Path, int]:
     return Path(str(folders[owners[0]])), owners[0]
 
 
-def main(work_dir: Path | None) -> None:
+def main(work_dir: Path | None, timeout_s: float) -> None:
     """One rank of a multi-rank cycle (launched by `train_on_ranks`, or with `work_dir` None by
-    `rtrl train node` on another host)."""
+    `rtrl train node` on another host), whose collectives wait at most `timeout_s` for the others."""
     import torch
 
     from serving.sampler import MicroBatch
@@ -236,7 +241,7 @@ def main(work_dir: Path | None) -> None:
     from trainer.losses import Normaliser, loss_function
     from trainer.steps import collective_device, rank_batches, run_steps, world
 
-    work_dir, writer = _job_folder(work_dir)
+    work_dir, writer = _job_folder(work_dir, timeout_s)
     job = torch.load(work_dir / JOB, weights_only=True)
     cfg = TrainerSettings.model_validate_json((work_dir / SETTINGS).read_text())
     batches = [MicroBatch(**fields_) for fields_ in job["batches"]]
@@ -263,6 +268,7 @@ def main(work_dir: Path | None) -> None:
             close_engine(engine)
             engine = start_engine(champion_dir, cfg, accumulation=len(mine), base_dir=base_dir)
     tokens, sequences = job["norm"]
+    log.info("rank %d: training on %d micro-batches", rank, len(mine))
     trained = run_steps(
         engine,
         mine,
@@ -293,9 +299,9 @@ if __name__ == "__main__":
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s rank %(process)d %(levelname)s %(name)s %(message)s"
     )
-    if len(sys.argv) != 2:
+    if len(sys.argv) != 3:
         sys.exit(
-            f"usage: python -m trainer.ranks WORK_DIR | {JOIN} (launched by trainer/ranks.py train_on_ranks, "
-            "or by `rtrl train node`)"
+            f"usage: python -m trainer.ranks TIMEOUT_S (WORK_DIR | {JOIN}) (launched by trainer/ranks.py "
+            "train_on_ranks, or by `rtrl train node`)"
         )
-    main(None if sys.argv[1] == JOIN else Path(sys.argv[1]))
+    main(None if sys.argv[2] == JOIN else Path(sys.argv[2]), float(sys.argv[1]))

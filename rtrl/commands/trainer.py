@@ -7,7 +7,9 @@ import socket
 
 import typer
 
-train_app = typer.Typer(no_args_is_help=True, help="Training cycles: enqueue one, list recent ones, or lend this host's ranks to them."
+train_app = typer.Typer(
+    no_args_is_help=True,
+    help="Training cycles: enqueue one, list recent ones, or lend this host's ranks to them.",
 )
 
 

@@ -136,6 +136,14 @@ class TrainerSettings(Section):
         description="How long a multi-node cycle waits for all trainer.nodes hosts to join its rendezvous; a "
         "host that has not joined by then fails the cycle (its episodes go back to the pool).",
     )
+    collective_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="How long a rank of a multi-rank cycle waits for the others in a collective or in setting up "
+        "its process groups before it fails, and the cycle with it: what ends a cycle whose host vanished "
+        "without closing its connections (a host whose processes die closes them, and its peers fail at "
+        "their next collective). DeepSpeed's default, 30 minutes; each host uses its own.",
+    )
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     adapter: Literal["full", "lora"] = Field(
         "full",

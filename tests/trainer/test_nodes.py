@@ -8,6 +8,7 @@ registers a multi-host cycle's checkpoint as a single-host one's: tests/trainer/
 from __future__ import annotations
 
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ from helpers import stop_group
 
 from schemas.clock import wait_until
 from schemas.settings import Settings, TrainerSettings
-from serving.sampler import Row
 from services.launch import child_env, rtrl_command
+from serving.sampler import Row
 from trainer import objectives
 from trainer.engine import _free_port
 from trainer.ranks import LOG, RanksFailed, train_on_ranks
@@ -98,6 +99,7 @@ def two_nodes(services_config: Settings) -> TrainerSettings:
             "nodes": 2,
             "rendezvous": f"127.0.0.1:{_free_port()}",
             "rendezvous_timeout_s": 120.0,
+            "collective_timeout_s": 120.0,
         }
     )
 
@@ -119,7 +121,9 @@ def test_two_hosts_train_what_one_rank_trains_and_write_once(
 
     assert [s["tokens"] for s in double["steps"]] == [s["tokens"] for s in single["steps"]]
     for a, b in zip(single["steps"], double["steps"], strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5) and b["kl_k3"] == pytest.approx(a["kl_k3"], abs=1e-6)
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5) and b["kl_k3"] == pytest.approx(
+            a["kl_k3"], abs=1e-6
+        )
         assert b["applied"] == a["applied"]
     base = load_file(tiny_model_dir / "model.safetensors")
     w1 = load_file(tmp_path / "one" / "checkpoint" / "model.safetensors")
@@ -140,11 +144,13 @@ def test_a_host_that_dies_fails_the_cycle_and_the_next_cycle_trains(
     long = two_nodes.model_copy(update={"steps": 400, "max_kl": None})
     log = tmp_path / "node.log"
     node = _node(services_config, long, log)
-    import threading
 
     def kill_once_training() -> None:
         wait_until(
-            lambda: ": job " in log.read_text(errors="replace"), timeout_s=300, interval_s=0.2, what="the node's rank"
+            lambda: "training on" in log.read_text(errors="replace"),
+            timeout_s=300,
+            interval_s=0.2,
+            what="the node's rank training",
         )
         _kill_host(node)
 
