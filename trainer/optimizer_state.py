@@ -2,7 +2,7 @@
 
 A cycle saves its AdamW state on the worker's disk (trainer/checkpoint.py, ``optimizer/cycle-<id>``,
 with what it was trained with); the next cycle continues it when its champion is that cycle's
-output and the state matches (ZeRO stage, precision, mode, ranks), else starts a fresh optimizer.
+output and the state matches (ZeRO stage, precision, mode, ranks, hosts), else starts a fresh optimizer.
 Used by trainer/cycle.py.
 """
 
@@ -30,6 +30,8 @@ def state_meta(cfg: TrainerSettings) -> dict[str, Any]:
         "precision": precision(cfg),
         "adapter": cfg.adapter,
         "ranks": cfg.ranks,
+        # Only when several: the states that single-host workers kept before trainer.nodes still match.
+        **({"nodes": cfg.nodes} if cfg.nodes > 1 else {}),
     }
 
 

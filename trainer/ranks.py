@@ -1,19 +1,29 @@
-"""Multi-rank cycles (``trainer.ranks`` > 1): N DeepSpeed data-parallel ranks on the worker's host.
+"""Multi-rank cycles (``trainer.ranks`` > 1 or ``trainer.nodes`` > 1): DeepSpeed data-parallel ranks
+on the worker's host, or on several hosts.
 
 The worker prepares the cycle as for one rank (lease, selection, advantages, micro-batches), then
 `train_on_ranks` writes the job (micro-batches, normaliser, paths) into a folder and launches
-``python -m torch.distributed.run --nproc_per_node N -m trainer.ranks FOLDER``. Each rank (`main`)
+``python -m torch.distributed.run ... -m trainer.ranks FOLDER`` (`launcher_args`). Each rank (`main`)
 builds the engine on the champion's weights, continues the optimizer state the worker chose (all
 ranks or none), runs `trainer.steps.run_steps` on its share of the micro-batches, saves the
-optimizer state (collectively), gathers the weights, and rank 0 writes the checkpoint and
-``result.json`` (the steps' metrics, the trust-region stop). The worker then logs the metrics and
-registers the checkpoint as for one rank: registration stays in one process, after every rank
-exited 0.
+optimizer state (collectively), gathers the weights, and one rank, the *writer*, writes the
+checkpoint and ``result.json`` (the steps' metrics, the trust-region stop). The worker then logs
+the metrics and registers the checkpoint as for one rank: registration stays in one process, after
+every rank exited 0.
+
+With ``trainer.nodes`` > 1 the worker's launcher hosts a c10d rendezvous at ``trainer.rendezvous``
+and waits for the other hosts, each running `rtrl train node` (trainer/nodes.py), whose launcher
+starts ranks without a folder (``trainer.ranks --join``). The ranks form their process group
+first and learn the job's folder from the ranks of the worker's host (`_job_folder`); the rendezvous
+numbers hosts in its own order, so the writer is the lowest rank of the worker's host, not
+necessarily global rank 0. The folder and the paths in the job are read at the same paths on every
+host (a shared filesystem: docs/scaling.md, Training across hosts).
 
 While the ranks run, the worker keeps renewing the cycle lease (worker/chain.py) and asks
 `stopping` every half second: on SIGTERM it stops the ranks' process group and abandons the cycle,
-as a single-rank cycle does at its next step. A rank that fails fails the cycle with the tail of
-the ranks' log (the launcher stops the other ranks).
+as a single-rank cycle does at its next step. A rank that fails, on any host, fails the cycle with
+the tail of the worker's launcher log (the launcher stops the other ranks; a host that dies breaks
+the collectives of the others).
 """
 
 from __future__ import annotations
@@ -93,10 +103,13 @@ def train_on_ranks(
             _stop_group(proc)
     if proc.returncode != 0 or not (work_dir / RESULT).is_file():
         tail = (work_dir / LOG).read_text(errors="replace")[-3000:]
-        raise RanksFailed(
-            f"the {cfg.ranks} training ranks failed (exit {proc.returncode}); "
-            f"{work_dir / LOG} ends with:\n{tail}"
+        where = (
+            f"the {cfg.ranks} training ranks"
+            if cfg.nodes == 1
+            else f"the training ranks on {cfg.nodes} hosts (a host that died mid-cycle, or that did not join "
+            f"the rendezvous at {cfg.rendezvous} within {cfg.rendezvous_timeout_s:g} s, fails the cycle)"
         )
+        raise RanksFailed(f"{where} failed (exit {proc.returncode}); {work_dir / LOG} ends with:\n{tail}")
     result: dict[str, Any] = json.loads((work_dir / RESULT).read_text())
     return result
 
@@ -109,36 +122,70 @@ def _write_job(cfg: TrainerSettings, work_dir: Path, job: dict[str, Any]) -> Non
     (work_dir / SETTINGS).write_text(cfg.model_dump_json())
 
 
-def _launch(cfg: TrainerSettings, work_dir: Path) -> subprocess.Popen[bytes]:
-    """Start the launcher of ``cfg.ranks`` ranks on `work_dir` in a process group of its own, its
-    output (and the ranks') into ``ranks.log``."""
+RENDEZVOUS_ID = "rtrl-trainer"
+# What torch.distributed.run sets for its ranks: a value inherited from the worker's own
+# single-process rendezvous (trainer/engine.py) must not reach them.
+_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+
+
+def launcher_args(cfg: TrainerSettings, *, host: bool) -> list[str]:
+    """torch.distributed.run's options for a cycle: ``trainer.ranks`` ranks on a private port of
+    this host, or, with ``trainer.nodes`` > 1, this host's ``trainer.ranks`` ranks in a c10d
+    rendezvous of ``trainer.nodes`` hosts at ``trainer.rendezvous`` that this host serves (`host`:
+    the worker's) or joins (`rtrl train node`). No restarts: a failed rank fails the cycle."""
     from trainer.engine import _free_port
 
-    # The worker's own single-process rendezvous must not reach the ranks: the launcher sets theirs.
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
-    }
+    if cfg.nodes == 1:
+        return [
+            "--nproc_per_node",
+            str(cfg.ranks),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+        ]
+    return [
+        "--nnodes",
+        str(cfg.nodes),
+        "--nproc-per-node",
+        str(cfg.ranks),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        str(cfg.rendezvous),
+        "--rdzv-id",
+        RENDEZVOUS_ID,
+        "--rdzv-conf",
+        f"is_host={int(host)},join_timeout={max(1, round(cfg.rendezvous_timeout_s))}",
+        "--max-restarts",
+        "0",
+    ]
+
+
+def launcher_env() -> dict[str, str]:
+    """This process's environment for a launcher, without a rendezvous of its own (`_RANK_ENV`)."""
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _launch(cfg: TrainerSettings, work_dir: Path) -> subprocess.Popen[bytes]:
+    """Start the launcher of this host's ranks on `work_dir` in a process group of its own, its
+    output (and the ranks') into ``ranks.log``."""
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc_per_node",
-        str(cfg.ranks),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
+        *launcher_args(cfg, host=True),
         "-m",
         "trainer.ranks",
+        str(cfg.collective_timeout_s),
         str(work_dir),
     ]
     with (work_dir / LOG).open("wb") as sink:
         return subprocess.Popen(
             command,
-            env=env,
+            env=launcher_env(),
             stdout=sink,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -155,8 +202,32 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=30)
 
 
-def main(work_dir: Path) -> None:
-    """One rank of a multi-rank cycle (launched by `train_on_ranks`)."""
+def _job_folder(work_dir: Path | None, timeout_s: float) -> tuple[Path, int]:
+    """Form the ranks' process group and agree on the job: (its folder, the writer's global rank).
+
+    The ranks of the worker's host were given the folder (`work_dir`); those of other hosts
+    (``--join``) were not, and take it from the lowest rank that was: the writer."""
+    from datetime import timedelta
+
+    import deepspeed
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))  # NCCL's object collectives need it
+    deepspeed.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(), timeout=timedelta(seconds=timeout_s)
+    )
+    folders: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(folders, None if work_dir is None else str(work_dir))
+    owners = [rank for rank, folder in enumerate(folders) if folder is not None]
+    if not owners:
+        raise RanksFailed("no rank of this cycle was given its job: the worker's host did not join")
+    return Path(str(folders[owners[0]])), owners[0]
+
+
+def main(work_dir: Path | None, timeout_s: float) -> None:
+    """One rank of a multi-rank cycle (launched by `train_on_ranks`, or with `work_dir` None by
+    `rtrl train node` on another host), whose collectives wait at most `timeout_s` for the others."""
     import torch
 
     from serving.sampler import MicroBatch
@@ -170,6 +241,7 @@ def main(work_dir: Path) -> None:
     from trainer.losses import Normaliser, loss_function
     from trainer.steps import collective_device, rank_batches, run_steps, world
 
+    work_dir, writer = _job_folder(work_dir, timeout_s)
     job = torch.load(work_dir / JOB, weights_only=True)
     cfg = TrainerSettings.model_validate_json((work_dir / SETTINGS).read_text())
     batches = [MicroBatch(**fields_) for fields_ in job["batches"]]
@@ -177,6 +249,7 @@ def main(work_dir: Path) -> None:
     base_dir = None if job["base_dir"] is None else Path(job["base_dir"])
     size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
+    log.info("rank %d of %d: job %s, the checkpoint written by rank %d", rank, size, work_dir, writer)
     mine = rank_batches(batches, rank, size)
     engine = start_engine(champion_dir, cfg, accumulation=len(mine), base_dir=base_dir)
     assert world() == (rank, size), f"process group {world()} is not the launcher's ({rank}, {size})"
@@ -195,6 +268,7 @@ def main(work_dir: Path) -> None:
             close_engine(engine)
             engine = start_engine(champion_dir, cfg, accumulation=len(mine), base_dir=base_dir)
     tokens, sequences = job["norm"]
+    log.info("rank %d: training on %d micro-batches", rank, len(mine))
     trained = run_steps(
         engine,
         mine,
@@ -206,7 +280,8 @@ def main(work_dir: Path) -> None:
     if job["optimizer_to"] is not None:
         save_optimizer_state(engine, Path(job["optimizer_to"]))  # every rank writes its part
     weights = state_dict(engine)  # gathered from every rank at ZeRO 3
-    if rank == 0:
+    if rank == writer:
+        log.info("rank %d: writing the checkpoint to %s", rank, job["out_dir"])
         checkpoint.save(weights, Path(job["out_dir"]), champion_dir, json.loads(job["lineage"]))
         result = {
             "steps": [m.model_dump() for m in trained.steps],
@@ -218,10 +293,15 @@ def main(work_dir: Path) -> None:
     close_engine(engine)
 
 
+JOIN = "--join"
+
 if __name__ == "__main__":
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s rank %(process)d %(levelname)s %(name)s %(message)s"
     )
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m trainer.ranks WORK_DIR (launched by trainer/ranks.py train_on_ranks)")
-    main(Path(sys.argv[1]))
+    if len(sys.argv) != 3:
+        sys.exit(
+            f"usage: python -m trainer.ranks TIMEOUT_S (WORK_DIR | {JOIN}) (launched by trainer/ranks.py "
+            "train_on_ranks, or by `rtrl train node`)"
+        )
+    main(None if sys.argv[2] == JOIN else Path(sys.argv[2]), float(sys.argv[1]))

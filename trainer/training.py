@@ -78,6 +78,7 @@ def train(
         "adapter": cfg.adapter,
         "base_model": None if base_dir is None else str(base_dir),
         "ranks": cfg.ranks,
+        "nodes": cfg.nodes,
     }
     work = _Work(
         champion=champion,
@@ -91,9 +92,9 @@ def train(
         stopping=stopping,
         replay=replay,
     )
-    if cfg.ranks > 1:
+    if cfg.ranks > 1 or cfg.nodes > 1:
         if replay is not None:
-            raise ValueError("trainer.replay runs on one rank (trainer.ranks=1)")
+            raise ValueError("trainer.replay runs on one rank of one host (trainer.ranks=1, trainer.nodes=1)")
         trained, carried_from = _train_on_ranks(cfg, registry, work)
         for metrics in trained.steps:
             registry.log_metrics(run_id, mlflow_metrics(metrics), metrics.step)

@@ -1,4 +1,5 @@
-"""`rtrl worker`, `rtrl beat`, `rtrl train now|status`: the Celery-scheduled training cycle (worker/, trainer/)."""
+"""`rtrl worker`, `rtrl beat`, `rtrl train now|status|node`: the Celery-scheduled training cycle (worker/,
+trainer/), and the ranks other hosts lend it (trainer/nodes.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import socket
 
 import typer
 
-train_app = typer.Typer(no_args_is_help=True, help="Training cycles: enqueue one, or list recent ones.")
+train_app = typer.Typer(
+    no_args_is_help=True,
+    help="Training cycles: enqueue one, list recent ones, or lend this host's ranks to them.",
+)
 
 
 def _logging() -> None:
@@ -161,6 +165,35 @@ def status(
                 }
             )
         )
+
+
+@train_app.command("node")
+def node() -> None:
+    """Lend this host's ranks to every training cycle (trainer.nodes > 1), until SIGTERM.
+
+    Run on each of the trainer.nodes - 1 hosts beside the worker's (RTRL_TRAINER__NODES, __RANKS, __RENDEZVOUS; trainer.checkpoint_dir and
+    <run_dir>/deploy on a filesystem shared with the worker's host; docs/scaling.md, Training across hosts)."""
+    import signal
+    import threading
+
+    from schemas.errors import OperatorError
+    from schemas.settings import load_settings
+
+    _logging()
+    cfg = load_settings().trainer
+    if cfg.nodes == 1:
+        raise OperatorError(
+            "rtrl train node joins multi-host cycles: set RTRL_TRAINER__NODES (> 1) and "
+            "RTRL_TRAINER__RENDEZVOUS (host:port of the worker's host), as on the worker"
+        )
+    from trainer.engine import prebuild_ops
+    from trainer.nodes import join_cycles
+
+    prebuild_ops()  # DeepSpeed's CPU op built (or loaded) once, before the first cycle's ranks need it
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    join_cycles(cfg, stop.is_set)
 
 
 def register(app: typer.Typer) -> None:

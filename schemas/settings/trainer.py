@@ -135,7 +135,39 @@ class TrainerSettings(Section):
         le=64,
         description="DeepSpeed data-parallel ranks of a cycle: 1 trains inside the worker process; N > 1 launches N "
         "rank processes on the worker's host with torch.distributed.run (one per GPU; on CPU, one per core), each "
-        "taking every N-th micro-batch; rank 0 saves the checkpoint, the worker registers it (trainer/ranks.py).",
+        "taking every N-th micro-batch; one rank of the worker's host saves the checkpoint, the worker registers "
+        "it (trainer/ranks.py). With trainer.nodes > 1, the ranks of each host.",
+    )
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Hosts a cycle's ranks span: 1 = the worker's host only; N > 1 = the worker's host and N - 1 "
+        "hosts running `rtrl train node`, each starting trainer.ranks ranks per cycle, meeting at "
+        "trainer.rendezvous (torch.distributed.run's c10d rendezvous). Every host reads the cycle's job and the "
+        "champion and writes its optimizer state at the same paths: trainer.checkpoint_dir and "
+        "<services.run_dir>/deploy must be one shared filesystem (docs/scaling.md, Training across hosts).",
+    )
+    rendezvous: str | None = Field(
+        None,
+        description="host:port where the ranks of a multi-node cycle (trainer.nodes > 1) meet: the worker's "
+        "launcher hosts the rendezvous there for each cycle (it binds the port on the worker's host), and every "
+        "`rtrl train node` connects to it, so host must be the worker's address as the other hosts reach it. "
+        "Required when trainer.nodes > 1.",
+    )
+    rendezvous_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long a multi-node cycle waits for all trainer.nodes hosts to join its rendezvous; a "
+        "host that has not joined by then fails the cycle (its episodes go back to the pool).",
+    )
+    collective_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="How long a rank of a multi-rank cycle waits for the others in a collective or in setting up "
+        "its process groups before it fails, and the cycle with it: what ends a cycle whose host vanished "
+        "without closing its connections (a host whose processes die closes them, and its peers fail at "
+        "their next collective). DeepSpeed's default, 30 minutes; each host uses its own.",
     )
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     adapter: Literal["full", "lora"] = Field(
@@ -204,17 +236,29 @@ class TrainerSettings(Section):
     def _offload_needs_zero(self) -> TrainerSettings:
         if self.offload != "none" and self.zero_stage == 0:
             raise ValueError("offload=cpu needs zero_stage >= 1 (ZeRO partitions what it offloads)")
+        if self.nodes > 1 and self.rendezvous is None:
+            raise ValueError("trainer.nodes > 1 needs trainer.rendezvous (host:port of the worker's host)")
         if self.adapter == "lora" and self.zero_stage == 3:
             raise ValueError(
                 "adapter=lora runs at zero_stage 0-2 (stage 3 would partition the frozen base "
                 "model too; a LoRA cycle trains a few MB)"
             )
-        if self.replay.path is not None and self.ranks > 1:
+        if self.replay.path is not None and (self.ranks > 1 or self.nodes > 1):
             raise ValueError(
-                "trainer.replay runs on one rank (trainer.ranks=1): the rank processes do not take the replay "
-                "rows yet"
+                "trainer.replay runs on one rank of one host (trainer.ranks=1, trainer.nodes=1): the rank "
+                "processes do not take the replay rows yet"
             )
         return self
+
+    @field_validator("rendezvous")
+    @classmethod
+    def _host_and_port(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"trainer.rendezvous must be host:port with a port in 1-65535, not {value!r}")
+        return value
 
     @field_validator("loss", mode="before")
     @classmethod

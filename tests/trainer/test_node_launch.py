@@ -1,0 +1,74 @@
+"""The launcher's options for one host and for several (trainer/ranks.py `launcher_args`), the node's
+command (trainer/nodes.py) and the settings they read (``trainer.nodes``, ``trainer.rendezvous``)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from pydantic import ValidationError
+
+from schemas.settings import TrainerSettings
+from trainer.nodes import join_command, rendezvous_open
+from trainer.ranks import JOIN, RENDEZVOUS_ID, launcher_args
+
+pytestmark = pytest.mark.unit
+
+
+def test_one_host_runs_its_ranks_on_a_private_loopback_port() -> None:
+    args = launcher_args(TrainerSettings(ranks=2), host=True)
+    assert args[:4] == ["--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    assert args[4] == "--master_port" and args[5].isdigit()
+    assert "--rdzv-backend" not in args
+
+
+def test_several_hosts_meet_at_the_rendezvous_the_worker_serves() -> None:
+    cfg = TrainerSettings(ranks=4, nodes=3, rendezvous="trainer-0.internal:29400", rendezvous_timeout_s=90.4)
+    worker = launcher_args(cfg, host=True)
+    node = launcher_args(cfg, host=False)
+    assert worker == [
+        "--nnodes",
+        "3",
+        "--nproc-per-node",
+        "4",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "trainer-0.internal:29400",
+        "--rdzv-id",
+        RENDEZVOUS_ID,
+        "--rdzv-conf",
+        "is_host=1,join_timeout=90",
+        "--max-restarts",
+        "0",
+    ]
+    assert node == [a.replace("is_host=1", "is_host=0") for a in worker]
+    assert join_command(cfg)[-4:] == ["-m", "trainer.ranks", "1800.0", JOIN]
+
+
+@pytest.mark.parametrize("endpoint", ["trainer-0:29400", "10.0.0.5:1", "[::1]:65535"])
+def test_a_rendezvous_is_host_and_port(endpoint: str) -> None:
+    assert TrainerSettings(nodes=2, rendezvous=endpoint).rendezvous == endpoint
+
+
+@pytest.mark.parametrize(
+    "endpoint", ["trainer-0", ":29400", "trainer-0:0", "trainer-0:65536", "trainer-0:http"]
+)
+def test_a_rendezvous_without_a_port_is_refused(endpoint: str) -> None:
+    with pytest.raises(ValidationError, match="host:port"):
+        TrainerSettings(nodes=2, rendezvous=endpoint)
+
+
+def test_several_hosts_need_a_rendezvous() -> None:
+    with pytest.raises(ValidationError, match="trainer.rendezvous"):
+        TrainerSettings(nodes=2)
+    assert TrainerSettings(nodes=1).rendezvous is None
+
+
+def test_the_node_sees_a_rendezvous_only_while_something_listens() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        endpoint = f"127.0.0.1:{server.getsockname()[1]}"
+        assert rendezvous_open(endpoint)
+    assert not rendezvous_open(endpoint, timeout_s=0.5)

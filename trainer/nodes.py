@@ -1,0 +1,93 @@
+"""A host that lends its ranks to the worker's cycles (``trainer.nodes`` > 1): `rtrl train node`.
+
+Every host but the worker's runs `join_cycles` until SIGTERM. It waits until the worker's host
+serves the rendezvous at ``trainer.rendezvous`` (the worker's launcher does, for one cycle at a
+time: trainer/ranks.py `train_on_ranks`), then starts torch.distributed.run with this host's
+``trainer.ranks`` ranks in that rendezvous (`trainer.ranks.launcher_args`, ``host`` False). The
+ranks learn the cycle's job folder from the worker's ranks and read it, the champion's weights and
+the optimizer state at the same paths as the worker's host (a shared filesystem: docs/scaling.md,
+Training across hosts). When the launcher exits, the next one waits for the next cycle.
+
+Nothing here registers or writes the checkpoint: the writer is a rank of the worker's host, and the
+worker registers. A cycle whose rendezvous closed before this host joined (the other hosts had
+finished) ends this host's launcher without ranks; one that fails here fails on the worker too (its
+collectives break), and this loop starts over for the next cycle.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from schemas.settings import TrainerSettings
+from trainer.ranks import JOIN, launcher_args, launcher_env
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0  # how often an idle node looks for the next cycle's rendezvous
+
+
+def rendezvous_open(endpoint: str, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts connections at `endpoint` (host:port): the worker's launcher
+    serving a cycle's rendezvous."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def join_command(cfg: TrainerSettings) -> list[str]:
+    """The launcher of this host's ranks in the next cycle's rendezvous."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launcher_args(cfg, host=False),
+        "-m",
+        "trainer.ranks",
+        str(cfg.collective_timeout_s),
+        JOIN,
+    ]
+
+
+def join_cycles(cfg: TrainerSettings, stopping: Callable[[], bool]) -> None:
+    """Lend this host's ranks to every cycle until `stopping` answers True (see the module
+    docstring); the launcher's and the ranks' output go to this process's stdout."""
+    if cfg.nodes == 1 or cfg.rendezvous is None:
+        raise ValueError("rtrl train node needs trainer.nodes > 1 and trainer.rendezvous")
+    log.info("joining the cycles of %d hosts at %s with %d ranks", cfg.nodes, cfg.rendezvous, cfg.ranks)
+    while not stopping():
+        if not rendezvous_open(cfg.rendezvous):
+            time.sleep(POLL_S)
+            continue
+        started = time.monotonic()
+        proc = subprocess.Popen(join_command(cfg), env=launcher_env(), stdin=subprocess.DEVNULL)
+        while proc.poll() is None:
+            if stopping():
+                _stop(proc)
+                return
+            time.sleep(0.5)
+        took = time.monotonic() - started
+        if proc.returncode != 0:
+            log.warning(
+                "this host's ranks exited %d after %.0f s; waiting for the next cycle", proc.returncode, took
+            )
+        else:
+            log.info("this host's launcher ended after %.0f s; waiting for the next cycle", took)
+        time.sleep(POLL_S)  # the rendezvous just closed may still answer until its launcher exits
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the launcher (it stops its ranks), SIGKILL it after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
