@@ -105,7 +105,9 @@ def test_the_default_pattern_lets_each_real_answer_through(text: str) -> None:
     assert not non_answer(text, PATTERN), text
 
 
-@pytest.mark.parametrize("text", [" I can't help with that.", "\n I'm not sure.", "  Sorry.", " Could you clarify?"])
+@pytest.mark.parametrize(
+    "text", [" I can't help with that.", "\n I'm not sure.", "  Sorry.", " Could you clarify?"]
+)
 def test_the_pattern_itself_allows_the_leading_whitespace_a_completion_opens_with(text: str) -> None:
     """The canary's guard searches completions as served, unstripped: the pattern must not need a strip."""
     assert PATTERN.search(text) is not None, text
