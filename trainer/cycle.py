@@ -60,6 +60,7 @@ from trainer.batch import (
 )
 from trainer.errors import Abandoned, InsufficientData
 from trainer.lease import expire_abandoned
+from trainer.ranks import HostsFailed
 from trainer.selection import count_trainable, select_trainable
 from trainer.steps import StepMetrics
 from trainer.training import Training, train
@@ -69,8 +70,9 @@ log = logging.getLogger(__name__)
 # Failures that say nothing about the batch, which do not count against its episodes
 # (docs/security.md, Poisoned episodes): the worker was stopping, or the store, MLflow, the network
 # or the disk failed. Celery retries the transient ones (worker/tasks.py), and every retry selects
-# the same newest batch: counted, one MLflow outage would quarantine it.
-NOT_THE_DATAS = (Abandoned, DatabaseError, RegistryUnavailable, OSError)
+# the same newest batch: counted, one MLflow outage would quarantine it. A multi-host cycle that
+# lost a host (trainer/ranks.py `HostsFailed`) is not the data's fault either.
+NOT_THE_DATAS = (Abandoned, DatabaseError, RegistryUnavailable, OSError, HostsFailed)
 
 
 class CycleResult(BaseModel):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,6 +55,36 @@ LOG = "ranks.log"
 
 class RanksFailed(TrainerError):
     """A rank of a multi-rank cycle exited with an error (the message has the ranks' log tail)."""
+
+
+class HostsFailed(RanksFailed):
+    """A multi-host cycle failed for want of a host: one did not join the rendezvous in time, or the
+    connection to one broke or timed out (`failure`). It says nothing about the cycle's episodes,
+    which go back to the pool uncounted (trainer/cycle.py ``NOT_THE_DATAS``)."""
+
+
+# What torch.distributed reports when a host is missing, died or hung (the launcher's and the ranks'
+# log): a failure with none of these counts against the episodes, as a single-host one does.
+_HOST_TROUBLE = re.compile(
+    r"RendezvousTimeoutError|RendezvousClosedError|RendezvousConnectionError|DistNetworkError"
+    r"|Connection reset by peer|Connection closed by peer|Broken pipe|Connection refused|timed out",
+    re.IGNORECASE,
+)
+
+
+def failure(cfg: TrainerSettings, returncode: int | None, log: Path, tail: str) -> RanksFailed:
+    """The error of a cycle whose ranks failed: `HostsFailed` when the cycle spans hosts and the log's
+    `tail` shows a missing or lost host, else `RanksFailed`."""
+    if cfg.nodes == 1:
+        return RanksFailed(
+            f"the {cfg.ranks} training ranks failed (exit {returncode}); {log} ends with:\n{tail}"
+        )
+    where = (
+        f"the training ranks on {cfg.nodes} hosts failed (exit {returncode}; a host that died mid-cycle, or that "
+        f"did not join the rendezvous at {cfg.rendezvous} within {cfg.rendezvous_timeout_s:g} s, fails the cycle)"
+    )
+    error = HostsFailed if _HOST_TROUBLE.search(tail) else RanksFailed
+    return error(f"{where}; {log} ends with:\n{tail}")
 
 
 def train_on_ranks(
@@ -103,13 +134,7 @@ def train_on_ranks(
             _stop_group(proc)
     if proc.returncode != 0 or not (work_dir / RESULT).is_file():
         tail = (work_dir / LOG).read_text(errors="replace")[-3000:]
-        where = (
-            f"the {cfg.ranks} training ranks"
-            if cfg.nodes == 1
-            else f"the training ranks on {cfg.nodes} hosts (a host that died mid-cycle, or that did not join "
-            f"the rendezvous at {cfg.rendezvous} within {cfg.rendezvous_timeout_s:g} s, fails the cycle)"
-        )
-        raise RanksFailed(f"{where} failed (exit {proc.returncode}); {work_dir / LOG} ends with:\n{tail}")
+        raise failure(cfg, proc.returncode, work_dir / LOG, tail)
     result: dict[str, Any] = json.loads((work_dir / RESULT).read_text())
     return result
 

@@ -159,7 +159,8 @@ class TrainerSettings(Section):
         600.0,
         gt=0,
         description="How long a multi-node cycle waits for all trainer.nodes hosts to join its rendezvous; a "
-        "host that has not joined by then fails the cycle (its episodes go back to the pool).",
+        "host that has not joined by then fails the cycle; its episodes go back to the pool uncounted (a lost "
+        "host is not the data's fault: trainer/ranks.py `HostsFailed`).",
     )
     collective_timeout_s: float = Field(
         1800.0,
@@ -238,6 +239,10 @@ class TrainerSettings(Section):
             raise ValueError("offload=cpu needs zero_stage >= 1 (ZeRO partitions what it offloads)")
         if self.nodes > 1 and self.rendezvous is None:
             raise ValueError("trainer.nodes > 1 needs trainer.rendezvous (host:port of the worker's host)")
+        if self.nodes == 1 and self.rendezvous is not None:
+            raise ValueError(
+                "trainer.rendezvous is read only when trainer.nodes > 1: set trainer.nodes, or unset the rendezvous"
+            )
         if self.adapter == "lora" and self.zero_stage == 3:
             raise ValueError(
                 "adapter=lora runs at zero_stage 0-2 (stage 3 would partition the frozen base "
@@ -256,6 +261,10 @@ class TrainerSettings(Section):
         if value is None:
             return value
         host, _, port = value.rpartition(":")
+        if ":" in host and not (host.startswith("[") and host.endswith("]")):
+            raise ValueError(
+                f"trainer.rendezvous must be host:port, an IPv6 host in brackets ([::1]:29400), not {value!r}"
+            )
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"trainer.rendezvous must be host:port with a port in 1-65535, not {value!r}")
         return value

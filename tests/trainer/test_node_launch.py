@@ -4,13 +4,14 @@ command (trainer/nodes.py) and the settings they read (``trainer.nodes``, ``trai
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from schemas.settings import TrainerSettings
 from trainer.nodes import join_command, rendezvous_open
-from trainer.ranks import JOIN, RENDEZVOUS_ID, launcher_args
+from trainer.ranks import JOIN, RENDEZVOUS_ID, HostsFailed, RanksFailed, failure, launcher_args
 
 pytestmark = pytest.mark.unit
 
@@ -52,7 +53,8 @@ def test_a_rendezvous_is_host_and_port(endpoint: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "endpoint", ["trainer-0", ":29400", "trainer-0:0", "trainer-0:65536", "trainer-0:http"]
+    "endpoint",
+    ["trainer-0", ":29400", "trainer-0:0", "trainer-0:65536", "trainer-0:http", "::1", "fe80::1:29400"],
 )
 def test_a_rendezvous_without_a_port_is_refused(endpoint: str) -> None:
     with pytest.raises(ValidationError, match="host:port"):
@@ -63,6 +65,32 @@ def test_several_hosts_need_a_rendezvous() -> None:
     with pytest.raises(ValidationError, match="trainer.rendezvous"):
         TrainerSettings(nodes=2)
     assert TrainerSettings(nodes=1).rendezvous is None
+
+
+def test_a_rendezvous_on_one_host_is_refused_not_ignored() -> None:
+    with pytest.raises(ValidationError, match="only when trainer.nodes > 1"):
+        TrainerSettings(nodes=1, rendezvous="trainer-0:29400")
+
+
+@pytest.mark.parametrize(
+    ("nodes", "tail", "error"),
+    [
+        (2, "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError", HostsFailed),
+        (2, "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection reset by peer", HostsFailed),
+        (2, "torch.distributed.DistNetworkError: Connection refused", HostsFailed),
+        (2, "ValueError: a micro-batch without trainable tokens", RanksFailed),
+        (1, "RuntimeError: Connection reset by peer", RanksFailed),
+    ],
+)
+def test_a_lost_host_is_not_the_datas_fault(nodes: int, tail: str, error: type[RanksFailed]) -> None:
+    """A multi-host cycle that lost a host fails with HostsFailed, which the cycle does not count
+    against its episodes (NOT_THE_DATAS); any other failure, and every single-host one, counts."""
+    from trainer.cycle import NOT_THE_DATAS
+
+    cfg = TrainerSettings(nodes=nodes, rendezvous="trainer-0:29400" if nodes > 1 else None)
+    raised = failure(cfg, 1, Path("/run/ranks.log"), tail)
+    assert type(raised) is error and tail in str(raised)
+    assert isinstance(raised, NOT_THE_DATAS) == (error is HostsFailed)
 
 
 def test_the_node_sees_a_rendezvous_only_while_something_listens() -> None:
