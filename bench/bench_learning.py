@@ -353,12 +353,13 @@ def run_loop(args: argparse.Namespace, preference: str | None) -> tuple[Settings
             model_dir = build(
                 Path(stack.enter_context(tempfile.TemporaryDirectory())) / "tiny", recipe=args.recipe
             )
+        # Entered before the services, so removed after they stop: a cycle in flight at teardown still reads it.
+        replay_file = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "replay.jsonl"
         started = time.monotonic()  # the loop's wall time, not the base model's build
         settings = bench_settings(
             stack.enter_context(private_services("bench-learning", model_dir=model_dir)), args
         )
         if args.replay_weight > 0:
-            replay_file = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "replay.jsonl"
             settings = with_replay(settings, args.replay_weight, replay_file)
         rows = run(
             settings,

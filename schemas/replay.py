@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from schemas.errors import OperatorError
 
@@ -43,6 +43,18 @@ class ReplayExample(BaseModel):
         min_length=1, description="The conversation up to the assistant's turn (the prompt)."
     )
     completion: str = Field(min_length=1, description="The assistant's answer (trained, with </s> after it).")
+
+    @model_validator(mode="after")
+    def _a_prompt_and_an_answer(self) -> ReplayExample:
+        # Rendered with the generation prompt, a conversation that ends on the assistant's turn would
+        # open a second one; a blank completion trains nothing but the end of the sequence.
+        if self.messages[-1].role != "user":
+            raise ValueError(
+                "messages must end with the user's turn (the completion is the assistant's answer)"
+            )
+        if not self.completion.strip():
+            raise ValueError("completion is blank")
+        return self
 
 
 def read_replay_file(path: Path) -> list[ReplayExample]:

@@ -79,6 +79,10 @@ def train(
         "base_model": None if base_dir is None else str(base_dir),
         "ranks": cfg.ranks,
         "nodes": cfg.nodes,
+        # What the replay term trained beside the episodes (trainer/replay.py): None without replay.
+        "replay": None
+        if replay is None
+        else {"path": str(cfg.replay.path), "weight": replay.weight, "rows": replay.rows},
     }
     work = _Work(
         champion=champion,

@@ -41,6 +41,12 @@ def test_a_good_file_reads_every_example_and_skips_blank_lines(tmp_path: Path) -
         ),
         (GOOD[:-1] + ', "extra": 1}', "line 3: extra"),
         ('{"messages": [{"role": "user", "content": "hi"}], "completion": ""}', "line 3: completion"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "completion": " \\n "}', "completion is blank"),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "7"}],'
+            ' "completion": " 7."}',
+            "must end with the user's turn",
+        ),
     ],
 )
 def test_a_bad_line_is_an_operator_error_naming_the_file_and_the_line(
