@@ -161,7 +161,7 @@ def test_a_challenger_that_passes_offline_but_loses_live_is_stopped_and_its_user
     try:
         with gateway_process(settings, tmp_path / "gateway.log") as url:
             users = Users(url, key, settings)
-            runner = threading.Thread(target=run_canary)
+            runner = threading.Thread(target=run_canary, daemon=True)  # a failed assert must not hang pytest
             runner.start()
             wait_until(
                 lambda: _canary_live(store, settings) or "error" in outcome,
@@ -280,7 +280,7 @@ def test_the_chain_trains_a_challenger_whose_canary_fails_and_the_cycle_is_rejec
                 return store.count_trainable(1, 0) >= settings.trainer.min_samples
 
             wait_until(trainable, timeout_s=120, what="a cycle's worth of settled episodes")
-            runner = threading.Thread(target=chain)
+            runner = threading.Thread(target=chain, daemon=True)  # a failed assert must not hang pytest
             runner.start()
             turn = 0
             while runner.is_alive():
