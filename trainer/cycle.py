@@ -71,8 +71,9 @@ log = logging.getLogger(__name__)
 # (docs/security.md, Poisoned episodes): the worker was stopping, or the store, MLflow, the network
 # or the disk failed. Celery retries the transient ones (worker/tasks.py), and every retry selects
 # the same newest batch: counted, one MLflow outage would quarantine it. A multi-host cycle that
-# lost a host (trainer/ranks.py `HostsFailed`) is not the data's fault either.
-NOT_THE_DATAS = (Abandoned, DatabaseError, RegistryUnavailable, OSError, HostsFailed)
+# lost a host (trainer/ranks.py `HostsFailed`) is not the data's fault either, nor a replay file
+# that does not fit the model (trainer/replay.py `ReplayUnusable`).
+NOT_THE_DATAS = (Abandoned, DatabaseError, RegistryUnavailable, OSError, HostsFailed, replay.ReplayUnusable)
 
 
 class CycleResult(BaseModel):

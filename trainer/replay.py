@@ -34,6 +34,7 @@ import torch
 from schemas.replay import ReplayExample, read_replay_file
 from schemas.settings import ReplaySettings, TrainerSettings
 from serving.sampler import MicroBatch, Row, micro_batches
+from trainer.errors import TrainerError
 
 
 @dataclass(frozen=True)
@@ -77,19 +78,41 @@ def replay_row(tokenizer: Any, example: ReplayExample) -> Row:
     )
 
 
+class ReplayUnusable(TrainerError):
+    """The replay rows cannot be built for this checkpoint: its tokenizer has no chat template or no
+    end-of-sequence token, or a row is longer than the model's positions. The operator's file or
+    model is at fault, not the cycle's episodes (trainer/cycle.py ``NOT_THE_DATAS``)."""
+
+
 def batches(
     cfg: TrainerSettings, examples: list[ReplayExample] | None, cycle_id: int, *, tokenizer_dir: Path
 ) -> ReplayBatches | None:
     """Cycle `cycle_id`'s replay micro-batches (``trainer.replay``, ``trainer.micro_batch`` rows
     each), tokenised with the tokenizer in `tokenizer_dir` (the champion's checkpoint, or the base
-    of an adapter); None when replay is off."""
+    of an adapter); None when replay is off. Raises `ReplayUnusable` when the rows cannot be built
+    or do not fit the model."""
     if examples is None:
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if tokenizer.eos_token_id is None:
+        raise ReplayUnusable(f"trainer.replay: the tokenizer in {tokenizer_dir} has no end-of-sequence token")
     drawn = draw(examples, cfg.replay.per_cycle, cfg.seed, cycle_id)
-    cut = micro_batches([replay_row(tokenizer, e) for e in drawn], cfg.micro_batch, pad_id=0)
+    try:
+        rows = [replay_row(tokenizer, e) for e in drawn]
+    except ValueError as exc:  # transformers: no chat template, or one that refuses the messages
+        raise ReplayUnusable(
+            f"trainer.replay: cannot render an example with {tokenizer_dir}'s chat template ({exc})"
+        ) from None
+    positions = getattr(AutoConfig.from_pretrained(str(tokenizer_dir)), "max_position_embeddings", None)
+    longest = max((len(r.input_ids) for r in rows), default=0)
+    if positions is not None and longest > positions:
+        raise ReplayUnusable(
+            f"trainer.replay: a replay example is {longest} tokens, longer than the model's {positions} positions; "
+            "shorten it or leave it out of the file"
+        )
+    cut = micro_batches(rows, cfg.micro_batch, pad_id=0)
     return ReplayBatches(cut, sum(b.tokens for b in cut), cfg.replay.weight, len(drawn))
 
 

@@ -3,6 +3,8 @@ vLLM's endpoints give the same conversation, and the loss term, by hand on small
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,39 @@ def test_the_replay_term_adds_weight_times_the_mean_token_nll(weight: float) -> 
     assert parts[0][0].grad is not None and parts[1][0].grad is not None
     assert parts[0][0].grad.flatten().tolist() == pytest.approx([-weight / 5] * 3 + [0.0])
     assert parts[1][0].grad.flatten().tolist() == pytest.approx([-weight / 5] * 2 + [0.0, 0.0])
+
+
+# ---- rows that cannot be built are not the episodes' fault --------------------------------------
+
+
+def test_a_replay_row_longer_than_the_model_is_refused_and_not_counted_against_the_episodes(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """A row past the model's positions would crash the forward pass after the episodes are claimed;
+    it is refused before training, with an error the cycle does not count against them."""
+    from trainer.cycle import NOT_THE_DATAS
+    from trainer.replay import ReplayUnusable
+
+    positions = json.loads((tokenizer_dir / "config.json").read_text())["max_position_embeddings"]
+    cfg = TrainerSettings(replay=ReplaySettings(path=tmp_path / "replay.jsonl"))
+    long = example("What is 3 plus 4?", " seven" * positions)
+    with pytest.raises(ReplayUnusable, match="longer than the model's") as caught:
+        batches(cfg, [long], 1, tokenizer_dir=tokenizer_dir)
+    assert isinstance(caught.value, NOT_THE_DATAS)
+    assert batches(cfg, [example("What is 3 plus 4?", " 7.")], 1, tokenizer_dir=tokenizer_dir) is not None
+
+
+def test_a_checkpoint_without_a_chat_template_is_refused_for_replay(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    from trainer.replay import ReplayUnusable
+
+    bare = Path(shutil.copytree(tokenizer_dir, tmp_path / "bare"))
+    config = bare / "tokenizer_config.json"
+    settings = json.loads(config.read_text())
+    settings.pop("chat_template", None)
+    config.write_text(json.dumps(settings))
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = TrainerSettings(replay=ReplaySettings(path=tmp_path / "replay.jsonl"))
+    with pytest.raises(ReplayUnusable, match="chat template"):
+        batches(cfg, [example("What is 3 plus 4?", " 7.")], 1, tokenizer_dir=bare)
