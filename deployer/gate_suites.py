@@ -37,7 +37,7 @@ from evals.suites import PromptSuite, judge_suite, load_offline, retention_suite
 from schemas.rewards import carries_signal, get_spec
 from schemas.settings import JudgeSettings, Settings
 from serving import Generation
-from store import Store
+from store import Store, TrainingEpisode
 
 TASK_SUITES = ("retention", "oracle", "judge", "episodes")  # the suites on `gate.task`'s held-out questions
 
@@ -330,9 +330,7 @@ def ope_suite(
     held-out prompts with `sample` (deployer/gate.py's, on staging), and without it SNIPS decides."""
     cfg = settings.gate
     spec = get_spec(settings.labeler.reward_spec)
-    episodes = store.select_heldout(
-        cfg.ope.max_episodes, spec_id=spec.spec_id, holdout_percent=cfg.ope.holdout_percent
-    )
+    episodes, newest = _heldout(settings, store, spec.spec_id)
     logged, skipped = ope.usable(episodes)
     skipped_note = f"; {skipped} held-out episodes could not be rescored" if skipped else ""
     if len(logged) < 2:
@@ -352,27 +350,45 @@ def ope_suite(
     suite, anchored = _reward_verdicts(
         settings, logged, logps, cfg.seed if seed is None else seed, skipped_note, sample, champion
     )
-    # The alarms read every usable episode, rated or not (the no_feedback alarm is about the unrated),
-    # and conclude on their own weights' effective sample size: SNIPS's on all of them.
+    # The alarms read the newest usable episodes, rated or not (the no_feedback alarm is about the
+    # unrated; the older rated ones `_heldout` adds would skew it), and conclude on their own
+    # weights' effective sample size: SNIPS's on those.
+    sample_ = np.asarray([e.episode_id in newest for e in logged])
     found: list[Alarm] = []
-    behaviour = [e.behaviour for e in logged]
-    w0 = importance_weights(champ, behaviour, cfg.ope.clip)
-    w1 = importance_weights(chal, behaviour, cfg.ope.clip)
+    behaviour = np.asarray([e.behaviour for e in logged])[sample_]
+    w0 = importance_weights(np.asarray(champ)[sample_], behaviour, cfg.ope.clip)
+    w1 = importance_weights(np.asarray(chal)[sample_], behaviour, cfg.ope.clip)
     ess0, ess1 = effective_sample_size(w0), effective_sample_size(w1)
     if ess0 >= cfg.ope.min_ess:
         # KL(champion || challenger) per token: champion-weighted log-ratio over champion-weighted tokens,
         # on the tempered logprobs (no truncation): a logged token that left the challenger's nucleus
         # is a large move, counted as such, not an infinite one (docs/gate.md, Alarms).
-        gap = np.asarray(champ_scored.tempered) - np.asarray(chal_scored.tempered)
-        kept = np.isfinite(np.asarray(champ))
-        kl = snips(w0[kept], gap[kept]) / max(
-            snips(w0[kept], np.asarray([e.tokens for e in logged], dtype=np.float64)[kept]), 1.0
-        )
+        gap = (np.asarray(champ_scored.tempered) - np.asarray(chal_scored.tempered))[sample_]
+        kept = np.isfinite(np.asarray(champ)[sample_])
+        tokens = np.asarray([e.tokens for e in logged], dtype=np.float64)[sample_]
+        kl = snips(w0[kept], gap[kept]) / max(snips(w0[kept], tokens[kept]), 1.0)
         found.append(alarms.kl_alarm(kl, cfg.alarms, settings.trainer.max_kl))
     if min(ess0, ess1) >= cfg.ope.min_ess:  # the no_feedback alarm weighs by SNIPS's weights
-        silent = np.asarray([float(e.no_feedback) for e in logged])
+        silent = np.asarray([float(e.no_feedback) for e in logged])[sample_]
         found.append(alarms.no_feedback_alarm(snips(w1, silent), snips(w0, silent), cfg.alarms))
     return OpeVerdicts(suite, found, anchored, primary)
+
+
+def _heldout(settings: Settings, store: Store, spec_id: str) -> tuple[list[TrainingEpisode], set[str]]:
+    """The held-out episodes the ope suite scores, and the ids of the alarms' sample among them: the
+    newest ``gate.ope.max_episodes`` (the alarms' sample), and under ``gate.ope.episodes`` rated also
+    the newest ``max_episodes`` rated ones, which may be older. Selected after the filter, the rated
+    verdicts get up to ``max_episodes`` episodes at any feedback rate, not the rated share of the
+    newest; the price is up to twice the forward passes when the rated are sparse."""
+    cfg = settings.gate.ope
+    episodes = store.select_heldout(cfg.max_episodes, spec_id=spec_id, holdout_percent=cfg.holdout_percent)
+    newest = {e.episode_id for e in episodes}
+    if cfg.episodes == "rated":
+        rated = store.select_heldout(
+            cfg.max_episodes, spec_id=spec_id, holdout_percent=cfg.holdout_percent, rated_only=True
+        )
+        episodes = episodes + [e for e in rated if e.episode_id not in newest]
+    return episodes, newest
 
 
 def _reward_verdicts(

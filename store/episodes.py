@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import exists, func, select, update
+from sqlalchemy import exists, func, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from schemas.events import SamplingParams
-from schemas.rewards import NO_FEEDBACK
+from schemas.rewards import JUDGE, NO_FEEDBACK
 from store.base import StoreBase
 from store.cycles import served_versions
 from store.errors import EpisodesUnavailable, LeaseLost
@@ -180,12 +180,26 @@ class EpisodeStore(StoreBase):
             ).all()
             return self._with_segments(session, list(episodes))
 
-    def select_heldout(self, limit: int, *, spec_id: str, holdout_percent: int) -> list[TrainingEpisode]:
+    def select_heldout(
+        self, limit: int, *, spec_id: str, holdout_percent: int, rated_only: bool = False
+    ) -> list[TrainingEpisode]:
         """The newest ``limit`` settled episodes of the eval gate's held-out buckets (below
         `holdout_percent`, never trained on), labelled under `spec_id`, of tenants that train, with
-        their segments: the logged traffic the gate's off-policy estimate reweights."""
+        their segments: the logged traffic the gate's off-policy estimate reweights. `rated_only`:
+        only those whose reward carries a signal (user feedback or a judge's grade: no
+        ``no_feedback`` component, or a ``judge`` one; schemas/rewards.py `carries_signal`)."""
         if holdout_percent <= 0:
             return []
+        rated = (
+            [
+                or_(
+                    Episode.reward_components[NO_FEEDBACK].as_float().is_(None),
+                    Episode.reward_components[JUDGE].as_float().is_not(None),
+                )
+            ]
+            if rated_only
+            else []
+        )
         tenant_off = exists(
             select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False))
         )
@@ -199,6 +213,7 @@ class EpisodeStore(StoreBase):
                     Episode.used_in_cycle.is_(None),
                     Episode.quarantined_at.is_(None),
                     ~tenant_off,
+                    *rated,
                 )
                 .order_by(Episode.first_event_at.desc(), Episode.episode_id)
                 .limit(limit)

@@ -169,3 +169,36 @@ def test_a_judged_episode_without_feedback_is_rated_as_the_trainer_counts_it() -
     )
     assert gate_suites.kept_episodes(with_ope(), logged) == [1, 2]
     assert gate_suites.kept_episodes(with_ope(episodes="all"), logged) == [0, 1, 2]
+
+
+class NewestFirstStore(FakeStore):
+    """`select_heldout` as the store answers it: the newest `n` (the list is newest first), of the
+    rated only with `rated_only`."""
+
+    def select_heldout(self, n: int, *, rated_only: bool = False, **kwargs: Any) -> list[TrainingEpisode]:
+        return [e for e in self.episodes if not rated_only or not e.no_feedback or "judge" in e.components][
+            :n
+        ]
+
+
+def test_sparse_feedback_still_gets_the_rated_episodes_behind_the_newest_unrated_ones() -> None:
+    """At a low feedback rate the newest max_episodes hold almost no rated episode; the suite also
+    selects the newest max_episodes rated ones, older ones included, so its verdict concludes. The
+    alarms still read only the newest max_episodes, rated or not."""
+    unrated = [_episode(i, False, False) for i in range(600)]
+    older_rated = [_episode(600 + i, True, i % 20 < 10) for i in range(300)]
+    settings = with_ope(max_episodes=512)
+    verdicts = gate_suites.ope_suite(
+        settings,
+        NewestFirstStore(unrated + older_rated),  # type: ignore[arg-type]
+        ope.Weights(Path("challenger")),
+        ope.Weights(Path("champion")),
+        seed=1,
+    )
+    rated = verdicts.suite
+    assert (rated.n, rated.unrated) == (300, 512)  # all 300 rated, behind 512 newest unrated
+    assert rated.conclusive and rated.passed is False
+    assert rated.difference is not None and rated.difference.estimate == pytest.approx(-0.125)
+    # Before, only the newest 512 were read: no rated episode among them.
+    fired = {a.name: a.fired for a in verdicts.alarms}
+    assert fired == {"kl": False, "no_feedback": False}  # the alarms' sample: 512 unrated, unmoved
