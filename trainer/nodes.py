@@ -29,6 +29,14 @@ from trainer.ranks import JOIN, launcher_args, launcher_env
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often an idle node looks for the next cycle's rendezvous
+MAX_BACKOFF_S = 60.0  # the longest wait after launchers that failed in a row
+
+
+def backoff_s(failures: int) -> float:
+    """The wait before looking for the next rendezvous after `failures` launchers in a row exited
+    non-zero: POLL_S, doubled per failure up to MAX_BACKOFF_S. A port that answers but is no
+    rendezvous (a misconfigured ``trainer.rendezvous``) would otherwise start a launcher every second."""
+    return min(POLL_S * 2.0 ** max(failures, 0), MAX_BACKOFF_S)
 
 
 def rendezvous_open(endpoint: str, timeout_s: float = 1.0) -> bool:
@@ -62,6 +70,7 @@ def join_cycles(cfg: TrainerSettings, stopping: Callable[[], bool]) -> None:
     if cfg.nodes == 1 or cfg.rendezvous is None:
         raise ValueError("rtrl train node needs trainer.nodes > 1 and trainer.rendezvous")
     log.info("joining the cycles of %d hosts at %s with %d ranks", cfg.nodes, cfg.rendezvous, cfg.ranks)
+    failures = 0
     while not stopping():
         if not rendezvous_open(cfg.rendezvous):
             time.sleep(POLL_S)
@@ -74,13 +83,22 @@ def join_cycles(cfg: TrainerSettings, stopping: Callable[[], bool]) -> None:
                 return
             time.sleep(0.5)
         took = time.monotonic() - started
-        if proc.returncode != 0:
+        failures = failures + 1 if proc.returncode != 0 else 0
+        if failures:
             log.warning(
-                "this host's ranks exited %d after %.0f s; waiting for the next cycle", proc.returncode, took
+                "this host's ranks exited %d after %.0f s (%d in a row; is %s the worker's rendezvous?); "
+                "waiting %.0f s for the next cycle",
+                proc.returncode,
+                took,
+                failures,
+                cfg.rendezvous,
+                backoff_s(failures),
             )
         else:
             log.info("this host's launcher ended after %.0f s; waiting for the next cycle", took)
-        time.sleep(POLL_S)  # the rendezvous just closed may still answer until its launcher exits
+        time.sleep(
+            backoff_s(failures)
+        )  # the rendezvous just closed may still answer until its launcher exits
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from schemas.settings import TrainerSettings
-from trainer.nodes import join_command, rendezvous_open
+from trainer.nodes import MAX_BACKOFF_S, POLL_S, backoff_s, join_command, rendezvous_open
 from trainer.ranks import JOIN, RENDEZVOUS_ID, HostsFailed, RanksFailed, failure, launcher_args
 
 pytestmark = pytest.mark.unit
@@ -100,3 +100,10 @@ def test_the_node_sees_a_rendezvous_only_while_something_listens() -> None:
         endpoint = f"127.0.0.1:{server.getsockname()[1]}"
         assert rendezvous_open(endpoint)
     assert not rendezvous_open(endpoint, timeout_s=0.5)
+
+
+def test_a_node_backs_off_after_launchers_that_fail_in_a_row() -> None:
+    """A port that answers but is no rendezvous must not start a launcher every second forever."""
+    assert backoff_s(0) == POLL_S
+    assert [backoff_s(n) for n in (1, 2, 3)] == [2 * POLL_S, 4 * POLL_S, 8 * POLL_S]
+    assert backoff_s(50) == MAX_BACKOFF_S
