@@ -64,9 +64,10 @@ class HostsFailed(RanksFailed):
 
 
 # What torch.distributed reports when a host is missing, died or hung (the launcher's and the ranks'
-# log): a failure with none of these counts against the episodes, as a single-host one does.
+# log), and `main`'s refusal of a host with other trainer.ranks: a failure with none of these counts
+# against the episodes, as a single-host one does.
 _HOST_TROUBLE = re.compile(
-    r"RendezvousTimeoutError|RendezvousClosedError|RendezvousConnectionError|DistNetworkError"
+    r"RendezvousTimeoutError|RendezvousClosedError|RendezvousConnectionError|DistNetworkError|a misconfigured host"
     r"|Connection reset by peer|Connection closed by peer|Broken pipe|Connection refused|timed out",
     re.IGNORECASE,
 )
@@ -274,6 +275,11 @@ def main(work_dir: Path | None, timeout_s: float) -> None:
     base_dir = None if job["base_dir"] is None else Path(job["base_dir"])
     size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
+    if size != cfg.nodes * cfg.ranks:  # every rank sees it and stops, before the first step
+        raise SystemExit(
+            f"rank {rank}: {size} ranks joined, not trainer.nodes x trainer.ranks = {cfg.nodes} x {cfg.ranks} "
+            f"(a misconfigured host): every rtrl train node must run the worker's trainer.ranks"
+        )
     log.info("rank %d of %d: job %s, the checkpoint written by rank %d", rank, size, work_dir, writer)
     mine = rank_batches(batches, rank, size)
     engine = start_engine(champion_dir, cfg, accumulation=len(mine), base_dir=base_dir)

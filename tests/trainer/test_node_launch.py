@@ -78,6 +78,11 @@ def test_a_rendezvous_on_one_host_is_refused_not_ignored() -> None:
         (2, "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError", HostsFailed),
         (2, "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection reset by peer", HostsFailed),
         (2, "torch.distributed.DistNetworkError: Connection refused", HostsFailed),
+        (
+            2,
+            "SystemExit: rank 2: 3 ranks joined, not trainer.nodes x trainer.ranks = 2 x 1 (a misconfigured host)",
+            HostsFailed,
+        ),
         (2, "ValueError: a micro-batch without trainable tokens", RanksFailed),
         (1, "RuntimeError: Connection reset by peer", RanksFailed),
     ],
