@@ -19,12 +19,11 @@ from __future__ import annotations
 import logging
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 
 from schemas.settings import TrainerSettings
-from trainer.ranks import JOIN, launcher_args, launcher_env
+from trainer.ranks import JOIN, launch_command, launcher_env
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +51,7 @@ def rendezvous_open(endpoint: str, timeout_s: float = 1.0) -> bool:
 
 def join_command(cfg: TrainerSettings) -> list[str]:
     """The launcher of this host's ranks in the next cycle's rendezvous."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        *launcher_args(cfg, host=False),
-        "-m",
-        "trainer.ranks",
-        str(cfg.collective_timeout_s),
-        JOIN,
-    ]
+    return launch_command(cfg, host=False, job=JOIN)
 
 
 def join_cycles(cfg: TrainerSettings, stopping: Callable[[], bool]) -> None:

@@ -195,19 +195,25 @@ def launcher_env() -> dict[str, str]:
     return env
 
 
-def _launch(cfg: TrainerSettings, work_dir: Path) -> subprocess.Popen[bytes]:
-    """Start the launcher of this host's ranks on `work_dir` in a process group of its own, its
-    output (and the ranks') into ``ranks.log``."""
-    command = [
+def launch_command(cfg: TrainerSettings, *, host: bool, job: str) -> list[str]:
+    """torch.distributed.run of this host's ranks (`launcher_args`), each running `main` on `job`:
+    the job folder on the worker's host, ``JOIN`` on another (`rtrl train node`)."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        *launcher_args(cfg, host=True),
+        *launcher_args(cfg, host=host),
         "-m",
         "trainer.ranks",
         str(cfg.collective_timeout_s),
-        str(work_dir),
+        job,
     ]
+
+
+def _launch(cfg: TrainerSettings, work_dir: Path) -> subprocess.Popen[bytes]:
+    """Start the launcher of this host's ranks on `work_dir` in a process group of its own, its
+    output (and the ranks') into ``ranks.log``."""
+    command = launch_command(cfg, host=True, job=str(work_dir))
     with (work_dir / LOG).open("wb") as sink:
         return subprocess.Popen(
             command,
