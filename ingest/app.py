@@ -20,6 +20,11 @@ Endpoints, one module per role:
   ends, `ingest.relay`), an `InteractionEvent` stamped with the serving weight version and the
   key's tenant is published to ``settings.kafka.interactions_topic`` (`ingest.capture`). Upstream
   errors pass through with their status; no reachable server is a 502, an upstream timeout a 504.
+- ``POST /v1/responses`` (`ingest.responses_api`, `ingest.responses_stream`): OpenAI's Responses
+  API, translated into the chat completion it amounts to, which takes the chat path above (and is
+  captured as that chat completion would be); vLLM's answer translated back into a Response object
+  or its stream of events. What rtrl cannot honour (server-side state, built-in tools, images) is a
+  400 naming the field.
 - ``POST /v1/feedback`` (`ingest.feedback_route`): one feedback object or a list of them
   (`ingest.intake`): 202 with the stored event ids once they are on ``settings.kafka.feedback_topic``
   or fsynced in the spool, else 503 with ``Retry-After``
@@ -91,7 +96,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 0.0005
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/feedback")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/feedback")
 
 Handler = Callable[[Gateway, Request], Awaitable[Response]]
 Connect = Callable[[], streams.Producer | None]
@@ -314,6 +319,9 @@ def _application(settings: Settings, metrics: GatewayMetrics, lifespan: Lifespan
         routes=[
             route("/v1/completions", "POST", lambda g, r: completions.generate(g, r, chat=False)),
             route("/v1/chat/completions", "POST", lambda g, r: completions.generate(g, r, chat=True)),
+            route(
+                "/v1/responses", "POST", lambda g, r: completions.generate(g, r, chat=True, responses=True)
+            ),
             route("/v1/feedback", "POST", feedback_route.feedback),
             route("/v1/models", "GET", served_models.list_models),
             route("/v1/models/{model_id:path}", "GET", served_models.get_model),
@@ -328,6 +336,7 @@ def _application(settings: Settings, metrics: GatewayMetrics, lifespan: Lifespan
                 limits={
                     "/v1/completions": gw.max_request_bytes,
                     "/v1/chat/completions": gw.max_request_bytes,
+                    "/v1/responses": gw.max_request_bytes,
                     "/v1/feedback": gw.max_feedback_bytes,
                 },
                 on_refused=lambda path: metrics.body_refused.labels(path).inc(),

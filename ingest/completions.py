@@ -34,6 +34,8 @@ from ingest.capture import publish_interaction
 from ingest.gateway import Gateway
 from ingest.relay import Relay, RelayResponse, Served
 from ingest.responses import FastJSONResponse, error, why_not_json
+from ingest.responses_api import Echo, response_body, to_chat
+from ingest.responses_stream import ResponsesStream
 from ingest.routing import Announced, NoServerInRotation, Server, UpstreamUnavailable
 from ingest.shaping import (
     HEADER_REQUEST_ID,
@@ -58,9 +60,12 @@ from serving.aio import UpstreamNoConnection, UpstreamRefused, UpstreamResponse,
 log = logging.getLogger(__name__)
 
 
-async def generate(gw: Gateway, request: Request, chat: bool) -> Response:
-    """``POST /v1/chat/completions`` (`chat`) or ``POST /v1/completions`` for a tenant key."""
-    endpoint = "chat" if chat else "completions"
+async def generate(gw: Gateway, request: Request, chat: bool, responses: bool = False) -> Response:
+    """``POST /v1/chat/completions`` (`chat`) or ``POST /v1/completions`` for a tenant key; with
+    `responses` (and `chat`), ``POST /v1/responses``: the Responses request translated into the
+    chat request it amounts to, which takes the chat path from then on, and vLLM's chat answer
+    translated back (ingest/responses_api.py)."""
+    endpoint = "responses" if responses else "chat" if chat else "completions"
     tally = Tally()  # the handler's start: a live canary's latency counts from here
     caller = gw.authenticate(request, "tenant")
     if isinstance(caller, Response):
@@ -73,7 +78,8 @@ async def generate(gw: Gateway, request: Request, chat: bool) -> Response:
         else:
             relayed = False
             try:
-                response = await _generate(gw, request, slot, gw.ids.new(caller.tenant), chat, tally)
+                request_id = gw.ids.new(caller.tenant)
+                response = await _generate(gw, request, slot, request_id, chat, tally, responses)
                 relayed = isinstance(response, RelayResponse)  # its relay gives the slot back
             finally:  # an answer, an error, the client gone (cancelled): the slot comes back
                 if not relayed:
@@ -94,12 +100,12 @@ def count_when_sent(gw: Gateway, response: Response, tally: Tally) -> None:
 
 
 async def _generate(
-    gw: Gateway, request: Request, slot: Slot, request_id: str, chat: bool, tally: Tally
+    gw: Gateway, request: Request, slot: Slot, request_id: str, chat: bool, tally: Tally, responses: bool
 ) -> Response:
     tenant = slot.tenant
     endpoint, path = ("chat", "/v1/chat/completions") if chat else ("completions", "/v1/completions")
     try:
-        forward, requested, capture = await _read(gw, request, tenant, chat)
+        forward, requested, capture, echo = await _read(gw, request, tenant, chat, responses)
         _reserve_tokens(gw, slot, forward)
         try:
             episode_id = namespaced(tenant, capture.episode_id or request_id)
@@ -147,8 +153,27 @@ async def _generate(
         tally.error = upstream.status_code >= 500  # vLLM's own failure; a 4xx is the client's
         return await _passed_through(server, upstream, stream, request_id)
     served = Served(server, request_id, tenant, episode_id, capture, chat, forward, before, announced, tally)
-    if stream:
-        relay = Relay(served, upstream, requested, functools.partial(_finish_stream, gw), slot.release)
+    return _respond(gw, served, upstream, requested, slot, echo)
+
+
+def _respond(
+    gw: Gateway,
+    served: Served,
+    upstream: UpstreamResponse,
+    requested: Requested,
+    slot: Slot,
+    echo: Echo | None,
+) -> Response:
+    """The client's response to vLLM's 200 (a relayed stream, or the whole body), its capture
+    scheduled after it is sent; `echo`: the client asked through the Responses API."""
+    request_id, chat, before = served.request_id, served.chat, served.before
+    # The body names the version the request was served under as far as the gateway knew when
+    # it sent it; the event's version (read again after the generation) is the authoritative one.
+    version = "unknown" if before is None else format_version(before)
+    if served.forward.get("stream") is True:
+        translate = None if echo is None else ResponsesStream(echo, request_id, version)
+        finish = functools.partial(_finish_stream, gw)
+        relay = Relay(served, upstream, requested, finish, slot.release, translate)
         return RelayResponse(
             relay,
             headers={HEADER_REQUEST_ID: request_id, "cache-control": "no-cache"},
@@ -157,12 +182,11 @@ async def _generate(
         )
     created_at = utcnow()
     payload = upstream.json()
-    shape = shape_chat_response if chat else shape_completion_response
-    # The body names the version the request was served under as far as the gateway knew when
-    # it sent it; the event's version (read again after the generation) is the authoritative one.
-    client_body = with_rtrl(
-        shape(payload, requested), request_id, "unknown" if before is None else format_version(before)
-    )
+    if echo is not None:
+        client_body = response_body(payload, echo, request_id, version, created_at.timestamp())
+    else:
+        shape = shape_chat_response if chat else shape_completion_response
+        client_body = with_rtrl(shape(payload, requested), request_id, version)
     task = BackgroundTask(publish_interaction, gw, served, payload, created_at)
     return FastJSONResponse(client_body, headers={HEADER_REQUEST_ID: request_id}, background=task)
 
@@ -203,20 +227,26 @@ def _reserve_tokens(gw: Gateway, slot: Slot, forward: dict[str, Any]) -> None:
 
 
 async def _read(
-    gw: Gateway, request: Request, tenant: str, chat: bool
-) -> tuple[dict[str, Any], Requested, Capture]:
-    """(the body to forward, what the client asked for, its capture metadata), or RequestError."""
+    gw: Gateway, request: Request, tenant: str, chat: bool, responses: bool = False
+) -> tuple[dict[str, Any], Requested, Capture, Echo | None]:
+    """(the body to forward, what the client asked for, its capture metadata, what a Response
+    repeats of its request with `responses`), or RequestError."""
     raw = await request.body()
     try:
         body = orjson.loads(raw)  # strict (no NaN, Infinity or lone surrogates), 5-20x the stdlib
     except orjson.JSONDecodeError:
         raise RequestError(why_not_json(raw)) from None
+    echo = None
+    if responses:
+        body, echo = to_chat(body)  # a Responses request as the chat request it amounts to
     prepare = prepare_chat_request if chat else prepare_completion_request
     # The allow-list, the token budget, the model and the tenant's cache salt (ingest/forwarding.py).
     forward, requested, body_rtrl = prepare(gw.policy.apply(body, chat, tenant), gw.sampling_defaults)
     if gw.lora:
         lora_request(forward, gw.settings.vllm.served_model_name)
-    return forward, requested, parse_capture(request.headers, body_rtrl)
+    if echo is not None and forward.get("stream") is True:
+        forward["stream_options"] = {"include_usage": True}  # response.completed carries the usage
+    return forward, requested, parse_capture(request.headers, body_rtrl), echo
 
 
 def _finish_stream(gw: Gateway, served: Served, stream: StreamCapture, created_at: datetime) -> None:

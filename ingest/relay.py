@@ -27,6 +27,7 @@ import anyio
 from starlette.responses import StreamingResponse
 
 from ingest.canary_traffic import Tally
+from ingest.responses_stream import ResponsesStream
 from ingest.routing import Announced, Server
 from ingest.shaping import Capture, Requested
 from ingest.streaming import DONE, StreamCapture, shape_chunk, sse, sse_json
@@ -62,7 +63,8 @@ class Relay:
     disconnect cancels `chunks`), the client gone before the first chunk (`chunks` never runs;
     `RelayResponse` closes it then, and the empty capture is dead-lettered with the reason), or
     the client too slow to read (`RelayResponse` ends it). `release` (the tenant's slot,
-    `ingest.slots`) is called then too."""
+    `ingest.slots`) is called then too. With `responses`, the client gets the Responses API's
+    events the chat chunks amount to (ingest/responses_stream.py) instead of the chunks."""
 
     def __init__(
         self,
@@ -71,8 +73,10 @@ class Relay:
         requested: Requested,
         finish: Callable[[Served, StreamCapture, datetime], None],
         release: Callable[[], None] = lambda: None,
+        responses: ResponsesStream | None = None,
     ) -> None:
         self.served = served
+        self.responses = responses
         self.upstream = upstream
         self.requested = requested
         self.stream = StreamCapture(served.chat)
@@ -91,16 +95,22 @@ class Relay:
                 data = line[5:].strip()
                 if data == DONE:
                     stream.done = True
-                    yield sse(DONE)
+                    for event in self._done():
+                        yield event
                     continue
                 try:
                     chunk = loads(data)
                 except ValueError:
                     stream.problem = stream.problem or f"unreadable stream chunk: {data[:200]!r}"
                     stream.upstream_failed = True
-                    yield sse(data)
+                    if self.responses is None:
+                        yield sse(data)
                     continue
                 stream.add(chunk)
+                if self.responses is not None:
+                    for event in self.responses.chunk(chunk) if isinstance(chunk, dict) else []:
+                        yield event
+                    continue
                 if isinstance(chunk, dict) and "error" not in chunk:
                     shape_chunk(chunk, self.requested, served.chat)
                     if stream.chunks == 1:
@@ -116,12 +126,25 @@ class Relay:
             stream.problem = stream.problem or f"upstream stream failed: {exc}"
             stream.upstream_failed = True
             log.warning("request %s: upstream stream failed: %s", served.request_id, exc)
+            for event in self.responses.failed(stream.problem) if self.responses else []:
+                yield event
         else:
             # vLLM's stream ended without [DONE]: its failure (a client's hang-up cancels this instead).
             stream.upstream_failed = stream.upstream_failed or not stream.done
+            if self.responses is not None and stream.upstream_failed:
+                for event in self.responses.failed(stream.problem or "vLLM ended the stream unfinished"):
+                    yield event
         finally:
             with anyio.CancelScope(shield=True):  # runs even when the client's disconnect cancelled us
                 await self.close()
+
+    def _done(self) -> list[bytes]:
+        """What ends a stream vLLM finished: ``[DONE]``, or the Responses API's last events (a
+        failure when vLLM reported one mid-stream)."""
+        if self.responses is None:
+            return [sse(DONE)]
+        problem = self.stream.problem
+        return self.responses.done() if problem is None else self.responses.failed(problem)
 
     async def close(self) -> None:
         if self._closed:
