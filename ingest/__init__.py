@@ -5,7 +5,8 @@
 - `ingest.app`: the Starlette application (its routes, middleware and lifespan) and `run(settings)`.
 - `ingest.gateway`: `Gateway`, what the routes of one instance share, and `authenticate`.
 - the routes, one module per role: `ingest.completions` (``/v1/completions``,
-  ``/v1/chat/completions``; streams through `ingest.relay`, captured by `ingest.capture`),
+  ``/v1/chat/completions``, and ``/v1/responses`` translated into chat by `ingest.responses_api`
+  and `ingest.responses_stream`; streams through `ingest.relay`, captured by `ingest.capture`),
   `ingest.feedback_route` (``/v1/feedback``), `ingest.served_models` (``/v1/models``),
   `ingest.operations` (``/healthz``, ``/readyz``, ``/metrics``, ``/v1/whoami``); errors in the
   OpenAI shape from `ingest.responses`.

@@ -146,7 +146,8 @@ def _refuse_unserved(body: dict[str, Any]) -> None:
             raise RequestError(f"field {name!r} is not accepted: {why}")
     text = body.get("text")
     if text is not None:
-        kind = (text.get("format") or {}).get("type", "text") if isinstance(text, dict) else None
+        form = text.get("format") if isinstance(text, dict) else None
+        kind = (form or {}).get("type", "text") if isinstance(form, dict | None) else form
         if not isinstance(text, dict) or kind != "text" or set(text) - {"format", "verbosity"}:
             raise RequestError(
                 f"field 'text' is not accepted with format {kind!r}: structured outputs are not served "
@@ -205,7 +206,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
 
 
 def _message(i: int, item: Mapping[str, Any]) -> dict[str, Any]:
-    role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+    role = _ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
     if role is None:
         raise RequestError(f"input[{i}].role must be one of {sorted(_ROLES)}, got {item.get('role')!r}")
     return {"role": role, "content": _text(f"input[{i}].content", item.get("content"))}

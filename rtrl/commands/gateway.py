@@ -13,7 +13,7 @@ def register(app: typer.Typer) -> None:
         host: str = typer.Option(None, help="Bind address (default: settings.gateway.host)."),
         port: int = typer.Option(None, help="Bind port (default: settings.gateway.port)."),
     ) -> None:
-        """Serve /v1/completions, /v1/chat/completions, /v1/feedback and /v1/models; publish every call to Kafka."""
+        """Serve /v1/completions, /v1/chat/completions, /v1/responses, /v1/feedback and /v1/models; publish every call to Kafka."""
         from ingest.app import run
         from schemas.settings import load_settings
         from services.logs import setup_logging
