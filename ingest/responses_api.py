@@ -87,7 +87,6 @@ class Echo:
     max_output_tokens: int | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    store: bool = False
 
 
 def to_chat(body: Any) -> tuple[dict[str, Any], Echo]:
@@ -113,7 +112,7 @@ def to_chat(body: Any) -> tuple[dict[str, Any], Echo]:
     if limit is not None:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise RequestError(f"max_output_tokens must be a positive integer, got {limit!r:.50}")
-        chat["max_tokens"] = limit  # its type and budget are checked as chat's (ingest/forwarding.py)
+        chat["max_tokens"] = limit  # its budget is checked as chat's (ingest/forwarding.py)
     metadata = body.get("metadata")
     if metadata is not None and not (
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
@@ -122,15 +121,14 @@ def to_chat(body: Any) -> tuple[dict[str, Any], Echo]:
     echo = Echo(
         model=body.get("model") if isinstance(body.get("model"), str) else None,
         instructions=instructions,
-        tools=[t for t in body.get("tools") or []],
+        tools=list(body.get("tools") or []),
         tool_choice="auto" if tool_choice is None else tool_choice,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
         temperature=_number_or_none(body.get("temperature")),
         top_p=_number_or_none(body.get("top_p")),
-        max_output_tokens=limit if isinstance(limit, int) and not isinstance(limit, bool) else None,
+        max_output_tokens=limit,
         metadata=metadata,
         user=body.get("user") if isinstance(body.get("user"), str) else None,
-        store=body.get("store") is True,
     )
     return chat, echo
 

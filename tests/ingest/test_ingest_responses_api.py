@@ -144,7 +144,7 @@ def test_every_field_is_translated_into_the_chat_request() -> None:
         "tool_choice": {"type": "function", "function": {"name": "weather"}},
         "max_tokens": 64,
     }
-    assert echo.metadata == {"run": "7"} and echo.store and echo.max_output_tokens == 64
+    assert echo.metadata == {"run": "7"} and echo.max_output_tokens == 64
     assert echo.tools == [WEATHER] and echo.parallel_tool_calls is False
 
 
@@ -253,7 +253,7 @@ def test_wrong_types_reaching_the_chat_checks_are_400s() -> None:
 def test_store_and_the_ignored_fields_are_accepted_and_nothing_is_stored() -> None:
     body = {"input": "hi", "store": True, "include": [], "truncation": "disabled", "background": False}
     chat, echo = to_chat({**body, "service_tier": "auto", "prompt_cache_key": "k", "stream_options": {}})
-    assert chat == {"messages": [{"role": "user", "content": "hi"}]} and echo.store
+    assert chat == {"messages": [{"role": "user", "content": "hi"}]}
     assert response_body(chat_answer("ok"), echo, "r.1", "v1", 1.0)["store"] is False
 
 
