@@ -7,12 +7,9 @@ guarantees kept for a Responses stream, and the capture of a Responses call the 
 from __future__ import annotations
 
 import asyncio
-import http.server
 import json
-import threading
 from collections.abc import AsyncIterator
 from datetime import datetime
-from pathlib import Path
 from typing import Any, cast
 
 import httpx
@@ -20,11 +17,8 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from starlette.testclient import TestClient
 
-from ingest.app import create_app
 from ingest.forwarding import RequestPolicy
-from ingest.gateway import Gateway
 from ingest.relay import Relay, Served
 from ingest.responses_api import MAX_INPUT_ITEMS, Echo, response_body, to_chat
 from ingest.responses_stream import ResponsesStream
@@ -38,14 +32,11 @@ from ingest.shaping import (
     parse_capture,
     prepare_chat_request,
 )
-from ingest.spool import SpoolRecord
 from ingest.streaming import StreamCapture
-from schemas.clock import utcnow, wait_until
-from schemas.events import InteractionEvent, SamplingParams, parse_event
-from schemas.settings import GatewaySettings, ServicesSettings, Settings, StoreSettings, VllmSettings
+from schemas.clock import utcnow
+from schemas.events import SamplingParams
 from serving import ServingError
 from serving.aio import AsyncVllmClient, UpstreamResponse
-from store import Store
 
 pytestmark = pytest.mark.unit
 
@@ -539,118 +530,3 @@ def test_tool_results_are_prompt_tokens_never_completion_tokens() -> None:
     )
     assert "TOOL-RESULT" in event.prompt and "TOOL-RESULT" not in event.completion
     assert event.prompt_token_ids == [1, 2, 3] and event.completion_token_ids == [11, 12]
-
-
-# ---- in the gateway --------------------------------------------------------------------------
-
-
-class ChatVllm(http.server.ThreadingHTTPServer):
-    """A stand-in for vLLM's chat endpoint that records each (path, body) it is sent and answers
-    with `chat_answer`, or streams `TEXT_CHUNKS` when asked to stream."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, dict[str, Any]]] = []
-        recorded = self.requests
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                recorded.append((self.path, body))
-                if body.get("stream"):
-                    answer = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in TEXT_CHUNKS)
-                    answer, kind = answer + b"data: [DONE]\n\n", "text/event-stream"
-                else:
-                    answer, kind = json.dumps(chat_answer("Hello!")).encode(), "application/json"
-                self.send_response(200)
-                self.send_header("content-type", kind)
-                self.send_header("content-length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        super().__init__(("127.0.0.1", 0), Handler)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-def test_the_route_refuses_before_vllm_and_relays_the_translated_chat_call(
-    tmp_path: Path, store: Store
-) -> None:
-    vllm = ChatVllm()
-    threading.Thread(target=vllm.serve_forever, daemon=True).start()
-    store.set_serving_version(vllm.url, 1, "test: announced, so no version read is made")
-    _, acme = store.create_api_key(role="tenant", tenant="acme", name="t")
-    settings = Settings(
-        store=StoreSettings(url=f"sqlite:///{tmp_path}/rtrl.db"),
-        gateway=GatewaySettings(spool_dir=tmp_path / "spool", rate_limit_per_s=0, max_tokens_per_request=64),
-        services=ServicesSettings(run_dir=tmp_path / "run"),
-        vllm=VllmSettings(servers=(vllm.url,), sampling_defaults={}, served_model_name="tiny"),
-    )
-    try:
-        with TestClient(create_app(settings, connect=lambda: None)) as http_client:
-            gw: Gateway = http_client.app.state.gateway  # type: ignore[attr-defined]
-            wait_until(
-                lambda: gw.fleet.servers[0].announced is not None, timeout_s=10, what="the announcement"
-            )
-            auth = {"authorization": f"Bearer {acme}"}
-            refused = [
-                http_client.post("/v1/responses", json=body, headers=auth)
-                for body in (
-                    {"input": "hi", "previous_response_id": "resp_1"},
-                    {"input": "hi", "tools": [{"type": "web_search"}]},
-                    {"input": [{"type": "mystery"}] * 3},
-                    {"input": [{"role": "user", "content": "x"}] * (MAX_INPUT_ITEMS + 1)},
-                    {"input": "hi", "max_output_tokens": 65},
-                    {"input": {"nested": [1]}},
-                    [],
-                )
-            ]
-            assert [a.status_code for a in refused] == [400] * 7
-            assert all(a.json()["error"]["message"] for a in refused) and vllm.requests == []
-            assert http_client.post("/v1/responses", content=b"{", headers=auth).status_code == 400
-
-            client = openai.OpenAI(
-                api_key=acme, base_url=f"{http_client.base_url}/v1", http_client=http_client
-            )
-            response = client.responses.create(model="tiny", input="hi", instructions="Be brief.", store=True)
-            events = list(client.responses.create(model="tiny", input="hi", stream=True))
-            assert gw.slots.in_flight == 0
-    finally:
-        vllm.shutdown()
-        vllm.server_close()
-    assert response.output_text == "Hello!" and response.id.startswith("resp_") and response.store is False
-    assert events[-1].type == "response.completed" and events[-1].response.output_text == "Hello"
-    (path, plain), (_, streamed) = vllm.requests
-    assert path == "/v1/chat/completions" and plain["messages"][0] == {
-        "role": "system",
-        "content": "Be brief.",
-    }
-    assert plain["logprobs"] is True and plain["return_token_ids"] is True and "store" not in plain
-    assert streamed["stream"] is True and streamed["stream_options"] == {"include_usage": True}
-
-    # Captured as the chat completions they are (no broker here: the events wait in the spool).
-    lines = b"".join(
-        p.read_bytes() for p in sorted((tmp_path / "spool").glob("segment-*.jsonl"))
-    ).splitlines()
-    records = [SpoolRecord.from_line(line) for line in lines]
-    events_by_request = {
-        r.key: parse_event(r.value, InteractionEvent)
-        for r in records
-        if r.topic == settings.kafka.interactions_topic
-    }
-    plain_event = events_by_request[response.id.removeprefix("resp_")]
-    stream_event = events_by_request[events[-1].response.id.removeprefix("resp_")]
-    assert (plain_event.completion, plain_event.prompt_token_ids, plain_event.completion_token_ids) == (
-        "Hello!",
-        [1, 2, 3],
-        [11, 12],
-    )
-    assert (stream_event.completion, stream_event.prompt_token_ids, stream_event.truncated) == (
-        "Hello",
-        [1, 2],
-        False,
-    )
