@@ -47,6 +47,9 @@ inside its request, a feedback request waits for its events to be durable); the 
 waits up to as long again for the captures of streams (`finish_captures`), and closes the
 publisher in a worker thread: what Kafka takes within ``publish_timeout_s`` is sent, the rest
 spooled. Give the process that long (the manifests' terminationGracePeriodSeconds).
+
+``gateway.workers`` > 1 runs this application in that many processes on one port, under a
+supervisor that forwards SIGTERM to each (`ingest.prefork`); each worker drains as above.
 """
 
 from __future__ import annotations

@@ -162,7 +162,10 @@ class Supervisor:
         status = 0
         while not self.stopping.is_set():
             sentinels = [s.process.sentinel for s in self.slots if s.process is not None]
-            wait(sentinels, timeout=0.2)
+            if sentinels:
+                wait(sentinels, timeout=0.2)  # wakes when a worker exits
+            else:
+                time.sleep(0.2)  # every worker waiting out its back-off
             if not self.check():
                 status = 1
                 break
