@@ -1,6 +1,6 @@
 """Gateway overhead vs calling vLLM directly, measured side by side in one run.
 
-    .venv/bin/python bench/bench_gateway.py [--requests 200] [--max-tokens 8] [--concurrency 8] [--model-dir DIR]
+    .venv/bin/python bench/bench_gateway.py [--requests 200] [--max-tokens 8] [--concurrency 8] [--workers 1] [--model-dir DIR]
 
 Starts its own Kafka and vLLM serving server (free ports, a temporary run dir, the tiny model or the
 checkpoint in ``--model-dir``, refused when `rtrl model check` rejects it)
@@ -20,7 +20,7 @@ sends the same completion requests straight to vLLM and through the gateway (gre
 
 It prints p50 / p95 latency of each path, the added milliseconds and the ratios; the last line is
 one JSON object: ``{"name", "value": gateway p50 ms, "baseline": direct p50 ms, "ratio",
-"added_ms_p50", "added_ms_p95", "..._c<N>", "ttft_added_ms", ...}`` (one client, non-streaming,
+"added_ms_p50", "added_ms_p95", "..._c<N>", "ttft_added_ms", "workers", ...}`` (one client, non-streaming,
 for value/baseline), and ``added_ms_p50_own`` / ``ratio_own``: the gateway against vLLM direct with
 the forwarded request, i.e. what the gateway itself adds beyond vLLM computing the logprobs;
 ``feedback_p50_ms`` / ``feedback_p95_ms`` / ``kafka_ack_p50_ms`` / ``feedback_added_ms_p50``: the
@@ -64,18 +64,23 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=8, help="Clients at once in the concurrent phase.")
     parser.add_argument(
+        "--workers", type=int, default=1, help="Gateway processes (gateway.workers, ingest/prefork.py)."
+    )
+    parser.add_argument(
         "--model-dir", type=Path, default=None, help="Checkpoint to serve (default: the tiny model, built)."
     )
     return parser.parse_args()
 
 
-def _settings(run_dir: Path, model_dir: Path | None) -> Settings:
-    """Kafka and one vLLM serving server (no staging server) under `run_dir`, on free ports."""
+def _settings(run_dir: Path, model_dir: Path | None, workers: int) -> Settings:
+    """Kafka and one vLLM serving server (no staging server) under `run_dir`, on free ports; a
+    gateway of `workers` processes."""
     settings = services_settings(run_dir, model_dir or run_dir / "model", enabled=("kafka", "vllm"))
     return settings.model_copy(
         update={
             "vllm": settings.vllm.model_copy(update={"staging_server": None}),
             "services": settings.services.model_copy(update={"vllm_staging_port": None}),
+            "gateway": settings.gateway.model_copy(update={"workers": workers}),
         }
     )
 
@@ -239,7 +244,9 @@ def _report(ms: dict[str, list[float]], args: argparse.Namespace) -> None:
     f50, f95 = statistics.median(ms["feedback"]), _percentile(ms["feedback"], 0.95)
     k50 = statistics.median(ms["kafka_ack"])
     n = args.concurrency
-    print(f"requests per path: {args.requests}, max_tokens {args.max_tokens}, greedy")
+    print(
+        f"requests per path: {args.requests}, max_tokens {args.max_tokens}, greedy; gateway workers {args.workers}"
+    )
     print(f"1 client   vLLM direct     p50 {d50:7.2f} ms   p95 {d95:7.2f} ms")
     print(f"1 client   vLLM direct, request as forwarded (+logprobs, token ids) p50 {x50:7.2f} ms")
     print(f"1 client   through gateway p50 {g50:7.2f} ms   p95 {g95:7.2f} ms")
@@ -293,6 +300,7 @@ def _report(ms: dict[str, list[float]], args: argparse.Namespace) -> None:
                 "requests_per_path": args.requests,
                 "max_tokens": args.max_tokens,
                 "concurrency": n,
+                "workers": args.workers,
             }
         )
     )
@@ -301,7 +309,7 @@ def _report(ms: dict[str, list[float]], args: argparse.Namespace) -> None:
 def main() -> None:
     args = _parse_args()
     run_dir = make_run_dir("rtrl-bench-gw-")
-    settings = _settings(run_dir, args.model_dir)
+    settings = _settings(run_dir, args.model_dir, args.workers)
     ensure_model(settings)
     prompts = get_task("exclaim").heldout_prompts(50)
     try:

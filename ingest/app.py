@@ -52,6 +52,9 @@ inside its request, a feedback request waits for its events to be durable); the 
 waits up to as long again for the captures of streams (`finish_captures`), and closes the
 publisher in a worker thread: what Kafka takes within ``publish_timeout_s`` is sent, the rest
 spooled. Give the process that long (the manifests' terminationGracePeriodSeconds).
+
+``gateway.workers`` > 1 runs this application in that many processes on one port, under a
+supervisor that forwards SIGTERM to each (`ingest.prefork`); each worker drains as above.
 """
 
 from __future__ import annotations
@@ -79,11 +82,12 @@ from ingest.canary_traffic import FLUSH_EVERY_S, CanaryCounts
 from ingest.forwarding import RequestPolicy
 from ingest.gateway import Gateway
 from ingest.limits import BodyLimit
-from ingest.metrics import GatewayMetrics
+from ingest.metrics import REFRESH_EVERY_S, GatewayMetrics
 from ingest.publisher import Publisher
 from ingest.redaction import Redactor
 from ingest.responses import error
 from ingest.routing import VERIFY_EVERY_S, Fleet, Server
+from ingest.spool import adopt_spools
 from schemas.rewards import get_spec
 from schemas.sampling import served_defaults
 from schemas.settings import Settings
@@ -201,6 +205,15 @@ async def verify_announcements(fleet: Fleet, metrics: GatewayMetrics) -> None:
                 )
 
 
+async def refresh_metrics(metrics: GatewayMetrics) -> None:
+    """In a worker of several (`ingest.prefork`), write the gauges read from functions into this
+    worker's metrics file every `REFRESH_EVERY_S`, so a scrape answered by another worker sees them
+    (`GatewayMetrics.bind`); nothing to do in one process."""
+    while metrics.multiprocess:
+        metrics.refresh()
+        await asyncio.sleep(REFRESH_EVERY_S)
+
+
 def create_app(settings: Settings, connect: Connect | None = None) -> Starlette:
     """The gateway application; its lifespan owns the HTTP client, the store, the key cache and the
     publisher threads. `connect` makes the publisher's Kafka producers (default: one for
@@ -261,25 +274,27 @@ def _lifespan(
             publisher.start()
             if keys is not None:
                 keys.start()
-                metrics.keys_age.set_function(lambda: min(keys.age_s, 1e9))
+                metrics.bind(metrics.keys_age, lambda: min(keys.age_s, 1e9))
             fleet = Fleet(
                 settings.vllm, client, settings.gateway.rotation_refresh_s, settings.gate.canary.share
             )
             for server in fleet.every:
-                metrics.in_flight.labels(server.url).set_function(_in_flight_of(server))
-            metrics.in_rotation.set_function(lambda: len(fleet.in_rotation))
-            metrics.canary_live.set_function(lambda: 1 if fleet.canary_live else 0)
+                metrics.bind(metrics.in_flight.labels(server.url), _in_flight_of(server))
+            metrics.bind(metrics.in_rotation, lambda: len(fleet.in_rotation))
+            metrics.bind(metrics.canary_live, lambda: 1 if fleet.canary_live else 0)
             app.state.gateway = gw_state = gateway(fleet, publisher, keys)
             flush = CanaryFlush(gw_state.canary_traffic, metrics)
             rotation = asyncio.create_task(
                 follow_rotation(fleet, store, settings.gateway.rotation_refresh_s, flush)
             )
             verifier = asyncio.create_task(verify_announcements(fleet, metrics))
+            refresher = asyncio.create_task(refresh_metrics(metrics))
             try:
                 yield
             finally:
                 rotation.cancel()
                 verifier.cancel()
+                refresher.cancel()
                 await finish_captures(gw_state.tasks, gw.shutdown_grace_s)
                 if flush.task is not None:
                     await asyncio.wait([flush.task])
@@ -348,24 +363,43 @@ def _application(settings: Settings, metrics: GatewayMetrics, lifespan: Lifespan
 
 
 def run(settings: Settings) -> None:
-    """Serve the gateway on ``settings.gateway.host:port`` until interrupted."""
-    import uvicorn
-
-    # The event loop shares the GIL with the publisher's threads (kafka-python's sender among
-    # them). Each socket call of the loop releases the GIL, and by default it takes up to 5 ms to
-    # get it back from a busy thread: a latency tax on every request. Switch more often.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    """Serve the gateway on ``settings.gateway.host:port`` until interrupted: in this process, or
+    with ``gateway.workers`` > 1 in that many worker processes under a supervisor (`ingest.prefork`)."""
+    gw = settings.gateway
     log.info(
-        "rtrl gateway on %s:%d -> %s; kafka %s; spool %s; auth %s",
-        settings.gateway.host,
-        settings.gateway.port,
+        "rtrl gateway on %s:%d -> %s; kafka %s; spool %s; auth %s; %d worker(s)",
+        gw.host,
+        gw.port,
         ", ".join(settings.vllm.servers),
         settings.kafka.bootstrap_servers,
-        settings.gateway.spool_dir,
-        settings.gateway.auth,
+        gw.spool_dir,
+        gw.auth,
+        gw.workers,
     )
-    config = uvicorn.Config(
-        create_app(settings),
+    # Spools a run with another worker count left (ingest/spool.py, adopt_spools) are moved before
+    # any publisher opens its own.
+    if gw.workers == 1:
+        for spool in adopt_spools(gw.spool_dir, 1):
+            log.warning("moved the spool left in %s into %s", spool, gw.spool_dir)
+    sock = listening_socket(
+        uvicorn_config(settings, None), gw.socket_send_buffer_bytes, gw.client_stall_timeout_s
+    )
+    if gw.workers == 1:
+        serve(settings, sock)
+        return
+    from ingest import prefork
+
+    status = prefork.supervise(settings, sock)
+    if status:
+        sys.exit(status)
+
+
+def uvicorn_config(settings: Settings, app: Starlette | None) -> uvicorn.Config:
+    """uvicorn's settings for the gateway (`app` None: only to bind the socket)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app or Starlette(),
         host=settings.gateway.host,
         port=settings.gateway.port,
         log_level="info",
@@ -373,9 +407,18 @@ def run(settings: Settings) -> None:
         # SIGTERM: stop accepting, let requests in flight (and their captures) finish for this long.
         timeout_graceful_shutdown=math.ceil(settings.gateway.shutdown_grace_s),
     )
-    gw = settings.gateway
-    sock = listening_socket(config, gw.socket_send_buffer_bytes, gw.client_stall_timeout_s)
-    uvicorn.Server(config).run(sockets=[sock])
+
+
+def serve(settings: Settings, sock: socket.socket) -> None:
+    """Run the gateway application on the listening socket `sock` until SIGTERM or SIGINT (one
+    process, or one worker of several)."""
+    import uvicorn
+
+    # The event loop shares the GIL with the publisher's threads (kafka-python's sender among
+    # them). Each socket call of the loop releases the GIL, and by default it takes up to 5 ms to
+    # get it back from a busy thread: a latency tax on every request. Switch more often.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    uvicorn.Server(uvicorn_config(settings, create_app(settings))).run(sockets=[sock])
 
 
 def listening_socket(

@@ -67,8 +67,8 @@ class Gateway:
         self.feedback_rate = EventRate(
             settings.gateway.feedback_events_per_s, settings.gateway.feedback_events_burst
         )
-        metrics.tenant_in_flight.set_function(lambda: self.slots.in_flight)
-        metrics.tenants_at_cap.set_function(lambda: self.slots.tenants_at_cap)
+        metrics.bind(metrics.tenant_in_flight, lambda: self.slots.in_flight)
+        metrics.bind(metrics.tenants_at_cap, lambda: self.slots.tenants_at_cap)
         metrics.upstream_connections.set(settings.gateway.upstream_connections)
         self.started_at = int(time.time())  # the `created` of the served model (ingest/served_models.py)
         self.tasks: set[asyncio.Task[None]] = set()  # captures of streams, held until they finish

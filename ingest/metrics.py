@@ -2,13 +2,37 @@
 
 Each gateway gets its own `CollectorRegistry`, so several instances can live in one process
 (tests) without colliding in the global registry.
+
+Several worker processes (``gateway.workers`` > 1, `ingest.prefork`): the supervisor sets
+``PROMETHEUS_MULTIPROC_DIR`` to a fresh directory before it starts the workers, so every value is
+kept in a file per process there, and ``/metrics``, whichever worker answers it, is the
+`MultiProcessCollector`'s merge of all of them: counters and histograms summed over the workers
+(a restarted worker's counts stay in), each gauge merged by its ``multiprocess_mode`` (in-flight
+and spool bytes summed over the live workers, Kafka connected and servers in rotation the lowest
+worker's, ages the highest). Gauges read from a function (`bind`) cannot be read across processes:
+each worker writes them into its file every `REFRESH_EVERY_S` (`refresh`, from the lifespan) and
+before it answers ``/metrics``. The process_* metrics of `ProcessCollector` are left out there (they
+would be the answering worker's alone). One process (``workers = 1``): as before, one registry.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+import os
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from schemas.settings.canary import LATENCY_BUCKETS_S
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+REFRESH_EVERY_S = 1.0
+
+
+def multiprocess() -> bool:
+    """True in a worker of a pre-forked gateway (the supervisor set ``PROMETHEUS_MULTIPROC_DIR``;
+    prometheus_client reads it when it is imported, so it must be set before the worker starts)."""
+    return bool(os.environ.get(MULTIPROC_ENV))
 
 
 class GatewayMetrics:
@@ -49,12 +73,39 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory, open fds, start time
+        self.multiprocess = multiprocess()
+        self._bound: list[tuple[Gauge, Callable[[], float]]] = []
+        if not self.multiprocess:
+            ProcessCollector(
+                registry=self.registry
+            )  # process_cpu_seconds_total, memory, open fds, start time
         self._request_families()
         self._load_families()
         self._upstream_families()
         self._capture_families()
         self._publish_families()
+
+    def bind(self, gauge: Gauge, read: Callable[[], float]) -> None:
+        """Make `gauge` (a family without labels or one child) report `read()`: read at scrape time
+        in one process (``set_function``); written by `refresh` in a worker of several."""
+        if self.multiprocess:
+            self._bound.append((gauge, read))
+        else:
+            gauge.set_function(read)
+
+    def refresh(self) -> None:
+        """Write the bound gauges' current values into this worker's file (multiprocess mode)."""
+        for gauge, read in self._bound:
+            gauge.set(read())
+
+    def exposition(self) -> bytes:
+        """The ``/metrics`` page: this registry, or in a worker of several every worker's merged."""
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        self.refresh()
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
+        return generate_latest(merged)
 
     def _request_families(self) -> None:
         """Calls and who made them: answers by endpoint and status, authentication, bodies refused."""
@@ -80,6 +131,7 @@ class GatewayMetrics:
         self.keys_age = Gauge(
             "rtrl_gateway_keys_age_seconds",
             "Seconds since the API keys in force were read from the store (it grows while the store is down).",
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
 
@@ -100,11 +152,13 @@ class GatewayMetrics:
         self.tenant_in_flight = Gauge(
             "rtrl_gateway_tenant_requests_in_flight",
             "Completion requests and streams in flight at this gateway, all tenants together.",
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.tenants_at_cap = Gauge(
             "rtrl_gateway_tenants_at_cap",
             "Tenants with gateway.max_concurrent_per_tenant requests in flight now (their next one is 429).",
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
 
@@ -127,22 +181,26 @@ class GatewayMetrics:
             "rtrl_gateway_upstream_in_flight",
             "Requests this gateway has on each vLLM server now (streams until they end).",
             ["server"],
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.upstream_connections = Gauge(
             "rtrl_gateway_upstream_connections",
             "Connections the gateway may hold to its vLLM servers (gateway.upstream_connections): "
             "sum(rtrl_gateway_upstream_in_flight) near it means requests are waiting for one.",
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.in_rotation = Gauge(
             "rtrl_gateway_servers_in_rotation",
             "Serving vLLM servers the gateway routes to (the others are out of rotation for a swap).",
+            multiprocess_mode="livemin",
             registry=self.registry,
         )
         self.canary_live = Gauge(
             "rtrl_gateway_canary_live",
             "1 while this gateway routes the live canary's share of users to the canary server, else 0.",
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         self.canary_requests = Counter(
@@ -244,32 +302,38 @@ class GatewayMetrics:
         self.spool_bytes = Gauge(
             "rtrl_gateway_spool_bytes",
             "Bytes of events waiting in the on-disk spool.",
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.spool_max_bytes = Gauge(
             "rtrl_gateway_spool_max_bytes",
             "The spool's bound (gateway.spool_max_bytes); past it events go to overflow.jsonl.",
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.overflow_bytes = Gauge(
             "rtrl_gateway_overflow_bytes",
             "Bytes of the overflow file (spool_dir/overflow.jsonl): dead letters waiting to be requeued by hand.",
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.overflow_max_bytes = Gauge(
             "rtrl_gateway_overflow_max_bytes",
             "The overflow file's bound (gateway.overflow_max_bytes); past it events are dropped, counted and logged.",
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.kafka_connected = Gauge(
             "rtrl_gateway_kafka_connected",
             "1 when the gateway has a working Kafka producer (0 while unreachable or being replaced).",
+            multiprocess_mode="livemin",
             registry=self.registry,
         )
         self.oldest_in_flight = Gauge(
             "rtrl_gateway_publish_oldest_in_flight_seconds",
             "Age of the oldest event handed to Kafka and not yet acknowledged or spooled (0 when none); "
             "never above publish_timeout_s + 1 for long.",
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         self.producer_replaced = Counter(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -49,8 +49,9 @@ async def whoami(gw: Gateway, request: Request) -> Response:
 
 
 async def metrics_page(gw: Gateway, request: Request) -> Response:
-    """The gateway's Prometheus metrics, for an admin key."""
+    """The gateway's Prometheus metrics, for an admin key (every worker's, merged, when there are
+    several: `ingest.metrics`)."""
     caller = gw.authenticate(request, "admin") if gw.keys is not None else OPEN_CALLER
     if isinstance(caller, Response):
         return caller
-    return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(gw.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

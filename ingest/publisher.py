@@ -114,11 +114,11 @@ class Publisher:
         self.spool = Spool(
             gateway.spool_dir, gateway.spool_max_bytes, overflow_max_bytes=gateway.overflow_max_bytes
         )
-        metrics.spool_bytes.set_function(lambda: self.spool.size_bytes)
-        metrics.overflow_bytes.set_function(lambda: self.spool.overflow_bytes)
+        metrics.bind(metrics.spool_bytes, lambda: self.spool.size_bytes)
+        metrics.bind(metrics.overflow_bytes, lambda: self.spool.overflow_bytes)
         metrics.spool_max_bytes.set(gateway.spool_max_bytes)
         metrics.overflow_max_bytes.set(gateway.overflow_max_bytes)
-        metrics.oldest_in_flight.set_function(lambda: self.in_flight_age_s)
+        metrics.bind(metrics.oldest_in_flight, lambda: self.in_flight_age_s)
         self._queue: queue.Queue[SpoolRecord | None] = queue.Queue(maxsize=QUEUE_SIZE)
         self._disk: queue.Queue[_ToDisk | None] = queue.Queue(maxsize=QUEUE_SIZE)
         self._waiters: dict[int, Future[str]] = {}  # id(record) -> its confirmation

@@ -273,3 +273,64 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# -- one spool per worker (gateway.workers > 1, ingest/prefork.py) --
+
+WORKER_PREFIX = "worker-"
+
+
+def worker_spool_dir(spool_dir: Path, index: int, workers: int) -> Path:
+    """The spool of worker `index` of `workers`: ``spool_dir`` itself for one process (the layout
+    before workers existed), ``spool_dir/worker-<index>`` for several. Each worker appends to and
+    replays only its own, so no two processes ever write or delete the same segment."""
+    return spool_dir if workers == 1 else spool_dir / f"{WORKER_PREFIX}{index}"
+
+
+def adopt_spools(spool_dir: Path, workers: int) -> list[Path]:
+    """Before the workers start (no process has a spool open): move every segment and overflow
+    line that no worker of this run would replay into one that will, so nothing a previous run left
+    is lost or stranded. Orphans are the top-level spool when there are several workers, and the
+    ``worker-<i>`` spools with ``i >= workers`` (all of them for one process); orphan *n* of that
+    list (the top-level spool first, then the others by name) goes to worker ``n % workers``: its segments are renamed, in order, after that spool's newest (a rename
+    on one file system: a segment is in one place or the other, never both, never copied), and its
+    overflow lines appended to that spool's overflow file. Returns the spools emptied."""
+    if not spool_dir.is_dir():
+        return []
+    keep = {worker_spool_dir(spool_dir, i, workers) for i in range(workers)}
+    orphans = [] if spool_dir in keep else [spool_dir]
+    orphans += sorted(
+        (p for p in spool_dir.glob(f"{WORKER_PREFIX}*") if p.is_dir() and p not in keep),
+        key=lambda p: p.name,
+    )
+    adopted = []
+    for n, orphan in enumerate(orphans):
+        target = worker_spool_dir(spool_dir, n % workers, workers)
+        if _move_spool(orphan, target):
+            adopted.append(orphan)
+        if orphan != spool_dir:
+            orphan.rmdir()  # empty now; a stray file in it fails loudly here
+    return adopted
+
+
+def _move_spool(source: Path, target: Path) -> bool:
+    """Move `source`'s segments after `target`'s and append its overflow file to `target`'s."""
+    segments = Spool(source, max_bytes=1)._segment_paths()  # the layout's parser; opens nothing
+    overflow = source / OVERFLOW_FILE
+    if not segments and not overflow.exists():
+        return False
+    target.mkdir(parents=True, exist_ok=True)
+    existing = Spool(target, max_bytes=1)._segment_paths()
+    seq = (Spool._seq(existing[-1]) + 1) if existing else 1
+    for path in segments:
+        path.rename(target / f"{SEGMENT_PREFIX}{seq:012d}{SEGMENT_SUFFIX}")
+        seq += 1
+    if overflow.exists():
+        with open(target / OVERFLOW_FILE, "ab") as out:
+            out.write(overflow.read_bytes())
+            out.flush()
+            os.fsync(out.fileno())
+        overflow.unlink()
+    _fsync_dir(target)
+    _fsync_dir(source)
+    return True

@@ -12,6 +12,9 @@ def register(app: typer.Typer) -> None:
     def gateway(
         host: str = typer.Option(None, help="Bind address (default: settings.gateway.host)."),
         port: int = typer.Option(None, help="Bind port (default: settings.gateway.port)."),
+        workers: int = typer.Option(
+            None, help="Gateway processes on the port (default: settings.gateway.workers)."
+        ),
     ) -> None:
         """Serve /v1/completions, /v1/chat/completions, /v1/responses, /v1/feedback and /v1/models; publish every call to Kafka."""
         from ingest.app import run
@@ -20,7 +23,12 @@ def register(app: typer.Typer) -> None:
 
         setup_logging()
         settings = load_settings()
-        overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+        overrides = {
+            k: v for k, v in {"host": host, "port": port, "workers": workers}.items() if v is not None
+        }
         if overrides:
-            settings = settings.model_copy(update={"gateway": settings.gateway.model_copy(update=overrides)})
+            gateway_settings = type(settings.gateway).model_validate(
+                {**settings.gateway.model_dump(), **overrides}
+            )
+            settings = settings.model_copy(update={"gateway": gateway_settings})
         run(settings)

@@ -45,6 +45,15 @@ class GatewaySettings(Section):
 
     host: str = Field("127.0.0.1", description="Bind address of `rtrl gateway`.")
     port: int = Field(18080, description="Bind port of `rtrl gateway`.")
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Gateway processes serving the port (ingest/prefork.py). 1: one process, no supervisor. "
+        "More: a supervisor binds the port once and runs this many workers on it, each with its own vLLM "
+        "connection pool, Kafka producer and spool (spool_dir/worker-<i>); the per-tenant and per-key "
+        "limits below are then enforced by each worker (docs/scaling.md, Gateway).",
+    )
     access_log: bool = Field(
         False,
         description="Log one line per request (uvicorn's access log). Off by default: it costs 0.1-0.3 ms "
