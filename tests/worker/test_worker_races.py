@@ -5,7 +5,7 @@ reconcilers).
 Two ``rtrl worker`` processes (Celery, solo pool) and two ``rtrl deploy reconcile --forever``
 (ticking every half second, so that their ticks meet the chain's gate and promotion) run against a
 PostgreSQL database of this test's own, the session's vLLM servers (serving and staging), MLflow
-and Redis. 32 episodes sampled from the tiny model are fed through the labeler's store code; a cycle
+and Redis. 40 episodes sampled from the tiny model are fed through the labeler's store code; a cycle
 takes 16. Twice, two cycle tasks are sent at the same moment, so that both workers start one at
 once: one wins the lease and trains, gates and promotes; the other finds the lease taken.
 Afterwards, from the store: two cycles, each on 16 episodes of its own, every episode trained once,
@@ -34,10 +34,11 @@ from schemas.clock import wait_until
 from schemas.settings import MetricsSettings, RetentionSuiteSettings, Settings
 from services.launch import child_env, rtrl_command
 from store import Store
+from trainer.selection import count_trainable
 
 pytestmark = pytest.mark.integration
 
-EPISODES, BATCH = 32, 16
+EPISODES, BATCH, ROUNDS = 40, 16, 2  # a tenth of the episodes is the gate's held-out slice
 
 # Every change of a server's announced version, in commit order (docs/runbooks/deployer.md: a swap
 # announces None, then the version it verified).
@@ -110,12 +111,14 @@ def _settings(services: Settings, url: str, tmp_path: Path) -> Settings:
 
 
 def _round(app: Any, workers: set[str]) -> list[dict[str, Any]]:
-    """Two cycle tasks sent at once; both workers take one at the same moment. Their results."""
+    """Two cycle tasks sent at once; both workers take one at the same moment: one runs the cycle,
+    the other finds the lease taken (`busy`). Their results."""
     from worker.app import CYCLE_TASK, QUEUE
 
     sent = [app.send_task(CYCLE_TASK, queue=QUEUE) for _ in range(2)]
     results = [task.get(timeout=900) for task in sent]
     assert {task.worker for task in sent} == workers, "both workers must have run one of the two tasks"
+    assert sorted(r["status"] == "busy" for r in results) == [False, True], results  # met at the lease
     return results
 
 
@@ -145,7 +148,7 @@ def test_two_workers_and_two_reconcilers_run_each_cycle_once_and_never_swap_a_se
     registry = Registry.from_settings(settings)
     assert rollout.bootstrap(settings, registry, tiny_model_dir) == 1
     feed(store, sample_episodes(tiny_model_dir, EPISODES, seed=33, alternate=True))
-    assert store.count_trainable(1, 0) == EPISODES
+    assert count_trainable(settings, store, 1) >= ROUNDS * BATCH  # by the worker's own rule
     logs = tmp_path / "logs"
     logs.mkdir()
     workers = {f"race-{name}-{uuid.uuid4().hex[:6]}@localhost" for name in ("a", "b")}
@@ -166,7 +169,7 @@ def test_two_workers_and_two_reconcilers_run_each_cycle_once_and_never_swap_a_se
                 timeout_s=180,
                 what="both workers consuming",
             )
-            for _ in range(2):
+            for _ in range(ROUNDS):
                 results += _round(app, workers)
         _check(settings, store, registry, results)
     finally:
@@ -176,13 +179,9 @@ def test_two_workers_and_two_reconcilers_run_each_cycle_once_and_never_swap_a_se
 
 
 def _check(settings: Settings, store: Store, registry: Registry, results: list[dict[str, Any]]) -> None:
-    statuses = sorted(r["status"] for r in results)
     print("task results:", [(r["status"], r.get("cycle_id"), r.get("gate"), r.get("error")) for r in results])
     ran = [r for r in results if r.get("cycle_id") is not None]
-    assert statuses.count("busy") >= 1, statuses  # the two tasks of a round met at the lease
-    assert len(ran) == EPISODES // BATCH and all(r["status"] in ("promoted", "rejected") for r in ran), (
-        results
-    )
+    assert len(ran) == ROUNDS and all(r["status"] in ("promoted", "rejected") for r in ran), results
     cycles = store.recent_cycles(20)
     print("cycles:", [(c.id, c.status, c.owner, c.challenger, len(c.episode_ids), c.error) for c in cycles])
     # Each cycle ran once: one row per task that ran one, none failed (a lock a reconciler held
@@ -192,7 +191,7 @@ def _check(settings: Settings, store: Store, registry: Registry, results: list[d
     assert registry.versions() == [1, 2, 3]
     # No episode trained twice: two batches of their own, every episode in one.
     trained = [e for c in cycles for e in c.episode_ids]
-    assert len(trained) == len(set(trained)) == EPISODES
+    assert len(trained) == len(set(trained)) == ROUNDS * BATCH
     assert store.active_cycles() == []
     # No two swaps of the serving server overlapped: every window a swap opened (None announced)
     # was closed (a version announced) before the next one opened.
@@ -200,7 +199,7 @@ def _check(settings: Settings, store: Store, registry: Registry, results: list[d
     announced = _announcements(store, server)
     print("announcements:", announced)
     opened = [i for i, (version, _) in enumerate(announced) if version is None]
-    assert opened, "no swap of the serving server was announced"
+    assert opened or not any(c.status == "promoted" for c in cycles), "a promotion announced no swap"
     assert all(i + 1 < len(announced) and announced[i + 1][0] is not None for i in opened), announced
     champion = store.recorded_champion(registry.model_name, registry.champion, "test")
     assert announced[-1][0] == champion
