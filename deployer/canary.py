@@ -303,16 +303,17 @@ def run(
     *,
     cycle_id: int | None = None,
     stopping: Callable[[], bool] = lambda: False,
+    lock_wait_s: float = 0.0,
 ) -> CanaryOutcome:
     """Serve `version` to the canary's share of users until the test, a guard, a limit, an operator
     or `stopping` ends it; the traffic is back on the champion when this returns or raises.
-    Raises RolloutBusy when another canary holds the lock, CanaryRunning (store) when a record says
-    one runs."""
+    Raises RolloutBusy when another process (a canary, the reconciler's `reap`) holds the lock for
+    `lock_wait_s` (0: at once), CanaryRunning (store) when a record says one runs."""
     url = settings.vllm.canary_server
     if url is None:
         raise ServerError("vllm.canary_server", "gate.canary needs vllm.canary_server")
     c = settings.gate.canary
-    with rollout_lock(store, CANARY_LOCK, f"canary v{version}"):
+    with rollout_lock(store, CANARY_LOCK, f"canary v{version}", wait_s=lock_wait_s):
         stale = store.running_canary()
         if stale is not None:  # we hold the lock: no process runs it any more
             store.end_canary(

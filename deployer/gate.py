@@ -49,7 +49,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -241,6 +241,7 @@ class _Plan:
     # Verdicts reached with nothing to sample: the traffic suite with too little held-out traffic.
     unsampled: list[SuiteResult] = field(default_factory=list)
     episodes: episodes.EpisodeSuite | None = None  # the agent episodes each model plays (not the anchor)
+    lock_wait_s: float = 0.0  # how long to wait for the "staging" lock (`swap.rollout_lock`)
 
 
 @dataclass
@@ -253,13 +254,15 @@ class _Staged:
     load_failure: str | None = None  # why the challenger did not load; nothing generated for it then
 
 
-def evaluate(settings: Settings, registry: Registry, version: int, store: Store) -> GateDecision:
+def evaluate(
+    settings: Settings, registry: Registry, version: int, store: Store, *, lock_wait_s: float = 0.0
+) -> GateDecision:
     """Judge challenger `version` against the champion and record the decision (docs/gate.md).
 
     A challenger that does not load and verify on staging fails the gate (recorded, no raise).
     Raises GateError when the gate cannot run at all (no staging server, a suite that cannot be
-    loaded, the champion fails to load), and RolloutBusy when another gate run holds the staging
-    server. The `store` holds the staging lock, the recorded digests, the held-out traffic of the
+    loaded, the champion fails to load), and RolloutBusy when another process (a gate run, the
+    reconciler aligning staging) holds the staging server for `lock_wait_s` (0: at once). The `store` holds the staging lock, the recorded digests, the held-out traffic of the
     ope and traffic suites and the decision.
     """
     staging = settings.vllm.staging_server
@@ -267,7 +270,7 @@ def evaluate(settings: Settings, registry: Registry, version: int, store: Store)
         raise GateError(
             "settings.vllm.staging_server is not set; the gate never generates on serving servers"
         )
-    plan = _plan(settings, registry, version, store)
+    plan = replace(_plan(settings, registry, version, store), lock_wait_s=lock_wait_s)
     staged = _sample_on_staging(settings, registry, store, staging, plan)
     if staged.load_failure is None:
         results, found, behaviour = _score(settings, store, plan, staged)
@@ -341,7 +344,7 @@ def _sample_on_staging(
     a suite is anchored) and the champion in turn, with the verified swap, and sample the suites on
     each. A challenger that does not load is recorded in `load_failure`; the others must load."""
     staged = _Staged()
-    with swap.rollout_lock(store, "staging", f"gate v{plan.challenger}"):
+    with swap.rollout_lock(store, "staging", f"gate v{plan.challenger}", wait_s=plan.lock_wait_s):
         with swap.server_client(settings, staging) as server:
             try:
                 staged.targets["challenger"] = swap.target(settings, registry, store, plan.challenger)
@@ -434,7 +437,7 @@ def _ope_sampler(settings: Settings, store: Store, plan: _Plan, staged: _Staged)
         models: Sequence[str], prompts: Sequence[gate_dr.DrPrompt]
     ) -> dict[str, list[list[Generation]]]:
         out: dict[str, list[list[Generation]]] = {}
-        with swap.rollout_lock(store, "staging", f"gate v{plan.challenger} ope"):
+        with swap.rollout_lock(store, "staging", f"gate v{plan.challenger} ope", wait_s=plan.lock_wait_s):
             with swap.server_client(settings, staging) as server:
                 for model in sorted(models, key=lambda m: m == "champion"):
                     _load(server, staged.targets[model], settings, store)

@@ -167,28 +167,36 @@ def promote(
     store: Store | None = None,
     force_reason: str | None = None,
     role: str = "",
+    lock_wait_s: float = 0.0,
 ) -> SwapResult:
     """Swap the fleet to `version` and, when every server verified, record the promotion and move
     @champion to it. Raises NotAuthorized before touching a server when `version` has no grounds
     (deployer/trust.py) and no `force_reason` is given; `role` names the caller in the record.
+    Raises RolloutBusy when the fleet's lock stays held for `lock_wait_s` (0: at once).
 
     The lock, the digests and the swaps' announcements are in `store`: the caller's (the worker's
     chain passes the one it holds, its schema checked when it was opened), else one opened, checked
     and closed here."""
     if store is not None:
-        return _promote(settings, registry, store, version, force_reason, role)
+        return _promote(settings, registry, store, version, force_reason, role, lock_wait_s)
     own = Store(settings.store.url)
     try:
         own.check_schema()
-        return _promote(settings, registry, own, version, force_reason, role)
+        return _promote(settings, registry, own, version, force_reason, role, lock_wait_s)
     finally:
         own.close()
 
 
 def _promote(
-    settings: Settings, registry: Registry, store: Store, version: int, force_reason: str | None, role: str
+    settings: Settings,
+    registry: Registry,
+    store: Store,
+    version: int,
+    force_reason: str | None,
+    role: str,
+    lock_wait_s: float,
 ) -> SwapResult:
-    with rollout_lock(store, "rollout", f"promote v{version}"):
+    with rollout_lock(store, "rollout", f"promote v{version}", wait_s=lock_wait_s):
         previous = trust.champion(registry, store)  # first: adopts the alias when no record exists yet
         grounds = trust.grounds(registry, store, version, force_reason)  # or NotAuthorized, nothing touched
         result = _swap_fleet(settings, registry, store, version, previous)

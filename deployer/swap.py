@@ -30,9 +30,9 @@ The public interface, shared by the fleet's rollout and the gate:
 - `swap_window(settings, store, server, reason, drain) -> Drain`: the change announced to the
   gateways (and, with `drain`, the server out of their rotation) around a swap;
   `announce_wait_s`, `DEPLOYER_MARK`.
-- `rollout_lock(store, name, purpose)`: one rollout ("rollout") and one gate run on the staging
-  server ("staging") at a time per store, whichever host it runs on (a lock in the store,
-  store/locks.py).
+- `rollout_lock(store, name, purpose, wait_s)`: one rollout ("rollout") and one gate run on the
+  staging server ("staging") at a time per store, whichever host it runs on (a lock in the store,
+  store/locks.py); the worker's chain waits `wait_s` for a held one, everyone else fails at once.
 - `digests_agree`, `verdict`: the pure decisions (unit-tested).
 """
 
@@ -438,16 +438,32 @@ def swap_window(
 # ---- the lock, the client, the record of a swap that never started ---------------------------------
 
 
+# How often a caller that may wait (`rollout_lock`'s `wait_s`) tries a held lock again.
+LOCK_POLL_S = 0.2
+
+
 @contextmanager
-def rollout_lock(store: Store, name: str = "rollout", purpose: str = "") -> Iterator[None]:
+def rollout_lock(
+    store: Store, name: str = "rollout", purpose: str = "", wait_s: float = 0.0
+) -> Iterator[None]:
     """One rollout ("rollout") or gate run on the staging server ("staging") at a time, across every
-    host that shares the store (`Store.exclusive`); raises RolloutBusy at once, naming the holder,
-    when it is held. The two names never block each other."""
+    host that shares the store (`Store.exclusive`). The names never block each other.
+
+    A held lock raises RolloutBusy, naming the holder: at once by default (an operator's command,
+    a reconciler tick, which skips to the next), or after trying again every `LOCK_POLL_S` for
+    `wait_s` seconds (the worker's chain, ``deployer.lock_wait_s``: a registered challenger must
+    not fail because a reconciler tick held the lock for a moment)."""
+    deadline = time.monotonic() + wait_s
     with ExitStack() as stack:
-        try:
-            stack.enter_context(store.exclusive(name, purpose))
-        except LockBusy as exc:
-            raise RolloutBusy(f"another {name} is under way: {exc}") from None
+        while True:
+            try:
+                stack.enter_context(store.exclusive(name, purpose))
+                break
+            except LockBusy as exc:
+                if time.monotonic() >= deadline:
+                    waited = f" (waited {wait_s:g} s)" if wait_s > 0 else ""
+                    raise RolloutBusy(f"another {name} is under way{waited}: {exc}") from None
+            time.sleep(min(LOCK_POLL_S, max(0.0, deadline - time.monotonic())))
         yield
 
 

@@ -139,7 +139,7 @@ class CycleStore(StoreBase):
             active = session.scalars(select(Cycle).where(Cycle.status.in_(ACTIVE_CYCLE_STATUSES))).all()
             for cycle in active:
                 if cycle.owner.endswith(f":{owner_suffix}"):
-                    self._end_cycle(
+                    ended = self._end_cycle(
                         session,
                         cycle.id,
                         "failed",
@@ -147,7 +147,7 @@ class CycleStore(StoreBase):
                         error=reason,
                         quarantine_after=max_episode_failures,
                     )
-                    return cycle.id
+                    return None if ended is None else cycle.id
         return None
 
     def expire_cycles(self, *, max_episode_failures: int = MAX_EPISODE_FAILURES_DEFAULT) -> list[int]:
@@ -161,8 +161,10 @@ class CycleStore(StoreBase):
         with self.transaction() as session:
             active = session.scalars(select(Cycle).where(Cycle.status.in_(ACTIVE_CYCLE_STATUSES))).all()
             expired = [c for c in active if c.lease_expires_at <= now]
-            for cycle in expired:
-                self._end_cycle(
+            ended = [
+                cycle.id
+                for cycle in expired
+                if self._end_cycle(
                     session,
                     cycle.id,
                     "failed",
@@ -171,7 +173,9 @@ class CycleStore(StoreBase):
                     f"({cycle.owner}) stopped renewing it",
                     quarantine_after=max_episode_failures,
                 )
-            return [c.id for c in expired]
+                is not None
+            ]
+            return ended
 
     def renew_lease(self, owner: str, ttl_s: float) -> int | None:
         """Extend the lease of the active cycle `owner` holds; its id, or None when it holds none."""
@@ -227,13 +231,17 @@ class CycleStore(StoreBase):
             if status == "registered":
                 cycle.status = status
                 return []
-            return self._end_cycle(
-                session,
-                cycle_id,
-                status,
-                self.clock(),
-                error=error,
-                quarantine_after=max_episode_failures if count_failure else None,
+            # Locked FOR UPDATE and found active above: this transaction ends it.
+            return (
+                self._end_cycle(
+                    session,
+                    cycle_id,
+                    status,
+                    self.clock(),
+                    error=error,
+                    quarantine_after=max_episode_failures if count_failure else None,
+                )
+                or []
             )
 
     @staticmethod
@@ -244,12 +252,24 @@ class CycleStore(StoreBase):
         now: datetime,
         error: str | None,
         quarantine_after: int | None,
-    ) -> list[str]:
-        """End the cycle; a failed one gives its claims back (`release_claims`). The quarantined ids."""
+    ) -> list[str] | None:
+        """End the cycle if it is still active; a failed one gives its claims back (`release_claims`).
+        The quarantined ids, or None when another transaction ended it first.
+
+        The status is checked in the UPDATE itself: the expiring paths read the active cycles
+        without locking them, so a worker finishing its cycle (``promoted``) can commit between
+        that read and this write. An unguarded UPDATE would then turn the promoted cycle into a
+        failed one and release its episodes, to be trained on a second time."""
         values: dict[str, Any] = {"status": status, "finished_at": now, "active_slot": None}
         if error is not None:
             values["error"] = error
-        session.execute(update(Cycle).where(Cycle.id == cycle_id).values(**values))
+        ended = session.execute(
+            update(Cycle)
+            .where(Cycle.id == cycle_id, Cycle.status.in_(ACTIVE_CYCLE_STATUSES))
+            .values(**values)
+        ).rowcount  # type: ignore[attr-defined]
+        if ended != 1:
+            return None
         if status != "failed":
             return []
         return release_claims(session, cycle_id, now, error or "failed", quarantine_after)

@@ -6,6 +6,11 @@ now --inline`` (no Celery). It joins the two stages that never import each other
 (`deployer.gate.evaluate`, then `deployer.rollout.promote`), each given the store and the registry
 the caller holds.
 
+The gate, the canary and the promotion each take a deploy lock in the store ("staging", "canary",
+"rollout"); the chain waits up to ``deployer.lock_wait_s`` for one that a reconciler tick (or an
+operator) holds, so a registered challenger does not fail for a moment's collision. Two workers
+never reach these together: the cycle lease admits one cycle at a time (docs/scaling.md).
+
 With ``gate.canary.enabled``, a challenger the gate passed serves the live canary first
 (`deployer.canary.run`) and only a canary that passes is promoted; any other ending rejects it.
 
@@ -144,7 +149,9 @@ def _gate_and_promote(
 
     assert result.cycle_id is not None and result.challenger_version is not None
     gate_started = time.monotonic()
-    decision = gate.evaluate(settings, registry, result.challenger_version, store)
+    decision = gate.evaluate(
+        settings, registry, result.challenger_version, store, lock_wait_s=settings.deployer.lock_wait_s
+    )
     out["gate_s"] = round(time.monotonic() - gate_started, 3)
     out.update(
         gate="pass" if decision.passed else "fail",
@@ -193,6 +200,7 @@ def _canary_then_promote(
         champion,
         cycle_id=result.cycle_id,
         stopping=stopping,
+        lock_wait_s=settings.deployer.lock_wait_s,
     )
     out["canary"] = outcome.model_dump(mode="json")
     gate_metrics = gate_metrics | {
@@ -223,7 +231,14 @@ def _promote(
 
     assert result.cycle_id is not None and result.challenger_version is not None
     deploy_started = time.monotonic()
-    swap = rollout.promote(settings, registry, result.challenger_version, store=store, role="worker")
+    swap = rollout.promote(
+        settings,
+        registry,
+        result.challenger_version,
+        store=store,
+        role="worker",
+        lock_wait_s=settings.deployer.lock_wait_s,
+    )
     out["deploy_s"] = round(time.monotonic() - deploy_started, 3)
     out["swap"] = swap.model_dump(mode="json")
     if not swap.ok:

@@ -66,6 +66,14 @@ class DeployerSettings(Section):
         "on another version is swapped back to @champion (verified), one left paused or out of rotation by a "
         "deployer that died is resumed and put back.",
     )
+    lock_wait_s: float = Field(
+        300.0,
+        ge=0,
+        description="How long the worker's chain waits for a deploy lock another process holds (the staging "
+        "server for the gate, the canary, the fleet for the promotion) before its cycle fails: a reconciler "
+        "tick holds the fleet for a moment every reconcile_interval_s. Operators' commands and the reconciler "
+        "never wait (docs/runbooks/deployer.md, Locks).",
+    )
     drain_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -191,4 +193,38 @@ def test_a_held_rollout_lock_is_rollout_busy_naming_its_holder(tmp_path: Path) -
             pass
     with rollout_lock(store):  # released
         pass
+    store.close()
+
+
+def test_the_workers_chain_waits_for_a_lock_a_reconciler_tick_holds(tmp_path: Path) -> None:
+    """A registered challenger must not fail because a reconciler tick held the fleet for a moment:
+    with `wait_s` the lock is tried again until it is free; without, or past `wait_s`, RolloutBusy."""
+    store = Store(f"sqlite:///{tmp_path / 'rtrl.db'}")
+    store.migrate()
+    taken, release = threading.Event(), threading.Event()
+
+    def tick() -> None:
+        with rollout_lock(store, "rollout", "align the fleet to @champion"):
+            taken.set()
+            release.wait(10)
+
+    reconciler = threading.Thread(target=tick)
+    reconciler.start()
+    assert taken.wait(10)
+    with pytest.raises(RolloutBusy, match=r"^another rollout is under way: "):
+        with rollout_lock(store, "rollout", "promote v3"):  # an operator: at once
+            pass
+    started = time.monotonic()
+    with pytest.raises(
+        RolloutBusy, match=r"^another rollout is under way \(waited 0.3 s\): .*align the fleet"
+    ):
+        with rollout_lock(store, "rollout", "promote v3", wait_s=0.3):
+            pass
+    assert 0.3 <= time.monotonic() - started < 2
+    threading.Timer(0.5, release.set).start()  # the tick ends half a second from now
+    started = time.monotonic()
+    with rollout_lock(store, "rollout", "promote v3", wait_s=10):
+        assert store.lock_holders()[0].purpose == "promote v3"
+    assert 0.4 <= time.monotonic() - started < 5
+    reconciler.join(10)
     store.close()
