@@ -21,7 +21,8 @@ host (a shared filesystem: docs/scaling.md, Training across hosts).
 
 While the ranks run, the worker keeps renewing the cycle lease (worker/chain.py) and asks
 `stopping` every half second: on SIGTERM it stops the ranks' process group and abandons the cycle,
-as a single-rank cycle does at its next step. A rank that fails, on any host, fails the cycle with
+as a single-rank cycle does at its next step. No rank outlives its launcher, nor the launcher
+the worker (trainer/process_tree.py). A rank that fails, on any host, fails the cycle with
 the tail of the worker's launcher log (the launcher stops the other ranks; a host that dies breaks
 the collectives of the others).
 """
@@ -33,7 +34,6 @@ import logging
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.settings import TrainerSettings
-from trainer import checkpoint
+from trainer import checkpoint, process_tree
 from trainer.errors import Abandoned, TrainerError
 
 log = logging.getLogger(__name__)
@@ -124,15 +124,16 @@ def train_on_ranks(
             "optimizer_to": None if optimizer_to is None else str(optimizer_to),
         },
     )
-    proc = _launch(cfg, work_dir)
+    proc = process_tree.start(
+        launch_command(cfg, host=True, job=str(work_dir)), env=launcher_env(), log=work_dir / LOG
+    )
     try:
-        while proc.poll() is None:
+        while not process_tree.exited(proc):
             if stopping():
                 raise Abandoned("the worker is stopping; cycle abandoned while its ranks trained")
             time.sleep(0.5)
     finally:
-        if proc.poll() is None:
-            _stop_group(proc)
+        process_tree.stop(proc)  # a launcher that exited: its group swept and reaped
     if proc.returncode != 0 or not (work_dir / RESULT).is_file():
         tail = (work_dir / LOG).read_text(errors="replace")[-3000:]
         raise failure(cfg, proc.returncode, work_dir / LOG, tail)
@@ -210,30 +211,6 @@ def launch_command(cfg: TrainerSettings, *, host: bool, job: str) -> list[str]:
     ]
 
 
-def _launch(cfg: TrainerSettings, work_dir: Path) -> subprocess.Popen[bytes]:
-    """Start the launcher of this host's ranks on `work_dir` in a process group of its own, its
-    output (and the ranks') into ``ranks.log``."""
-    command = launch_command(cfg, host=True, job=str(work_dir))
-    with (work_dir / LOG).open("wb") as sink:
-        return subprocess.Popen(
-            command,
-            env=launcher_env(),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-
-
 def _job_folder(work_dir: Path | None, timeout_s: float) -> tuple[Path, int]:
     """Form the ranks' process group and agree on the job: (its folder, the writer's global rank).
 
@@ -273,6 +250,7 @@ def main(work_dir: Path | None, timeout_s: float) -> None:
     from trainer.losses import Normaliser, loss_function
     from trainer.steps import collective_device, rank_batches, run_steps, world
 
+    process_tree.die_with_parent(signal.SIGKILL)  # a launcher killed outright takes this rank with it
     work_dir, writer = _job_folder(work_dir, timeout_s)
     job = torch.load(work_dir / JOB, weights_only=True)
     cfg = TrainerSettings.model_validate_json((work_dir / SETTINGS).read_text())
