@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from schemas.replay import MAX_BYTES, MAX_LINE_BYTES
 from schemas.settings.losses import CispoLoss, LossSettings
 from schemas.settings.section import Section
 
@@ -65,6 +66,19 @@ class ReplaySettings(Section):
         ge=1,
         description="Examples drawn from the file per cycle, without replacement (all of them when the file "
         "has fewer), seeded by trainer.seed and the cycle's id.",
+    )
+    max_bytes: int = Field(
+        MAX_BYTES,
+        ge=1,
+        description="The largest replay file read (bytes; 256 MiB): every cycle reads the whole file into "
+        "memory, so a larger one (a wrong path, a log file) fails the cycle before it takes the lease, naming "
+        "the file, its size and this setting.",
+    )
+    max_line_bytes: int = Field(
+        MAX_LINE_BYTES,
+        ge=1,
+        description="The longest line of the replay file (bytes; 1 MiB): a longer one fails the cycle before "
+        "it takes the lease, naming the file, the line and this setting.",
     )
 
 
