@@ -21,6 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from schemas.errors import OperatorError
+from schemas.settings.trainer import REPLAY_MAX_BYTES, REPLAY_MAX_LINE_BYTES
 
 
 class ReplayFileError(OperatorError, ValueError):
@@ -59,8 +60,8 @@ class ReplayExample(BaseModel):
         return self
 
 
-MAX_BYTES = 256 * 2**20  # trainer.replay.max_bytes' default
-MAX_LINE_BYTES = 2**20  # trainer.replay.max_line_bytes' default
+MAX_BYTES = REPLAY_MAX_BYTES  # trainer.replay.max_bytes' default
+MAX_LINE_BYTES = REPLAY_MAX_LINE_BYTES  # trainer.replay.max_line_bytes' default
 
 
 def read_replay_file(
