@@ -53,7 +53,10 @@ def write(work_dir: Path, batches: list[dict[str, torch.Tensor]], record: dict[s
     from safetensors.torch import save_file
 
     names = sorted(batches[0]) if batches else []
-    tensors = {f"{i}.{name}": batch[name].contiguous() for i, batch in enumerate(batches) for name in names}
+    # A copy of each: safetensors refuses tensors that share storage (targets is a view of input_ids).
+    tensors = {
+        f"{i}.{name}": batch[name].clone().contiguous() for i, batch in enumerate(batches) for name in names
+    }
     save_file(tensors, str(work_dir / TENSORS))
     job = {
         **record,

@@ -71,3 +71,24 @@ def test_a_host_that_saw_a_stale_job_is_not_the_datas_fault() -> None:
     cfg = TrainerSettings(nodes=2, rendezvous="trainer-0:29400")
     tail = f"trainer.jobs.StaleJob: /run/ranks/cycle-3/{JOB} is not this cycle's job (sha256 ...)"
     assert type(failure(cfg, 1, Path("/run/ranks.log"), tail)) is HostsFailed
+
+
+def test_the_cycles_micro_batches_come_back_as_the_ranks_build_them(tmp_path: Path) -> None:
+    """What `train_on_ranks` writes of real micro-batches and `trainer.ranks.main` rebuilds."""
+    from dataclasses import fields
+
+    from serving.sampler import MicroBatch, Row, micro_batches
+
+    rows = [
+        Row(input_ids=[1, 2, 3, 4], prompt_len=2, behaviour_logprobs=[-0.5, -0.25], advantage=1.0),
+        Row(input_ids=[5, 6, 7], prompt_len=1, behaviour_logprobs=[-1.0, -2.0], advantage=-1.0),
+        Row(input_ids=[8, 9], prompt_len=1, behaviour_logprobs=[-0.1], advantage=0.5),
+    ]
+    written = micro_batches(rows, 2, pad_id=0)
+    digest = write(tmp_path, [{f.name: getattr(mb, f.name) for f in fields(mb)} for mb in written], {})
+    _, tensors = read(tmp_path, digest)
+    rebuilt = [MicroBatch(**fields_) for fields_ in tensors]
+    assert len(rebuilt) == len(written) == 2
+    for got, want in zip(rebuilt, written, strict=True):
+        for f in fields(want):
+            assert torch.equal(getattr(got, f.name), getattr(want, f.name)), f.name
