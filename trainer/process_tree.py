@@ -35,14 +35,18 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_GRACE_S = 30.0  # how long a SIGTERMed launcher has to stop its ranks before SIGKILL
 
 
+# libc loaded here, not in the forked child (`start`'s preexec_fn): a dlopen after fork could wait
+# forever on a loader lock another thread of the parent held at the fork.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
 def die_with_parent(sig: int) -> None:
     """Have the kernel send this process `sig` when its parent dies (Linux; nothing elsewhere). A
     parent that died before the signal was armed is caught too: this process then sends it itself."""
-    if not sys.platform.startswith("linux"):
+    if _LIBC is None:
         return
     parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+    if _LIBC.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
     if os.getppid() != parent:  # reparented already: the parent is gone
