@@ -11,8 +11,8 @@ Training across hosts). When the launcher exits, the next one waits for the next
 Nothing here registers or writes the checkpoint: the writer is a rank of the worker's host, and the
 worker registers. A cycle whose rendezvous closed before this host joined (the other hosts had
 finished) ends this host's launcher without ranks; one that fails here fails on the worker too (its
-collectives break), and this loop starts over for the next cycle. The launcher and its ranks do not outlive this process,
-however it dies (trainer/process_tree.py).
+collectives break), and this loop starts over for the next cycle. The launcher and its ranks do not
+outlive this process, however it dies (trainer/process_tree.py).
 """
 
 from __future__ import annotations
