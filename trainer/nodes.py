@@ -11,18 +11,19 @@ Training across hosts). When the launcher exits, the next one waits for the next
 Nothing here registers or writes the checkpoint: the writer is a rank of the worker's host, and the
 worker registers. A cycle whose rendezvous closed before this host joined (the other hosts had
 finished) ends this host's launcher without ranks; one that fails here fails on the worker too (its
-collectives break), and this loop starts over for the next cycle.
+collectives break), and this loop starts over for the next cycle. The launcher and its ranks do not
+outlive this process, however it dies (trainer/process_tree.py).
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-import subprocess
 import time
 from collections.abc import Callable
 
 from schemas.settings import TrainerSettings
+from trainer import process_tree
 from trainer.ranks import JOIN, launch_command, launcher_env
 
 log = logging.getLogger(__name__)
@@ -66,12 +67,14 @@ def join_cycles(cfg: TrainerSettings, stopping: Callable[[], bool]) -> None:
             time.sleep(POLL_S)
             continue
         started = time.monotonic()
-        proc = subprocess.Popen(join_command(cfg), env=launcher_env(), stdin=subprocess.DEVNULL)
-        while proc.poll() is None:
-            if stopping():
-                _stop(proc)
-                return
-            time.sleep(0.5)
+        proc = process_tree.start(join_command(cfg), env=launcher_env())
+        try:
+            while not process_tree.exited(proc):
+                if stopping():
+                    return
+                time.sleep(0.5)
+        finally:
+            process_tree.stop(proc)  # SIGTERM, or a launcher that exited: its group swept and reaped
         took = time.monotonic() - started
         failures = failures + 1 if proc.returncode != 0 else 0
         if failures:
@@ -89,13 +92,3 @@ def join_cycles(cfg: TrainerSettings, stopping: Callable[[], bool]) -> None:
         time.sleep(
             backoff_s(failures)
         )  # the rendezvous just closed may still answer until its launcher exits
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the launcher (it stops its ranks), SIGKILL it after 30 s."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)

@@ -2,7 +2,8 @@
 on the worker's host, or on several hosts.
 
 The worker prepares the cycle as for one rank (lease, selection, advantages, micro-batches), then
-`train_on_ranks` writes the job (micro-batches, normaliser, paths) into a folder and launches
+`train_on_ranks` writes the job (micro-batches, normaliser, paths: trainer/jobs.py, no pickle) into
+a folder and launches
 ``python -m torch.distributed.run ... -m trainer.ranks FOLDER`` (`launcher_args`). Each rank (`main`)
 builds the engine on the champion's weights, continues the optimizer state the worker chose (all
 ranks or none), runs `trainer.steps.run_steps` on its share of the micro-batches, saves the
@@ -21,7 +22,8 @@ host (a shared filesystem: docs/scaling.md, Training across hosts).
 
 While the ranks run, the worker keeps renewing the cycle lease (worker/chain.py) and asks
 `stopping` every half second: on SIGTERM it stops the ranks' process group and abandons the cycle,
-as a single-rank cycle does at its next step. A rank that fails, on any host, fails the cycle with
+as a single-rank cycle does at its next step. No rank outlives its launcher, nor the launcher
+the worker (trainer/process_tree.py). A rank that fails, on any host, fails the cycle with
 the tail of the worker's launcher log (the launcher stops the other ranks; a host that dies breaks
 the collectives of the others).
 """
@@ -33,7 +35,6 @@ import logging
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,13 +43,11 @@ from pathlib import Path
 from typing import Any
 
 from schemas.settings import TrainerSettings
-from trainer import checkpoint
+from trainer import checkpoint, jobs, process_tree
 from trainer.errors import Abandoned, TrainerError
 
 log = logging.getLogger(__name__)
 
-JOB = "job.pt"
-SETTINGS = "trainer.json"
 RESULT = "result.json"
 LOG = "ranks.log"
 
@@ -58,8 +57,9 @@ class RanksFailed(TrainerError):
 
 
 class HostsFailed(RanksFailed):
-    """A multi-host cycle failed for want of a host: one did not join the rendezvous in time, or the
-    connection to one broke or timed out (`failure`). It says nothing about the cycle's episodes,
+    """A multi-host cycle failed for want of a host: one did not join the rendezvous in time, the
+    connection to one broke or timed out, or its filesystem did not show the cycle's job
+    (trainer/jobs.py `StaleJob`) (`failure`). It says nothing about the cycle's episodes,
     which go back to the pool uncounted (trainer/cycle.py ``NOT_THE_DATAS``)."""
 
 
@@ -68,7 +68,7 @@ class HostsFailed(RanksFailed):
 # against the episodes, as a single-host one does.
 _HOST_TROUBLE = re.compile(
     r"RendezvousTimeoutError|RendezvousClosedError|RendezvousConnectionError|DistNetworkError|a misconfigured host"
-    r"|Connection reset by peer|Connection closed by peer|Broken pipe|Connection refused|timed out",
+    r"|not this cycle's job|Connection reset by peer|Connection closed by peer|Broken pipe|Connection refused|timed out",
     re.IGNORECASE,
 )
 
@@ -109,11 +109,11 @@ def train_on_ranks(
     when a rank fails."""
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / RESULT).unlink(missing_ok=True)
-    _write_job(
-        cfg,
+    digest = jobs.write(
         work_dir,
+        [{f.name: getattr(mb, f.name) for f in fields(mb)} for mb in batches],
         {
-            "batches": [{f.name: getattr(mb, f.name) for f in fields(mb)} for mb in batches],
+            "settings": cfg.model_dump_json(),
             "norm": list(norm),
             "mean_advantage": mean_advantage,
             "champion_dir": str(champion_dir),
@@ -124,28 +124,20 @@ def train_on_ranks(
             "optimizer_to": None if optimizer_to is None else str(optimizer_to),
         },
     )
-    proc = _launch(cfg, work_dir)
+    command = launch_command(cfg, host=True, job=str(work_dir))
+    proc = process_tree.start(command, env={**launcher_env(), jobs.DIGEST_ENV: digest}, log=work_dir / LOG)
     try:
-        while proc.poll() is None:
+        while not process_tree.exited(proc):
             if stopping():
                 raise Abandoned("the worker is stopping; cycle abandoned while its ranks trained")
             time.sleep(0.5)
     finally:
-        if proc.poll() is None:
-            _stop_group(proc)
+        process_tree.stop(proc)  # a launcher that exited: its group swept and reaped
     if proc.returncode != 0 or not (work_dir / RESULT).is_file():
         tail = (work_dir / LOG).read_text(errors="replace")[-3000:]
         raise failure(cfg, proc.returncode, work_dir / LOG, tail)
     result: dict[str, Any] = json.loads((work_dir / RESULT).read_text())
     return result
-
-
-def _write_job(cfg: TrainerSettings, work_dir: Path, job: dict[str, Any]) -> None:
-    """The job every rank reads (`main`): `job` as ``job.pt``, the trainer's settings as ``trainer.json``."""
-    import torch
-
-    torch.save(job, work_dir / JOB)
-    (work_dir / SETTINGS).write_text(cfg.model_dump_json())
 
 
 RENDEZVOUS_ID = "rtrl-trainer"
@@ -210,35 +202,13 @@ def launch_command(cfg: TrainerSettings, *, host: bool, job: str) -> list[str]:
     ]
 
 
-def _launch(cfg: TrainerSettings, work_dir: Path) -> subprocess.Popen[bytes]:
-    """Start the launcher of this host's ranks on `work_dir` in a process group of its own, its
-    output (and the ranks') into ``ranks.log``."""
-    command = launch_command(cfg, host=True, job=str(work_dir))
-    with (work_dir / LOG).open("wb") as sink:
-        return subprocess.Popen(
-            command,
-            env=launcher_env(),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+def _job_folder(work_dir: Path | None, timeout_s: float) -> tuple[Path, str, int]:
+    """Form the ranks' process group and agree on the job: (its folder, the sha256 of its
+    ``job.json``, the writer's global rank).
 
-
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-
-
-def _job_folder(work_dir: Path | None, timeout_s: float) -> tuple[Path, int]:
-    """Form the ranks' process group and agree on the job: (its folder, the writer's global rank).
-
-    The ranks of the worker's host were given the folder (`work_dir`); those of other hosts
-    (``--join``) were not, and take it from the lowest rank that was: the writer."""
+    The ranks of the worker's host were given the folder (`work_dir`) and the digest (by the worker,
+    in ``jobs.DIGEST_ENV``); those of other hosts (``--join``) were not, and take both from the
+    lowest rank that was: the writer."""
     from datetime import timedelta
 
     import deepspeed
@@ -249,12 +219,14 @@ def _job_folder(work_dir: Path | None, timeout_s: float) -> tuple[Path, int]:
     deepspeed.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(), timeout=timedelta(seconds=timeout_s)
     )
-    folders: list[str | None] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(folders, None if work_dir is None else str(work_dir))
-    owners = [rank for rank, folder in enumerate(folders) if folder is not None]
+    mine = None if work_dir is None else (str(work_dir), os.environ[jobs.DIGEST_ENV])
+    announced: list[tuple[str, str] | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(announced, mine)
+    owners = [rank for rank, job in enumerate(announced) if job is not None]
     if not owners:
         raise RanksFailed("no rank of this cycle was given its job: the worker's host did not join")
-    return Path(str(folders[owners[0]])), owners[0]
+    folder, digest = announced[owners[0]] or ("", "")
+    return Path(folder), digest, owners[0]
 
 
 def main(work_dir: Path | None, timeout_s: float) -> None:
@@ -273,10 +245,11 @@ def main(work_dir: Path | None, timeout_s: float) -> None:
     from trainer.losses import Normaliser, loss_function
     from trainer.steps import collective_device, rank_batches, run_steps, world
 
-    work_dir, writer = _job_folder(work_dir, timeout_s)
-    job = torch.load(work_dir / JOB, weights_only=True)
-    cfg = TrainerSettings.model_validate_json((work_dir / SETTINGS).read_text())
-    batches = [MicroBatch(**fields_) for fields_ in job["batches"]]
+    process_tree.die_with_parent(signal.SIGKILL)  # a launcher killed outright takes this rank with it
+    work_dir, digest, writer = _job_folder(work_dir, timeout_s)
+    job, tensors = jobs.read(work_dir, digest)  # StaleJob unless this is the job the cycle announced
+    cfg = TrainerSettings.model_validate_json(job["settings"])
+    batches = [MicroBatch(**fields_) for fields_ in tensors]
     champion_dir = Path(job["champion_dir"])
     base_dir = None if job["base_dir"] is None else Path(job["base_dir"])
     size = int(os.environ["WORLD_SIZE"])

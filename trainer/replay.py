@@ -49,9 +49,11 @@ class ReplayBatches:
 
 
 def load(cfg: ReplaySettings) -> list[ReplayExample] | None:
-    """The replay file's examples (raises `schemas.replay.ReplayFileError` naming a bad line), or
-    None when replay is off."""
-    return None if cfg.path is None else read_replay_file(cfg.path)
+    """The replay file's examples (raises `schemas.replay.ReplayFileError` naming a bad line, or a
+    file or line over ``max_bytes`` / ``max_line_bytes``), or None when replay is off."""
+    if cfg.path is None:
+        return None
+    return read_replay_file(cfg.path, max_bytes=cfg.max_bytes, max_line_bytes=cfg.max_line_bytes)
 
 
 def draw(examples: list[ReplayExample], per_cycle: int, seed: int, cycle_id: int) -> list[ReplayExample]:

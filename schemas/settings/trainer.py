@@ -16,6 +16,9 @@ from schemas.settings.section import Section
 # the same speed, and with 0.25 the eval gate's alarms rejected the first challenger of the demo
 # (punctuation-only answers 20 % vs 0 %), with 0.1 they passed it (docs/gate.md).
 MAX_KL_DEFAULT = 0.1
+# The replay file's caps (schemas/replay.py `read_replay_file`): every cycle reads it into memory.
+REPLAY_MAX_BYTES = 256 * 2**20
+REPLAY_MAX_LINE_BYTES = 2**20
 # Failed cycles an episode may be claimed by before it is quarantined (docs/security.md, Poisoned
 # episodes): the store's default too, for callers without settings.
 MAX_EPISODE_FAILURES_DEFAULT = 3
@@ -65,6 +68,19 @@ class ReplaySettings(Section):
         ge=1,
         description="Examples drawn from the file per cycle, without replacement (all of them when the file "
         "has fewer), seeded by trainer.seed and the cycle's id.",
+    )
+    max_bytes: int = Field(
+        REPLAY_MAX_BYTES,
+        ge=1,
+        description="The largest replay file read (bytes; 256 MiB): every cycle reads the whole file into "
+        "memory, so a larger one (a wrong path, a log file) fails the cycle before it takes the lease, naming "
+        "the file, its size and this setting.",
+    )
+    max_line_bytes: int = Field(
+        REPLAY_MAX_LINE_BYTES,
+        ge=1,
+        description="The longest line of the replay file (bytes; 1 MiB): a longer one fails the cycle before "
+        "it takes the lease, naming the file, the line and this setting.",
     )
 
 

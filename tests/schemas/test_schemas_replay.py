@@ -67,6 +67,36 @@ def test_a_missing_or_empty_file_is_an_operator_error(tmp_path: Path) -> None:
         read_replay_file(write(tmp_path, "", "  "))
 
 
+def test_a_file_over_the_size_cap_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD, GOOD)  # 2 x 87 bytes
+    size = path.stat().st_size
+    assert len(read_replay_file(path, max_bytes=size)) == 2
+    with pytest.raises(ReplayFileError) as caught:
+        read_replay_file(path, max_bytes=size - 1)
+    said = str(caught.value)
+    assert (
+        str(path) in said and f"{size:,} bytes" in said and f"trainer.replay.max_bytes ({size - 1:,})" in said
+    )
+    assert isinstance(caught.value, OperatorError)
+
+
+def test_a_line_over_the_line_cap_is_refused_naming_it(tmp_path: Path) -> None:
+    long = GOOD.replace(" 7.", " " + "7" * 200 + ".")
+    path = write(tmp_path, GOOD, long)
+    assert len(read_replay_file(path, max_line_bytes=len(long))) == 2
+    with pytest.raises(ReplayFileError) as caught:
+        read_replay_file(path, max_line_bytes=len(long) - 1)
+    said = str(caught.value)
+    assert f"{path}, line 2: {len(long):,} bytes" in said and "trainer.replay.max_line_bytes" in said
+
+
+def test_a_line_break_inside_a_json_string_is_no_line_break(tmp_path: Path) -> None:
+    """U+2028 is a line break to str.splitlines but legal inside a JSON string: lines are split on
+    newlines only."""
+    examples = read_replay_file(write(tmp_path, GOOD.replace("3 plus 4", "3\u2028plus 4")))
+    assert examples[0].messages[0].content == "What is 3\u2028plus 4?"
+
+
 def test_replay_is_off_by_default_and_refused_on_several_ranks(tmp_path: Path) -> None:
     assert TrainerSettings().replay.path is None
     cfg = ReplaySettings(path=tmp_path / "r.jsonl", weight=0.5, per_cycle=8)
@@ -84,5 +114,8 @@ def test_replay_settings_come_from_the_environment(tmp_path: Path, monkeypatch: 
 
     monkeypatch.setenv("RTRL_TRAINER__REPLAY__PATH", str(tmp_path / "r.jsonl"))
     monkeypatch.setenv("RTRL_TRAINER__REPLAY__WEIGHT", "0.25")
+    monkeypatch.setenv("RTRL_TRAINER__REPLAY__MAX_BYTES", "1048576")
     replay = Settings().trainer.replay
     assert (replay.path, replay.weight, replay.per_cycle) == (tmp_path / "r.jsonl", 0.25, 32)
+    assert (replay.max_bytes, replay.max_line_bytes) == (2**20, 2**20)  # the line cap's default: 1 MiB
+    assert ReplaySettings().max_bytes == 256 * 2**20

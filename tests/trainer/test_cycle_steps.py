@@ -398,15 +398,26 @@ def test_a_spec_with_a_hindsight_term_distils_the_corrected_episodes_into_their_
     assert sorted(shifts) == pytest.approx([0.0] * (EPISODES - 1) + [2.0 * 0.5 * 2])
 
 
+@pytest.mark.parametrize(
+    ("caps", "says"),
+    [
+        ({}, "line 2: messages: Field required"),
+        ({"max_bytes": 64}, r"replay.jsonl: 89 bytes, over trainer.replay.max_bytes \(64\)"),
+        ({"max_line_bytes": 40}, r"line 1: 70 bytes, over trainer.replay.max_line_bytes \(40\)"),
+    ],
+)
 def test_a_bad_replay_file_fails_the_cycle_before_it_takes_the_lease(
     settings: Settings,
     sqlite_store: Store,
     champion_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    caps: dict[str, int],
+    says: str,
 ) -> None:
-    """trainer.replay names a file with a bad line: the cycle raises the file's error, naming the
-    line, before it holds the lease or claims an episode, so a bad file costs no episode a failure."""
+    """trainer.replay names a file with a bad line, or one over its size caps: the cycle raises the
+    file's error, naming the line or the size and the setting, before it holds the lease or claims
+    an episode, so a bad file costs no episode a failure."""
     from schemas.replay import ReplayFileError
     from schemas.settings import ReplaySettings
 
@@ -416,11 +427,12 @@ def test_a_bad_replay_file_fails_the_cycle_before_it_takes_the_lease(
     bad.write_text(
         '{"messages": [{"role": "user", "content": "hi"}], "completion": " 7."}\n{"completion": 7}\n'
     )
+    replay = ReplaySettings(path=bad, **caps)
     configured = settings.model_copy(
-        update={"trainer": settings.trainer.model_copy(update={"replay": ReplaySettings(path=bad)})}
+        update={"trainer": settings.trainer.model_copy(update={"replay": replay})}
     )
 
-    with pytest.raises(ReplayFileError, match="line 2: messages: Field required"):
+    with pytest.raises(ReplayFileError, match=says):
         cycle.run_cycle(configured, store, cast(Registry, Recorder(champion_dir, store)), owner="test")
 
     assert store.recent_cycles(1) == [] and store.count_trainable(1, 0) == EPISODES
