@@ -110,6 +110,22 @@ def _settings(services: Settings, url: str, tmp_path: Path) -> Settings:
     )
 
 
+def _client(settings: Settings) -> Any:
+    """A Celery client of this test's own broker and result backend. Not `worker.app.configure`:
+    an earlier test of the session may have used `worker.app.app`, and Celery keeps the broker pool
+    and result backend it opened then (a later ``conf.update(broker_url=...)`` does not move them),
+    so its tasks and pings would go to the session's broker, where these workers do not listen."""
+    from celery import Celery
+
+    client = Celery(
+        "rtrl-race-client", broker=settings.celery.broker_url, backend=settings.celery.result_backend
+    )
+    client.conf.update(
+        task_serializer="json", result_serializer="json", accept_content=["json"], result_extended=True
+    )
+    return client
+
+
 def _round(app: Any, workers: set[str]) -> list[dict[str, Any]]:
     """Two cycle tasks sent at once; both workers take one at the same moment: one runs the cycle,
     the other finds the lease taken (`busy`). Their results."""
@@ -136,8 +152,6 @@ def test_two_workers_and_two_reconcilers_run_each_cycle_once_and_never_swap_a_se
 ) -> None:
     import redis
 
-    from worker.app import configure
-
     settings = _settings(services, postgres_database, tmp_path)
     redis.Redis.from_url(settings.celery.broker_url).flushdb()
     store = Store(settings.store.url)
@@ -152,7 +166,7 @@ def test_two_workers_and_two_reconcilers_run_each_cycle_once_and_never_swap_a_se
     logs = tmp_path / "logs"
     logs.mkdir()
     workers = {f"race-{name}-{uuid.uuid4().hex[:6]}@localhost" for name in ("a", "b")}
-    app = configure(settings)
+    app = _client(settings)
     results: list[dict[str, Any]] = []
     try:
         with ExitStack() as processes:
