@@ -6,7 +6,8 @@ Waiting is `schemas.clock.wait_until` everywhere: a test waits for a condition, 
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,21 @@ def demo_settings(fleet: Settings, tmp_path: Path, name: str) -> Settings:
             ),
         }
     )
+
+
+@contextmanager
+def rtrl_child(settings: Settings, log: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``rtrl ARGS`` in a session of its own, its output in `log`; stopped at the end (SIGTERM,
+    then its group killed: `stop_group`)."""
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            rtrl_command(*args),
+            env=child_env(settings),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield proc
+    finally:
+        stop_group(proc)

@@ -12,44 +12,23 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from episodes import feed, sample_episodes
-from helpers import stop_group
+from helpers import rtrl_child
 
 from deployer import rollout
 from registry import Registry
 from schemas.clock import wait_until
 from schemas.settings import RetentionSuiteSettings, Settings
-from services.launch import child_env, rtrl_command
 from store import Store
 
 pytestmark = pytest.mark.integration
 
 LEASE_TTL_S = 8.0
-
-
-@contextmanager
-def child(settings: Settings, log: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
-    """``rtrl ARGS`` in a session of its own (killed with its group), stopped at the end."""
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            rtrl_command(*args),
-            env=child_env(settings),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        yield proc
-    finally:
-        stop_group(proc)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
@@ -98,8 +77,8 @@ def test_a_worker_stopped_mid_cycle_is_replaced_and_the_cycle_completes_once(
     logs = tmp_path / "logs"
     logs.mkdir()
     try:
-        with child(settings, logs / "beat.log", "beat"):
-            with child(settings, logs / "worker-1.log", "worker", "--hostname", f"w1-{tag}") as first:
+        with rtrl_child(settings, logs / "beat.log", "beat"):
+            with rtrl_child(settings, logs / "worker-1.log", "worker", "--hostname", f"w1-{tag}") as first:
                 # Beat enqueues a cycle; the worker takes it. Kill the worker while it trains.
                 wait_until(lambda: bool(store.recent_cycles(1)), timeout_s=120, what="a cycle started")
                 killed = store.recent_cycles(1)[0]
@@ -118,7 +97,7 @@ def test_a_worker_stopped_mid_cycle_is_replaced_and_the_cycle_completes_once(
                 )
                 assert store.count_trainable(1, 0) == 32  # released at once
 
-            with child(settings, logs / "worker-2.log", "worker", "--hostname", f"w2-{tag}"):
+            with rtrl_child(settings, logs / "worker-2.log", "worker", "--hostname", f"w2-{tag}"):
 
                 def finished() -> bool:
                     return any(c.status in {"promoted", "rejected"} for c in store.recent_cycles(5))

@@ -16,23 +16,20 @@ was open. tests/store/test_races.py races the same store calls thousands of time
 
 from __future__ import annotations
 
-import subprocess
 import uuid
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
 from episodes import feed, sample_episodes
-from helpers import stop_group
+from helpers import rtrl_child
 from sqlalchemy import text
 
 from deployer import rollout
 from registry import Registry
 from schemas.clock import wait_until
 from schemas.settings import MetricsSettings, RetentionSuiteSettings, Settings
-from services.launch import child_env, rtrl_command
 from store import Store
 from trainer.selection import count_trainable
 
@@ -52,23 +49,6 @@ AUDIT = [
     "CREATE TRIGGER race_announce AFTER INSERT OR UPDATE ON server_rotation"
     " FOR EACH ROW EXECUTE FUNCTION race_announce()",
 ]
-
-
-@contextmanager
-def child(settings: Settings, log: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
-    """``rtrl ARGS`` in a session of its own, stopped (SIGTERM, then its group killed) at the end."""
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            rtrl_command(*args),
-            env=child_env(settings),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        yield proc
-    finally:
-        stop_group(proc)
 
 
 def _settings(services: Settings, url: str, tmp_path: Path) -> Settings:
@@ -172,11 +152,11 @@ def test_two_workers_and_two_reconcilers_run_each_cycle_once_and_never_swap_a_se
         with ExitStack() as processes:
             for name in ("a", "b"):
                 processes.enter_context(
-                    child(settings, logs / f"reconciler-{name}.log", "deploy", "reconcile", "--forever")
+                    rtrl_child(settings, logs / f"reconciler-{name}.log", "deploy", "reconcile", "--forever")
                 )
             for hostname in sorted(workers):
                 processes.enter_context(
-                    child(settings, logs / f"{hostname}.log", "worker", "--hostname", hostname)
+                    rtrl_child(settings, logs / f"{hostname}.log", "worker", "--hostname", hostname)
                 )
             wait_until(
                 lambda: {n for reply in app.control.ping(timeout=1.0) for n in reply} >= workers,
