@@ -259,12 +259,70 @@ def test_vllms_pythonic_parser_reads_every_supervised_call(tokenizer: Any) -> No
     assert not answer.tools_called and answer.content == " The code is 42!"
 
 
-def test_model_check_names_the_parser_of_the_tiny_model(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def untuned(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny checkpoint without a fine-tune (seconds): its files are what vLLM and the check read."""
+    return tinymodel.build(tmp_path_factory.mktemp("untuned"), task=None)
+
+
+def test_vllms_renderer_gives_the_prompts_the_lookup_task_supervises(untuned: Path) -> None:
+    # What vLLM's OpenAI server does to a chat request before the model sees it: parse the messages
+    # (a call's JSON arguments become a dict), then render the checkpoint's template with the tools.
+    from transformers import AutoTokenizer
+    from vllm.config import ModelConfig
+    from vllm.renderers.chat_utils import parse_chat_messages
+    from vllm.renderers.hf import resolve_chat_template_content_format, safe_apply_chat_template
+
+    config = ModelConfig(model=str(untuned), dtype="float32", max_model_len=512)
+    tokenizer = AutoTokenizer.from_pretrained(untuned)
+    question = "What is the code of the blue door?"
+    call = {"name": "lookup", "arguments": json.dumps({"item": "blue door"})}
+    messages: list[Any] = [
+        {"role": "user", "content": question},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "t1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "t1", "content": "39"},
+    ]
+    content_format = resolve_chat_template_content_format(
+        chat_template=None, tools=[LOOKUP_TOOL], given_format="auto", tokenizer=tokenizer, model_config=config
+    )
+    rendered = []
+    for conversation in (messages[:1], messages):
+        parsed, _, _ = parse_chat_messages(conversation, config, content_format=content_format)
+        rendered.append(
+            safe_apply_chat_template(
+                config, tokenizer, parsed, tools=[LOOKUP_TOOL], tokenize=False, add_generation_prompt=True
+            )
+        )
+    assert rendered == ["<s>" + LOOKUP.call_prompt(question), "<s>" + LOOKUP.answer_prompt(question, "39")]
+
+
+def test_model_check_names_the_parser_of_the_tiny_model(untuned: Path) -> None:
     from services.modelcheck import check
 
-    report = check(tinymodel.build(tmp_path / "tiny", task=None))
+    report = check(untuned)
     assert (report.tools_rendered, report.tool_parser) == (True, "pythonic")
     assert (
         "tools         the chat template renders tools in the format of rtrl's tiny model (--recipe tools): "
         "serve with vllm.tool_call_parser=pythonic (RTRL_VLLM__TOOL_CALL_PARSER)"
     ) in report.lines()
+
+
+def test_the_tools_recipe_builds_the_lookup_model(tmp_path: Path) -> None:
+    # The recipe's code path on 3 steps (the full build, about 1.5 minutes of CPU, is the integration
+    # test's: tests/simulation/test_tools_loop.py); same seed, same bytes.
+    first = tinymodel.build(tmp_path / "a", task="lookup", seed=0, sft_steps=3, recipe="tools")
+    second = tinymodel.build(tmp_path / "b", task="lookup", seed=0, sft_steps=3, recipe="tools")
+    assert tinymodel.sha256_file(first / "model.safetensors") == tinymodel.sha256_file(
+        second / "model.safetensors"
+    )
+    info = tinymodel.info(first)
+    assert (info["recipe_recipe"], info["recipe_task"], info["recipe_sft_lr"]) == (
+        "rtrl-tiny-llama-tools",
+        "lookup",
+        3e-3,
+    )
+    assert tinymodel.RECIPES["tools"].steps == 600
