@@ -41,3 +41,9 @@ def test_the_scenario_needs_a_task_with_tools() -> None:
     assert tool_task("lookup").tools
     with pytest.raises(ToolScenarioError, match="--task lookup"):
         tool_task("exclaim")
+
+
+def test_the_demo_labels_tool_episodes_with_the_default_spec() -> None:
+    from simulation.demo import _scenario_labeler
+
+    assert _scenario_labeler(Settings(), "tools") == {"reward_spec": "tab-v1"}
