@@ -37,6 +37,7 @@ from schemas.errors import OperatorError
 from schemas.events import FeedbackKind, Role
 from schemas.rewards import get_spec, score
 from schemas.settings import Settings, VllmSettings
+from schemas.versions import parse_version
 
 from .agents import AgentReport, _Episode, _report, accepts, call_seed, episode_id
 from .client import CallFailed, Gateway, Reply, fan_out, feedback_body, open_gateway
@@ -147,10 +148,12 @@ def _episode(env: _ToolEnv, question: str, preference: Preference, settings: Set
         sent, failed, error = len(events), 0, None
     except httpx.HTTPError as exc:  # counted and reported; the labeler's window settles the episode
         sent, failed, error = 0, len(events), f"feedback for episode {env.episode}: {exc!r}"
-    versions = sorted({r.version for r in replies if r.version is not None})
+    versions = [r.version for r in replies if r.version is not None]
     return _Episode(
         ok=True,
-        version=versions[0] if versions else None,
+        version=min(versions, key=parse_version)
+        if versions
+        else None,  # the store gives the episode the oldest
         accepted=accepts(signals),
         outcome=score(get_spec(settings.labeler.reward_spec), signals).reward,
         segments=len(replies),
