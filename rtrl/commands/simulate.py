@@ -44,17 +44,12 @@ def register(app: typer.Typer) -> None:
 
         from evals import load_preference
         from schemas.settings import load_settings
-        from simulation.agents import check_scenario
         from simulation.client import simulation_key
-        from simulation.tools import SCENARIO, tool_task
         from simulation.users import simulate as run_simulation
         from store import Store
 
         settings = load_settings()
-        if scenario == SCENARIO:
-            tool_task(task)  # before a key is made for it
-        elif scenario is not None:
-            check_scenario(scenario)
+        _check_scenario(scenario, task)  # before a key is made for it
         chosen = load_preference(preference) if preference else None
         url = gateway or f"http://{settings.gateway.host}:{settings.gateway.port}"
         with (
@@ -94,6 +89,17 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"  error: {error}", err=True)
         if report.failed:
             raise typer.Exit(1)
+
+
+def _check_scenario(scenario: str | None, task: str) -> None:
+    """An unknown scenario, or the tools scenario without a task with tools, is an operator error."""
+    from simulation.agents import check_scenario
+    from simulation.tools import SCENARIO, tool_task
+
+    if scenario == SCENARIO:
+        tool_task(task)
+    elif scenario is not None:
+        check_scenario(scenario)
 
 
 def _agents(
