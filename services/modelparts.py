@@ -371,7 +371,9 @@ def _tools(report: Report, chat_template: object) -> None:
     """Whether the template renders tools, and which of vLLM's parsers reads its tool calls."""
     from .toolparsers import renders_tools, suggest_tool_parser
 
-    template = chat_template if isinstance(chat_template, str) else None  # a dict: several named templates
+    # A dict: several named templates (e.g. "default" and "tool_use"); the tools are in one of them.
+    named = chat_template.values() if isinstance(chat_template, dict) else [chat_template]
+    template = "\n".join(t for t in named if isinstance(t, str)) or None
     report.tools_rendered = renders_tools(template)
     suggestion = suggest_tool_parser(template) if report.tools_rendered else None
     if suggestion is not None:

@@ -326,3 +326,19 @@ def test_the_tools_recipe_builds_the_lookup_model(tmp_path: Path) -> None:
         3e-3,
     )
     assert tinymodel.RECIPES["tools"].steps == 600
+
+
+def test_model_check_reads_the_tool_use_template_of_several(untuned: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from services.modelcheck import check
+
+    copy = Path(shutil.copytree(untuned, tmp_path / "named"))
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": tinymodel.CHAT_TEMPLATE_BEFORE_TOOLS},
+        {"name": "tool_use", "template": "{{ bos_token }}{% if tools %}<tool_call>{% endif %}"},
+    ]
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    report = check(copy)
+    assert (report.tools_rendered, report.tool_parser) == (True, "hermes")
