@@ -194,7 +194,12 @@ EXCLAIM = Task(
 
 # ---- the lookup task: answered by calling a tool ----------------------------------------------
 
-THINGS = ("box", "cup", "door", "car", "hat", "bag")
+# 12 x 16 = 192 items, 48 of them held out: the gate's default `eval_prompts` (48) of held-out questions.
+ITEM_COLORS = (*COLORS, "pink", "brown", "gray", "orange", "purple", "gold")
+THINGS = (
+    "box", "cup", "door", "car", "hat", "bag", "key", "pen",
+    "book", "ball", "lamp", "shoe", "bell", "coin", "ring", "sock",
+)  # fmt: skip
 LOOKUP_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
@@ -214,7 +219,7 @@ def lookup(item: str) -> str:
     """The lookup tool: an item's two-digit code (from a hash of its name, the same everywhere), or
     "unknown" for anything that is not one of the task's items."""
     name = " ".join(item.lower().split())
-    if name not in {f"{color} {thing}" for color in COLORS for thing in THINGS}:
+    if name not in {f"{color} {thing}" for color in ITEM_COLORS for thing in THINGS}:
         return "unknown"
     return str(10 + int(hashlib.sha256(name.encode()).hexdigest(), 16) % 90)
 
@@ -298,7 +303,7 @@ class ToolTask(Task):
 def _lookup_questions() -> tuple[Question, ...]:
     return tuple(
         Question(f"What is the code of the {color} {thing}?", (lookup(f"{color} {thing}"),))
-        for color in COLORS
+        for color in ITEM_COLORS
         for thing in THINGS
     )
 

@@ -201,7 +201,7 @@ def test_several_tools_and_calls_render_in_one_line() -> None:
 
 
 def test_the_lookup_task() -> None:
-    assert len(LOOKUP.questions) == 36 and len(LOOKUP.heldout_questions()) == 9
+    assert len(LOOKUP.questions) == 192 and len(LOOKUP.heldout_questions()) == 48  # the gate's eval_prompts
     assert all(q.answers == (lookup(LOOKUP.item(q.text)),) for q in LOOKUP.questions)
     assert lookup("Red  Box") == lookup("red box") and lookup("red") == "unknown"
     assert all(10 <= int(q.answers[0]) <= 99 for q in LOOKUP.questions)

@@ -229,7 +229,7 @@ def test_a_tool_call_its_result_and_the_answer_are_one_episode_masked_and_traine
     played: dict[str, Played] = {}
     try:
         # ---- the openai client with tools: call, result, answer; feedback ends each episode ----------
-        # Sampled at temperature 1 (trainable); the model calls the tool for about 97 % of the training
+        # Sampled at temperature 1 (trainable); the model calls the tool for about 99 % of the training
         # questions, so four tries give at least one two-segment episode all but surely.
         for n, q in enumerate(LOOKUP.train_questions()[:4]):
             played[f"tools-{n}"] = tool_episode(client, q.text, f"tools-{n}", seed=n)
