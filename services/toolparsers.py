@@ -30,7 +30,7 @@ def suggest_tool_parser(chat_template: str | None) -> tuple[str, str] | None:
         return None
     hint = _RTRL_HINT.search(chat_template)
     if hint is not None:
-        return hint.group(1), "rtrl's tiny model (--recipe tools)"
+        return hint.group(1), "rtrl's tiny model (tuned to use tools by --task lookup --recipe tools)"
     for marker, parser, family in TEMPLATE_MARKERS:
         if marker in chat_template:
             return parser, family

@@ -58,7 +58,10 @@ def test_the_tool_parser_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_which_parser_a_chat_template_needs() -> None:
-    assert suggest_tool_parser(tinymodel.CHAT_TEMPLATE) == ("pythonic", "rtrl's tiny model (--recipe tools)")
+    assert suggest_tool_parser(tinymodel.CHAT_TEMPLATE) == (
+        "pythonic",
+        "rtrl's tiny model (tuned to use tools by --task lookup --recipe tools)",
+    )
     assert renders_tools(tinymodel.CHAT_TEMPLATE)
     qwen = "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}<tool_call>\n{{ call | tojson }}"
     assert suggest_tool_parser(qwen) == ("hermes", "Qwen2.5, Qwen3, Hermes")
@@ -306,7 +309,7 @@ def test_model_check_names_the_parser_of_the_tiny_model(untuned: Path) -> None:
     report = check(untuned)
     assert (report.tools_rendered, report.tool_parser) == (True, "pythonic")
     assert (
-        "tools         the chat template renders tools in the format of rtrl's tiny model (--recipe tools): "
+        "tools         the chat template renders tools in the format of rtrl's tiny model (tuned to use tools by --task lookup --recipe tools): "
         "serve with vllm.tool_call_parser=pythonic (RTRL_VLLM__TOOL_CALL_PARSER)"
     ) in report.lines()
 
