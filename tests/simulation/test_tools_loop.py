@@ -109,6 +109,10 @@ def loop(tools_server: Settings, lookup_model: Path, tmp_path: Path) -> Iterator
                     "checkpoint_dir": tmp_path / "ckpt",
                 }
             ),
+            # Every episode trains (none is held out for the gate's off-policy estimate).
+            "gate": settings.gate.model_copy(
+                update={"ope": settings.gate.ope.model_copy(update={"holdout_percent": 0})}
+            ),
         }
     )
     streams.ensure_topics(settings.kafka)
@@ -122,10 +126,6 @@ def loop(tools_server: Settings, lookup_model: Path, tmp_path: Path) -> Iterator
             yield Loop(settings, store, registry, url, key)
     finally:
         store.close()
-
-
-def headers(episode: str, segment: int) -> dict[str, str]:
-    return {"x-rtrl-episode-id": episode, "x-rtrl-segment-index": str(segment), "x-rtrl-role": "policy"}
 
 
 @dataclass
