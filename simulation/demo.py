@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from evals import Preference, Task
     from registry import Registry
     from services.supervisor import Supervisor
+    from simulation.agents import AgentReport
     from store import DeadLetterEntry, Store
 
 log = logging.getLogger("simulation.demo")
@@ -147,6 +148,12 @@ def run(settings: Settings, options: DemoOptions) -> list[dict[str, Any]]:
     from store import Store
 
     settings = embedded_databases(settings)
+    if options.scenario == "tools":  # the lookup model and vLLM's tool parser (simulation/tools.py)
+        from simulation.tools import demo_settings, ensure_model, tool_task
+
+        tool_task(options.task)
+        settings = demo_settings(settings)
+        ensure_model(settings)
     task = get_task(options.task)  # an unknown task fails now, before any service starts
     settings = _demo_settings(settings, task, options)
     # Mistakes in the options and the settings fail now, before any service starts.
@@ -238,7 +245,10 @@ def _scenario_labeler(settings: Settings, scenario: str) -> dict[str, Any]:
     judge, the serving vLLM server unless one is configured (docs/methods.md, Judged rewards)."""
     from schemas.settings import JudgeSettings
     from simulation.agents import SCENARIO_SPECS, check_scenario
+    from simulation.tools import SCENARIO, SPEC
 
+    if scenario == SCENARIO:
+        return {"reward_spec": SPEC}
     update: dict[str, Any] = {"reward_spec": SCENARIO_SPECS[check_scenario(scenario)]}
     if scenario == "self-edit" and settings.labeler.judge is None:
         update["judge"] = JudgeSettings(
@@ -293,6 +303,21 @@ class _Users:
                 "users_reward": report.mean_reward,
             }
         # Each of the n is an episode of several calls; its feedback is the method's, always sent.
+        if options.scenario == "tools":
+            from simulation.tools import run_tool_agents
+
+            agents = run_tool_agents(
+                self.settings,
+                gateway,
+                n,
+                self.task,
+                api_key=self.api_key,
+                concurrency=options.concurrency,
+                seed=seed,
+                preference=self.preference,
+                run=self.run_tag,
+            )
+            return self._row(agents)
         agents = run_agents(
             self.settings,
             gateway,
@@ -305,8 +330,11 @@ class _Users:
             preference=self.preference,
             run=self.run_tag,
         )
+        return self._row(agents)
+
+    def _row(self, agents: AgentReport) -> dict[str, Any]:
         return {
-            "scenario": options.scenario,
+            "scenario": agents.scenario,
             "acceptance": agents.acceptance_rate,
             "ok": agents.ok,
             "accepted": agents.accepted,

@@ -42,7 +42,10 @@ def register(app: typer.Typer) -> None:
             help="Simulated requests per cycle; with --scenario, episodes per cycle (several calls each).",
         ),
         concurrency: int = typer.Option(4, min=1, help="Simulated users sending at once."),
-        task: str = typer.Option("exclaim", help="Synthetic task the simulated users bring."),
+        task: str | None = typer.Option(
+            None,
+            help="Synthetic task the simulated users bring (default: exclaim; lookup with --scenario tools).",
+        ),
         preference: str | None = typer.Option(
             None, help="module:function preference(prompt, completion) -> list[FeedbackSignal]."
         ),
@@ -57,8 +60,10 @@ def register(app: typer.Typer) -> None:
         scenario: str | None = typer.Option(
             None,
             help="Simulated agents of one RL method instead of one-call users: parl (Kimi PARL orchestrator and "
-            "sub-agents), summarize (Cursor self-summarization) or self-edit (Chroma's self-editing agent, judged by "
-            "the serving model unless labeler.judge is set); each labelled with its reward spec (docs/methods.md).",
+            "sub-agents), summarize (Cursor self-summarization), self-edit (Chroma's self-editing agent, judged by "
+            "the serving model unless labeler.judge is set) or tools (a tool call through the openai client with "
+            "`tools`, its result, the final answer: the lookup model, served with vLLM's pythonic tool parser); "
+            "each labelled with its reward spec (docs/methods.md).",
         ),
         api: str = typer.Option(
             "completions",
@@ -91,7 +96,7 @@ def register(app: typer.Typer) -> None:
                 cycles=cycles,
                 requests_per_cycle=requests,
                 concurrency=concurrency,
-                task=task,
+                task=task or ("lookup" if scenario == "tools" else "exclaim"),
                 preference=preference,
                 json_path=json_path,
                 plot_path=plot,

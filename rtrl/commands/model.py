@@ -29,7 +29,8 @@ def init(
     force: bool = typer.Option(False, "--force", help="Overwrite a non-empty folder."),
     recipe: str = typer.Option(
         "v1",
-        help="v1: learns the answers' shapes (the demo's base); v2: also learns the answers (docs/algorithms.md).",
+        help="v1: learns the answers' shapes (the demo's base); v2: also learns the answers (docs/algorithms.md); "
+        "tools: with --task lookup, calls the lookup tool and answers from its result (docs/methods.md, Tool calls).",
     ),
     measure: bool = typer.Option(
         True,

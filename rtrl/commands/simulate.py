@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -34,8 +34,9 @@ def register(app: typer.Typer) -> None:
         ),
         scenario: str | None = typer.Option(
             None,
-            help="Send multi-segment episodes of simulated agents instead, --requests of them: parl, summarize or "
-            "self-edit (simulation/agents.py, docs/methods.md); prints the report as JSON.",
+            help="Send multi-segment episodes of simulated agents instead, --requests of them: parl, summarize, "
+            "self-edit (simulation/agents.py) or tools (with --task lookup, against a server with a tool parser: "
+            "simulation/tools.py); docs/methods.md. Prints the report as JSON.",
         ),
     ) -> None:
         """Send N requests through the gateway, give feedback on each, print acceptance per policy version."""
@@ -43,14 +44,12 @@ def register(app: typer.Typer) -> None:
 
         from evals import load_preference
         from schemas.settings import load_settings
-        from simulation.agents import check_scenario
         from simulation.client import simulation_key
         from simulation.users import simulate as run_simulation
         from store import Store
 
         settings = load_settings()
-        if scenario is not None:
-            check_scenario(scenario)  # before a key is made for it
+        _check_scenario(scenario, task)  # before a key is made for it
         chosen = load_preference(preference) if preference else None
         url = gateway or f"http://{settings.gateway.host}:{settings.gateway.port}"
         with (
@@ -92,6 +91,17 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(1)
 
 
+def _check_scenario(scenario: str | None, task: str) -> None:
+    """An unknown scenario, or the tools scenario without a task with tools, is an operator error."""
+    from simulation.agents import check_scenario
+    from simulation.tools import SCENARIO, tool_task
+
+    if scenario == SCENARIO:
+        tool_task(task)
+    elif scenario is not None:
+        check_scenario(scenario)
+
+
 def _agents(
     settings: Settings,
     url: str,
@@ -107,20 +117,20 @@ def _agents(
     """`rtrl simulate --scenario`: one run of simulated agents, its report printed as JSON."""
     from schemas.events import new_id
     from simulation.agents import run_agents
+    from simulation.tools import SCENARIO, run_tool_agents
 
     # A fresh tag in the episode ids: the same seed sent again must not extend the episodes it settled.
-    report = run_agents(
-        settings,
-        url,
-        scenario,
-        episodes,
-        task,
-        api_key=key,
-        concurrency=concurrency,
-        seed=seed,
-        preference=preference,
-        run=new_id()[:12],
-    )
+    common: dict[str, Any] = {
+        "api_key": key,
+        "concurrency": concurrency,
+        "seed": seed,
+        "preference": preference,
+        "run": new_id()[:12],
+    }
+    if scenario == SCENARIO:
+        report = run_tool_agents(settings, url, episodes, task, **common)
+    else:
+        report = run_agents(settings, url, scenario, episodes, task, **common)
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(report.to_json() + "\n")

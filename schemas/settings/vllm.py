@@ -4,6 +4,7 @@ generation_config.json may set (`GENERATION_CONFIG_KEYS`, used by `schemas.sampl
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -45,6 +46,15 @@ class VllmSettings(Section):
         "the staging server. None: no live canary.",
     )
     served_model_name: str = Field("rtrl-tiny", description="Model name clients send.")
+    tool_call_parser: str | None = Field(
+        None,
+        description="vLLM's tool-call parser for the served model (--tool-call-parser): rtrl's servers then start "
+        "with --enable-auto-tool-choice, and chat requests with `tools` and tool_choice auto come back with "
+        "parsed `tool_calls`. Which parser fits which model family: docs/methods.md, Tool calls (`rtrl model "
+        "check` names it for a checkpoint it recognises): pythonic for rtrl's tiny model built with --recipe "
+        "tools, hermes for Qwen2.5 / Qwen3 / Hermes, llama3_json for Llama 3.1+, mistral for Mistral. None: no "
+        "parser; a request with `tools` and tool_choice auto is refused by vLLM.",
+    )
     logprobs_mode: Literal["processed", "raw"] = Field(
         "processed",
         description="What the fleet's servers report as logprobs: processed (vLLM --logprobs-mode processed_logprobs, "
@@ -98,8 +108,20 @@ class VllmSettings(Section):
             raise ValueError(f"vllm.canary_server {canary} is the staging server, which never serves users")
         return self
 
-    @field_validator("staging_server", "canary_server", mode="before")
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _parser_name(cls, value: str | None) -> str | None:
+        # A name of vLLM's registry (vllm/tool_parsers/__init__.py); checked by vLLM when it starts,
+        # here only for shape, so a typo of a flag's value is not passed on as a second flag.
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", value):
+            raise ValueError(
+                f"tool_call_parser must be a parser name such as pythonic or hermes, got {value!r}"
+            )
+        return value
+
+    @field_validator("staging_server", "canary_server", "tool_call_parser", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
-        # RTRL_VLLM__STAGING_SERVER= (empty) means "no staging server", not a server at "".
+        # RTRL_VLLM__STAGING_SERVER= (empty) means "no staging server", not a server at "" (and
+        # RTRL_VLLM__TOOL_CALL_PARSER= no parser).
         return None if isinstance(value, str) and not value.strip() else value

@@ -214,6 +214,29 @@ def test_extract_chat() -> None:
     assert generation.completion_logprobs == [-1.0, -2.0]
 
 
+def test_extract_chat_of_a_tool_call_records_the_call() -> None:
+    # vLLM parsed the model's text into tool_calls and left content null: the event says what was called.
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "lookup", "arguments": '{"item": "red box"}'},
+    }
+    [choice] = UPSTREAM_CHAT["choices"]  # type: ignore[index]
+    upstream = {
+        **UPSTREAM_CHAT,
+        "choices": [
+            {
+                **choice,
+                "message": {"role": "assistant", "content": None, "tool_calls": [call]},
+                "finish_reason": "tool_calls",
+            }
+        ],
+    }
+    generation = extract_chat(upstream)
+    assert generation.completion == '[{"name": "lookup", "arguments": "{\\"item\\": \\"red box\\"}"}]'
+    assert generation.completion_token_ids == [9, 5] and generation.finish_reason == "tool_calls"
+
+
 def test_parse_capture_from_headers_and_body() -> None:
     headers = {
         "X-RTRL-Session-Id": "s1",

@@ -41,8 +41,16 @@ def test_a_bad_setting_is_one_line_and_debug_shows_the_traceback() -> None:
 
 def test_an_unknown_task_fails_before_anything_starts(tmp_path: Path) -> None:
     line = one_line_error(rtrl("demo", "--task", "nope", RTRL_SERVICES__RUN_DIR=str(tmp_path)))
-    assert line == "rtrl: unknown task 'nope'; known tasks: exclaim"
+    assert line == "rtrl: unknown task 'nope'; known tasks: exclaim, lookup"
     assert not (tmp_path / "pids").exists()  # no service was started
+
+
+def test_the_tools_scenario_needs_a_task_with_tools(tmp_path: Path) -> None:
+    line = one_line_error(
+        rtrl("demo", "--scenario", "tools", "--task", "exclaim", RTRL_SERVICES__RUN_DIR=str(tmp_path))
+    )
+    assert line == "rtrl: --scenario tools needs a task with tools (--task lookup), not 'exclaim'"
+    assert not (tmp_path / "pids").exists() and not (tmp_path / "models").exists()  # nothing started or built
 
 
 def test_services_that_do_not_answer_are_one_line(tmp_path: Path) -> None:
