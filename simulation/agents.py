@@ -120,8 +120,8 @@ class _CallFailed(Exception):
 
 
 @dataclass(frozen=True)
-class _Episode:
-    """What one episode did, for the report."""
+class EpisodeOutcome:
+    """What one episode did, for the report (`agent_report`); the tools scenario's episodes too."""
 
     ok: bool
     version: str | None = None
@@ -197,10 +197,10 @@ def _finish(
     outcome: float,
     events: list[dict[str, Any]],
     played: play_agents.Trajectory[Reply],
-) -> _Episode:
+) -> EpisodeOutcome:
     """Send the episode's feedback (one POST) and say what it did."""
     sent, failed, error = env.send(events)
-    return _Episode(
+    return EpisodeOutcome(
         ok=True,
         version=env.oldest_version(),
         accepted=accepted,
@@ -225,7 +225,7 @@ def _outcome_event(env: _Env, request_id: str, value: float) -> dict[str, Any]:
     }
 
 
-def _episode(env: _Env, question: str, preference: Preference) -> _Episode:
+def _episode(env: _Env, question: str, preference: Preference) -> EpisodeOutcome:
     """Play one episode of the env's scenario (evals/agents.py) and send the users' verdict."""
     played = play_agents.play(
         env.scenario,
@@ -283,7 +283,7 @@ def run_agents(
     started = time.monotonic()
     with open_gateway(settings, gateway_url, api_key) as gateway:
 
-        def one(index: int, question: str) -> _Episode:
+        def one(index: int, question: str) -> EpisodeOutcome:
             env = _Env(
                 settings=settings,
                 gateway=gateway,
@@ -297,13 +297,14 @@ def run_agents(
             try:
                 return _episode(env, question, chosen)
             except _CallFailed as exc:  # the episode fails; its sent segments settle by the labeler's window
-                return _Episode(ok=False, error=str(exc))
+                return EpisodeOutcome(ok=False, error=str(exc))
 
         episodes = fan_out(one, questions, concurrency, "rtrl-agent")
-    return _report(scenario, episodes, time.monotonic() - started)
+    return agent_report(scenario, episodes, time.monotonic() - started)
 
 
-def _report(scenario: str, episodes: Sequence[_Episode], elapsed_s: float) -> AgentReport:
+def agent_report(scenario: str, episodes: Sequence[EpisodeOutcome], elapsed_s: float) -> AgentReport:
+    """The run's report from its episodes (simulation/tools.py reports its agents' the same way)."""
     report = AgentReport(scenario=scenario, episodes=len(episodes), elapsed_s=round(elapsed_s, 3))
     versions: Counter[str] = Counter()
     outcomes: list[float] = []

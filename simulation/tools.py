@@ -39,7 +39,7 @@ from schemas.rewards import get_spec, score
 from schemas.settings import Settings, VllmSettings
 from schemas.versions import parse_version
 
-from .agents import AgentReport, _Episode, _report, accepts, call_seed, episode_id
+from .agents import AgentReport, EpisodeOutcome, accepts, agent_report, call_seed, episode_id
 from .client import CallFailed, Gateway, Reply, fan_out, feedback_body, open_gateway
 
 SCENARIO = "tools"
@@ -135,7 +135,7 @@ def play(env: _ToolEnv, question: str) -> tuple[list[Reply], str]:
     return [first, env.call(judged, messages, 1)], judged
 
 
-def _episode(env: _ToolEnv, question: str, preference: Preference, settings: Settings) -> _Episode:
+def _episode(env: _ToolEnv, question: str, preference: Preference, settings: Settings) -> EpisodeOutcome:
     replies, judged = play(env, question)
     final = replies[-1]
     signals = preference(judged, final.text)
@@ -149,7 +149,7 @@ def _episode(env: _ToolEnv, question: str, preference: Preference, settings: Set
     except httpx.HTTPError as exc:  # counted and reported; the labeler's window settles the episode
         sent, failed, error = 0, len(events), f"feedback for episode {env.episode}: {exc!r}"
     versions = [r.version for r in replies if r.version is not None]
-    return _Episode(
+    return EpisodeOutcome(
         ok=True,
         version=min(versions, key=parse_version)
         if versions
@@ -185,15 +185,15 @@ def run_tool_agents(
     started = time.monotonic()
     with open_gateway(settings, gateway_url, api_key) as gateway:
 
-        def one(index: int, question: str) -> _Episode:
+        def one(index: int, question: str) -> EpisodeOutcome:
             env = _ToolEnv(gateway, tools_task, seed, index, episode_id(SCENARIO, seed, index, run))
             try:
                 return _episode(env, question, chosen, settings)
             except _ToolCallFailed as exc:  # the episode fails; its sent segments settle by the window
-                return _Episode(ok=False, error=str(exc))
+                return EpisodeOutcome(ok=False, error=str(exc))
 
         episodes = fan_out(one, questions, concurrency, "rtrl-tool-agent")
-    return _report(SCENARIO, episodes, time.monotonic() - started)
+    return agent_report(SCENARIO, episodes, time.monotonic() - started)
 
 
 # ---- the demo's model and settings ----------------------------------------------------------------
