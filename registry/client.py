@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from registry.credentials import sign_in
 from registry.errors import NoChampion, RegistryError, RegistryRefused, RegistryUnavailable
+from schemas.lines import Line
 from schemas.settings import MlflowSettings, Settings
 from schemas.versions import format_version
 
@@ -145,6 +146,12 @@ class Registry:
     def from_settings(cls, settings: Settings) -> Registry:
         """The registry of ``settings.mlflow``, keeping checkpoints under ``<services.run_dir>/deploy``."""
         return cls(settings.mlflow, settings.services.run_dir / "deploy", settings.services.run_dir)
+
+    @classmethod
+    def for_line(cls, line: Line) -> Registry:
+        """The registry of one line (schemas/lines.py): its own registered model, its local copies in
+        a folder of their own (`Line.checkpoints_dir`)."""
+        return cls(line.settings.mlflow, line.checkpoints_dir(), line.settings.services.run_dir)
 
     # ---- experiment and runs --------------------------------------------------------------------
 

@@ -374,6 +374,9 @@ class Tenant(Base):
     trains: Mapped[bool] = mapped_column(Boolean, default=True)
     # Whether segments with redacted text train (their token ids still carry the original text).
     train_redacted: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Whether the tenant has a LoRA adapter of its own (its own line: docs/lora.md, An adapter per
+    # tenant): its episodes train only that adapter, and the global line's selection skips them.
+    adapter: Mapped[bool] = mapped_column(Boolean, server_default=sql_text("false"))
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
 
 

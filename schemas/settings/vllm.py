@@ -45,6 +45,14 @@ class VllmSettings(Section):
         "the staging server. None: no live canary.",
     )
     served_model_name: str = Field("rtrl-tiny", description="Model name clients send.")
+    max_loras: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="--max-loras of LoRA servers (trainer.adapter=lora): adapters served side by side in one batch. "
+        "At least 1 + the tenants with an adapter of their own (`rtrl tenants set T --adapter` refuses one more; "
+        "docs/lora.md, An adapter per tenant).",
+    )
     logprobs_mode: Literal["processed", "raw"] = Field(
         "processed",
         description="What the fleet's servers report as logprobs: processed (vLLM --logprobs-mode processed_logprobs, "
