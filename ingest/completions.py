@@ -241,9 +241,10 @@ async def _read(
         body, echo = to_chat(body)  # a Responses request as the chat request it amounts to
     prepare = prepare_chat_request if chat else prepare_completion_request
     # The allow-list, the token budget, the model and the tenant's cache salt (ingest/forwarding.py).
-    forward, requested, body_rtrl = prepare(gw.policy.apply(body, chat, tenant), gw.sampling_defaults)
+    served = gw.served_name(tenant)  # the tenant's own adapter when it has one (docs/lora.md)
+    forward, requested, body_rtrl = prepare(gw.policy.apply(body, chat, tenant, served), gw.sampling_defaults)
     if gw.lora:
-        lora_request(forward, gw.settings.vllm.served_model_name)
+        lora_request(forward, served)
     if echo is not None and forward.get("stream") is True:
         forward["stream_options"] = {"include_usage": True}  # response.completed carries the usage
     return forward, requested, parse_capture(request.headers, body_rtrl), echo
