@@ -9,7 +9,8 @@ of its own: registry model ``<mlflow.model_name>--T`` (its own versions and alia
 `Line` is the one parameter object the code paths take: its `settings` are the configured settings
 with the line's two names in place, so every component that reads those names (the registry, the
 trainer's registration, the gate, the swap's adapter load, the promotion records) works on the line
-unchanged; its `tenant` is the filter of the episodes the line trains on (store/episodes.py
+unchanged, and its cycle files (running baselines, optimizer states) are its own; its `tenant` is
+the filter of the episodes the line trains on (store/episodes.py
 `on_line`). The names are `<name>--<tenant>`: for a fixed global name that is one-to-one in the
 tenant, and never the global name nor the base model's (`<served name>-base`).
 """
@@ -76,7 +77,12 @@ def tenant_line(settings: Settings, tenant: str) -> Line:
     vllm = settings.vllm.model_copy(
         update={"served_model_name": line_name(settings.vllm.served_model_name, tenant)}
     )
-    return Line(tenant, settings.model_copy(update={"mlflow": mlflow, "vllm": vllm}))
+    # Its own cycle files: the running reward baselines are per prompt, and two tenants' users
+    # reward the same prompt by different preferences (trainer/checkpoint.py, CycleFiles).
+    trainer = settings.trainer.model_copy(
+        update={"checkpoint_dir": settings.trainer.checkpoint_dir / "lines" / check_tenant(tenant)}
+    )
+    return Line(tenant, settings.model_copy(update={"mlflow": mlflow, "vllm": vllm, "trainer": trainer}))
 
 
 def all_lines(settings: Settings, adapter_tenants: list[str]) -> list[Line]:

@@ -216,8 +216,11 @@ class Cycle(Base):
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     error: Mapped[str | None] = mapped_column(Text)
     # Constant while the cycle is active and NULL afterwards: the unique index on it makes "one
-    # active cycle" hold in the database itself, on SQLite and PostgreSQL alike.
+    # active cycle" hold in the database itself, on SQLite and PostgreSQL alike. One slot for every
+    # line: the lines' cycles take turns (docs/lora.md, An adapter per tenant).
     active_slot: Mapped[int | None] = mapped_column(Integer, unique=True)
+    # The tenant whose adapter line it trained (schemas/lines.py); NULL: the global line.
+    line: Mapped[str | None] = mapped_column(String(64))
 
 
 class ServerRotation(Base):

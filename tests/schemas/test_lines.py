@@ -40,7 +40,8 @@ def test_a_tenant_line_names_its_registry_model_and_adapter_and_changes_nothing_
         "rtrl-policy--acme",
         "rtrl-tiny--acme",
     )
-    assert acme.settings.trainer == settings.trainer and acme.settings.store == settings.store
+    assert acme.settings.trainer.checkpoint_dir == settings.trainer.checkpoint_dir / "lines" / "acme"
+    assert acme.settings.trainer.lora == settings.trainer.lora and acme.settings.store == settings.store
     assert acme.settings.vllm.servers == settings.vllm.servers  # the same fleet serves every line
     assert (settings.mlflow.model_name, settings.vllm.served_model_name) == ("rtrl-policy", "rtrl-tiny")
     assert acme.checkpoints_dir() == Path("/srv/run/deploy/lines/rtrl-policy--acme")

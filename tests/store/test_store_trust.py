@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from factories import FakeClock, Feeder, feedback, interaction
 
@@ -151,3 +153,20 @@ def _spec(store: Store) -> str:
         found = session.query(Episode.reward_spec).filter(Episode.reward_spec.is_not(None)).first()
     assert found is not None
     return str(found[0])
+
+
+def test_the_lines_take_turns_on_one_lease_and_keep_their_own_cadence(store: Store, clock: FakeClock) -> None:
+    acme = store.acquire_cycle("w", 60, 1, line="acme")
+    assert acme is not None
+    assert store.acquire_cycle("w", 60, 1) is None  # one cycle at a time, whichever its line
+    assert [c.line for c in store.active_cycles()] == ["acme"]
+    store.finish_cycle(acme, "rejected")
+    clock.advance(10)
+    global_cycle = store.acquire_cycle("w", 60, 1)
+    assert global_cycle is not None
+    store.finish_cycle(global_cycle, "promoted")
+    assert store.last_cycle_started_at(("promoted", "rejected"), line="acme") == clock() - timedelta(
+        seconds=10
+    )
+    assert store.last_cycle_started_at(("promoted", "rejected")) == clock()  # the global line's own
+    assert store.last_cycle_started_at(("promoted", "rejected"), line="bolt") is None

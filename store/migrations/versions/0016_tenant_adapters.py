@@ -1,4 +1,5 @@
-"""tenant_adapters: a tenant's switch for a LoRA adapter of its own (docs/lora.md, An adapter per tenant)
+"""tenant_adapters: a tenant's switch for a LoRA adapter of its own, and the line each cycle trained
+(docs/lora.md, An adapter per tenant)
 
 Revision ID: 0016
 Revises: 0015
@@ -21,8 +22,12 @@ def upgrade() -> None:
     op.add_column(
         'tenants', sa.Column('adapter', sa.Boolean(), server_default=sa.text('false'), nullable=False)
     )
+    # NULL on every existing cycle: they all trained the global line.
+    op.add_column('cycles', sa.Column('line', sa.String(length=64), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('cycles') as batch:
+        batch.drop_column('line')
     with op.batch_alter_table('tenants') as batch:
         batch.drop_column('adapter')
