@@ -127,11 +127,20 @@ class Registry:
     its own working directory.
     """
 
-    def __init__(self, mlflow: MlflowSettings, checkpoints_dir: Path, run_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        mlflow: MlflowSettings,
+        checkpoints_dir: Path,
+        run_dir: Path | None = None,
+        tenant: str | None = None,
+    ) -> None:
         from mlflow.tracking import MlflowClient
 
         self.settings = mlflow
         self.model_name = mlflow.model_name
+        # Whose adapter line this registry holds (schemas/lines.py); None: the global line. The
+        # deployer reads it to leave the servers' weight-version label (the global line's) alone.
+        self.tenant = tenant
         self.checkpoints_dir = checkpoints_dir.expanduser().resolve()
         self._client = _Answering(
             MlflowClient(tracking_uri=mlflow.tracking_uri, registry_uri=mlflow.tracking_uri),
@@ -151,7 +160,7 @@ class Registry:
     def for_line(cls, line: Line) -> Registry:
         """The registry of one line (schemas/lines.py): its own registered model, its local copies in
         a folder of their own (`Line.checkpoints_dir`)."""
-        return cls(line.settings.mlflow, line.checkpoints_dir(), line.settings.services.run_dir)
+        return cls(line.settings.mlflow, line.checkpoints_dir(), line.settings.services.run_dir, line.tenant)
 
     # ---- experiment and runs --------------------------------------------------------------------
 

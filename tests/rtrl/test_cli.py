@@ -214,3 +214,10 @@ def test_a_tenant_adapter_is_switched_on_within_the_servers_capacity(tmp_path: P
     assert rtrl("tenants", "set", "bolt", "--adapter", **env).returncode == 0
     listed = [json.loads(x) for x in rtrl("tenants", "list", **env).stdout.splitlines()]
     assert [(t["tenant"], t["adapter"]) for t in listed] == [("acme", False), ("bolt", True)]
+
+
+def test_a_tenant_rollback_needs_a_tenant_with_an_adapter(tmp_path: Path) -> None:
+    env = {"RTRL_STORE__URL": f"sqlite:///{tmp_path}/rtrl.db", "RTRL_TRAINER__ADAPTER": "lora"}
+    assert rtrl("labeler", "migrate", **env).returncode == 0
+    refused = rtrl("deploy", "rollback", "--tenant", "acme", **env)
+    assert refused.returncode == 2 and "has no adapter of its own" in refused.stderr, refused.stderr

@@ -96,3 +96,14 @@ def test_what_the_servers_can_load(tiny: Path, tmp_path: Path) -> None:
     (out / "adapter_model.safetensors").unlink()
     with pytest.raises(AdapterError, match="has no adapter_model.safetensors"):
         check_servable(out, 16)
+
+
+def test_an_adapters_version_is_the_folder_it_was_loaded_from() -> None:
+    from serving.client import adapter_version
+
+    # The deployer loads a line's vN from its registry's download (or a weights agent's copy), a
+    # folder named vN; a server reports that path as the adapter's root in /v1/models.
+    assert adapter_version("/srv/run/deploy/lines/rtrl-policy--acme/v3") == 3
+    assert adapter_version("/srv/run/deploy/v12/") == 12
+    assert adapter_version("/srv/run/adapters/identity") is None  # what a server starts with
+    assert adapter_version("") is None and adapter_version("/x/v0") is None
