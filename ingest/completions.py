@@ -121,7 +121,14 @@ async def _generate(
     tried: list[Server] = []
     try:
         server, upstream, before, announced = await _call(
-            gw, path, forward, stream, capture.session_id, sticky_key(tenant, forward, episode_id), tried
+            gw,
+            path,
+            forward,
+            stream,
+            capture.session_id,
+            sticky_key(tenant, forward, episode_id),
+            tried,
+            adapter=gw.tenant_adapter(forward),
         )
     except NoServerInRotation as exc:
         return error(503, f"{exc}; retry shortly", request_id, headers={"Retry-After": "1"})
@@ -284,24 +291,31 @@ async def _call(
     session_id: str | None = None,
     sticky: str | None = None,
     tried: list[Server] | None = None,
+    *,
+    adapter: str | None = None,
 ) -> tuple[Server, UpstreamResponse, int | None, Announced | None]:
     """(server, upstream response, version before the generation or None if unknown, the
     deployer's announcement for the server when sent). With `stream`, the response's body is
     not read yet: the caller reads and closes it, and takes the request off
     ``server.in_flight`` when done. Each server tried is appended to `tried` (the last one
-    answered, or failed)."""
+    answered, or failed). `adapter`: the tenant's own adapter the request goes to
+    (`Gateway.tenant_adapter`), whose version is read from the server, never announced."""
     refused: list[str] = []
     for server in gw.fleet.order(session_id, sticky):
         if tried is not None:
             tried.append(server)
         try:
-            announced = server.announced
+            # Announcements are the global adapter's; a tenant's own adapter is read from the server.
+            announced = server.announced if adapter is None else None
             before: int | None
             if announced is not None:
                 before = announced.version  # no request to vLLM (ingest/routing.py)
             else:
                 try:
-                    before = await gw.fleet.version_before(server)
+                    if adapter is not None:
+                        before = await gw.fleet.adapter_before(server, adapter)
+                    else:
+                        before = await gw.fleet.version_before(server)
                 except UpstreamRefused:
                     raise
                 except ServingError as exc:  # VersionUnknown, UpstreamError

@@ -88,6 +88,12 @@ class Gateway:
             return line_name(served, tenant)
         return served
 
+    def tenant_adapter(self, forward: Mapping[str, Any]) -> str | None:
+        """The tenant's own adapter a forwarded request goes to (`served_name`), else None: its
+        version is read from the server, not announced (ingest/routing.py)."""
+        model = forward.get("model")
+        return str(model) if self.lora and model != self.settings.vllm.served_model_name else None
+
     def authenticate(self, request: Request, role: str | None) -> Caller | Response:
         """The caller of `request` when its key is valid, of `role` (any when None) and within its
         rate; else the error response."""

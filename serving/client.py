@@ -60,6 +60,13 @@ def adapter_version(path: str) -> int | None:
         return None
 
 
+def adapter_versions_of(models: Any) -> dict[str, int | None]:
+    """The adapters in a ``GET /v1/models`` answer, by name, with their `adapter_version`; the base
+    model's card (no ``parent``) is left out."""
+    cards = models.get("data", []) if isinstance(models, dict) else []
+    return {str(c["id"]): adapter_version(str(c.get("root") or "")) for c in cards if c.get("parent")}
+
+
 def weight_version_of(url: str, status: int, text: str) -> int | None:
     """`parse_weight_info` of an answer given as its status and body."""
     if status != 200:
@@ -194,12 +201,7 @@ class VllmClient:
         registry's download, or a weights agent's copy); None for any other folder (the identity
         adapter a server starts with). A server has one weight-version label, the global adapter's;
         this is how a tenant adapter's version is read back (docs/lora.md, An adapter per tenant)."""
-        cards = self._json("GET", "/v1/models").get("data", [])
-        return {
-            str(card["id"]): adapter_version(str(card.get("root") or ""))
-            for card in cards
-            if card.get("parent")  # the base model's card has none
-        }
+        return adapter_versions_of(self._json("GET", "/v1/models"))
 
     def update_weight_version(self, version: int) -> None:
         self._request("POST", "/update_weight_version", json={"new_version": format_version(version)})
