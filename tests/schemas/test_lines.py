@@ -77,6 +77,11 @@ def test_the_servers_must_hold_every_adapter_side_by_side() -> None:
         check_adapter_capacity(lora_settings(max_loras=3), 3)
     with pytest.raises(LineCapacityError, match="trainer.adapter=lora"):
         check_adapter_capacity(Settings.model_validate({"vllm": {"max_loras": 4}}), 1)
+    settings = lora_settings()
+    on = settings.gate.canary.model_copy(update={"enabled": True})
+    canary = settings.model_copy(update={"gate": settings.gate.model_copy(update={"canary": on})})
+    with pytest.raises(LineCapacityError, match="live canary"):
+        check_adapter_capacity(canary, 1)
 
 
 def test_lora_servers_start_with_room_for_every_adapter(tmp_path: Path) -> None:
