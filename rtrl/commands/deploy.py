@@ -85,13 +85,14 @@ def bootstrap(
 
 
 @deploy_app.command("status")
-def status() -> None:
-    """Champion and challenger versions, and each server's weight version and pause state."""
+def status(tenant: str | None = TENANT_OPTION) -> None:
+    """Champion and challenger versions, and each server's weight version and pause state (with
+    --tenant, the tenant line's, and the version of its adapter on each server)."""
     from registry import CHAMPION
     from serving import VllmClient
     from store import Store
 
-    settings, registry = _open()
+    settings, registry = _open(tenant)
     alias = registry.alias(CHAMPION)
     with Store(settings.store.url) as store:
         store.check_schema()
@@ -106,7 +107,10 @@ def status() -> None:
         urls.append((settings.vllm.staging_server, "staging"))
     for url, role in urls:
         with VllmClient(url, model=settings.vllm.served_model_name, timeout_s=10.0) as server:
-            servers.append({"role": role, **server.state().model_dump()})
+            state = {"role": role, **server.state().model_dump()}
+            if tenant is not None and state["healthy"]:  # the label is the global adapter's
+                state["adapter_version"] = server.adapter_versions().get(settings.vllm.served_model_name)
+            servers.append(state)
     challenger = registry.challenger() if champion is not None else None
     gate_tags = registry.version_tags(challenger) if challenger is not None else {}
     report = {
