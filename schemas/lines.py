@@ -35,7 +35,7 @@ def line_name(global_name: str, tenant: str) -> str:
 
 class LineCapacityError(OperatorError, ValueError):
     """More tenant adapters than the servers can hold, adapters on a full-weight fleet, or with the
-    live canary, which does not run per tenant yet."""
+    live canary or weights agents, which do not work per tenant yet."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,8 @@ def all_lines(settings: Settings, adapter_tenants: list[str]) -> list[Line]:
 def check_adapter_capacity(settings: Settings, adapter_tenants: int) -> None:
     """Raise LineCapacityError when the servers cannot serve the global adapter and `adapter_tenants`
     tenants' side by side (``vllm.max_loras``: vLLM would swap adapters per batch instead), when
-    the fleet is not a LoRA fleet, or when the live canary is on (not built per tenant)."""
+    the fleet is not a LoRA fleet, or when the live canary or weights agents are on (neither is
+    built per tenant)."""
     if settings.trainer.adapter != "lora":
         raise LineCapacityError(
             "a tenant adapter needs trainer.adapter=lora (RTRL_TRAINER__ADAPTER=lora): with full weights "
@@ -104,6 +105,11 @@ def check_adapter_capacity(settings: Settings, adapter_tenants: int) -> None:
         raise LineCapacityError(
             "the live canary (gate.canary.enabled) does not run for a tenant's adapter yet: every "
             "cycle of its line would be rejected (docs/lora.md, An adapter per tenant)"
+        )
+    if settings.vllm.weights_agents:
+        raise LineCapacityError(
+            "weights agents (vllm.weights_agents) download the global line's versions only: a tenant's "
+            "adapter needs servers that read the deployer's downloads (docs/lora.md, An adapter per tenant)"
         )
     needed = 1 + adapter_tenants
     if settings.vllm.max_loras < needed:

@@ -82,6 +82,11 @@ def test_the_servers_must_hold_every_adapter_side_by_side() -> None:
     canary = settings.model_copy(update={"gate": settings.gate.model_copy(update={"canary": on})})
     with pytest.raises(LineCapacityError, match="live canary"):
         check_adapter_capacity(canary, 1)
+    agents = settings.vllm.model_copy(
+        update={"weights_agents": {"http://vllm-0:8000": "http://vllm-0:18090"}}
+    )
+    with pytest.raises(LineCapacityError, match="weights agents"):
+        check_adapter_capacity(settings.model_copy(update={"vllm": agents}), 1)
 
 
 def test_lora_servers_start_with_room_for_every_adapter(tmp_path: Path) -> None:
