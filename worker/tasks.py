@@ -4,7 +4,7 @@ pause|resume`'s flag in Redis.
 
 Lines (schemas/lines.py, docs/lora.md "An adapter per tenant"): beat's check looks at the global
 line and at every tenant with an adapter of its own, and enqueues the cycle of the line that is
-due and waited longest (`due_line`); one cycle at a time holds the lease whichever its line, so
+due and waited longest (`maybe_train`, `_line_wait`); one cycle at a time holds the lease whichever its line, so
 the lines take turns.
 
 Registered on the app in worker/app.py; run by ``rtrl worker``. The worker process opens one
