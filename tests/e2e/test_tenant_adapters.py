@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import demo_settings, run_rtrl
+from helpers import demo_settings, lora_fleet, run_rtrl
 
 from deployer.probe import ADAPTER_PROBE_TOKENS, build_probe
 from deployer.reconcile import reconcile_once
@@ -47,7 +45,6 @@ from schemas.clock import wait_until
 from schemas.events import FeedbackKind, FeedbackSignal
 from schemas.lines import tenant_line
 from schemas.settings import Settings
-from services.testing import free_ports, make_run_dir, start_reaper
 from serving import VllmClient
 from store import Store
 
@@ -71,52 +68,20 @@ PREFERENCES = {"acme": exclaim_preference, "bolt": calm_preference}
 
 
 @pytest.fixture
-def lora_fleet(services: Settings, tiny_model_dir: Path) -> Iterator[Settings]:
-    """A serving and a staging vLLM server of this test's own on the tiny model, in LoRA mode with
-    room for the global adapter and two tenants' (``vllm.max_loras`` 3)."""
-    from services import down, up
-
-    run_dir = make_run_dir("rtrl-tenants-")
-    serving_port, staging_port = free_ports(2)
-    settings = services.model_copy(
-        update={
-            "services": services.services.model_copy(
-                update={
-                    "run_dir": run_dir,
-                    "vllm_port": serving_port,
-                    "vllm_staging_port": staging_port,
-                    "enabled": ("vllm",),
-                }
-            ),
-            "vllm": services.vllm.model_copy(
-                update={
-                    "model_dir": tiny_model_dir,
-                    "servers": (f"http://127.0.0.1:{serving_port}",),
-                    "staging_server": f"http://127.0.0.1:{staging_port}",
-                    "max_loras": 3,
-                }
-            ),
-            "trainer": services.trainer.model_copy(update={"adapter": "lora"}),
-        }
-    )
-    reaper = start_reaper(settings, os.getpid())
-    try:
-        up(settings, ("vllm",))
+def fleet(services: Settings, tiny_model_dir: Path) -> Iterator[Settings]:
+    """A LoRA serving and staging server of this test's own on the tiny model, with room for the
+    global adapter and two tenants' (``vllm.max_loras`` 3)."""
+    with lora_fleet(services, tiny_model_dir, max_loras=3) as settings:
         yield settings
-    finally:
-        down(settings, ("vllm",))
-        reaper.terminate()
-        reaper.wait()
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def test_each_tenants_adapter_learns_its_own_users_and_rolls_back_alone(
-    lora_fleet: Settings, tmp_path: Path
+    fleet: Settings, tmp_path: Path
 ) -> None:
     from services.supervisor import Supervisor, prepare
     from simulation.demo import _wait_for_loop
 
-    base = demo_settings(lora_fleet, tmp_path, "tenants")
+    base = demo_settings(fleet, tmp_path, "tenants")
     settings = base.model_copy(update={"labeler": base.labeler.model_copy(update={"settle_window_s": 5.0})})
     store, registry = Store(settings.store.url), Registry.from_settings(settings)
     supervisor = Supervisor(settings, names=("gateway", "labeler", "worker"))
