@@ -17,7 +17,8 @@ forwarded all of it (issue 37). `RequestPolicy.apply` runs on the client's body 
   context), and at most ``gateway.max_top_logprobs`` alternatives per token;
 * the served model, ``vllm.served_model_name``: one left out is set to it, another is a 404 as for
   ``GET /v1/models/{id}`` (vLLM would answer with its first served name, or serve a name the event
-  should not record);
+  should not record); a tenant with an adapter of its own is sent to its adapter instead, whether
+  it names the served model, its adapter or none (docs/lora.md, An adapter per tenant);
 
 and adds the tenant's prefix-cache salt (`cache_salt`): vLLM hashes it into the first block of a
 prompt, so two tenants never share cached blocks and one cannot time another's prompts. A client
