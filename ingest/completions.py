@@ -36,7 +36,7 @@ from ingest.relay import Relay, RelayResponse, Served
 from ingest.responses import FastJSONResponse, error, why_not_json
 from ingest.responses_api import Echo, response_body, to_chat
 from ingest.responses_stream import ResponsesStream
-from ingest.routing import Announced, NoServerInRotation, Server, UpstreamUnavailable
+from ingest.routing import AdapterNotLoaded, Announced, NoServerInRotation, Server, UpstreamUnavailable
 from ingest.shaping import (
     HEADER_REQUEST_ID,
     Capture,
@@ -54,7 +54,7 @@ from ingest.slots import Slot
 from ingest.streaming import StreamCapture
 from schemas.clock import utcnow
 from schemas.versions import format_version
-from serving import ServingError
+from serving import ServingError, VersionUnknown
 from serving.aio import UpstreamNoConnection, UpstreamRefused, UpstreamResponse, UpstreamTimeout
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,8 @@ async def _generate(
         )
     except NoServerInRotation as exc:
         return error(503, f"{exc}; retry shortly", request_id, headers={"Retry-After": "1"})
+    except AdapterNotLoaded as exc:
+        return error(503, f"{exc}; retry shortly", request_id, headers={"Retry-After": "5"})
     except UpstreamUnavailable as exc:
         tally.error = True
         return error(502, str(exc), request_id)
@@ -301,6 +303,7 @@ async def _call(
     answered, or failed). `adapter`: the tenant's own adapter the request goes to
     (`Gateway.tenant_adapter`), whose version is read from the server, never announced."""
     refused: list[str] = []
+    missing: list[str] = []  # servers without the tenant's adapter, until the reconciler loads it
     for server in gw.fleet.order(session_id, sticky):
         if tried is not None:
             tried.append(server)
@@ -319,6 +322,11 @@ async def _call(
                 except UpstreamRefused:
                     raise
                 except ServingError as exc:  # VersionUnknown, UpstreamError
+                    if adapter is not None and isinstance(exc, VersionUnknown):
+                        missing.append(
+                            server.url
+                        )  # no copy of the tenant's adapter (a restart): the next one
+                        continue
                     # Serve anyway; the event is published with trainable=false (ingest/capture.py).
                     log.warning("version before the generation unknown: %r", exc)
                     before = None
@@ -342,4 +350,6 @@ async def _call(
             refused.append(f"{server.url} ({exc!r})")
             continue
         return server, response, before, announced
-    raise UpstreamUnavailable(f"no vLLM server reachable: {'; '.join(refused)}")
+    if missing and not refused:
+        raise AdapterNotLoaded(f"no vLLM server holds adapter {adapter} yet (the fleet reconciler loads it)")
+    raise UpstreamUnavailable(f"no vLLM server reachable: {'; '.join(refused + missing)}")

@@ -93,6 +93,11 @@ class NoServerInRotation(IngestError):
     """Every serving vLLM server is out of rotation (being swapped or drained)."""
 
 
+class AdapterNotLoaded(IngestError):
+    """No server in rotation holds the tenant's own adapter (they restarted, or its line is new):
+    the fleet reconciler loads it at its next tick (docs/lora.md, An adapter per tenant)."""
+
+
 @dataclass(frozen=True)
 class Announced:
     """A version the deployer announced for a server, as one store read of the gateway saw it."""
