@@ -110,7 +110,7 @@ class EpisodeStore(StoreBase):
             (Episode.status == "settled")
             & Episode.used_in_cycle.is_(None)
             & Episode.quarantined_at.is_(None)
-            & self._within_lag(champion_number, max_lag)
+            & self._within_lag(champion_number, max_lag, tenant)
             & _tenant_trains()
             & on_line(tenant)
         )
@@ -126,13 +126,14 @@ class EpisodeStore(StoreBase):
             condition &= Episode.last_event_at <= self.clock() - timedelta(seconds=settle_window_s)
         return condition
 
-    def _within_lag(self, champion_number: int, max_lag: int) -> Any:
+    def _within_lag(self, champion_number: int, max_lag: int, tenant: str | None = None) -> Any:
         """The champion's episodes and those of the `max_lag` versions served most recently before
         it (`served_versions`): a challenger that never served is not a version of lag. On a store
-        the deployer never announced a version in, the lag counts version numbers."""
+        the deployer never announced a version in, and for a tenant's line (the announcements are
+        the global adapter's versions), the lag counts version numbers."""
         if max_lag == 0:
             return Episode.policy_number == champion_number
-        served = [v for v in served_versions(self) if v != champion_number]
+        served = [] if tenant is not None else [v for v in served_versions(self) if v != champion_number]
         if not served:
             return Episode.policy_number.between(champion_number - max_lag, champion_number)
         return Episode.policy_number.in_([champion_number, *served[:max_lag]])

@@ -170,3 +170,16 @@ def test_the_lines_take_turns_on_one_lease_and_keep_their_own_cadence(store: Sto
     )
     assert store.last_cycle_started_at(("promoted", "rejected")) == clock()  # the global line's own
     assert store.last_cycle_started_at(("promoted", "rejected"), line="bolt") is None
+
+
+def test_a_tenant_lines_policy_lag_counts_its_own_version_numbers(store: Store) -> None:
+    # The servers' announcements are the global adapter's (v5 served last): a tenant line's lag
+    # must not take them for its own versions (docs/lora.md, An adapter per tenant).
+    feeder = Feeder(store)
+    for version in ("v1", "v2", "v3"):
+        settled(feeder, f"a-{version}", "acme", version=version)
+    store.set_tenant("acme", adapter=True)
+    store.set_serving_version("http://a:1", 5, "serving v5")
+    store.set_serving_version("http://a:1", 1, "serving v1")
+    assert {e.episode_id for e in store.select_episodes(3, 1, 10, tenant="acme")} == {"a-v2", "a-v3"}
+    assert {e.episode_id for e in store.select_episodes(3, 0, 10, tenant="acme")} == {"a-v3"}
