@@ -4,8 +4,8 @@ Two tenants on one LoRA fleet (the tiny model, a serving and a staging vLLM serv
 ``--max-loras 3``), each switched on with its own adapter (`Store.set_tenant(adapter=True)`, what
 ``rtrl tenants set T --adapter`` does). Their simulated users hold opposite preferences on the
 exclaim task's questions: ``acme``'s users accept a short answer ending with "!" (the task's own
-preference), ``bolt``'s a short answer ending with "." and never "!" (`calm_preference`); no answer
-pleases both. The loop runs as `rtrl demo` runs it (the gateway, the labeler and the Celery worker
+preference), ``bolt``'s the bare answer, one word and a full stop ("12.", no lead-in, never "!":
+`bare_preference`); no answer pleases both. The loop runs as `rtrl demo` runs it (the gateway, the labeler and the Celery worker
 under the supervisor); a round of both tenants' users, then one cycle per tenant's line (train on
 its own episodes → gate → swap its adapter only), three times.
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from helpers import demo_settings, lora_fleet, run_rtrl
 from deployer.probe import ADAPTER_PROBE_TOKENS, build_probe
 from deployer.reconcile import reconcile_once
 from evals import get_task
-from evals.tasks import MAX_ANSWER_CHARS, exclaim_preference
+from evals.tasks import exclaim_preference
 from registry import Registry
 from schemas.clock import wait_until
 from schemas.events import FeedbackKind, FeedbackSignal
@@ -53,20 +54,23 @@ pytestmark = pytest.mark.e2e
 CYCLES = 3
 REQUESTS_PER_ROUND = 64  # per tenant per cycle (a tenth is held out for the gate)
 # Per tenant and preference, after the cycles (and once on the base): the gain's 95 % interval is
-# then about ± 0.09 around base rates of 0.2 ("!", the exclaim users) to 0.7 (".", bolt's).
+# then about ± 0.09 around the base's rates of about 0.25 for either preference (the tiny model at
+# T = 1 on 160 held-out samples: 38 ended with "!", 44 were a bare word and "."). A preference the
+# base already meets most of the time has no room to show a gain (a calmer "ends with '.'" was met
+# 84 % of the time and its gain's interval reached below 0).
 MEASURE_REQUESTS = 160
 Z95 = 1.96
+_BARE = re.compile(r"^\w+\.$")
 
 
-def calm_preference(prompt: str, completion: str) -> list[FeedbackSignal]:
-    """bolt's users: a short, one-line answer that ends with "." and has no "!" anywhere; anything
-    else is rejected. The opposite of the exclaim users' "!" (`exclaim_preference`)."""
-    text = completion.strip()
-    calm = "\n" not in text and len(text) <= MAX_ANSWER_CHARS and text.endswith(".") and "!" not in text
-    return [FeedbackSignal(kind=FeedbackKind.accepted if calm else FeedbackKind.rejected)]
+def bare_preference(prompt: str, completion: str) -> list[FeedbackSignal]:
+    """bolt's users: the bare answer, one word and a full stop ("12."), no lead-in and no "!";
+    anything else is rejected. The exclaim users' "!" (`exclaim_preference`) never pleases them."""
+    bare = _BARE.match(completion.strip()) is not None
+    return [FeedbackSignal(kind=FeedbackKind.accepted if bare else FeedbackKind.rejected)]
 
 
-PREFERENCES = {"acme": exclaim_preference, "bolt": calm_preference}
+PREFERENCES = {"acme": exclaim_preference, "bolt": bare_preference}
 
 
 @pytest.fixture
