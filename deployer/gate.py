@@ -292,7 +292,7 @@ def _plan(settings: Settings, registry: Registry, version: int, store: Store) ->
     anchor = anchor_version(settings, registry, champion)
     seed, drawn = run_draw(settings, registry.model_name, version)
     suites = [s for s, _ in prompt_suites(settings, seed if cfg.fresh_draws else None)]
-    replayed = traffic.traffic_suite(settings, store, seed if cfg.fresh_draws else None)
+    replayed = traffic.traffic_suite(settings, store, seed if cfg.fresh_draws else None, registry.tenant)
     suites.extend([replayed.suite] if replayed.suite is not None else [])
     anchored = (
         [i for i, s in enumerate(suites) if s.name in settings.gate.anchor_suites]
@@ -413,6 +413,7 @@ def _score(
             plan.seed,
             anchor=ope.Weights(anchor.path, anchor.base) if anchor is not None else None,
             sample=_ope_sampler(settings, store, plan, staged),
+            tenant=chal.tenant,  # a tenant line's own held-out traffic (docs/lora.md)
         )
         results.extend((verdicts.suite, verdicts.primary))  # ope_primary: a guard on the spec's primary term
         if verdicts.anchored is not None and plan.anchor is not None:  # the users' reward, against the anchor

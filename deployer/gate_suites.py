@@ -320,6 +320,7 @@ def ope_suite(
     seed: int | None = None,
     anchor: ope.Weights | None = None,
     sample: gate_dr.Sampler | None = None,
+    tenant: str | None = None,
 ) -> OpeVerdicts:
     """The off-policy suite on the store's held-out traffic, the alarms it feeds (kl, no_feedback),
     with `anchor` the same estimate of challenger − anchor (not yet `against_anchor`'s verdict: its
@@ -327,10 +328,11 @@ def ope_suite(
     bootstrap's (default `gate.seed`). The reward verdicts read the episodes ``gate.ope.episodes``
     keeps (`_reward_verdicts`: the rated ones by default), the alarms every usable one. The estimator
     is ``gate.ope.estimator``'s (deployer/gate_dr.py `choose`); the doubly robust one samples the
-    held-out prompts with `sample` (deployer/gate.py's, on staging), and without it SNIPS decides."""
+    held-out prompts with `sample` (deployer/gate.py's, on staging), and without it SNIPS decides.
+    `tenant`: the held-out traffic of that tenant's adapter line only (None: the global line's)."""
     cfg = settings.gate
     spec = get_spec(settings.labeler.reward_spec)
-    episodes, newest = _heldout(settings, store, spec.spec_id)
+    episodes, newest = _heldout(settings, store, spec.spec_id, tenant)
     logged, skipped = ope.usable(episodes)
     skipped_note = f"; {skipped} held-out episodes could not be rescored" if skipped else ""
     if len(logged) < 2:
@@ -374,18 +376,26 @@ def ope_suite(
     return OpeVerdicts(suite, found, anchored, primary)
 
 
-def _heldout(settings: Settings, store: Store, spec_id: str) -> tuple[list[TrainingEpisode], set[str]]:
+def _heldout(
+    settings: Settings, store: Store, spec_id: str, tenant: str | None
+) -> tuple[list[TrainingEpisode], set[str]]:
     """The held-out episodes the ope suite scores, and the ids of the alarms' sample among them: the
     newest ``gate.ope.max_episodes`` (the alarms' sample), and under ``gate.ope.episodes`` rated also
     the newest ``max_episodes`` rated ones, which may be older. Selected after the filter, the rated
     verdicts get up to ``max_episodes`` episodes at any feedback rate, not the rated share of the
     newest; the price is up to twice the forward passes when the rated are sparse."""
     cfg = settings.gate.ope
-    episodes = store.select_heldout(cfg.max_episodes, spec_id=spec_id, holdout_percent=cfg.holdout_percent)
+    episodes = store.select_heldout(
+        cfg.max_episodes, spec_id=spec_id, holdout_percent=cfg.holdout_percent, tenant=tenant
+    )
     newest = {e.episode_id for e in episodes}
     if cfg.episodes == "rated":
         rated = store.select_heldout(
-            cfg.max_episodes, spec_id=spec_id, holdout_percent=cfg.holdout_percent, rated_only=True
+            cfg.max_episodes,
+            spec_id=spec_id,
+            holdout_percent=cfg.holdout_percent,
+            rated_only=True,
+            tenant=tenant,
         )
         episodes = episodes + [e for e in rated if e.episode_id not in newest]
     return episodes, newest

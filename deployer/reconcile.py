@@ -9,6 +9,11 @@ and put back; a live canary whose runner died is ended and its server taken out 
 (deployer/canary.py `reap`). A tick during a rollout (the fleet lock held) does nothing; a server that cannot be
 aligned is reported and retried at the next tick. Nothing a tick meets stops the loop.
 
+With tenant adapters (docs/lora.md, An adapter per tenant), a tick then aligns each adapter
+tenant's line the same way (`align_lines`): its adapter on every server loaded from its champion
+(a restarted server has none), a line without a version given its identity v1 first. A line that
+fails is reported under its label and the next one is still aligned.
+
 Before aligning, a tick runs its `Revive` hook: ``rtrl deploy reconcile`` passes
 `services.revive.Reviver`, which restarts the local vLLM servers whose process died (the
 deployer itself does not start processes).
@@ -22,8 +27,9 @@ from collections.abc import Callable
 
 from deployer import canary, metrics
 from deployer.errors import RolloutBusy
-from deployer.rollout import FleetReport, align_fleet
+from deployer.rollout import FleetReport, align_fleet, bootstrap
 from registry import Registry
+from schemas.lines import all_lines
 from schemas.settings import Settings
 from serving import VllmClient
 from store import Store
@@ -48,10 +54,40 @@ def reconcile_once(
                 "restarted %s; a rollout holds the fleet, aligning them at the next tick", sorted(revived)
             )
         return None
+    try:
+        align_lines(settings, report)
+    except RolloutBusy:
+        log.info("a rollout started while the tick aligned the tenants' adapters; the next tick goes on")
     report.canary = _reap_canary(settings)
     report.restarted = sorted(url for url, problem in revived.items() if problem is None)
     report.errors.update({url: problem for url, problem in revived.items() if problem is not None})
     return report
+
+
+def align_lines(settings: Settings, report: FleetReport) -> None:
+    """Align every adapter tenant's line (see the module docstring) into `report`: its champion in
+    ``lines``, its swaps beside the global ones, its errors keyed ``<url or line> (tenant T)``.
+    Raises RolloutBusy when a rollout holds the fleet."""
+    if settings.trainer.adapter != "lora":
+        return
+    with Store(settings.store.url) as store:
+        store.check_schema()
+        tenants = store.adapter_tenants()
+    for line in all_lines(settings, tenants)[1:]:
+        registry = Registry.for_line(line)
+        try:
+            if not registry.versions():  # switched on since the last tick: its v1 is the identity
+                bootstrap(line.settings, registry, settings.vllm.model_dir, keep_going=True)
+            found = align_fleet(line.settings, registry, keep_going=True)
+        except RolloutBusy:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one line's failure must not stop the others'
+            log.error("%s: cannot align its adapter: %r", line.label, exc)
+            report.errors[line.label] = repr(exc)
+            continue
+        report.lines[str(line.tenant)] = found.champion
+        report.swaps.extend(found.swaps)
+        report.errors.update({f"{where} ({line.label})": why for where, why in found.errors.items()})
 
 
 def _reap_canary(settings: Settings) -> str | None:

@@ -96,9 +96,12 @@ def _swap_one(
     drain = len(settings.vllm.servers) > 1
     with server_client(settings, url) as server:
         try:
+            label = _label(server) if want.tenant is not None else None
             with swap_window(settings, store, server, f"swap to v{want.version}", drain) as window:
                 step, digests = swap_server(server, want, settings, restore=restore)
-                if step.verified:
+                if want.tenant is not None:
+                    window.serving = label  # a tenant's adapter changed; the global one serves as before
+                elif step.verified:
                     window.serving = want.version
                 elif step.restored and restore is not None:
                     window.serving = restore.version
@@ -380,6 +383,11 @@ class FleetReport(BaseModel):
     canary: str | None = Field(
         None, description="A canary whose runner died, ended by the reconciler (deployer/canary.py `reap`)."
     )
+    lines: dict[str, int | None] = Field(
+        default_factory=dict,
+        description="Each adapter tenant's line aligned by the reconciler, with its champion "
+        "(docs/lora.md, An adapter per tenant); its swaps and errors are with the global ones.",
+    )
 
     @property
     def changed(self) -> bool:
@@ -438,7 +446,10 @@ def _align(
 ) -> tuple[Literal["aligned", "relabelled", "swapped"], ServerSwap | None]:
     """Bring one server to `want` (see `align_fleet`): what it took, and the swap record when it
     was swapped. With `announce` (a serving server), what it serves is announced to the gateways
-    in the store, and with `drain` it leaves their rotation while it changes."""
+    in the store, and with `drain` it leaves their rotation while it changes. A tenant's adapter:
+    `_align_adapter`."""
+    if want.tenant is not None:
+        return _align_adapter(settings, server, want, store, drain, announce=announce)
     version = want.version
     try:
         label: int | None = server.weight_version()
@@ -466,4 +477,36 @@ def _align(
     metrics.record_swap(server.url, step.verified, step.restored, step.pause_ms, window.serving)
     if not step.verified:
         raise ServerError(server.url, f"could not bring the server to champion v{version}: {step.error}")
+    return "swapped", step
+
+
+def _label(server: VllmClient) -> int | None:
+    """The server's weight-version label (the global adapter's); None when it has none."""
+    try:
+        return server.weight_version()
+    except VersionUnknown:
+        return None
+
+
+def _align_adapter(
+    settings: Settings, server: VllmClient, want: Target, store: Store, drain: bool, *, announce: bool
+) -> tuple[Literal["aligned", "swapped"], ServerSwap | None]:
+    """Bring a tenant's adapter on one server to `want` (docs/lora.md, An adapter per tenant): left
+    alone when the server holds it loaded from `want`'s folder, else loaded (a restarted server
+    has none) and verified by the probe. The server's label and the global adapter are untouched,
+    and what the gateways were told it serves is announced again as it was."""
+    if server.adapter_versions().get(server.model) == want.version:
+        return "aligned", None
+    label = _label(server)
+    changing: AbstractContextManager[Drain] = (
+        nullcontext(Drain(drained=False))
+        if not announce
+        else swap_window(settings, store, server, f"align {server.model} to v{want.version}", drain=drain)
+    )
+    with changing as window:
+        step, _ = swap_server(server, want, settings, restore=None)
+        window.serving = label
+    metrics.record_swap(server.url, step.verified, step.restored, step.pause_ms, label)
+    if not step.verified:
+        raise ServerError(server.url, f"could not bring {server.model} to v{want.version}: {step.error}")
     return "swapped", step

@@ -18,7 +18,10 @@ reload or the digests fail). Every pause is paired with a resume in ``finally``.
 With ``trainer.adapter=lora`` a version is a LoRA adapter on the servers' base model: the reload is
 ``/v1/load_lora_adapter`` in place under the served name, there are no digests to compare (they
 cover the base, which never changes), and the probe scores greedy continuations instead of
-prompt logprobs (deployer/probe.py).
+prompt logprobs (deployer/probe.py). A tenant's adapter (a registry of a tenant line,
+schemas/lines.py) is swapped the same way under its own served name, beside the others, and never
+sets the server's weight-version label, which is the global adapter's: its version on a server is
+read back from the folder it was loaded from (`serving.VllmClient.adapter_versions`).
 
 The public interface, shared by the fleet's rollout and the gate:
 
@@ -148,6 +151,7 @@ class Target:
     expected: list[list[float]]  # the prompt-logprob reference (full weights); empty for an adapter
     digests: dict[str, str] | None
     base: Path | None = None  # the base model of a LoRA adapter (vllm.model_dir); None: full weights
+    tenant: str | None = None  # a tenant line's adapter (schemas/lines.py): never labels the server
 
     @property
     def adapter(self) -> bool:
@@ -183,7 +187,7 @@ def target(settings: Settings, registry: Registry, store: Store, version: int) -
     if lora:
         check_servable(path, server_max_rank(settings.trainer.lora.rank))
         base = settings.vllm.model_dir.expanduser().resolve()
-        return Target(version, path, adapter_probe(base), [], None, base=base)
+        return Target(version, path, adapter_probe(base), [], None, base=base, tenant=registry.tenant)
     probe, reference = cached_reference(
         path, deploy_dir(settings) / "probes" / f"{format_version(version)}.json"
     )
@@ -236,8 +240,11 @@ def _digests(server: VllmClient, want: Target) -> dict[str, str]:
     return {} if want.adapter else server.weight_digests()
 
 
-def _publish(server: VllmClient, version: int) -> None:
-    server.update_weight_version(version)
+def _publish(server: VllmClient, want: Target) -> None:
+    """Label the server with `want`'s version (not for a tenant's adapter: the label is the global
+    adapter's) and drop the prefix cache computed with the old weights."""
+    if want.tenant is None:
+        server.update_weight_version(want.version)
     server.reset_prefix_cache()
 
 
@@ -263,7 +270,7 @@ def _restore(server: VllmClient, back: Target, settings: Settings, paused: bool)
     try:
         _reload(server, back, path)
         digest_match = digests_agree(back.digests, _digests(server, back))
-        _publish(server, back.version)
+        _publish(server, back)
     finally:
         server.resume()
     tolerance = probe_tolerance(settings, back)
@@ -310,7 +317,7 @@ def swap_server(
         except (ServingError, CallFailed) as exc:
             error = f"reload of v{want.version} failed: {exc}"
         if error is None:
-            _publish(server, want.version)
+            _publish(server, want)
         elif restore is not None:
             _restore(server, restore, settings, paused=True)
             restored = True

@@ -85,16 +85,19 @@ def _judged_only(prompt: str, completion: str, line: Mapping[str, Any]) -> float
     raise SuiteError("the traffic suite with a judge is graded by its judge (Judge.score_many)")
 
 
-def traffic_suite(settings: Settings, store: Store, seed: int | None) -> TrafficDraw:
+def traffic_suite(
+    settings: Settings, store: Store, seed: int | None, tenant: str | None = None
+) -> TrafficDraw:
     """This gate run's traffic suite (drawn with `seed`; None: the newest prompts), or, with fewer
     than ``gate.traffic.min_prompts`` held-out prompts, the inconclusive verdict saying so; neither
-    when ``gate.suites`` lacks "traffic"."""
+    when ``gate.suites`` lacks "traffic". `tenant`: the prompts of that tenant's adapter line only
+    (None: the global line's; docs/lora.md, An adapter per tenant)."""
     cfg = settings.gate
     if NAME not in cfg.suites:
         return TrafficDraw()
     traffic = cfg.traffic
     holdout = cfg.ope.holdout_percent
-    pool = store.heldout_prompts(traffic.pool, holdout_percent=holdout)
+    pool = store.heldout_prompts(traffic.pool, holdout_percent=holdout, tenant=tenant)
     drawn = draw(pool, traffic.max_prompts, seed, traffic.per_tenant)
     where = f"of the newest {len(pool)} distinct held-out prompts (gate.ope.holdout_percent {holdout})"
     if len(drawn) < traffic.min_prompts:

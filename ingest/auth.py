@@ -1,7 +1,8 @@
 """Who is calling the gateway, how fast they may, and which requests and episodes are theirs.
 
-- `KeyCache`: the active API keys (`store.Store.api_keys`), by the sha256 of the key, reloaded from
-  the store every ``gateway.keys_refresh_s`` by a background thread. When the store cannot be read
+- `KeyCache`: the active API keys (`store.Store.api_keys`), by the sha256 of the key, and the tenants
+  with an adapter of their own (`store.Store.adapter_tenants`, docs/lora.md "An adapter per
+  tenant"), reloaded from the store every ``gateway.keys_refresh_s`` by a background thread. When the store cannot be read
   the last snapshot stays in force (users keep being served; a revoked key is refused once the
   store answers again); until a first snapshot is loaded every call is answered 503.
 - `RateLimiter`: a token bucket per key (``gateway.rate_limit_per_s`` / ``rate_limit_burst``, or
@@ -59,6 +60,7 @@ class KeyCache:
         self._refresh_s = refresh_s
         self._monotonic = monotonic
         self._keys: dict[str, Caller] | None = None
+        self._adapters: frozenset[str] = frozenset()
         self._loaded_at = -math.inf
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rtrl-gateway-keys", daemon=True)
@@ -82,9 +84,11 @@ class KeyCache:
         return self._monotonic() - self._loaded_at
 
     def refresh(self) -> bool:
-        """Read the active keys now; False (and the old snapshot kept) when the store cannot be read."""
+        """Read the active keys and the adapter tenants now; False (and the old snapshot kept) when the
+        store cannot be read."""
         try:
             records = self._store.api_keys()
+            adapters = frozenset(self._store.adapter_tenants())
         except Exception as exc:  # the store unreachable or not migrated: keep serving the old snapshot
             log.warning(
                 "could not reload API keys (%s); keeping the %s",
@@ -93,12 +97,17 @@ class KeyCache:
             )
             return False
         self._keys = {record.key_hash: _caller(record) for record in records}
+        self._adapters = adapters
         self._loaded_at = self._monotonic()
         return True
 
     def lookup(self, key: str) -> Caller | None:
         """The caller a presented key belongs to; None for an unknown or revoked key."""
         return None if self._keys is None else self._keys.get(hash_key(key))
+
+    def has_adapter(self, tenant: str) -> bool:
+        """Whether `tenant`'s requests go to an adapter of its own (as of the snapshot in force)."""
+        return tenant in self._adapters
 
     def _loop(self) -> None:
         while not self._stop.wait(self._refresh_s):

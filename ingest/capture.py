@@ -54,7 +54,11 @@ async def publish_interaction(
     else:
         gw.metrics.version_source.labels("read").inc()
         try:
-            after = await gw.fleet.read_version(served.server)
+            adapter = gw.tenant_adapter(forward)
+            if adapter is not None:  # a tenant's own adapter: its version, not the server's label
+                after = await gw.fleet.read_adapter(served.server, adapter)
+            else:
+                after = await gw.fleet.read_version(served.server)
         except ServingError as exc:  # UpstreamError, VersionUnknown
             reason = (
                 f"could not build an InteractionEvent: weight version after the generation unknown: {exc!r}"

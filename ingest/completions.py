@@ -36,7 +36,7 @@ from ingest.relay import Relay, RelayResponse, Served
 from ingest.responses import FastJSONResponse, error, why_not_json
 from ingest.responses_api import Echo, response_body, to_chat
 from ingest.responses_stream import ResponsesStream
-from ingest.routing import Announced, NoServerInRotation, Server, UpstreamUnavailable
+from ingest.routing import AdapterNotLoaded, Announced, NoServerInRotation, Server, UpstreamUnavailable
 from ingest.shaping import (
     HEADER_REQUEST_ID,
     Capture,
@@ -54,7 +54,7 @@ from ingest.slots import Slot
 from ingest.streaming import StreamCapture
 from schemas.clock import utcnow
 from schemas.versions import format_version
-from serving import ServingError
+from serving import ServingError, VersionUnknown
 from serving.aio import UpstreamNoConnection, UpstreamRefused, UpstreamResponse, UpstreamTimeout
 
 log = logging.getLogger(__name__)
@@ -121,10 +121,19 @@ async def _generate(
     tried: list[Server] = []
     try:
         server, upstream, before, announced = await _call(
-            gw, path, forward, stream, capture.session_id, sticky_key(tenant, forward, episode_id), tried
+            gw,
+            path,
+            forward,
+            stream,
+            capture.session_id,
+            sticky_key(tenant, forward, episode_id),
+            tried,
+            adapter=gw.tenant_adapter(forward),
         )
     except NoServerInRotation as exc:
         return error(503, f"{exc}; retry shortly", request_id, headers={"Retry-After": "1"})
+    except AdapterNotLoaded as exc:
+        return error(503, f"{exc}; retry shortly", request_id, headers={"Retry-After": "5"})
     except UpstreamUnavailable as exc:
         tally.error = True
         return error(502, str(exc), request_id)
@@ -241,9 +250,10 @@ async def _read(
         body, echo = to_chat(body)  # a Responses request as the chat request it amounts to
     prepare = prepare_chat_request if chat else prepare_completion_request
     # The allow-list, the token budget, the model and the tenant's cache salt (ingest/forwarding.py).
-    forward, requested, body_rtrl = prepare(gw.policy.apply(body, chat, tenant), gw.sampling_defaults)
+    served = gw.served_name(tenant)  # the tenant's own adapter when it has one (docs/lora.md)
+    forward, requested, body_rtrl = prepare(gw.policy.apply(body, chat, tenant, served), gw.sampling_defaults)
     if gw.lora:
-        lora_request(forward, gw.settings.vllm.served_model_name)
+        lora_request(forward, served)
     if echo is not None and forward.get("stream") is True:
         forward["stream_options"] = {"include_usage": True}  # response.completed carries the usage
     return forward, requested, parse_capture(request.headers, body_rtrl), echo
@@ -283,27 +293,40 @@ async def _call(
     session_id: str | None = None,
     sticky: str | None = None,
     tried: list[Server] | None = None,
+    *,
+    adapter: str | None = None,
 ) -> tuple[Server, UpstreamResponse, int | None, Announced | None]:
     """(server, upstream response, version before the generation or None if unknown, the
     deployer's announcement for the server when sent). With `stream`, the response's body is
     not read yet: the caller reads and closes it, and takes the request off
     ``server.in_flight`` when done. Each server tried is appended to `tried` (the last one
-    answered, or failed)."""
+    answered, or failed). `adapter`: the tenant's own adapter the request goes to
+    (`Gateway.tenant_adapter`), whose version is read from the server, never announced."""
     refused: list[str] = []
+    missing: list[str] = []  # servers without the tenant's adapter, until the reconciler loads it
     for server in gw.fleet.order(session_id, sticky):
         if tried is not None:
             tried.append(server)
         try:
-            announced = server.announced
+            # Announcements are the global adapter's; a tenant's own adapter is read from the server.
+            announced = server.announced if adapter is None else None
             before: int | None
             if announced is not None:
                 before = announced.version  # no request to vLLM (ingest/routing.py)
             else:
                 try:
-                    before = await gw.fleet.version_before(server)
+                    if adapter is not None:
+                        before = await gw.fleet.adapter_before(server, adapter)
+                    else:
+                        before = await gw.fleet.version_before(server)
                 except UpstreamRefused:
                     raise
                 except ServingError as exc:  # VersionUnknown, UpstreamError
+                    if adapter is not None and isinstance(exc, VersionUnknown):
+                        missing.append(
+                            server.url
+                        )  # no copy of the tenant's adapter (a restart): the next one
+                        continue
                     # Serve anyway; the event is published with trainable=false (ingest/capture.py).
                     log.warning("version before the generation unknown: %r", exc)
                     before = None
@@ -327,4 +350,6 @@ async def _call(
             refused.append(f"{server.url} ({exc!r})")
             continue
         return server, response, before, announced
-    raise UpstreamUnavailable(f"no vLLM server reachable: {'; '.join(refused)}")
+    if missing and not refused:
+        raise AdapterNotLoaded(f"no vLLM server holds adapter {adapter} yet (the fleet reconciler loads it)")
+    raise UpstreamUnavailable(f"no vLLM server reachable: {'; '.join(refused + missing)}")

@@ -17,7 +17,8 @@ forwarded all of it (issue 37). `RequestPolicy.apply` runs on the client's body 
   context), and at most ``gateway.max_top_logprobs`` alternatives per token;
 * the served model, ``vllm.served_model_name``: one left out is set to it, another is a 404 as for
   ``GET /v1/models/{id}`` (vLLM would answer with its first served name, or serve a name the event
-  should not record);
+  should not record); a tenant with an adapter of its own is sent to its adapter instead, whether
+  it names the served model, its adapter or none (docs/lora.md, An adapter per tenant);
 
 and adds the tenant's prefix-cache salt (`cache_salt`): vLLM hashes it into the first block of a
 prompt, so two tenants never share cached blocks and one cannot time another's prompts. A client
@@ -96,17 +97,17 @@ class RequestPolicy:
         """The tenant's prefix-cache salt: 64 hex digits, a keyed hash of the tenant."""
         return hmac.new(self.salt_key, tenant.encode(), hashlib.sha256).hexdigest()
 
-    def apply(self, body: Any, chat: bool, tenant: str) -> dict[str, Any]:
-        """The client's `body` as the gateway forwards it (a new dict), or RequestError."""
+    def apply(self, body: Any, chat: bool, tenant: str, served: str | None = None) -> dict[str, Any]:
+        """The client's `body` as the gateway forwards it (a new dict), or RequestError. `served`: the
+        tenant's own adapter (`Gateway.served_name`), which its requests go to whether they name it,
+        the served model, or none; None: the served model."""
         if not isinstance(body, dict):
             raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
         forward = {name: value for name, value in body.items() if self._accepts(name, value, chat)}
         if chat:
             _text_only(forward.get("messages"))
         self._budget(forward, chat)
-        model = forward.setdefault("model", self.model)
-        if model != self.model:
-            raise RequestError(f"model {model!r} is not served here; this gateway serves {self.model!r}", 404)
+        forward["model"] = _model(forward.get("model", self.model), self.model, served or self.model)
         forward["cache_salt"] = self.cache_salt(tenant)
         return forward
 
@@ -189,3 +190,11 @@ def _text_only(messages: Any) -> None:
                 raise RequestError(
                     f"messages[{i}].content[{j}] is a {kind!r} part: this gateway forwards text parts only"
                 )
+
+
+def _model(asked: Any, model: str, served: str) -> str:
+    """The model a request goes to: `served` (the tenant's adapter, else `model`) when it asks for
+    `model` or `served`; any other name, another tenant's adapter included, is a 404."""
+    if asked not in (model, served):
+        raise RequestError(f"model {asked!r} is not served here; this gateway serves {model!r}", 404)
+    return served

@@ -27,6 +27,7 @@ from ingest.redaction import Redactor
 from ingest.responses import error
 from ingest.routing import Fleet
 from ingest.slots import Slot, TenantSlots
+from schemas.lines import line_name
 from schemas.rewards import RewardSpec
 from schemas.settings import Settings
 
@@ -77,6 +78,21 @@ class Gateway:
         # Big feedback bodies are parsed in a thread, one at a time (ingest/feedback_route.py): a
         # flood of them puts one thread, not one per request, beside the event loop for the GIL.
         self.feedback_parsing = anyio.CapacityLimiter(1)
+
+    def served_name(self, tenant: str) -> str:
+        """The served model `tenant`'s requests go to: its own adapter when it has one (a LoRA fleet
+        with keys: `rtrl tenants set T --adapter`, schemas/lines.py), else ``vllm.served_model_name``.
+        In open mode every call is the one open tenant's, which has none."""
+        served = self.settings.vllm.served_model_name
+        if self.lora and self.keys is not None and self.keys.has_adapter(tenant):
+            return line_name(served, tenant)
+        return served
+
+    def tenant_adapter(self, forward: Mapping[str, Any]) -> str | None:
+        """The tenant's own adapter a forwarded request goes to (`served_name`), else None: its
+        version is read from the server, not announced (ingest/routing.py)."""
+        model = forward.get("model")
+        return str(model) if self.lora and model != self.settings.vllm.served_model_name else None
 
     def authenticate(self, request: Request, role: str | None) -> Caller | Response:
         """The caller of `request` when its key is valid, of `role` (any when None) and within its

@@ -48,6 +48,11 @@ produced the generation (see `ingest.capture` for what it does then). That path 
 not reused within one request's window (a rollback within `VERSION_CACHE_S` plus a generation's
 latency could hide a straddle; the deployer's swap takes longer than that).
 
+A tenant's own adapter (docs/lora.md, An adapter per tenant) is not announced: the store's
+announcement and the server's label are the global adapter's. Its version is read from the server
+before and after the generation, as above, from ``GET /v1/models`` (the folder each adapter was
+loaded from, `serving.client.adapter_versions_of`): `adapter_before`, `read_adapter`.
+
 Announcements are checked: every `VERIFY_EVERY_S` the gateway reads ``/weight_info`` of each server
 it attributes by announcement; a read that fails (a server restarting has lost its label and
 reloaded its weights from disk) or names another version (a label changed behind the deployer's
@@ -88,6 +93,11 @@ class NoServerInRotation(IngestError):
     """Every serving vLLM server is out of rotation (being swapped or drained)."""
 
 
+class AdapterNotLoaded(IngestError):
+    """No server in rotation holds the tenant's own adapter (they restarted, or its line is new):
+    the fleet reconciler loads it at its next tick (docs/lora.md, An adapter per tenant)."""
+
+
 @dataclass(frozen=True)
 class Announced:
     """A version the deployer announced for a server, as one store read of the gateway saw it."""
@@ -108,6 +118,8 @@ class Server:
     version_read_at: float = field(default=-1e18)
     announced: Announced | None = None  # trusted announcement (None: read versions from the server)
     distrusted_epoch: int | None = None  # the announcement a read of the server contradicted
+    adapters: dict[str, int | None] = field(default_factory=dict)  # tenant adapters' versions, as last read
+    adapters_read_at: float = field(default=-1e18)
 
     @property
     def url(self) -> str:
@@ -281,6 +293,25 @@ class Fleet:
         if server.version is not None and time.monotonic() - server.version_read_at < VERSION_CACHE_S:
             return server.version
         return await self.read_version(server)
+
+    async def read_adapter(self, server: Server, name: str) -> int:
+        """A fresh read of the version of adapter `name` on `server` (refreshes the cache). Raises
+        UpstreamError, and VersionUnknown when the server does not hold it loaded from a version."""
+        server.adapters = await server.client.adapter_versions()
+        server.adapters_read_at = time.monotonic()
+        version = server.adapters.get(name)
+        if version is None:
+            raise VersionUnknown(
+                f"{server.url} does not serve adapter {name} from a version (the fleet reconciler loads it)"
+            )
+        return version
+
+    async def adapter_before(self, server: Server, name: str) -> int:
+        """The version of adapter `name` before a generation: cached if fresh enough, else read."""
+        cached = server.adapters.get(name)
+        if cached is not None and time.monotonic() - server.adapters_read_at < VERSION_CACHE_S:
+            return cached
+        return await self.read_adapter(server, name)
 
     async def health(self) -> dict[str, bool]:
         """``GET /health`` of every server, the canary's too, concurrently: url -> healthy."""

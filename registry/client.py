@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from registry.credentials import sign_in
 from registry.errors import NoChampion, RegistryError, RegistryRefused, RegistryUnavailable
+from schemas.lines import Line
 from schemas.settings import MlflowSettings, Settings
 from schemas.versions import format_version
 
@@ -126,11 +127,20 @@ class Registry:
     its own working directory.
     """
 
-    def __init__(self, mlflow: MlflowSettings, checkpoints_dir: Path, run_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        mlflow: MlflowSettings,
+        checkpoints_dir: Path,
+        run_dir: Path | None = None,
+        tenant: str | None = None,
+    ) -> None:
         from mlflow.tracking import MlflowClient
 
         self.settings = mlflow
         self.model_name = mlflow.model_name
+        # Whose adapter line this registry holds (schemas/lines.py); None: the global line. The
+        # deployer reads it to leave the servers' weight-version label (the global line's) alone.
+        self.tenant = tenant
         self.checkpoints_dir = checkpoints_dir.expanduser().resolve()
         self._client = _Answering(
             MlflowClient(tracking_uri=mlflow.tracking_uri, registry_uri=mlflow.tracking_uri),
@@ -145,6 +155,12 @@ class Registry:
     def from_settings(cls, settings: Settings) -> Registry:
         """The registry of ``settings.mlflow``, keeping checkpoints under ``<services.run_dir>/deploy``."""
         return cls(settings.mlflow, settings.services.run_dir / "deploy", settings.services.run_dir)
+
+    @classmethod
+    def for_line(cls, line: Line) -> Registry:
+        """The registry of one line (schemas/lines.py): its own registered model, its local copies in
+        a folder of their own (`Line.checkpoints_dir`)."""
+        return cls(line.settings.mlflow, line.checkpoints_dir(), line.settings.services.run_dir, line.tenant)
 
     # ---- experiment and runs --------------------------------------------------------------------
 

@@ -138,7 +138,9 @@ class Vllm(Service):
             cmd += [
                 "--enable-lora",
                 "--max-loras",
-                "1",
+                str(
+                    v.max_loras
+                ),  # the global adapter and every tenant's (docs/lora.md, An adapter per tenant)
                 "--max-lora-rank",
                 str(server_max_rank(lora.rank)),
                 "--lora-modules",

@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from serving.client import PROBE_TIMEOUT_S, weight_version_of
+from serving.client import PROBE_TIMEOUT_S, adapter_versions_of, weight_version_of
 from serving.errors import ServingError
 
 
@@ -166,6 +166,18 @@ class AsyncVllmClient:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _upstream_error(self.url, exc) from exc
         return weight_version_of(self.url, status, text)
+
+    async def adapter_versions(self) -> dict[str, int | None]:
+        """The LoRA adapters the server holds, with the version each was loaded from
+        (`serving.client.adapter_versions_of`). Raises UpstreamError."""
+        try:
+            async with self._http.get(f"{self.url}/v1/models", timeout=self._probe_timeout) as response:
+                if response.status != 200:
+                    raise UpstreamError(f"{self.url}/v1/models -> HTTP {response.status}")
+                body = loads(await response.read())
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _upstream_error(self.url, exc) from exc
+        return adapter_versions_of(body)
 
     async def post(self, path: str, body: dict[str, Any]) -> UpstreamResponse:
         """POST a JSON body (an OpenAI request) and return vLLM's answer, read whole, whatever its

@@ -20,7 +20,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Literal
 
 import httpx
@@ -50,6 +50,21 @@ def parse_weight_info(url: str, response: httpx.Response) -> int | None:
     """The policy version in a ``GET /weight_info`` answer: N for ``"vN"``, None when the server was
     never given one (vLLM answers ``"default"`` or null). Raises VersionUnknown otherwise."""
     return weight_version_of(url, response.status_code, response.text)
+
+
+def adapter_version(path: str) -> int | None:
+    """The version an adapter loaded from `path` is: its last component ``vN``; None for another."""
+    try:
+        return parse_version(PurePath(path).name)
+    except ValueError:
+        return None
+
+
+def adapter_versions_of(models: Any) -> dict[str, int | None]:
+    """The adapters in a ``GET /v1/models`` answer, by name, with their `adapter_version`; the base
+    model's card (no ``parent``) is left out."""
+    cards = models.get("data", []) if isinstance(models, dict) else []
+    return {str(c["id"]): adapter_version(str(c.get("root") or "")) for c in cards if c.get("parent")}
 
 
 def weight_version_of(url: str, status: int, text: str) -> int | None:
@@ -179,6 +194,14 @@ class VllmClient:
         and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``: docs/lora.md)."""
         body = {"lora_name": name, "lora_path": str(adapter_path), "load_inplace": True}
         self._request("POST", "/v1/load_lora_adapter", json=body)
+
+    def adapter_versions(self) -> dict[str, int | None]:
+        """The LoRA adapters the server holds, by name, with the version each was loaded from: the
+        name of the folder it was loaded from, which for rtrl's loads is the version's ``vN`` (the
+        registry's download, or a weights agent's copy); None for any other folder (the identity
+        adapter a server starts with). A server has one weight-version label, the global adapter's;
+        this is how a tenant adapter's version is read back (docs/lora.md, An adapter per tenant)."""
+        return adapter_versions_of(self._json("GET", "/v1/models"))
 
     def update_weight_version(self, version: int) -> None:
         self._request("POST", "/update_weight_version", json={"new_version": format_version(version)})

@@ -72,6 +72,7 @@ class CycleRecord:
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     reward_spec: str | None = None  # the spec of the episodes it trained on (`Store.mark_used`)
+    line: str | None = None  # the tenant whose adapter line it trained; None: the global line
 
 
 class CycleStore(StoreBase):
@@ -90,8 +91,10 @@ class CycleStore(StoreBase):
         champion: int,
         *,
         max_episode_failures: int = MAX_EPISODE_FAILURES_DEFAULT,
+        line: str | None = None,
     ) -> int | None:
-        """Start a cycle training from version `champion`; its id, or None when another cycle holds the lease.
+        """Start a cycle of `line` (a tenant's adapter line; None: the global line) training from its
+        version `champion`; its id, or None when another cycle, of any line, holds the lease.
         A cycle whose lease expired is failed first, its episodes released or quarantined (`release_claims`)."""
         now = self.clock()
         try:
@@ -115,6 +118,7 @@ class CycleStore(StoreBase):
                     champion_version=format_version(champion),
                     started_at=now,
                     active_slot=_ACTIVE_SLOT,
+                    line=line,
                 )
                 session.add(cycle)
                 session.flush()
@@ -284,11 +288,15 @@ class CycleStore(StoreBase):
         with self.transaction() as session:
             return [_record(c) for c in session.scalars(select(Cycle).order_by(Cycle.id.desc()).limit(limit))]
 
-    def last_cycle_started_at(self, statuses: tuple[str, ...]) -> datetime | None:
-        """When the newest cycle that ended in one of `statuses` started; None when there is none."""
+    def last_cycle_started_at(self, statuses: tuple[str, ...], *, line: str | None = None) -> datetime | None:
+        """When the newest cycle of `line` (None: the global line) that ended in one of `statuses`
+        started; None when there is none."""
+        of_line = Cycle.line.is_(None) if line is None else Cycle.line == line
         with self.transaction() as session:
             # max() keeps the column's type, so the value comes back as an aware UTC datetime.
-            return session.scalar(select(func.max(Cycle.started_at)).where(Cycle.status.in_(statuses)))
+            return session.scalar(
+                select(func.max(Cycle.started_at)).where(Cycle.status.in_(statuses), of_line)
+            )
 
     def active_cycles(self) -> list[CycleRecord]:
         """Cycles holding an unexpired lease (running, or registered and waiting for gate/deploy)."""
@@ -396,4 +404,5 @@ def _record(cycle: Cycle) -> CycleRecord:
         metrics=dict(cycle.metrics or {}),
         error=cycle.error,
         reward_spec=cycle.reward_spec,
+        line=cycle.line,
     )

@@ -104,16 +104,15 @@ class EpisodeStore(StoreBase):
         spec_id: str | None,
         settle_window_s: float | None,
         holdout_percent: int = 0,
+        tenant: str | None = None,
     ) -> Any:
-        tenant_off = exists(
-            select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False))
-        )
         condition = (
             (Episode.status == "settled")
             & Episode.used_in_cycle.is_(None)
             & Episode.quarantined_at.is_(None)
-            & self._within_lag(champion_number, max_lag)
-            & ~tenant_off  # a tenant switched off does not train (a tenant without a row does)
+            & self._within_lag(champion_number, max_lag, tenant)
+            & _tenant_trains()
+            & on_line(tenant)
         )
         if spec_id is not None:  # rewards of different spec versions never share a batch
             condition &= Episode.reward_spec == spec_id
@@ -127,13 +126,14 @@ class EpisodeStore(StoreBase):
             condition &= Episode.last_event_at <= self.clock() - timedelta(seconds=settle_window_s)
         return condition
 
-    def _within_lag(self, champion_number: int, max_lag: int) -> Any:
+    def _within_lag(self, champion_number: int, max_lag: int, tenant: str | None = None) -> Any:
         """The champion's episodes and those of the `max_lag` versions served most recently before
         it (`served_versions`): a challenger that never served is not a version of lag. On a store
-        the deployer never announced a version in, the lag counts version numbers."""
+        the deployer never announced a version in, and for a tenant's line (the announcements are
+        the global adapter's versions), the lag counts version numbers."""
         if max_lag == 0:
             return Episode.policy_number == champion_number
-        served = [v for v in served_versions(self) if v != champion_number]
+        served = [] if tenant is not None else [v for v in served_versions(self) if v != champion_number]
         if not served:
             return Episode.policy_number.between(champion_number - max_lag, champion_number)
         return Episode.policy_number.in_([champion_number, *served[:max_lag]])
@@ -146,16 +146,21 @@ class EpisodeStore(StoreBase):
         spec_id: str | None = None,
         settle_window_s: float | None = None,
         holdout_percent: int = 0,
+        tenant: str | None = None,
     ) -> int:
         """Settled, unused episodes whose policy is at most ``max_lag`` versions behind the champion;
         with `spec_id`, labelled under that reward spec only; with `settle_window_s`, only those
         whose last event is at least that old; never the held-out buckets below `holdout_percent`
-        (the trainer passes all three)."""
+        (the trainer passes all three); of the line of `tenant` (`on_line`: None, the global line)."""
         with self.transaction() as session:
             query = (
                 select(func.count())
                 .select_from(Episode)
-                .where(self._trainable(champion_number, max_lag, spec_id, settle_window_s, holdout_percent))
+                .where(
+                    self._trainable(
+                        champion_number, max_lag, spec_id, settle_window_s, holdout_percent, tenant
+                    )
+                )
             )
             return int(session.scalar(query) or 0)
 
@@ -168,26 +173,38 @@ class EpisodeStore(StoreBase):
         spec_id: str | None = None,
         settle_window_s: float | None = None,
         holdout_percent: int = 0,
+        tenant: str | None = None,
     ) -> list[TrainingEpisode]:
-        """The newest ``limit`` trainable episodes (as `count_trainable`) with their segments (late
-        segments excluded)."""
+        """The newest ``limit`` trainable episodes (as `count_trainable`, `tenant` included) with
+        their segments (late segments excluded)."""
         with self.transaction() as session:
             episodes = session.scalars(
                 select(Episode)
-                .where(self._trainable(champion_number, max_lag, spec_id, settle_window_s, holdout_percent))
+                .where(
+                    self._trainable(
+                        champion_number, max_lag, spec_id, settle_window_s, holdout_percent, tenant
+                    )
+                )
                 .order_by(Episode.first_event_at.desc(), Episode.episode_id)
                 .limit(limit)
             ).all()
             return self._with_segments(session, list(episodes))
 
     def select_heldout(
-        self, limit: int, *, spec_id: str, holdout_percent: int, rated_only: bool = False
+        self,
+        limit: int,
+        *,
+        spec_id: str,
+        holdout_percent: int,
+        rated_only: bool = False,
+        tenant: str | None = None,
     ) -> list[TrainingEpisode]:
         """The newest ``limit`` settled episodes of the eval gate's held-out buckets (below
         `holdout_percent`, never trained on), labelled under `spec_id`, of tenants that train, with
         their segments: the logged traffic the gate's off-policy estimate reweights. `rated_only`:
         only those whose reward carries a signal (user feedback or a judge's grade: no
-        ``no_feedback`` component, or a ``judge`` one; schemas/rewards.py `carries_signal`)."""
+        ``no_feedback`` component, or a ``judge`` one; schemas/rewards.py `carries_signal`). Of
+        the line of `tenant` only (`on_line`)."""
         if holdout_percent <= 0:
             return []
         rated = (
@@ -200,9 +217,6 @@ class EpisodeStore(StoreBase):
             if rated_only
             else []
         )
-        tenant_off = exists(
-            select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False))
-        )
         with self.transaction() as session:
             episodes = session.scalars(
                 select(Episode)
@@ -212,7 +226,8 @@ class EpisodeStore(StoreBase):
                     Episode.eval_bucket < holdout_percent,
                     Episode.used_in_cycle.is_(None),
                     Episode.quarantined_at.is_(None),
-                    ~tenant_off,
+                    _tenant_trains(),
+                    on_line(tenant),
                     *rated,
                 )
                 .order_by(Episode.first_event_at.desc(), Episode.episode_id)
@@ -220,8 +235,9 @@ class EpisodeStore(StoreBase):
             ).all()
             return self._with_segments(session, list(episodes))
 
-    def count_heldout(self, *, spec_id: str, holdout_percent: int) -> int:
-        """Settled episodes of the held-out buckets labelled under `spec_id` (as `select_heldout`)."""
+    def count_heldout(self, *, spec_id: str, holdout_percent: int, tenant: str | None = None) -> int:
+        """Settled episodes of the held-out buckets labelled under `spec_id`, of the line of `tenant`
+        (as `select_heldout`)."""
         if holdout_percent <= 0:
             return 0
         with self.transaction() as session:
@@ -234,24 +250,24 @@ class EpisodeStore(StoreBase):
                     Episode.eval_bucket < holdout_percent,
                     Episode.used_in_cycle.is_(None),
                     Episode.quarantined_at.is_(None),
+                    on_line(tenant),
                 )
             )
             return int(session.scalar(query) or 0)
 
-    def heldout_prompts(self, limit: int, *, holdout_percent: int) -> list[HeldoutPrompt]:
+    def heldout_prompts(
+        self, limit: int, *, holdout_percent: int, tenant: str | None = None
+    ) -> list[HeldoutPrompt]:
         """The prompts of the newest held-out episodes, at most `limit` distinct ones, newest first.
 
         Held out as in `select_heldout` (bucket below `holdout_percent`, never claimed by a cycle, not
-        quarantined, of tenants that train) but settled or not: a prompt needs no reward. Each is its
+        quarantined, of tenants that train, of the line of `tenant`) but settled or not: a prompt needs no reward. Each is its
         episode's first segment (the lowest segment index that is not late) as logged, so a chat
         request's is the chat-templated text the model saw; a prompt text that recurs is kept once,
         with its newest episode. The eval gate's traffic suite draws from these (deployer/traffic.py).
         """
         if holdout_percent <= 0 or limit <= 0:
             return []
-        tenant_off = exists(
-            select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False))
-        )
         earlier = aliased(Interaction)
         first_segment = ~exists(
             select(earlier.event_id).where(
@@ -267,7 +283,8 @@ class EpisodeStore(StoreBase):
                 Episode.eval_bucket < holdout_percent,
                 Episode.used_in_cycle.is_(None),
                 Episode.quarantined_at.is_(None),
-                ~tenant_off,
+                _tenant_trains(),
+                on_line(tenant),
                 Interaction.late.is_(False),
                 first_segment,
             )
@@ -436,3 +453,17 @@ def _corrections(session: Session, episode_ids: list[str]) -> dict[str, list[Cor
         if episode_id is not None and text is not None:  # both are, by the WHERE
             found.setdefault(episode_id, []).append(Correction(request_id, kind, text, created_at))
     return found
+
+
+def _tenant_trains() -> Any:
+    """A tenant switched off (`Tenant.trains` false) does not train; a tenant without a row does."""
+    return ~exists(select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.trains.is_(False)))
+
+
+def on_line(tenant: str | None) -> Any:
+    """The episodes of one line (schemas/lines.py): a tenant's line trains on its own episodes only;
+    the global line (None) on every tenant's but those with an adapter of their own (a tenant without
+    a row has none), so one episode never trains two adapters (docs/lora.md, An adapter per tenant)."""
+    if tenant is not None:
+        return Episode.tenant == tenant
+    return ~exists(select(Tenant.tenant).where(Tenant.tenant == Episode.tenant, Tenant.adapter.is_(True)))

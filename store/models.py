@@ -216,8 +216,11 @@ class Cycle(Base):
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     error: Mapped[str | None] = mapped_column(Text)
     # Constant while the cycle is active and NULL afterwards: the unique index on it makes "one
-    # active cycle" hold in the database itself, on SQLite and PostgreSQL alike.
+    # active cycle" hold in the database itself, on SQLite and PostgreSQL alike. One slot for every
+    # line: the lines' cycles take turns (docs/lora.md, An adapter per tenant).
     active_slot: Mapped[int | None] = mapped_column(Integer, unique=True)
+    # The tenant whose adapter line it trained (schemas/lines.py); NULL: the global line.
+    line: Mapped[str | None] = mapped_column(String(64))
 
 
 class ServerRotation(Base):
@@ -374,6 +377,9 @@ class Tenant(Base):
     trains: Mapped[bool] = mapped_column(Boolean, default=True)
     # Whether segments with redacted text train (their token ids still carry the original text).
     train_redacted: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Whether the tenant has a LoRA adapter of its own (its own line: docs/lora.md, An adapter per
+    # tenant): its episodes train only that adapter, and the global line's selection skips them.
+    adapter: Mapped[bool] = mapped_column(Boolean, server_default=sql_text("false"))
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
 
 

@@ -1,7 +1,9 @@
-"""The trust boundary: tenants (whether their traffic trains) and the gateways' API keys.
+"""The trust boundary: tenants (whether their traffic trains, whether it trains an adapter of its
+own) and the gateways' API keys.
 
 `rtrl keys` and `rtrl tenants` (rtrl/commands/keys.py) write them; the gateway loads the active
-keys (ingest/auth.py); the trainer's selection reads the tenants' switches (store/episodes.py).
+keys (ingest/auth.py); the trainer's selection reads the tenants' switches (store/episodes.py); a tenant with ``adapter``
+on is a line of its own (schemas/lines.py, docs/lora.md "An adapter per tenant").
 A key itself is never stored, only its hash (schemas/keys.py).
 """
 
@@ -38,15 +40,23 @@ class TenantRecord:
     trains: bool
     train_redacted: bool
     created_at: datetime
+    adapter: bool = False  # a LoRA adapter of its own (docs/lora.md, An adapter per tenant)
 
 
 class TenantStore(StoreBase):
     """Tenants and API keys (see the module docstring)."""
 
     def set_tenant(
-        self, tenant: str, *, trains: bool | None = None, train_redacted: bool | None = None
+        self,
+        tenant: str,
+        *,
+        trains: bool | None = None,
+        train_redacted: bool | None = None,
+        adapter: bool | None = None,
     ) -> TenantRecord:
-        """Create the tenant if needed (training on, redacted segments off) and apply the switches given."""
+        """Create the tenant if needed (training on, redacted segments off, no adapter) and apply the
+        switches given. The cap on adapter tenants (``vllm.max_loras``) is the caller's to check
+        (`rtrl tenants set --adapter`): the store does not read settings."""
         check_tenant(tenant)
         with self.transaction() as session:
             row = session.get(Tenant, tenant, with_for_update=True)
@@ -57,13 +67,23 @@ class TenantStore(StoreBase):
                 row.trains = trains
             if train_redacted is not None:
                 row.train_redacted = train_redacted
+            if adapter is not None:
+                row.adapter = adapter
             session.flush()
-            return TenantRecord(row.tenant, row.trains, row.train_redacted, row.created_at)
+            return _tenant_record(row)
 
     def tenants(self) -> list[TenantRecord]:
         with self.transaction() as session:
-            rows = session.scalars(select(Tenant).order_by(Tenant.tenant))
-            return [TenantRecord(r.tenant, r.trains, r.train_redacted, r.created_at) for r in rows]
+            return [_tenant_record(r) for r in session.scalars(select(Tenant).order_by(Tenant.tenant))]
+
+    def adapter_tenants(self) -> list[str]:
+        """The tenants with an adapter of their own, by name: the lines besides the global one
+        (schemas/lines.py). Whether they train is a separate switch: a tenant switched off training
+        keeps its adapter serving its champion."""
+        with self.transaction() as session:
+            return list(
+                session.scalars(select(Tenant.tenant).where(Tenant.adapter.is_(True)).order_by(Tenant.tenant))
+            )
 
     def create_api_key(
         self, *, role: str, tenant: str | None, name: str, rate_per_s: float | None = None
@@ -110,6 +130,10 @@ class TenantStore(StoreBase):
                 .values(revoked_at=self.clock())
             )
             return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def _tenant_record(row: Tenant) -> TenantRecord:
+    return TenantRecord(row.tenant, row.trains, row.train_redacted, row.created_at, bool(row.adapter))
 
 
 def _key_record(row: ApiKey) -> ApiKeyRecord:

@@ -259,3 +259,47 @@ def rtrl_child(settings: Settings, log: Path, *args: str) -> Iterator[subprocess
         yield proc
     finally:
         stop_group(proc)
+
+
+@contextmanager
+def lora_fleet(services: Settings, model_dir: Path, max_loras: int) -> Iterator[Settings]:
+    """A serving and a staging vLLM server of the caller's own on `model_dir`, in LoRA mode with room
+    for `max_loras` adapters side by side (the global one and tenants': docs/lora.md), stopped after."""
+    import os
+    import shutil
+
+    from services import down, up
+    from services.testing import free_ports, make_run_dir, start_reaper
+
+    run_dir = make_run_dir("rtrl-lora-")
+    serving_port, staging_port = free_ports(2)
+    settings = services.model_copy(
+        update={
+            "services": services.services.model_copy(
+                update={
+                    "run_dir": run_dir,
+                    "vllm_port": serving_port,
+                    "vllm_staging_port": staging_port,
+                    "enabled": ("vllm",),
+                }
+            ),
+            "vllm": services.vllm.model_copy(
+                update={
+                    "model_dir": model_dir,
+                    "servers": (f"http://127.0.0.1:{serving_port}",),
+                    "staging_server": f"http://127.0.0.1:{staging_port}",
+                    "max_loras": max_loras,
+                }
+            ),
+            "trainer": services.trainer.model_copy(update={"adapter": "lora"}),
+        }
+    )
+    reaper = start_reaper(settings, os.getpid())
+    try:
+        up(settings, ("vllm",))
+        yield settings
+    finally:
+        down(settings, ("vllm",))
+        reaper.terminate()
+        reaper.wait()
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -184,6 +184,7 @@ class _Cycle:
     started_at: datetime
     run_id: str | None = None
     version: int | None = None
+    tenant: str | None = None  # whose adapter line it trains (schemas/lines.py); None: the global line
 
 
 @dataclass(frozen=True)
@@ -211,15 +212,15 @@ def run_cycle(
     owner: str,
     takeover_suffix: str | None = None,
     stopping: Callable[[], bool] = lambda: False,
+    tenant: str | None = None,
 ) -> CycleResult:
     """One cycle from the champion's own episodes to a registered @challenger (see the module docstring).
-
-    `stopping` is asked before every optimizer step and before the checkpoint is saved: once it
-    answers True (the worker got SIGTERM) the cycle raises `Abandoned` and fails, its episodes
-    released, nothing registered.
+    `tenant`: the line it trains (schemas/lines.py; `settings` and `registry` are the line's), None the
+    global one. `stopping` is asked before every optimizer step and before the checkpoint is saved:
+    once it answers True (the worker got SIGTERM) the cycle raises `Abandoned` and fails, its
+    episodes released, nothing registered.
     """
-    cfg = settings.trainer
-    started, started_at = time.monotonic(), utcnow()
+    cfg, started, started_at = settings.trainer, time.monotonic(), utcnow()
 
     # ---- lease --------------------------------------------------------------------------------
     _reclaim(settings, store, owner, takeover_suffix)
@@ -228,18 +229,18 @@ def run_cycle(
     champion = store.recorded_champion(registry.model_name, registry.champion, "trainer")
     spec = get_spec(settings.labeler.reward_spec)  # once per cycle: every step below is handed it
     examples = replay.load(cfg.replay)  # a bad replay file fails here, before any episode is claimed
-    available = count_trainable(settings, store, champion, spec_id=spec.spec_id)
+    available = count_trainable(settings, store, champion, spec_id=spec.spec_id, tenant=tenant)
     if available < cfg.min_samples:
         return CycleResult(
             cycle_id=None, status="not_enough_data", champion_version=champion, episodes=available
         )
     cycle_id = store.acquire_cycle(
-        owner, cfg.lease_ttl_s, champion, max_episode_failures=cfg.max_episode_failures
+        owner, cfg.lease_ttl_s, champion, max_episode_failures=cfg.max_episode_failures, line=tenant
     )
     if cycle_id is None:
         return CycleResult(cycle_id=None, status="busy", champion_version=champion)
     files = checkpoint.CycleFiles(cfg.checkpoint_dir, spec.spec_id, cycle_id)
-    cycle = _Cycle(cycle_id, champion, spec, files, started, started_at)
+    cycle = _Cycle(cycle_id, champion, spec, files, started, started_at, tenant=tenant)
 
     with ExitStack() as cleanup:
         cleanup.push(_undo_on_failure(store, registry, cycle, cfg.max_episode_failures))
@@ -342,7 +343,9 @@ def _undo_on_failure(
 def _claim(settings: Settings, store: Store, cycle: _Cycle) -> list[TrainingEpisode]:
     """Select the cycle's episodes and claim them (``mark_used``): no other cycle learns from them."""
     cfg = settings.trainer
-    episodes = select_trainable(settings, store, cycle.champion, spec_id=cycle.spec.spec_id)
+    episodes = select_trainable(
+        settings, store, cycle.champion, spec_id=cycle.spec.spec_id, tenant=cycle.tenant
+    )
     if len(episodes) < cfg.min_samples:  # another reader got there between count and select
         raise InsufficientData(f"{len(episodes)} trainable episodes < min_samples {cfg.min_samples}")
     store.mark_used(cycle.id, [e.episode_id for e in episodes])

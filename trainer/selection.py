@@ -9,6 +9,10 @@ settle window old. The last condition makes every episode eligible by the same r
 outcome: a rejection settles an episode at once and an acceptance waits for the
 window, so selecting on settlement alone would feed the newest batch more rejections than users
 gave (docs/algorithms.md, Leak-free data).
+
+Each function selects for one line (schemas/lines.py): `tenant` None is the global line (every
+tenant without an adapter of its own), a tenant's name its own line (docs/lora.md, An adapter per
+tenant).
 """
 
 from __future__ import annotations
@@ -23,31 +27,36 @@ def current_spec_id(settings: Settings) -> str:
     return get_spec(settings.labeler.reward_spec).spec_id
 
 
-def count_trainable(settings: Settings, store: Store, champion: int, *, spec_id: str | None = None) -> int:
-    """Episodes a cycle training from `champion` may use now; `spec_id`: the configured reward
-    spec's, when the caller has resolved it already (`current_spec_id`)."""
+def count_trainable(
+    settings: Settings, store: Store, champion: int, *, spec_id: str | None = None, tenant: str | None = None
+) -> int:
+    """Episodes a cycle of `tenant`'s line training from `champion` may use now; `spec_id`: the
+    configured reward spec's, when the caller has resolved it already (`current_spec_id`)."""
     return store.count_trainable(
         champion,
         settings.trainer.max_policy_lag,
         spec_id=current_spec_id(settings) if spec_id is None else spec_id,
         settle_window_s=settings.labeler.settle_window_s,
         holdout_percent=settings.gate.ope.holdout_percent,
+        tenant=tenant,
     )
 
 
-def count_labelled(settings: Settings, store: Store, champion: int) -> int:
+def count_labelled(settings: Settings, store: Store, champion: int, *, tenant: str | None = None) -> int:
     """`count_trainable` plus the settled episodes of the eval gate's held-out slice: every
-    episode the labeler has finished with, wherever it goes (the demo waits on this)."""
+    episode of the line the labeler has finished with, wherever it goes (the demo waits on this)."""
     spec_id = current_spec_id(settings)
-    held_out = store.count_heldout(spec_id=spec_id, holdout_percent=settings.gate.ope.holdout_percent)
-    return count_trainable(settings, store, champion, spec_id=spec_id) + held_out
+    held_out = store.count_heldout(
+        spec_id=spec_id, holdout_percent=settings.gate.ope.holdout_percent, tenant=tenant
+    )
+    return count_trainable(settings, store, champion, spec_id=spec_id, tenant=tenant) + held_out
 
 
 def select_trainable(
-    settings: Settings, store: Store, champion: int, *, spec_id: str | None = None
+    settings: Settings, store: Store, champion: int, *, spec_id: str | None = None, tenant: str | None = None
 ) -> list[TrainingEpisode]:
-    """The newest ``trainer.max_episodes`` episodes a cycle training from `champion` may use now
-    (`spec_id` as in `count_trainable`)."""
+    """The newest ``trainer.max_episodes`` episodes a cycle of `tenant`'s line training from
+    `champion` may use now (`spec_id` as in `count_trainable`)."""
     return store.select_episodes(
         champion,
         settings.trainer.max_policy_lag,
@@ -55,4 +64,5 @@ def select_trainable(
         spec_id=current_spec_id(settings) if spec_id is None else spec_id,
         settle_window_s=settings.labeler.settle_window_s,
         holdout_percent=settings.gate.ope.holdout_percent,
+        tenant=tenant,
     )

@@ -2,6 +2,11 @@
 periodic check and artefact retention (deployer/artefacts.py), with their retries; and `rtrl train
 pause|resume`'s flag in Redis.
 
+Lines (schemas/lines.py, docs/lora.md "An adapter per tenant"): beat's check looks at the global
+line and at every tenant with an adapter of its own, and enqueues the cycle of the line that is
+due and waited longest (`maybe_train`, `_line_wait`); one cycle at a time holds the lease whichever its line, so
+the lines take turns.
+
 Registered on the app in worker/app.py; run by ``rtrl worker``. The worker process opens one
 `store.Store` and one `registry.Registry` on first use and keeps them (`worker_resources`), and
 hands both to the chain (the gate and the rolling swap use the same store).
@@ -21,7 +26,7 @@ import os
 import socket
 import threading
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import redis.exceptions
@@ -29,8 +34,9 @@ from celery import Task
 from celery.signals import worker_shutting_down
 
 from deployer import trust
-from registry import Registry, RegistryUnavailable
+from registry import NoChampion, Registry, RegistryUnavailable
 from schemas.clock import utcnow
+from schemas.lines import Line, all_lines, global_line, tenant_line
 from schemas.settings import Settings
 from serving import Unreachable
 from store import DatabaseUnavailable, Store
@@ -95,12 +101,13 @@ def worker_resources() -> Resources:
     return _resources
 
 
-def next_cycle_due(settings: Settings, store: Store) -> datetime | None:
-    """When the cadence allows the next cycle: the start of the last cycle that spent its episodes
-    plus ``trainer.cadence_s``; None when nothing holds it back."""
+def next_cycle_due(settings: Settings, store: Store, tenant: str | None = None) -> datetime | None:
+    """When the cadence allows the next cycle of `tenant`'s line (None: the global line): the start
+    of the line's last cycle that spent its episodes plus ``trainer.cadence_s``; None when nothing
+    holds it back."""
     if settings.trainer.cadence_s <= 0:
         return None
-    last = store.last_cycle_started_at(("promoted", "rejected"))
+    last = store.last_cycle_started_at(("promoted", "rejected"), line=tenant)
     return None if last is None else last + timedelta(seconds=settings.trainer.cadence_s)
 
 
@@ -154,11 +161,13 @@ def _redis(url: str) -> Any:
     retry_jitter=True,
     max_retries=3,
 )
-def train_cycle(self: Task) -> dict[str, Any]:
-    """One cycle, then the eval gate and, on pass, the rolling swap; returns the outcome as JSON."""
+def train_cycle(self: Task, tenant: str | None = None) -> dict[str, Any]:
+    """One cycle of `tenant`'s adapter line (None: the global line), then the eval gate and, on
+    pass, the rolling swap; returns the outcome as JSON."""
     res = worker_resources()
     _redis(res.settings.celery.broker_url).delete(PENDING_KEY)
     owner = f"{socket.gethostname()}:{os.getpid()}:{self.request.id}"
+    line = global_line(res.settings) if tenant is None else tenant_line(res.settings, tenant)
     # A redelivered message (the previous worker died mid-cycle) takes over that cycle's lease.
     return run_chain(
         res.settings,
@@ -167,6 +176,7 @@ def train_cycle(self: Task) -> dict[str, Any]:
         owner=owner,
         takeover_suffix=self.request.id,
         stopping=STOPPING.is_set,
+        line=line,
     )
 
 
@@ -181,21 +191,46 @@ def maybe_train() -> str:
     if state is not None:
         return f"paused since {state['since']} ({state['reason']}); `rtrl train resume` to continue"
     expire_abandoned(settings, res.store)  # a dead worker's cycle releases its episodes first
-    due = next_cycle_due(settings, res.store)
-    if due is not None and due > utcnow():
-        return f"cadence: next cycle not before {due.isoformat()} (trainer.cadence_s {settings.trainer.cadence_s:g})"
-    champion = trust.champion(res.registry, res.store)
-    available = count_trainable(settings, res.store, champion)
-    if available < settings.trainer.min_samples:
-        return f"waiting: {available} < {settings.trainer.min_samples} trainable episodes of v{champion}"
+    lines = all_lines(settings, res.store.adapter_tenants() if settings.trainer.adapter == "lora" else [])
+    waits = [_line_wait(settings, res, line) for line in lines]
+    due = [(line, why) for line, why in zip(lines, waits, strict=True) if why is None]
+    if not due:
+        if len(lines) == 1:
+            return str(waits[0])
+        return "; ".join(f"{line.label}: {why}" for line, why in zip(lines, waits, strict=True))
     if res.store.active_cycles():
         return "busy: a cycle is active"
+    line = min(due, key=lambda found: _last_started(res.store, found[0]))[0]  # the longest wait first
     ttl = int(settings.trainer.lease_ttl_s)
     if not client.set(PENDING_KEY, "1", nx=True, ex=ttl):
         return "busy: a cycle is already queued"
-    task = train_cycle.apply_async(queue=QUEUE)
-    log.info("enqueued cycle %s (%d trainable episodes of v%d)", task.id, available, champion)
-    return f"enqueued {task.id}"
+    task = train_cycle.apply_async(kwargs={"tenant": line.tenant}, queue=QUEUE)
+    log.info("enqueued cycle %s of the %s line", task.id, line.label)
+    return f"enqueued {task.id} ({line.label})"
+
+
+def _line_wait(settings: Settings, res: Resources, line: Line) -> str | None:
+    """Why `line` is not due for a cycle (the cadence, too few trainable episodes), or None."""
+    due = next_cycle_due(settings, res.store, line.tenant)
+    if due is not None and due > utcnow():
+        return f"cadence: next cycle not before {due.isoformat()} (trainer.cadence_s {settings.trainer.cadence_s:g})"
+    registry = res.registry if line.tenant is None else Registry.for_line(line)
+    try:
+        champion = trust.champion(registry, res.store)
+    except NoChampion:
+        if line.tenant is None:
+            raise
+        return "no v1 yet: the fleet reconciler registers it (rtrl deploy reconcile)"
+    available = count_trainable(settings, res.store, champion, tenant=line.tenant)
+    if available < settings.trainer.min_samples:
+        return f"waiting: {available} < {settings.trainer.min_samples} trainable episodes of v{champion}"
+    return None
+
+
+def _last_started(store: Store, line: Line) -> datetime:
+    """When `line`'s last cycle that spent its episodes started (the oldest first: no line starves)."""
+    last = store.last_cycle_started_at(("promoted", "rejected"), line=line.tenant)
+    return last if last is not None else datetime.min.replace(tzinfo=UTC)
 
 
 @app.task(name=PRUNE_TASK)  # type: ignore[untyped-decorator]

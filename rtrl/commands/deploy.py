@@ -6,6 +6,7 @@
     rtrl deploy promote VERSION         rolling verified swap, then move @champion (needs a passing
                                         gate decision, or --force --reason WHY)
     rtrl deploy rollback [--to VERSION] swap back to the previous champion
+    ... promote|rollback --tenant T     the same on tenant T's adapter line only (docs/lora.md)
     rtrl deploy rotation [URL --in|--out] which servers the gateways route users to (and the live
                                         canary's server, with the canary running on it)
     rtrl deploy reconcile [--forever]   every server back on @champion, resumed, in rotation
@@ -36,12 +37,32 @@ deploy_app = typer.Typer(
 )
 
 
-def _open() -> tuple[Settings, Registry]:
+def _open(tenant: str | None = None) -> tuple[Settings, Registry]:
+    """The settings and registry of the global line, or of `tenant`'s adapter line (its own
+    registry model and served adapter: schemas/lines.py), which must be switched on."""
     from registry import Registry
+    from schemas.lines import tenant_line
     from schemas.settings import load_settings
 
     settings = load_settings()
-    return settings, Registry.from_settings(settings)
+    if tenant is None:
+        return settings, Registry.from_settings(settings)
+    from store import Store
+
+    with Store(settings.store.url) as store:
+        store.check_schema()
+        if tenant not in store.adapter_tenants():
+            raise typer.BadParameter(
+                f"tenant {tenant!r} has no adapter of its own (`rtrl tenants set {tenant} --adapter`)",
+                param_hint="--tenant",
+            )
+    line = tenant_line(settings, tenant)
+    return line.settings, Registry.for_line(line)
+
+
+TENANT_OPTION = typer.Option(
+    None, "--tenant", help="A tenant with an adapter of its own: act on its line only (docs/lora.md)."
+)
 
 
 @deploy_app.command("bootstrap")
@@ -64,13 +85,14 @@ def bootstrap(
 
 
 @deploy_app.command("status")
-def status() -> None:
-    """Champion and challenger versions, and each server's weight version and pause state."""
+def status(tenant: str | None = TENANT_OPTION) -> None:
+    """Champion and challenger versions, and each server's weight version and pause state (with
+    --tenant, the tenant line's, and the version of its adapter on each server)."""
     from registry import CHAMPION
     from serving import VllmClient
     from store import Store
 
-    settings, registry = _open()
+    settings, registry = _open(tenant)
     alias = registry.alias(CHAMPION)
     with Store(settings.store.url) as store:
         store.check_schema()
@@ -85,7 +107,10 @@ def status() -> None:
         urls.append((settings.vllm.staging_server, "staging"))
     for url, role in urls:
         with VllmClient(url, model=settings.vllm.served_model_name, timeout_s=10.0) as server:
-            servers.append({"role": role, **server.state().model_dump()})
+            state = {"role": role, **server.state().model_dump()}
+            if tenant is not None and state["healthy"]:  # the label is the global adapter's
+                state["adapter_version"] = server.adapter_versions().get(settings.vllm.served_model_name)
+            servers.append(state)
     challenger = registry.challenger() if champion is not None else None
     gate_tags = registry.version_tags(challenger) if challenger is not None else {}
     report = {
@@ -137,6 +162,7 @@ def promote(
         False, "--force", help="Serve VERSION without a passing gate decision (needs --reason; recorded)."
     ),
     reason: str | None = typer.Option(None, "--reason", help="Why it is forced: kept with who forced it."),
+    tenant: str | None = TENANT_OPTION,
 ) -> None:
     """Swap every server to VERSION (verified, rolling) and move @champion; exit 1 on rollback.
 
@@ -150,7 +176,7 @@ def promote(
         )
     if reason is not None and not force:
         raise typer.BadParameter("--reason goes with --force", param_hint="--reason")
-    settings, registry = _open()
+    settings, registry = _open(tenant)
     result = run_promote(settings, registry, version, force_reason=reason if force else None, role="cli")
     typer.echo(result.model_dump_json(indent=2))
     if not result.ok:
@@ -162,11 +188,13 @@ def rollback(
     to: int | None = typer.Option(
         None, "--to", min=1, help="Version to serve (default: the previous champion)."
     ),
+    tenant: str | None = TENANT_OPTION,
 ) -> None:
-    """Serve the previous champion (or --to VERSION) again: re-swap the fleet and move @champion."""
+    """Serve the previous champion (or --to VERSION) again: re-swap the fleet and move @champion.
+    With --tenant, only that tenant's adapter changes on the servers."""
     from deployer.rollout import rollback as run_rollback
 
-    settings, registry = _open()
+    settings, registry = _open(tenant)
     result = run_rollback(settings, registry, to, role="cli")
     typer.echo(result.model_dump_json(indent=2))
     if not result.ok:

@@ -6,6 +6,7 @@
     rtrl keys revoke ID                                      gateways refuse it within gateway.keys_refresh_s
     rtrl tenants list
     rtrl tenants set acme --no-train | --train-redacted      the per-tenant training switches
+    rtrl tenants set acme --adapter | --no-adapter           a LoRA adapter of its own (docs/lora.md)
 
 Keys live in the SQL store (``settings.store.url``); the commands that write migrate it first.
 """
@@ -21,9 +22,13 @@ import typer
 
 if TYPE_CHECKING:
     from store import Store
+    from store.tenants import TenantRecord
 
 keys_app = typer.Typer(no_args_is_help=True, help="API keys of the gateway (stored hashed).")
-tenants_app = typer.Typer(no_args_is_help=True, help="Tenants and whether their traffic trains the model.")
+tenants_app = typer.Typer(
+    no_args_is_help=True,
+    help="Tenants, whether their traffic trains, and whether it trains an adapter of its own.",
+)
 
 
 @contextmanager
@@ -102,9 +107,7 @@ def list_tenants() -> None:
     """Tenants and their training switches, as JSON lines."""
     with _store(migrate=False) as store:
         for t in store.tenants():
-            typer.echo(
-                json.dumps({"tenant": t.tenant, "trains": t.trains, "train_redacted": t.train_redacted})
-            )
+            typer.echo(json.dumps(_tenant_json(t)))
 
 
 @tenants_app.command("set")
@@ -118,15 +121,32 @@ def set_tenant(
         "--train-redacted/--no-train-redacted",
         help="Whether its segments with redacted text train (their token ids still carry the text).",
     ),
+    adapter: bool | None = typer.Option(
+        None,
+        "--adapter/--no-adapter",
+        help="Whether it has a LoRA adapter of its own on the shared base (trainer.adapter=lora; at most "
+        "vllm.max_loras - 1 tenants): its episodes train only it, and its requests are served by it.",
+    ),
 ) -> None:
     """Create a tenant or change its switches; a cycle honours them when it selects its batch."""
+    from schemas.lines import check_adapter_capacity
+    from schemas.settings import load_settings
+
     with _store(migrate=True) as store:
-        record = store.set_tenant(tenant, trains=train, train_redacted=train_redacted)
-    typer.echo(
-        json.dumps(
-            {"tenant": record.tenant, "trains": record.trains, "train_redacted": record.train_redacted}
-        )
-    )
+        if adapter:
+            others = [t for t in store.adapter_tenants() if t != tenant]
+            check_adapter_capacity(load_settings(), len(others) + 1)
+        record = store.set_tenant(tenant, trains=train, train_redacted=train_redacted, adapter=adapter)
+    typer.echo(json.dumps(_tenant_json(record)))
+
+
+def _tenant_json(record: TenantRecord) -> dict[str, object]:
+    return {
+        "tenant": record.tenant,
+        "trains": record.trains,
+        "train_redacted": record.train_redacted,
+        "adapter": record.adapter,
+    }
 
 
 def register(app: typer.Typer) -> None:

@@ -63,10 +63,14 @@ def now(
     wait: bool = typer.Option(False, "--wait", help="Wait for the cycle and print its result JSON."),
     timeout: float = typer.Option(3600.0, "--timeout", help="Seconds --wait waits."),
     inline: bool = typer.Option(False, "--inline", help="Run the cycle chain in this process (no worker)."),
+    tenant: str | None = typer.Option(
+        None, "--tenant", help="A tenant with an adapter of its own: a cycle of its line (docs/lora.md)."
+    ),
 ) -> None:
     """Enqueue one training cycle (train → gate → deploy) for `rtrl worker`."""
     import json
 
+    from schemas.lines import global_line, tenant_line
     from schemas.settings import load_settings
 
     settings = load_settings()
@@ -76,10 +80,15 @@ def now(
         from worker.chain import run_chain
 
         _logging()
+        line = global_line(settings) if tenant is None else tenant_line(settings, tenant)
         with Store(settings.store.url) as store:
             store.check_schema()
             result = run_chain(
-                settings, store, Registry.from_settings(settings), owner=f"{socket.gethostname()}:cli"
+                settings,
+                store,
+                Registry.from_settings(settings),
+                owner=f"{socket.gethostname()}:cli",
+                line=line,
             )
         typer.echo(json.dumps(result, indent=2))
         return
@@ -87,7 +96,7 @@ def now(
     from worker.tasks import train_cycle
 
     configure(settings)
-    task = train_cycle.apply_async()
+    task = train_cycle.apply_async(kwargs={"tenant": tenant})
     typer.echo(f"enqueued cycle task {task.id}", err=wait)
     if wait:
         typer.echo(json.dumps(task.get(timeout=timeout), indent=2))

@@ -55,6 +55,14 @@ class VllmSettings(Section):
         "tools, hermes for Qwen2.5 / Qwen3 / Hermes, llama3_json for Llama 3.1+, mistral for Mistral. None: no "
         "parser; a request with `tools` and tool_choice auto is refused by vLLM.",
     )
+    max_loras: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="--max-loras of LoRA servers (trainer.adapter=lora): adapters served side by side in one batch. "
+        "At least 1 + the tenants with an adapter of their own (`rtrl tenants set T --adapter` refuses one more; "
+        "docs/lora.md, An adapter per tenant).",
+    )
     logprobs_mode: Literal["processed", "raw"] = Field(
         "processed",
         description="What the fleet's servers report as logprobs: processed (vLLM --logprobs-mode processed_logprobs, "

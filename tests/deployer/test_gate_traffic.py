@@ -189,3 +189,14 @@ def test_traffic_is_the_default_and_a_deployment_without_the_task_reads_none() -
     assert GateSettings(suites=("ope", "traffic")).suites == ("ope", "traffic")
     # No task suite configured: no task is read, so a missing one is no error.
     assert prompt_suites(with_gate(suites=("ope", "traffic"), task="no-such-task")) == []
+
+
+def test_a_tenant_lines_gate_replays_its_own_tenants_prompts_only(store: Store) -> None:
+    # docs/lora.md, An adapter per tenant: a tenant adapter is judged on its users' traffic, the
+    # global adapter on everyone else's.
+    acme = held_out(store, 6, tenant="acme")
+    store.set_tenant("acme", adapter=True)
+    settings = traffic_settings(min_prompts=2, max_prompts=8)
+    assert set(traffic.traffic_suite(settings, store, seed=1, tenant="acme").episodes) == set(acme)
+    global_draw = traffic.traffic_suite(settings, store, seed=1)
+    assert global_draw.suite is None and global_draw.verdict is not None  # nobody else sent any

@@ -42,6 +42,19 @@ def test_the_key_cache_follows_the_store_and_survives_its_outage(store: Store, t
     assert cache.lookup(other) is not None and cache.age_s == 60
 
 
+def test_the_key_cache_knows_the_tenants_with_an_adapter(store: Store) -> None:
+    store.create_api_key(role="tenant", tenant="acme", name="app")
+    store.set_tenant("bolt", adapter=True)
+    cache = KeyCache(store, refresh_s=5, monotonic=FakeMonotonic())
+    assert not cache.has_adapter("bolt")  # nothing loaded yet
+    assert cache.refresh()
+    assert cache.has_adapter("bolt") and not cache.has_adapter("acme")
+    store.set_tenant("bolt", adapter=False)
+    store.set_tenant("acme", adapter=True)
+    cache.refresh()  # switched at the next reload, as keys are
+    assert cache.has_adapter("acme") and not cache.has_adapter("bolt")
+
+
 def test_rate_limit_is_a_token_bucket_per_key() -> None:
     clock = FakeMonotonic()
     limiter = RateLimiter(rate_per_s=2.0, burst=3, monotonic=clock)

@@ -240,6 +240,19 @@ def test_the_model_is_the_served_one() -> None:
         assert str(error) == f"model {name!r} is not served here; this gateway serves 'rtrl-tiny'"
 
 
+def test_a_tenant_with_an_adapter_is_served_by_it_and_never_by_anothers() -> None:
+    # docs/lora.md, An adapter per tenant: the served name the client knows, or none, or its own
+    # adapter's name all go to its adapter; another tenant's adapter is as unknown as any model.
+    without = {k: v for k, v in COMPLETION.items() if k != "model"}
+    for body in (without, COMPLETION, {**COMPLETION, "model": "rtrl-tiny--acme"}):
+        assert POLICY.apply(body, False, "acme", "rtrl-tiny--acme")["model"] == "rtrl-tiny--acme"
+    with pytest.raises(RequestError, match="'rtrl-tiny--bolt' is not served here") as info:
+        POLICY.apply({**COMPLETION, "model": "rtrl-tiny--bolt"}, False, "acme", "rtrl-tiny--acme")
+    assert info.value.status_code == 404
+    with pytest.raises(RequestError, match="'rtrl-tiny--acme' is not served here"):
+        POLICY.apply({**COMPLETION, "model": "rtrl-tiny--acme"}, False, "bolt")  # bolt has no adapter
+
+
 def test_each_tenant_has_its_own_salt_and_a_clients_salt_is_refused() -> None:
     salts = {t: POLICY.cache_salt(t) for t in ("acme", "bolt")}
     assert salts["acme"] != salts["bolt"] and len(salts["acme"]) == 64

@@ -191,3 +191,41 @@ def test_quarantined_episodes_are_listed_and_released(tmp_path: Path) -> None:
     )
     assert line == "rtrl: not quarantined: 'e2', 'nope' (see `rtrl dlq episodes` for the ids)"
     assert rtrl("dlq", "episodes", **env).stdout == ""  # e1 was released before the error
+
+
+def test_a_tenant_adapter_is_switched_on_within_the_servers_capacity(tmp_path: Path) -> None:
+    import json
+
+    env = {
+        "RTRL_STORE__URL": f"sqlite:///{tmp_path}/rtrl.db",
+        "RTRL_TRAINER__ADAPTER": "lora",
+        "RTRL_VLLM__MAX_LORAS": "2",
+    }
+    on = rtrl("tenants", "set", "acme", "--adapter", **env)
+    assert on.returncode == 0, on.stderr
+    assert json.loads(on.stdout) == {
+        "tenant": "acme",
+        "trains": True,
+        "train_redacted": False,
+        "adapter": True,
+    }
+    assert (
+        rtrl("tenants", "set", "acme", "--adapter", **env).returncode == 0
+    )  # again: still one adapter tenant
+    line = one_line_error(rtrl("tenants", "set", "bolt", "--adapter", **env))
+    assert "vllm.max_loras >= 3, but it is 2" in line
+    full = one_line_error(
+        rtrl("tenants", "set", "bolt", "--adapter", **env | {"RTRL_TRAINER__ADAPTER": "full"})
+    )
+    assert "trainer.adapter=lora" in full
+    assert rtrl("tenants", "set", "acme", "--no-adapter", **env).returncode == 0
+    assert rtrl("tenants", "set", "bolt", "--adapter", **env).returncode == 0
+    listed = [json.loads(x) for x in rtrl("tenants", "list", **env).stdout.splitlines()]
+    assert [(t["tenant"], t["adapter"]) for t in listed] == [("acme", False), ("bolt", True)]
+
+
+def test_a_tenant_rollback_needs_a_tenant_with_an_adapter(tmp_path: Path) -> None:
+    env = {"RTRL_STORE__URL": f"sqlite:///{tmp_path}/rtrl.db", "RTRL_TRAINER__ADAPTER": "lora"}
+    assert rtrl("labeler", "migrate", **env).returncode == 0
+    refused = rtrl("deploy", "rollback", "--tenant", "acme", **env)
+    assert refused.returncode == 2 and "has no adapter of its own" in refused.stderr, refused.stderr

@@ -96,3 +96,36 @@ def test_what_the_servers_can_load(tiny: Path, tmp_path: Path) -> None:
     (out / "adapter_model.safetensors").unlink()
     with pytest.raises(AdapterError, match="has no adapter_model.safetensors"):
         check_servable(out, 16)
+
+
+def test_an_adapters_version_is_the_folder_it_was_loaded_from() -> None:
+    from serving.client import adapter_version
+
+    # The deployer loads a line's vN from its registry's download (or a weights agent's copy), a
+    # folder named vN; a server reports that path as the adapter's root in /v1/models.
+    assert adapter_version("/srv/run/deploy/lines/rtrl-policy--acme/v3") == 3
+    assert adapter_version("/srv/run/deploy/v12/") == 12
+    assert adapter_version("/srv/run/adapters/identity") is None  # what a server starts with
+    assert adapter_version("") is None and adapter_version("/x/v0") is None
+
+
+def test_the_adapters_a_server_lists_with_their_versions() -> None:
+    from serving.client import adapter_versions_of
+
+    # GET /v1/models of a LoRA server as vLLM 0.32 answers it: the base model's card (no parent),
+    # then one card per adapter with the path it was loaded from as its root.
+    models = {
+        "object": "list",
+        "data": [
+            {"id": "rtrl-tiny-base", "root": "/srv/models/tiny", "parent": None},
+            {"id": "rtrl-tiny", "root": "/srv/run/deploy/v4", "parent": "rtrl-tiny-base"},
+            {
+                "id": "rtrl-tiny--acme",
+                "root": "/srv/run/deploy/lines/rtrl-policy--acme/v2",
+                "parent": "rtrl-tiny-base",
+            },
+            {"id": "rtrl-tiny--bolt", "root": "/srv/run/adapters/identity", "parent": "rtrl-tiny-base"},
+        ],
+    }
+    assert adapter_versions_of(models) == {"rtrl-tiny": 4, "rtrl-tiny--acme": 2, "rtrl-tiny--bolt": None}
+    assert adapter_versions_of({"data": []}) == {} and adapter_versions_of([]) == {}
