@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict
 
 from deployer import metrics
 from deployer.errors import GateError, RolloutBusy
-from deployer.swap import rollout_lock, server_client, swap_server, swap_window, target
+from deployer.swap import NO_WAIT, LockWait, rollout_lock, server_client, swap_server, swap_window, target
 from evals.sequential import Decision, Guard, SequentialTest
 from registry import Registry
 from schemas.events import FeedbackKind
@@ -303,17 +303,17 @@ def run(
     *,
     cycle_id: int | None = None,
     stopping: Callable[[], bool] = lambda: False,
-    lock_wait_s: float = 0.0,
+    lock_wait: LockWait = NO_WAIT,
 ) -> CanaryOutcome:
     """Serve `version` to the canary's share of users until the test, a guard, a limit, an operator
     or `stopping` ends it; the traffic is back on the champion when this returns or raises.
-    Raises RolloutBusy when another process (a canary, the reconciler's `reap`) holds the lock for
-    `lock_wait_s` (0: at once), CanaryRunning (store) when a record says one runs."""
+    Raises RolloutBusy when another process (a canary, the reconciler's `reap`) holds the lock past
+    `lock_wait` (`NO_WAIT`: at once), CanaryRunning (store) when a record says one runs."""
     url = settings.vllm.canary_server
     if url is None:
         raise ServerError("vllm.canary_server", "gate.canary needs vllm.canary_server")
     c = settings.gate.canary
-    with rollout_lock(store, CANARY_LOCK, f"canary v{version}", wait_s=lock_wait_s):
+    with lock_wait.hold(store, CANARY_LOCK, f"canary v{version}"):
         stale = store.running_canary()
         if stale is not None:  # we hold the lock: no process runs it any more
             store.end_canary(

@@ -22,6 +22,11 @@ class RolloutBusy(DeployError, OperatorError):
     """Another rollout or gate run holds the lock; one at a time."""
 
 
+class WaitStopped(RolloutBusy):
+    """A caller waiting for a held deploy lock (the worker's chain, ``deployer.lock_wait_s``) was
+    told to stop (SIGTERM) before the lock came free: handled like any RolloutBusy."""
+
+
 class NothingToRollBack(DeployError, OperatorError):
     """A rollback was asked for, but no previous champion is recorded."""
 

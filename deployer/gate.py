@@ -66,6 +66,7 @@ from deployer.gate_suites import (
     prompt_suites,
     score_prompts,
 )
+from deployer.swap import NO_WAIT, LockWait
 from evals.suites import PromptSuite
 from registry import Registry
 from schemas.clock import utcnow
@@ -241,7 +242,7 @@ class _Plan:
     # Verdicts reached with nothing to sample: the traffic suite with too little held-out traffic.
     unsampled: list[SuiteResult] = field(default_factory=list)
     episodes: episodes.EpisodeSuite | None = None  # the agent episodes each model plays (not the anchor)
-    lock_wait_s: float = 0.0  # how long to wait for the "staging" lock (`swap.rollout_lock`)
+    lock_wait: LockWait = NO_WAIT  # how to wait for the "staging" lock (`swap.rollout_lock`)
 
 
 @dataclass
@@ -255,22 +256,23 @@ class _Staged:
 
 
 def evaluate(
-    settings: Settings, registry: Registry, version: int, store: Store, *, lock_wait_s: float = 0.0
+    settings: Settings, registry: Registry, version: int, store: Store, *, lock_wait: LockWait = NO_WAIT
 ) -> GateDecision:
     """Judge challenger `version` against the champion and record the decision (docs/gate.md).
 
     A challenger that does not load and verify on staging fails the gate (recorded, no raise).
     Raises GateError when the gate cannot run at all (no staging server, a suite that cannot be
     loaded, the champion fails to load), and RolloutBusy when another process (a gate run, the
-    reconciler aligning staging) holds the staging server for `lock_wait_s` (0: at once). The `store` holds the staging lock, the recorded digests, the held-out traffic of the
-    ope and traffic suites and the decision.
+    reconciler aligning staging) holds the staging server past `lock_wait` (`NO_WAIT`: at once;
+    `WaitStopped` when its `stopping` ended the wait). The `store` holds the staging lock, the
+    recorded digests, the held-out traffic of the ope and traffic suites and the decision.
     """
     staging = settings.vllm.staging_server
     if staging is None:
         raise GateError(
             "settings.vllm.staging_server is not set; the gate never generates on serving servers"
         )
-    plan = replace(_plan(settings, registry, version, store), lock_wait_s=lock_wait_s)
+    plan = replace(_plan(settings, registry, version, store), lock_wait=lock_wait)
     staged = _sample_on_staging(settings, registry, store, staging, plan)
     if staged.load_failure is None:
         results, found, behaviour = _score(settings, store, plan, staged)
@@ -344,7 +346,7 @@ def _sample_on_staging(
     a suite is anchored) and the champion in turn, with the verified swap, and sample the suites on
     each. A challenger that does not load is recorded in `load_failure`; the others must load."""
     staged = _Staged()
-    with swap.rollout_lock(store, "staging", f"gate v{plan.challenger}", wait_s=plan.lock_wait_s):
+    with plan.lock_wait.hold(store, "staging", f"gate v{plan.challenger}"):
         with swap.server_client(settings, staging) as server:
             try:
                 staged.targets["challenger"] = swap.target(settings, registry, store, plan.challenger)
@@ -438,7 +440,7 @@ def _ope_sampler(settings: Settings, store: Store, plan: _Plan, staged: _Staged)
         models: Sequence[str], prompts: Sequence[gate_dr.DrPrompt]
     ) -> dict[str, list[list[Generation]]]:
         out: dict[str, list[list[Generation]]] = {}
-        with swap.rollout_lock(store, "staging", f"gate v{plan.challenger} ope", wait_s=plan.lock_wait_s):
+        with plan.lock_wait.hold(store, "staging", f"gate v{plan.challenger} ope"):
             with swap.server_client(settings, staging) as server:
                 for model in sorted(models, key=lambda m: m == "champion"):
                     _load(server, staged.targets[model], settings, store)

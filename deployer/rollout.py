@@ -40,7 +40,9 @@ from deployer import metrics, trust
 from deployer.errors import NothingToRollBack, RolloutBusy
 from deployer.swap import (
     DEPLOYER_MARK,
+    NO_WAIT,
     Drain,
+    LockWait,
     ServerSwap,
     Target,
     deploy_dir,
@@ -170,22 +172,22 @@ def promote(
     store: Store | None = None,
     force_reason: str | None = None,
     role: str = "",
-    lock_wait_s: float = 0.0,
+    lock_wait: LockWait = NO_WAIT,
 ) -> SwapResult:
     """Swap the fleet to `version` and, when every server verified, record the promotion and move
     @champion to it. Raises NotAuthorized before touching a server when `version` has no grounds
     (deployer/trust.py) and no `force_reason` is given; `role` names the caller in the record.
-    Raises RolloutBusy when the fleet's lock stays held for `lock_wait_s` (0: at once).
+    Raises RolloutBusy when the fleet's lock stays held past `lock_wait` (`NO_WAIT`: at once).
 
     The lock, the digests and the swaps' announcements are in `store`: the caller's (the worker's
     chain passes the one it holds, its schema checked when it was opened), else one opened, checked
     and closed here."""
     if store is not None:
-        return _promote(settings, registry, store, version, force_reason, role, lock_wait_s)
+        return _promote(settings, registry, store, version, force_reason, role, lock_wait)
     own = Store(settings.store.url)
     try:
         own.check_schema()
-        return _promote(settings, registry, own, version, force_reason, role, lock_wait_s)
+        return _promote(settings, registry, own, version, force_reason, role, lock_wait)
     finally:
         own.close()
 
@@ -197,9 +199,9 @@ def _promote(
     version: int,
     force_reason: str | None,
     role: str,
-    lock_wait_s: float,
+    lock_wait: LockWait,
 ) -> SwapResult:
-    with rollout_lock(store, "rollout", f"promote v{version}", wait_s=lock_wait_s):
+    with lock_wait.hold(store, "rollout", f"promote v{version}"):
         previous = trust.champion(registry, store)  # first: adopts the alias when no record exists yet
         grounds = trust.grounds(registry, store, version, force_reason)  # or NotAuthorized, nothing touched
         result = _swap_fleet(settings, registry, store, version, previous)

@@ -44,8 +44,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployer.agent import agent_for
 from deployer.agent import fetch as fetch_on_host
-from deployer.errors import RolloutBusy
+from deployer.errors import RolloutBusy, WaitStopped
 from deployer.probe import (
     ADAPTER_PROBE_TOKENS,
     Probe,
@@ -449,9 +449,18 @@ def swap_window(
 LOCK_POLL_S = 0.2
 
 
+def never() -> bool:
+    """The stop condition of a caller that is never told to stop (`rollout_lock`'s default)."""
+    return False
+
+
 @contextmanager
 def rollout_lock(
-    store: Store, name: str = "rollout", purpose: str = "", wait_s: float = 0.0
+    store: Store,
+    name: str = "rollout",
+    purpose: str = "",
+    wait_s: float = 0.0,
+    stopping: Callable[[], bool] = never,
 ) -> Iterator[None]:
     """One rollout ("rollout") or gate run on the staging server ("staging") at a time, across every
     host that shares the store (`Store.exclusive`). The names never block each other.
@@ -459,8 +468,13 @@ def rollout_lock(
     A held lock raises RolloutBusy, naming the holder: at once by default (an operator's command,
     a reconciler tick, which skips to the next), or after trying again every `LOCK_POLL_S` for
     `wait_s` seconds (the worker's chain, ``deployer.lock_wait_s``: a registered challenger must
-    not fail because a reconciler tick held the lock for a moment)."""
-    deadline = time.monotonic() + wait_s
+    not fail because a reconciler tick held the lock for a moment).
+
+    A wait ends early, within `LOCK_POLL_S`, once `stopping` answers True (the worker's warm
+    shutdown, SIGTERM): `WaitStopped`, a RolloutBusy, so a stopping worker is not held until the
+    lock is free. A free lock is taken whatever `stopping` says: only the wait is given up."""
+    began = time.monotonic()
+    deadline = began + wait_s
     with ExitStack() as stack:
         while True:
             try:
@@ -470,8 +484,30 @@ def rollout_lock(
                 if time.monotonic() >= deadline:
                     waited = f" (waited {wait_s:g} s)" if wait_s > 0 else ""
                     raise RolloutBusy(f"another {name} is under way{waited}: {exc}") from None
+                if stopping():
+                    raise WaitStopped(
+                        f"stopped waiting for the {name} lock after {time.monotonic() - began:.1f} s:"
+                        f" this process is stopping; {exc}"
+                    ) from None
             time.sleep(min(LOCK_POLL_S, max(0.0, deadline - time.monotonic())))
         yield
+
+
+@dataclass(frozen=True)
+class LockWait:
+    """How a caller that may wait for a held deploy lock waits (`rollout_lock`): up to `wait_s`
+    seconds (0: not at all), given up early once `stopping` answers True. The worker's chain passes
+    ``deployer.lock_wait_s`` and its warm-shutdown flag; everyone else `NO_WAIT`."""
+
+    wait_s: float = 0.0
+    stopping: Callable[[], bool] = never
+
+    def hold(self, store: Store, name: str, purpose: str) -> AbstractContextManager[None]:
+        """`rollout_lock` of `name`, waited for this way."""
+        return rollout_lock(store, name, purpose, wait_s=self.wait_s, stopping=self.stopping)
+
+
+NO_WAIT = LockWait()
 
 
 def server_client(settings: Settings, url: str) -> VllmClient:

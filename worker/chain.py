@@ -9,7 +9,10 @@ the caller holds.
 The gate, the canary and the promotion each take a deploy lock in the store ("staging", "canary",
 "rollout"); the chain waits up to ``deployer.lock_wait_s`` for one that a reconciler tick (or an
 operator) holds, so a registered challenger does not fail for a moment's collision. Two workers
-never reach these together: the cycle lease admits one cycle at a time (docs/scaling.md).
+never reach these together: the cycle lease admits one cycle at a time (docs/scaling.md). A worker
+told to stop (`stopping`: SIGTERM's warm shutdown) gives that wait up within 0.2 s
+(`deployer.errors.WaitStopped`, a RolloutBusy): the cycle fails after registration as for a lock
+that stayed held, its version registered and never promoted.
 
 With ``gate.canary.enabled``, a challenger the gate passed serves the live canary first
 (`deployer.canary.run`) and only a canary that passes is promoted; any other ending rejects it.
@@ -41,6 +44,7 @@ from trainer.errors import Abandoned, AfterRegistration
 from trainer.lease import keep_lease
 
 if TYPE_CHECKING:
+    from deployer.swap import LockWait
     from trainer.cycle import CycleResult
 
 log = logging.getLogger(__name__)
@@ -177,7 +181,7 @@ def _gate_and_promote(
     assert result.cycle_id is not None and result.challenger_version is not None
     gate_started = time.monotonic()
     decision = gate.evaluate(
-        settings, registry, result.challenger_version, store, lock_wait_s=settings.deployer.lock_wait_s
+        settings, registry, result.challenger_version, store, lock_wait=_lock_wait(settings, stopping)
     )
     out["gate_s"] = round(time.monotonic() - gate_started, 3)
     out.update(
@@ -207,7 +211,7 @@ def _gate_and_promote(
         return _canary_then_promote(
             settings, store, registry, result, out, gate_metrics, decision.champion_version, stopping
         )
-    return _promote(settings, store, registry, result, out, gate_metrics)
+    return _promote(settings, store, registry, result, out, gate_metrics, stopping)
 
 
 def _canary_then_promote(
@@ -234,7 +238,7 @@ def _canary_then_promote(
         champion,
         cycle_id=result.cycle_id,
         stopping=stopping,
-        lock_wait_s=settings.deployer.lock_wait_s,
+        lock_wait=_lock_wait(settings, stopping),
     )
     out["canary"] = outcome.model_dump(mode="json")
     gate_metrics = gate_metrics | {
@@ -247,7 +251,7 @@ def _canary_then_promote(
         end_cycle(settings, store, result.cycle_id, "rejected", metrics=gate_metrics)
         out.update(status="rejected", gate="fail", gate_reason=f"canary {outcome.state}: {outcome.reason}")
         return out
-    return _promote(settings, store, registry, result, out, gate_metrics)
+    return _promote(settings, store, registry, result, out, gate_metrics, stopping)
 
 
 def _promote(
@@ -257,6 +261,7 @@ def _promote(
     result: CycleResult,
     out: dict[str, Any],
     gate_metrics: dict[str, Any],
+    stopping: Callable[[], bool],
 ) -> dict[str, Any]:
     """The challenger that passed the gate onto the fleet: the cycle ends ``promoted``, or ``failed``
     when the swap fails. Returns `out` with the swap, its timings and the served version."""
@@ -271,7 +276,7 @@ def _promote(
         result.challenger_version,
         store=store,
         role="worker",
-        lock_wait_s=settings.deployer.lock_wait_s,
+        lock_wait=_lock_wait(settings, stopping),
     )
     out["deploy_s"] = round(time.monotonic() - deploy_started, 3)
     out["swap"] = swap.model_dump(mode="json")
@@ -310,3 +315,11 @@ def _promote(
         },
     )
     return out
+
+
+def _lock_wait(settings: Settings, stopping: Callable[[], bool]) -> LockWait:
+    """How the chain waits for a deploy lock: up to ``deployer.lock_wait_s``, and not past the
+    worker's shutdown (`stopping`), so SIGTERM is not answered only once the lock comes free."""
+    from deployer.swap import LockWait
+
+    return LockWait(settings.deployer.lock_wait_s, stopping)
