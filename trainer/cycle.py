@@ -48,7 +48,7 @@ from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import DapoLoss, Settings, TrainerSettings
 from serving.sampler import Row
 from store import DatabaseError, Store, TrainingEpisode
-from trainer import checkpoint, hindsight, objectives, replay
+from trainer import checkpoint, hindsight, objectives, reference, replay
 from trainer.advantages import BaselineState, compute_advantages
 from trainer.batch import (
     carries_advantage,
@@ -234,6 +234,7 @@ def run_cycle(
         return CycleResult(
             cycle_id=None, status="not_enough_data", champion_version=champion, episodes=available
         )
+    ref = reference.resolve(settings, registry, champion)  # trainer.reference: a missing one fails here
     cycle_id = store.acquire_cycle(
         owner, cfg.lease_ttl_s, champion, max_episode_failures=cfg.max_episode_failures, line=tenant
     )
@@ -277,6 +278,7 @@ def run_cycle(
             base_dir=base_dir,
             stopping=stopping,
             replay=replay.batches(cfg, examples, cycle.id, tokenizer_dir=base_dir or champion_dir),
+            reference=ref,
         )
         result = _result(cycle, run_id, batch, training)
         _log_lineage(registry, run_id, batch.episodes, result)
