@@ -89,7 +89,7 @@ class Facts:
     promoted: tuple[int, ...] = ()  # the versions rtrl promoted, newest first
     serving: frozenset[int] = frozenset()  # announced by the deployer on a serving server
     in_flight: frozenset[int] = frozenset()  # challengers of cycles in progress, and @challenger
-    anchors: frozenset[int] = frozenset()  # the gate's anchor, the bootstrap's base
+    anchors: frozenset[int] = frozenset()  # the gate's anchor, the trainer's KL reference, the base
     cycles: Mapping[int, CycleFact] = field(default_factory=dict)  # of the checkpoints listed
     rejected: frozenset[int] = frozenset()  # newest gate decision failed, never promoted
 
