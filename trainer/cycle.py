@@ -218,8 +218,7 @@ def run_cycle(
     `tenant`: the line it trains (schemas/lines.py; `settings` and `registry` are the line's), None the
     global one. `stopping` is asked before every optimizer step and before the checkpoint is saved:
     once it answers True (the worker got SIGTERM) the cycle raises `Abandoned` and fails, its
-    episodes released, nothing registered.
-    """
+    episodes released, nothing registered."""
     cfg, started, started_at = settings.trainer, time.monotonic(), utcnow()
 
     # ---- lease --------------------------------------------------------------------------------
@@ -262,8 +261,7 @@ def run_cycle(
         batch = _drop_rows_without_signal(cfg, _distil(cfg, cycle, batch, champion_dir, base_dir))
 
         # ---- champion weights into DeepSpeed, steps, save ---------------------------------------
-        metrics = batch.method_metrics | _as_floats(batch.selection) | batch.hindsight
-        run_id = _start_run(settings, registry, cycle, metrics)
+        run_id = _start_run(settings, registry, cycle, batch)
         training = train(
             cfg,
             store,
@@ -490,11 +488,11 @@ def _reward_params(spec: RewardSpec) -> dict[str, str]:
     return params
 
 
-def _start_run(
-    settings: Settings, registry: Registry, cycle: _Cycle, method_metrics: dict[str, float]
-) -> str:
+def _start_run(settings: Settings, registry: Registry, cycle: _Cycle, batch: _Batch) -> str:
     """The cycle's MLflow run (recorded on `cycle` at once: a failure from here on ends it FAILED),
-    with the trainer's settings and the reward spec as params, and the batch's method metrics."""
+    with the trainer's settings and the reward spec as params, and the batch's method metrics,
+    selection and hindsight counts."""
+    method_metrics = batch.method_metrics | _as_floats(batch.selection) | batch.hindsight
     run_id = cycle.run_id = registry.start_run(
         f"cycle-{cycle.id}",
         tags={

@@ -129,7 +129,7 @@ def test_a_lora_cycle_measures_its_distance_from_the_base_with_the_adapter_disab
     )
     second = run_cycle(anchored, store, registry, owner="test")
     assert second.status == "registered", second
-    assert (second.steps[0].ref_kl_k3 or 0.0) > 1e-4, "the promoted adapter's distance from the base"
+    assert (second.steps[0].ref_kl_k3 or 0.0) > 1e-5, "the promoted adapter's distance from the base"
 
 
 def test_zero_stage_2_trains_a_lora_cycle(
