@@ -211,6 +211,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kl-coef", type=float, default=None, help="trainer.loss.kl_coef (default: the loss's)"
     )
     parser.add_argument(
+        "--ref-kl-coef",
+        type=float,
+        default=None,
+        help="trainer.loss.ref_kl_coef: the KL penalty to the base (default: the loss's, 0)",
+    )
+    parser.add_argument(
         "--warmup-steps", type=int, default=None, help="trainer.warmup_steps (default: the trainer's)"
     )
     parser.add_argument(
@@ -251,7 +257,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def loss_settings(current: LossSettings, args: argparse.Namespace) -> LossSettings:
-    """``trainer.loss``: `current`, or ``--loss``'s type at its defaults, with ``--kl-coef`` over it."""
+    """``trainer.loss``: `current`, or ``--loss``'s type at its defaults, with ``--kl-coef`` and
+    ``--ref-kl-coef`` over it."""
     from pydantic import TypeAdapter
 
     loss: LossSettings = (
@@ -259,6 +266,8 @@ def loss_settings(current: LossSettings, args: argparse.Namespace) -> LossSettin
     )
     if args.kl_coef is not None:
         loss = loss.model_copy(update={"kl_coef": args.kl_coef})
+    if args.ref_kl_coef is not None:
+        loss = loss.model_copy(update={"ref_kl_coef": args.ref_kl_coef})
     return loss
 
 
@@ -442,6 +451,7 @@ def run_config(settings: Settings, args: argparse.Namespace, preference: str | N
         "trainer_lr": settings.trainer.lr,
         "trainer_steps": settings.trainer.steps,
         "kl_coef": settings.trainer.loss.kl_coef,
+        "ref_kl_coef": settings.trainer.loss.ref_kl_coef,
         "warmup_steps": settings.trainer.warmup_steps,
         "replay_weight": settings.trainer.replay.weight if settings.trainer.replay.path else 0.0,
         "replay_per_cycle": settings.trainer.replay.per_cycle if settings.trainer.replay.path else None,

@@ -17,7 +17,8 @@ What is kept (`decide`, a pure function of the artefacts and the `Facts` read fr
 registry; ``deployer.retention``, `RetentionSettings`): every artefact of a kept version
 (`kept_versions`: the champion, by rtrl's record and by the @champion alias; the
 ``keep_previous`` champions before it, the rollback targets; every version a serving server is
-announced on; the challenger of a cycle in progress and @challenger; the gate's anchor and the
+announced on; the challenger of a cycle in progress and @challenger; the gate's anchor, the
+trainer's KL reference (``trainer.reference`` while ``trainer.loss.ref_kl_coef`` > 0) and the
 bootstrap's base); a checkpoint whose cycle is in progress or unknown to the store; anything younger
 than ``min_age_s``; and every registry version but those the gate rejected and rtrl never promoted
 (store/promotions.py `rejected_versions`). A rejected version goes with its checkpoint artifacts;
@@ -88,7 +89,7 @@ class Facts:
     promoted: tuple[int, ...] = ()  # the versions rtrl promoted, newest first
     serving: frozenset[int] = frozenset()  # announced by the deployer on a serving server
     in_flight: frozenset[int] = frozenset()  # challengers of cycles in progress, and @challenger
-    anchors: frozenset[int] = frozenset()  # the gate's anchor, the bootstrap's base
+    anchors: frozenset[int] = frozenset()  # the gate's anchor, the trainer's KL reference, the base
     cycles: Mapping[int, CycleFact] = field(default_factory=dict)  # of the checkpoints listed
     rejected: frozenset[int] = frozenset()  # newest gate decision failed, never promoted
 
@@ -243,6 +244,9 @@ def read_facts(
         anchors.update(versions[:1])
     elif anchor != "none":
         anchors.add(int(anchor))
+    reference = settings.trainer.reference  # the trainer's fixed KL reference (trainer/reference.py)
+    if settings.trainer.loss.ref_kl_coef > 0:
+        anchors.update(registry.versions()[:1] if reference == "base" else [int(reference)])
     cycles = {}
     for cycle_id in sorted(set(cycle_ids)):
         found = store.get_cycle(cycle_id)

@@ -48,7 +48,7 @@ from schemas.rewards import RewardSpec, get_spec
 from schemas.settings import DapoLoss, Settings, TrainerSettings
 from serving.sampler import Row
 from store import DatabaseError, Store, TrainingEpisode
-from trainer import checkpoint, hindsight, objectives, replay
+from trainer import checkpoint, hindsight, objectives, reference, replay
 from trainer.advantages import BaselineState, compute_advantages
 from trainer.batch import (
     carries_advantage,
@@ -218,8 +218,7 @@ def run_cycle(
     `tenant`: the line it trains (schemas/lines.py; `settings` and `registry` are the line's), None the
     global one. `stopping` is asked before every optimizer step and before the checkpoint is saved:
     once it answers True (the worker got SIGTERM) the cycle raises `Abandoned` and fails, its
-    episodes released, nothing registered.
-    """
+    episodes released, nothing registered."""
     cfg, started, started_at = settings.trainer, time.monotonic(), utcnow()
 
     # ---- lease --------------------------------------------------------------------------------
@@ -234,6 +233,7 @@ def run_cycle(
         return CycleResult(
             cycle_id=None, status="not_enough_data", champion_version=champion, episodes=available
         )
+    ref = reference.resolve(settings, registry, champion)  # trainer.reference: a missing one fails here
     cycle_id = store.acquire_cycle(
         owner, cfg.lease_ttl_s, champion, max_episode_failures=cfg.max_episode_failures, line=tenant
     )
@@ -261,8 +261,7 @@ def run_cycle(
         batch = _drop_rows_without_signal(cfg, _distil(cfg, cycle, batch, champion_dir, base_dir))
 
         # ---- champion weights into DeepSpeed, steps, save ---------------------------------------
-        metrics = batch.method_metrics | _as_floats(batch.selection) | batch.hindsight
-        run_id = _start_run(settings, registry, cycle, metrics)
+        run_id = _start_run(settings, registry, cycle, batch)
         training = train(
             cfg,
             store,
@@ -277,6 +276,7 @@ def run_cycle(
             base_dir=base_dir,
             stopping=stopping,
             replay=replay.batches(cfg, examples, cycle.id, tokenizer_dir=base_dir or champion_dir),
+            reference=ref,
         )
         result = _result(cycle, run_id, batch, training)
         _log_lineage(registry, run_id, batch.episodes, result)
@@ -488,11 +488,11 @@ def _reward_params(spec: RewardSpec) -> dict[str, str]:
     return params
 
 
-def _start_run(
-    settings: Settings, registry: Registry, cycle: _Cycle, method_metrics: dict[str, float]
-) -> str:
+def _start_run(settings: Settings, registry: Registry, cycle: _Cycle, batch: _Batch) -> str:
     """The cycle's MLflow run (recorded on `cycle` at once: a failure from here on ends it FAILED),
-    with the trainer's settings and the reward spec as params, and the batch's method metrics."""
+    with the trainer's settings and the reward spec as params, and the batch's method metrics,
+    selection and hindsight counts."""
+    method_metrics = batch.method_metrics | _as_floats(batch.selection) | batch.hindsight
     run_id = cycle.run_id = registry.start_run(
         f"cycle-{cycle.id}",
         tags={

@@ -106,7 +106,6 @@ def start_engine(
     adapter's matrices train (``trainer.adapter=lora``, docs/lora.md)."""
     _single_process_env()
     import deepspeed
-    from transformers import AutoModelForCausalLM
 
     if not torch.distributed.is_initialized() and os.environ.get("WORLD_SIZE", "1") == "1":
         # A world of one: the rendezvous port is private to this process, so take one that is free
@@ -115,14 +114,7 @@ def start_engine(
         # a multi-rank cycle rendezvous at the port their launcher gave them: trainer/ranks.py.)
         os.environ["MASTER_PORT"] = str(_free_port())
     torch.manual_seed(cfg.seed)
-    model: torch.nn.Module
-    if base_dir is None:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    else:
-        from peft import PeftModel
-
-        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-        model = PeftModel.from_pretrained(base, str(model_dir), is_trainable=True)
+    model = load_model(model_dir, base_dir, trainable=True)
     model.train()
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -130,6 +122,23 @@ def start_engine(
         config=ds_config(cfg, cfg.micro_batch, accumulation),
     )
     return engine
+
+
+def load_model(model_dir: Path, base_dir: Path | None, *, trainable: bool) -> torch.nn.Module:
+    """A checkpoint as the trainer loads it, in fp32 on CPU: full weights from `model_dir`, or with
+    `base_dir` the LoRA adapter in `model_dir` on that base (its matrices trainable if `trainable`).
+    The policy of a cycle (`start_engine`), the hindsight teacher and the fixed KL reference
+    (trainer/hindsight.py, trainer/reference.py) all load through it."""
+    from transformers import AutoModelForCausalLM
+
+    if base_dir is None:
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        return model
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    adapter: torch.nn.Module = PeftModel.from_pretrained(base, str(model_dir), is_trainable=trainable)
+    return adapter
 
 
 OPTIMIZER_TAG = "state"

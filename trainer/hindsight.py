@@ -168,21 +168,16 @@ class Teacher:
 
     def __init__(self, champion_dir: Path, base_dir: Path | None, micro_batch: int) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from trainer.engine import load_model
 
         self.micro_batch = micro_batch
         # The engine's accelerator (trainer/engine.py: DS_ACCELERATOR, cpu unless a GPU is configured).
         cuda = os.environ.get("DS_ACCELERATOR") == "cuda" and torch.cuda.is_available()
         self.device = torch.device("cuda" if cuda else "cpu")
         self.tokenizer: Any = AutoTokenizer.from_pretrained(str(base_dir or champion_dir))
-        model: Any
-        if base_dir is None:
-            model = AutoModelForCausalLM.from_pretrained(champion_dir, dtype=torch.float32)
-        else:
-            from peft import PeftModel
-
-            base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-            model = PeftModel.from_pretrained(base, str(champion_dir))
+        model = load_model(champion_dir, base_dir, trainable=False)
         self.model: Any = model.to(self.device).eval()
 
     def tokenize(self, text: str) -> list[int]:

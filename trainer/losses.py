@@ -21,7 +21,10 @@ tokens that are impossible under it (outside the nucleus of π_old or π_θ) are
 
 Every loss may add β·KL(π_θ ‖ π_old), the k1 or k3 estimator (http://joschu.net/blog/kl-approx.html)
 on the sampled tokens, normalised like its policy term: π_old is the champion the cycle started
-from, so the penalty keeps one cycle's update near the policy that serves. The KL penalty and the
+from, so the penalty keeps one cycle's update near the policy that serves. And β_ref·KL(π_θ ‖ π_ref)
+(``ref_kl_coef``), the same estimator, to a fixed version (``trainer.reference``, the base:
+``ref_tempered``, trainer/reference.py), which does not move with each promotion, so the small
+drifts the champion's penalty allows cannot add up over cycles. The KL penalties and the
 trust region's measurement (`beyond_trust_region`) use the *tempered* logprobs (penalties and
 temperature, no truncation) on every sampled token, ``scored``: a token pushed out of the nucleus
 is the largest move of all, and with truncated logprobs its log-ratio would be infinite
@@ -74,6 +77,9 @@ class TokenBatch:
     # One Â per completion token (hindsight distillation adds a term per token: trainer/hindsight.py);
     # None: `advantages`, shared by all of a sequence's tokens.
     token_advantages: torch.Tensor | None = None  # (B, T)
+    # Tempered logprobs of the fixed reference π_ref (trainer/reference.py), no grad; None: no
+    # reference (a loss with ref_kl_coef > 0 then refuses the batch).
+    ref_tempered: torch.Tensor | None = None  # (B, T)
 
     def token_advantage(self) -> torch.Tensor:
         """Â of each token: (B, T) when the batch has per-token advantages, else (B, 1), broadcast."""
@@ -97,6 +103,17 @@ class TokenBatch:
         old = self.old_logprobs if self.old_tempered is None else self.old_tempered
         return _masked(old - new, scored), scored
 
+    def ref_kl_log_ratio(self) -> torch.Tensor:
+        """log(π_ref/π_θ) of the tempered logprobs, 0 off the scored tokens (`kl_log_ratio`'s, to π_ref)."""
+        if self.ref_tempered is None:
+            raise ValueError(
+                "trainer.loss.ref_kl_coef > 0 needs the reference's logprobs (TokenBatch.ref_tempered: "
+                "trainer/reference.py)"
+            )
+        scored = self.mask if self.scored is None else self.scored
+        new = self.logprobs if self.tempered is None else self.tempered
+        return _masked(self.ref_tempered - new, scored)
+
 
 def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """`values` where `mask` is set, 0 elsewhere: before exp, so a masked position cannot give inf · 0."""
@@ -114,7 +131,9 @@ class Normaliser:
 @dataclass(frozen=True)
 class LossOutput:
     loss: torch.Tensor  # () this micro-batch's share of the step loss
-    sums: dict[str, float]  # token-level sums: ratio, clipped, is_weight, tokens; kl_k1, kl_k3 over kl_tokens
+    # token-level sums: ratio, clipped, is_weight, tokens; kl_k1, kl_k3 (and ref_kl_k1, ref_kl_k3 with a
+    # reference) over kl_tokens
+    sums: dict[str, float]
 
 
 LossFn = Callable[[TokenBatch, Any, Normaliser], LossOutput]
@@ -129,28 +148,36 @@ def _token_ratios(batch: TokenBatch, cfg: Any) -> tuple[torch.Tensor, torch.Tens
     return ratio, is_weight, clipped
 
 
-def _kl(batch: TokenBatch, cfg: Any) -> torch.Tensor:
-    """Per-token estimate of KL(π_θ ‖ π_old) on the sampled tokens (tempered logprobs, every scored
-    token: `TokenBatch.kl_log_ratio`), 0 off them; zeros when β = 0.
+def _estimate(log_r: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from log r = log(π_ref/π_θ) on the sampled tokens.
 
-    k1 = log π_θ − log π_old (unbiased, can be negative per token); k3 = r − 1 − log r with
-    r = π_old/π_θ (unbiased, always ≥ 0, lower variance; GRPO's choice).
+    k1 = log π_θ − log π_ref (unbiased, can be negative per token); k3 = r − 1 − log r
+    (unbiased, always ≥ 0, lower variance; GRPO's choice).
     """
-    if cfg.kl_coef == 0:
-        return torch.zeros_like(batch.logprobs)
-    log_r, _ = batch.kl_log_ratio()  # (B, T) log(π_old/π_θ)
-    if cfg.kl_estimator == "k1":
+    if estimator == "k1":
         return -log_r
     return torch.exp(log_r) - 1 - log_r
 
 
+def _kl(batch: TokenBatch, cfg: Any) -> torch.Tensor:
+    """Per-token KL penalty on the sampled tokens (tempered logprobs, every scored token:
+    `TokenBatch.kl_log_ratio`), 0 off them: β·KL(π_θ ‖ π_old) + β_ref·KL(π_θ ‖ π_ref), each by
+    ``kl_estimator`` (`_estimate`); zeros when both weights are 0."""
+    penalty = torch.zeros_like(batch.logprobs)
+    if cfg.kl_coef != 0:
+        log_r, _ = batch.kl_log_ratio()  # (B, T) log(π_old/π_θ)
+        penalty = penalty + cfg.kl_coef * _estimate(log_r, cfg.kl_estimator)
+    if cfg.ref_kl_coef != 0:
+        penalty = penalty + cfg.ref_kl_coef * _estimate(batch.ref_kl_log_ratio(), cfg.kl_estimator)
+    return penalty
+
+
 def _kl_penalty(batch: TokenBatch, cfg: Any, norm: Normaliser) -> torch.Tensor:
-    """β · the token mean of `_kl` over every scored token of the step."""
-    if cfg.kl_coef == 0:
+    """The token mean of `_kl` over every scored token of the step."""
+    if cfg.kl_coef == 0 and cfg.ref_kl_coef == 0:
         return torch.zeros((), device=batch.logprobs.device)
     _, scored = batch.kl_log_ratio()
-    penalty: torch.Tensor = cfg.kl_coef * _token_mean(_kl(batch, cfg), scored, norm)
-    return penalty
+    return _token_mean(_kl(batch, cfg), scored, norm)
 
 
 def _sums(
@@ -162,7 +189,8 @@ def _sums(
     mask = batch.mask
     with torch.no_grad():
         log_r, scored = batch.kl_log_ratio()  # log(π_old/π_θ)
-        return {
+        sums = _ref_kl_sums(batch, scored) if batch.ref_tempered is not None else {}
+        return sums | {
             "ratio": float((ratio * mask).sum()),
             "clipped": float((clipped.float() * mask).sum()),
             # Estimators of KL(π_old ‖ π_θ) on tokens sampled from π_old, with r = π_θ/π_old:
@@ -173,6 +201,17 @@ def _sums(
             "is_weight": float((is_weight * mask).sum()),
             "tokens": float(mask.sum()),
         }
+
+
+def _ref_kl_sums(batch: TokenBatch, scored: torch.Tensor) -> dict[str, float]:
+    """Token sums of the estimates of KL(π_θ ‖ π_ref) the penalty uses, r = π_ref/π_θ: k1 = −log r,
+    k3 = r − 1 − log r, over the scored tokens (``kl_tokens``): how far the policy is from the
+    reference, the champion's own drift included at the first step."""
+    ref_log_r = batch.ref_kl_log_ratio()  # log(π_ref/π_θ)
+    return {
+        "ref_kl_k1": float((-ref_log_r * scored).sum()),
+        "ref_kl_k3": float(((torch.exp(ref_log_r) - 1 - ref_log_r) * scored).sum()),
+    }
 
 
 def beyond_trust_region(sums: dict[str, float], max_kl: float | None) -> bool:
@@ -232,9 +271,7 @@ def grpo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     """
     objective, ratio, is_weight, clipped = _clipped_surrogate(batch, cfg)
     _, scored = batch.kl_log_ratio()
-    loss = _sequence_mean(-objective, batch.mask, norm) + cfg.kl_coef * _sequence_mean(
-        _kl(batch, cfg), scored, norm
-    )
+    loss = _sequence_mean(-objective, batch.mask, norm) + _sequence_mean(_kl(batch, cfg), scored, norm)
     return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
 
 
@@ -251,7 +288,7 @@ def dr_grpo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     (``norm_tokens``, the generation budget) instead of each sequence's own length."""
     objective, ratio, is_weight, clipped = _clipped_surrogate(batch, cfg)
     _, scored = batch.kl_log_ratio()
-    per_token = -objective * batch.mask + cfg.kl_coef * _kl(batch, cfg) * scored
+    per_token = -objective * batch.mask + _kl(batch, cfg) * scored
     loss = per_token.sum() / (max(norm.sequences, 1) * cfg.norm_tokens)
     return LossOutput(loss, _sums(batch, ratio, is_weight, clipped))
 
@@ -277,7 +314,7 @@ def gspo(batch: TokenBatch, cfg: Any, norm: Normaliser) -> LossOutput:
     _, scored = batch.kl_log_ratio()
     kl = (_kl(batch, cfg) * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)  # (B,)
     has_tokens = (mask.sum(dim=1) > 0).float()  # (B,) a row with no trainable token adds nothing
-    loss = ((-w * surrogate + cfg.kl_coef * kl) * has_tokens).sum() / max(norm.sequences, 1)
+    loss = ((-w * surrogate + kl) * has_tokens).sum() / max(norm.sequences, 1)
     clipped_sequence = (s < 1 - cfg.eps_low) | (s > 1 + cfg.eps_high)  # (B,)
     ratio = s[:, None].expand_as(mask)
     clipped = clipped_sequence[:, None].expand_as(mask)

@@ -45,6 +45,7 @@ from typing import Any
 from schemas.settings import TrainerSettings
 from trainer import checkpoint, jobs, process_tree
 from trainer.errors import Abandoned, TrainerError
+from trainer.reference import Reference
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ def train_on_ranks(
     lineage: dict[str, Any],
     optimizer_from: Path | None,
     optimizer_to: Path | None,
+    reference: Reference | None = None,
     stopping: Callable[[], bool] = lambda: False,
 ) -> dict[str, Any]:
     """Train on ``cfg.ranks`` rank processes (see the module docstring); returns ``result.json``:
@@ -122,6 +124,7 @@ def train_on_ranks(
             "lineage": json.dumps(lineage, default=str),
             "optimizer_from": None if optimizer_from is None else str(optimizer_from),
             "optimizer_to": None if optimizer_to is None else str(optimizer_to),
+            "reference": None if reference is None else reference.to_job(),
         },
     )
     command = launch_command(cfg, host=True, job=str(work_dir))
@@ -286,6 +289,7 @@ def main(work_dir: Path | None, timeout_s: float) -> None:
         loss_function(cfg.loss),
         Normaliser(tokens=tokens, sequences=sequences),
         mean_advantage=float(job["mean_advantage"]),
+        reference=Reference.from_job(job.get("reference")),  # each rank scores its own micro-batches
     )
     if job["optimizer_to"] is not None:
         save_optimizer_state(engine, Path(job["optimizer_to"]))  # every rank writes its part

@@ -8,6 +8,10 @@ world-th micro-batch (`rank_batches`); DeepSpeed averages the ranks' gradients, 
 is scaled by the world size to keep the step's loss a sum over all of the cycle's tokens; the
 step's sums are all-reduced before the trust-region decision, so every rank decides the same.
 
+With a fixed KL reference (``trainer.loss.ref_kl_coef`` > 0, trainer/reference.py), π_ref's
+logprobs of this rank's micro-batches are computed once, without gradient, before the first step,
+and every step reports the mean KL(π_θ ‖ π_ref) of its forward passes (``ref_kl_k1``, ``ref_kl_k3``).
+
 The first step also measures how far the trainer's π_old is from the behaviour logprobs μ that vLLM
 reported, token by token, before any clipping (`Mismatch`): the check that the trainer reproduces
 the sampler (temperature, truncation, penalties) and the engines' numerics agree. It goes into
@@ -29,6 +33,8 @@ from schemas.settings import TrainerSettings
 from serving.sampler import MicroBatch, TokenLogprobs, token_logprobs
 from trainer.engine import grad_norm_after_step, grad_norm_before_step, optimizer_steps, set_lr, warmup_lr
 from trainer.losses import LossFn, LossOutput, Normaliser, TokenBatch, beyond_trust_region
+from trainer.reference import Reference
+from trainer.reference import logprobs as reference_logprobs
 from trainer.replay import ReplayBatches, replay_loss
 
 if TYPE_CHECKING:
@@ -49,6 +55,17 @@ class StepMetrics(BaseModel):
         0.0,
         description="k3 estimate of KL(π_old ‖ π_θ): mean of r − 1 − log r, r = π_θ/π_old "
         "(≥ 0; what trainer.max_kl is compared with).",
+    )
+    ref_kl_k1: float | None = Field(
+        None,
+        description="k1 estimate of KL(π_θ ‖ π_ref), π_ref the fixed reference (trainer.reference): mean of "
+        "log(π_θ/π_ref) over the kl_tokens; at the first step the champion's own distance from it. None "
+        "without trainer.loss.ref_kl_coef.",
+    )
+    ref_kl_k3: float | None = Field(
+        None,
+        description="k3 estimate of KL(π_θ ‖ π_ref): mean of r − 1 − log r, r = π_ref/π_θ (≥ 0). None without "
+        "trainer.loss.ref_kl_coef.",
     )
     is_weight: float = Field(description="Mean truncated behaviour weight min(π_old/μ, C).")
     grad_norm: float | None = Field(description="Global gradient norm before clipping.")
@@ -206,18 +223,25 @@ def run_steps(
     *,
     mean_advantage: float,
     replay: ReplayBatches | None = None,
+    reference: Reference | None = None,
     before_step: Callable[[int], object] = lambda step: None,
     after_step: Callable[[StepMetrics], object] = lambda metrics: None,
 ) -> Trained:
     """``cfg.steps`` optimizer steps over `batches` (this rank's share when there are several
     ranks; `norm` counts the whole cycle's tokens and sequences), each with the `replay` term
-    (trainer/replay.py; one rank only). `before_step` may raise to abandon the cycle; `after_step`
+    (trainer/replay.py; one rank only) and the KL penalty to the fixed `reference`
+    (trainer/reference.py). `before_step` may raise to abandon the cycle; `after_step`
     gets each step's metrics (the whole cycle's, on every rank)."""
     steps: list[StepMetrics] = []
-    # π_old: the champion's own logprobs, taken from the first step's forward passes
-    # (the weights only change at the end of that step).
-    old_logprobs: list[TokenLogprobs | None] = [None] * len(batches)
-    mismatch = Mismatch()
+    # π_old: the champion's own logprobs, taken from the first step's forward passes (the weights
+    # only change at the end of that step); π_ref's before any step, those of a reference that is
+    # the champion from the same passes.
+    firsts = _Firsts(
+        old_logprobs=[None] * len(batches),
+        mismatch=Mismatch(),
+        refs=None if reference is None else reference_logprobs(engine, batches, reference),
+    )
+    mismatch = firsts.mismatch
     taken = optimizer_steps(engine)  # a carried optimizer may be past its warm-up
     for step in range(cfg.steps):
         lr = warmup_lr(cfg.learning_rate, taken + step + 1, cfg.warmup_steps)
@@ -229,8 +253,7 @@ def run_steps(
             loss_fn,
             norm,
             lr=lr,
-            old_logprobs=old_logprobs,
-            mismatch=mismatch,
+            firsts=firsts,
             replay=replay,
         )
         if step == 0:
@@ -247,6 +270,17 @@ def run_steps(
         if not done.applied:
             return Trained(steps, kl_stop=step)
     return Trained(steps, kl_stop=None)
+
+
+@dataclass(frozen=True)
+class _Firsts:
+    """What the steps keep of the cycle's first forward passes: π_old per micro-batch (filled by the
+    first step), its mismatch with μ, and π_ref's tempered logprobs per micro-batch (None: no
+    reference; a None entry: the reference is the champion, π_old's fill it)."""
+
+    old_logprobs: list[TokenLogprobs | None]
+    mismatch: Mismatch
+    refs: list[torch.Tensor | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -267,8 +301,7 @@ def _step(
     norm: Normaliser,
     *,
     lr: float,
-    old_logprobs: list[TokenLogprobs | None],
-    mismatch: Mismatch,
+    firsts: _Firsts,
     replay: ReplayBatches | None = None,
 ) -> _Step:
     """One optimizer step: forward and backward over every micro-batch, the replay term's first
@@ -287,10 +320,12 @@ def _step(
         "tokens": 0.0,
         "impossible": 0.0,
     }
+    if firsts.refs is not None:
+        totals |= {"ref_kl_k1": 0.0, "ref_kl_k3": 0.0}
     norm_before: float | None = None
     for k, mb in enumerate(batches):
         mb = mb.to(engine.device)
-        out = _micro_batch_loss(engine, mb, k, cfg, loss_fn, norm, old_logprobs, mismatch, totals)
+        out = _micro_batch_loss(engine, mb, k, cfg, loss_fn, norm, firsts, totals)
         last = k == len(batches) - 1
         if last and size > 1:
             totals = _all_reduced(totals)  # the whole step's sums, the same on every rank
@@ -334,17 +369,21 @@ def _micro_batch_loss(
     cfg: TrainerSettings,
     loss_fn: LossFn,
     norm: Normaliser,
-    old_logprobs: list[TokenLogprobs | None],
-    mismatch: Mismatch,
+    firsts: _Firsts,
     totals: dict[str, float],
 ) -> LossOutput:
     """Micro-batch `k`'s forward pass and loss, its sums added to `totals`. The first step's pass
-    is π_old (kept in `old_logprobs`) and is measured against the behaviour logprobs (`mismatch`)."""
+    is π_old (kept in `firsts`), measured against the behaviour logprobs, and π_ref when the
+    reference is the champion."""
     now = token_logprobs(engine, mb)  # (B, L−1) each
-    old = old_logprobs[k]
+    old, refs = firsts.old_logprobs[k], firsts.refs
     if old is None:
-        old = old_logprobs[k] = TokenLogprobs(now.logprobs.detach(), now.possible, now.tempered.detach())
-        mismatch.add(old.logprobs, mb.behaviour_logprobs, mb.mask * old.possible)
+        old = firsts.old_logprobs[k] = TokenLogprobs(
+            now.logprobs.detach(), now.possible, now.tempered.detach()
+        )
+        firsts.mismatch.add(old.logprobs, mb.behaviour_logprobs, mb.mask * old.possible)
+        if refs is not None and refs[k] is None:
+            refs[k] = old.tempered
     # A token outside the row's truncation under π_old or π_θ has no ratio: it leaves the
     # policy term; the KL terms still see it, through the tempered logprobs.
     mask = mb.mask * (now.possible & old.possible)
@@ -361,6 +400,7 @@ def _micro_batch_loss(
             scored=mb.mask,
             pairs=mb.pairs,
             token_advantages=mb.token_advantages,
+            ref_tempered=None if refs is None else refs[k],
         ),
         cfg.loss,
         norm,
@@ -393,6 +433,8 @@ def _step_metrics(
         kl_k1=totals["kl_k1"] / kl_tokens,
         kl_k3=totals["kl_k3"] / kl_tokens,
         kl_tokens=int(totals["kl_tokens"]),
+        ref_kl_k1=totals["ref_kl_k1"] / kl_tokens if "ref_kl_k1" in totals else None,
+        ref_kl_k3=totals["ref_kl_k3"] / kl_tokens if "ref_kl_k3" in totals else None,
         mismatch=mismatch,
         is_weight=totals["is_weight"] / tokens,
         grad_norm=done.grad_norm,

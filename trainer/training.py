@@ -28,6 +28,7 @@ from trainer.errors import Abandoned
 from trainer.losses import Normaliser, loss_function
 from trainer.optimizer_state import carried_state, continue_optimizer, state_meta
 from trainer.ranks import train_on_ranks
+from trainer.reference import Reference
 from trainer.replay import ReplayBatches
 from trainer.steps import StepMetrics, Trained, mlflow_metrics, run_steps
 
@@ -59,9 +60,11 @@ def train(
     base_dir: Path | None,
     stopping: Callable[[], bool],
     replay: ReplayBatches | None = None,
+    reference: Reference | None = None,
 ) -> Training:
     """The optimizer steps on `rows` (from `episodes` episodes, one advantage each) from the
-    weights of `champion`, with the `replay` term (trainer/replay.py) beside them, on this process
+    weights of `champion`, with the `replay` term (trainer/replay.py) and the KL penalty to the fixed
+    `reference` (trainer/reference.py) beside them, on this process
     or on ``trainer.ranks`` rank processes (without replay: the settings refuse both), the
     checkpoint saved to the cycle's ``out_dir``, and the optimizer state kept for the next cycle
     (``trainer.carry_optimizer``)."""
@@ -83,6 +86,10 @@ def train(
         "replay": None
         if replay is None
         else {"path": str(cfg.replay.path), "weight": replay.weight, "rows": replay.rows},
+        # The fixed KL reference (trainer/reference.py): None without trainer.loss.ref_kl_coef.
+        "reference": None
+        if reference is None
+        else {"version": reference.version, "ref_kl_coef": cfg.loss.ref_kl_coef},
     }
     work = _Work(
         champion=champion,
@@ -95,6 +102,7 @@ def train(
         lineage=lineage,
         stopping=stopping,
         replay=replay,
+        reference=reference,
     )
     if cfg.ranks > 1 or cfg.nodes > 1:
         if replay is not None:
@@ -133,6 +141,7 @@ class _Work:
     lineage: dict[str, Any]
     stopping: Callable[[], bool]
     replay: ReplayBatches | None = None
+    reference: Reference | None = None
 
 
 def _train_here(
@@ -169,6 +178,7 @@ def _train_here(
             work.norm,
             mean_advantage=work.mean_advantage,
             replay=work.replay,
+            reference=work.reference,
             before_step=lambda step: check_stopping(f"before step {step}"),
             after_step=after_step,
         )
@@ -196,6 +206,7 @@ def _train_on_ranks(cfg: TrainerSettings, registry: Registry, work: _Work) -> tu
         lineage=work.lineage,
         optimizer_from=None if optimizer_from is None else optimizer_from[0],
         optimizer_to=work.files.optimizer_dir if cfg.carry_optimizer else None,
+        reference=work.reference,
         stopping=work.stopping,
     )
     steps = [StepMetrics.model_validate(m) for m in result["steps"]]

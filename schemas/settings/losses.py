@@ -12,7 +12,8 @@ from schemas.settings.section import Section
 
 
 class _Loss(Section):
-    """What every loss has: the behaviour-weight cap and an optional KL penalty to the champion."""
+    """What every loss has: the behaviour-weight cap and optional KL penalties to the champion and
+    to a fixed reference (``trainer.reference``: the base by default)."""
 
     is_cap: float = Field(
         2.0, gt=0, description="Truncation C of the behaviour importance weight min(pi_old/mu, C)."
@@ -23,7 +24,16 @@ class _Loss(Section):
         description="Weight beta of KL(pi_theta || pi_old), pi_old being the champion the cycle "
         "started from; 0 = no penalty.",
     )
-    kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator on the sampled tokens.")
+    kl_estimator: Literal["k1", "k3"] = Field(
+        "k3", description="KL estimator on the sampled tokens, of both penalties (kl_coef, ref_kl_coef)."
+    )
+    ref_kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of KL(pi_theta || pi_ref), pi_ref being the fixed version trainer.reference names "
+        "(the base by default): unlike kl_coef it does not move with each promotion, so drift cannot add up "
+        "over cycles; 0 = no penalty, and no reference is loaded.",
+    )
 
 
 class CispoLoss(_Loss):

@@ -212,6 +212,13 @@ class TrainerSettings(Section):
         description="Policy-gradient loss or objective (see LossSettings). Written corrections are distilled into "
         "it by the reward spec's hindsight term (RewardSpec.hindsight, trainer/hindsight.py), not by a setting here.",
     )
+    reference: str = Field(
+        "base",
+        pattern=r"^(base|[1-9][0-9]*)$",
+        description="The fixed version of the loss' ref_kl_coef penalty, KL(pi_theta || pi_ref): base (the first "
+        "registered version, as gate.anchor's base) or a version number. Read only when ref_kl_coef > 0; a "
+        "version that is not registered fails the cycle before it takes the lease (trainer/reference.py).",
+    )
     checkpoint_dir: Path = Field(
         Path(".rtrl/run/checkpoints"), description="Where cycle checkpoints are written."
     )

@@ -177,6 +177,8 @@ def test_loss_is_the_types_defaults_with_the_kl_coef_over_it(bench: ModuleType) 
     dpo = bench.loss_settings(current, bench.parse_args(["--loss", "dpo", "--kl-coef", "0.1"]))
     assert dpo == DpoLoss(kl_coef=0.1)
     assert bench.loss_settings(current, bench.parse_args(["--kl-coef", "0"])) == CispoLoss(kl_coef=0.0)
+    anchored = bench.loss_settings(current, bench.parse_args(["--ref-kl-coef", "0.2"]))
+    assert anchored == CispoLoss(kl_coef=0.3, ref_kl_coef=0.2)
     assert bench.parse_args(["--reward-spec", "tab-v1"]).reward_spec == "tab-v1"
 
 

@@ -38,6 +38,27 @@ def test_settings_read_nested_environment(monkeypatch: pytest.MonkeyPatch) -> No
     assert settings.vllm.servers == ("http://a:8000", "http://b:8000")
 
 
+def test_the_kl_penalty_to_the_base_is_off_by_default_and_set_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from schemas.settings import LOSS_TYPES, TrainerSettings
+
+    for loss in LOSS_TYPES:  # every loss has it, off, with the champion's estimator
+        assert TrainerSettings.model_validate({"loss": {"type": loss}}).loss.ref_kl_coef == 0.0
+    assert TrainerSettings().reference == "base"
+    monkeypatch.setenv("RTRL_TRAINER__LOSS__REF_KL_COEF", "0.1")
+    monkeypatch.setenv("RTRL_TRAINER__REFERENCE", "3")
+    trainer = load_settings().trainer
+    # The default loss keeps its own penalty to the champion beside the new one.
+    assert (trainer.loss.type, trainer.loss.kl_coef, trainer.loss.ref_kl_coef) == ("cispo", 0.5, 0.1)
+    assert trainer.reference == "3"
+    for bad in ("v3", "0", "champion", "none"):
+        with pytest.raises(ValidationError):
+            TrainerSettings(reference=bad)
+    with pytest.raises(ValidationError):
+        TrainerSettings.model_validate({"loss": {"ref_kl_coef": -0.1}})
+
+
 def test_a_bad_setting_is_one_line_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RTRL_TRAINER__LOSS__TYPE", "reinforce")
     monkeypatch.setenv("RTRL_TRAINER__MIN_SAMPLES", "0")

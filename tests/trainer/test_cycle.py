@@ -267,6 +267,54 @@ def test_a_real_cycle_replays_retention_data_beside_the_policy_objective(
     assert "replay_nll" in run.data.metrics
 
 
+def test_the_kl_penalty_to_the_base_holds_the_promoted_champion_to_it(
+    settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path
+) -> None:
+    """trainer.loss.ref_kl_coef > 0 (trainer/reference.py): a reference that is not registered fails
+    the cycle before the lease; from the base the reference is the champion's own first passes (KL 0
+    at the first step, the distance reported as the weights move); once a challenger is promoted, the
+    next cycle loads the base's checkpoint and its first step already measures the champion's drift."""
+    from schemas.settings import CispoLoss
+    from trainer.cycle import end_cycle, run_cycle
+    from trainer.reference import ReferenceMissing
+
+    anchored = settings.model_copy(
+        update={
+            "trainer": settings.trainer.model_copy(
+                # A large step without warm-up or trust region, so that the champion moves visibly.
+                update={"loss": CispoLoss(ref_kl_coef=0.5), "lr": 1e-2, "warmup_steps": 0, "max_kl": None}
+            )
+        }
+    )
+    feed(store, sample_episodes(tiny_model_dir, 16, seed=41, alternate=True))
+    missing = anchored.model_copy(update={"trainer": anchored.trainer.model_copy(update={"reference": "9"})})
+    with pytest.raises(ReferenceMissing, match="trainer.reference=9 names v9"):
+        run_cycle(missing, store, registry, owner="test")
+    assert store.recent_cycles(1) == [] and store.count_trainable(champion, 0) == 16
+
+    first = run_cycle(anchored, store, registry, owner="test")
+    assert first.status == "registered", first
+    assert first.steps[0].ref_kl_k3 == pytest.approx(0.0, abs=1e-6)
+    assert (first.steps[-1].ref_kl_k3 or 0.0) > 1e-4
+    assert {"ref_kl_k1", "ref_kl_k3"} <= set(registry.run(first.mlflow_run_id or "").data.metrics)
+    lineage = json.loads((Path(first.checkpoint_dir or "") / "rtrl_checkpoint.json").read_text())
+    assert lineage["reference"] == {"version": champion, "ref_kl_coef": 0.5}
+
+    end_cycle(anchored, store, first.cycle_id or 0, "promoted")
+    registry.set_alias(CHAMPION, first.challenger_version or 0)
+    store.record_promotion(registry.model_name, first.challenger_version or 0, "force", "test", "by hand")
+    champion_dir = registry.download_checkpoint(first.challenger_version or 0)
+    feed(
+        store,
+        sample_episodes(champion_dir, 16, seed=42, version=f"v{first.challenger_version}", alternate=True),
+    )
+    second = run_cycle(anchored, store, registry, owner="test")
+    assert second.status == "registered", second
+    assert second.steps[0].mean_ratio == pytest.approx(1.0, abs=1e-5)  # π_old is still the champion
+    assert (second.steps[0].ref_kl_k3 or 0.0) > 1e-4, "the champion's distance from the base, at once"
+    assert second.steps[0].kl_k3 == pytest.approx(0.0, abs=1e-6)
+
+
 def test_dapo_leaves_rows_without_signal_out(
     settings: Settings, store: Store, registry: Registry, champion: int, tiny_model_dir: Path
 ) -> None:

@@ -56,6 +56,9 @@ class Recorder:
     def version_tags(self, version: int) -> dict[str, str]:
         return {"rtrl.base": "true"}
 
+    def versions(self) -> list[int]:
+        return [1]
+
     def download_checkpoint(self, version: int) -> Path:
         return self.champion_dir
 
@@ -436,3 +439,31 @@ def test_a_bad_replay_file_fails_the_cycle_before_it_takes_the_lease(
         cycle.run_cycle(configured, store, cast(Registry, Recorder(champion_dir, store)), owner="test")
 
     assert store.recent_cycles(1) == [] and store.count_trainable(1, 0) == EPISODES
+
+
+def test_a_reference_that_is_not_registered_fails_the_cycle_before_it_takes_the_lease(
+    settings: Settings, sqlite_store: Store, champion_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trainer.reference names a version the registry does not have while trainer.loss.ref_kl_coef > 0:
+    the cycle raises an error naming both settings before it holds the lease or claims an episode;
+    with the base (v1, the champion here) it trains, the reference being the champion's own passes."""
+    from trainer.reference import Reference, ReferenceMissing
+
+    store = fed(sqlite_store)
+    handed: list[Reference | None] = []
+
+    def steps(*args: Any, **kwargs: Any) -> Trained:
+        handed.append(kwargs["reference"])
+        return one_step(*args, **kwargs)
+
+    stand_in_engine(monkeypatch, steps)
+    missing = with_loss(settings, {"type": "cispo", "ref_kl_coef": 0.1})
+    missing = missing.model_copy(update={"trainer": missing.trainer.model_copy(update={"reference": "5"})})
+
+    with pytest.raises(ReferenceMissing, match=r"trainer.reference=5 names v5.*ref_kl_coef=0.1"):
+        cycle.run_cycle(missing, store, cast(Registry, Recorder(champion_dir, store)), owner="test")
+    assert store.recent_cycles(1) == [] and store.count_trainable(1, 0) == EPISODES
+
+    base = with_loss(settings, {"type": "cispo", "ref_kl_coef": 0.1})
+    result = cycle.run_cycle(base, store, cast(Registry, Recorder(champion_dir, store)), owner="test")
+    assert result.status == "registered" and handed == [Reference(1, "champion")]

@@ -98,6 +98,40 @@ def test_a_lora_cycle_trains_the_adapter_only_and_registers_it_with_its_base(
     )
 
 
+def test_a_lora_cycle_measures_its_distance_from_the_base_with_the_adapter_disabled(
+    lora_settings: Settings, store: Store, registry: Registry, lora_champion: int, tiny_model_dir: Path
+) -> None:
+    """trainer.loss.ref_kl_coef > 0 on adapters: from v1 (the identity adapter) the reference is the
+    champion's own passes; after a promotion the base is the engine with its adapter disabled
+    (trainer/reference.py), no checkpoint loaded, and the first step measures the adapter's drift."""
+    from schemas.settings import CispoLoss
+    from trainer.cycle import end_cycle, run_cycle
+
+    anchored = lora_settings.model_copy(
+        update={
+            "trainer": lora_settings.trainer.model_copy(
+                update={"loss": CispoLoss(ref_kl_coef=0.5), "warmup_steps": 0, "max_kl": None}
+            )
+        }
+    )
+    feed(store, sample_episodes(tiny_model_dir, 16, seed=24, alternate=True))
+    first = run_cycle(anchored, store, registry, owner="test")
+    assert first.status == "registered", first
+    assert first.steps[0].ref_kl_k3 == pytest.approx(0.0, abs=1e-6)
+    assert (first.steps[-1].ref_kl_k3 or 0.0) > 0
+
+    end_cycle(anchored, store, first.cycle_id or 0, "promoted")
+    registry.set_alias(CHAMPION, first.challenger_version or 0)
+    store.record_promotion(registry.model_name, first.challenger_version or 0, "force", "test", "by hand")
+    feed(
+        store,
+        sample_episodes(tiny_model_dir, 16, seed=25, version=f"v{first.challenger_version}", alternate=True),
+    )
+    second = run_cycle(anchored, store, registry, owner="test")
+    assert second.status == "registered", second
+    assert (second.steps[0].ref_kl_k3 or 0.0) > 1e-5, "the promoted adapter's distance from the base"
+
+
 def test_zero_stage_2_trains_a_lora_cycle(
     lora_settings: Settings, store: Store, registry: Registry, lora_champion: int, tiny_model_dir: Path
 ) -> None:

@@ -252,3 +252,99 @@ def test_an_episode_is_shaped_by_its_most_overlong_trainable_segment() -> None:
     assert episode_overlong_penalty(episode(segment(5, 10), segment(9, 10)), 0.2) == pytest.approx(-0.5)
     assert episode_overlong_penalty(episode(segment(10, 10, trainable=False), segment(5, 10)), 0.2) == 0.0
     assert episode_overlong_penalty(episode(segment(50, None)), 0.2) == 0.0
+
+
+# ---- the KL penalty to the fixed reference (trainer/reference.py) ---------------------------------
+
+
+def ref_batch(lp: list[list[float]], ref: list[list[float]] | None, adv: float = 0.0) -> TokenBatch:
+    """One row whose π_old is π_θ itself (no champion term, ratio 1), with π_ref's logprobs `ref`."""
+    mask = [[1.0] * len(lp[0])]
+    return TokenBatch(
+        logprobs=torch.tensor(lp, requires_grad=True),
+        old_logprobs=torch.tensor(lp),
+        behaviour_logprobs=torch.tensor(lp),
+        advantages=torch.tensor([adv]),
+        mask=torch.tensor(mask),
+        ref_tempered=None if ref is None else torch.tensor(ref),
+        pairs=torch.tensor([-1]),
+    )
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_the_reference_penalty_is_zero_where_the_policy_is_the_reference(estimator: str) -> None:
+    lp = [[math.log(0.3), math.log(0.6)]]
+    b = ref_batch(lp, lp)
+    out = ppo(b, PpoLoss(kl_coef=0.0, ref_kl_coef=0.5, kl_estimator=estimator), Normaliser(2, 1))
+    assert out.loss.item() == pytest.approx(0.0, abs=1e-7)
+    assert out.sums["ref_kl_k1"] == pytest.approx(0.0, abs=1e-7)
+    assert out.sums["ref_kl_k3"] == pytest.approx(0.0, abs=1e-7)
+    # k3's gradient is 1 − π_ref/π_θ: 0 at the reference; k1's is the constant β per token.
+    assert grad_of(out.loss, b) == pytest.approx([0.0, 0.0] if estimator == "k3" else [0.25, 0.25])
+
+
+@pytest.mark.parametrize(
+    ("theta", "ref", "estimator", "value", "grad"),
+    [
+        # π_θ above π_ref: the gradient of the loss is positive, so descent lowers log π_θ toward π_ref.
+        (0.4, 0.2, "k3", 0.5 - 1 - math.log(0.5), 1 - 0.5),
+        (0.4, 0.2, "k1", math.log(2), 1.0),
+        # π_θ below π_ref: k3's gradient is negative, descent raises log π_θ toward π_ref.
+        (0.1, 0.2, "k3", 2 - 1 - math.log(2), 1 - 2),
+    ],
+)
+def test_the_reference_penalty_pulls_the_policy_toward_the_reference(
+    theta: float, ref: float, estimator: str, value: float, grad: float
+) -> None:
+    # Â = 0 and π_old = π_θ: the reference penalty alone, k3 = r − 1 − log r with r = π_ref/π_θ,
+    # d/dlogπ_θ = 1 − r; k1 = log π_θ − log π_ref, d/dlogπ_θ = 1.
+    b = ref_batch([[math.log(theta)]], [[math.log(ref)]])
+    out = cispo(b, CispoLoss(kl_coef=0.0, ref_kl_coef=0.1, kl_estimator=estimator), Normaliser(1, 1))
+    assert out.loss.item() == pytest.approx(0.1 * value)
+    assert grad_of(out.loss, b) == pytest.approx([0.1 * grad])
+    assert out.sums["ref_kl_k1"] == pytest.approx(math.log(theta / ref))
+    assert out.sums["ref_kl_k3"] == pytest.approx(ref / theta - 1 - math.log(ref / theta))
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_every_loss_weighs_the_reference_as_it_weighs_the_champion(loss: str) -> None:
+    """At Â = 0 only the penalties are left: β_ref·KL(π_θ ‖ π_ref) is the same number, and the same
+    gradient, as β·KL(π_θ ‖ π_old) with π_old in π_ref's place, under every loss's normalisation."""
+    from pydantic import TypeAdapter
+
+    from schemas.settings import LossSettings
+
+    lp = [[math.log(0.5), math.log(0.25), math.log(0.1)], [math.log(0.2), math.log(0.7), 0.0]]
+    ref = [[math.log(0.4), math.log(0.25), math.log(0.3)], [math.log(0.1), math.log(0.9), 0.0]]
+    mask = [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
+    norm = Normaliser(tokens=5, sequences=2)
+
+    def run(kl: float, ref_kl: float, old: list[list[float]], ref_lp: list[list[float]] | None):
+        cfg = TypeAdapter(LossSettings).validate_python({"type": loss, "kl_coef": kl, "ref_kl_coef": ref_kl})
+        b = TokenBatch(
+            logprobs=torch.tensor(lp, requires_grad=True),
+            old_logprobs=torch.tensor(old),
+            behaviour_logprobs=torch.tensor(old),
+            advantages=torch.zeros(2),
+            mask=torch.tensor(mask),
+            pairs=torch.tensor([-1, -1]),
+            ref_tempered=None if ref_lp is None else torch.tensor(ref_lp),
+        )
+        out = LOSSES[loss](b, cfg, norm)
+        return out.loss.item(), grad_of(out.loss, b)
+
+    champion = run(0.3, 0.0, ref, None)
+    reference = run(0.0, 0.3, lp, ref)
+    assert champion[0] != 0.0
+    assert reference[0] == pytest.approx(champion[0], abs=1e-6)
+    assert reference[1] == pytest.approx(champion[1], abs=1e-6)
+    both = run(0.3, 0.3, ref, ref)
+    assert both[0] == pytest.approx(2 * champion[0], abs=1e-6), "the two penalties add up"
+
+
+def test_a_batch_without_the_references_logprobs_is_refused_when_the_penalty_is_on() -> None:
+    lp = [[math.log(0.4)]]
+    with pytest.raises(ValueError, match="ref_kl_coef"):
+        ppo(ref_batch(lp, None), PpoLoss(ref_kl_coef=0.1), Normaliser(1, 1))
+    out = ppo(ref_batch(lp, None), PpoLoss(ref_kl_coef=0.0), Normaliser(1, 1))  # off: nothing needed
+    assert "ref_kl_k1" not in out.sums

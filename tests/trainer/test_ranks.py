@@ -80,3 +80,51 @@ def test_two_ranks_train_what_one_rank_trains_and_the_version_serves(
     swapped = promote(serving, two_registry, double.challenger_version or 0, force_reason="by hand in a test")
     assert swapped.ok and swapped.servers[0].verified, swapped.error
     assert promote(serving, two_registry, 1).ok  # the session's server back on the base model
+
+
+def test_each_rank_scores_the_kl_reference_of_its_own_micro_batches(
+    settings: Settings, store: Store, registry: Registry, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """trainer.loss.ref_kl_coef > 0 with the base v1 a version other than the champion (v2, the same
+    weights registered again): each rank loads the reference's checkpoint and scores its own
+    micro-batches (trainer/reference.py), and the two ranks' step metrics, the KL to the reference
+    included, are one rank's. The reference is the policy at the start: KL 0 at the first step."""
+    from schemas.settings import CispoLoss
+    from trainer.cycle import run_cycle
+
+    base = registry.register_checkpoint(tiny_model_dir, tags={"rtrl.base": "true"})
+    registry.set_alias(CHAMPION, registry.register_checkpoint(tiny_model_dir))
+    episodes = sample_episodes(tiny_model_dir, 16, seed=32, version="v2", alternate=True)
+    anchored = settings.trainer.model_copy(
+        update={"micro_batch": 4, "loss": CispoLoss(ref_kl_coef=0.5), "warmup_steps": 0, "max_kl": None}
+    )
+    one = settings.model_copy(update={"trainer": anchored})
+    feed(store, episodes)
+    single = run_cycle(one, store, registry, owner="test")
+    assert single.status == "registered", single
+
+    two_store = Store(f"sqlite:///{tmp_path / 'two.db'}")
+    two_store.migrate()
+    two = one.model_copy(
+        update={
+            "store": StoreSettings(url=f"sqlite:///{tmp_path / 'two.db'}"),
+            "mlflow": one.mlflow.model_copy(update={"model_name": one.mlflow.model_name + "-2r"}),
+            "trainer": anchored.model_copy(
+                update={"ranks": 2, "checkpoint_dir": tmp_path / "two-checkpoints"}
+            ),
+        }
+    )
+    two_registry = Registry.from_settings(two)
+    assert two_registry.register_checkpoint(tiny_model_dir, tags={"rtrl.base": "true"}) == base
+    two_registry.set_alias(CHAMPION, two_registry.register_checkpoint(tiny_model_dir))
+    feed(two_store, episodes)
+    double = run_cycle(two, two_store, two_registry, owner="test")
+    two_store.close()
+
+    assert double.status == "registered", double
+    assert single.steps[0].ref_kl_k3 == pytest.approx(0.0, abs=1e-6)
+    assert (single.steps[-1].ref_kl_k3 or 0.0) > 0
+    for a, b in zip(single.steps, double.steps, strict=True):
+        assert b.loss == pytest.approx(a.loss, abs=1e-5)
+        assert b.ref_kl_k1 == pytest.approx(a.ref_kl_k1, abs=1e-6)
+        assert b.ref_kl_k3 == pytest.approx(a.ref_kl_k3, abs=1e-6)
