@@ -47,7 +47,9 @@ trainer adds W x their mean token NLL to its objective.
 Per cycle it prints the served version, live acceptance (what the users think of every answer,
 given or not) with a 95 % bootstrap interval, the capability-retention score of the champion and
 of the challenger (the gate's retention suite), the gate's decision and reasons, and data-to-deploy
-seconds. At the end it decodes every held-out question of the task (75) greedily in-process with
+seconds; ``--json``'s rows also carry each gate run's ``retention_sampled`` verdict (the share of
+sampled answers right, champion and challenger, the difference's lower bound, pass or fail; null
+when the suite did not run: ``gate.retention.sampled_k`` 0). At the end it decodes every held-out question of the task (75) greedily in-process with
 the base checkpoint and the final champion's (downloaded from the registry): correctness measured
 directly, not the gate's suite.
 
@@ -416,6 +418,7 @@ def print_cycles(
             if retention is None
             else {"champion": retention["champion"], "challenger": retention["challenger"]}
         )
+        row["retention_sampled"] = sampled_verdict(suite(record, "retention_sampled"))
         row["gate_reason"] = None if record is None else record["reason"]
         ret = "-" if retention is None else f"{retention['champion']:.2f}/{retention['challenger']:.2f}"
         print(
@@ -423,6 +426,19 @@ def print_cycles(
             f"{ret:>16} {row['gate']:>5} {row['data_to_deploy_s'] or '-':>6}  {(row['gate_reason'] or '')[:160]}",
             flush=True,
         )
+
+
+def sampled_verdict(result: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A gate run's retention_sampled verdict as a row reports it (None when the suite did not run)."""
+    if result is None:
+        return None
+    difference = result.get("difference") or {}
+    return {
+        "champion": result["champion"],
+        "challenger": result["challenger"],
+        "low": difference.get("low"),
+        "passed": result["passed"],
+    }
 
 
 def one_run(

@@ -12,7 +12,8 @@ conclusive, and no alarm fired. The suites (``gate.suites``, plus ``gate.offline
   by default (``gate.ope.episodes``). Inconclusive below ``gate.ope.min_ess`` effective samples (too
   little traffic, or a challenger too far from what was logged: the KL alarm covers the latter).
 - ``retention``: the task's held-out questions scored by their known answers (evals/suites.py); by
-  default all of them asked once greedily, a census whose verdict is exact (``gate.retention``).
+  default all of them asked once greedily, a census whose verdict is exact (``gate.retention``), and
+  beside it ``retention_sampled``: each sampled ``gate.retention.sampled_k`` times, bootstrapped.
 - ``oracle``: the task's preference function (``gate.preference``): only where one exists, such as
   the demo's simulated users.
 - ``traffic``: the prompts of held-out logged traffic, drawn per challenger (deployer/traffic.py),
@@ -55,7 +56,7 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field
 
 import evals
-from deployer import alarms, episodes, gate_dr, metrics, ope, swap, traffic, trust
+from deployer import alarms, episodes, gate_dr, gate_suites, metrics, ope, swap, traffic, trust
 from deployer.alarms import Alarm, Behaviour
 from deployer.errors import GateError
 from deployer.gate_suites import (
@@ -163,18 +164,20 @@ def draw_seed(base: int, model: str, version: int) -> int:
 def _generate(
     server: VllmClient, settings: Settings, suites: list[PromptSuite], seed: int
 ) -> list[list[list[Generation]]]:
-    """Every suite's prompts sampled on `server` (a greedy suite's once each at temperature 0, the
-    served defaults' penalties kept); suites with the same prompts and decoding share one request."""
-    cache: dict[tuple[tuple[str, ...], int, tuple[str, ...], bool], list[list[Generation]]] = {}
+    """Every suite's prompts sampled on `server` (`PromptSuite.per_prompt`: a greedy suite's once each at
+    temperature 0, the served defaults' penalties kept); suites with the same prompts, decoding and
+    count share one request."""
+    cache: dict[tuple[tuple[str, ...], int, tuple[str, ...], bool, int], list[list[Generation]]] = {}
     out = []
     for suite in suites:
-        key = (suite.prompts, suite.max_tokens, suite.stop, suite.greedy)
+        n = suite.per_prompt(settings.gate.samples_per_prompt)
+        key = (suite.prompts, suite.max_tokens, suite.stop, suite.greedy, n)
         if key not in cache:
             defaults = served_defaults(settings)
             cache[key] = server.sample(
                 list(suite.prompts),
                 max_tokens=suite.max_tokens,
-                n=1 if suite.greedy else settings.gate.samples_per_prompt,
+                n=n,
                 seed=seed,
                 stop=list(suite.stop),
                 sampling={**defaults, "temperature": 0.0} if suite.greedy else defaults,
@@ -186,11 +189,14 @@ def _generate(
 def _behaviour(
     suites: list[PromptSuite], generated: list[list[list[Generation]]], settings: Settings
 ) -> Behaviour:
-    """One model's behaviour over every suite's generations, each judged with its prompt's known
-    answers; the entropy estimate from the sampled suites' only (not a greedy suite's argmaxes)."""
+    """One model's behaviour over the generations of every suite that counts in it
+    (`PromptSuite.in_behaviour`: not retention_sampled's many samples of the same questions), each
+    judged with its prompt's known answers; the entropy estimate from the sampled suites' only (not a
+    greedy suite's argmaxes)."""
     flat = [
         (g, suite.lines[i].get("answers", ()), not suite.greedy)
         for suite, per_suite in zip(suites, generated, strict=True)
+        if suite.in_behaviour
         for i, per_prompt in enumerate(per_suite)
         for g in per_prompt
     ]
@@ -297,7 +303,7 @@ def _plan(settings: Settings, registry: Registry, version: int, store: Store) ->
     replayed = traffic.traffic_suite(settings, store, seed if cfg.fresh_draws else None, registry.tenant)
     suites.extend([replayed.suite] if replayed.suite is not None else [])
     anchored = (
-        [i for i, s in enumerate(suites) if s.name in settings.gate.anchor_suites]
+        [i for i, s in enumerate(suites) if gate_suites.anchored(settings, s.name)]
         if anchor is not None
         else []
     )
@@ -487,7 +493,7 @@ def _decision(
     cfg = settings.gate
     headline = next((s for s in results if s.challenger is not None), None)
     n_prompts = sum(len(s.prompts) for s in plan.suites)
-    n_samples = sum(len(s.prompts) * (1 if s.greedy else cfg.samples_per_prompt) for s in plan.suites)
+    n_samples = sum(len(s.prompts) * s.per_prompt(cfg.samples_per_prompt) for s in plan.suites)
     return GateDecision(
         passed=passed,
         challenger_version=plan.challenger,

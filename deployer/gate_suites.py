@@ -7,8 +7,9 @@ ope: the users' reward held against it, and `ope_primary`, the same estimate of 
 primary term alone: a guard); the traffic suite's prompts are drawn in
 deployer/traffic.py, the episodes suite is deployer/episodes.py. A verdict is a `SuiteResult`, under
 the suite's margin (`margin`). The retention suite asked greedily of every held-out question is a
-census (`census`): its verdict is exact, not a bootstrap interval (docs/gate.md, The retention
-suite's power).
+census (`census`): its verdict is exact, not a bootstrap interval; beside it `retention_sampled`
+samples every question `gate.retention.sampled_k` times and is decided by the paired bootstrap
+(`paired`) under its own margin (docs/gate.md, The retention suite's power).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from evals.stats import (
     paired_interval,
     snips,
 )
-from evals.suites import PromptSuite, judge_suite, load_offline, retention_suite
+from evals.suites import PromptSuite, judge_suite, load_offline, retention_sampled_suite, retention_suite
 from schemas.rewards import carries_signal, get_spec
 from schemas.settings import JudgeSettings, Settings
 from serving import Generation
@@ -87,17 +88,25 @@ class SuiteResult(BaseModel):
 
 def margin(settings: Settings, suite: str) -> float:
     """The non-inferiority margin of `suite`: ``gate.margins[suite]``, else ``gate.retention.margin``
-    for retention and ``gate.tolerance`` for the others."""
+    for retention, ``gate.retention.sampled_margin`` for retention_sampled and ``gate.tolerance`` for
+    the others."""
     cfg = settings.gate
-    default = cfg.retention.margin if suite == "retention" else cfg.tolerance
-    return cfg.margins.get(suite, default)
+    defaults = {"retention": cfg.retention.margin, "retention_sampled": cfg.retention.sampled_margin}
+    return cfg.margins.get(suite, defaults.get(suite, cfg.tolerance))
 
 
 def anchor_margin(settings: Settings, suite: str) -> float:
     """The margin of `suite` against the anchor: ``gate.retention.anchor_margin`` for retention,
-    ``gate.anchor_margin`` for the others."""
+    ``gate.anchor_margin`` for the others (retention_sampled included)."""
     cfg = settings.gate
     return cfg.retention.anchor_margin if suite == "retention" else cfg.anchor_margin
+
+
+def anchored(settings: Settings, suite: str) -> bool:
+    """Whether prompt suite `suite` is also compared with the anchor: named in ``gate.anchor_suites``,
+    or retention_sampled, which goes wherever retention goes."""
+    names = settings.gate.anchor_suites
+    return suite in names or (suite == "retention_sampled" and "retention" in names)
 
 
 def prompt_suites(settings: Settings, draw_seed: int | None = None) -> list[tuple[PromptSuite, bool]]:
@@ -124,6 +133,8 @@ def _task_suites(settings: Settings, draw_seed: int | None) -> list[tuple[Prompt
     if "retention" in cfg.suites:
         greedy = cfg.retention.decode == "greedy"
         suites.append((retention_suite(task, cfg.retention.questions, draw_seed, greedy), False))
+        if cfg.retention.sampled_k:  # beside the census: the users' sampled answers (docs/gate.md)
+            suites.append((retention_sampled_suite(task, cfg.retention.sampled_k), False))
     if "oracle" in cfg.suites:
         preference = evals.load_preference(cfg.preference) if cfg.preference else task.preference
         reward = evals.scorer(preference, get_spec(settings.labeler.reward_spec))

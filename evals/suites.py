@@ -10,6 +10,9 @@ take `gate.eval_prompts` of its held-out questions, drawn afresh per challenger 
   arithmetic still right, whatever the answer's shape.) By default all of them, each asked once
   greedily (`gate.retention`): a census of the held-out set, whose verdict is exact
   (docs/gate.md, The retention suite's power).
+- ``retention_sampled``: beside that census (``gate.retention.sampled_k`` > 0), the same questions
+  each sampled k times at the served settings, scored by the share of samples right: the users'
+  view of what the model knows, which the greedy census does not see.
 - offline suites from JSONL files (``gate.offline``), one object per line::
 
       {"prompt": "Q: What is 2 plus 2?\\nA:", "answers": ["4"]}
@@ -59,9 +62,22 @@ class PromptSuite:
     # Greedy on every question of its set: nothing sampled, nothing drawn, so the verdict is the exact
     # difference of the shares right, not a bootstrap interval (deployer/gate_suites.py `census`).
     census: bool = False
+    # Completions per prompt at the served settings when set, instead of `gate.samples_per_prompt`
+    # (`retention_sampled`: `gate.retention.sampled_k`); a greedy suite's prompts are asked once.
+    samples: int | None = None
+    # Whether its generations count in the gate's behaviour alarms (deployer/gate.py `_behaviour`):
+    # `retention_sampled`'s k samples of every held-out question would outweigh the other suites'.
+    in_behaviour: bool = True
 
     def score(self, index: int, completion: str) -> float:
         return self.scorer(self.prompts[index], completion, self.lines[index])
+
+    def per_prompt(self, samples_per_prompt: int) -> int:
+        """Completions asked per prompt: one when greedy, `samples` when set, else `samples_per_prompt`
+        (``gate.samples_per_prompt``)."""
+        if self.greedy:
+            return 1
+        return self.samples if self.samples is not None else samples_per_prompt
 
 
 def _word(answer: str) -> re.Pattern[str]:
@@ -98,6 +114,27 @@ def retention_suite(task: Task, n: int, seed: int | None = None, greedy: bool = 
         greedy=greedy,
         census=census,
         note=f"census of {len(questions)} held-out questions, greedy" if census else "",
+    )
+
+
+def retention_sampled_suite(task: Task, k: int) -> PromptSuite:
+    """`retention_sampled`: every held-out question of the task (nothing drawn), sampled `k` times at
+    the served settings, scored by the share of its samples containing an answer: what the greedy
+    census cannot see, a loss of the answers users are sampled (docs/gate.md, The retention suite's
+    power). Decided by the paired bootstrap over questions (deployer/gate_suites.py `paired`)."""
+    if k < 1:
+        raise SuiteError(f"retention_sampled needs at least one sample per question, not {k}")
+    questions = task.heldout_questions()
+    return PromptSuite(
+        name="retention_sampled",
+        prompts=tuple(task.format_prompt(q.text) for q in questions),
+        lines=tuple({"answers": list(q.answers)} for q in questions),
+        scorer=contains_answer,
+        max_tokens=task.max_tokens,
+        stop=task.stop,
+        samples=k,
+        in_behaviour=False,
+        note=f"all {len(questions)} held-out questions, {k} samples each at the served settings",
     )
 
 

@@ -389,3 +389,27 @@ def test_the_rft_baseline_is_the_same_command_line_with_rft_and_its_own_rows(
         str(tmp_path / "r.rft.json"),
     ]
     assert bench.parse_args(bench.baseline_argv(args, argv)).figures_only
+
+
+def test_each_row_reports_the_gates_retention_sampled_verdict(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))  # print_cycles imports learning_report as main() does
+    sampled = {
+        **_suite("retention_sampled", 0.62, 0.55),
+        "difference": {"estimate": -0.07, "low": -0.09, "high": -0.05},
+        "passed": False,
+    }
+    records = {1: {"reason": "r", "suites": [_suite("retention", 0.7, 0.7), sampled]}, 2: None}
+    rows = [{**_row(1, "v1", "v1", 20, "fail"), "data_to_deploy_s": None}, _row(2, "v1", "v2", 25, "pass")]
+    rows[1]["data_to_deploy_s"] = 41.0
+    bench.print_cycles(rows, records, np.random.default_rng(0))
+    assert rows[0]["retention_sampled"] == {
+        "champion": 0.62,
+        "challenger": 0.55,
+        "low": -0.09,
+        "passed": False,
+    }
+    assert rows[1]["retention_sampled"] is None  # no gate run, or the suite off (sampled_k 0)
+    assert bench.sampled_verdict(None) is None
+    assert "0.70/0.70" in capsys.readouterr().out

@@ -235,9 +235,12 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
                     0, registry.model_name, version
                 )
                 assert decision.draw == gate.run_draw(seeded, registry.model_name, version)[1] == []
-                assert decision.census == ["retention"] and decision.n_samples == 75
+                k = seeded.gate.retention.sampled_k  # retention_sampled beside the census: k per question
+                assert decision.census == ["retention"] and decision.n_samples == 75 + 75 * k
                 retention = next(s for s in decision.suites if s.name == "retention")
                 assert retention.census and retention.n == 75 and "census of 75" in retention.note
+                sampled = next(s for s in decision.suites if s.name == "retention_sampled")
+                assert not sampled.census and sampled.n == 75 and sampled.difference is not None
                 assert store.gate_decisions(version)[0]["seed"] == decision.seed
                 tags = registry.version_tags(version)
                 assert tags["gate_seed"] == str(decision.seed)
@@ -245,6 +248,8 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
                 if version == same:
                     # Both models sampled with the run's seed: the same weights score exactly alike.
                     assert decision.passed and decision.challenger_score == decision.champion_score
+                    # The same weights sampled with the same seed: the same k answers per question.
+                    assert sampled.passed and abs(sampled.difference.estimate) < 0.01, sampled
                     assert ope.conclusive and ope.difference is not None and ope.difference.estimate == 0.0
                     assert not any(a.fired for a in decision.alarms)
                 else:

@@ -26,6 +26,9 @@ HELDOUT = len(TASK.heldout_questions())
 
 
 def with_gate(**update: Any) -> Settings:
+    """Settings with `update` on the gate; the census alone, without retention_sampled beside it
+    (tests/deployer/test_gate_sampled.py has that), unless `update` sets `retention`."""
+    update.setdefault("retention", RetentionSuiteSettings(sampled_k=0))
     settings = Settings()
     vllm = settings.vllm.model_copy(update={"sampling_defaults": {"temperature": 1.0, "top_p": 0.9}})
     return settings.model_copy(update={"gate": settings.gate.model_copy(update=update), "vllm": vllm})
@@ -40,6 +43,7 @@ def test_the_defaults_make_retention_a_greedy_census_of_every_heldout_question()
     cfg = Settings().gate
     assert (cfg.retention.decode, cfg.retention.questions) == ("greedy", 0)
     assert (cfg.retention.margin, cfg.retention.anchor_margin) == (0.02, 0.03)
+    assert (cfg.retention.sampled_k, cfg.retention.sampled_margin) == (32, 0.03)  # beside it: on
     settings = with_gate(suites=("ope", "retention"))
     ((suite, _),) = prompt_suites(settings, 12345)
     assert HELDOUT == 75 and suite.census and suite.greedy and len(suite.prompts) == HELDOUT
@@ -68,7 +72,7 @@ def test_a_census_loss_of_exactly_the_margin_passes_and_beyond_it_fails() -> Non
     assert census("retention", right(50, 1), right(50, 0), settings).passed
     assert not census("retention", right(50, 2), right(50, 0), settings).passed  # -0.04
     assert not census("retention", right(100, 3), right(100, 0), settings).passed  # -0.03
-    exact = with_gate(retention=RetentionSuiteSettings(margin=0.04))
+    exact = with_gate(retention=RetentionSuiteSettings(margin=0.04, sampled_k=0))
     assert census("retention", right(75, 3), right(75, 0), exact).passed  # -0.04 against 0.04
     assert not census("retention", right(75, 4), right(75, 0), exact).passed
 
@@ -107,7 +111,7 @@ def test_the_retention_suite_against_the_anchor_has_its_own_margin() -> None:
 
 
 def test_the_sampled_retention_suite_against_the_anchor_keeps_its_bootstrap() -> None:
-    settings = with_gate(retention=RetentionSuiteSettings(decode="sampled", questions=48))
+    settings = with_gate(retention=RetentionSuiteSettings(decode="sampled", questions=48, sampled_k=0))
     ((suite, _),) = prompt_suites(with_gate(suites=("retention",), retention=settings.gate.retention), 7)
     ours, theirs = right(48, 6), right(48, 4)
     gens = [
@@ -121,7 +125,8 @@ def test_the_sampled_retention_suite_against_the_anchor_keeps_its_bootstrap() ->
 
 def test_the_sampled_mode_is_the_paired_bootstrap_on_a_draw() -> None:
     settings = with_gate(
-        suites=("ope", "retention"), retention=RetentionSuiteSettings(decode="sampled", questions=48)
+        suites=("ope", "retention"),
+        retention=RetentionSuiteSettings(decode="sampled", questions=48, sampled_k=0),
     )
     ((suite, _),) = prompt_suites(settings, 99)
     assert not suite.census and not suite.greedy and len(suite.prompts) == 48 and suite.note == ""
@@ -152,7 +157,7 @@ def test_the_sampled_mode_is_the_paired_bootstrap_on_a_draw() -> None:
         ours, theirs, confidence=cfg.confidence, resamples=cfg.bootstrap_resamples, seed=99
     )
     # Greedy on a draw of fewer than all questions: asked greedily, still decided by the bootstrap.
-    greedy_few = with_gate(suites=("retention",), retention=RetentionSuiteSettings(questions=20))
+    greedy_few = with_gate(suites=("retention",), retention=RetentionSuiteSettings(questions=20, sampled_k=0))
     ((few, _),) = prompt_suites(greedy_few, 99)
     assert few.greedy and not few.census and len(few.prompts) == 20
     assert run_draw(greedy_few, "rtrl-policy", 4)[1] == TASK.heldout_draw(
@@ -186,7 +191,9 @@ def test_a_greedy_suite_is_asked_once_per_prompt_at_temperature_0_with_the_runs_
 
 
 def test_the_same_prompts_greedy_and_sampled_are_two_requests() -> None:
-    settings = with_gate(suites=("retention",), retention=RetentionSuiteSettings(decode="sampled"))
+    settings = with_gate(
+        suites=("retention",), retention=RetentionSuiteSettings(decode="sampled", sampled_k=0)
+    )
     ((sampled, _),) = prompt_suites(settings, 5)
     ((greedy, _),) = prompt_suites(with_gate(suites=("retention",)), 5)
     assert sampled.prompts == greedy.prompts

@@ -271,7 +271,7 @@ def test_the_gates_prompt_suites_score_every_prompt() -> None:
         update={"gate": settings.gate.model_copy(update={"suites": ("oracle", "retention", "ope")})}
     )
     suites = {suite.name: suite for suite, _ in prompt_suites(settings)}
-    assert set(suites) == {"oracle", "retention"}  # ope is not a prompt suite
+    assert set(suites) == {"oracle", "retention", "retention_sampled"}  # ope is not a prompt suite
     retention = suites["retention"]  # a census by default: every held-out question, greedy
     assert retention.census and retention.greedy and len(retention.prompts) == 75
     assert set(suites["oracle"].prompts) < set(retention.prompts)  # the oracle's 48 drawn among them
