@@ -56,7 +56,7 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field
 
 import evals
-from deployer import alarms, episodes, gate_dr, gate_suites, metrics, ope, swap, traffic, trust
+from deployer import alarms, episodes, gate_dr, gate_margins, metrics, ope, swap, traffic, trust
 from deployer.alarms import Alarm, Behaviour
 from deployer.errors import GateError
 from deployer.gate_suites import (
@@ -303,7 +303,7 @@ def _plan(settings: Settings, registry: Registry, version: int, store: Store) ->
     replayed = traffic.traffic_suite(settings, store, seed if cfg.fresh_draws else None, registry.tenant)
     suites.extend([replayed.suite] if replayed.suite is not None else [])
     anchored = (
-        [i for i, s in enumerate(suites) if gate_suites.anchored(settings, s.name)]
+        [i for i, s in enumerate(suites) if gate_margins.anchored(settings, s.name)]
         if anchor is not None
         else []
     )

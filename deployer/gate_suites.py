@@ -24,6 +24,7 @@ import evals
 from deployer import alarms, gate_dr, ope
 from deployer.alarms import Alarm
 from deployer.errors import GateError
+from deployer.gate_margins import anchor_margin, margin
 from evals.judge import Judge
 from evals.stats import (
     Interval,
@@ -84,29 +85,6 @@ class SuiteResult(BaseModel):
         description="ope (and its anchored verdict): usable held-out episodes left out as unrated, no user "
         "feedback and no judge's grade (``gate.ope.episodes`` rated; 0 under all). `n` counts those kept.",
     )
-
-
-def margin(settings: Settings, suite: str) -> float:
-    """The non-inferiority margin of `suite`: ``gate.margins[suite]``, else ``gate.retention.margin``
-    for retention, ``gate.retention.sampled_margin`` for retention_sampled and ``gate.tolerance`` for
-    the others."""
-    cfg = settings.gate
-    defaults = {"retention": cfg.retention.margin, "retention_sampled": cfg.retention.sampled_margin}
-    return cfg.margins.get(suite, defaults.get(suite, cfg.tolerance))
-
-
-def anchor_margin(settings: Settings, suite: str) -> float:
-    """The margin of `suite` against the anchor: ``gate.retention.anchor_margin`` for retention,
-    ``gate.anchor_margin`` for the others (retention_sampled included)."""
-    cfg = settings.gate
-    return cfg.retention.anchor_margin if suite == "retention" else cfg.anchor_margin
-
-
-def anchored(settings: Settings, suite: str) -> bool:
-    """Whether prompt suite `suite` is also compared with the anchor: named in ``gate.anchor_suites``,
-    or retention_sampled, which goes wherever retention goes."""
-    names = settings.gate.anchor_suites
-    return suite in names or (suite == "retention_sampled" and "retention" in names)
 
 
 def prompt_suites(settings: Settings, draw_seed: int | None = None) -> list[tuple[PromptSuite, bool]]:

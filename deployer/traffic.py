@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deployer.alarms import non_answer
-from deployer.gate_suites import SuiteResult, margin
+from deployer.gate_margins import margin
+from deployer.gate_suites import SuiteResult
 from evals.suites import ItemScorer, PromptSuite, SuiteError
 from schemas.settings import Settings
 from store import Store

@@ -47,7 +47,11 @@ def services_config() -> Iterator[Settings]:
         # The session's servers serve the tiny model of the `exclaim` task: its retention suite is one
         # every gate here can conclude on from the first cycle (the default, ope and traffic, waits for
         # held-out traffic; tests/deployer/test_gate_traffic.py covers it).
-        gate = settings.gate.model_copy(update={"suites": ("ope", "retention")})
+        # The sampled retention suite (gate.retention.sampled_k, 32 samples of each held-out question a
+        # model) is off here: it would multiply every gate run's generations by 33 on 2 cores; the
+        # seeded gate runs of tests/deployer/test_deployer_rollout.py switch it on.
+        retention = settings.gate.retention.model_copy(update={"sampled_k": 0})
+        gate = settings.gate.model_copy(update={"suites": ("ope", "retention"), "retention": retention})
         yield settings.model_copy(update={"labeler": labeler, "gate": gate})
 
 

@@ -28,6 +28,7 @@ from schemas.settings import (
     TrafficSettings,
     VllmSettings,
 )
+from schemas.settings.gate import SAMPLED_K
 from services.testing import free_ports
 from serving import VllmClient, meaningful_digests
 from simulation.planted import ASKING, RAMBLING
@@ -218,7 +219,10 @@ def test_gate_passes_the_same_weights_and_rejects_noised_ones_in_seeded_runs(
     outcomes: dict[int, list[bool]] = {same: [], noised: []}
     started = time.monotonic()
     for seed in range(runs):
-        seeded = settings.model_copy(update={"gate": settings.gate.model_copy(update={"seed": seed})})
+        # retention_sampled at its default k (the session pins it off: tests/conftest.py).
+        retention = settings.gate.retention.model_copy(update={"sampled_k": SAMPLED_K})
+        seeded_gate = settings.gate.model_copy(update={"seed": seed, "retention": retention})
+        seeded = settings.model_copy(update={"gate": seeded_gate})
         for version in (same, noised):
             decision = gate.evaluate(seeded, registry, version, store)
             outcomes[version].append(decision.passed)

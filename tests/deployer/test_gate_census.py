@@ -12,7 +12,8 @@ from factories import gate_decision
 
 from deployer import alarms, gate
 from deployer.gate import decide, run_draw
-from deployer.gate_suites import against_anchor, census, margin, prompt_suites, score_prompts
+from deployer.gate_margins import margin
+from deployer.gate_suites import against_anchor, census, prompt_suites, score_prompts
 from evals import get_task
 from evals.stats import paired_interval
 from rtrl.commands.gate import explain_text

@@ -15,7 +15,8 @@ from pydantic import ValidationError
 
 from deployer import gate
 from deployer.gate import decide, run_draw
-from deployer.gate_suites import anchor_margin, anchored, margin, paired, prompt_suites, score_prompts
+from deployer.gate_margins import anchor_margin, anchored, margin
+from deployer.gate_suites import paired, prompt_suites, score_prompts
 from evals import get_task
 from evals.stats import paired_interval
 from evals.suites import PromptSuite, SuiteError, retention_sampled_suite
