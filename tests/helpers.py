@@ -262,16 +262,25 @@ def rtrl_child(settings: Settings, log: Path, *args: str) -> Iterator[subprocess
 
 
 @contextmanager
-def lora_fleet(services: Settings, model_dir: Path, max_loras: int) -> Iterator[Settings]:
-    """A serving and a staging vLLM server of the caller's own on `model_dir`, in LoRA mode with room
-    for `max_loras` adapters side by side (the global one and tenants': docs/lora.md), stopped after."""
+def own_fleet(
+    services: Settings,
+    model_dir: Path | Callable[[Path], Path],
+    adapter: str = "lora",
+    max_loras: int = 1,
+    prefix: str = "rtrl-fleet-",
+) -> Iterator[Settings]:
+    """A serving and a staging vLLM server of the caller's own on `model_dir` (or on the model that
+    `model_dir(run_dir)` builds in the fleet's run dir), `trainer.adapter` = `adapter`, with room for
+    `max_loras` adapters side by side in LoRA mode (the global one and tenants': docs/lora.md);
+    stopped and removed after."""
     import os
     import shutil
 
     from services import down, up
     from services.testing import free_ports, make_run_dir, start_reaper
 
-    run_dir = make_run_dir("rtrl-lora-")
+    run_dir = make_run_dir(prefix)
+    model = model_dir(run_dir) if callable(model_dir) else model_dir
     serving_port, staging_port = free_ports(2)
     settings = services.model_copy(
         update={
@@ -285,13 +294,13 @@ def lora_fleet(services: Settings, model_dir: Path, max_loras: int) -> Iterator[
             ),
             "vllm": services.vllm.model_copy(
                 update={
-                    "model_dir": model_dir,
+                    "model_dir": model,
                     "servers": (f"http://127.0.0.1:{serving_port}",),
                     "staging_server": f"http://127.0.0.1:{staging_port}",
                     "max_loras": max_loras,
                 }
             ),
-            "trainer": services.trainer.model_copy(update={"adapter": "lora"}),
+            "trainer": services.trainer.model_copy(update={"adapter": adapter}),
         }
     )
     reaper = start_reaper(settings, os.getpid())

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import lora_fleet
+from helpers import own_fleet
 from safetensors.torch import load_file, save_file
 
 from deployer import rollout
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def fleet(services: Settings, tiny_model_dir: Path, tmp_path: Path) -> Iterator[Settings]:
     """A LoRA fleet of this test's own (``max_loras`` 3), a store and a registry model of its own."""
-    with lora_fleet(services, tiny_model_dir, max_loras=3) as settings:
+    with own_fleet(services, tiny_model_dir, max_loras=3, prefix="rtrl-lora-") as settings:
         yield settings.model_copy(
             update={
                 "store": StoreSettings(url=f"sqlite:///{tmp_path / 'rtrl.db'}"),

@@ -22,15 +22,13 @@ simulation/checkpoints.py) learn nothing worth gating, so the gate's judgement i
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from helpers import REPO, demo_settings, run_rtrl
+from helpers import REPO, demo_settings, own_fleet, run_rtrl
 
 from deployer.probe import (
     ADAPTER_PROBE_TOKENS,
@@ -42,7 +40,6 @@ from deployer.probe import (
 from registry import Registry
 from schemas.settings import Settings
 from services.launch import child_env, rtrl_command
-from services.testing import free_ports, make_run_dir, start_reaper
 from serving import VllmClient
 from serving.adapters import base_model_name, is_adapter
 from simulation.checkpoints import build
@@ -61,42 +58,13 @@ DEFAULTS = {
 def foreign_fleet(request: pytest.FixtureRequest, services: Settings) -> Iterator[tuple[str, Settings]]:
     """A generated checkpoint of one family, served by a serving and a staging server of its own
     (started with LoRA enabled in LoRA mode)."""
-    from services import down, up
-
     case = str(request.param)
     arch, lora = case.removesuffix("-lora"), case.endswith("-lora")
-    run_dir = make_run_dir(f"rtrl-{arch}-")
-    model_dir = build(run_dir / "model", arch)
-    serving_port, staging_port = free_ports(2)
-    settings = services.model_copy(
-        update={
-            "services": services.services.model_copy(
-                update={
-                    "run_dir": run_dir,
-                    "vllm_port": serving_port,
-                    "vllm_staging_port": staging_port,
-                    "enabled": ("vllm",),
-                }
-            ),
-            "vllm": services.vllm.model_copy(
-                update={
-                    "model_dir": model_dir,
-                    "servers": (f"http://127.0.0.1:{serving_port}",),
-                    "staging_server": f"http://127.0.0.1:{staging_port}",
-                }
-            ),
-            "trainer": services.trainer.model_copy(update={"adapter": "lora" if lora else "full"}),
-        }
-    )
-    reaper = start_reaper(settings, os.getpid())
-    try:
-        up(settings, ("vllm",))
-        yield case, settings
-    finally:
-        down(settings, ("vllm",))
-        reaper.terminate()
-        reaper.wait()
-        shutil.rmtree(run_dir, ignore_errors=True)
+    adapter = "lora" if lora else "full"
+    with own_fleet(
+        services, lambda run_dir: build(run_dir / "model", arch), adapter, prefix=f"rtrl-{arch}-"
+    ) as fleet:
+        yield case, fleet
 
 
 def test_two_chat_cycles_on_a_checkpoint_rtrl_did_not_build(

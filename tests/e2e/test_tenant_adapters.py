@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import demo_settings, lora_fleet, run_rtrl
+from helpers import demo_settings, own_fleet, run_rtrl
 
 from deployer.probe import ADAPTER_PROBE_TOKENS, build_probe
 from deployer.reconcile import reconcile_once
@@ -80,7 +80,7 @@ PREFERENCES = {"acme": exclaim_preference, "bolt": bare_preference}
 def fleet(services: Settings, tiny_model_dir: Path) -> Iterator[Settings]:
     """A LoRA serving and staging server of this test's own on the tiny model, with room for the
     global adapter and two tenants' (``vllm.max_loras`` 3)."""
-    with lora_fleet(services, tiny_model_dir, max_loras=3) as settings:
+    with own_fleet(services, tiny_model_dir, max_loras=3, prefix="rtrl-lora-") as settings:
         yield settings
 
 
