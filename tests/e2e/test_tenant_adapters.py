@@ -100,7 +100,9 @@ def test_each_tenants_adapter_learns_its_own_users_and_rolls_back_alone(
             store.set_tenant(tenant, adapter=True)
         store.set_tenant("base", trains=False)  # measures the base model; its traffic never trains
         aligned = reconcile_once(settings, registry)  # each tenant's line gets its v1, on every server
-        assert aligned is not None and aligned.lines == {"acme": 1, "bolt": 1}, aligned
+        assert aligned is not None and aligned.lines == {"acme": 1, "bolt": 1} and not aligned.errors, aligned
+        again = reconcile_once(settings, registry)  # aligned: nothing to do
+        assert again is not None and not again.swaps and not again.errors, again
         supervisor.start()
         _wait_for_loop(settings, supervisor)
         keys = {tenant: _key(settings, store, tenant) for tenant in (*PREFERENCES, "base")}
