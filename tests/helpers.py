@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import streams
 from schemas.clock import wait_until
 from schemas.settings import (
@@ -312,3 +314,24 @@ def own_fleet(
         reaper.terminate()
         reaper.wait()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# Both store backends, for a test that must hold on each: SQLite (unit) and PostgreSQL (integration).
+STORE_BACKENDS = [
+    pytest.param("sqlite", marks=pytest.mark.unit),
+    pytest.param("postgresql", marks=pytest.mark.integration),
+]
+
+
+def migrated_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated store's URL for a `STORE_BACKENDS` fixture: an SQLite file in tmp_path, or a
+    database of its own on the session's PostgreSQL."""
+    from store import Store
+
+    if request.param == "sqlite":
+        found = f"sqlite:///{tmp_path / 'rtrl.db'}"
+    else:
+        found = request.getfixturevalue("postgres_database")
+    with Store(found) as store:
+        store.migrate()
+    return found

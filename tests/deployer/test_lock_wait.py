@@ -7,31 +7,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import STORE_BACKENDS, migrated_store_url
 
 from deployer.errors import RolloutBusy, WaitStopped
 from deployer.swap import NO_WAIT, LockWait, rollout_lock
 from store import Store
 
 
-@pytest.fixture(
-    params=[
-        pytest.param("sqlite", marks=pytest.mark.unit),
-        pytest.param("postgresql", marks=pytest.mark.integration),
-    ]
-)
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A migrated store's URL: an SQLite file in tmp_path, or a database of its own on PostgreSQL."""
-    if request.param == "sqlite":
-        found = f"sqlite:///{tmp_path / 'rtrl.db'}"
-    else:
-        found = request.getfixturevalue("postgres_database")
-    with Store(found) as store:
-        store.migrate()
-    yield found
+@pytest.fixture(params=STORE_BACKENDS)
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return migrated_store_url(request, tmp_path)
 
 
 def test_a_wait_on_a_held_lock_ends_within_a_second_of_the_stop(url: str) -> None:

@@ -11,10 +11,10 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import STORE_BACKENDS, migrated_store_url
 
 from schemas.settings import ServicesSettings, Settings, StoreSettings
 from services.revive import Reviver, restart_lock, restart_lock_name
@@ -24,21 +24,9 @@ from store import Store
 SERVER = "http://127.0.0.1:8000"
 
 
-@pytest.fixture(
-    params=[
-        pytest.param("sqlite", marks=pytest.mark.unit),
-        pytest.param("postgresql", marks=pytest.mark.integration),
-    ]
-)
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A migrated store's URL: an SQLite file in tmp_path, or a database of its own on PostgreSQL."""
-    if request.param == "sqlite":
-        found = f"sqlite:///{tmp_path / 'rtrl.db'}"
-    else:
-        found = request.getfixturevalue("postgres_database")
-    with Store(found) as store:
-        store.migrate()
-    yield found
+@pytest.fixture(params=STORE_BACKENDS)
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return migrated_store_url(request, tmp_path)
 
 
 @pytest.mark.unit
