@@ -303,33 +303,19 @@ class _Users:
                 "users_reward": report.mean_reward,
             }
         # Each of the n is an episode of several calls; its feedback is the method's, always sent.
+        common: dict[str, Any] = {
+            "api_key": self.api_key,
+            "concurrency": options.concurrency,
+            "seed": seed,
+            "preference": self.preference,
+            "run": self.run_tag,
+        }
         if options.scenario == "tools":
             from simulation.tools import run_tool_agents
 
-            agents = run_tool_agents(
-                self.settings,
-                gateway,
-                n,
-                self.task,
-                api_key=self.api_key,
-                concurrency=options.concurrency,
-                seed=seed,
-                preference=self.preference,
-                run=self.run_tag,
-            )
-            return self._row(agents)
-        agents = run_agents(
-            self.settings,
-            gateway,
-            options.scenario,
-            n,
-            self.task,
-            api_key=self.api_key,
-            concurrency=options.concurrency,
-            seed=seed,
-            preference=self.preference,
-            run=self.run_tag,
-        )
+            agents = run_tool_agents(self.settings, gateway, n, self.task, **common)
+        else:
+            agents = run_agents(self.settings, gateway, options.scenario, n, self.task, **common)
         return self._row(agents)
 
     def _row(self, agents: AgentReport) -> dict[str, Any]:
